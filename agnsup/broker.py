@@ -1,0 +1,264 @@
+"""The broker: identity, journal intent, locks, and the cell's life cycle.
+
+A Controller is one controller instance: it holds an exclusive flock on
+<state>/controllers/<id>.lock for its whole life (the janitor's proof of
+liveness) and journals every cell it starts, in two phases: the intent row
+before any kernel object exists, the identity before the command may exec.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from . import crashpoints, locks, supervisor
+from .errors import AgnsupError, RunNotActive, StateError
+from .journal import TERMINAL_RUN
+from .linux import cgroup, pidfd, proc
+
+
+def stage(name: str, **info) -> dict:
+    return {"stage": name, "t": time.time(), **info}
+
+
+@dataclass
+class Cell:
+    spec: object
+    plan: object
+    controller_id: str
+    boot_id: str
+    decision: dict
+    trail: list
+    trace: list
+    created_at: float = field(default_factory=time.time)
+    node: object = None
+    cgroup_ino: int | None = None
+    limits_applied: dict = field(default_factory=dict)
+    isolation: dict = field(default_factory=dict)
+    identity: dict = field(default_factory=dict)
+    started_at: float | None = None
+    lock_fd: int | None = None
+    lock_path: str | None = None
+    child: object = None
+    capture: bool = False
+
+    def output_info(self) -> dict:
+        if not self.capture:
+            return {"mode": "passthrough"}
+        out = {"mode": "captured"}
+        for name in ("stdout", "stderr"):
+            p = os.path.join(self.plan.cell_dir, name)
+            try:
+                with open(p, "rb") as f:
+                    data = f.read()
+                out[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "path": p}
+            except OSError:
+                out[name] = None
+        return out
+
+
+class Controller:
+    def __init__(self, state, kind: str = "run"):
+        self.state = state.ensure()
+        self.journal = state.journal()
+        self.kind = kind
+        self.id = "ctl-" + secrets.token_hex(6)
+        self.lock_path = state.controller_lock(self.id)
+        self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
+        me = os.getpid()
+        fd = os.pidfd_open(me)
+        try:
+            ino = pidfd.inode(fd) if pidfd.has_pidfs() else None
+        finally:
+            os.close(fd)
+        self.journal.register_controller({
+            "id": self.id, "kind": kind, "pid": me, "pidfd_ino": ino, "starttime": proc.stat(me).starttime,
+            "boot_id": proc.boot_id(), "lock_path": self.lock_path, "started_at": time.time()})
+        self.layout = cgroup.detect_layout()
+        self.base = cgroup.base_node(self.layout, state.path)
+
+    def close(self) -> None:
+        """A clean exit: the instance is marked ended and its lock file removed."""
+        try:
+            self.journal.end_controller(self.id)
+        finally:
+            locks.release(self.lock_path, self._lock_fd)
+            self.journal.close()
+
+    # -- start ------------------------------------------------------------
+    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False) -> Cell:
+        spec = plan.spec
+        cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=decision,
+                    trail=trail, trace=trace, capture=capture)
+        exclusive = plan.worktree_mode == "rw"
+        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
+        cell.lock_fd = locks.acquire(cell.lock_path, exclusive, spec.lock_timeout,
+                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}")
+        try:
+            self._intent(cell)
+        except BaseException:
+            locks.release(cell.lock_path, cell.lock_fd)
+            raise
+        crashpoints.hit("after_intent")
+        try:
+            self._backend(cell)
+            crashpoints.hit("after_cgroup")
+            stdio = self._stdio(cell) if capture else None
+            try:
+                cell.child = supervisor.spawn(plan, cell.node, lambda ident: self._identity(cell, ident), stdio)
+            finally:
+                for fd in stdio or ():
+                    if fd is not None:
+                        os.close(fd)
+            crashpoints.hit("after_exec")
+            with self.journal.tx() as db:
+                self.journal.update_cell(db, spec.run_id, spec.cell_id, state="running")
+                self.journal.event(db, "state.running", spec.run_id, spec.cell_id)
+        except AgnsupError as e:
+            self.fail(cell, e)
+            raise
+        except OSError as e:
+            err = StateError(f"cell setup failed: {e}")
+            self.fail(cell, err)
+            raise err from None
+        return cell
+
+    def _intent(self, cell: Cell) -> None:
+        spec, plan = cell.spec, cell.plan
+        cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
+        node = cgroup.scope_node(self.base, spec.run_id, spec.agent_id, spec.cell_id)
+        now = time.time()
+        with self.journal.tx() as db:
+            run = db.execute("SELECT state FROM runs WHERE run_id=?", (spec.run_id,)).fetchone()
+            if run is None:
+                db.execute("INSERT INTO runs(run_id, state, created_at) VALUES (?, 'active', ?)", (spec.run_id, now))
+            elif run["state"] == "cancelled":
+                raise RunNotActive(f"run {spec.run_id!r} was cancelled; it accepts no new cells (use another --run-id)")
+            elif run["state"] in TERMINAL_RUN:
+                db.execute("UPDATE runs SET state='active', ended_at=NULL WHERE run_id=?", (spec.run_id,))
+            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=?", (spec.run_id, spec.cell_id)).fetchone():
+                raise RunNotActive(f"cell {spec.cell_id!r} already exists in run {spec.run_id!r}; cell ids are never reused")
+            db.execute(
+                "INSERT INTO cells(run_id, cell_id, agent_id, role, state, token, controller_id, boot_id, cgroup,"
+                " tmpdir, worktree, lock_path, argv, exe, created_at) VALUES (?,?,?,?, 'starting', ?,?,?,?,?,?,?,?,?,?)",
+                (spec.run_id, spec.cell_id, spec.agent_id, spec.role, spec.token, self.id, cell.boot_id,
+                 json.dumps(node.as_dict()), plan.tmpdir, spec.workdir, cell.lock_path, json.dumps(spec.argv),
+                 spec.exe, now))
+            for st in cell.trace:
+                self.journal.event(db, "stage." + st["stage"], spec.run_id, spec.cell_id, **st)
+            self.journal.event(db, "state.starting", spec.run_id, spec.cell_id)
+        cell.node = node
+
+    def _backend(self, cell: Cell) -> None:
+        spec, plan = cell.spec, cell.plan
+        os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        node = cell.node
+        if node.paths:
+            made = cgroup.create_cell(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
+            cell.cgroup_ino, cell.limits_applied = made["inode"], made["limits"]
+        else:
+            cell.node = None
+        cell.isolation = {
+            "cgroup_layout": self.layout.kind,
+            "tracking": node.primary[0] if node.paths else None,
+            "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
+            "private_tmp": True, "masked": plan.deny_masked,
+            "network_namespace": plan.new_netns, "network": plan.network,
+            "cap_sys_admin_dropped": bool(plan.drop_caps),
+            "limits": cell.limits_applied,
+            "pid_namespace": False, "seccomp": False, "landlock": False, "no_new_privs": False,
+        }
+        st = stage("backend", layout=self.layout.kind, cgroup=node.as_dict(), cgroup_inode=cell.cgroup_ino,
+                   isolation=cell.isolation)
+        cell.trace.append(st)
+        with self.journal.tx() as db:
+            self.journal.update_cell(db, spec.run_id, spec.cell_id, cgroup_ino=cell.cgroup_ino)
+            self.journal.event(db, "stage.backend", spec.run_id, spec.cell_id, **st)
+
+    def _identity(self, cell: Cell, ident: dict) -> None:
+        spec = cell.spec
+        cell.identity, cell.started_at = ident, time.time()
+        st = stage("process_supervisor", pid=ident["pid"], pgid=ident["pgid"], starttime=ident["starttime"],
+                   pidfd_ino=ident["pidfd_ino"])
+        cell.trace.append(st)
+        with self.journal.tx() as db:
+            self.journal.update_cell(db, spec.run_id, spec.cell_id, pid=ident["pid"], pidfd_ino=ident["pidfd_ino"],
+                                     starttime=ident["starttime"], pgid=ident["pgid"], started_at=cell.started_at)
+            self.journal.event(db, "stage.process_supervisor", spec.run_id, spec.cell_id, **st)
+
+    def _stdio(self, cell: Cell) -> tuple:
+        d = cell.plan.cell_dir
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        return (os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC),
+                os.open(os.path.join(d, "stdout"), flags, 0o600), os.open(os.path.join(d, "stderr"), flags, 0o600))
+
+    # -- wait and finish --------------------------------------------------
+    def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
+        return supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd)
+
+    def finish(self, cell: Cell, outcome) -> dict:
+        """Release what the cell held, journal its end, write its receipt."""
+        spec = cell.spec
+        row = self.journal.cell(spec.run_id, spec.cell_id)
+        if row is not None and row["cancel_reason"] and outcome.reason != "timeout":
+            # cancelled from another process: the journal holds the first reason
+            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", row["cancel_reason"]
+        usage = cgroup.read_usage(cell.node) if cell.node else {}
+        released = self._release(cell)
+        receipt = self._conclude(cell, outcome, usage, released)
+        return receipt
+
+    def fail(self, cell: Cell, error: AgnsupError) -> dict:
+        """A cell that never ran: undo what exists, record why."""
+        from .supervisor import Outcome
+        code = getattr(error, "exit_code", 125)
+        outcome = Outcome(exit_code=code, status=None, signal=None, reason=type(error).__name__, state="failed")
+        if cell.child is not None:
+            os.close(cell.child.pidfd)
+        if cell.node is not None and cgroup.populated(cell.node):
+            cgroup.kill(cell.node)
+            cgroup.wait_empty(cell.node, 5)
+        released = self._release(cell)
+        return self._conclude(cell, outcome, {}, released, error=error.message)
+
+    def _release(self, cell: Cell) -> list:
+        from .reap import release_cell_resources
+        released = release_cell_resources(cell.node, cell.plan.tmpdir, self.base)
+        if cell.lock_fd is not None:
+            locks.release(cell.lock_path, cell.lock_fd)
+            cell.lock_fd = None
+            released.append({"kind": "worktree_lock", "path": cell.lock_path})
+        return released
+
+    def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+        from . import receipts
+        spec = cell.spec
+        receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
+        path = os.path.join(cell.plan.cell_dir, "receipt.json")
+        try:
+            receipts.write(path, receipt)
+        except OSError:
+            path = None
+        with self.journal.tx() as db:
+            self.journal.update_cell(db, spec.run_id, spec.cell_id, state=receipt["state"], ended_at=receipt["ended_at"],
+                                     exit_code=receipt["exit_code"], signal=receipt["signal"],
+                                     reason=receipt["reason"], receipt_path=path)
+            self.journal.add_receipt(db, "cell", spec.run_id, spec.cell_id, receipt)
+            self.journal.event(db, "state." + receipt["state"], spec.run_id, spec.cell_id, reason=receipt["reason"],
+                               exit_code=receipt["exit_code"])
+        return receipt
+
+
+def record_denied(state, spec, decision: dict, trail: list, trace: list) -> None:
+    """A denied call starts nothing, but the journal remembers it was asked."""
+    j = state.journal()
+    try:
+        with j.tx() as db:
+            j.event(db, "denied", spec.run_id, spec.cell_id, argv=spec.argv, decision=decision, trail=trail,
+                    chain=[s["stage"] for s in trace])
+    finally:
+        j.close()

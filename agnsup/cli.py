@@ -1,0 +1,172 @@
+"""The agnsup command line (click). The only place errors become exit codes.
+
+Contract: ../shared/spec/cli.md (docs/cli.md in this repository).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .errors import AgnsupError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _fail(e: AgnsupError):
+    click.echo(f"agnsup: {e.message}", err=True)
+    sys.exit(e.exit_code)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except AgnsupError as e:
+            _fail(e)
+        except click.exceptions.UsageError as e:
+            e.exit_code = 125
+            raise
+
+
+@click.group(cls=_Group, context_settings=CONTEXT)
+@click.option("--state-dir", envvar="AGNSUP_STATE_DIR", metavar="DIR",
+              help="State root (journal, locks, receipts). Default /var/lib/agnsup for root, "
+                   "$XDG_STATE_HOME/agnsup otherwise.")
+@click.version_option(package_name="agnsup")
+@click.pass_context
+def main(ctx, state_dir):
+    """agnsup: one execution authority for AI-agent tool calls.
+
+    Every command runs as a cell: its own session, cgroup, mount namespace
+    (and network namespace when the role denies network), an environment
+    built from nothing, a journal record and a receipt.
+    """
+    ctx.obj = {"state_dir": state_dir}
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--role", default="executor", show_default=True, help="Role policy (policies/ROLE.toml).")
+@click.option("--run-id", default="default", show_default=True, help="Run this cell belongs to.")
+@click.option("--agent", "agent_id", default="default", show_default=True, help="Agent this cell belongs to.")
+@click.option("--cell", "cell_id", default=None, help="Cell id (default: generated, c-XXXXXXXX).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Worktree the command runs in (default: the current directory).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop the cell after SECONDS (SIGTERM, grace, SIGKILL); exit 124.")
+@click.option("--lock-timeout", type=click.FloatRange(min=0), default=None,
+              help="Give up after SECONDS waiting for the worktree lock (exit 75).")
+@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+              help="Set a variable in the cell (repeatable). KEY alone passes the host's value.")
+@click.option("--receipt", "receipt_file", type=click.Path(dir_okay=False), default=None,
+              help="Also write the cell's receipt to FILE.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def run(obj, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file, command):
+    """Run CMD as one cell in the foreground and supervise it.
+
+    stdin, stdout and stderr pass through; SIGINT or SIGTERM to agnsup cancel
+    the cell. Exit status: the command's own; 128+N if it died of signal N;
+    124 on --timeout; 125 if agnsup failed; 126 if denied or not executable;
+    127 if not found on the cell's PATH; 75 if the worktree lock timed out.
+
+    Example: agnsup run --role executor -- pytest -q
+    """
+    from .tool import run_process
+    result = run_process(list(command), role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
+                         workdir=workdir, timeout=timeout, lock_timeout=lock_timeout, env=list(env),
+                         state_dir=obj["state_dir"], capture=False, entry="cli", forward_signals=True,
+                         receipt_file=receipt_file)
+    sys.exit(result["exit_code"])
+
+
+def _journal(obj):
+    from .state import StateRoot
+    st = StateRoot(obj["state_dir"])
+    if not st.exists():
+        return None
+    return st.journal()
+
+
+PS_KEYS = ("cell_id", "run_id", "agent_id", "state", "run_state", "pid", "pgid", "starttime", "boot_id",
+           "cgroup", "controller", "role", "exit_code", "reason", "created_at", "ended_at")
+
+
+@main.command()
+@click.option("--run", "run_id", default=None, help="Only this run.")
+@click.option("--all", "show_all", is_flag=True, help="Include ended cells.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of cells.")
+@click.pass_obj
+def ps(obj, run_id, show_all, as_json):
+    """Cells and their states, as a run -> agent -> cell tree."""
+    j = _journal(obj)
+    rows = j.cells(run_id, live_only=not show_all) if j else []
+    cells = []
+    for r in rows:
+        d = {k: r[k] for k in r.keys() if k != "token"}
+        d["controller"] = d.pop("controller_id")
+        d["cgroup"] = json.loads(d["cgroup"]) if d.get("cgroup") else None
+        d["argv"] = json.loads(d["argv"])
+        cells.append(d)
+    if as_json:
+        click.echo(json.dumps(cells, indent=2))
+        return
+    if not cells:
+        click.echo("no cells" if show_all else "no live cells (--all shows ended ones)")
+        return
+    tree: dict = {}
+    for c in cells:
+        tree.setdefault((c["run_id"], c["run_state"]), {}).setdefault(c["agent_id"], []).append(c)
+    for (run, rstate), agents in tree.items():
+        click.echo(f"run {run} [{rstate}]")
+        for agent, cs in agents.items():
+            click.echo(f"  agent {agent}")
+            for c in cs:
+                pid = c["pid"] if c["pid"] is not None else "-"
+                extra = f" exit={c['exit_code']}" if c["exit_code"] is not None else ""
+                click.echo(f"    cell {c['cell_id']:<14} {c['state']:<10} pid={pid}{extra}  "
+                           f"{' '.join(c['argv'])[:60]}")
+
+
+@main.command()
+@click.option("--run", "run_id", default=None, help="Only this run.")
+@click.option("--cell", "cell_id", default=None, help="Only this cell.")
+@click.option("--recovery", is_flag=True, help="Recovery receipts (written by the janitor).")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of receipts.")
+@click.pass_obj
+def receipts(obj, run_id, cell_id, recovery, as_json):
+    """Receipts of ended cells (or of recoveries) as JSON objects."""
+    j = _journal(obj)
+    items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
+    if as_json:
+        click.echo(json.dumps(items, indent=2, sort_keys=True))
+        return
+    for r in items:
+        if r.get("kind") == "cell":
+            click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']} ({r['reason']}) "
+                       f"exit={r['exit_code']} {' '.join(r['argv'])[:60]}")
+        else:
+            click.echo(json.dumps(r, sort_keys=True))
+    if not items:
+        click.echo("no receipts")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.pass_obj
+def doctor(obj, as_json):
+    """What this host offers (cgroups, namespaces, pidfs, seccomp, Landlock)
+    and which isolation agnsup will use or must do without."""
+    from .doctor import format_text, report
+    from .state import StateRoot
+    r = report(StateRoot(obj["state_dir"]).path)
+    click.echo(json.dumps(r, indent=2) if as_json else format_text(r))
+    sys.exit(0 if r["ok"] else 1)
+
+
+@main.command("tool-schema")
+def tool_schema():
+    """Print the run_process JSON schema for LLM function calling."""
+    from .tool import RUN_PROCESS_SCHEMA
+    click.echo(json.dumps(RUN_PROCESS_SCHEMA, indent=2))

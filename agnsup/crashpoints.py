@@ -1,0 +1,25 @@
+"""Test-only crash points: the controller SIGKILLs itself at a named step.
+
+Inert unless the environment variable AGNSUP_TEST_CRASH_AT names a point
+(the crash-recovery tests set it; nothing else should). SIGKILL, not an
+exception: no finally block, atexit hook or signal handler may run, exactly
+as when an operator or the OOM killer ends the controller.
+
+Points (../shared/spec/authority-blackout.md, "Crash points"):
+  after_intent, after_cgroup, child_setup, after_exec, journal_tx,
+  cancel_grace, cancel_frozen, cleanup_before_rmdir, cleanup_tmp_half,
+  janitor_after_kill
+"""
+import os
+import signal
+
+_AT = os.environ.get("AGNSUP_TEST_CRASH_AT")
+
+
+def hit(name: str, pid: int | None = None) -> None:
+    if _AT == name:
+        os.kill(pid or os.getpid(), signal.SIGKILL)
+
+
+def enabled(name: str) -> bool:
+    return _AT == name

@@ -1,0 +1,109 @@
+"""`agnsup doctor`: what this host offers and what agnsup will do with it."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+from . import supervisor
+from .linux import cgroup, pidfd
+from .linux import sys as lsys
+
+_SYS_LANDLOCK_CREATE_RULESET = 444
+LANDLOCK_CREATE_RULESET_VERSION = 1
+
+
+def landlock_abi() -> int | None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    v = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                     ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return int(v) if v > 0 else None
+
+
+def seccomp_available() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            return any(line.startswith("Seccomp:") for line in f)
+    except OSError:
+        return False
+
+
+def _ns(flag: int):
+    return lambda: lsys.unshare(flag)
+
+
+def report(state_root: str) -> dict:
+    layout = cgroup.detect_layout()
+    base = cgroup.base_node(layout, state_root)
+    v2_kill = bool(layout.v2 and os.path.exists(os.path.join(layout.v2, "cgroup.kill")) or
+                   (layout.v2 and any(os.path.exists(os.path.join(layout.v2, d, "cgroup.kill"))
+                                      for d in os.listdir(layout.v2) if os.path.isdir(os.path.join(layout.v2, d)))))
+    ns = {}
+    for name, flag in (("mount", lsys.CLONE_NEWNS), ("network", lsys.CLONE_NEWNET), ("pid", lsys.CLONE_NEWPID),
+                       ("user", lsys.CLONE_NEWUSER)):
+        ok, err = supervisor.probe(_ns(flag))
+        ns[name] = {"available": ok, **({"error": err} if err else {})}
+    mount_api_ok, mount_api_err = supervisor.probe(
+        lambda: (lsys.unshare(lsys.CLONE_NEWNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
+    ll = landlock_abi()
+    hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}
+    limits_via = {}
+    for ctrl in ("memory", "pids"):
+        if ctrl in layout.v2_controllers:
+            limits_via[ctrl] = "v2"
+        elif ctrl in layout.v1:
+            limits_via[ctrl] = "v1"
+        else:
+            limits_via[ctrl] = None
+    use = {
+        "tracking_and_kill": ("cgroup v2 cgroup.kill" if layout.v2 and v2_kill else
+                              "cgroup v1 freezer (freeze, kill, thaw)" if "freezer" in base.paths else
+                              "process group + token scan (weaker: no writable cgroup)"),
+        "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
+        "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
+        else "UNAVAILABLE: cells cannot start",
+        "network_deny": "network namespace with loopback only" if ns["network"]["available"]
+        else "UNAVAILABLE: roles that deny network cannot start",
+        "process_identity": "boot id + pidfd inode (pidfs)" if pidfd.has_pidfs() else "boot id + start time",
+        "cgroup_escape": "read-only /sys/fs/cgroup + CAP_SYS_ADMIN dropped" if os.geteuid() == 0
+        else "unprivileged uid",
+    }
+    without = []
+    if ll is None:
+        without.append("landlock")
+    else:
+        without.append("landlock (available, not yet applied to cells)")
+    without.append("seccomp filter (available, not yet applied to cells)" if seccomp_available() else "seccomp")
+    without.append("pid namespace per cell (not yet used)")
+    return {
+        "euid": os.geteuid(),
+        "cgroup": {"layout": layout.kind, "hierarchies": hierarchies, "v2_controllers": list(layout.v2_controllers),
+                   "cgroup_kill": v2_kill, "agnsup_root": base.as_dict()},
+        "namespaces": ns,
+        "new_mount_api": {"available": mount_api_ok, **({"error": mount_api_err} if mount_api_err else {})},
+        "pidfd": {"pidfd_open": True, "pidfs": pidfd.has_pidfs()},
+        "seccomp": seccomp_available(),
+        "landlock_abi": ll,
+        "will_use": use,
+        "does_without": without,
+        "ok": ns["mount"]["available"] and mount_api_ok,
+    }
+
+
+def format_text(r: dict) -> str:
+    lines = [f"cgroup layout:   {r['cgroup']['layout']}"]
+    for h, m in r["cgroup"]["hierarchies"].items():
+        lines.append(f"  {h:14} {m or '-'}")
+    lines.append(f"  cgroup.kill    {'yes' if r['cgroup']['cgroup_kill'] else 'no'}")
+    lines.append("namespaces:      " + ", ".join(f"{k} {'yes' if v['available'] else 'NO'}"
+                                                for k, v in r["namespaces"].items()))
+    lines.append(f"new mount API:   {'yes' if r['new_mount_api']['available'] else 'NO'}")
+    lines.append(f"pidfd:           yes, pidfs {'yes' if r['pidfd']['pidfs'] else 'no (start time fallback)'}")
+    lines.append(f"seccomp:         {'yes' if r['seccomp'] else 'no'}")
+    lines.append(f"landlock ABI:    {r['landlock_abi'] or 'none'}")
+    lines.append("agnsup will use:")
+    for k, v in r["will_use"].items():
+        lines.append(f"  {k:18} {v}")
+    lines.append("does without:    " + "; ".join(r["does_without"]))
+    lines.append("status:          " + ("ok" if r["ok"] else "CANNOT RUN CELLS on this host"))
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""The journal: SQLite in WAL mode under the state root.
+
+Writes go through `tx()` (BEGIN IMMEDIATE ... COMMIT) so each change is whole
+or absent after a crash. synchronous=NORMAL: in WAL mode a commit survives the
+death of the process (what the janitor needs); only a power cut may lose the
+last commits, and a power cut also ends every process they described.
+Migrations are the numbered files in `journal/`, applied in order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import contextmanager
+
+from .errors import StateError
+
+TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
+TERMINAL_RUN = ("cancelled", "finished", "recovered")
+
+
+def _migrations() -> list[tuple[int, str]]:
+    from importlib.resources import files
+    out = []
+    for entry in files("agnsup.migrations").iterdir():
+        name = entry.name
+        if name.endswith(".sql") and name[:4].isdigit():
+            out.append((int(name[:4]), entry.read_text()))
+    return sorted(out)
+
+
+class Journal:
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA busy_timeout = 30000")
+            mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self.db.execute("PRAGMA synchronous = NORMAL")
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"journal {path} is unusable: {e}") from None
+        if mode != "wal":
+            raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
+        self.crash_hook = None  # set by crashpoints when a test enables them
+        if version == 0 or version < _latest():
+            self._migrate(version)
+
+    def _migrate(self, version: int) -> None:
+        try:
+            with self.tx():
+                current = self.db.execute("PRAGMA user_version").fetchone()[0]
+                for num, sql in _migrations():
+                    if num > current:
+                        for stmt in sql.split(";\n"):
+                            if stmt.strip():
+                                self.db.execute(stmt)
+                        self.db.execute(f"PRAGMA user_version = {num}")
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"journal {self.path}: migration failed: {e}") from None
+
+    @contextmanager
+    def tx(self):
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise StateError(f"journal {self.path}: cannot write: {e}") from None
+        try:
+            yield self.db
+            if self.crash_hook:
+                self.crash_hook("journal_tx")
+            self.db.execute("COMMIT")
+        except BaseException:
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- writes -----------------------------------------------------------
+    def event(self, db, kind: str, run_id=None, cell_id=None, **data) -> None:
+        db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)",
+                   (time.time(), run_id, cell_id, kind, json.dumps(data) if data else None))
+
+    def register_controller(self, row: dict) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
+                       " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
+
+    def end_controller(self, cid: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE controllers SET ended_at=? WHERE id=?", (time.time(), cid))
+
+    def update_cell(self, db, run_id: str, cell_id: str, **fields) -> None:
+        cols = ", ".join(f"{k}=:{k}" for k in fields)
+        db.execute(f"UPDATE cells SET {cols} WHERE run_id=:_r AND cell_id=:_c",
+                   {**fields, "_r": run_id, "_c": cell_id})
+
+    def add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
+        db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
+                   (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))
+
+    # -- reads ------------------------------------------------------------
+    def run(self, run_id: str):
+        return self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+
+    def cell(self, run_id: str, cell_id: str):
+        return self.db.execute("SELECT * FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone()
+
+    def cells(self, run_id: str | None = None, live_only: bool = False) -> list:
+        q, args = "SELECT c.*, r.state AS run_state FROM cells c JOIN runs r USING (run_id)", []
+        where = []
+        if run_id:
+            where.append("c.run_id=?")
+            args.append(run_id)
+        if live_only:
+            where.append(f"c.state NOT IN ({','.join('?' * len(TERMINAL_CELL))})")
+            args.extend(TERMINAL_CELL)
+        if where:
+            q += " WHERE " + " AND ".join(where)
+        return self.db.execute(q + " ORDER BY c.created_at", args).fetchall()
+
+    def events(self, run_id: str, cell_id: str) -> list:
+        return self.db.execute("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id",
+                               (run_id, cell_id)).fetchall()
+
+    def receipts(self, kind: str | None = None, run_id: str | None = None, cell_id: str | None = None) -> list[dict]:
+        q, args, where = "SELECT data FROM receipts", [], []
+        for col, val in (("kind", kind), ("run_id", run_id), ("cell_id", cell_id)):
+            if val:
+                where.append(f"{col}=?")
+                args.append(val)
+        if where:
+            q += " WHERE " + " AND ".join(where)
+        return [json.loads(r[0]) for r in self.db.execute(q + " ORDER BY id", args)]
+
+
+_latest_cache: int | None = None
+
+
+def _latest() -> int:
+    global _latest_cache
+    if _latest_cache is None:
+        _latest_cache = max(n for n, _ in _migrations())
+    return _latest_cache
+
+
+def open_journal(state_root: str) -> Journal:
+    return Journal(os.path.join(state_root, "journal.db"))

@@ -1,0 +1,428 @@
+"""Cgroups: layout detection, the cell/agent/run directories, limits, tree kill.
+
+Hosts come in four layouts, detected at run time from /proc/self/mountinfo:
+
+- ``v2``:     cgroup2 at /sys/fs/cgroup carries every controller (most systemd hosts).
+- ``hybrid``: cgroup2 somewhere (here /sys/fs/cgroup/unified) for tracking and
+              ``cgroup.kill``; memory and pids as v1 hierarchies (these machines).
+- ``v1``:     v1 only: the freezer makes a tree kill atomic.
+- ``none``:   nothing writable: process group + token scan, and we say so.
+
+agnsup owns one directory per hierarchy, ``agnsup-<digest of the state root>``,
+so two state roots never share a subtree, and never writes a cgroup it did not
+create: controllers are enabled only in our own directories' subtree_control.
+Beneath it the hierarchy mirrors the domain: ``run-R/agent-A/cell-C``, so one
+write to ``cgroup.kill`` reaches a whole cell, agent or run.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str                        # v2 | hybrid | v1 | none
+    v2: str | None                   # cgroup2 mount point
+    v1: dict[str, str] = field(default_factory=dict)   # controller -> mount point
+    v2_controllers: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "v2": self.v2, "v1": dict(self.v1), "v2_controllers": list(self.v2_controllers)}
+
+
+def _unescape(s: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal (proc(5))
+    return s.encode().decode("unicode_escape") if "\\" in s else s
+
+
+def detect_layout(mountinfo: str | None = None) -> Layout:
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    v2 = None
+    v1: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        mnt, fstype, opts = _unescape(fields[4]), rfields[0], rfields[2].split(",")
+        if fstype == "cgroup2" and v2 is None:
+            v2 = mnt
+        elif fstype == "cgroup":
+            for c in V1_CONTROLLERS:
+                if c in opts and c not in v1:
+                    v1[c] = mnt
+    v2_ctrl: tuple[str, ...] = ()
+    if v2 is not None:
+        try:
+            with open(os.path.join(v2, "cgroup.controllers")) as f:
+                v2_ctrl = tuple(f.read().split())
+        except OSError:
+            v2 = None
+    if v2 is not None and not os.access(v2, os.W_OK):
+        v2 = None
+    v1 = {c: m for c, m in v1.items() if os.access(m, os.W_OK)}
+    if v2 and not v1:
+        kind = "v2"
+    elif v2:
+        kind = "hybrid"
+    elif v1:
+        kind = "v1"
+    else:
+        kind = "none"
+    return Layout(kind, v2, v1, v2_ctrl)
+
+
+def root_name(state_root: str) -> str:
+    return "agnsup-" + hashlib.sha256(os.path.realpath(state_root).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One logical cgroup (a run, an agent or a cell) across the hierarchies.
+
+    ``paths`` maps a hierarchy ("v2", "memory", "pids", "freezer") to a directory.
+    """
+    paths: dict[str, str]
+
+    @property
+    def primary(self) -> tuple[str, str] | None:
+        """The hierarchy we track membership and kill with."""
+        for h in ("v2", "freezer", "memory", "pids"):
+            if h in self.paths:
+                return h, self.paths[h]
+        return None
+
+    def as_dict(self) -> dict:
+        return dict(self.paths)
+
+    def child(self, name: str) -> "Node":
+        return Node({h: os.path.join(p, name) for h, p in self.paths.items()})
+
+
+def base_node(layout: Layout, state_root: str) -> Node:
+    """agnsup's own directory in each usable hierarchy for this state root."""
+    name = root_name(state_root)
+    base = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/")
+    paths = {}
+    if layout.v2:
+        paths["v2"] = os.path.join(layout.v2, base, name) if base else os.path.join(layout.v2, name)
+    for c in ("memory", "pids", "freezer"):
+        if c in layout.v1:
+            # On a hybrid host the v2 tree tracks and kills; the freezer is only
+            # needed where there is no cgroup.kill.
+            if c == "freezer" and layout.v2:
+                continue
+            paths[c] = os.path.join(layout.v1[c], name)
+    return Node(paths)
+
+
+def scope_node(base: Node, run_id: str, agent_id: str | None = None, cell_id: str | None = None) -> Node:
+    node = base.child(f"run-{run_id}")
+    if agent_id is not None:
+        node = node.child(f"agent-{agent_id}")
+        if cell_id is not None:
+            node = node.child(f"cell-{cell_id}")
+    return node
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> list[str]:
+    """Enable `wanted` controllers down our own v2 directories; return those in force."""
+    enabled = list(wanted)
+    for d in dirs:
+        try:
+            avail = _read(os.path.join(d, "cgroup.controllers")).split()
+        except OSError:
+            return []
+        enabled = [c for c in enabled if c in avail]
+        if not enabled:
+            return []
+        try:
+            current = _read(os.path.join(d, "cgroup.subtree_control")).split()
+            todo = [c for c in enabled if c not in current]
+            if todo:
+                _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
+        except OSError:
+            return []
+    return enabled
+
+
+def create_cell(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict) -> dict:
+    """mkdir the run/agent/cell directories and apply the limits.
+
+    Returns {"node": Node, "inode": primary dir inode, "limits": {what: where}}.
+    A directory that already exists for the cell is an error: a cell id is
+    never reused within a run, and a recreated directory must not pass as ours.
+    """
+    cell = scope_node(base, run_id, agent_id, cell_id)
+    for p in cell.paths.values():
+        for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
+            try:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.mkdir(p)
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
+    applied: dict[str, str] = {}
+    mem, pids = limits.get("memory_max"), limits.get("pids_max")
+    v2 = cell.paths.get("v2")
+    v2_ctrl: list[str] = []
+    if v2 and (mem or pids):
+        chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
+        v2_ctrl = _enable_v2_controllers(chain, tuple(c for c, v in (("memory", mem), ("pids", pids)) if v))
+    if mem:
+        if "memory" in v2_ctrl:
+            _write(os.path.join(v2, "memory.max"), str(mem))
+            applied["memory"] = "v2:" + v2
+        elif "memory" in cell.paths:
+            _write(os.path.join(cell.paths["memory"], "memory.limit_in_bytes"), str(mem))
+            applied["memory"] = "v1:" + cell.paths["memory"]
+    if pids:
+        if "pids" in v2_ctrl:
+            _write(os.path.join(v2, "pids.max"), str(pids))
+            applied["pids"] = "v2:" + v2
+        elif "pids" in cell.paths:
+            _write(os.path.join(cell.paths["pids"], "pids.max"), str(pids))
+            applied["pids"] = "v1:" + cell.paths["pids"]
+    prim = cell.primary
+    ino = os.stat(prim[1]).st_ino if prim else None
+    return {"node": cell, "inode": ino, "limits": applied}
+
+
+def join_self(node: Node) -> None:
+    """Move the calling process into every hierarchy of `node` (runs in the child)."""
+    for p in node.paths.values():
+        _write(os.path.join(p, "cgroup.procs"), "0")
+
+
+def _walk(path: str) -> list[str]:
+    """`path` and every directory below it, deepest first."""
+    out = []
+    try:
+        for root, dirs, _ in os.walk(path, topdown=False):
+            out.append(root)
+    except OSError:
+        pass
+    if not out and os.path.isdir(path):
+        out.append(path)
+    return out
+
+
+def procs(path: str) -> list[int]:
+    """Every pid in `path` and its descendants (cgroup.procs is per directory)."""
+    out: list[int] = []
+    for d in _walk(path):
+        try:
+            out.extend(int(x) for x in _read(os.path.join(d, "cgroup.procs")).split())
+        except (FileNotFoundError, OSError):
+            continue
+    return out
+
+
+def populated(node: Node) -> bool:
+    prim = node.primary
+    if prim is None:
+        return False
+    h, path = prim
+    if h == "v2":
+        try:
+            for line in _read(os.path.join(path, "cgroup.events")).splitlines():
+                if line.startswith("populated "):
+                    return line.split()[1] == "1"
+        except FileNotFoundError:
+            return False
+    return bool(procs(path))
+
+
+def signal_all(node: Node, sig: int) -> int:
+    """Send `sig` to every process in the tree, each through a pidfd.
+
+    Membership is rechecked after the pidfd is open, so a pid that was reused
+    by a process outside the tree between the read and the open is skipped."""
+    from . import pidfd, proc
+    prim = node.primary
+    if prim is None:
+        return 0
+    h, path = prim
+    sent = 0
+    for pid in procs(path):
+        fd = pidfd.open(pid)
+        if fd is None:
+            continue
+        try:
+            if not _in_tree(proc.cgroup_lines(pid), h, path):
+                continue
+            if pidfd.send(fd, sig):
+                sent += 1
+        finally:
+            os.close(fd)
+    return sent
+
+
+def _in_tree(lines: list[str] | None, hierarchy: str, path: str) -> bool:
+    if not lines:
+        return False
+    mount_rel = _relative(path)
+    for line in lines:
+        _, ctrls, cg = line.split(":", 2)
+        if (hierarchy == "v2" and line.startswith("0::")) or hierarchy in ctrls.split(","):
+            return cg == mount_rel or cg.startswith(mount_rel + "/")
+    return False
+
+
+def _relative(path: str) -> str:
+    """/sys/fs/cgroup/unified/agnsup-x/run-R -> /agnsup-x/run-R (as /proc/PID/cgroup shows it)."""
+    layout = _layout_cache()
+    for mnt in ([layout.v2] if layout.v2 else []) + list(layout.v1.values()):
+        if path == mnt:
+            return "/"
+        if path.startswith(mnt.rstrip("/") + "/"):
+            return path[len(mnt.rstrip("/")):]
+    return path
+
+
+_layout: Layout | None = None
+
+
+def _layout_cache() -> Layout:
+    global _layout
+    if _layout is None:
+        _layout = detect_layout()
+    return _layout
+
+
+def member(pid: int, node: Node) -> bool:
+    from . import proc
+    prim = node.primary
+    return prim is not None and _in_tree(proc.cgroup_lines(pid), prim[0], prim[1])
+
+
+def kill(node: Node) -> str:
+    """SIGKILL the whole tree at once; returns the method used.
+
+    v2: cgroup.kill (Linux 5.14). v1: freeze, wait for FROZEN, kill each
+    member, thaw: a frozen v1 task cannot die until thawed, and freezing first
+    stops the tree from forking new members between our read and our kill.
+    """
+    prim = node.primary
+    if prim is None:
+        return "none"
+    h, path = prim
+    if not os.path.isdir(path):
+        return "gone"
+    if h == "v2" and os.path.exists(os.path.join(path, "cgroup.kill")):
+        _write(os.path.join(path, "cgroup.kill"), "1")
+        return "cgroup.kill"
+    if h == "freezer":
+        state = os.path.join(path, "freezer.state")
+        _write(state, "FROZEN")
+        deadline = time.monotonic() + 2.0
+        while _read(state).strip() != "FROZEN" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal_all(node, signal.SIGKILL)
+        _write(state, "THAWED")
+        return "freezer"
+    # no atomic kill: repeat until a scan finds none
+    for _ in range(100):
+        if signal_all(node, signal.SIGKILL) == 0:
+            break
+    return "signal-loop"
+
+
+def wait_empty(node: Node, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        if not populated(node) or _only_zombies(node):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def _only_zombies(node: Node) -> bool:
+    from . import proc
+    prim = node.primary
+    pids = procs(prim[1]) if prim else []
+    return bool(pids) and all(proc.is_zombie(p) for p in pids)
+
+
+def remove(node: Node) -> list[str]:
+    """rmdir the node's directories (and any sub-cgroups the cell made), deepest first.
+
+    Returns the directories removed. Missing directories are not an error:
+    removal is idempotent."""
+    removed = []
+    for p in node.paths.values():
+        for d in _walk(p):
+            for attempt in range(50):
+                try:
+                    os.rmdir(d)
+                    removed.append(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    # EBUSY: the last task is still leaving (exit is asynchronous)
+                    if e.errno != errno.EBUSY or attempt == 49:
+                        raise
+                    time.sleep(0.002)
+    return removed
+
+
+def remove_if_empty(path: str) -> bool:
+    try:
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+
+
+def read_usage(node: Node) -> dict:
+    """Resource use the cgroup recorded, for the receipt (read before removal)."""
+    out: dict = {}
+    v2 = node.paths.get("v2")
+    try:
+        if v2:
+            for line in _read(os.path.join(v2, "cpu.stat")).splitlines():
+                k, v = line.split()
+                if k in ("usage_usec", "user_usec", "system_usec"):
+                    out["cpu_" + k] = int(v)
+            mp = os.path.join(v2, "memory.peak")
+            if os.path.exists(mp):
+                out["memory_peak"] = int(_read(mp))
+        if "memory" in node.paths:
+            out["memory_max_usage"] = int(_read(os.path.join(node.paths["memory"], "memory.max_usage_in_bytes")))
+            fc = os.path.join(node.paths["memory"], "memory.failcnt")
+            out["memory_failcnt"] = int(_read(fc))
+        if "pids" in node.paths:
+            pe = os.path.join(node.paths["pids"], "pids.events")
+            if os.path.exists(pe):
+                out["pids_max_events"] = int(_read(pe).split()[-1])
+    except (OSError, ValueError):
+        pass
+    return out

@@ -1,0 +1,83 @@
+"""The cell's mount namespace, built in the child from a closed set of operations.
+
+The policy compiler turns a role into an ordered list of ``MountOp``; this
+module is the only code that executes them, and it accepts nothing else
+(bubblewrap's rule: a fixed set of operation kinds, each re-checked, any
+failure aborts and the payload never runs).
+
+The recipe, in order:
+  clone    detached copies (open_tree OPEN_TREE_CLONE) of what the cell
+           keeps: the cell's temp dir, the worktree (read-only for roles that
+           may not write it). Taken first, while their mounts are still
+           read-write, and before /tmp is covered.
+  root     everything read-only and private, recursively, in one
+           mount_setattr(2): on systemd hosts / is shared and a bare unshare
+           leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
+           a cell cannot write any cgroup.procs.
+  tmpfs    fresh private tmpfs (e.g. /dev/shm).
+  attach   the clones go back at their targets (the temp dir at /tmp first,
+           so a worktree under /tmp lands on the private /tmp).
+  mask     deny paths and the state root disappear under an empty read-only
+           tmpfs (directories) or /dev/null (files); last, so they also cover
+           what lies inside a re-attached worktree.
+"""
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+from typing import NamedTuple
+
+from . import sys as lsys
+
+KINDS = ("clone", "root", "tmpfs", "mask", "attach")
+
+
+class MountOp(NamedTuple):
+    kind: str              # one of KINDS
+    path: str              # source for clone, target otherwise
+    key: str = ""          # names a clone for a later attach
+    readonly: bool = True  # root: read-only (else only private); clone: a read-only copy
+
+
+def apply(ops: list) -> None:
+    """Run in the child after unshare(CLONE_NEWNS); raises OSError naming the step."""
+    clones: dict[str, int] = {}
+    for op in ops:
+        op = MountOp(*op)
+        if op.kind not in KINDS:
+            raise ValueError(f"unknown mount operation {op.kind!r}")
+        try:
+            if op.kind == "clone":
+                fd = lsys.open_tree(op.path, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+                clones[op.key] = fd
+                if op.readonly:
+                    lsys.mount_setattr(op.path, attr_set=lsys.MOUNT_ATTR_RDONLY, fd=fd)
+            elif op.kind == "root":
+                lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
+                                   propagation=lsys.MS_PRIVATE)
+            elif op.kind == "tmpfs":
+                if os.path.isdir(op.path):
+                    lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
+            elif op.kind == "mask":
+                _mask(op.path)
+            elif op.kind == "attach":
+                if not os.path.isdir(op.path):
+                    os.makedirs(op.path, exist_ok=True)
+                lsys.move_mount_fd(clones.pop(op.key), op.path)
+        except OSError as e:
+            raise OSError(e.errno, f"mount step {op.kind} {op.path}: {e.strerror}") from None
+    for fd in clones.values():
+        os.close(fd)
+
+
+def _mask(path: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if stat_mod.S_ISDIR(st.st_mode):
+        lsys.mount("tmpfs", path, "tmpfs", lsys.MS_RDONLY | lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC,
+                   "size=4k,mode=000")
+    else:
+        lsys.mount("/dev/null", path, None, lsys.MS_BIND)
+        lsys.mount(None, path, None, lsys.MS_BIND | lsys.MS_REMOUNT | lsys.MS_RDONLY)

@@ -1,0 +1,107 @@
+"""Process identity and single-process signals through pidfds.
+
+A PID can be reused the moment its process is reaped, and (pid, start time)
+can be reproduced by a forced reuse within one clock tick, so agnsup names a
+process by the boot id plus the inode of its pidfd: on kernels with pidfs
+(6.9+) every process gets a unique inode for its whole life. On older kernels
+all pidfds share one anonymous inode; `has_pidfs()` says which, and callers
+fall back to the start time.
+
+Every signal to a single process goes: pidfd_open -> check identity and that
+it is not a zombie -> pidfd_send_signal. Once the fd is open the kernel pins
+that exact process, so the check and the signal cannot race a reuse.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from . import proc
+
+_has_pidfs: bool | None = None
+
+
+def has_pidfs() -> bool:
+    """True when pidfds carry a per-process inode (pidfs, Linux 6.9+)."""
+    global _has_pidfs
+    if _has_pidfs is None:
+        try:
+            a = os.pidfd_open(os.getpid())
+            b = os.pidfd_open(os.getppid() or 1)
+        except OSError:
+            _has_pidfs = False
+        else:
+            try:
+                _has_pidfs = os.fstat(a).st_ino != os.fstat(b).st_ino
+            finally:
+                os.close(a)
+                os.close(b)
+    return _has_pidfs
+
+
+def open(pid: int) -> int | None:  # noqa: A001 - mirrors os.pidfd_open
+    """A pidfd for `pid`, or None if no such process."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def inode(fd: int) -> int:
+    return os.fstat(fd).st_ino
+
+
+def identity(pid: int) -> dict | None:
+    """The identity we journal for a live process, or None if it is gone."""
+    fd = open(pid)
+    if fd is None:
+        return None
+    try:
+        st = proc.stat(pid)
+        if st is None:
+            return None
+        return {"pid": pid, "pidfd_ino": inode(fd) if has_pidfs() else None,
+                "starttime": st.starttime, "pgid": st.pgid, "sid": st.sid}
+    finally:
+        os.close(fd)
+
+
+def matches(fd: int, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool, str]:
+    """Does the process behind `fd` have the journaled identity? (answer, why)."""
+    if pidfd_ino is not None and has_pidfs():
+        ino = inode(fd)
+        if ino != pidfd_ino:
+            return False, f"pid {pid} matches the journaled pid but its pidfd inode {ino} differs from {pidfd_ino}: reused"
+    st = proc.stat(pid)
+    if st is None:
+        return False, f"pid {pid} is gone"
+    if starttime is not None and st.starttime != starttime:
+        return False, f"pid {pid} start time {st.starttime} differs from the journaled {starttime}: reused"
+    return True, "pidfd inode and start time match" if pidfd_ino is not None else "start time matches"
+
+
+def send(fd: int, sig: int) -> bool:
+    """Signal the exact process behind `fd`; False if it already exited."""
+    try:
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def signal_if(pid: int, sig: int, check) -> tuple[bool, str]:
+    """Open a pidfd, let `check(fd)` decide (returns (ok, why)), skip zombies, signal.
+
+    Returns (signalled, why)."""
+    fd = open(pid)
+    if fd is None:
+        return False, f"pid {pid} is gone"
+    try:
+        ok, why = check(fd)
+        if not ok:
+            return False, why
+        if proc.is_zombie(pid):
+            return False, f"pid {pid} is a zombie (already dead)"
+        return send(fd, sig), why
+    finally:
+        os.close(fd)

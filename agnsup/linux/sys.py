@@ -1,0 +1,125 @@
+"""The few Linux system calls Python 3.11's `os` does not wrap, through ctypes.
+
+We call `prctl`, `unshare`, `mount` and the new mount API (open_tree, move_mount,
+mount_setattr) directly instead of depending on python-prctl, which needs the
+libcap headers to build. Syscall numbers >= 424 are shared by every
+architecture (the "unified" syscall table, see
+linux/include/uapi/asm-generic/unistd.h), and the older ones (unshare, mount, prctl) go through glibc's own wrappers.
+
+Every wrapper raises OSError with the real errno, so callers see the kernel's
+own reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+# unshare(2) flags, <linux/sched.h>
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+# mount(2) flags, <linux/mount.h>
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+# new mount API
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+AT_RECURSIVE = 0x8000
+AT_EMPTY_PATH = 0x1000
+AT_FDCWD = -100
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+
+# prctl(2) options, <linux/prctl.h>
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_MOUNT_SETATTR = 442
+
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(ret: int, what: str, path: str | None = None) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}", path)
+    return ret
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           "mount", target)
+
+
+def open_tree(path: str, flags: int, dfd: int = AT_FDCWD) -> int:
+    """A detached copy of the mount at `path` (OPEN_TREE_CLONE), as an fd."""
+    return _check(_syscall(_SYS_OPEN_TREE, ctypes.c_int(dfd), path.encode(), ctypes.c_uint(flags)),
+                  "open_tree", path)
+
+
+def move_mount_fd(fd: int, target: str) -> None:
+    """Attach the detached tree `fd` at `target`."""
+    _check(_syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(AT_FDCWD), target.encode(),
+                    ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), "move_mount", target)
+
+
+def mount_setattr(path: str, attr_set: int = 0, attr_clr: int = 0, propagation: int = 0,
+                  recursive: bool = True, fd: int | None = None) -> None:
+    attr = _MountAttr(attr_set, attr_clr, propagation, 0)
+    flags = AT_RECURSIVE if recursive else 0
+    if fd is not None:
+        dfd, p, flags = fd, b"", flags | AT_EMPTY_PATH
+    else:
+        dfd, p = AT_FDCWD, path.encode()
+    _check(_syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(dfd), p, ctypes.c_uint(flags),
+                    ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))), "mount_setattr", path)
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
+                              ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
+
+
+def drop_bounding_caps(caps: list[int]) -> None:
+    """Remove capabilities from the bounding set: after execve a root process
+    can no longer gain them (capabilities(7), "Capability bounding set")."""
+    for cap in caps:
+        prctl(PR_CAPBSET_DROP, cap)
+
+
+def capbset_has(cap: int) -> bool:
+    return prctl(PR_CAPBSET_READ, cap) == 1
+
+
+CAP_SYS_ADMIN = 21

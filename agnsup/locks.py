@@ -1,0 +1,99 @@
+"""Worktree isolation locks and controller liveness locks: flock(2) on files.
+
+The kernel drops a flock when the last descriptor of its open file goes,
+however the process dies, so a lock that can be taken belongs to nobody
+alive. Descriptors are close-on-exec (Python's default) and the supervisor
+closes every inherited fd in the child before exec, so no cell inherits one.
+
+Lock files are unlinked on release. The classic race (a waiter locks the old
+inode after we unlinked it) is closed by checking, after each acquisition,
+that the path still names the inode we locked, and retrying if not.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sys
+import time
+
+from .errors import LockTimeout
+
+
+def worktree_key(worktree: str) -> str:
+    return hashlib.sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
+
+
+def _try(path: str, mode: int) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    try:
+        same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:  # unlinked by the previous holder after we opened it
+        os.close(fd)
+        return _try(path, mode)
+    return fd
+
+
+def holder(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip() or "another cell"
+    except OSError:
+        return "another cell"
+
+
+def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str) -> int:
+    """Take the lock, waiting (with one line on stderr) up to `timeout` seconds (None: forever)."""
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    fd = _try(path, mode)
+    if fd is None:
+        print(f"agnsup: waiting for the {what} lock (held by {holder(path)})", file=sys.stderr, flush=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.01
+        while fd is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LockTimeout(f"the {what} lock is held by {holder(path)}; gave up after {timeout:g} s "
+                                  "(--lock-timeout)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            fd = _try(path, mode)
+    if exclusive:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner.encode(), 0)
+    return fd
+
+
+def release(path: str, fd: int) -> bool:
+    """Drop the lock; unlink the file if nobody else holds it. True if unlinked."""
+    unlinked = False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        unlinked = True
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    finally:
+        os.close(fd)
+    return unlinked
+
+
+def is_free(path: str) -> bool:
+    """True when no live process holds the lock at `path` (or it does not exist)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)

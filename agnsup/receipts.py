@@ -1,0 +1,58 @@
+"""Receipts: the JSON account of one cell (or one recovery), written when it ends.
+
+A receipt is built from what was recorded and observed, never from constants:
+the chain is the trace each stage appended, the isolation is what the backend
+really set up, the pids are those the kernel reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+RECEIPT_VERSION = 1
+
+
+def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+    spec, plan = cell.spec, cell.plan
+    from .spec import redacted_env
+    r = {
+        "kind": "cell", "version": RECEIPT_VERSION,
+        "run_id": spec.run_id, "agent_id": spec.agent_id, "cell_id": spec.cell_id,
+        "role": spec.role, "policy_digest": plan.policy_digest if plan else None,
+        "controller": cell.controller_id, "boot_id": cell.boot_id,
+        "governance": {"decision": cell.decision, "trail": cell.trail},
+        "chain": cell.trace,
+        "argv": spec.argv, "exe": spec.exe, "workdir": spec.workdir,
+        "env_keys": sorted(spec.env), "env": redacted_env(spec), "env_sources": spec.env_sources,
+        "cgroup": cell.node.as_dict() if cell.node else None, "cgroup_inode": cell.cgroup_ino,
+        "isolation": cell.isolation,
+        "limits": {**(plan.limits if plan else {}), "applied": cell.limits_applied,
+                   "timeout": plan.timeout if plan else None, "grace": plan.grace if plan else None},
+        "pids": {"leader": cell.identity.get("pid"), "pgid": cell.identity.get("pgid"),
+                 "starttime": cell.identity.get("starttime"), "pidfd_ino": cell.identity.get("pidfd_ino"),
+                 "left_after_leader": outcome.leftover if outcome else None},
+        "started_at": cell.started_at, "ended_at": time.time(),
+        "state": outcome.state if outcome else "failed",
+        "reason": outcome.reason if outcome else "failed",
+        "exit_code": outcome.exit_code if outcome else None,
+        "exit_status": outcome.status if outcome else None,
+        "signal": outcome.signal if outcome else None,
+        "cancel_reason": outcome.cancel_reason if outcome else None,
+        "kill_method": outcome.kill_method if outcome else None,
+        "usage": usage, "released": released,
+        "output": cell.output_info(),
+    }
+    if error:
+        r["error"] = error
+    r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
+    return r
+
+
+def write(path: str, receipt: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(receipt, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

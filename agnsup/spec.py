@@ -1,0 +1,134 @@
+"""The spec builder: a tool call plus a role becomes a CellSpec.
+
+The environment is built from nothing. In order: PATH from the policy (the
+host's PATH never reaches a cell, and the command is resolved on the cell's
+PATH, not ours), HOME and TMPDIR inside the cell's private /tmp, LANG, the
+cell identity and ownership token, host keys the role passes, and last the
+per-call `--env` values. A secret-looking host key arrives only by an explicit
+`--env KEY` for that call.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from dataclasses import dataclass, field
+
+from .errors import NotFound, NotExecutable, UsageError
+from .state import check_id
+
+TOKEN_VAR = "AGNSUP_CELL_TOKEN"
+IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR)
+CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"
+
+
+@dataclass
+class ToolCall:
+    """What an entry point received: the public run_process arguments."""
+    argv: list[str]
+    role: str = "executor"
+    run_id: str = "default"
+    agent_id: str = "default"
+    cell_id: str | None = None
+    workdir: str | None = None
+    timeout: float | None = None
+    lock_timeout: float | None = None
+    env: list[str] = field(default_factory=list)   # "KEY=VALUE" or "KEY" (take the host's value)
+    entry: str = "api"                             # cli | api | tool | serve
+
+
+@dataclass
+class CellSpec:
+    argv: list[str]
+    exe: str
+    role: str
+    run_id: str
+    agent_id: str
+    cell_id: str
+    workdir: str
+    timeout: float | None
+    lock_timeout: float | None
+    env: dict[str, str]
+    env_sources: dict[str, str]    # key -> policy | agnsup | host | call
+    token: str
+
+
+def new_cell_id() -> str:
+    return "c-" + secrets.token_hex(4)
+
+
+def build(call: ToolCall, policy: dict, host_env: dict[str, str] | None = None) -> CellSpec:
+    host_env = os.environ if host_env is None else host_env
+    if not call.argv:
+        raise UsageError("no command given (usage: agnsup run [OPTIONS] -- CMD [ARG...])")
+    run_id = check_id("run", call.run_id)
+    agent_id = check_id("agent", call.agent_id)
+    cell_id = check_id("cell", call.cell_id or new_cell_id())
+    workdir = os.path.realpath(call.workdir or os.getcwd())
+    if not os.path.isdir(workdir):
+        raise UsageError(f"workdir {workdir} is not a directory")
+    token = secrets.token_hex(16)
+
+    env: dict[str, str] = {}
+    src: dict[str, str] = {}
+
+    def put(k, v, s):
+        env[k], src[k] = v, s
+
+    runtime = os.path.dirname(sys.executable)
+    put("PATH", ":".join(runtime if d == "@runtime" else d for d in policy["env"]["path"]), "policy")
+    put("HOME", CELL_HOME, "agnsup")
+    put("TMPDIR", CELL_TMP, "agnsup")
+    put("LANG", policy["env"].get("lang", "C.UTF-8"), "policy")
+    put("AGNSUP_RUN_ID", run_id, "agnsup")
+    put("AGNSUP_AGENT_ID", agent_id, "agnsup")
+    put("AGNSUP_CELL_ID", cell_id, "agnsup")
+    put(TOKEN_VAR, token, "agnsup")
+    for k in policy["env"].get("pass", []):
+        if k in host_env:
+            put(k, host_env[k], "host")
+    for item in call.env:
+        k, eq, v = item.partition("=")
+        if not k or not k.replace("_", "a").isalnum() or k[0].isdigit():
+            raise UsageError(f"--env {item!r}: expected KEY=VALUE or KEY")
+        if k in IDENTITY_VARS:
+            raise UsageError(f"--env {k}: the cell identity variables are set by agnsup")
+        if not eq:
+            if k not in host_env:
+                raise UsageError(f"--env {k}: not set in this environment")
+            v = host_env[k]
+        put(k, v, "call")
+
+    exe = resolve(call.argv[0], env["PATH"], workdir)
+    return CellSpec(argv=list(call.argv), exe=exe, role=call.role, run_id=run_id, agent_id=agent_id,
+                    cell_id=cell_id, workdir=workdir, timeout=call.timeout, lock_timeout=call.lock_timeout,
+                    env=env, env_sources=src, token=token)
+
+
+def resolve(cmd: str, path: str, cwd: str) -> str:
+    """Find `cmd` on the cell's PATH (execvp(3) semantics, without the host's PATH)."""
+    if "/" in cmd:
+        full = os.path.normpath(os.path.join(cwd, cmd))
+        if not os.path.exists(full):
+            raise NotFound(f"{cmd}: no such file")
+        if os.path.isdir(full) or not os.access(full, os.X_OK):
+            raise NotExecutable(f"{cmd}: not executable")
+        return full
+    found_noexec = None
+    for d in path.split(":"):
+        if not d:
+            continue
+        full = os.path.join(d, cmd)
+        if os.path.isfile(full):
+            if os.access(full, os.X_OK):
+                return full
+            found_noexec = found_noexec or full
+    if found_noexec:
+        raise NotExecutable(f"{cmd}: {found_noexec} is not executable")
+    raise NotFound(f"{cmd}: command not found on the cell's PATH ({path})")
+
+
+def redacted_env(spec: CellSpec) -> dict[str, str]:
+    """The environment for a receipt: secret-looking values and the token hidden."""
+    from .secretkeys import looks_secret
+    return {k: ("<redacted>" if k == TOKEN_VAR or looks_secret(k) else v) for k, v in spec.env.items()}

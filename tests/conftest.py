@@ -1,0 +1,142 @@
+"""Fixtures shared by every test: a fresh state root and cgroup root per test,
+the installed `agnsup` console script, and a leak check that kills whatever a
+test left behind (and fails that test for it)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agnsup.linux import cgroup, proc
+
+BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Agnsup:
+    """Runs the installed console script against one state root."""
+
+    def __init__(self, state: str, env: dict | None = None):
+        self.state = state
+        self.env = {**os.environ, "AGNSUP_STATE_DIR": state, **(env or {})}
+
+    def __call__(self, *args, check=None, timeout=60, env=None, cwd=None, input=None) -> subprocess.CompletedProcess:
+        e = {**self.env, **(env or {})}
+        cp = subprocess.run([BIN, *args], env=e, cwd=cwd, capture_output=True, timeout=timeout,
+                            input=input, stdin=None if input is not None else subprocess.DEVNULL)
+        cp.out, cp.err = cp.stdout.decode(errors="replace"), cp.stderr.decode(errors="replace")
+        if check is not None:
+            assert cp.returncode == check, f"exit {cp.returncode}, wanted {check}\nstdout: {cp.out}\nstderr: {cp.err}"
+        return cp
+
+    def popen(self, *args, env=None, cwd=None, **kw) -> subprocess.Popen:
+        return subprocess.Popen([BIN, *args], env={**self.env, **(env or {})}, cwd=cwd, **kw)
+
+    def json(self, *args):
+        cp = self(*args, check=0)
+        return json.loads(cp.out)
+
+
+def procs_with_env(key: str, value: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds key=value."""
+    out = []
+    for pid in proc.pids():
+        env = proc.environ(pid)
+        if env and env.get(key) == value and not proc.is_zombie(pid):
+            out.append(pid)
+    return out
+
+
+def _cleanup_cgroups(state: str) -> list[str]:
+    """Kill and remove this state root's cgroup tree; return what was there."""
+    layout = cgroup.detect_layout()
+    base = cgroup.base_node(layout, state)
+    leaked = []
+    for h, p in base.paths.items():
+        if not os.path.isdir(p):
+            continue
+        dirs = [d for d in cgroup._walk(p) if d != p]
+        pids = cgroup.procs(p)
+        if dirs or pids:
+            leaked.append(f"{p}: {len(dirs)} dirs, pids {pids}")
+        if h == "v2" and pids:
+            with open(os.path.join(p, "cgroup.kill"), "w") as f:
+                f.write("1")
+        elif pids:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # members of our own test cgroup: ours
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 5
+        while cgroup.procs(p) and time.time() < deadline:
+            time.sleep(0.01)
+        for d in cgroup._walk(p):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+    return leaked
+
+
+@pytest.fixture
+def state(tmp_path):
+    root = str(tmp_path / "state")
+    yield root
+    leaked = _cleanup_cgroups(root)
+    shutil.rmtree(root, ignore_errors=True)
+    if leaked:
+        pytest.fail("test leaked cgroups/processes: " + "; ".join(leaked))
+
+
+@pytest.fixture
+def agnsup(state):
+    return Agnsup(state)
+
+
+@pytest.fixture
+def worktree(tmp_path):
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    return str(wt)
+
+
+@pytest.fixture
+def policy_dir(tmp_path):
+    """A directory for test roles, searched before the packaged ones."""
+    d = tmp_path / "policies"
+    d.mkdir()
+    return d
+
+
+def write_role(policy_dir, name: str, **overrides) -> str:
+    """A copy of the packaged executor role with some keys replaced."""
+    with open(os.path.join(REPO, "policies", "executor.toml")) as f:
+        src = f.read()
+    src = src.replace('name = "executor"', f'name = "{name}"')
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        line_start = f"{field} = "
+        lines = src.splitlines()
+        in_section = False
+        done = False
+        for i, line in enumerate(lines):
+            if line.startswith("["):
+                in_section = line.strip() == f"[{section}]"
+            elif in_section and line.startswith(line_start):
+                lines[i] = f"{field} = {value}"
+                done = True
+        if not done:
+            idx = next(i for i, line in enumerate(lines) if line.strip() == f"[{section}]")
+            lines.insert(idx + 1, f"{field} = {value}")
+        src = "\n".join(lines) + "\n"
+    path = os.path.join(str(policy_dir), f"{name}.toml")
+    with open(path, "w") as f:
+        f.write(src)
+    return path

@@ -30,7 +30,11 @@ from dataclasses import dataclass
 
 from . import crashpoints
 from .errors import NotExecutable, NotFound, SetupError
-from .linux import cgroup, pidfd, proc
+# Everything the child needs is imported here, before fork: after the mount
+# namespace is built the package itself may be hidden (installed under /tmp or
+# a masked path), so the child must not import anything.
+from .linux import cgroup, mounts, netns, pidfd, proc
+from .linux import sys as lsys
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
 
@@ -76,15 +80,12 @@ def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None) -> None:
                     signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        from .linux import mounts
-        from .linux import sys as lsys
         step = "unshare"
         lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         step = "mounts"
         mounts.apply(plan.mount_ops)
         if plan.new_netns:
             step = "loopback"
-            from .linux import netns
             netns.loopback_up()
         step = "capabilities"
         lsys.drop_bounding_caps(plan.drop_caps)

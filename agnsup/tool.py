@@ -59,7 +59,8 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
     pol = policy.load(role, state.path)
     spec = specmod.build(call, pol)
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=role))
-    decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol)
+    decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
+                                        spec.workdir, state.path)
     trace.append(broker.stage("governance", allowed=decision.allowed, rule=decision.rule))
     if not decision.allowed:
         broker.record_denied(state, spec, decision.to_dict(), trail, trace)

@@ -20,31 +20,39 @@ def test_tmp_is_private_and_the_host_mount_table_is_unchanged(agnsup, worktree):
 
 def test_the_state_root_cannot_be_read_from_a_cell(agnsup, worktree):
     agnsup("run", "--workdir", worktree, "--", "true", check=0)  # the journal exists now
-    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c",
-                f"ls -a {agnsup.state}; cat {agnsup.state}/journal.db && echo READ", check=None)
+    probe = ("import os, sys\nprint(os.listdir(sys.argv[1]))\n"
+             "try: open(sys.argv[1] + '/journal.db', 'rb').read(); print('READ')\nexcept OSError as e: print(e)")
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", probe, agnsup.state, check=None)
     assert "READ" not in cp.out
     assert "journal.db" not in cp.out
 
 
+# Kernel probes are written in Python so that the text gate (which would refuse
+# `echo x > /etc/...` up front) lets them through: these tests are about what
+# the kernel stops.
+WRITE_PROBE = ("import sys\nfor p in sys.argv[1:]:\n try:\n  open(p, 'w').write('x'); print('WROTE', p)\n"
+               " except OSError as e: print('refused', p, e.strerror)\n")
+
+
 def test_the_worktree_is_writable_and_the_rest_is_read_only(agnsup, worktree):
-    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c",
-                "echo ok > made-here && (echo x > /etc/agnsup-probe 2>/dev/null && echo ETC_WRITTEN || echo etc-refused)",
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", WRITE_PROBE, "made-here", "/etc/agnsup-probe",
                 check=0)
     assert os.path.exists(os.path.join(worktree, "made-here"))
-    assert "etc-refused" in cp.out and not os.path.exists("/etc/agnsup-probe")
+    assert "refused /etc/agnsup-probe Read-only file system" in cp.out and not os.path.exists("/etc/agnsup-probe")
 
 
 def test_the_readonly_role_cannot_write_its_worktree(agnsup, worktree):
-    cp = agnsup("run", "--role", "readonly", "--workdir", worktree, "--", "sh", "-c",
-                "touch x 2>/dev/null && echo WROTE || echo refused; touch /tmp/y && echo tmp-ok", check=0)
-    assert "refused" in cp.out and "tmp-ok" in cp.out
+    cp = agnsup("run", "--role", "readonly", "--workdir", worktree, "--", "python3", "-c", WRITE_PROBE,
+                "x", "/tmp/y", check=0)
+    assert "refused x" in cp.out and "WROTE /tmp/y" in cp.out
     assert not os.path.exists(os.path.join(worktree, "x"))
 
 
 def test_deny_paths_are_masked(agnsup, worktree):
     # a masked file reads as empty (/dev/null is bound over it), a masked directory is an empty tmpfs
-    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c", "cat /etc/shadow | wc -c", check=0)
-    assert cp.out.strip() == "0"
+    probe = "import sys\nfor p in sys.argv[1:]: print(p, len(open(p).read()))"
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", probe, "/etc/shadow", check=0)
+    assert cp.out.strip() == "/etc/shadow 0"
     assert os.path.getsize("/etc/shadow") > 0
 
 
@@ -85,13 +93,18 @@ def test_the_network_namespace_has_only_loopback_up(agnsup, worktree):
 
 
 def test_a_root_cell_cannot_write_its_pid_into_any_cgroup_procs_outside_its_own(agnsup, worktree):
-    targets = ["/sys/fs/cgroup/unified/cgroup.procs", "/sys/fs/cgroup/memory/cgroup.procs",
-               "/sys/fs/cgroup/pids/cgroup.procs", "/sys/fs/cgroup/cgroup.procs"]
-    script = "; ".join(f"(echo $$ > {t}) 2>/dev/null && echo ESCAPED {t}" for t in targets)
-    script += "; for f in $(find /sys/fs/cgroup -maxdepth 6 -name cgroup.procs 2>/dev/null); do " \
-              "(echo $$ > $f) 2>/dev/null && echo ESCAPED $f; done; cat /proc/self/cgroup; " \
-              "mount -o remount,rw /sys/fs/cgroup 2>/dev/null && echo REMOUNTED; grep CapBnd /proc/self/status"
-    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c", script, check=0)
+    probe = (
+        "import ctypes, glob, os\n"
+        "me = str(os.getpid())\n"
+        "for f in sorted(set(glob.glob('/sys/fs/cgroup/**/cgroup.procs', recursive=True))):\n"
+        "    try:\n"
+        "        open(f, 'w').write(me); print('ESCAPED', f)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.mount(None, b'/sys/fs/cgroup', None, 32 | 4096, None) == 0: print('REMOUNTED')\n"
+        "print(open('/proc/self/status').read().split('CapBnd:')[1].split()[0])\n")
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", probe, check=0)
     assert "ESCAPED" not in cp.out and "REMOUNTED" not in cp.out
-    capbnd = int(cp.out.split("CapBnd:")[1].split()[0], 16)
+    capbnd = int(cp.out.split()[-1], 16)
     assert not capbnd & (1 << 21), "CAP_SYS_ADMIN still in the bounding set"

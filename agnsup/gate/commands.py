@@ -1,0 +1,414 @@
+"""From a call to the programs it would run: unwrap wrappers, find nested code.
+
+A process tool gives an argv; a shell tool gives text. Both end as an
+`Analysis`: a flat list of `Exec` (one per program that would run, with its
+words, redirections and where it sits) plus script-level findings (fork bomb,
+infinite loops, text that did not parse).
+
+Words are judged by position: only argv[0] after unwrapping is a program.
+Wrappers (`sudo`, `env`, `timeout`, `xargs`, ...) are peeled off and kept in
+`Exec.via`; `sh -c STRING`, `eval`, `find -exec`, heredocs fed to a shell and
+`python -c` strings are analysed as the code they are.
+
+Pure Python: the shell parser (shell.py, tree-sitter) is imported only when
+there is shell text to parse, so `run_process(["true"])` never loads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from .paths import LazyRe
+from dataclasses import dataclass, field
+
+MAX_DEPTH = 8  # nested sh -c / eval levels before we give up (and say so)
+
+SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh", "mksh", "ash", "fish", "yash", "rbash"})
+
+# wrapper -> options that take a separate value. The wrapper's own options are
+# skipped, then the rest of the words are the wrapped command.
+WRAPPERS: dict[str, frozenset[str]] = {
+    "sudo": frozenset({"-u", "-g", "-h", "-p", "-C", "-D", "-r", "-t", "-U", "-T", "--user", "--group",
+                       "--host", "--prompt", "--chdir", "--role", "--type", "--other-user",
+                       "--close-from", "--command-timeout"}),
+    "doas": frozenset({"-u", "-C"}),
+    "pkexec": frozenset({"--user"}),
+    "run0": frozenset({"-u", "--user", "-D", "--chdir", "--setenv"}),
+    "runuser": frozenset({"-u", "-g", "-G", "--user", "--group"}),
+    "env": frozenset({"-u", "--unset", "-C", "--chdir"}),
+    "nice": frozenset({"-n", "--adjustment"}),
+    "ionice": frozenset({"-c", "-n", "--class", "--classdata"}),
+    "timeout": frozenset({"-s", "--signal", "-k", "--kill-after"}),
+    "nohup": frozenset(),
+    "command": frozenset(),
+    "builtin": frozenset(),
+    "exec": frozenset({"-a"}),
+    "time": frozenset({"-f", "--format", "-o", "--output"}),
+    "stdbuf": frozenset({"-i", "-o", "-e"}),
+    "setsid": frozenset(),
+    "unbuffer": frozenset(),
+    "chroot": frozenset({"--userspec", "--groups"}),
+    "flock": frozenset({"-w", "--timeout", "-E", "--conflict-exit-code"}),
+    "taskset": frozenset(),
+    "chrt": frozenset(),
+    "faketime": frozenset({"-f"}),
+    "torsocks": frozenset({"-a", "-P", "-u", "-p"}),
+    "proxychains": frozenset({"-f"}),
+    "proxychains4": frozenset({"-f"}),
+    "strace": frozenset({"-o", "-e", "-p", "-s", "-u", "-E", "-a", "-b", "-I", "-O", "-S", "-X"}),
+    "ltrace": frozenset({"-o", "-e", "-p", "-s", "-u", "-a", "-n"}),
+    "unshare": frozenset({"-S", "-G", "--setuid", "--setgid", "-R", "--root", "-w", "--wd"}),
+    "nsenter": frozenset({"-t", "--target", "-S", "-G", "-R", "-w"}),
+    "systemd-run": frozenset({"-p", "--property", "-u", "--unit", "-E", "--setenv", "--uid", "--gid",
+                              "--slice", "-M", "--machine", "--description", "--working-directory"}),
+    "busybox": frozenset(),
+    "catchsegv": frozenset(),
+    "xargs": frozenset({"-I", "-n", "-P", "-L", "-s", "-d", "-E", "-a", "--arg-file", "--delimiter",
+                        "--max-args", "--max-procs", "--max-lines", "--eof", "--replace",
+                        "--max-chars", "--process-slot-var"}),
+    "watch": frozenset({"-n", "--interval", "-d", "-q", "--equexit"}),
+    "doppler": frozenset(),  # "doppler run -- cmd" handled below
+}
+# Wrappers followed by a fixed number of positional words before the command.
+WRAPPER_POSITIONALS = {"timeout": 1, "chroot": 1, "flock": 1, "taskset": 1, "chrt": 1, "faketime": 1}
+
+INTERPRETERS = {
+    # program prefix -> flags that introduce inline code
+    "python": ("-c",), "pypy": ("-c",),
+    "node": ("-e", "--eval", "-p", "--print"), "nodejs": ("-e", "--eval", "-p", "--print"),
+    "bun": ("-e", "--eval"), "deno": ("eval",),
+    "ruby": ("-e",), "perl": ("-e", "-E"), "php": ("-r",), "lua": ("-e",),
+}
+AWKS = frozenset({"awk", "gawk", "mawk", "nawk"})
+
+
+@dataclass
+class Exec:
+    """One program that would run."""
+
+    argv: list[str]                 # words after unwrapping; argv[0] is the program as written
+    literal: list[bool]             # per word: True when it has no expansion
+    via: tuple[str, ...] = ()       # wrappers peeled off, outermost first
+    redirects: list[tuple[str, str, bool]] = field(default_factory=list)  # (op, target, literal)
+    background: bool = False        # ends with `&`
+    loop: int | None = None         # id of the enclosing `while true` loop without break
+    cwd: str | None = None          # directory from a literal `cd` earlier in the script
+    text: str = ""                  # source excerpt, for messages
+    from_stdin: bool = False        # xargs: more operands arrive on stdin
+
+    @functools.cached_property
+    def prog(self) -> str:
+        return prog_name(self.argv[0]) if self.argv else ""
+
+    @property
+    def prog_literal(self) -> bool:
+        return bool(self.literal) and self.literal[0]
+
+    @property
+    def args(self) -> list[str]:
+        return self.argv[1:]
+
+
+@dataclass
+class Analysis:
+    execs: list[Exec] = field(default_factory=list)
+    unparseable: list[str] = field(default_factory=list)   # why the text could not be judged
+    fork_bomb: str = ""                                     # excerpt, when one was seen
+    loops: dict[int, bool] = field(default_factory=dict)    # infinite loop id -> has background job
+    flags: set[str] = field(default_factory=set)            # advisory findings
+    dynamic: list[str] = field(default_factory=list)        # program words we cannot know statically
+    parsed_shell: bool = False                              # the shell parser was used
+
+    def merge(self, other: "Analysis") -> None:
+        self.execs.extend(other.execs)
+        self.unparseable.extend(other.unparseable)
+        self.fork_bomb = self.fork_bomb or other.fork_bomb
+        self.loops.update(other.loops)
+        self.flags |= other.flags
+        self.dynamic.extend(other.dynamic)
+        self.parsed_shell = self.parsed_shell or other.parsed_shell
+
+
+def prog_name(word: str) -> str:
+    """`/usr/bin/git` -> `git`; `\\rm` -> `rm`."""
+    w = word.lstrip("\\")
+    return w.rsplit("/", 1)[-1] if "/" in w else w
+
+
+def analyze_argv(argv: list[str], depth: int = 0) -> Analysis:
+    """Analyse a process tool's argv (no shell involved unless argv runs one)."""
+    an = Analysis()
+    if argv:
+        unwrap(list(argv), [True] * len(argv), an, depth=depth)
+    return an
+
+
+def analyze_shell(text: str, depth: int = 0) -> Analysis:
+    """Analyse shell text with the real parser (imported here, lazily)."""
+    from . import shell  # tree-sitter: only paid for when shell text exists
+
+    return shell.analyze(text, depth)
+
+
+def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
+           redirects=None, background=False, loop=None, cwd=None, text="",
+           stdin_code: str | None = None) -> None:
+    """Peel wrappers off `words` and add the resulting Exec(s) to `an`."""
+    via: list[str] = []
+    from_stdin = False
+    while words:
+        prog = prog_name(words[0])
+        if not literal[0]:
+            an.dynamic.append(words[0])
+            break
+        if prog == "command" and len(words) > 1 and words[1] in ("-v", "-V"):
+            return  # `command -v git` looks a name up, runs nothing
+        if prog == "env" and len(words) > 1:
+            # `env -S "a b"` splits its string into words (coreutils env(1)).
+            i = 1
+            while i < len(words):
+                w = words[i]
+                if w in ("-S", "--split-string") and i + 1 < len(words):
+                    words = words[:1] + split_words(words[i + 1]) + words[i + 2:]
+                    literal = [True] * len(words)
+                    break
+                if w.startswith("-S") and len(w) > 2:
+                    words = words[:1] + split_words(w[2:]) + words[i + 1:]
+                    literal = [True] * len(words)
+                    break
+                if w.startswith("--split-string="):
+                    words = words[:1] + split_words(w.split("=", 1)[1]) + words[i + 1:]
+                    literal = [True] * len(words)
+                    break
+                i += 1
+        if prog == "doppler" and len(words) > 2 and words[1] == "run" and "--" in words:
+            k = words.index("--")
+            via.append("doppler")
+            words, literal = words[k + 1:], literal[k + 1:]
+            continue
+        if prog in WRAPPERS and prog != "doppler":
+            k = _skip_wrapper(prog, words)
+            via.append(prog)
+            if prog == "xargs":
+                from_stdin = True
+                if k >= len(words):
+                    words, literal = ["echo"], [True]
+                    break
+            if prog == "watch":
+                # watch(1) runs its arguments through `sh -c`.
+                rest = words[k:]
+                if rest and all(literal[k:]):
+                    _nested_shell(" ".join(rest), an, depth, "watch")
+                return
+            words, literal = words[k:], literal[k:]
+            continue
+        if prog in ("su", "runuser") and "-c" in words:
+            k = words.index("-c")
+            if k + 1 < len(words):
+                _nested_shell_word(words[k + 1], literal[k + 1], an, depth, prog)
+            return
+        break
+    if not words:
+        # Only wrappers (`sudo`, `time`) or only redirections: keep redirections.
+        if redirects:
+            an.execs.append(Exec([":"], [True], tuple(via), list(redirects), background, loop, cwd, text))
+        return
+    ex = Exec(words, literal, tuple(via), list(redirects or []), background, loop, cwd, text, from_stdin)
+    an.execs.append(ex)
+    prog = ex.prog
+    _nested(ex, an, depth, stdin_code)
+    if prog == "find":
+        _find_exec(ex, an, depth)
+
+
+def _skip_wrapper(prog: str, words: list[str]) -> int:
+    opts = WRAPPERS[prog]
+    positionals = WRAPPER_POSITIONALS.get(prog, 0)
+    i = 1
+    while i < len(words):
+        w = words[i]
+        if w == "--":
+            i += 1
+            break
+        if w.startswith("-") and len(w) > 1:
+            if prog in ("nice",) and w[1:].lstrip("-").isdigit():
+                i += 1
+                continue
+            if w in opts:
+                i += 2
+                continue
+            i += 1
+            continue
+        if prog == "env" and "=" in w:
+            i += 1
+            continue
+        if positionals:
+            positionals -= 1
+            i += 1
+            continue
+        break
+    return i
+
+
+def split_words(s: str) -> list[str]:
+    import shlex
+
+    try:
+        return shlex.split(s)
+    except ValueError:
+        return s.split()
+
+
+def _nested_shell(code: str, an: Analysis, depth: int, where: str, strict: bool = True) -> None:
+    """Analyse `code` as shell. strict=False: the string was only guessed to be
+    shell (a literal in interpreter code), so a parse error there is not ours."""
+    if depth + 1 > MAX_DEPTH:
+        an.unparseable.append(f"shell code nested more than {MAX_DEPTH} levels deep ({where})")
+        return
+    sub = analyze_shell(code, depth + 1)
+    if not strict:
+        sub.unparseable = []
+    an.merge(sub)
+
+
+def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: str) -> None:
+    if lit:
+        _nested_shell(word, an, depth, where)
+    else:
+        an.dynamic.append(word)
+        an.flags.add("dynamic_code")
+
+
+def _interp_flags(prog: str) -> tuple[str, ...] | None:
+    for name, flags in INTERPRETERS.items():
+        if prog == name or (prog.startswith(name) and re.fullmatch(r"[\d.]*", prog[len(name):])):
+            return flags
+    return None
+
+
+def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
+    """Code inside this Exec's words: sh -c, eval, python -c, awk programs."""
+    prog, argv, lit = ex.prog, ex.argv, ex.literal
+    if prog in SHELLS:
+        for i in range(1, len(argv)):
+            w = argv[i]
+            if w == "--" or not w.startswith("-") or w.startswith("--"):
+                if w.startswith("--") and w != "--":
+                    continue
+                break
+            if "c" in w[1:] and not w.startswith("+"):
+                # First operand after the option cluster is the command string.
+                j = i + 1
+                while j < len(argv) and argv[j].startswith("-") and argv[j] != "-":
+                    j += 1
+                if j < len(argv):
+                    _nested_shell_word(argv[j], lit[j], an, depth, f"{prog} -c")
+                return
+        operands = [w for w in argv[1:] if not w.startswith("-")]
+        if stdin_code is not None and (not operands or "-s" in argv):
+            _nested_shell(stdin_code, an, depth, f"{prog} stdin")
+        return
+    if prog == "eval":
+        if all(lit[1:]):
+            _nested_shell(" ".join(argv[1:]), an, depth, "eval")
+        else:
+            an.dynamic.append(" ".join(argv[1:]))
+            an.flags.add("dynamic_code")
+        return
+    flags = _interp_flags(prog)
+    if flags is not None:
+        for i in range(1, len(argv)):
+            w = argv[i]
+            code = None
+            if w in flags and i + 1 < len(argv):
+                code = argv[i + 1]
+            elif any(w.startswith(f) and len(w) > len(f) and f.startswith("-") and not f.startswith("--")
+                     for f in flags):
+                code = w[2:]
+            if code is not None:
+                inline_code(code, an, depth, ex)
+                return
+            if not w.startswith("-"):
+                break
+        if stdin_code is not None and (len(argv) == 1 or "-" in argv[1:]):
+            inline_code(stdin_code, an, depth, ex)
+        return
+    if prog in AWKS:
+        for i in range(1, len(argv)):
+            w = argv[i]
+            if w in ("-f", "--file"):
+                return
+            if w in ("-v", "-F"):
+                continue
+            if not w.startswith("-") and (i == 1 or argv[i - 1] not in ("-v", "-F")):
+                inline_code(w, an, depth, ex)
+                return
+
+
+def _find_exec(ex: Exec, an: Analysis, depth: int) -> None:
+    argv = ex.argv
+    i = 1
+    while i < len(argv):
+        if argv[i] in ("-exec", "-execdir", "-ok", "-okdir"):
+            j = i + 1
+            while j < len(argv) and argv[j] not in (";", "+", "\\;"):
+                j += 1
+            if j > i + 1:
+                unwrap(argv[i + 1:j], ex.literal[i + 1:j], an, depth, cwd=ex.cwd, text=ex.text,
+                       loop=ex.loop, background=ex.background)
+            i = j
+        i += 1
+
+
+# --- inline interpreter code -------------------------------------------------
+
+_STR = r"""(?:"((?:[^"\\]|\\.)*)"|'((?:[^'\\]|\\.)*)')"""
+_SHELL_CALL = LazyRe(
+    r"(?:\bsystem|\bexec(?:Sync)?|\bspawnSync|\bpopen|\bcheck_output|\bcheck_call|\bcall|\brun|\bPopen"
+    r"|\bgetoutput|\bgetstatusoutput|\bqx|%x)\s*[({]\s*" + _STR)
+_ARGV_CALL = LazyRe(r"(?:\bcheck_output|\bcheck_call|\bcall|\brun|\bPopen|\bexecv?p?e?|\bspawn(?:Sync)?"
+                        r"|\bexecFileSync|\bexecFile)\s*\(\s*\[([^\]]*)\]")
+_BACKTICK = LazyRe(r"`([^`]+)`")
+_RECURSIVE_DELETE = LazyRe(
+    r"(?:\brmtree|\brm_rf|\brm_r|\bremove_dir|\bremove_entry_secure|\brmSync|\brimraf|\bremove_tree|\brmdirSync)"
+    r"\s*\(\s*(?:\[\s*)?" + _STR)
+_FILE_DELETE = LazyRe(r"(?:\bos\.remove|\bos\.unlink|\bunlinkSync|\bFile\.delete|\bunlink|\bremove)\s*\(\s*" + _STR)
+_FILE_WRITE = LazyRe(r"\bopen\s*\(\s*" + _STR + r"\s*,\s*[\"'][wa]")
+_FORK_LOOP = LazyRe(r"\bfork\b")
+_LOOP_WORD = LazyRe(r"\b(?:while|for|until|loop|iter)\b")
+_NET_CODE = LazyRe(r"\b(?:socket|urllib|http\.client|requests|httpx|aiohttp|IO::Socket|Net::HTTP|LWP|"
+                       r"net\.connect|net\.Socket|http\.get|https\.get|fetch|TCPSocket|fsockopen|curl_exec)\b")
+
+
+def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
+    """Look into `python -c` (and friends) code for shell strings and deletions.
+
+    Interpreter code is not parsed: a heuristic looks for string literals given
+    to shell-running calls and to delete calls, and judges those. The kernel,
+    not this text, is the guarantee (see docs/governance.md).
+    """
+    def lit(m: re.Match) -> str:
+        return m.group(1) if m.group(1) is not None else m.group(2)
+
+    for m in _ARGV_CALL.finditer(code):
+        words = [a or b for a, b in re.findall(_STR, m.group(1))]
+        if words:
+            unwrap(words, [True] * len(words), an, depth + 1, cwd=ex.cwd, text=ex.text or code)
+    for m in _SHELL_CALL.finditer(code):
+        _nested_shell(lit(m), an, depth, f"{ex.prog} code", strict=False)
+    for m in _BACKTICK.finditer(code):
+        _nested_shell(m.group(1), an, depth, f"{ex.prog} backticks", strict=False)
+    for m in _RECURSIVE_DELETE.finditer(code):
+        an.execs.append(Exec(["rm", "-rf", lit(m)], [True] * 3, ex.via, [], ex.background, ex.loop, ex.cwd,
+                             ex.text or code))
+    for m in _FILE_DELETE.finditer(code):
+        an.execs.append(Exec(["rm", lit(m)], [True] * 2, ex.via, [], ex.background, ex.loop, ex.cwd,
+                             ex.text or code))
+    for m in _FILE_WRITE.finditer(code):
+        an.execs.append(Exec([":"], [True], ex.via, [(">", lit(m), True)], ex.background, ex.loop, ex.cwd,
+                             ex.text or code))
+    if _FORK_LOOP.search(code) and _LOOP_WORD.search(code):
+        an.fork_bomb = an.fork_bomb or (ex.text or code)
+    if _NET_CODE.search(code):
+        an.flags.add("network_in_code")

@@ -1,0 +1,123 @@
+"""Plain values the gate takes and returns.
+
+`GateContext` says what the role may do; `Decision` is what the gate decided.
+Both are frozen dataclasses (no pydantic) so importing the gate stays cheap
+and a decision can be written to a receipt as-is with `to_dict()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("open", "locked", "readonly")
+NETWORKS = ("deny", "loopback", "host")
+
+# Secrets and host state no tool call may read or write. `~` is expanded with
+# GateContext.home; the state root is added when GateContext.state_root is set.
+DEFAULT_DENY_PATHS = (
+    "~/.ssh",
+    "~/.aws",
+    "~/.config/gcloud",
+    "~/.docker",
+    "~/.netrc",
+    "~/.kube",
+    "~/.gnupg",
+    "/etc/shadow",
+    "/etc/gshadow",
+)
+
+
+@dataclass(frozen=True)
+class GateContext:
+    """Everything the gate needs to know about the role and the call."""
+
+    # Role name, only used in messages.
+    role: str = "executor"
+    # "open": side effects (yellow zone) allowed; "locked": yellow only for the
+    # tools in yellow_allow; "readonly": yellow and red denied.
+    mode: str = "open"
+    # "deny": no network tool may run; "loopback": only loopback URLs;
+    # "host": the host's network, URLs still pass the SSRF guard.
+    network: str = "deny"
+    # Resolved worktree root: writes are allowed inside it.
+    worktree: str = "."
+    # Extra writable roots (artifact dir, the cell's private /tmp => "/tmp").
+    writable: tuple[str, ...] = ()
+    # Extra deny paths on top of DEFAULT_DENY_PATHS (reads and writes refused).
+    deny_paths: tuple[str, ...] = ()
+    # agnsup's own state directory: always a deny path when set.
+    state_root: str | None = None
+    # Home of the invoking user, used to expand `~` and `$HOME`.
+    home: str | None = None
+    # Programs the role may run; empty (or containing "" or "*") means all.
+    # An entry may hold several words ("git status"): see policy.py.
+    allow_commands: tuple[str, ...] = ()
+    # Programs (or "program subcommand --flag" prefixes) the role may not run.
+    deny_commands: tuple[str, ...] = ()
+    # Tool names a `locked` role explicitly allows in the yellow (and red) zone.
+    yellow_allow: tuple[str, ...] = ()
+    # What to do with shell text that does not parse: "deny" or "flag".
+    # None => by mode: locked denies, open and readonly flag.
+    unparseable: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One verdict of the gate, carried to the receipt."""
+
+    allowed: bool
+    # Namespaced by the check that decided: "hardline.rm_root", "allow.yellow_open".
+    rule: str
+    # "green" | "yellow" | "red"
+    zone: str
+    # One sentence a user understands: which rule, why.
+    reason: str
+    # The check that decided: "hardline", "policy", "sandbox", "network", "zone".
+    check: str
+    # What to change in the role if the refusal was wrong.
+    hint: str = ""
+    # Advisory findings that did not deny ("unparseable", "audited", ...).
+    flags: tuple[str, ...] = ()
+    # For URL calls: the address the SSRF guard checked; connect to this one,
+    # never re-resolve the name (a second answer may point inside).
+    pinned: str = ""
+    # The text that triggered the rule (a command, a path), for the receipt.
+    evidence: str = ""
+
+    def to_dict(self) -> dict:
+        d = {
+            "allowed": self.allowed,
+            "rule": self.rule,
+            "zone": self.zone,
+            "reason": self.reason,
+            "check": self.check,
+            "hint": self.hint,
+            "flags": list(self.flags),
+        }
+        if self.pinned:
+            d["pinned"] = self.pinned
+        if self.evidence:
+            d["evidence"] = self.evidence
+        return d
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one check says: a denial (allowed=False) or a pass with flags."""
+
+    allowed: bool
+    rule: str
+    reason: str
+    hint: str = ""
+    flags: tuple[str, ...] = ()
+    pinned: str = ""
+    evidence: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def ok(rule: str, reason: str = "", flags: tuple[str, ...] = (), pinned: str = "") -> Finding:
+    return Finding(True, rule, reason, flags=flags, pinned=pinned)
+
+
+def deny(rule: str, reason: str, hint: str = "", evidence: str = "") -> Finding:
+    return Finding(False, rule, reason, hint=hint, evidence=evidence)

@@ -1,0 +1,159 @@
+"""Sandbox: path scope for every path a call names.
+
+Writes must land inside the worktree or a writable root (after `..` and
+symlinks are resolved); reads and writes of deny paths are refused. For shell
+commands the paths are redirection targets and the operands of commands
+whose meaning we know (cp/mv/tee/rm/touch/mkdir/dd/...); any other operand
+that looks like a path is checked as a read against the deny paths only.
+The mount namespace is the guarantee; this check refuses early and explains.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from .commands import Analysis, Exec
+from .model import DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok
+from .paths import HARMLESS_DEVICES, UNKNOWN_CWD, expand, home_of, real, within
+
+# Argument names that carry paths, in any tool.
+PATH_KEYS = frozenset({"path", "file", "file_path", "filepath", "filename", "paths", "files", "cwd", "dest",
+                       "destination", "src", "source", "target", "dir", "directory", "output", "output_path",
+                       "out", "root", "workdir", "working_dir", "new_path", "old_path", "target_file"})
+READ_KEYS = frozenset({"src", "source", "old_path"})  # read even in a writing tool (unless it moves)
+MOVING_TOOLS = ("move", "rename", "mv")
+
+# Commands that only look at names/metadata: their operands are not content reads.
+METADATA_ONLY = frozenset({"ls", "stat", "file", "test", "[", "[[", "du", "df", "find", "which", "type", "lsattr",
+                           "realpath", "readlink", "dirname", "basename", "echo", "printf", "cd", "pushd", "tree",
+                           "namei", "exa", "eza", "command", "hash", "whereis", "man"})
+WRITE_OPS = frozenset({">", ">>", ">|", "&>", "&>>", "<>"})
+
+HINT_WRITE = ("Work inside the worktree, or add the directory to the role's writable paths if this role "
+              "must write there.")
+HINT_DENY = ("Deny paths hold credentials and agnsup's state; remove the path from the role's deny_paths if it "
+             "was added there (the defaults cannot be lifted).")
+
+
+class Scope:
+    def __init__(self, ctx: GateContext):
+        self.home = home_of(ctx.home)
+        self.worktree = real(os.path.abspath(ctx.worktree or "."))
+        self.writable = [self.worktree] + [real(os.path.abspath(os.path.expanduser(w))) for w in ctx.writable]
+        denies = list(DEFAULT_DENY_PATHS) + list(ctx.deny_paths) + ([ctx.state_root] if ctx.state_root else [])
+        self.deny: list[str] = []
+        for d in denies:
+            p, _ = expand(d, home=self.home, base=self.worktree)
+            if p:
+                self.deny.append(p)
+                if real(p) != p:
+                    self.deny.append(real(p))
+
+    def base(self, cwd: str | None) -> str:
+        if cwd is None:
+            return self.worktree
+        if cwd == UNKNOWN_CWD:
+            return cwd
+        p, _ = expand(cwd, home=self.home, base=self.worktree)
+        return p or UNKNOWN_CWD
+
+    def judge(self, word: str, mode: str, base: str, what: str, evidence: str = "") -> Finding | None:
+        p, _glob = expand(word, home=self.home, base=base)
+        if p is None:
+            return None
+        if HARMLESS_DEVICES.match(p) or p.startswith(("/dev/tcp/", "/dev/udp/")):
+            return None
+        r = os.path.realpath(p)  # not cached: a symlink may change between calls
+        for d in self.deny:
+            if within(p, d) or within(r, d):
+                if mode == "r" and p.endswith(".pub"):
+                    return None  # public keys are public
+                verb = "reading" if mode == "r" else "writing"
+                return deny("sandbox.deny_path", f"{verb} {word} ({what}) touches the deny path {d}.", HINT_DENY,
+                            evidence or word)
+        if mode == "w" and not any(within(r, w) for w in self.writable):
+            return deny("sandbox.path_escape",
+                        f"{what} writes {word}, which resolves to {r}, outside the worktree {self.worktree}"
+                        + (f" and the writable roots {', '.join(self.writable[1:])}" if len(self.writable) > 1 else "")
+                        + ".", HINT_WRITE, evidence or word)
+        return None
+
+
+def _words(v) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if isinstance(x, str)]
+    return []
+
+
+def check_args(tool: str, args: dict, zone: str, scope: Scope) -> Finding | None:
+    """Path-like arguments of any tool."""
+    writer = zone != "green" and tool not in ("run_process", "run_shell")
+    moving = any(m in tool for m in MOVING_TOOLS)
+    for key, value in args.items():
+        if key not in PATH_KEYS:
+            continue
+        mode = "w" if writer and key != "cwd" and (key not in READ_KEYS or moving) else "r"
+        for w in _words(value):
+            f = scope.judge(w, mode, scope.worktree, f"argument {key!r} of {tool}")
+            if f:
+                return f
+    return None
+
+
+def _looks_like_path(w: str) -> bool:
+    return w.startswith(("/", "~", "./", "../", "$HOME", "${HOME}")) or ("/" in w and "://" not in w)
+
+
+def shell_paths(ex: Exec) -> list[tuple[str, str]]:
+    """(word, "r"|"w") for the paths one command touches."""
+    from .hardline import _operands, _write_targets  # same notion of write targets as hardline
+
+    out = [(t, "w") for t, _kind in _write_targets(ex, None)]
+    prog, args = ex.prog, ex.args
+    if prog in ("mkdir", "rmdir", "chmod", "chown", "chgrp"):
+        ops = _operands(args, frozenset({"-m", "--mode", "--reference"}))
+        out += [(a, "w") for a in (ops[1:] if prog in ("chmod", "chown", "chgrp") else ops)]
+    elif prog == "mv":
+        out += [(a, "w") for a in _operands(args, frozenset({"-t", "--target-directory", "-S", "--suffix"}))[:-1]]
+    elif prog in ("curl", "wget"):
+        for i, a in enumerate(args):
+            if a in ("-o", "--output", "-O", "--output-document", "-P", "--directory-prefix") and i + 1 < len(args) \
+                    and not (prog == "curl" and a == "-O"):
+                out.append((args[i + 1], "w"))
+    out += [(t, "r") for op, t, _l in ex.redirects if op == "<"]
+    if prog not in METADATA_ONLY:
+        written = {w for w, _m in out}
+        for a in args:
+            key, eq, val = a.partition("=")
+            cand = val if eq and "/" not in key else a  # --opt=PATH, f=@PATH
+            cand = cand.lstrip("@<")  # curl -d @file, -F f=@file / f=<file
+            if cand not in written and _looks_like_path(cand):
+                out.append((cand, "r"))
+    return out
+
+
+def check_shell(an: Analysis, scope: Scope) -> Finding | None:
+    for ex in an.execs:
+        base = scope.base(ex.cwd)
+        for word, mode in shell_paths(ex):
+            f = scope.judge(word, mode, base, f"`{ex.prog}`" if ex.prog != ":" else "a redirection", ex.text)
+            if f:
+                return f
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def scope_for(ctx: GateContext) -> Scope:
+    """Roots of one context, resolved once (the batch path judges thousands of lines per context)."""
+    return Scope(ctx)
+
+
+def check(tool: str, args: dict, zone: str, an: Analysis | None, ctx: GateContext) -> Finding:
+    scope = scope_for(ctx)
+    f = check_args(tool, args, zone, scope)
+    if f is None and an is not None:
+        f = check_shell(an, scope)
+    return f or ok("sandbox.pass")

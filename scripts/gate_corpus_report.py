@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Print the governance gate's figures on the corpora in tests/data/corpora/.
+
+    python scripts/gate_corpus_report.py [--verbose]
+
+Recall on deny sets (catastrophic, dcg deny), false-deny rate on allow sets
+(hard negatives, dcg allow), per context and per dcg category, and batch
+throughput. The corpora are text only: nothing here executes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agnsup.gate import GateContext, judge_shell  # noqa: E402
+from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS  # noqa: E402
+
+CORPORA = ROOT / "tests" / "data" / "corpora"
+
+# An executor in a cell: open mode, worktree and private /tmp writable.
+EXECUTOR = GateContext(role="executor", mode="open", network="deny", worktree="/workspace/project",
+                       writable=("/tmp", "/var/tmp"), home="/home/user")
+EXECUTOR_HOST = GateContext(role="executor-net", mode="open", network="host", worktree="/workspace/project",
+                            writable=("/tmp", "/var/tmp"), home="/home/user")
+
+# The text rules alone, independent of a cell's layout: everything writable.
+LAYOUT_FREE = GateContext(role="layout-free", mode="open", network="host", worktree="/workspace/project",
+                          writable=("/",), home="/home/user")
+# An executor role with the recommended git deny list (what dcg calls core.git).
+EXECUTOR_GIT = GateContext(role="executor-git", mode="open", network="host", worktree="/workspace/project",
+                           writable=("/",),
+                           home="/home/user", deny_commands=RECOMMENDED_DENY_COMMANDS)
+
+# Lines of dangerous_catastrophic.txt we deliberately allow (see docs/governance.md).
+CATASTROPHIC_EXCEPTIONS = frozenset({"rm -rf ./build"})
+
+
+def lines(name: str) -> list[str]:
+    out = []
+    for raw in (CORPORA / name).read_text(encoding="utf-8").splitlines():
+        if raw.strip() or raw == "":
+            out.append(raw.replace("\\n", "\n") if "<<" in raw else raw)
+    return [x for x in out if x.strip()]
+
+
+def dcg() -> list[dict]:
+    return [json.loads(x) for x in (CORPORA / "dcg_labeled_corpus.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def pct(a: int, b: int) -> str:
+    return f"{a}/{b} ({100.0 * a / b:.1f}%)" if b else "0/0"
+
+
+def main(verbose: bool = False) -> dict:
+    figures: dict = {}
+    cat = lines("dangerous_catastrophic.txt")
+    ds = [judge_shell(c, EXECUTOR) for c in cat]
+    denied = sum(not d.allowed for d in ds)
+    hard = sum(d.check == "hardline" for d in ds)
+    print("dangerous_catastrophic.txt (executor, network deny)")
+    print(f"  denied by any check: {pct(denied, len(cat))}")
+    print(f"  denied by hardline : {pct(hard, len(cat))}")
+    miss = [c for c, d in zip(cat, ds) if d.check != "hardline"]
+    print(f"  not hardline       : {miss}")
+    figures["catastrophic"] = {"denied": denied, "hardline": hard, "total": len(cat), "not_hardline": miss}
+
+    ben = lines("benign_hard_negatives.txt")
+    for label, ctx in (("network deny", EXECUTOR), ("network host", EXECUTOR_HOST), ("layout-free", LAYOUT_FREE)):
+        ds = [judge_shell(c, ctx) for c in ben]
+        fd = [(c, d.rule) for c, d in zip(ben, ds) if not d.allowed]
+        print(f"benign_hard_negatives.txt ({label}): false denials {pct(len(fd), len(ben))}")
+        for c, r in fd:
+            print(f"    {r:28s} {c[:90]!r}")
+        figures[f"benign_{label.replace(' ', '_').replace('-', '_')}"] = {"false_denied": len(fd), "total": len(ben),
+                                                        "cases": fd}
+
+    rows = dcg()
+    for label, ctx in (("layout-free", LAYOUT_FREE), ("git deny list", EXECUTOR_GIT),
+                       ("network host", EXECUTOR_HOST), ("network deny", EXECUTOR)):
+        by = collections.defaultdict(lambda: [0, 0, 0, 0])  # deny_hit, deny_total, allow_fd, allow_total
+        for r in rows:
+            if r["expected"] not in ("allow", "deny"):
+                continue
+            d = judge_shell(r["command"], ctx)
+            b = by[r["category"]]
+            if r["expected"] == "deny":
+                b[0] += not d.allowed
+                b[1] += 1
+            else:
+                b[2] += not d.allowed
+                b[3] += 1
+                if not d.allowed and verbose:
+                    print(f"    false deny [{r['category']}] {d.rule}: {r['command'][:80]!r}")
+        tot = [sum(b[i] for b in by.values()) for i in range(4)]
+        print(f"dcg_labeled_corpus.jsonl ({label}): recall on deny {pct(tot[0], tot[1])}, "
+              f"false-deny on allow {pct(tot[2], tot[3])}")
+        for c in sorted(by):
+            b = by[c]
+            print(f"    {c:28s} deny recall {pct(b[0], b[1]):>16s}   allow false-deny {pct(b[2], b[3]):>16s}")
+        figures[f"dcg_{label.replace(' ', '_').replace('-', '_')}"] = {"deny_hit": tot[0], "deny_total": tot[1],
+                                                     "allow_false_denied": tot[2], "allow_total": tot[3],
+                                                     "by_category": {k: list(v) for k, v in by.items()}}
+
+    batch = (ben + cat + [r["command"] for r in rows]) * 20
+    t = time.perf_counter()
+    for c in batch:
+        judge_shell(c, EXECUTOR)
+    dt = time.perf_counter() - t
+    print(f"batch: {len(batch)} lines in {dt:.2f}s = {len(batch) / dt:,.0f} lines/s")
+    figures["batch_lines_per_s"] = len(batch) / dt
+    return figures
+
+
+if __name__ == "__main__":
+    main(verbose="--verbose" in sys.argv)

@@ -1,0 +1,103 @@
+"""Bad input gets one clear line and a non-zero exit, and loses nothing already recorded."""
+import json
+import os
+import sqlite3
+
+from conftest import write_role
+
+
+def _one_line(cp):
+    lines = cp.err.strip().splitlines()
+    assert len(lines) == 1, cp.err
+    return lines[0]
+
+
+def test_an_unknown_role_exits_125_naming_the_known_ones(agnsup, worktree):
+    line = _one_line(agnsup("run", "--role", "nosuch", "--workdir", worktree, "--", "true", check=125))
+    assert "unknown role 'nosuch'" in line and "executor" in line
+
+
+def test_a_policy_that_is_not_toml_names_the_file(agnsup, worktree, policy_dir):
+    (policy_dir / "broken.toml").write_text("[role\nname = ")
+    line = _one_line(agnsup("run", "--role", "broken", "--workdir", worktree, "--", "true",
+                            env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=125))
+    assert "broken.toml" in line and "TOML" in line
+
+
+def test_a_policy_with_a_bad_value_names_file_key_and_problem(agnsup, worktree, policy_dir):
+    write_role(policy_dir, "badlimit", limits__memory_max='"lots"')
+    line = _one_line(agnsup("run", "--role", "badlimit", "--workdir", worktree, "--", "true",
+                            env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=125))
+    assert "badlimit.toml" in line and "limits.memory_max" in line and "not a size" in line
+
+
+def test_a_policy_with_an_unknown_key_is_refused(agnsup, worktree, policy_dir):
+    write_role(policy_dir, "typo", network__mdoe='"host"')
+    line = _one_line(agnsup("run", "--role", "typo", "--workdir", worktree, "--", "true",
+                            env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=125))
+    assert "network.mdoe" in line
+
+
+def test_a_denied_command_starts_nothing_and_exits_126(agnsup, worktree, policy_dir):
+    write_role(policy_dir, "nocurl", governance__deny_commands='["touch"]')
+    cp = agnsup("run", "--role", "nocurl", "--workdir", worktree, "--", "touch", "made",
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
+    line = _one_line(cp)
+    assert "policy.deny_command" in line and "deny_commands" in line
+    assert not os.path.exists(os.path.join(worktree, "made"))
+    db = sqlite3.connect(os.path.join(agnsup.state, "journal.db"))
+    (data,) = db.execute("SELECT data FROM events WHERE kind='denied'").fetchone()
+    db.close()
+    assert json.loads(data)["decision"]["rule"] == "policy.deny_command"
+
+
+def test_an_invalid_id_is_refused(agnsup, worktree):
+    line = _one_line(agnsup("run", "--run-id", "../../etc", "--workdir", worktree, "--", "true", check=125))
+    assert "invalid run id" in line
+
+
+def test_a_corrupt_journal_is_a_clear_error_and_is_left_as_it_was(agnsup, worktree):
+    os.makedirs(agnsup.state, exist_ok=True)
+    path = os.path.join(agnsup.state, "journal.db")
+    with open(path, "wb") as f:
+        f.write(b"this is not a database" * 100)
+    line = _one_line(agnsup("run", "--workdir", worktree, "--", "true", check=125))
+    assert "journal" in line and "unusable" in line
+    with open(path, "rb") as f:
+        assert f.read().startswith(b"this is not a database")
+
+
+def test_a_read_only_state_root_is_a_clear_error_and_loses_nothing(agnsup, worktree):
+    import subprocess
+    agnsup("run", "--workdir", worktree, "--cell", "before", "--", "true", check=0)
+    # root ignores mode bits: make the state root really read-only with a read-only bind mount
+    subprocess.run(["mount", "--bind", agnsup.state, agnsup.state], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", agnsup.state], check=True)
+        line = _one_line(agnsup("run", "--workdir", worktree, "--", "true", check=125))
+        assert "state root" in line and "not writable" in line or "Read-only" in line
+    finally:
+        subprocess.run(["umount", agnsup.state], check=True)
+    assert [r["cell_id"] for r in agnsup.json("receipts", "--json")] == ["before"]
+
+
+def test_a_state_root_that_is_a_file_is_a_clear_error(agnsup, worktree, tmp_path):
+    bogus = tmp_path / "not-a-dir"
+    bogus.write_text("x")
+    cp = agnsup("run", "--workdir", worktree, "--", "true", env={"AGNSUP_STATE_DIR": str(bogus)}, check=125)
+    assert "state root" in _one_line(cp)
+
+
+def test_odd_bytes_in_argv_reach_the_command_unchanged(agnsup, worktree):
+    import subprocess
+    from conftest import BIN
+    arg = b"caf\xe9-\xff"
+    out = subprocess.run([BIN.encode(), b"run", b"--workdir", worktree.encode(), b"--", b"printf", b"%s", arg],
+                         env={**agnsup.env}, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == arg
+    assert agnsup.json("receipts", "--json")[0]["argv"][2] == arg.decode(errors="surrogateescape")
+
+
+def test_no_command_is_a_usage_error(agnsup):
+    assert agnsup("run", check=125).returncode == 125

@@ -18,6 +18,14 @@ CACHE_VERSION = "1"
 
 
 def _packaged_dir() -> str:
+    # importlib.resources.files() returns the package directory for an
+    # installed wheel; importing it costs ~10 ms on every start, so the
+    # package's own __path__ is used when it is a real directory (zip imports
+    # fall back to importlib.resources).
+    from . import policies
+    d = list(policies.__path__)[0]
+    if os.path.isdir(d):
+        return d
     from importlib.resources import files
     return str(files("agnsup.policies"))
 

@@ -1,0 +1,91 @@
+"""The console script's entry point: a fast path for `agnsup run`.
+
+click costs ~40 ms to import, about ten times what bwrap needs to start a
+whole sandbox, so the common `agnsup [--state-dir D] run [OPTIONS] -- CMD...`
+is parsed here with no imports. Anything this parser does not fully
+understand (help, an unknown option, a bad value, another command) goes to
+the click CLI in agnsup/cli.py, which stays the reference: a parity test
+(tests/test_entry.py) runs the same argv through both.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# option -> (keyword, kind); kind: str | float>0 | float>=0 | multi
+_RUN_OPTIONS = {
+    "--role": ("role", "str"), "--run-id": ("run_id", "str"), "--agent": ("agent_id", "str"),
+    "--cell": ("cell_id", "str"), "--workdir": ("workdir", "str"), "--timeout": ("timeout", "pos"),
+    "--lock-timeout": ("lock_timeout", "nonneg"), "--env": ("env", "multi"), "--receipt": ("receipt_file", "str"),
+}
+_DEFAULTS = {"role": "executor", "run_id": "default", "agent_id": "default", "cell_id": None, "workdir": None,
+             "timeout": None, "lock_timeout": None, "env": [], "receipt_file": None}
+
+
+def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
+    """(state_dir, run options, command) for a plain `run` invocation, else None."""
+    i, state_dir = 0, None
+    while i < len(argv) and argv[i] != "run":
+        a = argv[i]
+        if a == "--state-dir" and i + 1 < len(argv):
+            state_dir, i = argv[i + 1], i + 2
+        elif a.startswith("--state-dir="):
+            state_dir, i = a.split("=", 1)[1], i + 1
+        else:
+            return None
+    if i >= len(argv) or state_dir == "":
+        return None
+    i += 1
+    opts = {**_DEFAULTS, "env": []}
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if not a.startswith("-") or a == "-":
+            break
+        name, eq, value = a.partition("=")
+        if name not in _RUN_OPTIONS:
+            return None
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value, i = argv[i + 1], i + 2
+        else:
+            i += 1
+        key, kind = _RUN_OPTIONS[name]
+        if kind in ("pos", "nonneg"):
+            try:
+                v = float(value)
+            except ValueError:
+                return None
+            if v != v or (kind == "pos" and v <= 0) or (kind == "nonneg" and v < 0):
+                return None
+            opts[key] = v
+        elif kind == "multi":
+            opts[key].append(value)
+        else:
+            opts[key] = value
+    command = argv[i:]
+    if not command:
+        return None
+    if state_dir is None:
+        state_dir = os.environ.get("AGNSUP_STATE_DIR") or None
+    return state_dir, opts, command
+
+
+def main() -> None:
+    parsed = parse_run(sys.argv[1:])
+    if parsed is None:
+        from .cli import main as cli_main
+        cli_main()
+        return
+    state_dir, opts, command = parsed
+    from .errors import AgnsupError
+    from .tool import run_process
+    try:
+        result = run_process(command, state_dir=state_dir, capture=False, entry="cli", forward_signals=True, **opts)
+    except AgnsupError as e:
+        sys.stderr.write(f"agnsup: {e.message}\n")
+        sys.exit(e.exit_code)
+    sys.exit(result["exit_code"])

@@ -165,6 +165,51 @@ def doctor(obj, as_json):
     sys.exit(0 if r["ok"] else 1)
 
 
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--role", default="executor", show_default=True, help="Role policy to judge under.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Worktree (default: cwd).")
+@click.option("--batch", "batch", type=click.File("r"), default=None,
+              help="One shell command per line from FILE ('-' for stdin); one JSON decision per line out.")
+@click.option("--json", "as_json", is_flag=True, help="The decision as JSON.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+def check(obj, role, workdir, batch, as_json, command):
+    """The governance decision for CMD without running anything.
+
+    Exit 0 when allowed, 126 when denied. With --batch, every line is judged
+    as shell text and printed as {"command", "allowed", "rule", "zone", "reason"}.
+    """
+    import os
+
+    from . import governance, policy
+    from .state import StateRoot
+    st = StateRoot(obj["state_dir"])
+    pol = policy.load(role, st.path if os.path.isdir(st.path) else None)
+    wt = os.path.realpath(workdir or os.getcwd())
+    ctx = governance.context(pol, wt, st.path)
+    from .gate import check as gate_check, judge_shell
+    if batch is not None:
+        out = click.get_text_stream("stdout")
+        for line in batch:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            d = judge_shell(line, ctx)
+            out.write(json.dumps({"command": line, **d.to_dict()}) + "\n")
+        sys.exit(0)
+    if not command:
+        raise click.UsageError("give a command after -- or --batch FILE")
+    d, trail = gate_check("run_process", {"argv": list(command), "cwd": wt}, ctx)
+    if as_json:
+        click.echo(json.dumps({"command": list(command), **d.to_dict(), "trail": trail}, indent=2))
+    else:
+        verdict = "allowed" if d.allowed else "DENIED"
+        click.echo(f"{verdict}: {d.rule} (zone {d.zone}): {d.reason}")
+        if not d.allowed and d.hint:
+            click.echo(f"  if this is wrong: {d.hint}")
+    sys.exit(0 if d.allowed else 126)
+
+
 @main.command("tool-schema")
 def tool_schema():
     """Print the run_process JSON schema for LLM function calling."""

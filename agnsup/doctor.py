@@ -20,6 +20,14 @@ def landlock_abi() -> int | None:
     return int(v) if v > 0 else None
 
 
+def kernel_at_least(major: int, minor: int) -> bool:
+    parts = os.uname().release.split(".")
+    try:
+        return (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
+    except (ValueError, IndexError):
+        return False
+
+
 def seccomp_available() -> bool:
     try:
         with open("/proc/self/status") as f:
@@ -35,9 +43,8 @@ def _ns(flag: int):
 def report(state_root: str) -> dict:
     layout = cgroup.detect_layout()
     base = cgroup.base_node(layout, state_root)
-    v2_kill = bool(layout.v2 and os.path.exists(os.path.join(layout.v2, "cgroup.kill")) or
-                   (layout.v2 and any(os.path.exists(os.path.join(layout.v2, d, "cgroup.kill"))
-                                      for d in os.listdir(layout.v2) if os.path.isdir(os.path.join(layout.v2, d)))))
+    # cgroup.kill exists only in non-root cgroups, from Linux 5.14 on
+    v2_kill = bool(layout.v2) and kernel_at_least(5, 14)
     ns = {}
     for name, flag in (("mount", lsys.CLONE_NEWNS), ("network", lsys.CLONE_NEWNET), ("pid", lsys.CLONE_NEWPID),
                        ("user", lsys.CLONE_NEWUSER)):
@@ -56,7 +63,8 @@ def report(state_root: str) -> dict:
         else:
             limits_via[ctrl] = None
     use = {
-        "tracking_and_kill": ("cgroup v2 cgroup.kill" if layout.v2 and v2_kill else
+        "tracking_and_kill": ("cgroup v2 cgroup.kill" if v2_kill else
+                              "cgroup v2 membership, SIGKILL each member until empty" if layout.v2 else
                               "cgroup v1 freezer (freeze, kill, thaw)" if "freezer" in base.paths else
                               "process group + token scan (weaker: no writable cgroup)"),
         "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},

@@ -42,10 +42,8 @@ def _unescape(s: str) -> str:
     return s.encode().decode("unicode_escape") if "\\" in s else s
 
 
-def detect_layout(mountinfo: str | None = None) -> Layout:
-    if mountinfo is None:
-        with open("/proc/self/mountinfo") as f:
-            mountinfo = f.read()
+def parse_mountinfo(mountinfo: str) -> tuple[str | None, dict[str, str]]:
+    """(cgroup2 mount point, {v1 controller: mount point}) from /proc/self/mountinfo text."""
     v2 = None
     v1: dict[str, str] = {}
     for line in mountinfo.splitlines():
@@ -60,6 +58,14 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
             for c in V1_CONTROLLERS:
                 if c in opts and c not in v1:
                     v1[c] = mnt
+    return v2, v1
+
+
+def detect_layout(mountinfo: str | None = None) -> Layout:
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    v2, v1 = parse_mountinfo(mountinfo)
     v2_ctrl: tuple[str, ...] = ()
     if v2 is not None:
         try:

@@ -215,3 +215,16 @@ def tool_schema():
     """Print the run_process JSON schema for LLM function calling."""
     from .tool import RUN_PROCESS_SCHEMA
     click.echo(json.dumps(RUN_PROCESS_SCHEMA, indent=2))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.pass_obj
+def janitor(obj, as_json):
+    """Run crash recovery now: find the cells of dead controller instances,
+    kill what is left of them on evidence, release their resources, write a
+    recovery receipt. A second run finds nothing to do."""
+    from .janitor import format_text, run_janitor
+    from .state import StateRoot
+    report = run_janitor(StateRoot(obj["state_dir"]))
+    click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))

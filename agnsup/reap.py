@@ -47,3 +47,30 @@ def _remove_tree(path: str) -> None:
             break
         crashpoints.hit("cleanup_tmp_half")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def release_lock_file(path: str | None) -> dict | None:
+    """Remove a lock file nobody holds any more (a dead controller's worktree or
+    liveness lock). A lock some live process still holds is left alone: it is
+    theirs too. Returns what was released, or None."""
+    import fcntl
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return {"kind": "lock", "path": path, "left": "held by a live process"}
+        try:
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                return None  # already unlinked and recreated by someone else: not ours
+        except FileNotFoundError:
+            return None
+        os.unlink(path)
+        return {"kind": "lock", "path": path}
+    finally:
+        os.close(fd)

@@ -56,6 +56,7 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
                             entry=entry)
     state = StateRoot(state_dir)
     state.ensure()
+    __import__("agnsup.janitor").janitor.on_start(state)  # crash recovery first: one query when nothing to do
     pol = policy.load(role, state.path)
     spec = specmod.build(call, pol)
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=role))

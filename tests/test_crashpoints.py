@@ -1,0 +1,126 @@
+"""Crash points: the controller SIGKILLs itself at a named step
+(AGNSUP_TEST_CRASH_AT), then the janitor must leave nothing behind.
+
+For each point: no process of the cell alive, its cgroup directories and temp
+dir gone, the cell terminal in `agnsup ps --all`, and a second janitor has
+nothing to do. A point the run path cannot reach is skipped with the reason,
+never passed.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import procs_with_env, write_role
+
+# a leader that ignores SIGTERM, so it outlives a graceful stop
+IGNORE_TERM = ["python3", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"]
+# a tree: a background sleep plus a leader that lives on
+TREE = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exec sleep 1000"]
+QUICK = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exit 0"]
+
+CASES = {
+    # point: (argv, extra run options)
+    "after_intent": (TREE, []),
+    "after_cgroup": (TREE, []),
+    "child_setup": (TREE, []),
+    "after_exec": (TREE, []),
+    "journal_tx": (QUICK, []),  # not wired yet: the run then ends normally and the test skips
+    "cancel_grace": (IGNORE_TERM, ["--timeout", "0.5"]),
+    "cancel_frozen": (IGNORE_TERM, ["--timeout", "0.5"]),
+    "cleanup_before_rmdir": (QUICK, []),
+    "cleanup_tmp_half": (QUICK, []),
+}
+# points after which the cell's processes are still running when the controller dies
+SURVIVES = ("after_exec", "cancel_grace", "cancel_frozen")
+
+
+def _ps(agnsup, cell):
+    rows = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
+    return rows[0] if rows else None
+
+
+def _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree, env=None):
+    """`agnsup run` with the crash point set; stdio to files (the tree keeps them open)."""
+    out = open(tmp_path / f"{cell}.out", "wb")
+    err = open(tmp_path / f"{cell}.err", "wb")
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *opts, "--", *argv,
+                     env={"AGNSUP_TEST_CRASH_AT": point, **(env or {})}, stdin=subprocess.DEVNULL,
+                     stdout=out, stderr=err)
+    out.close()
+    err.close()
+    try:
+        rc = p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    return rc, (tmp_path / f"{cell}.err").read_text()
+
+
+def _assert_converged(agnsup, cell):
+    row = _ps(agnsup, cell)
+    assert row is not None
+    assert row["state"] in ("exited", "failed", "timeout", "cancelled", "killed", "recovered"), row["state"]
+    assert procs_with_env("AGNSUP_CELL_ID", cell) == []
+    for path in (row["cgroup"] or {}).values():
+        assert not os.path.exists(path), path
+    assert not os.path.exists(os.path.join(agnsup.state, "cells", row["run_id"], cell, "tmp"))
+    assert not os.listdir(os.path.join(agnsup.state, "locks"))
+    assert not os.listdir(os.path.join(agnsup.state, "controllers"))
+    return row
+
+
+@pytest.mark.parametrize("point", list(CASES))
+def test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor(agnsup, worktree, tmp_path,
+                                                                              policy_dir, point):
+    write_role(policy_dir, "quick", limits__grace="0.5")
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    argv, opts = CASES[point]
+    cell = "x-" + point.replace("_", "-")
+    rc, err = _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree)
+    if rc != -signal.SIGKILL:
+        pytest.skip(f"crash point {point!r} is not reached by `agnsup run` (controller exited {rc}); "
+                    "not proven")
+    row = _ps(agnsup, cell)
+    assert row is not None and row["state"] in ("starting", "running"), row
+    if point in SURVIVES:
+        assert procs_with_env("AGNSUP_CELL_ID", cell), "the tree did not survive its controller: run invalid"
+    rep = agnsup.json("janitor", "--json")
+    assert rep["recovered"] == [cell], rep
+    if point in SURVIVES:
+        assert rep["killed"] and all(k["verified_dead"] for k in rep["killed"])
+    assert _assert_converged(agnsup, cell)["state"] == "recovered"
+    again = agnsup.json("janitor", "--json")
+    assert again["recovered"] == [] and again["killed"] == []
+
+
+def test_a_janitor_killed_after_its_kill_leaves_a_state_the_next_one_finishes(agnsup, worktree, tmp_path,
+                                                                              policy_dir):
+    write_role(policy_dir, "quick", limits__grace="0.5")
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    cell = "x-janitor"
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, "--", *TREE,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while len(procs_with_env("AGNSUP_CELL_ID", cell)) < 2:
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    p.kill()
+    p.wait(10)
+    assert procs_with_env("AGNSUP_CELL_ID", cell), "the tree did not survive its controller: run invalid"
+
+    first = agnsup("janitor", "--json", env={"AGNSUP_TEST_CRASH_AT": "janitor_after_kill"})
+    assert first.returncode == -signal.SIGKILL, (first.returncode, first.out, first.err)
+    assert procs_with_env("AGNSUP_CELL_ID", cell) == []          # it killed ...
+    assert _ps(agnsup, cell)["state"] in ("starting", "running")  # ... but recorded nothing
+
+    rep = agnsup.json("janitor", "--json")
+    assert rep["recovered"] == [cell]
+    cell_rec = json.loads(agnsup("receipts", "--recovery", "--cell", cell, "--json", check=0).out)[0]["cell"]
+    assert cell_rec["earlier_attempts"] and cell_rec["earlier_attempts"][0]["candidates"]
+    assert _assert_converged(agnsup, cell)["state"] == "recovered"
+    assert agnsup.json("janitor", "--json")["recovered"] == []

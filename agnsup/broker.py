@@ -185,7 +185,9 @@ class Controller:
         st = stage("process_supervisor", pid=ident["pid"], pgid=ident["pgid"], starttime=ident["starttime"],
                    pidfd_ino=ident["pidfd_ino"])
         cell.trace.append(st)
-        with self.journal.tx() as db:
+        # crash point "journal_tx": die inside the identity transaction, with the
+        # child forked and waiting at the barrier; SQLite rolls the write back.
+        with self.journal.tx(crash_point="journal_tx") as db:
             self.journal.update_cell(db, spec.run_id, spec.cell_id, pid=ident["pid"], pidfd_ino=ident["pidfd_ino"],
                                      starttime=ident["starttime"], pgid=ident["pgid"], started_at=cell.started_at)
             self.journal.event(db, "stage.process_supervisor", spec.run_id, spec.cell_id, **st)

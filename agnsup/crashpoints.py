@@ -6,7 +6,8 @@ exception: no finally block, atexit hook or signal handler may run, exactly
 as when an operator or the OOM killer ends the controller.
 
 Points (../shared/spec/authority-blackout.md, "Crash points"):
-  after_intent, after_cgroup, child_setup, after_exec, journal_tx,
+  after_intent, after_cgroup, child_setup, after_exec,
+  journal_tx (inside the transaction that records the leader's identity),
   cancel_grace, cancel_frozen, cleanup_before_rmdir, cleanup_tmp_half,
   janitor_after_kill
 """

@@ -44,7 +44,6 @@ class Journal:
             raise StateError(f"journal {path} is unusable: {e}") from None
         if mode != "wal":
             raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
-        self.crash_hook = None  # set by crashpoints when a test enables them
         if version == 0 or version < _latest():
             self._migrate(version)
 
@@ -62,15 +61,18 @@ class Journal:
             raise StateError(f"journal {self.path}: migration failed: {e}") from None
 
     @contextmanager
-    def tx(self):
+    def tx(self, crash_point: str | None = None):
+        """One write transaction. `crash_point` names a test-only crash point
+        fired after the statements ran and before COMMIT (crashpoints.py)."""
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as e:
             raise StateError(f"journal {self.path}: cannot write: {e}") from None
         try:
             yield self.db
-            if self.crash_hook:
-                self.crash_hook("journal_tx")
+            if crash_point:
+                from . import crashpoints
+                crashpoints.hit(crash_point)
             self.db.execute("COMMIT")
         except BaseException:
             try:

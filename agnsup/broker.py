@@ -156,6 +156,7 @@ class Controller:
     def _backend(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
         node = cell.node
         if node.paths:
             made = cgroup.create_cell(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)

@@ -109,3 +109,8 @@ def test_a_root_cell_cannot_write_its_pid_into_any_cgroup_procs_outside_its_own(
     assert "ESCAPED" not in cp.out and "REMOUNTED" not in cp.out
     capbnd = int(cp.out.split()[-1], 16)
     assert not capbnd & (1 << 21), "CAP_SYS_ADMIN still in the bounding set"
+
+
+def test_the_private_tmp_looks_like_a_real_tmp(agnsup, worktree):
+    cp = agnsup("run", "--workdir", worktree, "--", "stat", "-c", "%a", "/tmp", check=0)
+    assert cp.out.strip() == "1777"

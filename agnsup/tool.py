@@ -45,7 +45,7 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
     """Run `argv` as one cell and wait for it. Raises AgnsupError subclasses when
     agnsup refuses or fails (each carries its exit code); returns a result dict
     with exit_code, state, reason, receipt (and stdout/stderr when captured)."""
-    from . import broker, compiler, governance, policy, spec as specmod
+    from . import broker, compiler, governance, janitor, policy, spec as specmod
     from .state import StateRoot
 
     trace = [broker.stage("public_tool", tool="run_process", entry=entry)]
@@ -56,7 +56,7 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
                             entry=entry)
     state = StateRoot(state_dir)
     state.ensure()
-    __import__("agnsup.janitor").janitor.on_start(state)  # crash recovery first: one query when nothing to do
+    janitor.on_start(state)  # crash recovery first: one query when nothing to do
     pol = policy.load(role, state.path)
     spec = specmod.build(call, pol)
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=role))

@@ -320,10 +320,6 @@ def _layout_cache() -> Layout:
     return _layout
 
 
-def member(pid: int, node: Node) -> bool:
-    from . import proc
-    prim = node.primary
-    return prim is not None and _in_tree(proc.cgroup_lines(pid), prim[0], prim[1])
 
 
 def kill(node: Node) -> str:

@@ -2,8 +2,7 @@
 
 unshare(CLONE_NEWNET) gives a namespace whose only link, lo, is down. One
 SIOCSIFFLAGS ioctl brings it up: the same netlink request pyroute2 would
-send, without a 150 ms import on every cell (the tests inspect the cell's
-namespace with pyroute2). The namespace is anonymous: it dies with the last
+send, without a 150 ms import on every cell. The namespace is anonymous: it dies with the last
 process in it, so nothing is left to clean up after a crash.
 """
 from __future__ import annotations

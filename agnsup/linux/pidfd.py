@@ -51,19 +51,6 @@ def inode(fd: int) -> int:
     return os.fstat(fd).st_ino
 
 
-def identity(pid: int) -> dict | None:
-    """The identity we journal for a live process, or None if it is gone."""
-    fd = open(pid)
-    if fd is None:
-        return None
-    try:
-        st = proc.stat(pid)
-        if st is None:
-            return None
-        return {"pid": pid, "pidfd_ino": inode(fd) if has_pidfs() else None,
-                "starttime": st.starttime, "pgid": st.pgid, "sid": st.sid}
-    finally:
-        os.close(fd)
 
 
 def matches(fd: int, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool, str]:

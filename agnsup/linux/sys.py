@@ -47,7 +47,6 @@ MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 
 # prctl(2) options, <linux/prctl.h>
-PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
@@ -118,8 +117,3 @@ def drop_bounding_caps(caps: list[int]) -> None:
         prctl(PR_CAPBSET_DROP, cap)
 
 
-def capbset_has(cap: int) -> bool:
-    return prctl(PR_CAPBSET_READ, cap) == 1
-
-
-CAP_SYS_ADMIN = 21

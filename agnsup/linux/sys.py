@@ -115,5 +115,3 @@ def drop_bounding_caps(caps: list[int]) -> None:
     can no longer gain them (capabilities(7), "Capability bounding set")."""
     for cap in caps:
         prctl(PR_CAPBSET_DROP, cap)
-
-

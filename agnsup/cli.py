@@ -218,6 +218,27 @@ def tool_schema():
 
 
 @main.command()
+@click.option("--runs", default=1, show_default=True, type=click.IntRange(min=1), help="Seeded runs in a row.")
+@click.option("--seed", type=int, default=None, help="Seed of the first run (default: random, printed).")
+@click.option("--isolation", is_flag=True, help="Run the isolation probes instead of the blackout scenario.")
+@click.option("--keep", is_flag=True, help="Keep the private state root of a failed run for inspection.")
+@click.option("--json", "as_json", is_flag=True, help="The gate table as JSON.")
+def selftest(runs, seed, isolation, keep, as_json):
+    """Certify this host: the authority-blackout test (or, with --isolation,
+    the isolation probes) in a private state root and cgroup root.
+
+    Prints a table of gates: PASS, FAIL with the evidence, or
+    ENV_BLOCKED: <capability> when this host cannot offer what a gate needs
+    (never counted as a pass). Exit 0 only when every gate passes in every run.
+    """
+    if isolation:
+        from .selftest.isolation import main as isolation_main
+        sys.exit(isolation_main(as_json=as_json, keep=keep))
+    from .selftest.blackout import main as blackout_main
+    sys.exit(blackout_main(runs=runs, seed=seed, as_json=as_json, keep=keep))
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
 @click.pass_obj
 def janitor(obj, as_json):

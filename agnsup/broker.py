@@ -156,6 +156,8 @@ class Controller:
     def _backend(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        if plan.uid is not None:  # process.user: the cell's HOME is its own
+            os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
         node = cell.node
         if node.paths:
@@ -169,9 +171,9 @@ class Controller:
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
             "private_tmp": True, "masked": plan.deny_masked,
             "network_namespace": plan.new_netns, "network": plan.network,
-            "cap_sys_admin_dropped": bool(plan.drop_caps),
+            "cap_sys_admin_dropped": 21 in plan.drop_caps,
             "limits": cell.limits_applied,
-            "pid_namespace": False, "seccomp": False, "landlock": False, "no_new_privs": False,
+            **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
         }
         st = stage("backend", layout=self.layout.kind, cgroup=node.as_dict(), cgroup_inode=cell.cgroup_ino,
                    isolation=cell.isolation)

@@ -14,7 +14,7 @@ import os
 
 from .errors import PolicyError
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"  # 2: isolation and process sections
 
 
 def _packaged_dir() -> str:

@@ -2,16 +2,29 @@
 
 spawn() forks one child and runs the cell recipe in it, in order:
 
-    close every fd but 0-2 and the two pipes
+    close every fd but 0-2, the two pipes and the Landlock ruleset
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy)
     default signal dispositions, empty signal mask
     unshare the mount (and, if the role denies network, network) namespace
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
-    drop capabilities from the bounding set (root cells lose CAP_SYS_ADMIN)
+    PID namespace roles: mount the namespace's own /proc, wait at the
+        barrier, fork the command and stay as its init (linux/pidinit.py);
+        the command continues below
+    confine (docs/isolation.md), in this order because each step needs
+    what the next one takes away:
+        the last Landlock rules (the fresh /dev/shm, stdio files)
+        capabilities: the bounding set, then uid/gid (process.user) or
+            effective/permitted/inheritable/ambient, down to what the role keeps
+        no_new_privs
+        Landlock restrict_self
+        the seccomp filter (last: it refuses mount and unshare)
     wait at the barrier until the controller has journaled our identity
     chdir, execve
+
+The seccomp filter and the Landlock ruleset are built in the controller
+before fork, so the child only makes a few system calls.
 
 Any failure before execve is written to a close-on-exec pipe as
 "step\\0errno\\0message" and the child exits without running the command: a
@@ -33,7 +46,7 @@ from .errors import NotExecutable, NotFound, SetupError
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import cgroup, mounts, netns, pidfd, proc
+from .linux import cgroup, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
 from .linux import sys as lsys
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
@@ -44,6 +57,7 @@ class Child:
     pid: int
     pidfd: int
     identity: dict
+    status_fd: int | None = None  # PID namespace: the init reports the command's status here
 
 
 @dataclass
@@ -58,67 +72,176 @@ class Outcome:
     leftover: list | None = None  # pids still in the cell after the leader ended
 
 
-def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None) -> None:
+@dataclass
+class _Confinement:
+    """Built in the controller before fork; used by the child."""
+    ruleset: object = None   # landlock.Ruleset
+    filter: object = None    # seccomp.Filter
+
+
+class _Step:
+    name = "start"
+
+
+def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
+           status_w: int | None, controller: int) -> None:
     """Runs in the forked child; never returns."""
-    step = "start"
+    at = _Step()
     try:
         if stdio:
             for target, fd in enumerate(stdio):
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
-        keep = sorted({barrier_r, err_w})
-        os.closerange(3, keep[0])
-        os.closerange(keep[0] + 1, keep[1])
-        os.closerange(keep[1] + 1, _MAXFD)
-        step = "setsid"
+        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None})
+        at.name = "setsid"
         os.setsid()
-        step = "cgroup"
+        at.name = "cgroup"
         if node is not None:
             cgroup.join_self(node)
-        step = "signals"
+        at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        step = "unshare"
+        at.name = "unshare"
         lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
-        step = "mounts"
+        at.name = "mounts"
         mounts.apply(plan.mount_ops)
         if plan.new_netns:
-            step = "loopback"
+            at.name = "loopback"
             netns.loopback_up()
-        step = "capabilities"
-        lsys.drop_bounding_caps(plan.drop_caps)
-        crashpoints.hit("child_setup", os.getppid())
-        step = "barrier"
-        if os.read(barrier_r, 1) != b"1":
-            os._exit(125)  # the controller died before recording us: never run unrecorded
-        os.close(barrier_r)
-        step = "chdir"
+        crashpoints.hit("child_setup", controller)
+        if plan.pid_namespace:
+            at.name = "proc"
+            lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+            _barrier(at, barrier_r)
+            at.name = "init"
+            pidinit.block_signals()
+            pid = os.fork()
+            if pid:
+                _be_init(pid, err_w, status_w, conf)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            os.close(status_w)
+        _confine(at, plan, conf)
+        if not plan.pid_namespace:
+            _barrier(at, barrier_r)
+        at.name = "chdir"
         os.chdir(plan.spec.workdir)
-        step = "exec"
+        at.name = "exec"
         os.execve(plan.spec.exe, plan.spec.argv, plan.spec.env)
     except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
         code = getattr(e, "errno", None) or 0
         msg = getattr(e, "strerror", None) or str(e)
+        step = at.name
         try:
             os.write(err_w, f"{step}\0{code}\0{msg}".encode(errors="replace"))
         finally:
             os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
 
 
+def _close_all_but(keep: set) -> None:
+    low = 3
+    for fd in sorted(k for k in keep if k is not None):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, _MAXFD)
+
+
+def _barrier(at: _Step, barrier_r: int) -> None:
+    at.name = "barrier"
+    if os.read(barrier_r, 1) != b"1":
+        os._exit(125)  # the controller died before recording us: never run unrecorded
+    os.close(barrier_r)
+
+
+def _be_init(command: int, err_w: int, status_w: int, conf: _Confinement) -> None:
+    """PID 1 of the cell's PID namespace, once the command is forked; never returns."""
+    code = 125
+    try:
+        os.close(err_w)  # the command holds its own copy: EOF there still means its execve worked
+        if conf.ruleset:
+            conf.ruleset.close()
+        # Non-dumpable: nothing in the cell can open /proc/1/mem or ptrace the
+        # init, which keeps the capabilities the command drops.
+        lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
+        code = pidinit.supervise(command, status_w)
+    finally:
+        os._exit(code)
+
+
+def _confine(at: _Step, plan, conf: _Confinement) -> None:
+    """The command's own confinement, after the mount namespace is built (docs/isolation.md)."""
+    if conf.ruleset:
+        at.name = "landlock_rules"
+        conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+        landlock.allow_stdio(conf.ruleset)
+    at.name = "capabilities"
+    lsys.drop_bounding_caps(plan.drop_caps)
+    if plan.uid is not None:
+        at.name = "user"
+        os.setgroups([])
+        os.setgid(plan.gid)
+        os.setuid(plan.uid)  # from root to another uid: every capability set empties (capabilities(7))
+    elif plan.cap_keep is not None:
+        lsys.set_caps(plan.cap_keep)
+    if plan.no_new_privs:
+        at.name = "no_new_privs"
+        lsys.set_no_new_privs()
+    if conf.ruleset:
+        at.name = "landlock"
+        conf.ruleset.restrict_self()
+    if conf.filter:
+        at.name = "seccomp"
+        conf.filter.load()
+
+
+def _prepare(plan) -> _Confinement:
+    conf = _Confinement()
+    if plan.seccomp_refuse is not None:
+        conf.filter = seccomp.build(plan.seccomp_refuse)
+    if plan.landlock_writable is not None:
+        conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+    return conf
+
+
 def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     """Fork the cell leader; journal its identity through `on_identity(identity)`
     before it may exec; return once execve succeeded (or raise)."""
+    try:
+        conf = _prepare(plan)
+    except OSError as e:
+        raise SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
+                         errno=e.errno) from None
     barrier_r, barrier_w = os.pipe()
     err_r, err_w = os.pipe()
-    pid = os.fork()
+    status_r = status_w = None
+    controller = os.getpid()
+    try:
+        if plan.pid_namespace:
+            status_r, status_w = os.pipe()
+            pid = _fork_into_new_pid_namespace()
+        else:
+            pid = os.fork()
+    except OSError as e:
+        for fd in (barrier_r, barrier_w, err_r, err_w, status_r, status_w):
+            if fd is not None:
+                os.close(fd)
+        if conf.ruleset:
+            conf.ruleset.close()
+        raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
+                         errno=e.errno) from None
     if pid == 0:
         os.close(barrier_w)
         os.close(err_r)
-        _child(plan, node, barrier_r, err_w, stdio)
+        if status_r is not None:
+            os.close(status_r)
+        _child(plan, node, barrier_r, err_w, stdio, conf, status_w, controller)
     os.close(barrier_r)
     os.close(err_w)
+    if status_w is not None:
+        os.close(status_w)
+    if conf.ruleset:
+        conf.ruleset.close()
     try:
         fd = os.pidfd_open(pid)
         st = proc.stat(pid)
@@ -130,6 +253,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         # The child sees EOF at the barrier and exits without exec.
         os.close(barrier_w)
         os.close(err_r)
+        if status_r is not None:
+            os.close(status_r)
         _reap(pid)
         raise
     os.close(barrier_w)
@@ -137,6 +262,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     if report:
         os.waitid(os.P_PIDFD, fd, os.WEXITED)
         os.close(fd)
+        if status_r is not None:
+            os.close(status_r)
         step, code, msg = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
         code = int(code or 0)
         if step == "exec":
@@ -145,7 +272,34 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
                 raise NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
             raise NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         raise SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
-    return Child(pid=pid, pidfd=fd, identity=identity)
+    return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r)
+
+
+def _fork_into_new_pid_namespace() -> int:
+    """fork(), the child becoming PID 1 of a new PID namespace.
+
+    unshare(CLONE_NEWPID) only changes where the caller's *next* child goes
+    (pid_namespaces(7)); setns back to our own namespace right after the fork
+    keeps every later fork of this controller where it was."""
+    own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        lsys.unshare(lsys.CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        except BaseException:
+            lsys.setns(own, lsys.CLONE_NEWPID)
+            raise
+    except BaseException:
+        os.close(own)
+        raise
+    if pid == 0:
+        os.close(own)
+        return 0
+    try:
+        lsys.setns(own, lsys.CLONE_NEWPID)
+    finally:
+        os.close(own)
+    return pid
 
 
 def _read_all(fd: int) -> bytes:
@@ -223,6 +377,8 @@ class Waiter:
             status = info.si_status
         else:
             sig = info.si_status
+        if self.child.status_fd is not None:  # a PID-namespace init: the command's own status
+            status, sig = pidinit.command_status(self.child.status_fd, status, sig)
         return self._finish(status, sig)
 
     def _kill_tree(self) -> None:

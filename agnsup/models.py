@@ -11,7 +11,7 @@ import re
 from typing import Literal
 
 from .secretkeys import looks_secret
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -96,23 +96,24 @@ PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_na
 
 
 class IsolationSection(_Strict):
-    seccomp: bool = Field(True, description="Load the per-cell seccomp filter: refuses prctl(PR_SET_MM), "
+    seccomp: StrictBool = Field(True, description="Load the per-cell seccomp filter: refuses prctl(PR_SET_MM), "
                           "TIOCSTI/TIOCLINUX, io_uring, kexec, module loading, and (unless allowed below) "
                           "ptrace and mount/namespace calls, with EPERM.")
-    landlock: bool = Field(True, description="Apply a Landlock domain: writes only beneath the worktree (when "
+    landlock: StrictBool = Field(True, description="Apply a Landlock domain: writes only beneath the worktree (when "
                            "rw), the private /tmp, /dev/shm, /dev/null-class devices and isolation.writable; "
                            "no signal to, or abstract-socket connect to, a process outside the cell.")
-    no_new_privs: bool = Field(True, description="Set no_new_privs: setuid and file-capability binaries gain "
+    no_new_privs: StrictBool = Field(True, description="Set no_new_privs: setuid and file-capability binaries gain "
                                "nothing. Required by seccomp and landlock.")
-    pid_namespace: bool = Field(False, description="A PID namespace of the cell's own, with a small init as "
+    pid_namespace: StrictBool = Field(False, description="A PID namespace of the cell's own, with a small init as "
                                 "PID 1 that forwards signals, reaps orphans and passes the command's status on.")
-    allow_ptrace: bool = Field(False, description="Let the seccomp filter pass ptrace and process_vm_*; "
+    allow_ptrace: StrictBool = Field(False, description="Let the seccomp filter pass ptrace and process_vm_*; "
                                "Landlock still refuses ptrace of any process outside the cell.")
-    allow_mount: bool = Field(False, description="Let the seccomp filter pass mount, umount2, pivot_root, "
+    allow_mount: StrictBool = Field(False, description="Let the seccomp filter pass mount, umount2, pivot_root, "
                               "setns, unshare, clone with CLONE_NEW* flags, clone3 and the new mount API.")
     capabilities: list[str] = Field(default_factory=list, description="Capabilities a root cell keeps "
                                     "(names as in capabilities(7), with or without CAP_); every other one "
-                                    "leaves the bounding, effective, permitted, inheritable and ambient sets.")
+                                    "leaves the bounding, effective, permitted, inheritable and ambient sets. "
+                                    "A cell with process.user set keeps none.")
     writable: list[str] = Field(default_factory=list, description="Extra absolute paths Landlock lets the cell "
                                 "write beneath (~ is the invoking user's home); the mount namespace must also "
                                 "leave them writable.")
@@ -162,8 +163,8 @@ class IsolationSection(_Strict):
 
 class ProcessSection(_Strict):
     user: int | str | None = Field(None, description="Run the cell as this uid or user name (agnsup must run "
-                                   "as root); unset: the controller's own uid. An unprivileged cell keeps no "
-                                   "capabilities.")
+                                   "as root); unset: the controller's own uid. It keeps no capabilities "
+                                   "(isolation.capabilities is for root cells).")
     group: int | str | None = Field(None, description="The cell's gid or group name; unset: the user's primary "
                                     "group (or the uid's number when the user has no passwd entry).")
 
@@ -198,9 +199,3 @@ class Policy(_Strict):
     isolation: IsolationSection = Field(default_factory=IsolationSection, description="Kernel confinement "
                                         "of the cell's process: seccomp, Landlock, capabilities, PID namespace.")
     process: ProcessSection = Field(default_factory=ProcessSection, description="Who the cell runs as.")
-
-    @model_validator(mode="after")
-    def _unprivileged_keeps_nothing(self):
-        if self.process.user is not None and self.isolation.capabilities:
-            raise ValueError("isolation.capabilities: a cell with process.user set keeps no capabilities")
-        return self

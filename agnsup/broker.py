@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -90,14 +89,14 @@ class Controller:
             self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False) -> Cell:
+    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False, notify=None) -> Cell:
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=decision,
                     trail=trail, trace=trace, capture=capture)
         exclusive = plan.worktree_mode == "rw"
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
         cell.lock_fd = locks.acquire(cell.lock_path, exclusive, spec.lock_timeout,
-                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}")
+                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
             self._intent(cell)
         except BaseException:

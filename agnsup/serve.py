@@ -15,6 +15,8 @@ connection. Every request has "op":
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
 
 Errors: {"ok": false, "error": one line, "exit_code": the CLI's exit code}.
+Before a response may come {"note": line} lines (e.g. waiting for a worktree
+lock); the client prints them on stderr.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 
 from .errors import AgnsupError, NoServer, UsageError
@@ -79,10 +82,14 @@ class Client:
         """Send one request; return the response, or raise the AgnsupError it carries."""
         self.file.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.file.flush()
-        line = self.file.readline()
-        if not line:
-            raise NoServer(f"the serve controller at {self.path} closed the connection")
-        resp = json.loads(line)
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise NoServer(f"the serve controller at {self.path} closed the connection")
+            resp = json.loads(line)
+            if "note" not in resp:
+                break
+            print(resp["note"], file=sys.stderr, flush=True)
         if not resp.pop("ok", False):
             err = AgnsupError(resp.get("error", "serve: request failed"))
             err.exit_code = int(resp.get("exit_code", 125))
@@ -173,7 +180,10 @@ class Server:
                 line = f.readline(MAX_REQUEST)
                 if not line:
                     return
-                f.write(json.dumps(self._dispatch(line)).encode() + b"\n")
+                def note(text: str) -> None:
+                    f.write(json.dumps({"note": text}).encode() + b"\n")
+                    f.flush()
+                f.write(json.dumps(self._dispatch(line, note)).encode() + b"\n")
                 f.flush()
         except (OSError, ValueError):
             return
@@ -181,7 +191,7 @@ class Server:
             f.close()
             conn.close()
 
-    def _dispatch(self, line: bytes) -> dict:
+    def _dispatch(self, line: bytes, note) -> dict:
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
@@ -190,7 +200,7 @@ class Server:
             fn = getattr(self, "op_" + str(op), None)
             if fn is None:
                 raise UsageError(f"unknown op {op!r}")
-            return {"ok": True, **fn(req)}
+            return {"ok": True, **(fn(req, note) if op in ("spawn", "run") else fn(req))}
         except AgnsupError as e:
             return {"ok": False, "error": e.message, "exit_code": e.exit_code}
         except (ValueError, TypeError, KeyError) as e:
@@ -211,13 +221,13 @@ class Server:
             raise UsageError(f"unknown spawn option(s): {', '.join(sorted(unknown))}")
         return argv, {k: v for k, v in req.items() if v is not None}
 
-    def op_spawn(self, req: dict) -> dict:
+    def op_spawn(self, req: dict, note) -> dict:
         argv, opts = self._spawn_args(req)
-        return self.sup.spawn(argv, entry="serve", **opts)
+        return self.sup.spawn(argv, entry="serve", notify=note, **opts)
 
-    def op_run(self, req: dict) -> dict:
+    def op_run(self, req: dict, note) -> dict:
         argv, opts = self._spawn_args(req)
-        h = self.sup.spawn(argv, entry="serve", **opts)
+        h = self.sup.spawn(argv, entry="serve", notify=note, **opts)
         return self.sup.wait(h["run_id"], h["cell_id"])
 
     def op_wait(self, req: dict) -> dict:

@@ -51,16 +51,17 @@ class Supervisor:
               agent_id: str = "default", cell_id: str | None = None, workdir: str | None = None,
               timeout: float | None = None, lock_timeout: float | None = None,
               env: list[str] | dict | None = None, host_env: dict | None = None, capture: bool = True,
-              receipt_file: str | None = None, entry: str = "api") -> dict:
+              receipt_file: str | None = None, entry: str = "api", notify=None) -> dict:
         """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup}.
-        Raises AgnsupError (denied, not found, lock timeout...) like run_process."""
+        Raises AgnsupError (denied, not found, lock timeout...) like run_process.
+        A held worktree lock is waited for; `notify(line)` hears about it (default: stderr)."""
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
         plan, decision, trail, trace = prepare(self.state, argv, role=role, run_id=run_id, agent_id=agent_id,
                                                cell_id=cell_id, workdir=workdir, timeout=timeout,
                                                lock_timeout=lock_timeout, env=env, entry=entry, host_env=host_env)
-        cell = self.ctl.start(plan, decision, trail, trace, capture=capture)
+        cell = self.ctl.start(plan, decision, trail, trace, capture=capture, notify=notify)
         r = _Running(cell, capture)
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:

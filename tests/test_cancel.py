@@ -10,7 +10,7 @@ import pytest
 
 from agnsup import locks
 from agnsup.linux import cgroup
-from scenario import STARTERS, alive, bindable, gone, growing, stubborn_argv, tree_pids, wait_beats, wait_for
+from scenario import STARTERS, alive, gone, growing, lines, stubborn_argv, tree_pids, wait_beats, wait_for
 
 
 def _wt(tmp_path, name):
@@ -191,3 +191,52 @@ def test_cancel_all_is_a_kill_switch_for_every_live_cell_and_leaves_runs_open(ag
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.parametrize("how", ["serve", "api"])
+def test_through_serve_and_the_api_a_held_worktree_makes_a_cell_wait_or_time_out(how, agnsup, tmp_path, worktree):
+    starter = STARTERS[how](agnsup, tmp_path)
+    try:
+        info = starter.start("R", "A", "L1", worktree, stubborn_argv(worktree, "L1"), role="executor")
+        wait_beats(info["heartbeats"][:1])
+        t0 = time.monotonic()
+        if how == "serve":
+            cp = agnsup("spawn", "--cell", "L2", "--lock-timeout", "1", "--workdir", worktree, "--", "true", check=75)
+            assert "waiting for the worktree" in cp.err and "L1" in cp.err.splitlines()[-1]
+        else:
+            from agnsup.errors import LockTimeout
+            with pytest.raises(LockTimeout, match="L1"):
+                starter.sup.spawn(["true"], cell_id="L2", lock_timeout=1, workdir=worktree, notify=lambda _: None)
+        assert time.monotonic() - t0 >= 0.9
+        # cancel through the same front door, then the worktree is free again
+        if how == "serve":
+            from agnsup.serve import Client
+            with Client(starter.ready["socket"]) as c:
+                assert c.call("cancel", cell_id="L1", run_id="R", grace=0)["cancelled"] == 1
+                assert c.call("run", argv=["true"], cell_id="L3", workdir=worktree, lock_timeout=1)["exit_code"] == 0
+        else:
+            assert starter.sup.cancel(cell_id="L1", run_id="R", grace=0)["cancelled"] == 1
+            assert starter.sup.run(["true"], cell_id="L3", workdir=worktree, lock_timeout=1)["exit_code"] == 0
+            assert starter.sup.cleanup("R")["cleaned"] >= 0 and starter.sup.cleanup("R")["cleaned"] == 0
+        assert not any(alive(*p) for p in tree_pids(info))  # executor: its ports were in the cell's own netns
+        assert starter.exit_code("R", "L1") in (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+    finally:
+        starter.close()
+
+
+def test_a_term_trap_gets_its_grace_when_the_cell_runs_under_serve(agnsup, tmp_path, worktree):
+    starter = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        trap_file = os.path.join(worktree, "trap.txt")
+        script = f'trap "echo trapped > {trap_file}; sleep 60" TERM; echo up; sleep 60 & wait'
+        agnsup.json("spawn", "--cell", "T2", "--workdir", worktree, "--", "sh", "-c", script)
+        out_file = os.path.join(agnsup.state, "cells", "default", "T2", "stdout")
+        wait_for(lambda: lines(out_file) == 1, what="the trap set")
+        t0 = time.monotonic()
+        out = agnsup.json("cancel", "--cell", "T2", "--grace", "1.5", "--json")
+        assert time.monotonic() - t0 >= 1.4 and out["cells"][0]["state"] == "cancelled"
+        with open(trap_file) as f:
+            assert f.read() == "trapped\n"
+        assert starter.exit_code("default", "T2") == 128 + signal.SIGKILL
+    finally:
+        starter.close()

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
 
 from scenario import STARTERS, alive, gone, growing, stubborn_argv, tree_pids, wait_beats
 

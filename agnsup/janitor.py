@@ -351,7 +351,9 @@ class _Janitor:
             method = cgroup.kill(node)
             cgroup.wait_empty(node, 10.0)
             for c in tree:
-                out.append({**c, "method": method, "verified_dead": _dead(c["pid"], c["starttime"])})
+                # wait, not a glance: a PID-namespace init leaves its cgroup before it
+                # has finished dying (it first reaps its namespace, pid_namespaces(7))
+                out.append({**c, "method": method, "verified_dead": _wait_dead(c["pid"], c["starttime"], 5.0)})
         for c in found.values():
             if c["via"] == "cgroup":
                 continue

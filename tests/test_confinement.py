@@ -502,9 +502,14 @@ def test_control_without_landlock_a_root_cell_can_signal_a_host_process(plain, w
 # ---------------------------------------------------------------- PID namespace
 
 
-@pytest.fixture
-def pidns(state, worktree, policy_dir):
-    make_role(policy_dir, "pidns", **iso(pid_namespace="true"))
+@pytest.fixture(params=["root", "nobody"])
+def pidns(request, state, worktree, policy_dir):
+    as_user = request.param == "nobody"
+    make_role(policy_dir, "pidns", extra=f"[process]\nuser = {NOBODY}\n" if as_user else "",
+              **iso(pid_namespace="true"))
+    if as_user:
+        os.chmod(os.path.dirname(worktree), 0o755)
+        os.chown(worktree, NOBODY, NOBODY)
     a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
 
     def run(*argv, extra=(), **kw):
@@ -668,3 +673,26 @@ def test_the_shipped_roles_confine_with_seccomp_and_landlock():
             doc = tomllib.load(f)
         assert doc["isolation"]["seccomp"] is True and doc["isolation"]["landlock"] is True, role
     assert shutil.which("python3")
+
+
+def test_the_janitor_recovers_a_pid_namespace_cell_of_a_killed_controller(pidns, worktree):
+    a = pidns.agnsup
+    p = a.popen("run", "--role", "pidns", "--workdir", worktree, "--cell", "p1", "--", "python3", "-c",
+                "import time; print('ready', flush=True); time.sleep(300)", stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        init = _child_of(p.pid)
+        command = _child_of(init)
+        ids = [(pid, proc.stat(pid).starttime) for pid in (init, command)]
+        p.kill()  # the controller dies without a word
+        p.wait(10)
+    finally:
+        p.stdout.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    cp = a("run", "--workdir", worktree, "--cell", "p2", "--", "true", check=0)
+    assert "janitor recovered 1 cell" in cp.err
+    for pid, start in ids:
+        st = proc.stat(pid)
+        assert st is None or st.starttime != start or st.state in ("Z", "X"), f"{pid} survived the janitor"

@@ -55,6 +55,7 @@ class ExecutionPlan:
             "pid_namespace": self.pid_namespace,
             "not_in_force": self.not_in_force,
         }
+    quota: dict = field(default_factory=dict)   # run quotas, judged by the broker (governance.admit)
 
 
 def _expand(path: str, home: str) -> str:
@@ -88,7 +89,8 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
         new_netns=policy["network"]["mode"] in ("deny", "loopback"), network=policy["network"]["mode"],
         limits={"memory_max": lim.get("memory_max"), "pids_max": lim.get("pids_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
-        worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked, **conf)
+        worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
+        quota=dict(policy.get("quota") or {}), **conf)
 
 
 # The /dev/null class: devices every program may open for writing.

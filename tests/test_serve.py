@@ -82,3 +82,17 @@ def test_a_sigkilled_serve_is_recovered_by_the_janitor(agnsup, tmp_path):
         assert agnsup.json("ps", "--all", "--json")[0]["state"] == "recovered"
     finally:
         s.close()
+
+
+def test_sigterm_to_serve_cancels_its_running_cells_and_removes_the_socket(agnsup, tmp_path, worktree):
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        out = agnsup.json("spawn", "--cell", "long", "--workdir", worktree, "--", "sleep", "60")
+        s.server.send_signal(signal.SIGTERM)
+        assert s.server.wait(60) == 0
+        assert not os.path.exists(s.ready["socket"])
+        row = agnsup.json("ps", "--all", "--json")[0]
+        assert row["cell_id"] == "long" and row["state"] == "cancelled" and row["pid"] == out["pid"]
+        assert "shutting down" in agnsup.json("receipts", "--cell", "long", "--json")[0]["cancel_reason"]
+    finally:
+        s.close()

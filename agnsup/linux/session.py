@@ -253,3 +253,26 @@ def kill_cell(ev: Evidence, exclude: tuple[int, ...] = (), timeout: float = 30.0
             killed.append({**{k: v for k, v in c.items() if k != "recheck"},
                            "method": "pidfd_send_signal" if sent else "none", "signal_note": why,
                            "verified_dead": wait_dead(pid, c["starttime"], 5.0)})
+
+
+# -- the controller's side: a cell it started and still watches -------------
+def for_leader(identity: dict, token: str | None) -> Evidence:
+    """The evidence of a cell whose leader this controller holds by pidfd, unreaped."""
+    return Evidence(identity["pid"], True, token, identity.get("starttime") or 0)
+
+
+def end_cell(ev: Evidence, grace_until: float | None) -> tuple[list[int], list[dict]]:
+    """The leader has exited but is not reaped yet, so its pid (the session id)
+    cannot be reused under us: let a stop in progress have the rest of its grace
+    period, then kill whatever of the cell is left. Returns (left, killed)."""
+    from ..errors import SetupError
+    skip = (os.getpid(), ev.leader)
+    found, _ = ev.find(Snapshot.take(exclude=skip))
+    left = sorted(found)
+    while found and grace_until is not None and time.monotonic() < grace_until:
+        time.sleep(0.05)
+        found, _ = ev.find(Snapshot.take(exclude=skip))
+    try:
+        return left, kill_cell(ev, exclude=(ev.leader,)) if found else []
+    except OSError as e:
+        raise SetupError(f"cell without a cgroup: {e}") from None

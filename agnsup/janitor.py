@@ -9,13 +9,22 @@ or from another boot, and each of its cells not yet in a terminal state:
    - the journaled leader's exact identity (pidfd inode, start time) on this boot;
    - outside the cgroup, a process on which two pieces agree: the cell's
      ownership token in its environment AND a start time inside the cell's life;
+     or the cell's session (sid == the leader's pid, a number the kernel cannot
+     reuse while the session has members, and not held now by another process)
+     AND a start time inside the cell's life (linux/session.py: the only
+     evidence besides the token where the cell has no cgroup, layout `none`);
 2. journal the plan (event `recovery.kill`), kill (the tree through its cgroup,
-   single processes through a checked pidfd), verify;
+   single processes through a checked pidfd: SIGSTOP all, then SIGKILL), verify;
+   scan again until a scan finds none;
 3. release through the one reap path (cgroup dirs, temp dir), remove the
    worktree lock file if nobody holds it;
 4. in one transaction: the cell -> `recovered`, its run -> `recovered` when no
    other cell of it lives, a `recovery` receipt row; the receipt file is
    <state>/recovery/<janitor id>.json.
+
+Every cell of every dead controller goes through these steps together: one
+/proc scan per kill round serves all cells, one transaction journals a round's
+plans, one the outcome (scripts/bench janitor: 100 cells of 10 processes).
 
 A cell from another boot gets no signal at all: only records and files converge.
 A live controller's cells are never touched. The controller row is marked

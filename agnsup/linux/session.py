@@ -19,8 +19,10 @@ so its processes are found in one scan of /proc on evidence:
 
 Residual weakness, said in receipts and by `agnsup doctor`: a process that left
 the session *and* cleared its environment is not found, and if the leader and
-every member of its session ended, an unrelated process could take pid L and
-start a new session L before the scan. Cgroups have neither gap.
+every member of its session ended, an unrelated process could take pid L,
+start a new session L and end itself before the scan, leaving members that
+would match (while it lives, its identity tells it apart). Cgroups have
+neither gap.
 
 The kill: every signal through a pidfd opened, then checked (the evidence
 still holds, not a zombie); SIGSTOP every candidate first, so none can fork

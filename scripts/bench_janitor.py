@@ -27,6 +27,8 @@ import time
 
 from agnsup.linux import cgroup, session
 
+SETTLE = 3.0
+
 
 def scan_cost(reps: int = 5) -> tuple[int, float, float]:
     """(processes, ms, us per process) of one janitor /proc scan, best of `reps`."""
@@ -66,6 +68,7 @@ def orphans(agnsup: str, state: str, wt: str, layout, cells: int, per: int):
         c.send_signal(signal.SIGKILL)  # our own children: no shutdown hook runs
     for c in ctls:
         c.wait()
+    time.sleep(SETTLE)  # let the burst of 100 controller starts die down: time the janitor, not the setup
     return base, want
 
 

@@ -170,7 +170,8 @@ class Controller:
             cell.node = None
         cell.isolation = {
             "cgroup_layout": self.layout.kind,
-            "tracking": node.primary[0] if node.paths else None,
+            "tracking": node.primary[0] if node.paths else "session+token",
+            "env_blocked": [] if node.paths else ["ENV_BLOCKED: cgroup"],
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
             "private_tmp": True, "masked": plan.deny_masked,
             "network_namespace": plan.new_netns, "network": plan.network,
@@ -210,7 +211,8 @@ class Controller:
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
-        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd)
+        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd,
+                              token=cell.spec.token)
         w.cancelled_elsewhere = lambda: self._cancel_reason(cell) is not None
         return w
 

@@ -91,7 +91,10 @@ def report(state_root: str) -> dict:
         "tracking_and_kill": ("cgroup v2 cgroup.kill" if v2_kill else
                               "cgroup v2 membership, SIGKILL each member until empty" if layout.v2 else
                               "cgroup v1 freezer (freeze, kill, thaw)" if "freezer" in base.paths else
-                              "process group + token scan (weaker: no writable cgroup)"),
+                              "ENV_BLOCKED: cgroup: tracking session+token (the cell's session and process group, "
+                              "token + start time; stop then kill through pidfds until a scan finds none; weaker: "
+                              "no limits, no atomic tree kill, a process that leaves the session and clears its "
+                              "environment is not found)"),
         "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",

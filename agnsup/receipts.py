@@ -49,10 +49,13 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     return r
 
 
-def write(path: str, receipt: dict) -> None:
+def write(path: str, receipt: dict, compact: bool = False) -> None:
+    """Atomically. `compact`: one line, through the C encoder (indenting is pure
+    Python: ~100 ms for a recovery receipt of 1,000 processes)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(receipt, f, indent=2, sort_keys=True)
+        f.write(json.dumps(receipt, sort_keys=True, separators=(",", ":")) if compact else
+                json.dumps(receipt, indent=2, sort_keys=True))
         f.write("\n")
     os.replace(tmp, path)

@@ -324,9 +324,14 @@ def _reap(pid: int) -> None:
 class Waiter:
     """Waits for the leader, honours a timeout and cancel requests, kills the tree."""
 
-    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None):
+    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None,
+                 token: str | None = None):
         self.child, self.node, self.grace, self.timeout = child, node, grace, timeout
         self.wake_fd = wake_fd
+        self.session = None  # no cgroup: the cell is its session + token (linux/session.py)
+        self.left: list[int] = []
+        if node is None:
+            self.session = _session().for_leader(child.identity, token)
         self.cancel_reason: str | None = None
         self._term_sent_at: float | None = None
         self._reason: str | None = None
@@ -346,6 +351,7 @@ class Waiter:
                 cgroup.signal_all(self.node, signal.SIGTERM)
             else:
                 pidfd.send(self.child.pidfd, signal.SIGTERM)
+                _session().signal_cell(self.session, signal.SIGTERM, exclude=(self.child.pid,))
             crashpoints.hit("cancel_grace")
 
     def wait(self, poll_wake=None) -> Outcome:
@@ -374,6 +380,11 @@ class Waiter:
                 self.request_stop("timeout")
             elif self._term_sent_at is not None and now >= self._term_sent_at + self.grace:
                 self._kill_tree()
+        if self.node is None:  # before the leader is reaped: its pid, the session id, stays ours
+            grace_until = self._term_sent_at + self.grace if self._term_sent_at is not None else None
+            self.left, killed = _session().end_cell(self.session, grace_until)
+            if killed:
+                self.kill_method = self.kill_method or _session().TRACKING
         info = os.waitid(os.P_PIDFD, self.child.pidfd, os.WEXITED)
         status = sig = None
         if info.si_code == os.CLD_EXITED:
@@ -387,12 +398,13 @@ class Waiter:
     def _kill_tree(self) -> None:
         if self.kill_method is None:
             crashpoints.hit("cancel_frozen")
-            self.kill_method = cgroup.kill(self.node) if self.node is not None else "pidfd"
+            self.kill_method = cgroup.kill(self.node) if self.node is not None else _session().TRACKING
             if self.node is None:
                 pidfd.send(self.child.pidfd, signal.SIGKILL)
+                _session().kill_cell(self.session, exclude=(self.child.pid,))
 
     def _finish(self, status, sig) -> Outcome:
-        leftover = []
+        leftover = self.left
         if self.node is not None:
             prim = self.node.primary
             leftover = cgroup.procs(prim[1]) if prim else []
@@ -422,6 +434,11 @@ class Waiter:
             state = "cancelled" if reason == "cancelled" else "killed"
         return Outcome(exit_code=code, status=status, signal=sig, reason=reason, state=state,
                        cancel_reason=self.cancel_reason, kill_method=self.kill_method, leftover=leftover)
+
+
+def _session():
+    from .linux import session
+    return session
 
 
 def probe(fn) -> tuple[bool, str]:

@@ -62,6 +62,14 @@ def parse_mountinfo(mountinfo: str) -> tuple[str | None, dict[str, str]]:
 
 
 def detect_layout(mountinfo: str | None = None) -> Layout:
+    """The host's layout; AGNSUP_CGROUP_LAYOUT=none runs without cgroups even
+    where they are writable (cells are then tracked by session + token)."""
+    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if mountinfo is None else ""
+    if forced == "none":
+        return Layout("none", None)
+    if forced:
+        from ..errors import UsageError
+        raise UsageError(f"AGNSUP_CGROUP_LAYOUT={forced!r}: the only override is 'none' (run without cgroups)")
     if mountinfo is None:
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()

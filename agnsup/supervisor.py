@@ -51,7 +51,7 @@ class Outcome:
     exit_code: int          # what the controller exits with (128+N for signal N)
     status: int | None      # the command's own exit status, if it exited
     signal: int | None      # the signal that killed the leader, if any
-    reason: str             # exited | killed | timeout | cancelled
+    reason: str             # exited | killed | timeout | cancelled | output_limit | oom
     state: str              # the cell's terminal state
     cancel_reason: str | None = None
     kill_method: str | None = None
@@ -170,9 +170,12 @@ def _reap(pid: int) -> None:
 class Waiter:
     """Waits for the leader, honours a timeout and cancel requests, kills the tree."""
 
-    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None):
+    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None,
+                 pump=None, oom_fd: int | None = None):
         self.child, self.node, self.grace, self.timeout = child, node, grace, timeout
         self.wake_fd = wake_fd
+        self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
+        self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
         self.cancel_reason: str | None = None
         self._term_sent_at: float | None = None
         self._reason: str | None = None
@@ -191,14 +194,39 @@ class Waiter:
                 pidfd.send(self.child.pidfd, signal.SIGTERM)
             crashpoints.hit("cancel_grace")
 
+    def stop_now(self, reason: str) -> None:
+        """Kill the whole tree at once, no grace: the cell broke a limit. First reason wins."""
+        if self._reason is None:
+            self._reason = reason
+        self._kill_tree()
+
+    def _on_oom(self) -> None:
+        try:
+            os.read(self.oom_fd, 8)
+        except BlockingIOError:
+            return
+        # v1 has no memory.oom.group: the OOM killer took one process, we take the rest
+        # (confirmed by the counter, so a notification for another reason stops nothing)
+        if self.node is not None and (cgroup.oom_kills(self.node) or 0) > 0:
+            self.stop_now("oom")
+
     def wait(self, poll_wake=None) -> Outcome:
-        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable."""
+        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
+
+        The same loop pumps the cell's output (if the role caps it) and watches
+        the v1 OOM eventfd; after the leader is gone and the tree is dead, what
+        is left in the pipes is delivered."""
         start = time.monotonic()
         p = select.poll()
         p.register(self.child.pidfd, select.POLLIN)
         if self.wake_fd is not None:
             p.register(self.wake_fd, select.POLLIN)
+        if self.oom_fd is not None:
+            p.register(self.oom_fd, select.POLLIN)
+        pumped: dict[int, int] = {}
         while True:
+            if self.pump is not None:
+                pumped = _sync_poll(p, pumped, self.pump.interest())
             now = time.monotonic()
             deadlines = []
             if self.timeout and self._term_sent_at is None:
@@ -207,9 +235,15 @@ class Waiter:
                 deadlines.append(self._term_sent_at + self.grace)
             wait_ms = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             events = p.poll(wait_ms)
-            for fd, _ in events:
+            for fd, mask in events:
                 if fd == self.wake_fd and poll_wake:
                     poll_wake()
+                elif fd == self.oom_fd:
+                    self._on_oom()
+                elif fd in pumped:
+                    self.pump.handle(fd, mask)
+            if self.pump is not None and self.pump.overflowed:
+                self.stop_now("output_limit")
             if any(fd == self.child.pidfd for fd, _ in events):
                 break
             now = time.monotonic()
@@ -223,7 +257,14 @@ class Waiter:
             status = info.si_status
         else:
             sig = info.si_status
-        return self._finish(status, sig)
+        outcome = self._finish(status, sig)
+        if self.pump is not None:
+            # The tree is dead: every write end is closed, EOF comes at once.
+            self.pump.drain(5.0)
+            if self.pump.overflowed and self._reason is None:
+                # it wrote past the cap and ended before we read it: delivered up to the cap only
+                outcome.reason = "output_limit"
+        return outcome
 
     def _kill_tree(self) -> None:
         if self.kill_method is None:
@@ -251,14 +292,23 @@ class Waiter:
         reason = self._reason or ("exited" if status is not None else "killed")
         if reason == "timeout":
             code, state = 124, "timeout"
-        elif status is not None:
-            code = status
-            state = "cancelled" if reason == "cancelled" else "exited"
         else:
-            code = 128 + sig
-            state = "cancelled" if reason == "cancelled" else "killed"
+            code = status if status is not None else 128 + sig
+            # a broken limit (output_limit, oom) is a kill by the supervisor
+            state = {"cancelled": "cancelled", "output_limit": "killed", "oom": "killed"}.get(
+                reason, "exited" if status is not None else "killed")
         return Outcome(exit_code=code, status=status, signal=sig, reason=reason, state=state,
                        cancel_reason=self.cancel_reason, kill_method=self.kill_method, leftover=leftover)
+
+
+def _sync_poll(p, current: dict[int, int], want: dict[int, int]) -> dict[int, int]:
+    """Make the poll object's registrations for the pump equal `want`."""
+    for fd in current.keys() - want.keys():
+        p.unregister(fd)
+    for fd, mask in want.items():
+        if current.get(fd) != mask:
+            p.register(fd, mask)
+    return want
 
 
 def probe(fn) -> tuple[bool, str]:

@@ -37,6 +37,7 @@ from .linux import cgroup, mounts, netns, pidfd, proc
 from .linux import sys as lsys
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
+OOM_SETTLE = 1.0  # seconds the v1 OOM killer gets to take its victim before we take the cell
 
 
 @dataclass
@@ -176,6 +177,7 @@ class Waiter:
         self.wake_fd = wake_fd
         self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
         self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
+        self._oom_at: float | None = None
         self.cancel_reason: str | None = None
         self._term_sent_at: float | None = None
         self._reason: str | None = None
@@ -205,10 +207,17 @@ class Waiter:
             os.read(self.oom_fd, 8)
         except BlockingIOError:
             return
-        # v1 has no memory.oom.group: the OOM killer took one process, we take the rest
-        # (confirmed by the counter, so a notification for another reason stops nothing)
-        if self.node is not None and (cgroup.oom_kills(self.node) or 0) > 0:
-            self.stop_now("oom")
+        # v1 has no memory.oom.group: the OOM killer takes one process, we take the rest.
+        # The kernel notifies before it picks its victim (mem_cgroup_oom_notify precedes
+        # out_of_memory), so we let it act first (the receipt then shows its kill in
+        # oom_kills) and kill the rest once the counter moves, or OOM_SETTLE later.
+        if self._oom_at is None:
+            self._oom_at = time.monotonic()
+
+    def _oom_due(self, now: float) -> bool:
+        if self._oom_at is None or self._reason is not None:
+            return False
+        return now >= self._oom_at + OOM_SETTLE or (cgroup.oom_kills(self.node) or 0) > 0
 
     def wait(self, poll_wake=None) -> Outcome:
         """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
@@ -233,6 +242,8 @@ class Waiter:
                 deadlines.append(start + self.timeout)
             if self._term_sent_at is not None:
                 deadlines.append(self._term_sent_at + self.grace)
+            if self._oom_at is not None and self._reason is None:
+                deadlines.append(now + 0.02)  # look at the OOM counter again shortly
             wait_ms = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             events = p.poll(wait_ms)
             for fd, mask in events:
@@ -244,6 +255,8 @@ class Waiter:
                     self.pump.handle(fd, mask)
             if self.pump is not None and self.pump.overflowed:
                 self.stop_now("output_limit")
+            if self._oom_due(time.monotonic()):
+                self.stop_now("oom")
             if any(fd == self.child.pidfd for fd, _ in events):
                 break
             now = time.monotonic()

@@ -321,3 +321,93 @@ def test_a_role_without_an_output_cap_writes_the_controllers_stdout_directly(agn
     # the very file, not a pipe
     assert int(out.read_text()) == os.stat(out).st_ino
     assert receipt_of(rfile)["output"]["via"] == "direct"
+
+
+# ---------------------------------------------------------------- the file-writing logic, per layout
+# A fake cgroupfs: directories with the files a kernel would offer. The kernel's behaviour is
+# proven above on this host's controllers (v1 memory/pids/cpu); these pin what goes where on a
+# pure-v2 host, which this machine is not.
+
+def _fake(tmp_path, name: str, files: tuple[str, ...]) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    for f in files:
+        (d / f).write_text("")
+    return str(d)
+
+
+V2_FILES = ("memory.max", "memory.swap.max", "memory.oom.group", "pids.max", "cpu.weight", "cpu.max")
+V1_FILES = {"memory": ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"), "pids": ("pids.max",),
+            "cpu": ("cpu.shares", "cpu.cfs_period_us", "cpu.cfs_quota_us")}
+ALL = {"memory_max": 64 << 20, "pids_max": 64, "cpu_weight": 50, "cpu_max": 1.5}
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _contents(d: str) -> dict:
+    """The files of a fake cgroup directory that something wrote."""
+    return {f: _read(os.path.join(d, f)) for f in sorted(os.listdir(d)) if _read(os.path.join(d, f))}
+
+
+def test_on_a_pure_v2_host_every_limit_goes_to_the_cells_v2_directory(tmp_path):
+    v2 = _fake(tmp_path, "v2", V2_FILES)
+    applied = cgroup.apply_limits({"v2": v2}, ["memory", "pids", "cpu"], ALL)
+    assert applied == {"memory": "v2:" + v2, "pids": "v2:" + v2, "cpu": "v2:" + v2}
+    assert _contents(v2) == {"cpu.max": "150000 100000", "cpu.weight": "50", "memory.max": str(64 << 20),
+                             "memory.oom.group": "1", "memory.swap.max": "0", "pids.max": "64"}
+
+
+def test_on_a_v1_or_hybrid_host_limits_go_to_each_controllers_hierarchy(tmp_path):
+    v2 = _fake(tmp_path, "v2", ())
+    paths = {"v2": v2, **{c: _fake(tmp_path, c, files) for c, files in V1_FILES.items()}}
+    applied = cgroup.apply_limits(paths, [], ALL)
+    assert applied == {c: "v1:" + paths[c] for c in ("memory", "pids", "cpu")}
+    assert _contents(paths["memory"]) == {"memory.limit_in_bytes": str(64 << 20),
+                                          "memory.memsw.limit_in_bytes": str(64 << 20)}
+    assert _contents(paths["cpu"]) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000",
+                                       "cpu.shares": "512"}
+    assert _contents(paths["pids"]) == {"pids.max": "64"}
+    assert _contents(v2) == {}
+
+
+def test_a_v2_controller_that_is_not_enabled_for_us_falls_back_to_v1(tmp_path):
+    v2 = _fake(tmp_path, "v2", V2_FILES)
+    mem = _fake(tmp_path, "memory", V1_FILES["memory"])
+    applied = cgroup.apply_limits({"v2": v2, "memory": mem}, ["pids"], {"memory_max": 1 << 20, "pids_max": 9})
+    assert applied == {"memory": "v1:" + mem, "pids": "v2:" + v2}
+
+
+def test_a_kernel_without_swap_accounting_still_gets_the_memory_limit(tmp_path):
+    mem = _fake(tmp_path, "memory", ("memory.limit_in_bytes",))
+    assert cgroup.apply_limits({"memory": mem}, [], {"memory_max": 1 << 20}) == {"memory": "v1:" + mem}
+    v2 = _fake(tmp_path, "v2", ("memory.max", "memory.oom.group"))
+    assert cgroup.apply_limits({"v2": v2}, ["memory"], {"memory_max": 1 << 20}) == {"memory": "v2:" + v2}
+
+
+def test_a_limit_no_hierarchy_can_hold_is_absent_from_what_was_applied(tmp_path):
+    assert cgroup.apply_limits({"v2": _fake(tmp_path, "v2", ())}, [], ALL) == {}
+
+
+def test_v2_controllers_are_enabled_down_our_own_directories_only(tmp_path):
+    chain = []
+    for name in ("base", "run", "agent"):
+        d = _fake(tmp_path, name, ("cgroup.subtree_control",))
+        (tmp_path / name / "cgroup.controllers").write_text("cpu memory pids io\n")
+        chain.append(d)
+    assert cgroup._enable_v2_controllers(chain, ("memory", "cpu", "hugetlb")) == ["memory", "cpu"]
+    for d in chain:
+        assert _read(os.path.join(d, "cgroup.subtree_control")) == "+memory +cpu"
+
+
+def test_usage_counters_are_read_per_file_and_name_the_limit_they_bear_on(tmp_path):
+    v2 = _fake(tmp_path, "v2", ())
+    (tmp_path / "v2" / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\n")
+    (tmp_path / "v2" / "pids.events").write_text("max 7\n")
+    (tmp_path / "v2" / "cpu.stat").write_text("usage_usec 10\nuser_usec 6\nsystem_usec 4\nnr_throttled 3\n"
+                                              "throttled_usec 99\n")
+    u = cgroup.read_usage(cgroup.Node({"v2": v2}))
+    assert u == {"cpu_usage_usec": 10, "cpu_user_usec": 6, "cpu_system_usec": 4, "cpu_nr_throttled": 3,
+                 "cpu_throttled_usec": 99, "pids_max_events": 7, "oom_kills": 1}

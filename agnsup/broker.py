@@ -133,10 +133,7 @@ class Controller:
     def _intent(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
-        node = cgroup.scope_node(self.base, spec.run_id, spec.agent_id, spec.cell_id)
-        if "cpu" in node.paths and not (plan.limits.get("cpu_weight") or plan.limits.get("cpu_max")):
-            # the v1 cpu hierarchy is only joined to limit: no limit, one mkdir and one move fewer
-            node = cgroup.Node({h: p for h, p in node.paths.items() if h != "cpu"})
+        node = cgroup.cell_node(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
         now = time.time()
         with self.journal.tx() as db:
             run = db.execute("SELECT state FROM runs WHERE run_id=?", (spec.run_id,)).fetchone()

@@ -411,3 +411,17 @@ def test_usage_counters_are_read_per_file_and_name_the_limit_they_bear_on(tmp_pa
     u = cgroup.read_usage(cgroup.Node({"v2": v2}))
     assert u == {"cpu_usage_usec": 10, "cpu_user_usec": 6, "cpu_system_usec": 4, "cpu_nr_throttled": 3,
                  "cpu_throttled_usec": 99, "pids_max_events": 7, "oom_kills": 1}
+
+
+def test_a_role_without_a_cpu_limit_does_not_join_the_v1_cpu_hierarchy(agnsup, policy_dir, worktree, tmp_path):
+    write_role(policy_dir, "nocpu")
+    src = (policy_dir / "nocpu.toml").read_text().replace("cpu_weight = 100\n", "")
+    (policy_dir / "nocpu.toml").write_text(src)
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    rfile = tmp_path / "receipt.json"
+    cp = agnsup("run", "--role", "nocpu", "--receipt", str(rfile), "--workdir", worktree, "--", "cat",
+                "/proc/self/cgroup", check=0)
+    cpu_line = [line for line in cp.out.splitlines() if line.split(":")[1] == "cpu"]
+    assert not cpu_line or cpu_line[0].endswith(":/")
+    assert "cpu" not in receipt_of(rfile)["cgroup"]
+    # and the leak check of the state fixture finds no cpu directory left behind

@@ -21,7 +21,7 @@ class ExecutionPlan:
     mount_ops: list[tuple]         # linux.mounts.MountOp tuples, in order
     new_netns: bool
     network: str
-    limits: dict                   # memory_max, pids_max
+    limits: dict                   # memory_max, pids_max, cpu_weight, cpu_max, output_max
     grace: float
     timeout: float | None
     drop_caps: list[int]           # leave the bounding set (every capability but cap_keep)
@@ -87,7 +87,7 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
         new_netns=policy["network"]["mode"] in ("deny", "loopback"), network=policy["network"]["mode"],
-        limits={"memory_max": lim.get("memory_max"), "pids_max": lim.get("pids_max")},
+        limits={k: lim.get(k) for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
         worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
         quota=dict(policy.get("quota") or {}), **conf)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import sqlite3
 import sys
 import time

@@ -83,10 +83,17 @@ class NetworkSection(_Strict):
 class LimitsSection(_Strict):
     memory_max: int | None = Field(None, description="Memory limit of the cell's cgroup ('2G', bytes); none if unset.")
     pids_max: int | None = Field(None, description="Most processes and threads the cell may hold at once.")
+    cpu_weight: int | None = Field(None, ge=1, le=10000, description="CPU share against the other cells when the "
+                                   "CPU is contended (1-10000, 100 = an even share): v2 cpu.weight, v1 cpu.shares.")
+    cpu_max: float | None = Field(None, gt=0, description="Most CPUs the cell may use at once (1.5 = one and a half "
+                                  "cores): v2 cpu.max, v1 cpu.cfs_quota_us over a 100 ms period; none if unset.")
+    output_max: int | None = Field(None, ge=0, description="Most bytes the cell may write to the controller, stdout "
+                                   "and stderr together ('16M', bytes); past it the cell is killed and the receipt "
+                                   "says output_limit. Unset: the cell writes the controller's stdio directly.")
     timeout: float | None = Field(None, description="Default wall-clock limit in seconds (--timeout overrides).")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")
 
-    @field_validator("memory_max", mode="before")
+    @field_validator("memory_max", "output_max", mode="before")
     @classmethod
     def _size(cls, v):
         return parse_size(v)

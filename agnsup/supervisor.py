@@ -50,6 +50,7 @@ from .linux import cgroup, landlock, mounts, netns, pidfd, pidinit, proc, seccom
 from .linux import sys as lsys
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
+OOM_SETTLE = 1.0  # seconds the v1 OOM killer gets to take its victim before we take the cell
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Outcome:
     exit_code: int          # what the controller exits with (128+N for signal N)
     status: int | None      # the command's own exit status, if it exited
     signal: int | None      # the signal that killed the leader, if any
-    reason: str             # exited | killed | timeout | cancelled
+    reason: str             # exited | killed | timeout | cancelled | output_limit | oom
     state: str              # the cell's terminal state
     cancel_reason: str | None = None
     kill_method: str | None = None
@@ -325,13 +326,16 @@ class Waiter:
     """Waits for the leader, honours a timeout and cancel requests, kills the tree."""
 
     def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None,
-                 token: str | None = None):
+                 token: str | None = None, pump=None, oom_fd: int | None = None):
         self.child, self.node, self.grace, self.timeout = child, node, grace, timeout
         self.wake_fd = wake_fd
         self.session = None  # no cgroup: the cell is its session + token (linux/session.py)
         self.left: list[int] = []
         if node is None:
             self.session = _session().for_leader(child.identity, token)
+        self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
+        self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
+        self._oom_at: float | None = None
         self.cancel_reason: str | None = None
         self._term_sent_at: float | None = None
         self._reason: str | None = None
@@ -354,25 +358,67 @@ class Waiter:
                 _session().signal_cell(self.session, signal.SIGTERM, exclude=(self.child.pid,))
             crashpoints.hit("cancel_grace")
 
+    def stop_now(self, reason: str) -> None:
+        """Kill the whole tree at once, no grace: the cell broke a limit. First reason wins."""
+        if self._reason is None:
+            self._reason = reason
+        self._kill_tree()
+
+    def _on_oom(self) -> None:
+        try:
+            os.read(self.oom_fd, 8)
+        except BlockingIOError:
+            return
+        # v1 has no memory.oom.group: the OOM killer takes one process, we take the rest.
+        # The kernel notifies before it picks its victim (mem_cgroup_oom_notify precedes
+        # out_of_memory), so we let it act first (the receipt then shows its kill in
+        # oom_kills) and kill the rest once the counter moves, or OOM_SETTLE later.
+        if self._oom_at is None:
+            self._oom_at = time.monotonic()
+
+    def _oom_due(self, now: float) -> bool:
+        if self._oom_at is None or self._reason is not None:
+            return False
+        return now >= self._oom_at + OOM_SETTLE or (cgroup.oom_kills(self.node) or 0) > 0
+
     def wait(self, poll_wake=None) -> Outcome:
-        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable."""
+        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
+
+        The same loop pumps the cell's output (if the role caps it) and watches
+        the v1 OOM eventfd; after the leader is gone and the tree is dead, what
+        is left in the pipes is delivered."""
         start = time.monotonic()
         p = select.poll()
         p.register(self.child.pidfd, select.POLLIN)
         if self.wake_fd is not None:
             p.register(self.wake_fd, select.POLLIN)
+        if self.oom_fd is not None:
+            p.register(self.oom_fd, select.POLLIN)
+        pumped: dict[int, int] = {}
         while True:
+            if self.pump is not None:
+                pumped = _sync_poll(p, pumped, self.pump.interest())
             now = time.monotonic()
             deadlines = []
             if self.timeout and self._term_sent_at is None:
                 deadlines.append(start + self.timeout)
             if self._term_sent_at is not None:
                 deadlines.append(self._term_sent_at + self.grace)
+            if self._oom_at is not None and self._reason is None:
+                deadlines.append(now + 0.02)  # look at the OOM counter again shortly
             wait_ms = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             events = p.poll(wait_ms)
-            for fd, _ in events:
+            for fd, mask in events:
                 if fd == self.wake_fd and poll_wake:
                     poll_wake()
+                elif fd == self.oom_fd:
+                    self._on_oom()
+                elif fd in pumped:
+                    self.pump.handle(fd, mask)
+            if self.pump is not None and self.pump.overflowed:
+                self.stop_now("output_limit")
+            if self._oom_due(time.monotonic()):
+                self.stop_now("oom")
             if any(fd == self.child.pidfd for fd, _ in events):
                 break
             now = time.monotonic()
@@ -393,7 +439,14 @@ class Waiter:
             sig = info.si_status
         if self.child.status_fd is not None:  # a PID-namespace init: the command's own status
             status, sig = pidinit.command_status(self.child.status_fd, status, sig)
-        return self._finish(status, sig)
+        outcome = self._finish(status, sig)
+        if self.pump is not None:
+            # The tree is dead: every write end is closed, EOF comes at once.
+            self.pump.drain(5.0)
+            if self.pump.overflowed and self._reason is None:
+                # it wrote past the cap and ended before we read it: delivered up to the cap only
+                outcome.reason = "output_limit"
+        return outcome
 
     def _kill_tree(self) -> None:
         if self.kill_method is None:
@@ -426,12 +479,11 @@ class Waiter:
         reason = self._reason or ("exited" if status is not None else "killed")
         if reason == "timeout":
             code, state = 124, "timeout"
-        elif status is not None:
-            code = status
-            state = "cancelled" if reason == "cancelled" else "exited"
         else:
-            code = 128 + sig
-            state = "cancelled" if reason == "cancelled" else "killed"
+            code = status if status is not None else 128 + sig
+            # a broken limit (output_limit, oom) is a kill by the supervisor
+            state = {"cancelled": "cancelled", "output_limit": "killed", "oom": "killed"}.get(
+                reason, "exited" if status is not None else "killed")
         return Outcome(exit_code=code, status=status, signal=sig, reason=reason, state=state,
                        cancel_reason=self.cancel_reason, kill_method=self.kill_method, leftover=leftover)
 
@@ -439,6 +491,16 @@ class Waiter:
 def _session():
     from .linux import session
     return session
+
+
+def _sync_poll(p, current: dict[int, int], want: dict[int, int]) -> dict[int, int]:
+    """Make the poll object's registrations for the pump equal `want`."""
+    for fd in current.keys() - want.keys():
+        p.unregister(fd)
+    for fd, mask in want.items():
+        if current.get(fd) != mask:
+            p.register(fd, mask)
+    return want
 
 
 def probe(fn) -> tuple[bool, str]:

@@ -12,20 +12,19 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
 
 from . import crashpoints, governance, locks, supervisor
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, StateError
 from .journal import TERMINAL_RUN
 from .linux import cgroup, pidfd, proc
+from .record import Factory, Record
 
 
 def stage(name: str, **info) -> dict:
     return {"stage": name, "t": time.time(), **info}
 
 
-@dataclass
-class Cell:
+class Cell(Record):
     spec: object
     plan: object
     controller_id: str
@@ -33,12 +32,12 @@ class Cell:
     decision: dict
     trail: list
     trace: list
-    created_at: float = field(default_factory=time.time)
+    created_at: float = Factory(time.time)
     node: object = None
     cgroup_ino: int | None = None
-    limits_applied: dict = field(default_factory=dict)
-    isolation: dict = field(default_factory=dict)
-    identity: dict = field(default_factory=dict)
+    limits_applied: dict = Factory(dict)
+    isolation: dict = Factory(dict)
+    identity: dict = Factory(dict)
     started_at: float | None = None
     lock_fd: int | None = None
     lock_path: str | None = None

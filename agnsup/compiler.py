@@ -8,13 +8,12 @@ cannot be honoured fails before the command runs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from .errors import SetupError, UsageError
+from .record import Factory, Record
 from .spec import CellSpec
 
-@dataclass
-class ExecutionPlan:
+class ExecutionPlan(Record):
     spec: CellSpec
     cell_dir: str                  # <state>/cells/<run>/<cell>
     tmpdir: str                    # the cell's private /tmp (inside cell_dir)
@@ -27,7 +26,7 @@ class ExecutionPlan:
     drop_caps: list[int]           # leave the bounding set (every capability but cap_keep)
     worktree_mode: str             # rw | ro
     policy_digest: str
-    deny_masked: list[str] = field(default_factory=list)
+    deny_masked: list[str] = Factory(list)
     # confinement of the command itself (docs/isolation.md)
     seccomp_refuse: tuple | None = None    # seccomp groups beyond "always"; None: no filter
     landlock_writable: list[str] | None = None  # host paths Landlock lets the cell write; None: no Landlock
@@ -37,7 +36,7 @@ class ExecutionPlan:
     uid: int | None = None                 # run the cell as this uid/gid
     gid: int | None = None
     pid_namespace: bool = False
-    not_in_force: list[str] = field(default_factory=list)  # wanted by the role, missing on this host
+    not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
 
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
@@ -55,7 +54,7 @@ class ExecutionPlan:
             "pid_namespace": self.pid_namespace,
             "not_in_force": self.not_in_force,
         }
-    quota: dict = field(default_factory=dict)   # run quotas, judged by the broker (governance.admit)
+    quota: dict = Factory(dict)   # run quotas, judged by the broker (governance.admit)
 
 
 def _expand(path: str, home: str) -> str:

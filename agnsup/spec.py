@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from dataclasses import dataclass, field
 
 from .errors import NotFound, NotExecutable, UsageError
+from .record import Factory, Record
 from .state import check_id
 
 TOKEN_VAR = "AGNSUP_CELL_TOKEN"
@@ -22,8 +22,7 @@ IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR
 CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"
 
 
-@dataclass
-class ToolCall:
+class ToolCall(Record):
     """What an entry point received: the public run_process arguments."""
     argv: list[str]
     role: str = "executor"
@@ -33,12 +32,11 @@ class ToolCall:
     workdir: str | None = None
     timeout: float | None = None
     lock_timeout: float | None = None
-    env: list[str] = field(default_factory=list)   # "KEY=VALUE" or "KEY" (take the host's value)
+    env: list[str] = Factory(list)   # "KEY=VALUE" or "KEY" (take the host's value)
     entry: str = "api"                             # cli | api | tool | serve
 
 
-@dataclass
-class CellSpec:
+class CellSpec(Record):
     argv: list[str]
     exe: str
     role: str

@@ -39,7 +39,6 @@ import os
 import select
 import signal
 import time
-from dataclasses import dataclass
 
 from . import crashpoints
 from .errors import NotExecutable, NotFound, SetupError
@@ -48,21 +47,20 @@ from .errors import NotExecutable, NotFound, SetupError
 # a masked path), so the child must not import anything.
 from .linux import cgroup, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
 from .linux import sys as lsys
+from .record import Record
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
 OOM_SETTLE = 1.0  # seconds the v1 OOM killer gets to take its victim before we take the cell
 
 
-@dataclass
-class Child:
+class Child(Record):
     pid: int
     pidfd: int
     identity: dict
     status_fd: int | None = None  # PID namespace: the init reports the command's status here
 
 
-@dataclass
-class Outcome:
+class Outcome(Record):
     exit_code: int          # what the controller exits with (128+N for signal N)
     status: int | None      # the command's own exit status, if it exited
     signal: int | None      # the signal that killed the leader, if any
@@ -73,8 +71,7 @@ class Outcome:
     leftover: list | None = None  # pids still in the cell after the leader ended
 
 
-@dataclass
-class _Confinement:
+class _Confinement(Record):
     """Built in the controller before fork; used by the child."""
     ruleset: object = None   # landlock.Ruleset
     filter: object = None    # seccomp.Filter

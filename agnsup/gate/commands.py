@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import re
 
+from ..record import Factory, Record
 from .paths import LazyRe
-from dataclasses import dataclass, field
 
 MAX_DEPTH = 8  # nested sh -c / eval levels before we give up (and say so)
 
@@ -83,14 +83,13 @@ INTERPRETERS = {
 AWKS = frozenset({"awk", "gawk", "mawk", "nawk"})
 
 
-@dataclass
-class Exec:
+class Exec(Record):
     """One program that would run."""
 
     argv: list[str]                 # words after unwrapping; argv[0] is the program as written
     literal: list[bool]             # per word: True when it has no expansion
     via: tuple[str, ...] = ()       # wrappers peeled off, outermost first
-    redirects: list[tuple[str, str, bool]] = field(default_factory=list)  # (op, target, literal)
+    redirects: list[tuple[str, str, bool]] = Factory(list)  # (op, target, literal)
     background: bool = False        # ends with `&`
     loop: int | None = None         # id of the enclosing `while true` loop without break
     cwd: str | None = None          # directory from a literal `cd` earlier in the script
@@ -110,14 +109,13 @@ class Exec:
         return self.argv[1:]
 
 
-@dataclass
-class Analysis:
-    execs: list[Exec] = field(default_factory=list)
-    unparseable: list[str] = field(default_factory=list)   # why the text could not be judged
+class Analysis(Record):
+    execs: list[Exec] = Factory(list)
+    unparseable: list[str] = Factory(list)   # why the text could not be judged
     fork_bomb: str = ""                                     # excerpt, when one was seen
-    loops: dict[int, bool] = field(default_factory=dict)    # infinite loop id -> has background job
-    flags: set[str] = field(default_factory=set)            # advisory findings
-    dynamic: list[str] = field(default_factory=list)        # program words we cannot know statically
+    loops: dict[int, bool] = Factory(dict)    # infinite loop id -> has background job
+    flags: set[str] = Factory(set)            # advisory findings
+    dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
 
     def merge(self, other: "Analysis") -> None:

@@ -1,13 +1,13 @@
 """Plain values the gate takes and returns.
 
 `GateContext` says what the role may do; `Decision` is what the gate decided.
-Both are frozen dataclasses (no pydantic) so importing the gate stays cheap
-and a decision can be written to a receipt as-is with `to_dict()`.
+Both are frozen records (agnsup/record.py: no pydantic, no dataclasses) so
+importing the gate stays cheap and a decision can be written to a receipt as-is with `to_dict()`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..record import Factory, Record
 
 MODES = ("open", "locked", "readonly")
 NETWORKS = ("deny", "loopback", "host")
@@ -27,8 +27,7 @@ DEFAULT_DENY_PATHS = (
 )
 
 
-@dataclass(frozen=True)
-class GateContext:
+class GateContext(Record, frozen=True):
     """Everything the gate needs to know about the role and the call."""
 
     # Role name, only used in messages.
@@ -69,8 +68,7 @@ class GateContext:
     agent_id: str = ""
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(Record, frozen=True):
     """One verdict of the gate, carried to the receipt."""
 
     allowed: bool
@@ -109,8 +107,7 @@ class Decision:
         return d
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(Record, frozen=True):
     """What one check says: a denial (allowed=False) or a pass with flags."""
 
     allowed: bool
@@ -120,7 +117,7 @@ class Finding:
     flags: tuple[str, ...] = ()
     pinned: str = ""
     evidence: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict = Factory(dict)
 
 
 def ok(rule: str, reason: str = "", flags: tuple[str, ...] = (), pinned: str = "") -> Finding:

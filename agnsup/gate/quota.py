@@ -16,8 +16,8 @@ limit of 0 can be judged; the other limits are reported as not judged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
+from ..record import Record
 from .model import Finding, deny, ok
 
 KEYS = ("max_cells_per_run", "max_concurrent_per_run", "max_concurrent_per_agent", "max_run_seconds")
@@ -28,8 +28,7 @@ RULES = {"max_cells_per_run": "quota.cells_per_run", "max_concurrent_per_run": "
 TERMINAL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(Record, frozen=True):
     """What a run and an agent hold, from the journal, before the new cell."""
 
     cells_in_run: int

@@ -21,16 +21,16 @@ import hashlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+
+from ..record import Factory, Record
 
 V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(Record, frozen=True):
     kind: str                        # v2 | hybrid | v1 | none
     v2: str | None                   # cgroup2 mount point
-    v1: dict[str, str] = field(default_factory=dict)   # controller -> mount point
+    v1: dict[str, str] = Factory(dict)   # controller -> mount point
     v2_controllers: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
@@ -99,8 +99,7 @@ def root_name(state_root: str) -> str:
     return "agnsup-" + hashlib.sha256(os.path.realpath(state_root).encode()).hexdigest()[:12]
 
 
-@dataclass(frozen=True)
-class Node:
+class Node(Record, frozen=True):
     """One logical cgroup (a run, an agent or a cell) across the hierarchies.
 
     ``paths`` maps a hierarchy ("v2", "memory", "pids", "freezer", "cpu") to a directory.

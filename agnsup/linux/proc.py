@@ -7,7 +7,8 @@ but an answer (`None`), since any process can exit between two reads.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+
+from ..record import Record
 
 _boot_id: str | None = None
 
@@ -20,8 +21,7 @@ def boot_id() -> str:
     return _boot_id
 
 
-@dataclass(frozen=True)
-class Stat:
+class Stat(Record, frozen=True):
     pid: int
     comm: str
     state: str

@@ -1,0 +1,107 @@
+"""Record: plain data classes without `import dataclasses`.
+
+`@dataclass` costs ~15 ms to import (it pulls in inspect, ast, dis and
+tokenize) and ~1 ms per class to build (it compiles an __init__, __repr__
+and __eq__ from source for each), on every `agnsup run`: together more than
+bwrap needs for a whole sandbox. A Record subclass is declared the same way:
+fields are annotations, defaults are class attributes, a mutable default is
+`Factory(list)`. It gets an __init__ taking the fields by position or by
+name, __repr__ and __eq__; `class X(Record, frozen=True)` refuses assignment
+and adds __hash__, as @dataclass(frozen=True) does.
+"""
+from __future__ import annotations
+
+_MISSING = object()
+
+
+class Factory:
+    """A default made fresh for each instance (dataclasses' default_factory)."""
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
+class FrozenError(AttributeError):
+    """Assignment to a field of a frozen record."""
+
+
+class Record:
+    _fields: tuple[str, ...] = ()
+    _defaults: dict = {}
+    _frozen = False
+
+    def __init_subclass__(cls, frozen: bool = False, **kw) -> None:
+        super().__init_subclass__(**kw)
+        fields: list[str] = []
+        defaults: dict = {}
+        for klass in reversed(cls.__mro__):
+            if klass is Record or not issubclass(klass, Record):
+                continue
+            for name in klass.__dict__.get("__annotations__", {}):
+                if name not in fields:
+                    fields.append(name)
+                if name in klass.__dict__:
+                    defaults[name] = klass.__dict__[name]
+        seen_default = None
+        for name in fields:
+            if name in defaults:
+                seen_default = name
+            elif seen_default is not None:
+                raise TypeError(f"{cls.__name__}: field {name!r} without a default follows {seen_default!r}")
+        for name, d in defaults.items():
+            if isinstance(d, Factory) and name in cls.__dict__:
+                delattr(cls, name)  # no shared mutable default on the class
+        cls._fields, cls._defaults = tuple(fields), defaults
+        cls._frozen = frozen or cls._frozen
+        if cls._frozen:
+            cls.__hash__ = Record._hash
+        else:
+            cls.__hash__ = None  # mutable and compared by value: unhashable, like a dataclass
+
+    def __init__(self, *args, **kwargs) -> None:
+        fields = self._fields
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__}() takes {len(fields)} fields, {len(args)} given")
+        values = dict(zip(fields, args))
+        for k, v in kwargs.items():
+            if k not in self._defaults and k not in fields:
+                raise TypeError(f"{type(self).__name__}() got an unexpected field {k!r}")
+            if k in values:
+                raise TypeError(f"{type(self).__name__}() got field {k!r} twice")
+            values[k] = v
+        d = self.__dict__
+        for name in fields:
+            if name in values:
+                d[name] = values[name]
+                continue
+            default = self._defaults.get(name, _MISSING)
+            if default is _MISSING:
+                raise TypeError(f"{type(self).__name__}() missing field {name!r}")
+            d[name] = default.make() if isinstance(default, Factory) else default
+
+    def __setattr__(self, name: str, value) -> None:
+        if self._frozen:
+            raise FrozenError(f"cannot assign to field {name!r} of frozen {type(self).__name__}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._frozen:
+            raise FrozenError(f"cannot delete field {name!r} of frozen {type(self).__name__}")
+        object.__delattr__(self, name)
+
+    def _values(self) -> tuple:
+        d = self.__dict__
+        return tuple(d[n] for n in self._fields)
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    def _hash(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        d = self.__dict__
+        return f"{type(self).__qualname__}({', '.join(f'{n}={d[n]!r}' for n in self._fields)})"

@@ -7,10 +7,8 @@ before any kernel object exists, the identity before the command may exec.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import secrets
 import time
 
 from . import crashpoints, governance, locks, supervisor
@@ -47,6 +45,7 @@ class Cell(Record):
     oom_fd: int | None = None    # v1 OOM eventfd (cgroup.create_cell)
 
     def output_info(self) -> dict:
+        from .digest import sha256
         out = {"mode": "captured" if self.capture else "passthrough"}
         out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
         if not self.capture:
@@ -56,7 +55,7 @@ class Cell(Record):
             try:
                 with open(p, "rb") as f:
                     data = f.read()
-                out[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "path": p}
+                out[name] = {"bytes": len(data), "sha256": sha256(data).hexdigest(), "path": p}
             except OSError:
                 out[name] = None
         return out
@@ -67,7 +66,7 @@ class Controller:
         self.state = state.ensure()
         self.journal = state.journal()
         self.kind = kind
-        self.id = "ctl-" + secrets.token_hex(6)
+        self.id = "ctl-" + os.urandom(6).hex()  # not `secrets`: ~5 ms of imports for the same bytes
         self.lock_path = state.controller_lock(self.id)
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
         me = os.getpid()

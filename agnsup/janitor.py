@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sqlite3
 import sys
 import time
@@ -126,7 +125,7 @@ class _Janitor:
     def __init__(self, state, journal):
         from .linux import cgroup
         self.state, self.j = state, journal
-        self.id = "jan-" + secrets.token_hex(6)
+        self.id = "jan-" + os.urandom(6).hex()
         self.boot = proc.boot_id()
         self.base = cgroup.base_node(cgroup.detect_layout(), state.path)
         self.receipt_path = os.path.join(state.path, "recovery", self.id + ".json")

@@ -12,16 +12,16 @@ that the path still names the inode we locked, and retrying if not.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import sys
 import time
 
+from .digest import sha256
 from .errors import LockTimeout
 
 
 def worktree_key(worktree: str) -> str:
-    return hashlib.sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
+    return sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
 
 
 def _try(path: str, mode: int) -> int | None:

@@ -14,10 +14,10 @@ role may tighten but never loosen. docs/policy.md describes the format.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
+from .digest import sha256
 from .errors import PolicyError
 
 CACHE_VERSION = "3"  # 3: isolation and process sections
@@ -88,7 +88,7 @@ def find_preset(name: str) -> str | None:
 
 def _presets_digest() -> bytes:
     """Digest of every preset file, so editing a preset invalidates cached roles."""
-    h = hashlib.sha256()
+    h = sha256()
     for d in policy_dirs():
         pd = os.path.join(d, "presets")
         try:
@@ -123,8 +123,8 @@ def load(role: str, state_root: str | None = None) -> dict:
             raw = f.read()
     except OSError as e:
         raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
-    digest = hashlib.sha256(raw).hexdigest()
-    key = hashlib.sha256(raw + _presets_digest()).hexdigest()
+    digest = sha256(raw).hexdigest()
+    key = sha256(raw + _presets_digest()).hexdigest()
     cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
     if cache:
         try:
@@ -137,7 +137,7 @@ def load(role: str, state_root: str | None = None) -> dict:
     if data.get("_preset"):
         # the effective policy is the role and its preset: the receipt's digest covers both
         with open(data["_preset"]["file"], "rb") as f:
-            data["_digest"] = "sha256:" + hashlib.sha256(raw + b"\0" + f.read()).hexdigest()
+            data["_digest"] = "sha256:" + sha256(raw + b"\0" + f.read()).hexdigest()
     if cache:
         _write_cache(cache, data)
     return data

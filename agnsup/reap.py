@@ -7,7 +7,7 @@ Idempotent: whatever is already gone is skipped, not an error.
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 
 from . import crashpoints
 from .linux import cgroup
@@ -43,10 +43,93 @@ def _remove_tree(path: str) -> None:
         # remove one entry, then die: the next reap must finish the job
         for name in os.listdir(path):
             p = os.path.join(path, name)
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+            rmtree(p) if os.path.isdir(p) else os.unlink(p)
             break
         crashpoints.hit("cleanup_tmp_half")
-    shutil.rmtree(path, ignore_errors=True)
+    rmtree(path)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def rmtree(path: str) -> None:
+    """Remove `path` and everything below it; errors are ignored (what is left, the next reap removes).
+
+    shutil.rmtree costs ~9 ms of imports on every cell. This does the same as
+    its fd-based variant: every directory is opened relative to its parent
+    with O_NOFOLLOW, so a symlink the cell planted in its /tmp is unlinked,
+    never followed out of the tree."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return
+    try:
+        _empty_dir(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _empty_dir(top: int) -> None:
+    """Empty the directory open as `top`, depth first, without recursion (a cell
+    can nest directories deeper than Python's recursion limit)."""
+    stack = [(top, _entries(top), "")]  # (dir fd, its entries left, its name in the parent)
+    try:
+        _drain(stack)
+    finally:
+        for fd, _, _ in stack[1:]:
+            os.close(fd)
+
+
+def _drain(stack: list) -> None:
+    while stack:
+        fd, entries, name = stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            stack.pop()
+            if stack:
+                os.close(fd)
+                try:
+                    os.rmdir(name, dir_fd=stack[-1][0])
+                except OSError:
+                    pass
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except OSError:
+                pass
+            continue
+        try:
+            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue  # e.g. out of fds at a great depth: left for the next reap
+        stack.append((sub, _entries(sub), entry.name))
+
+
+def _entries(fd: int):
+    try:
+        with os.scandir(fd) as it:
+            return iter(list(it))
+    except OSError:
+        return iter(())
 
 
 def release_lock_file(path: str | None) -> dict | None:

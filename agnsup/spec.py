@@ -10,7 +10,6 @@ per-call `--env` values. A secret-looking host key arrives only by an explicit
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 
 from .errors import NotFound, NotExecutable, UsageError
@@ -52,7 +51,7 @@ class CellSpec(Record):
 
 
 def new_cell_id() -> str:
-    return "c-" + secrets.token_hex(4)
+    return "c-" + os.urandom(4).hex()  # os.urandom is what `secrets` uses, without its imports
 
 
 def build(call: ToolCall, policy: dict, host_env: dict[str, str] | None = None) -> CellSpec:
@@ -65,7 +64,7 @@ def build(call: ToolCall, policy: dict, host_env: dict[str, str] | None = None) 
     workdir = os.path.realpath(call.workdir or os.getcwd())
     if not os.path.isdir(workdir):
         raise UsageError(f"workdir {workdir} is not a directory")
-    token = secrets.token_hex(16)
+    token = os.urandom(16).hex()
 
     env: dict[str, str] = {}
     src: dict[str, str] = {}

@@ -17,11 +17,11 @@ write to ``cgroup.kill`` reaches a whole cell, agent or run.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import signal
 import time
 
+from ..digest import sha256
 from ..record import Factory, Record
 
 V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
@@ -96,7 +96,7 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
 
 
 def root_name(state_root: str) -> str:
-    return "agnsup-" + hashlib.sha256(os.path.realpath(state_root).encode()).hexdigest()[:12]
+    return "agnsup-" + sha256(os.path.realpath(state_root).encode()).hexdigest()[:12]
 
 
 class Node(Record, frozen=True):

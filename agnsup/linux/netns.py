@@ -8,8 +8,10 @@ process in it, so nothing is left to clean up after a crash.
 from __future__ import annotations
 
 import fcntl
-import socket
+import os
 import struct
+
+from . import sys as lsys
 
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
@@ -17,7 +19,10 @@ IFF_UP = 0x1
 
 
 def loopback_up() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    fd = lsys.inet_dgram_socket()
+    try:
         ifreq = struct.pack("16sH14x", b"lo", 0)
-        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, ifreq))[1]
-        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+        flags = struct.unpack("16sH14x", fcntl.ioctl(fd, SIOCGIFFLAGS, ifreq))[1]
+        fcntl.ioctl(fd, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+    finally:
+        os.close(fd)

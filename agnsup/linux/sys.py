@@ -166,5 +166,17 @@ def set_no_new_privs() -> None:
     prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
+AF_INET = 2
+SOCK_DGRAM = 2
+SOCK_CLOEXEC = os.O_CLOEXEC
+
+
+def inet_dgram_socket() -> int:
+    """A bare AF_INET datagram socket fd, for interface ioctls (the `socket`
+    module costs ~5 ms of imports for what is one system call here)."""
+    return _check(_libc.socket(ctypes.c_int(AF_INET), ctypes.c_int(SOCK_DGRAM | SOCK_CLOEXEC), ctypes.c_int(0)),
+                  "socket")
+
+
 def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")

@@ -112,6 +112,8 @@ class Controller:
             stdio, cell.pump = self._stdio(cell)
             try:
                 cell.child = supervisor.spawn(plan, cell.node, lambda ident: self._identity(cell, ident), stdio)
+                if cell.node is not None:
+                    cell.isolation["cgroup_join"] = cell.child.cgroup_join
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)

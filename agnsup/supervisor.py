@@ -2,9 +2,11 @@
 
 spawn() forks one child and runs the cell recipe in it, in order:
 
+    (born in the cell's cgroup2 directory by clone3(CLONE_INTO_CGROUP) where
+    the kernel and a single-threaded controller allow it; else forked)
     close every fd but 0-2, the two pipes and the Landlock ruleset
     new session and process group (setsid)
-    join the cell's cgroups (every hierarchy)
+    join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
     unshare the mount (and, if the role denies network, network) namespace
     build the mount namespace from the plan's operations
@@ -58,6 +60,7 @@ class Child(Record):
     pidfd: int
     identity: dict
     status_fd: int | None = None  # PID namespace: the init reports the command's status here
+    cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
 
 
 class Outcome(Record):
@@ -82,7 +85,7 @@ class _Step:
 
 
 def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
-           status_w: int | None, controller: int) -> None:
+           status_w: int | None, controller: int, born_in: tuple[str, ...] = ()) -> None:
     """Runs in the forked child; never returns."""
     at = _Step()
     try:
@@ -95,7 +98,7 @@ def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _C
         os.setsid()
         at.name = "cgroup"
         if node is not None:
-            cgroup.join_self(node)
+            cgroup.join_self(node, skip=born_in)
         at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
@@ -214,9 +217,17 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     err_r, err_w = os.pipe()
     status_r = status_w = None
     controller = os.getpid()
+    fd = None
+    born_in: tuple[str, ...] = ()
     try:
         if plan.pid_namespace:
             status_r, status_w = os.pipe()
+        pid, fd = _clone_into_cgroup(node, plan.pid_namespace)
+        if pid is not None:
+            # born in v2; the controller moves it into the other hierarchies
+            # below, while the child builds its namespaces
+            born_in = tuple(node.paths)
+        elif plan.pid_namespace:
             pid = _fork_into_new_pid_namespace()
         else:
             pid = os.fork()
@@ -233,7 +244,7 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(err_r)
         if status_r is not None:
             os.close(status_r)
-        _child(plan, node, barrier_r, err_w, stdio, conf, status_w, controller)
+        _child(plan, node, barrier_r, err_w, stdio, conf, status_w, controller, born_in)
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:
@@ -241,7 +252,14 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     if conf.ruleset:
         conf.ruleset.close()
     try:
-        fd = os.pidfd_open(pid)
+        if born_in:
+            # A v1 cgroup.procs write may wait for an RCU grace period (the same
+            # cgroup_threadgroup_rwsem): made here, it overlaps the child's own
+            # setup instead of adding to it. Done before the barrier, so the
+            # command still never runs outside any of its cgroups.
+            cgroup.attach(node, pid, skip=("v2",))
+        if fd is None:
+            fd = os.pidfd_open(pid)
         st = proc.stat(pid)
         identity = {"pid": pid, "pidfd_ino": pidfd.inode(fd) if pidfd.has_pidfs() else None,
                     "starttime": st.starttime if st else None, "pgid": pid, "boot_id": proc.boot_id()}
@@ -253,6 +271,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(err_r)
         if status_r is not None:
             os.close(status_r)
+        if fd is not None:
+            os.close(fd)
         _reap(pid)
         raise
     os.close(barrier_w)
@@ -270,7 +290,38 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
                 raise NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
             raise NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         raise SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
-    return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r)
+    return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r,
+                 cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
+
+
+_JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
+_JOIN_FORK = "fork, cgroup.procs by the child"
+
+
+# clone3 failures that mean "not here" (old kernel, seccomp of a container,
+# no cgroup2 delegation): fork and write cgroup.procs instead.
+_CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP, errno.EBUSY,
+                       errno.EACCES)
+
+
+def _clone_into_cgroup(node, new_pid_namespace: bool) -> tuple[int | None, int | None]:
+    """(pid, pidfd) of a child born in the cell's cgroup2 directory, (0, None)
+    in that child, or (None, None) when clone3 cannot be used here and the
+    caller must fork. Only for a single-threaded controller: the raw clone3
+    skips glibc's fork handlers (linux/sys.py)."""
+    path = node.paths.get("v2") if node is not None else None
+    if path is None or len(os.listdir("/proc/self/task")) != 1:
+        return None, None
+    cgfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        pid, pidfd = lsys.clone3_into_cgroup(cgfd, lsys.CLONE_NEWPID if new_pid_namespace else 0)
+    except OSError as e:
+        os.close(cgfd)
+        if e.errno in _CLONE3_UNAVAILABLE:
+            return None, None
+        raise
+    os.close(cgfd)
+    return pid, (pidfd if pid else None)
 
 
 def _fork_into_new_pid_namespace() -> int:

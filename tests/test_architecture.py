@@ -30,6 +30,8 @@ def _violations(path):
         elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_CALLS and isinstance(node.value, ast.Name) \
                 and node.value.id == "os":
             out.append(f"os.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "clone3_into_cgroup":  # linux/sys.py's raw clone3
+            out.append(f"{getattr(node.value, 'id', '?')}.clone3_into_cgroup")
         elif isinstance(node, ast.Attribute) and node.attr in ("Popen", "run", "call", "check_output", "check_call") \
                 and isinstance(node.value, ast.Name) and node.value.id == "subprocess":
             out.append(f"subprocess.{node.attr}")
@@ -49,9 +51,9 @@ def test_no_module_but_the_supervisor_creates_processes():
 
 def test_the_source_check_would_catch_a_fork(tmp_path):
     p = tmp_path / "x.py"
-    p.write_text("import os\nimport subprocess\nos.fork()\nos.execve('/bin/true', [], {})\n")
-    assert set(_violations(str(p))) == {"import subprocess", "os.fork", "os.execve"}
+    p.write_text("import os\nimport subprocess\nos.fork()\nos.execve('/bin/true', [], {})\nlsys.clone3_into_cgroup(3)\n")
+    assert set(_violations(str(p))) == {"import subprocess", "os.fork", "os.execve", "lsys.clone3_into_cgroup"}
 
 
 def test_the_supervisor_is_where_fork_and_exec_live():
-    assert {"os.fork", "os.execve"} <= set(_violations(os.path.join(PKG, "supervisor.py")))
+    assert {"os.fork", "os.execve", "lsys.clone3_into_cgroup"} <= set(_violations(os.path.join(PKG, "supervisor.py")))

@@ -93,3 +93,68 @@ def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     f.write_text("x")
     rmtree(str(f))
     assert not f.exists()
+
+
+# ---------------------------------------------------------------- clone3(CLONE_INTO_CGROUP)
+
+CGROUPS = "import sys; sys.stdout.write(open('/proc/self/cgroup').read())"
+CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
+FORK = "fork, cgroup.procs by the child"
+
+
+def _receipt(state, cell):
+    with open(os.path.join(state, "cells", "default", cell, "receipt.json")) as f:
+        return json.load(f)
+
+
+def _in_every_hierarchy(cgroup_text: str, receipt: dict) -> None:
+    """The command ran inside each of its cell's directories (v2 and the v1 ones)."""
+    from agnsup.linux import cgroup
+    lines = cgroup_text.splitlines()
+    assert receipt["cgroup"], "no cgroup on this host: ENV_BLOCKED: cgroup"
+    for h, path in receipt["cgroup"].items():
+        assert cgroup._in_tree(lines, h, path), (h, path, lines)
+
+
+def test_a_cell_is_born_in_its_cgroup(agnsup, worktree, state):
+    cp = agnsup("run", "--cell", "born", "--workdir", worktree, "--", "python3", "-c", CGROUPS, check=0)
+    r = _receipt(state, "born")
+    if "v2" not in r["cgroup"]:
+        pytest.skip("ENV_BLOCKED: cgroup2 (clone3 into a cgroup needs a writable cgroup2 hierarchy)")
+    assert r["isolation"]["cgroup_join"] == CLONE3
+    _in_every_hierarchy(cp.out, r)
+
+
+def test_a_pid_namespace_cell_is_born_in_its_cgroup_too(state, worktree, policy_dir):
+    from conftest import Agnsup, write_role
+    path = write_role(policy_dir, "pidns", isolation__pid_namespace="true")
+    with open(path) as f:
+        assert "pid_namespace = true" in f.read()
+    a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    cp = a("run", "--role", "pidns", "--cell", "ns", "--workdir", worktree, "--", "python3", "-c",
+           "import os, sys; print(os.getpid()); sys.stdout.write(open('/proc/self/cgroup').read())", check=0)
+    pid, _, text = cp.out.partition("\n")
+    assert pid == "2"  # the command, under the namespace's init
+    r = _receipt(state, "ns")
+    assert r["isolation"]["pid_namespace"] is True
+    assert r["isolation"]["cgroup_join"] == (CLONE3 if "v2" in r["cgroup"] else FORK)
+    _in_every_hierarchy(text, r)
+
+
+def test_a_threaded_controller_forks_instead(state, worktree):
+    """The raw clone3 skips glibc's fork handlers, so a controller with a second
+    thread (serve) forks and the child writes cgroup.procs: same cell, same cgroups."""
+    import threading
+    from agnsup.tool import run_process
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        res = run_process(["python3", "-c", CGROUPS], state_dir=state, workdir=worktree, cell_id="forked")
+    finally:
+        stop.set()
+        t.join()
+    assert res["exit_code"] == 0, res
+    r = _receipt(state, "forked")
+    assert r["isolation"]["cgroup_join"] == FORK
+    _in_every_hierarchy(res["stdout"], r)

@@ -341,10 +341,17 @@ def oom_kills(node: Node) -> int | None:
     return None
 
 
-def join_self(node: Node) -> None:
-    """Move the calling process into every hierarchy of `node` (runs in the child)."""
-    for p in node.paths.values():
-        _write(os.path.join(p, "cgroup.procs"), "0")
+def join_self(node: Node, skip: tuple[str, ...] = ()) -> None:
+    """Move the calling process into every hierarchy of `node` but those in
+    `skip` (already joined). Runs in the child."""
+    attach(node, 0, skip)
+
+
+def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
+    """Move process `pid` (0: the caller) into every hierarchy of `node` but those in `skip`."""
+    for h, p in node.paths.items():
+        if h not in skip:
+            _write(os.path.join(p, "cgroup.procs"), str(pid))
 
 
 def _walk(path: str) -> list[str]:

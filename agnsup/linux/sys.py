@@ -180,3 +180,52 @@ def inet_dgram_socket() -> int:
 
 def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+# clone3(2), <linux/sched.h>
+_SYS_CLONE3 = 435
+CLONE_PIDFD = 0x1000
+CLONE_INTO_CGROUP = 0x200000000
+_SIGCHLD = 17
+
+
+class _CloneArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls", "set_tid",
+        "set_tid_size", "cgroup")]
+
+
+# Through a PyDLL the GIL stays held across the call, as os.fork holds it
+# across fork(): no other Python thread runs while the address space is copied.
+_pyapi = ctypes.PyDLL(None, use_errno=True)
+_pyapi.syscall.restype = ctypes.c_long
+for _name in ("PyOS_BeforeFork", "PyOS_AfterFork_Parent", "PyOS_AfterFork_Child"):
+    getattr(_pyapi, _name).restype = None
+
+
+def clone3_into_cgroup(cgroup_fd: int, flags: int = 0) -> tuple[int, int]:
+    """fork(), the child born inside the cgroup2 directory open as `cgroup_fd`.
+
+    Returns (pid, pidfd) in the parent and (0, -1) in the child. Moving a
+    process in by writing cgroup.procs takes cgroup_threadgroup_rwsem for
+    writing, which waits for an RCU grace period when the lock was idle (6-16
+    ms on this kernel); CLONE_INTO_CGROUP takes only its read side. `flags`
+    may add namespaces (CLONE_NEWPID). Python has no clone3, so this is the
+    raw system call with what os.fork does around fork(): PyOS_BeforeFork,
+    then PyOS_AfterFork_Child or _Parent. It bypasses glibc's fork(), whose
+    handlers keep malloc's locks consistent for a child of a threaded
+    process: call it only from a single-threaded process (the supervisor
+    checks). Only the supervisor calls this (tests/test_architecture.py)."""
+    pidfd = ctypes.c_int(-1)
+    args = _CloneArgs(flags=flags | CLONE_INTO_CGROUP | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd),
+                      exit_signal=_SIGCHLD, cgroup=cgroup_fd)
+    _pyapi.PyOS_BeforeFork()
+    ret = _pyapi.syscall(ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
+    if ret == 0:
+        _pyapi.PyOS_AfterFork_Child()
+        return 0, -1
+    err = ctypes.get_errno()
+    _pyapi.PyOS_AfterFork_Parent()
+    if ret < 0:
+        raise OSError(err, f"clone3: {os.strerror(err)}")
+    return ret, pidfd.value

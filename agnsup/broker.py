@@ -4,6 +4,11 @@ A Controller is one controller instance: it holds an exclusive flock on
 <state>/controllers/<id>.lock for its whole life (the janitor's proof of
 liveness) and journals every cell it starts, in two phases: the intent row
 before any kernel object exists, the identity before the command may exec.
+
+A one-cell controller (`agnsup run`, run_process) writes fewer transactions
+for the same records: its own row rides in the cell's intent transaction
+(its liveness lock is taken just before), and its end in the cell's
+conclusion. What is durable when is unchanged (tests/test_crashpoints.py).
 """
 from __future__ import annotations
 
@@ -62,32 +67,55 @@ class Cell(Record):
 
 
 class Controller:
-    def __init__(self, state, kind: str = "run"):
+    def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False):
+        """`journal`: an open Journal to use (and close) instead of opening one.
+        `one_cell`: this controller starts one cell and ends with it."""
         self.state = state.ensure()
-        self.journal = state.journal()
+        self.journal = journal if journal is not None else state.journal()
         self.kind = kind
+        self.one_cell = one_cell
         self.id = "ctl-" + os.urandom(6).hex()  # not `secrets`: ~5 ms of imports for the same bytes
         self.lock_path = state.controller_lock(self.id)
+        self._lock_fd: int | None = None
+        self._registered = self._ended = False
+        if not one_cell:
+            self._take_lock()
+            self.journal.register_controller(self._row())
+            self._registered = True
+        self.layout = cgroup.detect_layout()
+        self.base = cgroup.base_node(self.layout, state.path)
+
+    def _take_lock(self) -> None:
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
+
+    def _row(self) -> dict:
         me = os.getpid()
         fd = os.pidfd_open(me)
         try:
             ino = pidfd.inode(fd) if pidfd.has_pidfs() else None
         finally:
             os.close(fd)
-        self.journal.register_controller({
-            "id": self.id, "kind": kind, "pid": me, "pidfd_ino": ino, "starttime": proc.stat(me).starttime,
-            "boot_id": proc.boot_id(), "lock_path": self.lock_path, "started_at": time.time()})
-        self.layout = cgroup.detect_layout()
-        self.base = cgroup.base_node(self.layout, state.path)
+        return {"id": self.id, "kind": self.kind, "pid": me, "pidfd_ino": ino, "starttime": proc.stat(me).starttime,
+                "boot_id": proc.boot_id(), "lock_path": self.lock_path, "started_at": time.time()}
 
-    def close(self) -> None:
-        """A clean exit: the instance is marked ended and its lock file removed."""
+    def close(self, leave_journal_open: bool = False) -> None:
+        """A clean exit: the instance is marked ended and its lock file removed.
+
+        `leave_journal_open`: the process exits right after without closing
+        the connection (the CLI, entry.py): the last connection's close would
+        checkpoint the WAL (two fsyncs and an unlink, 3-15 ms here), and a WAL
+        left behind is exactly what a crash after the last commit leaves, which
+        the journal is built to keep (journal.py)."""
         try:
-            self.journal.end_controller(self.id)
+            if self._registered and not self._ended:
+                self.journal.end_controller(self.id)
+                self._ended = True
         finally:
-            locks.release(self.lock_path, self._lock_fd)
-            self.journal.close()
+            if self._lock_fd is not None:
+                locks.release(self.lock_path, self._lock_fd)
+                self._lock_fd = None
+            if not leave_journal_open:
+                self.journal.close()
 
     # -- start ------------------------------------------------------------
     def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False, notify=None) -> Cell:
@@ -99,6 +127,8 @@ class Controller:
         cell.lock_fd = locks.acquire(cell.lock_path, exclusive, spec.lock_timeout,
                                      f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
+            if not self._registered and self._lock_fd is None:
+                self._take_lock()
             self._intent(cell)
         except BaseException as e:
             locks.release(cell.lock_path, cell.lock_fd)
@@ -136,6 +166,8 @@ class Controller:
         node = cgroup.cell_node(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
         now = time.time()
         with self.journal.tx() as db:
+            if not self._registered:  # a one-cell controller: its row and its cell's, together
+                self.journal.register_controller(self._row(), db)
             run = db.execute("SELECT state FROM runs WHERE run_id=?", (spec.run_id,)).fetchone()
             if run is None:
                 db.execute("INSERT INTO runs(run_id, state, created_at) VALUES (?, 'active', ?)", (spec.run_id, now))
@@ -156,6 +188,7 @@ class Controller:
             for st in cell.trace:
                 self.journal.event(db, "stage." + st["stage"], spec.run_id, spec.cell_id, **st)
             self.journal.event(db, "state.starting", spec.run_id, spec.cell_id)
+        self._registered = True
         cell.node = node
 
     def _backend(self, cell: Cell) -> None:
@@ -327,6 +360,10 @@ class Controller:
             self.journal.add_receipt(db, "cell", spec.run_id, spec.cell_id, receipt)
             self.journal.event(db, "state." + receipt["state"], spec.run_id, spec.cell_id, reason=receipt["reason"],
                                exit_code=receipt["exit_code"])
+            if self.one_cell and self._registered:  # its one cell is concluded: so is the controller
+                self.journal.end_controller(self.id, db)
+        if self.one_cell and self._registered:
+            self._ended = True
         return receipt
 
 

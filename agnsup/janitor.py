@@ -63,17 +63,23 @@ def _is_dead(boot: str, cboot: str, lock_path: str) -> bool:
     return cboot != boot or locks.is_free(lock_path)
 
 
-def on_start(state) -> dict | None:
-    """Run at every controller start: recover only when some controller instance is dead."""
+def on_start(state, journal=None) -> dict | None:
+    """Run at every controller start: recover only when some controller instance is dead.
+
+    `journal`: the controller's own open Journal, to ask with (one connection
+    fewer, and no SQLite checkpoint when this one closes)."""
     path = os.path.join(state.path, "journal.db")
-    if not os.path.exists(path):
+    if journal is None and not os.path.exists(path):
         return None
     try:
-        db = sqlite3.connect(path, timeout=30)
-        try:
-            rows = db.execute(OPEN_SQL).fetchall()
-        finally:
-            db.close()
+        if journal is not None:
+            rows = journal.db.execute(OPEN_SQL).fetchall()
+        else:
+            db = sqlite3.connect(path, timeout=30)
+            try:
+                rows = db.execute(OPEN_SQL).fetchall()
+            finally:
+                db.close()
     except sqlite3.Error:
         return None  # the controller opens (and checks) the journal properly right after
     boot = proc.boot_id()
@@ -81,7 +87,7 @@ def on_start(state) -> dict | None:
         return None
     from .errors import AgnsupError
     try:
-        report = run_janitor(state)
+        report = run_janitor(state, journal)
     except (AgnsupError, OSError, sqlite3.Error) as e:
         print(f"agnsup: janitor: recovery failed, continuing: {e}", file=sys.stderr, flush=True)
         return None

@@ -97,14 +97,21 @@ class Journal:
         db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)",
                    (time.time(), run_id, cell_id, kind, json.dumps(data) if data else None))
 
-    def register_controller(self, row: dict) -> None:
-        with self.tx() as db:
-            db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
-                       " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
+    def register_controller(self, row: dict, db=None) -> None:
+        """The controller instance's row, in its own transaction or in the caller's `db`."""
+        if db is None:
+            with self.tx() as db:
+                self.register_controller(row, db)
+            return
+        db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
+                   " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
 
-    def end_controller(self, cid: str) -> None:
-        with self.tx() as db:
-            db.execute("UPDATE controllers SET ended_at=? WHERE id=?", (time.time(), cid))
+    def end_controller(self, cid: str, db=None) -> None:
+        if db is None:
+            with self.tx() as db:
+                self.end_controller(cid, db)
+            return
+        db.execute("UPDATE controllers SET ended_at=? WHERE id=?", (time.time(), cid))
 
     def update_cell(self, db, run_id: str, cell_id: str, **fields) -> None:
         cols = ", ".join(f"{k}=:{k}" for k in fields)

@@ -41,24 +41,33 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
                 cell_id: str | None = None, workdir: str | None = None, timeout: float | None = None,
                 lock_timeout: float | None = None, env: list[str] | dict | None = None,
                 state_dir: str | None = None, capture: bool = True, entry: str = "tool",
-                forward_signals: bool = False, receipt_file: str | None = None) -> dict:
+                forward_signals: bool = False, receipt_file: str | None = None, exit_after: bool = False) -> dict:
     """Run `argv` as one cell and wait for it. Raises AgnsupError subclasses when
     agnsup refuses or fails (each carries its exit code); returns a result dict
-    with exit_code, state, reason, receipt (and stdout/stderr when captured)."""
+    with exit_code, state, reason, receipt (and stdout/stderr when captured).
+    `exit_after`: the caller ends the process with os._exit right after a
+    result (the CLI): the journal connection is left to the exit (broker.Controller.close)."""
     from . import broker, janitor
     from .state import StateRoot
 
     state = StateRoot(state_dir)
     state.ensure()
-    janitor.on_start(state)  # crash recovery first: one query when nothing to do
-    plan, decision, trail, trace = prepare(state, argv, role=role, run_id=run_id, agent_id=agent_id,
-                                           cell_id=cell_id, workdir=workdir, timeout=timeout,
-                                           lock_timeout=lock_timeout, env=env, entry=entry)
-    ctl = broker.Controller(state, kind="run")
+    journal = state.journal()
     try:
-        return _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file)
+        janitor.on_start(state, journal)  # crash recovery first: one query when nothing to do
+        plan, decision, trail, trace = prepare(state, argv, role=role, run_id=run_id, agent_id=agent_id,
+                                               cell_id=cell_id, workdir=workdir, timeout=timeout,
+                                               lock_timeout=lock_timeout, env=env, entry=entry)
+        ctl = broker.Controller(state, kind="run", journal=journal, one_cell=True)
+    except BaseException:
+        journal.close()
+        raise
+    result = None
+    try:
+        result = _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file)
+        return result
     finally:
-        ctl.close()
+        ctl.close(leave_journal_open=exit_after and result is not None)
 
 
 def prepare(state, argv: list[str], *, role: str = "executor", run_id: str = "default", agent_id: str = "default",

@@ -19,26 +19,21 @@ HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", 
          "tree_sitter_bash", "pyroute2", "psutil", "secrets", "random", "hmac", "typing", "tomllib",
          "importlib.resources", "importlib.metadata", "socket", "tempfile", "bz2", "lzma")
 
-RUN = r"""
-import atexit, json, sys
-def _dump(path=sys.argv[1]):
-    with open(path, "w") as f:
-        json.dump(sorted(sys.modules), f)
-atexit.register(_dump)
-sys.argv = ["agnsup", *sys.argv[2:]]
-from agnsup.entry import main
-main()
-"""
+# The console script's own entry point, under -X importtime: every module the
+# interpreter imports is listed on stderr as it happens (the CLI leaves with
+# os._exit, so no exit hook could list them).
+RUN = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.entry import main; main()"
 
 
 def _run_and_list_modules(state, worktree, tmp_path, *args):
-    out = str(tmp_path / "modules.json")
     env = {**os.environ, "AGNSUP_STATE_DIR": state}
-    cp = subprocess.run([sys.executable, "-c", RUN, out, *args], cwd=worktree, env=env, capture_output=True,
-                        timeout=120, stdin=subprocess.DEVNULL)
-    assert cp.returncode == 0, cp.stderr.decode(errors="replace")
-    with open(out) as f:
-        return set(json.load(f))
+    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", RUN, *args], cwd=worktree, env=env,
+                        capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    err = cp.stderr.decode(errors="replace")
+    assert cp.returncode == 0, err
+    mods = {line.rpartition("|")[2].strip() for line in err.splitlines() if line.startswith("import time:")}
+    assert "agnsup.entry" in mods, err
+    return mods
 
 
 @pytest.mark.parametrize("role", ["executor", "networked", "readonly"])

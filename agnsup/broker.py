@@ -11,12 +11,11 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 
 from . import crashpoints, locks, supervisor
-from .errors import AgnsupError, RunNotActive, StateError
+from .errors import AgnsupError, CancelledBeforeStart, RunNotActive, StateError
 from .journal import TERMINAL_RUN
 from .linux import cgroup, pidfd, proc
 
@@ -90,14 +89,14 @@ class Controller:
             self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False) -> Cell:
+    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False, notify=None) -> Cell:
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=decision,
                     trail=trail, trace=trace, capture=capture)
         exclusive = plan.worktree_mode == "rw"
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
         cell.lock_fd = locks.acquire(cell.lock_path, exclusive, spec.lock_timeout,
-                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}")
+                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
             self._intent(cell)
         except BaseException:
@@ -189,6 +188,10 @@ class Controller:
         # crash point "journal_tx": die inside the identity transaction, with the
         # child forked and waiting at the barrier; SQLite rolls the write back.
         with self.journal.tx(crash_point="journal_tx") as db:
+            why = db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
+                             (spec.run_id, spec.cell_id)).fetchone()[0]
+            if why:  # a cancel landed while we were setting up: the command never runs
+                raise CancelledBeforeStart(f"cell {spec.cell_id} of run {spec.run_id} was {why} before it started")
             self.journal.update_cell(db, spec.run_id, spec.cell_id, pid=ident["pid"], pidfd_ino=ident["pidfd_ino"],
                                      starttime=ident["starttime"], pgid=ident["pgid"], started_at=cell.started_at)
             self.journal.event(db, "stage.process_supervisor", spec.run_id, spec.cell_id, **st)
@@ -201,15 +204,25 @@ class Controller:
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
-        return supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd)
+        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd)
+        w.cancelled_elsewhere = lambda: self._cancel_reason(cell) is not None
+        return w
+
+    def _cancel_reason(self, cell: Cell) -> str | None:
+        """The first cancel recorded for the cell by any process (agnsup cancel), or None."""
+        row = self.journal.db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
+                                      (cell.spec.run_id, cell.spec.cell_id)).fetchone()
+        return row[0] if row else None
 
     def finish(self, cell: Cell, outcome) -> dict:
         """Release what the cell held, journal its end, write its receipt."""
-        spec = cell.spec
-        row = self.journal.cell(spec.run_id, spec.cell_id)
-        if row is not None and row["cancel_reason"] and outcome.reason != "timeout":
+        why = self._cancel_reason(cell)
+        if why and outcome.reason != "timeout":
             # cancelled from another process: the journal holds the first reason
-            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", row["cancel_reason"]
+            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", why
+        if outcome.state == "cancelled" and outcome.signal is None:
+            # it exited on its own after SIGTERM: a cancelled cell still ends 128+SIGTERM (cli.md)
+            outcome.exit_code = 128 + 15
         usage = cgroup.read_usage(cell.node) if cell.node else {}
         released = self._release(cell)
         receipt = self._conclude(cell, outcome, usage, released)
@@ -220,6 +233,8 @@ class Controller:
         from .supervisor import Outcome
         code = getattr(error, "exit_code", 125)
         outcome = Outcome(exit_code=code, status=None, signal=None, reason=type(error).__name__, state="failed")
+        if isinstance(error, CancelledBeforeStart):
+            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", self._cancel_reason(cell)
         if cell.child is not None:
             os.close(cell.child.pidfd)
         if cell.node is not None and cgroup.populated(cell.node):

@@ -46,22 +46,32 @@ def main(ctx, state_dir):
     ctx.obj = {"state_dir": state_dir}
 
 
+def _cell_options(f):
+    """The options `run` and `spawn` share (cli.md: spawn takes the same options as run)."""
+    opts = [
+        click.option("--role", default="executor", show_default=True, help="Role policy (policies/ROLE.toml)."),
+        click.option("--run-id", default="default", show_default=True, help="Run this cell belongs to."),
+        click.option("--agent", "agent_id", default="default", show_default=True, help="Agent this cell belongs to."),
+        click.option("--cell", "cell_id", default=None, help="Cell id (default: generated, c-XXXXXXXX)."),
+        click.option("--workdir", type=click.Path(file_okay=False), default=None,
+                     help="Worktree the command runs in (default: the current directory)."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Stop the cell after SECONDS (SIGTERM, grace, SIGKILL); exit 124."),
+        click.option("--lock-timeout", type=click.FloatRange(min=0), default=None,
+                     help="Give up after SECONDS waiting for the worktree lock (exit 75)."),
+        click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+                     help="Set a variable in the cell (repeatable). KEY alone passes the host's value."),
+        click.option("--receipt", "receipt_file", type=click.Path(dir_okay=False), default=None,
+                     help="Also write the cell's receipt to FILE."),
+        click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--role", default="executor", show_default=True, help="Role policy (policies/ROLE.toml).")
-@click.option("--run-id", default="default", show_default=True, help="Run this cell belongs to.")
-@click.option("--agent", "agent_id", default="default", show_default=True, help="Agent this cell belongs to.")
-@click.option("--cell", "cell_id", default=None, help="Cell id (default: generated, c-XXXXXXXX).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Worktree the command runs in (default: the current directory).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Stop the cell after SECONDS (SIGTERM, grace, SIGKILL); exit 124.")
-@click.option("--lock-timeout", type=click.FloatRange(min=0), default=None,
-              help="Give up after SECONDS waiting for the worktree lock (exit 75).")
-@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
-              help="Set a variable in the cell (repeatable). KEY alone passes the host's value.")
-@click.option("--receipt", "receipt_file", type=click.Path(dir_okay=False), default=None,
-              help="Also write the cell's receipt to FILE.")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_cell_options
 @click.pass_obj
 def run(obj, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file, command):
     """Run CMD as one cell in the foreground and supervise it.
@@ -89,10 +99,6 @@ def _journal(obj):
     return st.journal()
 
 
-PS_KEYS = ("cell_id", "run_id", "agent_id", "state", "run_state", "pid", "pgid", "starttime", "boot_id",
-           "cgroup", "controller", "role", "exit_code", "reason", "created_at", "ended_at")
-
-
 @main.command()
 @click.option("--run", "run_id", default=None, help="Only this run.")
 @click.option("--all", "show_all", is_flag=True, help="Include ended cells.")
@@ -100,33 +106,15 @@ PS_KEYS = ("cell_id", "run_id", "agent_id", "state", "run_state", "pid", "pgid",
 @click.pass_obj
 def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
-    j = _journal(obj)
-    rows = j.cells(run_id, live_only=not show_all) if j else []
-    cells = []
-    for r in rows:
-        d = {k: r[k] for k in r.keys() if k != "token"}
-        d["controller"] = d.pop("controller_id")
-        d["cgroup"] = json.loads(d["cgroup"]) if d.get("cgroup") else None
-        d["argv"] = json.loads(d["argv"])
-        cells.append(d)
+    from .cells import listing, tree_text
+    from .state import StateRoot
+    cells = listing(StateRoot(obj["state_dir"]), run_id, show_all)
     if as_json:
         click.echo(json.dumps(cells, indent=2))
-        return
-    if not cells:
+    elif not cells:
         click.echo("no cells" if show_all else "no live cells (--all shows ended ones)")
-        return
-    tree: dict = {}
-    for c in cells:
-        tree.setdefault((c["run_id"], c["run_state"]), {}).setdefault(c["agent_id"], []).append(c)
-    for (run, rstate), agents in tree.items():
-        click.echo(f"run {run} [{rstate}]")
-        for agent, cs in agents.items():
-            click.echo(f"  agent {agent}")
-            for c in cs:
-                pid = c["pid"] if c["pid"] is not None else "-"
-                extra = f" exit={c['exit_code']}" if c["exit_code"] is not None else ""
-                click.echo(f"    cell {c['cell_id']:<14} {c['state']:<10} pid={pid}{extra}  "
-                           f"{' '.join(c['argv'])[:60]}")
+    else:
+        click.echo("\n".join(tree_text(cells)))
 
 
 @main.command()
@@ -215,6 +203,110 @@ def tool_schema():
     """Print the run_process JSON schema for LLM function calling."""
     from .tool import RUN_PROCESS_SCHEMA
     click.echo(json.dumps(RUN_PROCESS_SCHEMA, indent=2))
+
+
+@main.command()
+@click.option("--cell", "cell_id", default=None, metavar="C", help="Cancel this cell (with --run R if ambiguous).")
+@click.option("--run", "run_id", default=None, metavar="R", help="Cancel this run (with --agent: that agent).")
+@click.option("--agent", "agent_id", default=None, metavar="A", help="Cancel this agent of --run R.")
+@click.option("--all", "everything", is_flag=True, help="Kill switch: every live cell under the state root.")
+@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="Seconds between SIGTERM and the kill (default: the role's limits.grace).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"cancelled": N, "cells": [...]}.')
+@click.pass_obj
+def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
+    """Stop a cell, an agent's cells, a run, or everything: SIGTERM, the grace
+    period, then a kill through the scope's cgroup; returns once every cell is
+    empty and concluded. Works from any process, whichever controller started
+    the cells. Repeating it is safe: what already ended counts 0. A cancelled
+    run accepts no new cells.
+
+    Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
+    """
+    from . import cancel as cancelmod
+    state = _state(obj)
+    j = state.journal()
+    try:
+        scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+    finally:
+        j.close()
+    result = cancelmod.cancel(state, scope, grace)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"cancelled {result['cancelled']} cell(s) of {result['scope']}")
+    for c in result["cells"]:
+        click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
+                   + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+
+
+@main.command()
+@click.option("--run", "run_id", required=True, metavar="R", help="The run to clean up.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"cleaned": N, "items": [...]}.')
+@click.pass_obj
+def cleanup(obj, run_id, as_json):
+    """Reclaim what the run's ended cells left (cgroup directories, temp dirs,
+    worktree locks). Cells still running are not touched (exit 1; cancel them
+    first). A second call reports cleaned: 0."""
+    from . import cancel as cancelmod
+    from .errors import CellsStillRunning
+    try:
+        result, err = cancelmod.cleanup(_state(obj), run_id), None
+    except CellsStillRunning as e:
+        result, err = e.details["result"], e
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"cleaned {result['cleaned']} item(s) of run {run_id} (run {result['run_state']})")
+        for it in result["items"]:
+            click.echo(f"  {it['kind']}: {it.get('path') or it.get('method')}")
+    if err is not None:
+        _fail(err)
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
+              help="Unix socket to listen on (default: <state>/agnsup.sock, mode 0600).")
+@click.pass_obj
+def serve(obj, socket_path):
+    """A long-lived controller for many concurrent cells.
+
+    Prints one JSON line {"ready": true, "socket": ..., "controller": ...} once
+    it accepts requests (JSON lines over the socket: spawn, run, wait, cancel,
+    cleanup, ps, shutdown; see docs/cli.md). SIGTERM or SIGINT: its running
+    cells are cancelled, then it exits.
+    """
+    from .serve import serve as serve_main
+    sys.exit(serve_main(obj["state_dir"], socket_path))
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
+              help="The serve controller's socket (default: <state>/agnsup.sock).")
+@_cell_options
+@click.pass_obj
+def spawn(obj, socket_path, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file,
+          command):
+    """Ask the serve controller to start CMD as a cell; return at once.
+
+    Prints {"cell_id", "run_id", "agent_id", "pid", "cgroup"} as JSON. The
+    cell's output is captured under the state root; `agnsup receipts --cell C`
+    shows how it ended. Exit status as for run when the cell cannot start.
+    """
+    from .serve import main_spawn
+    opts = {"role": role, "run_id": run_id, "agent_id": agent_id, "cell_id": cell_id, "workdir": workdir,
+            "timeout": timeout, "lock_timeout": lock_timeout, "env": list(env), "receipt_file": receipt_file}
+    click.echo(json.dumps(main_spawn(obj["state_dir"], socket_path, list(command), opts)))
+
+
+def _state(obj):
+    """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
+    from .errors import UnknownId
+    from .state import StateRoot
+    st = StateRoot(obj["state_dir"])
+    if not st.exists():
+        raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
+    return st
 
 
 @main.command()

@@ -8,6 +8,10 @@
     ├── LockTimeout             exit 75: the worktree lock was not free in time
     ├── UnknownId               exit 1: an id the journal never saw
     ├── RunNotActive            exit 1: the run was cancelled or recovered
+    ├── AmbiguousId             exit 1: a cell id that names cells in several runs
+    ├── CellsStillRunning       exit 1: cleanup of a run whose cells still run
+    ├── NoServer                exit 125: no serve controller listens on the socket
+    ├── CancelledBeforeStart    exit 143: cancelled between intent and exec
     ├── Denied                  exit 126: governance refused the command
     ├── NotExecutable           exit 126: found but cannot be executed
     └── NotFound                exit 127: not found on the cell's PATH
@@ -50,6 +54,22 @@ class UnknownId(AgnsupError):
 
 class RunNotActive(AgnsupError):
     exit_code = 1
+
+
+class AmbiguousId(AgnsupError):
+    exit_code = 1
+
+
+class CellsStillRunning(AgnsupError):
+    exit_code = 1
+
+
+class NoServer(AgnsupError):
+    pass
+
+
+class CancelledBeforeStart(AgnsupError):
+    exit_code = 128 + 15  # what a cell cancelled a moment later would have ended with
 
 
 class Denied(AgnsupError):

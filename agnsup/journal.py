@@ -33,6 +33,7 @@ def _migrations() -> list[tuple[int, str]]:
 class Journal:
     def __init__(self, path: str):
         self.path = path
+        self.lock = None  # a threading.RLock when one connection serves many threads (serve)
         try:
             self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
             self.db.row_factory = sqlite3.Row
@@ -64,22 +65,29 @@ class Journal:
     def tx(self, crash_point: str | None = None):
         """One write transaction. `crash_point` names a test-only crash point
         fired after the statements ran and before COMMIT (crashpoints.py)."""
+        lock = self.lock
+        if lock is not None:
+            lock.acquire()
         try:
-            self.db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as e:
-            raise StateError(f"journal {self.path}: cannot write: {e}") from None
-        try:
-            yield self.db
-            if crash_point:
-                from . import crashpoints
-                crashpoints.hit(crash_point)
-            self.db.execute("COMMIT")
-        except BaseException:
             try:
-                self.db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            raise
+                self.db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                raise StateError(f"journal {self.path}: cannot write: {e}") from None
+            try:
+                yield self.db
+                if crash_point:
+                    from . import crashpoints
+                    crashpoints.hit(crash_point)
+                self.db.execute("COMMIT")
+            except BaseException:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+        finally:
+            if lock is not None:
+                lock.release()
 
     def close(self) -> None:
         self.db.close()

@@ -49,12 +49,17 @@ def holder(path: str) -> str:
         return "another cell"
 
 
-def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str) -> int:
-    """Take the lock, waiting (with one line on stderr) up to `timeout` seconds (None: forever)."""
+def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None) -> int:
+    """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
+    so in one line: on stderr, or through `notify(line)` (serve tells its client)."""
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     fd = _try(path, mode)
     if fd is None:
-        print(f"agnsup: waiting for the {what} lock (held by {holder(path)})", file=sys.stderr, flush=True)
+        line = f"agnsup: waiting for the {what} lock (held by {holder(path)})"
+        if notify is not None:
+            notify(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
         while fd is None:

@@ -177,6 +177,9 @@ class Waiter:
         self._term_sent_at: float | None = None
         self._reason: str | None = None
         self.kill_method: str | None = None
+        # Set by the broker: True once another process (agnsup cancel) recorded
+        # a cancel; that process then owns the grace period and the kill.
+        self.cancelled_elsewhere = lambda: False
 
     def request_stop(self, reason: str, cancel_reason: str | None = None) -> None:
         """SIGTERM the whole tree now; SIGKILL it when the grace period ends. First reason wins."""
@@ -242,6 +245,10 @@ class Waiter:
                 remaining = self._term_sent_at + self.grace - time.monotonic()
                 if remaining > 0:
                     cgroup.wait_empty(self.node, remaining)
+            elif leftover and self.cancelled_elsewhere():
+                # let the canceller's grace period run (a TERM trap may be writing
+                # its last words); if it died meanwhile, we kill after this wait
+                cgroup.wait_empty(self.node, self.grace + 2.0)
             if cgroup.populated(self.node):
                 m = cgroup.kill(self.node)
                 self.kill_method = self.kill_method or m

@@ -45,8 +45,31 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
     """Run `argv` as one cell and wait for it. Raises AgnsupError subclasses when
     agnsup refuses or fails (each carries its exit code); returns a result dict
     with exit_code, state, reason, receipt (and stdout/stderr when captured)."""
-    from . import broker, compiler, governance, janitor, policy, spec as specmod
+    from . import broker, janitor
     from .state import StateRoot
+
+    state = StateRoot(state_dir)
+    state.ensure()
+    janitor.on_start(state)  # crash recovery first: one query when nothing to do
+    plan, decision, trail, trace = prepare(state, argv, role=role, run_id=run_id, agent_id=agent_id,
+                                           cell_id=cell_id, workdir=workdir, timeout=timeout,
+                                           lock_timeout=lock_timeout, env=env, entry=entry)
+    ctl = broker.Controller(state, kind="run")
+    try:
+        return _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file)
+    finally:
+        ctl.close()
+
+
+def prepare(state, argv: list[str], *, role: str = "executor", run_id: str = "default", agent_id: str = "default",
+            cell_id: str | None = None, workdir: str | None = None, timeout: float | None = None,
+            lock_timeout: float | None = None, env: list[str] | dict | None = None, entry: str = "tool",
+            host_env: dict | None = None):
+    """The stages before the broker: spec builder -> governance -> policy compiler.
+
+    Returns (plan, decision, trail, trace); raises Denied (journaled first)
+    when governance refuses. Shared by run_process and the serve controller."""
+    from . import broker, compiler, governance, policy, spec as specmod
 
     trace = [broker.stage("public_tool", tool="run_process", entry=entry)]
     if isinstance(env, dict):
@@ -54,11 +77,8 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
     call = specmod.ToolCall(argv=list(argv), role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
                             workdir=workdir, timeout=timeout, lock_timeout=lock_timeout, env=list(env or []),
                             entry=entry)
-    state = StateRoot(state_dir)
-    state.ensure()
-    janitor.on_start(state)  # crash recovery first: one query when nothing to do
     pol = policy.load(role, state.path)
-    spec = specmod.build(call, pol)
+    spec = specmod.build(call, pol, host_env)
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
                                         spec.workdir, state.path)
@@ -69,12 +89,7 @@ def run_process(argv: list[str], *, role: str = "executor", run_id: str = "defau
     plan = compiler.compile_plan(spec, pol, state.path)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
-
-    ctl = broker.Controller(state, kind="run")
-    try:
-        return _supervise(ctl, plan, decision.to_dict(), trail, trace, capture, forward_signals, receipt_file)
-    finally:
-        ctl.close()
+    return plan, decision.to_dict(), trail, trace
 
 
 def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file) -> dict:
@@ -115,14 +130,21 @@ def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, rece
     if receipt_file:
         from . import receipts
         receipts.write(receipt_file, receipt)
+    return cell_result(receipt, plan.cell_dir, capture)
+
+
+def cell_result(receipt: dict, cell_dir: str, capture: bool) -> dict:
+    """What a caller gets back for an ended cell (and the output, when captured)."""
     result = {"run_id": receipt["run_id"], "agent_id": receipt["agent_id"], "cell_id": receipt["cell_id"],
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
-              "receipt": os.path.join(plan.cell_dir, "receipt.json")}
+              "receipt": os.path.join(cell_dir, "receipt.json")}
     if capture:
         for name in ("stdout", "stderr"):
-            p = os.path.join(plan.cell_dir, name)
-            with open(p, "rb") as f:
-                data = f.read(MAX_RETURNED_OUTPUT + 1)
+            try:
+                with open(os.path.join(cell_dir, name), "rb") as f:
+                    data = f.read(MAX_RETURNED_OUTPUT + 1)
+            except FileNotFoundError:
+                data = b""
             result[name] = data[:MAX_RETURNED_OUTPUT].decode(errors="replace")
             result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
     return result

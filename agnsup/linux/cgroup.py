@@ -258,8 +258,12 @@ def populated(node: Node) -> bool:
             for line in _read(os.path.join(path, "cgroup.events")).splitlines():
                 if line.startswith("populated "):
                     return line.split()[1] == "1"
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, OSError) as e:
+            # ENOENT, or ENODEV from a directory being removed under us (its
+            # controller concluded the cell while we looked): gone means empty
+            if isinstance(e, FileNotFoundError) or e.errno == errno.ENODEV:
+                return False
+            raise
     return bool(procs(path))
 
 
@@ -336,7 +340,12 @@ def kill(node: Node) -> str:
     if not os.path.isdir(path):
         return "gone"
     if h == "v2" and os.path.exists(os.path.join(path, "cgroup.kill")):
-        _write(os.path.join(path, "cgroup.kill"), "1")
+        try:
+            _write(os.path.join(path, "cgroup.kill"), "1")
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+            return "gone"  # removed between our check and the write: nothing left to kill
         return "cgroup.kill"
     if h == "freezer":
         state = os.path.join(path, "freezer.state")

@@ -1,0 +1,280 @@
+"""`agnsup serve`: a Supervisor behind a Unix socket, and the client `agnsup spawn` uses.
+
+The socket lives in the state root (<state>/agnsup.sock, mode 0600: whoever
+can use it can start cells as this user). The protocol is JSON lines: one
+request object per line, one response object per line, in order, on one
+connection. Every request has "op":
+
+    ping                                  -> {"ok": true, "controller": ..., "pid": ...}
+    spawn  {argv, role, run_id, ...}      -> {"ok": true, cell_id, run_id, agent_id, pid, cgroup}
+    run    {same as spawn}                -> {"ok": true, ...result of run_process}
+    wait   {run_id, cell_id, timeout}     -> {"ok": true, ...result} (or "pending": true)
+    cancel {cell_id|run_id|agent_id|all, grace} -> {"ok": true, cancelled, cells}
+    cleanup {run_id}                      -> {"ok": true, cleaned, items}
+    ps     {run_id, all}                  -> {"ok": true, cells: [...]}
+    shutdown                              -> {"ok": true}; cancels this controller's cells, exits
+
+Errors: {"ok": false, "error": one line, "exit_code": the CLI's exit code}.
+Before a response may come {"note": line} lines (e.g. waiting for a worktree
+lock); the client prints them on stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+from .errors import AgnsupError, NoServer, UsageError
+
+SPAWN_KEYS = ("role", "run_id", "agent_id", "cell_id", "workdir", "timeout", "lock_timeout", "env", "host_env",
+              "receipt_file")
+MAX_REQUEST = 8 << 20
+
+
+def default_socket(state_path: str) -> str:
+    return os.path.join(state_path, "agnsup.sock")
+
+
+def _address(path: str) -> tuple[str, int | None]:
+    """A connectable name for `path`: sun_path holds 107 bytes, pytest's tmp paths
+    can be longer, so long paths go through an O_PATH fd of their directory."""
+    if len(path.encode()) < 100:
+        return path, None
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
+
+
+def _connect(path: str, timeout: float | None = 5.0) -> socket.socket:
+    addr, fd = _address(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(addr)
+        s.settimeout(None)
+        return s
+    except OSError:
+        s.close()
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+# -- client --------------------------------------------------------------------
+class Client:
+    """One connection to a serve controller."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.sock = _connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise NoServer(f"no serve controller listens at {path} ({e.strerror}); start one with "
+                           "`agnsup serve`") from None
+        except OSError as e:
+            raise NoServer(f"cannot connect to {path}: {e.strerror or e}") from None
+        self.file = self.sock.makefile("rwb")
+
+    def call(self, op: str, **args) -> dict:
+        """Send one request; return the response, or raise the AgnsupError it carries."""
+        self.file.write(json.dumps({"op": op, **args}).encode() + b"\n")
+        self.file.flush()
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise NoServer(f"the serve controller at {self.path} closed the connection")
+            resp = json.loads(line)
+            if "note" not in resp:
+                break
+            print(resp["note"], file=sys.stderr, flush=True)
+        if not resp.pop("ok", False):
+            err = AgnsupError(resp.get("error", "serve: request failed"))
+            err.exit_code = int(resp.get("exit_code", 125))
+            raise err
+        return resp
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- server --------------------------------------------------------------------
+class Server:
+    def __init__(self, state_dir: str | None, socket_path: str | None):
+        from .service import Supervisor
+        self.sup = Supervisor(state_dir, kind="serve")
+        self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
+        self.listener = self._bind()
+        self.stop = threading.Event()
+
+    def _bind(self) -> socket.socket:
+        if os.path.lexists(self.path):
+            try:
+                _connect(self.path, 1.0).close()
+            except OSError:
+                os.unlink(self.path)  # a dead server's socket
+            else:
+                self.sup.close()
+                raise UsageError(f"another serve controller already listens at {self.path}")
+        addr, fd = _address(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # the socket file is born 0600
+        try:
+            s.bind(addr)
+        finally:
+            os.umask(old)
+            if fd is not None:
+                os.close(fd)
+        os.chmod(self.path, 0o600)
+        s.listen(64)
+        return s
+
+    def serve_forever(self) -> int:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_wake = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        handlers = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        print(json.dumps({"ready": True, "socket": self.path, "controller": self.sup.controller_id,
+                          "pid": os.getpid()}), flush=True)
+        import select
+        try:
+            while not self.stop.is_set():
+                ready, _, _ = select.select([self.listener, r], [], [])
+                if self.listener in ready:
+                    conn, _ = self.listener.accept()
+                    threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+                if r in ready:
+                    try:
+                        os.read(r, 64)
+                    except BlockingIOError:
+                        pass
+        finally:
+            signal.set_wakeup_fd(old_wake)
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            os.close(r)
+            os.close(w)
+            self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        try:
+            self.listener.close()
+            if os.path.lexists(self.path):
+                os.unlink(self.path)
+        finally:
+            self.sup.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        f = conn.makefile("rwb")
+        try:
+            while True:
+                line = f.readline(MAX_REQUEST)
+                if not line:
+                    return
+                def note(text: str) -> None:
+                    f.write(json.dumps({"note": text}).encode() + b"\n")
+                    f.flush()
+                f.write(json.dumps(self._dispatch(line, note)).encode() + b"\n")
+                f.flush()
+        except (OSError, ValueError):
+            return
+        finally:
+            f.close()
+            conn.close()
+
+    def _dispatch(self, line: bytes, note) -> dict:
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+            op = req.pop("op", None)
+            fn = getattr(self, "op_" + str(op), None)
+            if fn is None:
+                raise UsageError(f"unknown op {op!r}")
+            return {"ok": True, **(fn(req, note) if op in ("spawn", "run") else fn(req))}
+        except AgnsupError as e:
+            return {"ok": False, "error": e.message, "exit_code": e.exit_code}
+        except (ValueError, TypeError, KeyError) as e:
+            return {"ok": False, "error": f"bad request: {e}", "exit_code": 125}
+        except OSError as e:
+            return {"ok": False, "error": f"serve: {e}", "exit_code": 125}
+
+    # ops
+    def op_ping(self, req: dict) -> dict:
+        return {"controller": self.sup.controller_id, "pid": os.getpid()}
+
+    def _spawn_args(self, req: dict) -> tuple[list, dict]:
+        argv = req.pop("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise UsageError("argv must be a non-empty list of strings")
+        unknown = set(req) - set(SPAWN_KEYS)
+        if unknown:
+            raise UsageError(f"unknown spawn option(s): {', '.join(sorted(unknown))}")
+        return argv, {k: v for k, v in req.items() if v is not None}
+
+    def op_spawn(self, req: dict, note) -> dict:
+        argv, opts = self._spawn_args(req)
+        return self.sup.spawn(argv, entry="serve", notify=note, **opts)
+
+    def op_run(self, req: dict, note) -> dict:
+        argv, opts = self._spawn_args(req)
+        h = self.sup.spawn(argv, entry="serve", notify=note, **opts)
+        return self.sup.wait(h["run_id"], h["cell_id"])
+
+    def op_wait(self, req: dict) -> dict:
+        res = self.sup.wait(req["run_id"], req["cell_id"], req.get("timeout"))
+        return res if res is not None else {"pending": True}
+
+    def op_cancel(self, req: dict) -> dict:
+        return self.sup.cancel(req.get("cell_id"), req.get("run_id"), req.get("agent_id"),
+                               bool(req.get("all")), req.get("grace"))
+
+    def op_cleanup(self, req: dict) -> dict:
+        return self.sup.cleanup(req["run_id"])
+
+    def op_ps(self, req: dict) -> dict:
+        return {"cells": self.sup.list(req.get("run_id"), bool(req.get("all")))}
+
+    def op_shutdown(self, req: dict) -> dict:
+        self.stop.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # wakes the accept loop
+        return {}
+
+
+def serve(state_dir: str | None, socket_path: str | None) -> int:
+    server = Server(state_dir, socket_path)
+    try:
+        return server.serve_forever()
+    except BaseException:
+        if not server.stop.is_set():
+            server.shutdown()
+        raise
+
+
+def spawn_request(argv: list[str], options: dict) -> dict:
+    """The spawn request for `agnsup spawn`: the client's cwd, and its environment
+    (the serve process is not the caller; the spec builder picks what the role
+    passes, and `--env KEY` takes the caller's value)."""
+    env = list(options.pop("env", None) or [])
+    host_env = dict(os.environ)
+    req = {**options, "argv": argv, "env": env, "host_env": host_env,
+           "workdir": os.path.realpath(options.get("workdir") or os.getcwd())}
+    if options.get("receipt_file"):
+        req["receipt_file"] = os.path.abspath(options["receipt_file"])
+    return req
+
+
+def main_spawn(state_dir: str | None, socket_path: str | None, argv: list[str], options: dict) -> dict:
+    from .state import StateRoot
+    path = socket_path or default_socket(StateRoot(state_dir).path)
+    with Client(path) as c:
+        return c.call("spawn", **spawn_request(argv, options))

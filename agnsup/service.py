@@ -1,0 +1,162 @@
+"""Supervisor: one long-lived controller instance for many concurrent cells.
+
+The Python API an agent runtime embeds, and the core of `agnsup serve`:
+
+    with Supervisor(state_dir) as sup:
+        h = sup.spawn(["pytest", "-q"], run_id="R", agent_id="A")   # returns at once
+        sup.wait(h["run_id"], h["cell_id"])                          # the result
+        sup.cancel(run_id="R", agent_id="A")                         # three levels, or all
+        sup.cleanup("R"); sup.list()
+
+One Controller (one liveness lock, one journal connection) serves every cell;
+each cell has a thread that waits for it and writes its receipt. Cancel and
+cleanup go through the journal and the cgroups (agnsup/cancel.py) exactly as
+from another process. If this process is SIGKILLed, the janitor of the next
+controller recovers its cells like any other controller's.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .errors import UnknownId
+
+
+class _Running:
+    def __init__(self, cell, capture: bool):
+        self.cell, self.capture = cell, capture
+        self.done = threading.Event()
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+
+class Supervisor:
+    def __init__(self, state_dir: str | None = None, kind: str = "serve"):
+        from . import broker, janitor
+        from .state import StateRoot
+        self.state = StateRoot(state_dir).ensure()
+        janitor.on_start(self.state)
+        self.ctl = broker.Controller(self.state, kind=kind)
+        self.ctl.journal.lock = threading.RLock()
+        self._cells: dict[tuple[str, str], _Running] = {}
+        self._guard = threading.Lock()
+        self.closed = False
+
+    @property
+    def controller_id(self) -> str:
+        return self.ctl.id
+
+    # -- start ------------------------------------------------------------
+    def spawn(self, argv: list[str], *, role: str = "executor", run_id: str = "default",
+              agent_id: str = "default", cell_id: str | None = None, workdir: str | None = None,
+              timeout: float | None = None, lock_timeout: float | None = None,
+              env: list[str] | dict | None = None, host_env: dict | None = None, capture: bool = True,
+              receipt_file: str | None = None, entry: str = "api", notify=None) -> dict:
+        """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup}.
+        Raises AgnsupError (denied, not found, lock timeout...) like run_process.
+        A held worktree lock is waited for; `notify(line)` hears about it (default: stderr)."""
+        from .tool import prepare
+        if self.closed:
+            raise UnknownId("this supervisor is closed")
+        plan, decision, trail, trace = prepare(self.state, argv, role=role, run_id=run_id, agent_id=agent_id,
+                                               cell_id=cell_id, workdir=workdir, timeout=timeout,
+                                               lock_timeout=lock_timeout, env=env, entry=entry, host_env=host_env)
+        cell = self.ctl.start(plan, decision, trail, trace, capture=capture, notify=notify)
+        r = _Running(cell, capture)
+        key = (cell.spec.run_id, cell.spec.cell_id)
+        with self._guard:
+            self._cells[key] = r
+        t = threading.Thread(target=self._supervise, args=(r, receipt_file), name=f"cell-{key[1]}", daemon=True)
+        t.start()
+        return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
+                "pid": cell.identity["pid"], "cgroup": cell.node.primary[1] if cell.node and cell.node.primary
+                else None, "controller": self.ctl.id}
+
+    def _supervise(self, r: _Running, receipt_file: str | None) -> None:
+        from .tool import cell_result
+        try:
+            outcome = self.ctl.waiter(r.cell).wait()
+            receipt = self.ctl.finish(r.cell, outcome)
+            if receipt_file:
+                from . import receipts
+                receipts.write(receipt_file, receipt)
+            r.result = cell_result(receipt, r.cell.plan.cell_dir, r.capture)
+        except BaseException as e:  # noqa: BLE001 - reported to whoever waits
+            r.error = e
+        finally:
+            r.done.set()
+
+    def run(self, argv: list[str], **options) -> dict:
+        """spawn, then wait: the result dict of run_process."""
+        h = self.spawn(argv, **options)
+        return self.wait(h["run_id"], h["cell_id"])
+
+    # -- wait, cancel, cleanup, list ---------------------------------------
+    def wait(self, run_id: str, cell_id: str, timeout: float | None = None) -> dict | None:
+        """The cell's result once it ended (None if `timeout` passed first).
+        A cell this supervisor did not start: its receipt from the journal."""
+        with self._guard:
+            r = self._cells.get((run_id, cell_id))
+        if r is None:
+            return self._ended(run_id, cell_id)
+        if not r.done.wait(timeout):
+            return None
+        if r.error is not None:
+            raise r.error
+        return r.result
+
+    def _ended(self, run_id: str, cell_id: str) -> dict:
+        from .tool import cell_result
+        j = self.state.journal()
+        try:
+            row = j.cell(run_id, cell_id)
+            if row is None:
+                raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+            recs = j.receipts("cell", run_id, cell_id)
+        finally:
+            j.close()
+        if not recs:
+            return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
+                    "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
+        return cell_result(recs[-1], os.path.join(self.state.path, "cells", run_id, cell_id), False)
+
+    def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
+               everything: bool = False, grace: float | None = None) -> dict:
+        from . import cancel as cancelmod
+        j = self.state.journal()
+        try:
+            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+        finally:
+            j.close()
+        return cancelmod.cancel(self.state, scope, grace, by=f"supervisor {self.ctl.id} (pid {os.getpid()})")
+
+    def cleanup(self, run_id: str) -> dict:
+        from . import cancel as cancelmod
+        return cancelmod.cleanup(self.state, run_id)
+
+    def list(self, run_id: str | None = None, include_ended: bool = False) -> list[dict]:
+        from .cells import listing
+        return listing(self.state, run_id, include_ended)
+
+    # -- end ---------------------------------------------------------------
+    def close(self, grace: float | None = None) -> None:
+        """Cancel the cells this supervisor still runs, wait for their receipts, end the instance."""
+        if self.closed:
+            return
+        self.closed = True
+        with self._guard:
+            live = [(k, r) for k, r in self._cells.items() if not r.done.is_set()]
+        if live:
+            from . import cancel as cancelmod
+            for (run_id, cell_id), _ in live:
+                cancelmod.cancel(self.state, cancelmod.Scope("cell", run_id, None, cell_id), grace,
+                                 by=f"supervisor {self.ctl.id} shutting down")
+            for _, r in live:
+                r.done.wait(30)
+        self.ctl.close()
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

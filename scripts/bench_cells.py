@@ -1,0 +1,114 @@
+"""Benchmarks of cancel and of the serve controller (run by scripts/bench).
+
+    bench_cells.py AGNSUP_BIN [--procs 1000] [--cells 1000]
+
+1. cancel: one cell holding PROCS processes, half of them double-forked
+   `setsid` daemons (reparented out of the tree, still in the cgroup); time
+   from `agnsup cancel --cell C --grace 0` being called to its return (it
+   returns once the cgroup is empty, removed and the receipt written).
+2. serve: CELLS sequential short cells (`true`) through one `agnsup serve`
+   over its socket, per-cell time against a plain fork/exec of /bin/true in
+   the same run (compare the ratio; this machine is shared and noisy).
+Needs root (cgroups). Uses a private state root, removed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _wait(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench: timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int) -> dict:
+    half = nprocs // 2
+    # leader + `half` children + `half` daemons (each `setsid sh -c 'sleep &'` exits at once)
+    script = (f"i=0; while [ $i -lt {half} ]; do sleep 1000 & setsid sh -c 'sleep 1000 &' ; i=$((i+1)); done; "
+              "echo up; wait")
+    p = subprocess.Popen([agnsup, "run", "--run-id", "bench", "--cell", "big", "--workdir", wt, "--",
+                          "sh", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert p.stdout.readline() == b"up\n", "the tree did not start"
+    row = [c for c in json.loads(subprocess.check_output([agnsup, "ps", "--json"], env=env))
+           if c["cell_id"] == "big"][0]
+    cg = row["cgroup"].get("v2") or next(iter(row["cgroup"].values()))
+
+    def count():
+        n = 0
+        for d, _, _ in os.walk(cg):
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                n += len(f.read().split())
+        return n
+
+    _wait(lambda: count() >= nprocs, 120, f"{nprocs} processes in {cg}")
+    n = count()
+    t0 = time.monotonic()
+    out = json.loads(subprocess.check_output([agnsup, "cancel", "--cell", "big", "--grace", "0", "--json"], env=env))
+    took = time.monotonic() - t0
+    p.wait(60)
+    p.stdout.close()
+    assert out["cancelled"] == 1 and out["cells"][0]["empty"] and not os.path.exists(cg), out
+    return {"processes": n, "cancel_s": took, "kill": out["cells"][0]["kill"]}
+
+
+def bench_serve(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
+    from agnsup.serve import Client
+    srv = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ready = json.loads(srv.stdout.readline())
+    per = []
+    try:
+        with Client(ready["socket"]) as c:
+            c.call("run", argv=["true"], workdir=wt, run_id="warm")
+            for i in range(ncells):
+                t0 = time.perf_counter()
+                r = c.call("run", argv=["true"], workdir=wt, run_id="serve-bench")
+                per.append(time.perf_counter() - t0)
+                assert r["exit_code"] == 0, r
+    finally:
+        srv.terminate()
+        srv.wait(60)
+        srv.stdout.close()
+    plain = []
+    for _ in range(ncells):
+        t0 = time.perf_counter()
+        subprocess.run(["/bin/true"], check=True)
+        plain.append(time.perf_counter() - t0)
+    return {"cells": ncells, "serve_median_ms": statistics.median(per) * 1000,
+            "serve_mean_ms": statistics.mean(per) * 1000, "fork_exec_median_ms": statistics.median(plain) * 1000,
+            "ratio": statistics.median(per) / statistics.median(plain)}
+
+
+def main(argv: list[str]) -> None:
+    agnsup = argv[0]
+    nprocs = int(argv[argv.index("--procs") + 1]) if "--procs" in argv else 1000
+    ncells = int(argv[argv.index("--cells") + 1]) if "--cells" in argv else 1000
+    state = tempfile.mkdtemp(prefix="agnsup-bench-cells.", dir="/var/tmp")
+    wt = tempfile.mkdtemp(prefix="agnsup-bench-cells-wt.", dir="/var/tmp")
+    env = {**os.environ, "AGNSUP_STATE_DIR": state}
+    try:
+        c = bench_cancel(agnsup, env, wt, nprocs)
+        print(f"cancel, grace 0: {c['processes']} processes (half setsid daemons) gone, cgroup removed, "
+              f"receipt written in {c['cancel_s'] * 1000:.0f} ms ({c['kill']})")
+        s = bench_serve(agnsup, env, wt, ncells)
+        print(f"serve: {s['cells']} sequential cells, median {s['serve_median_ms']:.2f} ms/cell "
+              f"(mean {s['serve_mean_ms']:.2f}); plain fork/exec of /bin/true {s['fork_exec_median_ms']:.2f} ms; "
+              f"ratio {s['ratio']:.1f}x")
+    finally:
+        subprocess.run([agnsup, "cancel", "--all", "--grace", "0"], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(wt, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -290,7 +290,12 @@ def start_with_pid(procs: Procs, want: int, argv: list[str], **kw):
             f.write(str(want - 1))
     except OSError as e:
         return None, f"writing {NS_LAST_PID} failed: {e.strerror}"
-    return procs.start(argv, **kw), f"wrote {want - 1} to {NS_LAST_PID}"
+    with open(NS_LAST_PID) as f:
+        back = f.read().strip()
+    p = procs.start(argv, **kw)
+    with open(NS_LAST_PID) as f:
+        after = f.read().strip()
+    return p, f"wrote {want - 1} to {NS_LAST_PID}, read back {back}, after fork {after}"
 
 
 def host_facts() -> dict:

@@ -417,8 +417,9 @@ class Scenario:
         self.innocent = p
         info = json.loads(self._readline(p, 30) or "null")
         if p.pid != leader.pid:
+            holders = {q: (proc.stat(q).comm, proc.stat(q).state) for q in proc.pids() if q < p.pid and proc.stat(q)}
             raise Invalid(f"PID-reuse trap missed: the innocent got pid {p.pid}, the recorded leader had "
-                          f"{leader.pid} ({note})")
+                          f"{leader.pid} ({note}); processes below {p.pid}: {holders}")
         if not info or info.get("pid") != leader.pid:
             raise Invalid(f"the innocent process on pid {leader.pid} did not start: {info}")
         self.innocent_watch = Watch("innocent", p.pid, info["starttime"])
@@ -725,7 +726,7 @@ class Scenario:
         for key in ("sentinel",):
             for w in self.watches.get(key, []):
                 w.kill()
-        if getattr(self, "innocent", None) is not None:
+        if getattr(self, "innocent_watch", None) is not None:
             self.innocent_watch.kill()
         for p in self.procs.started:
             if p.poll() is None:

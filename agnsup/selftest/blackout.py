@@ -90,11 +90,14 @@ def cleanup_cgroups(state: str) -> list[str]:
     return found
 
 
-def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, blocked: str) -> dict:
+def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, blocked: str, **extra) -> dict:
+    """One seeded run in its own work dir, state root and (when possible) PID
+    namespace. `extra` goes to the scenario's config: tests use it to run some
+    phases only, or to sabotage a run and prove a gate fires."""
     work = tempfile.mkdtemp(prefix=f"agnsup-selftest-{seed}-", dir=_work_parent())
     state = os.path.join(work, "state")
     cfg = {"seed": seed, "work": os.path.join(work, "run"), "state": state, "agnsup": _agnsup_bin(),
-           "pidns": prefix is not None, "pidns_blocked": blocked}
+           "pidns": prefix is not None, "pidns_blocked": blocked, **extra}
     cfg_path, out_path = os.path.join(work, "config.json"), os.path.join(work, "result.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)

@@ -126,17 +126,22 @@ class Scenario:
             data = None
         return rc, data, (err.strip() or out.strip())[-400:]
 
-    def start_cell(self, run: str, agent: str, cell: str, wt: str, detached: int, stripped: bool,
-                   extra: list[str] = ()):
-        """`agnsup run ... -- python3 <wt>/stubborn-tree ...` in the background; returns
-        (controller Popen, the tree's JSON report)."""
+    def launch_cell(self, run: str, agent: str, cell: str, wt: str, detached: int, stripped: bool,
+                    extra: list[str] = ()):
+        """`agnsup run ... -- python3 <wt>/stubborn-tree ...` in the background."""
         argv = [self.bin, "run", "--role", "selftest", "--run-id", run, "--agent", agent, "--cell", cell,
-                "--workdir", wt, "--", "python3", os.path.join(wt, "stubborn-tree"),
-                "--heartbeat", os.path.join(wt, "hb"), "--detached", str(detached), "--secret-file", "@" + os.path.join(wt, "decoy-path"),
+                "--workdir", wt, *self.cfg.get("run_extra", []), "--", "python3", os.path.join(wt, "stubborn-tree"),
+                "--heartbeat", os.path.join(wt, "hb"), "--detached", str(detached),
+                "--secret-file", "@" + os.path.join(wt, "decoy-path"),  # the path itself would be refused by governance
                 "--term-wait", str(TERM_WAIT), *(["--stripped"] if stripped else []), *extra]
         err_path = os.path.join(self.work, f"ctl-{run}-{cell}.err")
         with open(err_path, "wb") as err:
             p = self.procs.start(argv, env=self.env, stdout=-1, stderr=err, cwd=wt)
+        p.err_path, p.cell = err_path, f"{run}/{cell}"
+        return p
+
+    def report_of(self, p) -> dict:
+        """The tree's one JSON line, read from its controller's stdout (the cell's)."""
         line = self._readline(p, 60)
         self.outputs.append(line)
         try:
@@ -144,15 +149,18 @@ class Scenario:
         except ValueError:
             info = None
         if not isinstance(info, dict) or "pid" not in info:
-            with open(err_path, errors="replace") as f:
+            with open(p.err_path, errors="replace") as f:
                 err_text = f.read()[-600:]
             if isinstance(info, dict) and info.get("bypass"):
-                self.v.check("DIRECT_PROCESS_BYPASS", False, f"{run}/{cell}: a canary answered instead of "
+                self.v.check("DIRECT_PROCESS_BYPASS", False, f"{p.cell}: a canary answered instead of "
                              f"python3: {line.strip()}", "phase1")
-            raise RuntimeError(f"cell {run}/{cell} did not start (controller rc {p.poll()}): "
+            raise RuntimeError(f"cell {p.cell} did not start (controller rc {p.poll()}): "
                                f"stdout {line.strip()!r}, stderr {err_text.strip()!r}")
-        info["_err"] = err_path
-        return p, info
+        return info
+
+    def start_cell(self, *args, **kw):
+        p = self.launch_cell(*args, **kw)
+        return p, self.report_of(p)
 
     def _readline(self, p, timeout: float) -> str:
         import select
@@ -201,8 +209,11 @@ class Scenario:
         try:
             self.setup()
             self.start_sentinel()
+            phases = self.cfg.get("phases", "1234")
             for name, fn in (("phase1", self.phase1), ("phase2", self.phase2), ("phase3", self.phase3),
                              ("phase4", self.phase4), ("final", self.final)):
+                if name[-1].isdigit() and name[-1] not in phases:
+                    continue
                 t = time.monotonic()
                 fn()
                 self.timings[name] = round(time.monotonic() - t, 3)
@@ -431,7 +442,10 @@ class Scenario:
         self.pid_trap()
         before = [w for w in self.watches["A1"] if w.alive()]
         t = time.monotonic()
-        if self.c["recovery"] == "janitor":
+        if self.cfg.get("sabotage") == "skip_recovery":
+            # tests only: prove the recovery gates fire when nothing recovers
+            ok, how = True, "sabotage: no recovery ran"
+        elif self.c["recovery"] == "janitor":
             rc, rep, err = self.agnsup_json("janitor", "--json")
             ok = rc == 0 and rep is not None and "A1" in rep.get("recovered", [])
             how = f"`agnsup janitor` rc {rc}, recovered {rep and rep.get('recovered')}"
@@ -458,6 +472,11 @@ class Scenario:
         held = [p for p in self.info1["ports"] if not bindable(p)]
         self.v.check("PORT_NOT_RELEASED", not held, f"ports still held after recovery: {held}" if held else
                      f"ports {self.info1['ports']} bindable after recovery", "phase3")
+        if self.cfg.get("sabotage") == "signal_sentinel":
+            # tests only: prove SENTINEL_KILLED fires when the sentinel is signalled
+            import signal
+            signal.pidfd_send_signal(self.watches["sentinel"][0].fd, signal.SIGUSR1)
+            self.procs.wait_for(lambda: os.path.exists(self.sentinel_log), 10)
         self.check_sentinel("phase3")
         self.check_innocent()
 
@@ -471,14 +490,14 @@ class Scenario:
         self.check_recovery_receipt(recs, before, rc, err)
         self.check_resources_r1(row)
 
-    def check_innocent(self) -> None:
+    def check_innocent(self, phase: str = "phase3") -> None:
         if getattr(self, "innocent", None) is None:
             return
         w = self.innocent_watch
         sig = os.path.exists(self.innocent_log) and open(self.innocent_log).read().strip()
         ok = w.alive() and not sig
         self.v.check("PID_REUSE_KILL", ok, f"innocent on the recorded leader pid {w.pid} alive and unsignalled" if ok
-                     else f"innocent pid {w.pid}: alive={w.alive()}, signals received {sig!r}", "phase3")
+                     else f"innocent pid {w.pid}: alive={w.alive()}, signals received {sig!r}", phase)
 
     def check_recovery_receipt(self, recs: list, before: list[Watch], rc, err) -> None:
         problems = []
@@ -563,10 +582,12 @@ class Scenario:
     def phase4(self) -> None:
         agents = {"A1": "A", "A2": "A", "B1": "B"}
         self.r2: dict[str, dict] = {}
-        for cell in self.c["r2_order"]:
+        for cell in self.c["r2_order"]:  # launched in the seed's order, without waiting for each other
             wt = self.worktree("r2-" + cell.lower())
-            p, info = self.start_cell("R2", agents[cell], cell, wt, self.c["r2_detached"], False)
-            self.r2[cell] = {"ctl": p, "info": info, "wt": wt}
+            p = self.launch_cell("R2", agents[cell], cell, wt, self.c["r2_detached"], False)
+            self.r2[cell] = {"ctl": p, "wt": wt}
+        for cell in self.c["r2_order"]:
+            info = self.r2[cell]["info"] = self.report_of(self.r2[cell]["ctl"])
             self.watches["R2/" + cell] = tree_watches("R2/" + cell, info)
         for cell, c in self.r2.items():
             if not self.wait_beats(c["info"]["heartbeats"], 3):
@@ -707,7 +728,7 @@ class Scenario:
     def final(self) -> None:
         self.check_sentinel("final")
         if getattr(self, "innocent", None) is not None:
-            self.check_innocent()
+            self.check_innocent("final")
         marker = os.path.exists(self.canary["marker"])
         self.v.check("DIRECT_PROCESS_BYPASS", not marker,
                      f"canary marker: {open(self.canary['marker']).read().strip()!r}" if marker else

@@ -14,8 +14,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from . import crashpoints, locks, supervisor
-from .errors import AgnsupError, CancelledBeforeStart, RunNotActive, StateError
+from . import crashpoints, governance, locks, supervisor
+from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, StateError
 from .journal import TERMINAL_RUN
 from .linux import cgroup, pidfd, proc
 
@@ -99,8 +99,10 @@ class Controller:
                                      f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
             self._intent(cell)
-        except BaseException:
+        except BaseException as e:
             locks.release(cell.lock_path, cell.lock_fd)
+            if isinstance(e, Denied):  # a run quota, judged in the intent transaction (rolled back)
+                record_denied(self.state, spec, e.details["decision"], trail + e.details["trail"], trace)
             raise
         crashpoints.hit("after_intent")
         try:
@@ -141,6 +143,8 @@ class Controller:
                 db.execute("UPDATE runs SET state='active', ended_at=NULL WHERE run_id=?", (spec.run_id,))
             if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=?", (spec.run_id, spec.cell_id)).fetchone():
                 raise RunNotActive(f"cell {spec.cell_id!r} already exists in run {spec.run_id!r}; cell ids are never reused")
+            # run quotas count the journal's cells: inside BEGIN IMMEDIATE, so race-free
+            governance.admit(db, spec, plan.quota, cell.decision.get("zone", "yellow"), now)
             db.execute(
                 "INSERT INTO cells(run_id, cell_id, agent_id, role, state, token, controller_id, boot_id, cgroup,"
                 " tmpdir, worktree, lock_path, argv, exe, created_at) VALUES (?,?,?,?, 'starting', ?,?,?,?,?,?,?,?,?,?)",

@@ -31,6 +31,7 @@ class ExecutionPlan:
     worktree_mode: str             # rw | ro
     policy_digest: str
     deny_masked: list[str] = field(default_factory=list)
+    quota: dict = field(default_factory=dict)   # run quotas, judged by the broker (governance.admit)
 
 
 def _expand(path: str, home: str) -> str:
@@ -64,4 +65,4 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
         limits={"memory_max": lim.get("memory_max"), "pids_max": lim.get("pids_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
         drop_caps=[CAP_SYS_ADMIN] if os.geteuid() == 0 else [], worktree_mode=fs["worktree"],
-        policy_digest=policy.get("_digest", ""), deny_masked=masked)
+        policy_digest=policy.get("_digest", ""), deny_masked=masked, quota=dict(policy.get("quota") or {}))

@@ -2,8 +2,10 @@
 
 The gate (agnsup/gate/, docs/governance.md) applies its named checks in
 order, first deny wins: hardline -> policy allow/deny lists -> sandbox ->
-network -> zone. The decision and the trail of every check that ran are
-values that travel to the journal and the receipt; a denial starts nothing.
+network -> zone -> quota. The decision and the trail of every check that ran
+are values that travel to the journal and the receipt; a denial starts nothing.
+Run quotas need the journal's counts: the gate judges only a limit of 0, and
+`admit` judges the rest inside the broker's intent transaction.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .errors import Denied
 
 def context(policy: dict, worktree: str, state_root: str | None):
     from .gate import GateContext
+    from .gate.quota import limits_of
     gov, fs = policy["governance"], policy["filesystem"]
     return GateContext(
         role=policy["role"]["name"], mode=gov.get("mode", "open"), network=policy["network"]["mode"],
@@ -21,7 +24,8 @@ def context(policy: dict, worktree: str, state_root: str | None):
         writable=("/tmp", "/dev/shm", "/dev/null"), deny_paths=tuple(fs.get("deny", ())),
         state_root=state_root, home=os.path.expanduser("~"),
         allow_commands=tuple(gov.get("allow_commands", ())), deny_commands=tuple(gov.get("deny_commands", ())),
-        yellow_allow=tuple(gov.get("yellow_allow", ())))
+        yellow_allow=tuple(gov.get("yellow_allow", ())), unparseable=gov.get("unparseable"),
+        quota=limits_of(policy.get("quota")))
 
 
 def decide(tool: str, args: dict, policy: dict, worktree: str, state_root: str | None = None):
@@ -34,3 +38,24 @@ def enforce(decision) -> None:
     if not decision.allowed:
         hint = f" (if this is wrong: {decision.hint})" if decision.hint else ""
         raise Denied(f"denied by {decision.rule}: {decision.reason}{hint}", decision=decision.to_dict())
+
+
+def admit(db, spec, limits, zone: str, now: float) -> None:
+    """Run quotas for one more cell of spec.run_id / spec.agent_id, judged with the
+    caller's journal connection. The broker calls this inside its intent
+    transaction (BEGIN IMMEDIATE), which makes the counts race-free. Raises
+    Denied carrying the decision and its trail entry."""
+    from .gate import quota
+    limits = quota.limits_of(limits)
+    if not limits:
+        return
+    from .gate import Decision
+    f = quota.decide(limits, quota.usage(db, spec.run_id, spec.agent_id, now), spec.role, spec.run_id, spec.agent_id)
+    if f.allowed:
+        return
+    d = Decision(allowed=False, rule=f.rule, zone=zone, reason=f.reason, check="quota", hint=f.hint)
+    try:
+        enforce(d)
+    except Denied as e:
+        e.details["trail"] = [{"check": "quota", "allowed": False, "rule": f.rule, "reason": f.reason}]
+        raise

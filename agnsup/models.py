@@ -93,12 +93,28 @@ class LimitsSection(_Strict):
 
 
 class GovernanceSection(_Strict):
+    preset: str | None = Field(None, description="A preset (policies/presets/<name>.toml: standard, regulated, "
+                               "readonly) whose settings this role inherits; keys the role sets win, except keys "
+                               "the preset fixes.")
     mode: Literal["open", "locked", "readonly"] = Field("open", description="open: side effects allowed; locked: "
                                                         "only the tools in yellow_allow; readonly: none.")
+    unparseable: Literal["deny", "flag"] | None = Field(None, description="Shell text that does not parse: 'deny' "
+                                                         "refuses it, 'flag' allows it with a flag; unset: locked "
+                                                         "denies, open and readonly flag.")
     allow_commands: list[str] = Field(default_factory=list, description="If not empty, only these programs may "
                                       "be started (by name).")
     deny_commands: list[str] = Field(default_factory=list, description="Programs this role may never start.")
     yellow_allow: list[str] = Field(default_factory=list, description="Side-effect tools a locked role allows.")
+
+
+class QuotaSection(_Strict):
+    max_cells_per_run: int | None = Field(None, ge=0, description="Most cells one run may start in its life "
+                                          "(every cell the journal holds for the run; denied calls do not count).")
+    max_concurrent_per_run: int | None = Field(None, ge=0, description="Most live cells one run may hold at once.")
+    max_concurrent_per_agent: int | None = Field(None, ge=0, description="Most live cells one agent of a run may "
+                                                 "hold at once.")
+    max_run_seconds: float | None = Field(None, gt=0, description="Wall time of a run, from its first cell: no new "
+                                          "cell starts after it.")
 
 
 class Policy(_Strict):
@@ -108,3 +124,4 @@ class Policy(_Strict):
     network: NetworkSection = Field(default_factory=NetworkSection, description="The network namespace.")
     limits: LimitsSection = Field(default_factory=LimitsSection, description="Cgroup and time limits.")
     governance: GovernanceSection = Field(default_factory=GovernanceSection, description="The text gate.")
+    quota: QuotaSection = Field(default_factory=QuotaSection, description="Run quotas, judged from the journal.")

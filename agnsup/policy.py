@@ -5,6 +5,12 @@ importlib.resources); `AGNSUP_POLICY_DIR` names a directory searched first.
 A file is validated by the pydantic models once; the validated form is cached
 as JSON under `<state>/cache/`, keyed by the file's sha256, so the spawn path
 neither parses TOML nor imports pydantic when nothing changed.
+
+A role may name a preset (`[governance] preset = "regulated"`): a file
+`presets/<name>.toml` next to the roles whose sections the role inherits.
+Keys the role sets win; list keys that deny (`governance.deny_commands`,
+`filesystem.deny`) are joined; keys in the preset's `fixed` list are floors a
+role may tighten but never loosen. docs/policy.md describes the format.
 """
 from __future__ import annotations
 
@@ -14,7 +20,18 @@ import os
 
 from .errors import PolicyError
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
+PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
+# Lists a preset and a role join (both deny): a role adds entries, never drops one.
+JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
+# Values from loosest to strictest, for the keys a preset may fix.
+STRICTNESS = {
+    "governance.mode": ("open", "locked", "readonly"),
+    "governance.unparseable": (None, "flag", "deny"),
+    "network.mode": ("host", "loopback", "deny"),
+    "filesystem.root": ("rw", "ro"),
+    "filesystem.worktree": ("rw", "ro"),
+}
 
 
 def _packaged_dir() -> str:
@@ -49,6 +66,45 @@ def known_roles() -> list[str]:
     return sorted(roles)
 
 
+def known_presets() -> list[str]:
+    names = set()
+    for d in policy_dirs():
+        try:
+            names.update(f[:-5] for f in os.listdir(os.path.join(d, "presets")) if f.endswith(".toml"))
+        except OSError:
+            continue
+    return sorted(names)
+
+
+def find_preset(name: str) -> str | None:
+    if not name or "/" in name or name.startswith("."):
+        return None
+    for d in policy_dirs():
+        p = os.path.join(d, "presets", name + ".toml")
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def _presets_digest() -> bytes:
+    """Digest of every preset file, so editing a preset invalidates cached roles."""
+    h = hashlib.sha256()
+    for d in policy_dirs():
+        pd = os.path.join(d, "presets")
+        try:
+            names = sorted(os.listdir(pd))
+        except OSError:
+            continue
+        for n in names:
+            if n.endswith(".toml"):
+                try:
+                    with open(os.path.join(pd, n), "rb") as f:
+                        h.update(pd.encode() + b"/" + n.encode() + b"\0" + f.read())
+                except OSError:
+                    continue
+    return h.digest()
+
+
 def find(role: str) -> str:
     if not role or "/" in role or role.startswith("."):
         raise PolicyError(f"invalid role name {role!r}")
@@ -68,7 +124,8 @@ def load(role: str, state_root: str | None = None) -> dict:
     except OSError as e:
         raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
     digest = hashlib.sha256(raw).hexdigest()
-    cache = os.path.join(state_root, "cache", f"policy-{role}-{digest[:24]}-v{CACHE_VERSION}.json") if state_root else None
+    key = hashlib.sha256(raw + _presets_digest()).hexdigest()
+    cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
     if cache:
         try:
             with open(cache) as f:
@@ -77,17 +134,99 @@ def load(role: str, state_root: str | None = None) -> dict:
             pass
     data = validate(raw, path, role)
     data["_file"], data["_digest"] = path, "sha256:" + digest
+    if data.get("_preset"):
+        # the effective policy is the role and its preset: the receipt's digest covers both
+        with open(data["_preset"]["file"], "rb") as f:
+            data["_digest"] = "sha256:" + hashlib.sha256(raw + b"\0" + f.read()).hexdigest()
     if cache:
         _write_cache(cache, data)
     return data
 
 
-def validate(raw: bytes, path: str, role: str | None = None) -> dict:
+def _read_toml(raw: bytes, path: str) -> dict:
     import tomllib
     try:
-        doc = tomllib.loads(raw.decode())
+        return tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise PolicyError(f"{path}: not valid TOML: {e}") from None
+
+
+def load_preset(name: str, role_path: str = "") -> tuple[dict, str]:
+    """(the preset's document, its file). Errors name the file and key."""
+    path = find_preset(name)
+    if path is None:
+        raise PolicyError(f"{role_path}: key governance.preset: unknown preset {name!r} "
+                          f"(known: {', '.join(known_presets()) or 'none'})")
+    try:
+        with open(path, "rb") as f:
+            doc = _read_toml(f.read(), path)
+    except OSError as e:
+        raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
+    meta = doc.get("preset")
+    if not isinstance(meta, dict):
+        raise PolicyError(f"{path}: key preset: missing (a preset file starts with [preset] name = ...)")
+    if meta.get("name") != name:
+        raise PolicyError(f"{path}: key preset.name: is {meta.get('name')!r} but the file is for preset {name!r}")
+    for k in meta:
+        if k not in ("name", "description", "fixed"):
+            raise PolicyError(f"{path}: key preset.{k}: unknown key (known: name, description, fixed)")
+    for section in doc:
+        if section != "preset" and section not in PRESET_SECTIONS:
+            raise PolicyError(f"{path}: key {section}: a preset may set only {', '.join(PRESET_SECTIONS)}")
+        if section != "preset" and not isinstance(doc[section], dict):
+            raise PolicyError(f"{path}: key {section}: not a table")
+    if "preset" in doc.get("governance", {}):
+        raise PolicyError(f"{path}: key governance.preset: a preset cannot name another preset")
+    fixed = meta.get("fixed", [])
+    if not isinstance(fixed, list):
+        raise PolicyError(f"{path}: key preset.fixed: not a list of keys")
+    for key in fixed:
+        section, _, field = str(key).partition(".")
+        if key not in STRICTNESS:
+            raise PolicyError(f"{path}: key preset.fixed: {key!r} cannot be fixed (only {', '.join(STRICTNESS)})")
+        if field not in doc.get(section, {}):
+            raise PolicyError(f"{path}: key preset.fixed: {key!r} is fixed but the preset does not set it")
+    return doc, path
+
+
+def apply_preset(doc: dict, path: str) -> tuple[dict, dict | None]:
+    """The role document with its preset merged in, and what was inherited."""
+    gov = doc.get("governance")
+    name = gov.get("preset") if isinstance(gov, dict) else None
+    if name is None:
+        return doc, None
+    if not isinstance(name, str):
+        raise PolicyError(f"{path}: key governance.preset: not a preset name: {name!r}")
+    pre, pre_path = load_preset(name, path)
+    fixed = set(pre["preset"].get("fixed", []))
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    for section in PRESET_SECTIONS:
+        theirs = pre.get(section)
+        if not theirs:
+            continue
+        mine = merged.get(section, {})
+        if not isinstance(mine, dict):
+            continue  # the model reports the bad section
+        out = dict(theirs)
+        for field, value in mine.items():
+            key = f"{section}.{field}"
+            if key in JOINED_LISTS and isinstance(value, list) and isinstance(theirs.get(field), list):
+                out[field] = list(theirs[field]) + [x for x in value if x not in theirs[field]]
+            elif key in fixed and field in theirs:
+                order = STRICTNESS[key]
+                if value not in order or order.index(value) < order.index(theirs[field]):
+                    raise PolicyError(f"{path}: key {key}: {value!r} is looser than preset {name!r} allows "
+                                      f"({pre_path} fixes it to {theirs[field]!r} or stricter)")
+                out[field] = value
+            else:
+                out[field] = value
+        merged[section] = out
+    return merged, {"name": name, "file": pre_path, "fixed": sorted(fixed)}
+
+
+def validate(raw: bytes, path: str, role: str | None = None) -> dict:
+    own = _read_toml(raw, path)
+    doc, preset = apply_preset(own, path)
     from pydantic import ValidationError
 
     from .models import Policy
@@ -98,10 +237,17 @@ def validate(raw: bytes, path: str, role: str | None = None) -> dict:
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise PolicyError(f"{path}: key {key}: {msg}{more}") from None
+        where = path
+        loc = [str(x) for x in err["loc"]]
+        if preset and len(loc) >= 2 and loc[1] not in (own.get(loc[0]) if isinstance(own.get(loc[0]), dict) else {}):
+            where = preset["file"]  # the bad value came from the preset, not the role
+        raise PolicyError(f"{where}: key {key}: {msg}{more}") from None
     if role is not None and pol.role.name != role:
         raise PolicyError(f"{path}: key role.name: is {pol.role.name!r} but the file is for role {role!r}")
-    return pol.model_dump(by_alias=True)
+    data = pol.model_dump(by_alias=True)
+    if preset:
+        data["_preset"] = preset
+    return data
 
 
 def _write_cache(cache: str, data: dict) -> None:

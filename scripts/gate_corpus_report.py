@@ -11,6 +11,8 @@ throughput. The corpora are text only: nothing here executes them.
 from __future__ import annotations
 
 import collections
+import csv
+import dataclasses
 import json
 import sys
 import time
@@ -19,16 +21,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agnsup import governance, policy  # noqa: E402
 from agnsup.gate import GateContext, judge_shell  # noqa: E402
 from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS  # noqa: E402
 
 CORPORA = ROOT / "tests" / "data" / "corpora"
 
-# An executor in a cell: open mode, worktree and private /tmp writable.
-EXECUTOR = GateContext(role="executor", mode="open", network="deny", worktree="/workspace/project",
-                       writable=("/tmp", "/var/tmp"), home="/home/user")
-EXECUTOR_HOST = GateContext(role="executor-net", mode="open", network="host", worktree="/workspace/project",
-                            writable=("/tmp", "/var/tmp"), home="/home/user")
+WORKTREE = "/workspace/project"
+
+
+def role_context(name: str) -> GateContext:
+    """The gate's context for a shipped role, exactly as `agnsup run` builds it
+    (writable /tmp, /dev/shm; deny paths; preset), with a fixed home for the corpora."""
+    return dataclasses.replace(governance.context(policy.load(name), WORKTREE, None), home="/home/user")
+
+
+# The shipped executor role (network deny) and networked role (executor with the host network).
+EXECUTOR = role_context("executor")
+EXECUTOR_HOST = role_context("networked")
 
 # The text rules alone, independent of a cell's layout: everything writable.
 LAYOUT_FREE = GateContext(role="layout-free", mode="open", network="host", worktree="/workspace/project",
@@ -40,6 +50,19 @@ EXECUTOR_GIT = GateContext(role="executor-git", mode="open", network="host", wor
 
 # Lines of dangerous_catastrophic.txt we deliberately allow (see docs/governance.md).
 CATASTROPHIC_EXCEPTIONS = frozenset({"rm -rf ./build"})
+
+
+def why_denied(rule: str, ctx: GateContext) -> str:
+    """What a refusal of a benign line amounts to in a cell of this role."""
+    if rule.startswith("network.") and ctx.network != "host":
+        return "network use under network deny"
+    if rule == "sandbox.path_escape" and "/" not in ctx.writable:
+        return "write outside the cell's writable paths"
+    if rule == "sandbox.deny_path":
+        return "deny-path read"
+    if rule.startswith("hardline."):
+        return "hardline by choice"
+    return "other"
 
 
 def lines(name: str) -> list[str]:
@@ -72,10 +95,13 @@ def main(verbose: bool = False) -> dict:
     figures["catastrophic"] = {"denied": denied, "hardline": hard, "total": len(cat), "not_hardline": miss}
 
     ben = lines("benign_hard_negatives.txt")
-    for label, ctx in (("network deny", EXECUTOR), ("network host", EXECUTOR_HOST), ("layout-free", LAYOUT_FREE)):
+    for label, ctx in (("executor, network deny", EXECUTOR), ("networked, network host", EXECUTOR_HOST),
+                       ("layout-free", LAYOUT_FREE)):
         ds = [judge_shell(c, ctx) for c in ben]
         fd = [(c, d.rule) for c, d in zip(ben, ds) if not d.allowed]
-        print(f"benign_hard_negatives.txt ({label}): false denials {pct(len(fd), len(ben))}")
+        kinds = collections.Counter(why_denied(r, ctx) for _c, r in fd)
+        print(f"benign_hard_negatives.txt ({label}): false denials {pct(len(fd), len(ben))}: "
+              + ", ".join(f"{n} {k}" for k, n in kinds.most_common()))
         for c, r in fd:
             print(f"    {r:28s} {c[:90]!r}")
         figures[f"benign_{label.replace(' ', '_').replace('-', '_')}"] = {"false_denied": len(fd), "total": len(ben),
@@ -83,7 +109,7 @@ def main(verbose: bool = False) -> dict:
 
     rows = dcg()
     for label, ctx in (("layout-free", LAYOUT_FREE), ("git deny list", EXECUTOR_GIT),
-                       ("network host", EXECUTOR_HOST), ("network deny", EXECUTOR)):
+                       ("networked, network host", EXECUTOR_HOST), ("executor, network deny", EXECUTOR)):
         by = collections.defaultdict(lambda: [0, 0, 0, 0])  # deny_hit, deny_total, allow_fd, allow_total
         for r in rows:
             if r["expected"] not in ("allow", "deny"):
@@ -107,6 +133,18 @@ def main(verbose: bool = False) -> dict:
         figures[f"dcg_{label.replace(' ', '_').replace('-', '_')}"] = {"deny_hit": tot[0], "deny_total": tot[1],
                                                      "allow_false_denied": tot[2], "allow_total": tot[3],
                                                      "by_category": {k: list(v) for k, v in by.items()}}
+
+    with open(CORPORA / "network_exfil_variants.tsv", encoding="utf-8") as f:
+        variants = list(csv.DictReader(f, delimiter="\t"))
+    ds = [judge_shell(v["command"].replace("HOST", "127.0.0.1").replace("PORT", "4000"), EXECUTOR) for v in variants]
+    caught = sum(not d.allowed for d in ds)
+    flagged = sum(d.allowed and bool(d.flags) for d in ds)
+    print(f"network_exfil_variants.tsv (executor, advisory; the network namespace is the guarantee): "
+          f"denied {pct(caught, len(ds))}, flagged but allowed {flagged}")
+    if verbose:
+        for v, d in zip(variants, ds):
+            print(f"    {v['id']:24s} {d.rule:24s} {','.join(d.flags)}")
+    figures["network_variants"] = {"denied": caught, "flagged": flagged, "total": len(ds)}
 
     batch = (ben + cat + [r["command"] for r in rows]) * 20
     t = time.perf_counter()

@@ -1,6 +1,6 @@
 """The gate: named checks in order, first denial wins.
 
-    hardline -> policy -> sandbox -> network -> zone
+    hardline -> policy -> sandbox -> network -> zone -> quota
 
 Each check returns a Finding; the trail records every check that ran. A
 denial is a value carried to the receipt, never an exception.
@@ -8,12 +8,12 @@ denial is a value carried to the receipt, never an exception.
 
 from __future__ import annotations
 
-from . import hardline, network, policy, sandbox, zones
+from . import hardline, network, policy, quota, sandbox, zones
 from .commands import Analysis, analyze_argv, analyze_shell, split_words
 from .model import Decision, Finding, GateContext
 
 COMMAND_KEYS = ("command", "cmd", "script", "shell", "argv")
-ORDER = ("hardline", "policy", "sandbox", "network", "zone")
+ORDER = ("hardline", "policy", "sandbox", "network", "zone", "quota")
 
 
 def analyze_call(args: dict) -> Analysis | None:
@@ -55,11 +55,17 @@ def check(tool_name: str, args: dict, ctx: GateContext, *, resolver=None) -> tup
             f = sandbox.check(tool_name, args, zone, an, ctx)
         elif name == "network":
             f = network.check(tool_name, args, an, ctx, resolver=resolver)
-        else:
+        elif name == "zone":
             f = zones.check(tool_name, zone, ctx)
+        elif an is None or not ctx.quota:
+            continue  # quotas count cells: only a call that runs a command starts one
+        else:
+            f = quota.decide(ctx.quota, ctx.usage, ctx.role, ctx.run_id, ctx.agent_id)
         trail.append({"check": name, "allowed": f.allowed, "rule": f.rule, "reason": f.reason})
         flags.extend(x for x in f.flags if x not in flags)
         pinned = pinned or f.pinned
+        if name == "quota" and f.allowed:
+            continue  # a passed quota leaves the zone's verdict as the decision
         final, final_check = f, name
         if not f.allowed:
             break

@@ -152,6 +152,8 @@ def _write_targets(ex: Exec, c: _Ctx) -> list[tuple[str, str]]:
     elif prog in ("cp", "mv", "install", "ln", "rsync", "scp"):
         ops = _operands(args, frozenset({"-t", "--target-directory", "-S", "--suffix", "-m", "--mode", "-o", "-g",
                                          "-e", "--rsh"}))
+        if prog == "rsync" and (_has_flag(args, "n", ("--dry-run", "--list-only"))):
+            ops = []  # a dry run or a listing writes nothing
         if len(ops) >= 2:
             out.append((ops[-1], prog))
     elif prog == "dd":

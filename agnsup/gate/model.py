@@ -59,6 +59,14 @@ class GateContext:
     # What to do with shell text that does not parse: "deny" or "flag".
     # None => by mode: locked denies, open and readonly flag.
     unparseable: str | None = None
+    # Run quotas as (key, limit) pairs (gate/quota.py KEYS); empty: none.
+    quota: tuple[tuple[str, float], ...] = ()
+    # What the run and agent hold now (quota.Usage), when the caller read the
+    # journal; None: only limits of 0 can be judged.
+    usage: object = None
+    # For quota messages: the run and agent the call belongs to.
+    run_id: str = ""
+    agent_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class Decision:
     zone: str
     # One sentence a user understands: which rule, why.
     reason: str
-    # The check that decided: "hardline", "policy", "sandbox", "network", "zone".
+    # The check that decided: "hardline", "policy", "sandbox", "network", "zone", "quota".
     check: str
     # What to change in the role if the refusal was wrong.
     hint: str = ""

@@ -72,12 +72,14 @@ def check(an: Analysis | None, ctx: GateContext) -> Finding:
             return deny("policy.unparseable",
                         f"{an.unparseable[0]}, so it cannot be judged, and role '{ctx.role}' refuses what it "
                         "cannot judge.",
-                        "Fix the quoting or pass an argv list to run_process; or set unparseable: flag in the role.")
+                        "Fix the quoting or pass an argv list to run_process; or set governance.unparseable = "
+                        "'flag' in the role (a regulated preset fixes it).")
         flags.append("unparseable")
     if an.dynamic:
         if mode == "deny" or not allow_all:
             return deny("policy.dynamic_command",
                         f"the program or code {an.dynamic[0]!r} is only known at run time, so it cannot be judged.",
-                        "Write the program name literally; or set unparseable: flag in an open role.")
+                        "Write the program name literally; or set governance.unparseable = 'flag' in an open "
+                        "role without allow_commands.")
         flags.append("dynamic_command")
     return ok("policy.pass", flags=tuple(flags))

@@ -103,3 +103,15 @@ def test_shell_command_inside_scope_is_allowed(layout, command):
 def test_cwd_of_a_process_may_not_be_a_deny_path(layout):
     ctx, *_ = layout
     assert check("run_process", {"argv": ["ls"], "cwd": "~/.ssh"}, ctx)[0].rule == "sandbox.deny_path"
+
+
+@pytest.mark.parametrize("command", ["rsync -n -a /src/ /dest/", "rsync -an /src/ /dest/",
+                                     "rsync --dry-run -a /src/ /dest/", "rsync --list-only /src/"])
+def test_an_rsync_dry_run_or_listing_writes_nothing_and_is_allowed(layout, command):
+    ctx, *_ = layout
+    assert judge_shell(command, ctx).allowed
+
+
+def test_a_real_rsync_outside_the_writable_roots_is_still_denied(layout):
+    ctx, *_ = layout
+    assert judge_shell("rsync -a /src/ /dest/", ctx).rule == "sandbox.path_escape"

@@ -1,0 +1,97 @@
+"""Run quotas: how many cells a run and an agent may start or hold at once,
+and how long a run may go on.
+
+    max_cells_per_run          quota.cells_per_run      cells a run may start in its life
+    max_concurrent_per_run     quota.concurrent_run     live cells of one run at once
+    max_concurrent_per_agent   quota.concurrent_agent   live cells of one agent (of a run) at once
+    max_run_seconds            quota.run_wall_time      wall time since the run's first cell
+
+The decision (`decide`) is pure. The counts come from the journal
+(`usage`), and the broker asks inside its intent transaction (BEGIN
+IMMEDIATE), so two controllers starting cells at the same moment cannot both
+pass a limit of one: the second waits for the first's INSERT and counts it.
+Without a journal (`agnsup check`, `check(...)` of an agent runtime) only a
+limit of 0 can be judged; the other limits are reported as not judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import Finding, deny, ok
+
+KEYS = ("max_cells_per_run", "max_concurrent_per_run", "max_concurrent_per_agent", "max_run_seconds")
+RULES = {"max_cells_per_run": "quota.cells_per_run", "max_concurrent_per_run": "quota.concurrent_run",
+         "max_concurrent_per_agent": "quota.concurrent_agent", "max_run_seconds": "quota.run_wall_time"}
+# Cell states that no longer hold anything (journal.TERMINAL_CELL; repeated
+# here so the gate does not import the journal).
+TERMINAL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a run and an agent hold, from the journal, before the new cell."""
+
+    cells_in_run: int
+    live_in_run: int
+    live_of_agent: int
+    run_age: float | None  # seconds since the run's first cell; None for a new run
+
+
+def limits_of(policy_quota: dict | None) -> tuple[tuple[str, float], ...]:
+    """The limits a role sets, as (key, value) pairs (unset keys left out)."""
+    q = policy_quota or {}
+    return tuple((k, q[k]) for k in KEYS if q.get(k) is not None)
+
+
+def _hint(key: str, role: str) -> str:
+    return (f"Raise quota.{key} in role '{role}' (or remove it), or wait for cells to end / start a new run "
+            "with --run-id.")
+
+
+def decide(limits, usage: Usage | None, role: str, run_id: str = "", agent_id: str = "") -> Finding:
+    """The quota verdict for one more cell. usage None: judge only what needs no journal."""
+    lim = dict(limits)
+    run = f"run {run_id!r}" if run_id else "the run"
+    agent = f"agent {agent_id!r}" if agent_id else "the agent"
+    if usage is None:
+        for key in ("max_cells_per_run", "max_concurrent_per_run", "max_concurrent_per_agent"):
+            if lim.get(key) == 0:
+                return deny(RULES[key], f"role '{role}' sets quota.{key} = 0: it may start no cell.",
+                            _hint(key, role))
+        pending = [f"{k}={lim[k]:g}" for k in KEYS if k in lim]
+        if pending:
+            return ok("quota.unjudged", "not judged without the journal (agnsup run judges them when the cell "
+                      "starts): " + ", ".join(pending))
+        return ok("quota.pass", "no quota set")
+    n = lim.get("max_cells_per_run")
+    if n is not None and usage.cells_in_run >= n:
+        return deny(RULES["max_cells_per_run"], f"{run} has started {usage.cells_in_run} cells and role '{role}' "
+                    f"allows {n:g} per run (quota.max_cells_per_run).", _hint("max_cells_per_run", role))
+    n = lim.get("max_concurrent_per_run")
+    if n is not None and usage.live_in_run >= n:
+        return deny(RULES["max_concurrent_per_run"], f"{run} holds {usage.live_in_run} live cells and role "
+                    f"'{role}' allows {n:g} at once (quota.max_concurrent_per_run).",
+                    _hint("max_concurrent_per_run", role))
+    n = lim.get("max_concurrent_per_agent")
+    if n is not None and usage.live_of_agent >= n:
+        return deny(RULES["max_concurrent_per_agent"], f"{agent} of {run} holds {usage.live_of_agent} live cells "
+                    f"and role '{role}' allows {n:g} at once (quota.max_concurrent_per_agent).",
+                    _hint("max_concurrent_per_agent", role))
+    n = lim.get("max_run_seconds")
+    if n is not None and usage.run_age is not None and usage.run_age >= n:
+        return deny(RULES["max_run_seconds"], f"{run} began {usage.run_age:.0f} s ago and role '{role}' allows "
+                    f"{n:g} s of wall time per run (quota.max_run_seconds).", _hint("max_run_seconds", role))
+    return ok("quota.pass", "within the role's quotas")
+
+
+def usage(db, run_id: str, agent_id: str, now: float) -> Usage:
+    """The counts `decide` needs, read with the caller's connection (inside its transaction)."""
+    marks = ",".join("?" * len(TERMINAL))
+    row = db.execute(
+        f"SELECT COUNT(*), COALESCE(SUM(state NOT IN ({marks})), 0),"
+        f" COALESCE(SUM(state NOT IN ({marks}) AND agent_id=?), 0) FROM cells WHERE run_id=?",
+        (*TERMINAL, *TERMINAL, agent_id, run_id)).fetchone()
+    run = db.execute("SELECT created_at FROM runs WHERE run_id=?", (run_id,)).fetchone()
+    age = None if run is None or run[0] is None else max(0.0, now - run[0])
+    return Usage(cells_in_run=row[0], live_in_run=row[1], live_of_agent=row[2], run_age=age)

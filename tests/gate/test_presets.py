@@ -1,0 +1,193 @@
+"""Presets standard, regulated and readonly: files a role inherits governance from."""
+import json
+import os
+
+import pytest
+
+from agnsup import governance, policy
+from agnsup.errors import PolicyError
+from agnsup.gate import check
+
+ENV = '[env]\npath = ["/usr/bin", "/bin"]\n'
+
+
+def role(policy_dir, name, governance_lines="", extra=""):
+    text = f'[role]\nname = "{name}"\n{ENV}[governance]\n{governance_lines}\n{extra}'
+    (policy_dir / f"{name}.toml").write_text(text)
+    return str(policy_dir / f"{name}.toml")
+
+
+@pytest.fixture
+def roles(policy_dir, monkeypatch):
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
+    return policy_dir
+
+
+def ctx_of(name, worktree="/workspace/project"):
+    return governance.context(policy.load(name), worktree, None)
+
+
+def test_the_shipped_presets_are_standard_regulated_and_readonly():
+    assert policy.known_presets() == ["readonly", "regulated", "standard"]
+
+
+def test_the_shipped_command_roles_inherit_the_standard_preset():
+    for name in ("executor", "networked", "readonly"):
+        assert policy.load(name)["_preset"]["name"] == "standard"
+
+
+def test_the_standard_preset_allows_side_effects_and_flags_unparseable_text(roles):
+    role(roles, "std", 'preset = "standard"')
+    ctx = ctx_of("std")
+    assert (ctx.mode, ctx.unparseable, ctx.network) == ("open", "flag", "deny")
+    assert check("write_file", {"path": "a.txt"}, ctx)[0].rule == "allow.yellow_open"
+    d, _ = check("run_shell", {"command": "echo 'unterminated"}, ctx)
+    assert d.allowed and "unparseable" in d.flags
+
+
+def test_the_regulated_preset_locks_every_yellow_tool_the_role_does_not_list(roles):
+    role(roles, "reg", 'preset = "regulated"')
+    ctx = ctx_of("reg")
+    assert (ctx.mode, ctx.network) == ("locked", "deny")
+    for tool in ("write_file", "run_process", "apply_patch"):
+        d, _ = check(tool, {"path": "a.txt"}, ctx)
+        assert (d.allowed, d.rule) == (False, "zone.yellow_locked") and "yellow_allow" in d.hint
+    assert check("read_file", {"path": "a.txt"}, ctx)[0].allowed
+
+
+def test_the_regulated_preset_allows_exactly_the_tools_in_yellow_allow(roles):
+    role(roles, "reg", 'preset = "regulated"\nyellow_allow = ["write_file", "spawn_agent"]')
+    ctx = ctx_of("reg")
+    assert check("write_file", {"path": "a.txt"}, ctx)[0].rule == "allow.yellow_listed"
+    assert check("edit", {"path": "a.txt"}, ctx)[0].rule == "zone.yellow_locked"
+    red, _ = check("spawn_agent", {"task": "x"}, ctx)
+    assert red.allowed and "audited" in red.flags
+
+
+def test_the_regulated_preset_refuses_text_it_cannot_parse(roles):
+    role(roles, "reg", 'preset = "regulated"\nyellow_allow = ["run_shell"]')
+    d, _ = check("run_shell", {"command": "echo 'unterminated"}, ctx_of("reg"))
+    assert (d.allowed, d.rule) == (False, "policy.unparseable")
+
+
+def test_the_regulated_preset_refuses_history_destroying_git_and_a_role_adds_to_that_list(roles):
+    role(roles, "reg", 'preset = "regulated"\nyellow_allow = ["run_shell"]\ndeny_commands = ["docker"]')
+    ctx = ctx_of("reg")
+    assert check("run_shell", {"command": "git reset --hard HEAD~3"}, ctx)[0].rule == "policy.deny_command"
+    assert check("run_shell", {"command": "docker ps"}, ctx)[0].rule == "policy.deny_command"
+    assert check("run_shell", {"command": "git status"}, ctx)[0].allowed
+
+
+def test_the_regulated_preset_sets_run_quotas_a_role_may_change(roles):
+    role(roles, "reg", 'preset = "regulated"', '[quota]\nmax_concurrent_per_agent = 1\n')
+    q = policy.load("reg")["quota"]
+    assert q["max_concurrent_per_agent"] == 1 and q["max_concurrent_per_run"] == 8
+
+
+@pytest.mark.parametrize("lines,key", [
+    ('mode = "open"', "governance.mode"),
+    ('unparseable = "flag"', "governance.unparseable"),
+])
+def test_a_role_cannot_loosen_a_key_the_regulated_preset_fixes(roles, lines, key):
+    path = role(roles, "loose", f'preset = "regulated"\n{lines}')
+    with pytest.raises(PolicyError) as e:
+        policy.load("loose")
+    msg = e.value.message
+    assert msg.startswith(path) and f"key {key}" in msg and "regulated" in msg and "looser" in msg
+
+
+def test_a_role_cannot_give_a_regulated_role_the_host_network(roles):
+    path = role(roles, "netreg", 'preset = "regulated"', '[network]\nmode = "host"\n')
+    with pytest.raises(PolicyError, match="key network.mode: 'host' is looser") as e:
+        policy.load("netreg")
+    assert e.value.message.startswith(path)
+
+
+def test_a_role_may_tighten_a_fixed_key_of_its_preset(roles):
+    role(roles, "tight", 'preset = "regulated"\nmode = "readonly"')
+    assert ctx_of("tight").mode == "readonly"
+
+
+def test_the_readonly_preset_denies_yellow_and_red_and_allows_green(roles):
+    role(roles, "look", 'preset = "readonly"')
+    ctx = ctx_of("look")
+    assert check("write_file", {"path": "a.txt"}, ctx)[0].rule == "zone.yellow_readonly"
+    assert check("run_process", {"argv": ["ls"]}, ctx)[0].rule == "zone.yellow_readonly"
+    assert check("spawn_agent", {}, ctx)[0].rule == "zone.red_readonly"
+    assert check("grep", {"pattern": "x", "path": "."}, ctx)[0].rule == "allow.green"
+    assert policy.load("look")["filesystem"]["worktree"] == "ro"
+
+
+def test_a_readonly_preset_role_starts_no_cell_and_says_why(agnsup, worktree, policy_dir):
+    role(policy_dir, "look", 'preset = "readonly"')
+    cp = agnsup("run", "--role", "look", "--workdir", worktree, "--", "touch", "x",
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
+    assert "zone.yellow_readonly" in cp.err
+    assert not os.path.exists(os.path.join(worktree, "x"))
+
+
+def test_a_regulated_role_runs_a_real_cell_once_run_process_is_allowed(agnsup, worktree, policy_dir):
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    role(policy_dir, "reg", 'preset = "regulated"')
+    cp = agnsup("run", "--role", "reg", "--workdir", worktree, "--", "touch", "x", env=env, check=126)
+    assert "zone.yellow_locked" in cp.err and "yellow_allow" in cp.err
+    role(policy_dir, "reg", 'preset = "regulated"\nyellow_allow = ["run_process"]')
+    agnsup("run", "--role", "reg", "--workdir", worktree, "--", "touch", "x", env=env, check=0)
+    assert os.path.exists(os.path.join(worktree, "x"))
+
+
+def test_an_unknown_preset_names_the_file_the_key_and_the_known_presets(roles):
+    path = role(roles, "typo", 'preset = "regulatd"')
+    with pytest.raises(PolicyError) as e:
+        policy.load("typo")
+    assert e.value.message == (f"{path}: key governance.preset: unknown preset 'regulatd' "
+                               "(known: readonly, regulated, standard)")
+
+
+def test_a_preset_with_a_section_it_may_not_set_is_refused_naming_the_preset_file(roles):
+    (roles / "presets").mkdir()
+    bad = roles / "presets" / "odd.toml"
+    bad.write_text('[preset]\nname = "odd"\n[env]\npath = ["/bin"]\n')
+    role(roles, "r", 'preset = "odd"')
+    with pytest.raises(PolicyError) as e:
+        policy.load("r")
+    assert e.value.message.startswith(f"{bad}: key env: a preset may set only governance")
+
+
+def test_a_bad_value_inherited_from_a_preset_is_blamed_on_the_preset_file(roles):
+    (roles / "presets").mkdir()
+    bad = roles / "presets" / "odd.toml"
+    bad.write_text('[preset]\nname = "odd"\n[governance]\nmode = "lax"\n')
+    role(roles, "r", 'preset = "odd"')
+    with pytest.raises(PolicyError) as e:
+        policy.load("r")
+    assert e.value.message.startswith(f"{bad}: key governance.mode: Input should be")
+
+
+def test_a_preset_cannot_fix_a_key_it_does_not_set(roles):
+    (roles / "presets").mkdir()
+    (roles / "presets" / "odd.toml").write_text('[preset]\nname = "odd"\nfixed = ["network.mode"]\n')
+    role(roles, "r", 'preset = "odd"')
+    with pytest.raises(PolicyError, match=r"key preset.fixed: 'network.mode' is fixed but the preset does not set"):
+        policy.load("r")
+
+
+def test_editing_a_preset_invalidates_the_cached_role(roles, tmp_path):
+    state = str(tmp_path / "st")
+    os.makedirs(state)
+    (roles / "presets").mkdir()
+    pre = roles / "presets" / "mine.toml"
+    pre.write_text('[preset]\nname = "mine"\n[governance]\nmode = "open"\n')
+    role(roles, "r", 'preset = "mine"')
+    first = policy.load("r", state)
+    assert first["governance"]["mode"] == "open"
+    pre.write_text('[preset]\nname = "mine"\n[governance]\nmode = "locked"\n')
+    second = policy.load("r", state)
+    assert second["governance"]["mode"] == "locked" and second["_digest"] != first["_digest"]
+
+
+def test_the_check_command_judges_under_a_preset(agnsup, worktree, policy_dir):
+    role(policy_dir, "reg", 'preset = "regulated"')
+    cp = agnsup("check", "--role", "reg", "--workdir", worktree, "--json", "--", "ls",
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
+    assert json.loads(cp.out)["rule"] == "zone.yellow_locked"

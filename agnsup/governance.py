@@ -14,6 +14,16 @@ import os
 from .errors import Denied
 
 
+def kernel_of(policy: dict, state_root: str | None):
+    """What the kernel refuses in a cell of this role, from the keys compiler.compile_plan
+    reads: a network namespace of its own for deny/loopback, the read-only root,
+    the masked deny paths and state root."""
+    from .gate import Kernel
+    fs = policy["filesystem"]
+    return Kernel(netns=policy["network"]["mode"] in ("deny", "loopback"), root_ro=fs.get("root", "ro") == "ro",
+                  masked=tuple(fs.get("deny", ())) + ((state_root,) if state_root else ()))
+
+
 def context(policy: dict, worktree: str, state_root: str | None):
     from .gate import GateContext
     from .gate.quota import limits_of
@@ -25,7 +35,8 @@ def context(policy: dict, worktree: str, state_root: str | None):
         state_root=state_root, home=os.path.expanduser("~"),
         allow_commands=tuple(gov.get("allow_commands", ())), deny_commands=tuple(gov.get("deny_commands", ())),
         yellow_allow=tuple(gov.get("yellow_allow", ())), unparseable=gov.get("unparseable"),
-        quota=limits_of(policy.get("quota")))
+        quota=limits_of(policy.get("quota")),
+        kernel=kernel_of(policy, state_root), kernel_enforced=gov.get("kernel_enforced", "flag"))
 
 
 def decide(tool: str, args: dict, policy: dict, worktree: str, state_root: str | None = None):

@@ -44,11 +44,14 @@ class Cell:
     lock_path: str | None = None
     child: object = None
     capture: bool = False
+    pump: object = None          # output.Pump when the role caps output
+    oom_fd: int | None = None    # v1 OOM eventfd (cgroup.create_cell)
 
     def output_info(self) -> dict:
+        out = {"mode": "captured" if self.capture else "passthrough"}
+        out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
         if not self.capture:
-            return {"mode": "passthrough"}
-        out = {"mode": "captured"}
+            return out
         for name in ("stdout", "stderr"):
             p = os.path.join(self.plan.cell_dir, name)
             try:
@@ -108,13 +111,12 @@ class Controller:
         try:
             self._backend(cell)
             crashpoints.hit("after_cgroup")
-            stdio = self._stdio(cell) if capture else None
+            stdio, cell.pump = self._stdio(cell)
             try:
                 cell.child = supervisor.spawn(plan, cell.node, lambda ident: self._identity(cell, ident), stdio)
             finally:
-                for fd in stdio or ():
-                    if fd is not None:
-                        os.close(fd)
+                for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
+                    os.close(fd)
             crashpoints.hit("after_exec")
             with self.journal.tx() as db:
                 self.journal.update_cell(db, spec.run_id, spec.cell_id, state="running")
@@ -131,7 +133,7 @@ class Controller:
     def _intent(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
-        node = cgroup.scope_node(self.base, spec.run_id, spec.agent_id, spec.cell_id)
+        node = cgroup.cell_node(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
         now = time.time()
         with self.journal.tx() as db:
             run = db.execute("SELECT state FROM runs WHERE run_id=?", (spec.run_id,)).fetchone()
@@ -159,22 +161,25 @@ class Controller:
     def _backend(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        if plan.uid is not None:  # process.user: the cell's HOME is its own
+            os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
         node = cell.node
         if node.paths:
             made = cgroup.create_cell(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
-            cell.cgroup_ino, cell.limits_applied = made["inode"], made["limits"]
+            cell.cgroup_ino, cell.limits_applied, cell.oom_fd = made["inode"], made["limits"], made["oom_fd"]
         else:
             cell.node = None
         cell.isolation = {
             "cgroup_layout": self.layout.kind,
-            "tracking": node.primary[0] if node.paths else None,
+            "tracking": node.primary[0] if node.paths else "session+token",
+            "env_blocked": [] if node.paths else ["ENV_BLOCKED: cgroup"],
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
             "private_tmp": True, "masked": plan.deny_masked,
             "network_namespace": plan.new_netns, "network": plan.network,
-            "cap_sys_admin_dropped": bool(plan.drop_caps),
+            "cap_sys_admin_dropped": 21 in plan.drop_caps,
             "limits": cell.limits_applied,
-            "pid_namespace": False, "seccomp": False, "landlock": False, "no_new_privs": False,
+            **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
         }
         st = stage("backend", layout=self.layout.kind, cgroup=node.as_dict(), cgroup_inode=cell.cgroup_ino,
                    isolation=cell.isolation)
@@ -201,14 +206,52 @@ class Controller:
             self.journal.event(db, "stage.process_supervisor", spec.run_id, spec.cell_id, **st)
 
     def _stdio(self, cell: Cell) -> tuple:
-        d = cell.plan.cell_dir
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        return (os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC),
-                os.open(os.path.join(d, "stdout"), flags, 0o600), os.open(os.path.join(d, "stderr"), flags, 0o600))
+        """(the child's fds 0-2, None meaning inherit; the output pump or None).
+
+        Without an output cap the cell writes its destination directly: the
+        controller's stdio (run) or the log files (capture). With a cap it
+        writes pipes the supervisor pumps, counting bytes; a terminal on the
+        controller's side becomes a pty of the cell's own, so isatty() still
+        holds for the command but it never holds the user's terminal for output."""
+        cap = cell.plan.limits.get("output_max")
+        stdin = None
+        if cell.capture:
+            d = cell.plan.cell_dir
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600), 2: os.open(os.path.join(d, "stderr"), flags, 0o600)}
+            if cap is None:
+                return (stdin, dst[1], dst[2]), None
+        elif cap is None:
+            return None, None
+        else:
+            dst = {1: 1, 2: 2}
+        from .output import Pump
+        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
+        pump = Pump(cap, "pty" if ttys else "pipe")
+        child = [stdin, None, None]
+        try:
+            if ttys:
+                master, slave = _cell_pty(ttys[0])
+                for n in ttys:
+                    child[n] = slave
+                pump.add("tty", master, ttys[0])
+            for n, name in ((1, "stdout"), (2, "stderr")):
+                if child[n] is None:
+                    r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
+                    child[n] = w
+                    pump.add(name, r, dst[n], own_dst=cell.capture)
+        except BaseException:
+            pump.close()
+            for fd in {fd for fd in child if fd is not None}:
+                os.close(fd)
+            raise
+        return tuple(child), pump
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
-        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd)
+        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd,
+                              token=cell.spec.token, pump=cell.pump, oom_fd=cell.oom_fd)
         w.cancelled_elsewhere = lambda: self._cancel_reason(cell) is not None
         return w
 
@@ -228,6 +271,10 @@ class Controller:
             # it exited on its own after SIGTERM: a cancelled cell still ends 128+SIGTERM (cli.md)
             outcome.exit_code = 128 + 15
         usage = cgroup.read_usage(cell.node) if cell.node else {}
+        if usage.get("oom_kills") and outcome.reason in ("exited", "killed"):
+            # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
+            outcome.reason, outcome.state = "oom", "killed"
+        self._close_fds(cell)
         released = self._release(cell)
         receipt = self._conclude(cell, outcome, usage, released)
         return receipt
@@ -241,11 +288,19 @@ class Controller:
             outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", self._cancel_reason(cell)
         if cell.child is not None:
             os.close(cell.child.pidfd)
+        self._close_fds(cell)
         if cell.node is not None and cgroup.populated(cell.node):
             cgroup.kill(cell.node)
             cgroup.wait_empty(cell.node, 5)
         released = self._release(cell)
         return self._conclude(cell, outcome, {}, released, error=error.message)
+
+    def _close_fds(self, cell: Cell) -> None:
+        if cell.pump is not None:
+            cell.pump.close()
+        if cell.oom_fd is not None:
+            os.close(cell.oom_fd)
+            cell.oom_fd = None
 
     def _release(self, cell: Cell) -> list:
         from .reap import release_cell_resources
@@ -273,6 +328,24 @@ class Controller:
             self.journal.event(db, "state." + receipt["state"], spec.run_id, spec.cell_id, reason=receipt["reason"],
                                exit_code=receipt["exit_code"])
         return receipt
+
+
+def _cell_pty(like: int) -> tuple[int, int]:
+    """A pty for the cell's output, sized like the controller's terminal `like`.
+
+    Output post-processing is off (no ONLCR) so bytes reach the real terminal
+    unchanged, and it does its own processing there."""
+    import fcntl
+    import termios
+    master, slave = os.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    try:
+        fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
+    except OSError:
+        pass
+    return master, slave
 
 
 def record_denied(state, spec, decision: dict, trail: list, trace: list) -> None:

@@ -10,11 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .errors import UsageError
+from .errors import SetupError, UsageError
 from .spec import CellSpec
-
-CAP_SYS_ADMIN = 21
-
 
 @dataclass
 class ExecutionPlan:
@@ -24,13 +21,40 @@ class ExecutionPlan:
     mount_ops: list[tuple]         # linux.mounts.MountOp tuples, in order
     new_netns: bool
     network: str
-    limits: dict                   # memory_max, pids_max
+    limits: dict                   # memory_max, pids_max, cpu_weight, cpu_max, output_max
     grace: float
     timeout: float | None
-    drop_caps: list[int]
+    drop_caps: list[int]           # leave the bounding set (every capability but cap_keep)
     worktree_mode: str             # rw | ro
     policy_digest: str
     deny_masked: list[str] = field(default_factory=list)
+    # confinement of the command itself (docs/isolation.md)
+    seccomp_refuse: tuple | None = None    # seccomp groups beyond "always"; None: no filter
+    landlock_writable: list[str] | None = None  # host paths Landlock lets the cell write; None: no Landlock
+    landlock_abi: int = 0
+    no_new_privs: bool = False
+    cap_keep: list[int] | None = None      # what a root cell keeps; None: agnsup is not root
+    uid: int | None = None                 # run the cell as this uid/gid
+    gid: int | None = None
+    pid_namespace: bool = False
+    not_in_force: list[str] = field(default_factory=list)  # wanted by the role, missing on this host
+
+    def protections(self) -> dict:
+        """What will be in force, for the receipt's isolation section."""
+        from .linux.sys import CAP_NAMES
+        return {
+            "seccomp": self.seccomp_refuse is not None,
+            "seccomp_refuses": ["always", *self.seccomp_refuse] if self.seccomp_refuse is not None else [],
+            "landlock": self.landlock_writable is not None,
+            "landlock_abi": self.landlock_abi or None,
+            "landlock_scopes": self.landlock_writable is not None and self.landlock_abi >= 6,
+            "landlock_writable": self.landlock_writable or [],
+            "no_new_privs": self.no_new_privs,
+            "capabilities_kept": None if self.cap_keep is None else [CAP_NAMES[c] for c in self.cap_keep],
+            "uid": self.uid, "gid": self.gid,
+            "pid_namespace": self.pid_namespace,
+            "not_in_force": self.not_in_force,
+        }
     quota: dict = field(default_factory=dict)   # run quotas, judged by the broker (governance.admit)
 
 
@@ -58,11 +82,99 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
     lim = policy["limits"]
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs["worktree"] == "rw")
     timeout = spec.timeout if spec.timeout is not None else lim.get("timeout")
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
         new_netns=policy["network"]["mode"] in ("deny", "loopback"), network=policy["network"]["mode"],
-        limits={"memory_max": lim.get("memory_max"), "pids_max": lim.get("pids_max")},
+        limits={k: lim.get(k) for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
-        drop_caps=[CAP_SYS_ADMIN] if os.geteuid() == 0 else [], worktree_mode=fs["worktree"],
-        policy_digest=policy.get("_digest", ""), deny_masked=masked, quota=dict(policy.get("quota") or {}))
+        worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
+        quota=dict(policy.get("quota") or {}), **conf)
+
+
+# The /dev/null class: devices every program may open for writing.
+WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
+                    "/dev/ptmx", "/dev/pts"]
+_host_cache: dict = {}
+
+
+def host_protections() -> dict:
+    """What this host offers, once per process: {protection: None or why not}."""
+    if not _host_cache:
+        from .linux import landlock, seccomp
+        abi = landlock.abi()
+        root = os.geteuid() == 0
+        _host_cache.update({
+            "seccomp": seccomp.supported(),
+            "landlock": None if abi >= 1 else "no Landlock in this kernel (or it is disabled)",
+            "landlock_scopes": None if abi >= 6 else f"Landlock ABI {abi} < 6 has no signal/socket scopes",
+            "no_new_privs": None,
+            "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
+            "capabilities": None,  # a root cell drops them; any other uid has none to drop
+            "_abi": abi, "_root": root,
+        })
+    return _host_cache
+
+
+def _confinement(policy: dict, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool) -> dict:
+    from .linux.sys import CAP_NAMES, cap_last_cap
+    iso = policy.get("isolation") or {}
+    proc_ = policy.get("process") or {}
+    host = host_protections()
+    wanted = {"seccomp": iso.get("seccomp", True), "landlock": iso.get("landlock", True),
+              "no_new_privs": iso.get("no_new_privs", True), "pid_namespace": iso.get("pid_namespace", False)}
+    wanted["landlock_scopes"] = wanted["landlock"]
+    wanted["capabilities"] = True
+    for p in iso.get("require", []):
+        if host.get(p):
+            raise SetupError(f"role {spec.role} requires {p}, which is not available here: {host[p]}",
+                             step="require")
+    missing = [f"{p}: {host[p]}" for p, on in wanted.items() if on and host.get(p) and p != "capabilities"]
+    if wanted["pid_namespace"] and host["pid_namespace"]:
+        raise SetupError(f"role {spec.role} asks for a PID namespace: {host['pid_namespace']}", step="pid_namespace")
+    root = host["_root"]
+    out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
+                 "no_new_privs": bool(wanted["no_new_privs"])}
+    if wanted["seccomp"] and not host["seccomp"]:
+        out["seccomp_refuse"] = tuple(g for g, allowed in (("ptrace", iso.get("allow_ptrace")),
+                                                           ("mount", iso.get("allow_mount"))) if not allowed)
+    if wanted["landlock"] and not host["landlock"]:
+        writable = [tmpdir] + ([wt] if worktree_rw else [])
+        writable += [os.path.realpath(_expand(p, home)) for p in iso.get("writable", [])]
+        out["landlock_writable"] = writable + WRITABLE_DEVICES
+        out["landlock_abi"] = host["_abi"]
+    uid = gid = None
+    if proc_.get("user") is not None:
+        if not root:
+            raise SetupError(f"role {spec.role} sets process.user: agnsup must run as root to change the "
+                             "cell's uid", step="user")
+        uid, gid = _ids(proc_["user"], proc_.get("group"), spec.role)
+    out["uid"], out["gid"] = uid, gid
+    if root:
+        keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.get("capabilities", []))
+        out["cap_keep"] = keep
+        out["drop_caps"] = [c for c in range(cap_last_cap() + 1) if c not in keep]
+    else:
+        out["drop_caps"] = []
+    return out
+
+
+def _ids(user, group, role: str) -> tuple[int, int]:
+    import grp
+    import pwd
+    try:
+        pw = pwd.getpwnam(user) if isinstance(user, str) else pwd.getpwuid(user)
+        uid, primary = pw.pw_uid, pw.pw_gid
+    except KeyError:
+        if isinstance(user, str):
+            raise SetupError(f"role {role}: process.user {user!r} is not a user on this host", step="user") from None
+        uid, primary = user, user
+    if group is None:
+        return uid, primary
+    if isinstance(group, int):
+        return uid, group
+    try:
+        return uid, grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SetupError(f"role {role}: process.group {group!r} is not a group on this host", step="user") from None

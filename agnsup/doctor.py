@@ -36,6 +36,31 @@ def seccomp_available() -> bool:
         return False
 
 
+def confinement() -> dict:
+    """Each protection a role can ask for (isolation.require names): available here, or why not.
+
+    seccomp and Landlock are really applied in a throwaway child, so
+    "available" means "works on this host", not "the kernel has the symbol"."""
+    from .compiler import host_protections
+    from .linux import landlock, seccomp
+    host = host_protections()
+    out = {}
+    for name in ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities"):
+        out[name] = {"available": host[name] is None, **({"why_not": host[name]} if host[name] else {})}
+    out["landlock"]["abi"] = host["_abi"] or None
+    checks = {
+        "seccomp": lambda: (lsys.set_no_new_privs(), seccomp.build(("ptrace", "mount")).load()),
+        "landlock": lambda: (lsys.set_no_new_privs(), landlock.build(["/dev/null"], host["_abi"]).restrict_self()),
+        "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID),
+    }
+    for name, fn in checks.items():
+        if out[name]["available"]:
+            ok, err = supervisor.probe(fn)
+            if not ok:
+                out[name] = {"available": False, "why_not": f"fails here: {err}"}
+    return out
+
+
 def _ns(flag: int):
     return lambda: lsys.unshare(flag)
 
@@ -66,23 +91,22 @@ def report(state_root: str) -> dict:
         "tracking_and_kill": ("cgroup v2 cgroup.kill" if v2_kill else
                               "cgroup v2 membership, SIGKILL each member until empty" if layout.v2 else
                               "cgroup v1 freezer (freeze, kill, thaw)" if "freezer" in base.paths else
-                              "process group + token scan (weaker: no writable cgroup)"),
+                              "ENV_BLOCKED: cgroup: tracking session+token (the cell's session and process group, "
+                              "token + start time; stop then kill through pidfds until a scan finds none; weaker: "
+                              "no limits, no atomic tree kill, a process that leaves the session and clears its "
+                              "environment is not found)"),
         "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",
         "network_deny": "network namespace with loopback only" if ns["network"]["available"]
         else "UNAVAILABLE: roles that deny network cannot start",
         "process_identity": "boot id + pidfd inode (pidfs)" if pidfd.has_pidfs() else "boot id + start time",
-        "cgroup_escape": "read-only /sys/fs/cgroup + CAP_SYS_ADMIN dropped" if os.geteuid() == 0
-        else "unprivileged uid",
+        "cgroup_escape": ("read-only /sys/fs/cgroup, capabilities dropped" if os.geteuid() == 0
+                          else "unprivileged uid") + (", Landlock (no write rule there)" if ll else ""),
     }
-    without = []
-    if ll is None:
-        without.append("landlock")
-    else:
-        without.append("landlock (available, not yet applied to cells)")
-    without.append("seccomp filter (available, not yet applied to cells)" if seccomp_available() else "seccomp")
-    without.append("pid namespace per cell (not yet used)")
+    conf = confinement()
+    use["confinement"] = ", ".join(k for k, v in conf.items() if v["available"]) + " (as each role asks)"
+    without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
     return {
         "euid": os.geteuid(),
         "cgroup": {"layout": layout.kind, "hierarchies": hierarchies, "v2_controllers": list(layout.v2_controllers),
@@ -92,6 +116,7 @@ def report(state_root: str) -> dict:
         "pidfd": {"pidfd_open": True, "pidfs": pidfd.has_pidfs()},
         "seccomp": seccomp_available(),
         "landlock_abi": ll,
+        "confinement": conf,
         "will_use": use,
         "does_without": without,
         "ok": ns["mount"]["available"] and mount_api_ok,
@@ -109,9 +134,13 @@ def format_text(r: dict) -> str:
     lines.append(f"pidfd:           yes, pidfs {'yes' if r['pidfd']['pidfs'] else 'no (start time fallback)'}")
     lines.append(f"seccomp:         {'yes' if r['seccomp'] else 'no'}")
     lines.append(f"landlock ABI:    {r['landlock_abi'] or 'none'}")
+    lines.append("confinement:")
+    for k, v in r["confinement"].items():
+        extra = f" (ABI {v['abi']})" if v.get("abi") else ""
+        lines.append(f"  {k:18} {'yes' + extra if v['available'] else 'NO: ' + v['why_not']}")
     lines.append("agnsup will use:")
     for k, v in r["will_use"].items():
         lines.append(f"  {k:18} {v}")
-    lines.append("does without:    " + "; ".join(r["does_without"]))
+    lines.append("does without:    " + ("; ".join(r["does_without"]) or "nothing"))
     lines.append("status:          " + ("ok" if r["ok"] else "CANNOT RUN CELLS on this host"))
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import re
 from typing import Literal
 
 from .secretkeys import looks_secret
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -83,13 +83,108 @@ class NetworkSection(_Strict):
 class LimitsSection(_Strict):
     memory_max: int | None = Field(None, description="Memory limit of the cell's cgroup ('2G', bytes); none if unset.")
     pids_max: int | None = Field(None, description="Most processes and threads the cell may hold at once.")
+    cpu_weight: int | None = Field(None, ge=1, le=10000, description="CPU share against the other cells when the "
+                                   "CPU is contended (1-10000, 100 = an even share): v2 cpu.weight, v1 cpu.shares.")
+    cpu_max: float | None = Field(None, gt=0, description="Most CPUs the cell may use at once (1.5 = one and a half "
+                                  "cores): v2 cpu.max, v1 cpu.cfs_quota_us over a 100 ms period; none if unset.")
+    output_max: int | None = Field(None, ge=0, description="Most bytes the cell may write to the controller, stdout "
+                                   "and stderr together ('16M', bytes); past it the cell is killed and the receipt "
+                                   "says output_limit. Unset: the cell writes the controller's stdio directly.")
     timeout: float | None = Field(None, description="Default wall-clock limit in seconds (--timeout overrides).")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")
 
-    @field_validator("memory_max", mode="before")
+    @field_validator("memory_max", "output_max", mode="before")
     @classmethod
     def _size(cls, v):
         return parse_size(v)
+
+
+PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities")
+
+
+class IsolationSection(_Strict):
+    seccomp: StrictBool = Field(True, description="Load the per-cell seccomp filter: refuses prctl(PR_SET_MM), "
+                          "TIOCSTI/TIOCLINUX, io_uring, kexec, module loading, and (unless allowed below) "
+                          "ptrace and mount/namespace calls, with EPERM.")
+    landlock: StrictBool = Field(True, description="Apply a Landlock domain: writes only beneath the worktree (when "
+                           "rw), the private /tmp, /dev/shm, /dev/null-class devices and isolation.writable; "
+                           "no signal to, or abstract-socket connect to, a process outside the cell.")
+    no_new_privs: StrictBool = Field(True, description="Set no_new_privs: setuid and file-capability binaries gain "
+                               "nothing. Required by seccomp and landlock.")
+    pid_namespace: StrictBool = Field(False, description="A PID namespace of the cell's own, with a small init as "
+                                "PID 1 that forwards signals, reaps orphans and passes the command's status on.")
+    allow_ptrace: StrictBool = Field(False, description="Let the seccomp filter pass ptrace and process_vm_*; "
+                               "Landlock still refuses ptrace of any process outside the cell.")
+    allow_mount: StrictBool = Field(False, description="Let the seccomp filter pass mount, umount2, pivot_root, "
+                              "setns, unshare, clone with CLONE_NEW* flags, clone3 and the new mount API.")
+    capabilities: list[str] = Field(default_factory=list, description="Capabilities a root cell keeps "
+                                    "(names as in capabilities(7), with or without CAP_); every other one "
+                                    "leaves the bounding, effective, permitted, inheritable and ambient sets. "
+                                    "A cell with process.user set keeps none.")
+    writable: list[str] = Field(default_factory=list, description="Extra absolute paths Landlock lets the cell "
+                                "write beneath (~ is the invoking user's home); the mount namespace must also "
+                                "leave them writable.")
+    require: list[str] = Field(default_factory=list, description="Protections that must be in force or the cell "
+                               "does not start (exit 125): " + ", ".join(PROTECTIONS) + ".")
+
+    @field_validator("capabilities")
+    @classmethod
+    def _known_caps(cls, v: list[str]) -> list[str]:
+        from .linux.sys import CAP_NAMES
+        out = []
+        for c in v:
+            name = c.upper().removeprefix("CAP_")
+            if name not in CAP_NAMES:
+                raise ValueError(f"{c!r} is not a capability name (capabilities(7))")
+            out.append(name)
+        return out
+
+    @field_validator("writable")
+    @classmethod
+    def _absolute_paths(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not (p.startswith("/") or p == "~" or p.startswith("~/")):
+                raise ValueError(f"{p!r} is not an absolute path")
+        return v
+
+    @field_validator("require")
+    @classmethod
+    def _known_protections(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if p not in PROTECTIONS:
+                raise ValueError(f"{p!r} is not a protection (one of: {', '.join(PROTECTIONS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        needs = {"seccomp": self.seccomp, "landlock": self.landlock, "landlock_scopes": self.landlock,
+                 "no_new_privs": self.no_new_privs, "pid_namespace": self.pid_namespace, "capabilities": True}
+        for p in self.require:
+            if not needs[p]:
+                key = "landlock" if p == "landlock_scopes" else p
+                raise ValueError(f"require lists {p!r} but isolation.{key} is false")
+        if (self.seccomp or self.landlock) and not self.no_new_privs:
+            raise ValueError("seccomp and landlock need no_new_privs = true (the cell drops CAP_SYS_ADMIN)")
+        return self
+
+
+class ProcessSection(_Strict):
+    user: int | str | None = Field(None, description="Run the cell as this uid or user name (agnsup must run "
+                                   "as root); unset: the controller's own uid. It keeps no capabilities "
+                                   "(isolation.capabilities is for root cells).")
+    group: int | str | None = Field(None, description="The cell's gid or group name; unset: the user's primary "
+                                    "group (or the uid's number when the user has no passwd entry).")
+
+    @field_validator("user", "group")
+    @classmethod
+    def _id(cls, v):
+        if isinstance(v, bool):
+            raise ValueError("not a user or group")
+        if isinstance(v, int) and not 0 <= v < 2 ** 32 - 1:
+            raise ValueError(f"{v} is not a valid id")
+        if isinstance(v, str) and not re.match(r"^[a-z_][a-z0-9_.-]*\$?$", v):
+            raise ValueError(f"{v!r} is not a user or group name")
+        return v
 
 
 class GovernanceSection(_Strict):
@@ -128,4 +223,7 @@ class Policy(_Strict):
     network: NetworkSection = Field(default_factory=NetworkSection, description="The network namespace.")
     limits: LimitsSection = Field(default_factory=LimitsSection, description="Cgroup and time limits.")
     governance: GovernanceSection = Field(default_factory=GovernanceSection, description="The text gate.")
+    isolation: IsolationSection = Field(default_factory=IsolationSection, description="Kernel confinement "
+                                        "of the cell's process: seccomp, Landlock, capabilities, PID namespace.")
+    process: ProcessSection = Field(default_factory=ProcessSection, description="Who the cell runs as.")
     quota: QuotaSection = Field(default_factory=QuotaSection, description="Run quotas, judged from the journal.")

@@ -20,7 +20,7 @@ import os
 
 from .errors import PolicyError
 
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"  # 3: isolation and process sections
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")

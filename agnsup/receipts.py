@@ -43,16 +43,36 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
+    r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error
     r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
     return r
 
 
-def write(path: str, receipt: dict) -> None:
+def write(path: str, receipt: dict, compact: bool = False) -> None:
+    """Atomically. `compact`: one line, through the C encoder (indenting is pure
+    Python: ~100 ms for a recovery receipt of 1,000 processes)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(receipt, f, indent=2, sort_keys=True)
+        f.write(json.dumps(receipt, sort_keys=True, separators=(",", ":")) if compact else
+                json.dumps(receipt, indent=2, sort_keys=True))
         f.write("\n")
     os.replace(tmp, path)
+
+
+def limits_hit(usage: dict, output: dict) -> list[str]:
+    """Which limits the cell ran into, from the kernel's own counters (and the pump's):
+    memory (the OOM killer acted), pids (a fork was refused at pids.max), cpu (the
+    quota throttled it), output (it wrote past output_max)."""
+    hit = []
+    if usage.get("oom_kills"):
+        hit.append("memory")
+    if usage.get("pids_max_events"):
+        hit.append("pids")
+    if usage.get("cpu_nr_throttled"):
+        hit.append("cpu")
+    if output.get("exceeded"):
+        hit.append("output")
+    return hit

@@ -2,16 +2,29 @@
 
 spawn() forks one child and runs the cell recipe in it, in order:
 
-    close every fd but 0-2 and the two pipes
+    close every fd but 0-2, the two pipes and the Landlock ruleset
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy)
     default signal dispositions, empty signal mask
     unshare the mount (and, if the role denies network, network) namespace
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
-    drop capabilities from the bounding set (root cells lose CAP_SYS_ADMIN)
+    PID namespace roles: mount the namespace's own /proc, wait at the
+        barrier, fork the command and stay as its init (linux/pidinit.py);
+        the command continues below
+    confine (docs/isolation.md), in this order because each step needs
+    what the next one takes away:
+        the last Landlock rules (the fresh /dev/shm, stdio files)
+        capabilities: the bounding set, then uid/gid (process.user) or
+            effective/permitted/inheritable/ambient, down to what the role keeps
+        no_new_privs
+        Landlock restrict_self
+        the seccomp filter (last: it refuses mount and unshare)
     wait at the barrier until the controller has journaled our identity
     chdir, execve
+
+The seccomp filter and the Landlock ruleset are built in the controller
+before fork, so the child only makes a few system calls.
 
 Any failure before execve is written to a close-on-exec pipe as
 "step\\0errno\\0message" and the child exits without running the command: a
@@ -33,10 +46,11 @@ from .errors import NotExecutable, NotFound, SetupError
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import cgroup, mounts, netns, pidfd, proc
+from .linux import cgroup, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
 from .linux import sys as lsys
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
+OOM_SETTLE = 1.0  # seconds the v1 OOM killer gets to take its victim before we take the cell
 
 
 @dataclass
@@ -44,6 +58,7 @@ class Child:
     pid: int
     pidfd: int
     identity: dict
+    status_fd: int | None = None  # PID namespace: the init reports the command's status here
 
 
 @dataclass
@@ -51,74 +66,183 @@ class Outcome:
     exit_code: int          # what the controller exits with (128+N for signal N)
     status: int | None      # the command's own exit status, if it exited
     signal: int | None      # the signal that killed the leader, if any
-    reason: str             # exited | killed | timeout | cancelled
+    reason: str             # exited | killed | timeout | cancelled | output_limit | oom
     state: str              # the cell's terminal state
     cancel_reason: str | None = None
     kill_method: str | None = None
     leftover: list | None = None  # pids still in the cell after the leader ended
 
 
-def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None) -> None:
+@dataclass
+class _Confinement:
+    """Built in the controller before fork; used by the child."""
+    ruleset: object = None   # landlock.Ruleset
+    filter: object = None    # seccomp.Filter
+
+
+class _Step:
+    name = "start"
+
+
+def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
+           status_w: int | None, controller: int) -> None:
     """Runs in the forked child; never returns."""
-    step = "start"
+    at = _Step()
     try:
         if stdio:
             for target, fd in enumerate(stdio):
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
-        keep = sorted({barrier_r, err_w})
-        os.closerange(3, keep[0])
-        os.closerange(keep[0] + 1, keep[1])
-        os.closerange(keep[1] + 1, _MAXFD)
-        step = "setsid"
+        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None})
+        at.name = "setsid"
         os.setsid()
-        step = "cgroup"
+        at.name = "cgroup"
         if node is not None:
             cgroup.join_self(node)
-        step = "signals"
+        at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        step = "unshare"
+        at.name = "unshare"
         lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
-        step = "mounts"
+        at.name = "mounts"
         mounts.apply(plan.mount_ops)
         if plan.new_netns:
-            step = "loopback"
+            at.name = "loopback"
             netns.loopback_up()
-        step = "capabilities"
-        lsys.drop_bounding_caps(plan.drop_caps)
-        crashpoints.hit("child_setup", os.getppid())
-        step = "barrier"
-        if os.read(barrier_r, 1) != b"1":
-            os._exit(125)  # the controller died before recording us: never run unrecorded
-        os.close(barrier_r)
-        step = "chdir"
+        crashpoints.hit("child_setup", controller)
+        if plan.pid_namespace:
+            at.name = "proc"
+            lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+            _barrier(at, barrier_r)
+            at.name = "init"
+            pidinit.block_signals()
+            pid = os.fork()
+            if pid:
+                _be_init(pid, err_w, status_w, conf)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            os.close(status_w)
+        _confine(at, plan, conf)
+        if not plan.pid_namespace:
+            _barrier(at, barrier_r)
+        at.name = "chdir"
         os.chdir(plan.spec.workdir)
-        step = "exec"
+        at.name = "exec"
         os.execve(plan.spec.exe, plan.spec.argv, plan.spec.env)
     except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
         code = getattr(e, "errno", None) or 0
         msg = getattr(e, "strerror", None) or str(e)
+        step = at.name
         try:
             os.write(err_w, f"{step}\0{code}\0{msg}".encode(errors="replace"))
         finally:
             os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
 
 
+def _close_all_but(keep: set) -> None:
+    low = 3
+    for fd in sorted(k for k in keep if k is not None):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, _MAXFD)
+
+
+def _barrier(at: _Step, barrier_r: int) -> None:
+    at.name = "barrier"
+    if os.read(barrier_r, 1) != b"1":
+        os._exit(125)  # the controller died before recording us: never run unrecorded
+    os.close(barrier_r)
+
+
+def _be_init(command: int, err_w: int, status_w: int, conf: _Confinement) -> None:
+    """PID 1 of the cell's PID namespace, once the command is forked; never returns."""
+    code = 125
+    try:
+        os.close(err_w)  # the command holds its own copy: EOF there still means its execve worked
+        if conf.ruleset:
+            conf.ruleset.close()
+        # Non-dumpable: nothing in the cell can open /proc/1/mem or ptrace the
+        # init, which keeps the capabilities the command drops.
+        lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
+        code = pidinit.supervise(command, status_w)
+    finally:
+        os._exit(code)
+
+
+def _confine(at: _Step, plan, conf: _Confinement) -> None:
+    """The command's own confinement, after the mount namespace is built (docs/isolation.md)."""
+    if conf.ruleset:
+        at.name = "landlock_rules"
+        conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+        landlock.allow_stdio(conf.ruleset)
+    at.name = "capabilities"
+    lsys.drop_bounding_caps(plan.drop_caps)
+    if plan.uid is not None:
+        at.name = "user"
+        os.setgroups([])
+        os.setgid(plan.gid)
+        os.setuid(plan.uid)  # from root to another uid: every capability set empties (capabilities(7))
+    elif plan.cap_keep is not None:
+        lsys.set_caps(plan.cap_keep)
+    if plan.no_new_privs:
+        at.name = "no_new_privs"
+        lsys.set_no_new_privs()
+    if conf.ruleset:
+        at.name = "landlock"
+        conf.ruleset.restrict_self()
+    if conf.filter:
+        at.name = "seccomp"
+        conf.filter.load()
+
+
+def _prepare(plan) -> _Confinement:
+    conf = _Confinement()
+    if plan.seccomp_refuse is not None:
+        conf.filter = seccomp.build(plan.seccomp_refuse)
+    if plan.landlock_writable is not None:
+        conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+    return conf
+
+
 def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     """Fork the cell leader; journal its identity through `on_identity(identity)`
     before it may exec; return once execve succeeded (or raise)."""
+    try:
+        conf = _prepare(plan)
+    except OSError as e:
+        raise SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
+                         errno=e.errno) from None
     barrier_r, barrier_w = os.pipe()
     err_r, err_w = os.pipe()
-    pid = os.fork()
+    status_r = status_w = None
+    controller = os.getpid()
+    try:
+        if plan.pid_namespace:
+            status_r, status_w = os.pipe()
+            pid = _fork_into_new_pid_namespace()
+        else:
+            pid = os.fork()
+    except OSError as e:
+        for fd in (barrier_r, barrier_w, err_r, err_w, status_r, status_w):
+            if fd is not None:
+                os.close(fd)
+        if conf.ruleset:
+            conf.ruleset.close()
+        raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
+                         errno=e.errno) from None
     if pid == 0:
         os.close(barrier_w)
         os.close(err_r)
-        _child(plan, node, barrier_r, err_w, stdio)
+        if status_r is not None:
+            os.close(status_r)
+        _child(plan, node, barrier_r, err_w, stdio, conf, status_w, controller)
     os.close(barrier_r)
     os.close(err_w)
+    if status_w is not None:
+        os.close(status_w)
+    if conf.ruleset:
+        conf.ruleset.close()
     try:
         fd = os.pidfd_open(pid)
         st = proc.stat(pid)
@@ -130,6 +254,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         # The child sees EOF at the barrier and exits without exec.
         os.close(barrier_w)
         os.close(err_r)
+        if status_r is not None:
+            os.close(status_r)
         _reap(pid)
         raise
     os.close(barrier_w)
@@ -137,6 +263,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     if report:
         os.waitid(os.P_PIDFD, fd, os.WEXITED)
         os.close(fd)
+        if status_r is not None:
+            os.close(status_r)
         step, code, msg = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
         code = int(code or 0)
         if step == "exec":
@@ -145,7 +273,34 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
                 raise NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
             raise NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         raise SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
-    return Child(pid=pid, pidfd=fd, identity=identity)
+    return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r)
+
+
+def _fork_into_new_pid_namespace() -> int:
+    """fork(), the child becoming PID 1 of a new PID namespace.
+
+    unshare(CLONE_NEWPID) only changes where the caller's *next* child goes
+    (pid_namespaces(7)); setns back to our own namespace right after the fork
+    keeps every later fork of this controller where it was."""
+    own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        lsys.unshare(lsys.CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        except BaseException:
+            lsys.setns(own, lsys.CLONE_NEWPID)
+            raise
+    except BaseException:
+        os.close(own)
+        raise
+    if pid == 0:
+        os.close(own)
+        return 0
+    try:
+        lsys.setns(own, lsys.CLONE_NEWPID)
+    finally:
+        os.close(own)
+    return pid
 
 
 def _read_all(fd: int) -> bytes:
@@ -170,9 +325,17 @@ def _reap(pid: int) -> None:
 class Waiter:
     """Waits for the leader, honours a timeout and cancel requests, kills the tree."""
 
-    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None):
+    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None,
+                 token: str | None = None, pump=None, oom_fd: int | None = None):
         self.child, self.node, self.grace, self.timeout = child, node, grace, timeout
         self.wake_fd = wake_fd
+        self.session = None  # no cgroup: the cell is its session + token (linux/session.py)
+        self.left: list[int] = []
+        if node is None:
+            self.session = _session().for_leader(child.identity, token)
+        self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
+        self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
+        self._oom_at: float | None = None
         self.cancel_reason: str | None = None
         self._term_sent_at: float | None = None
         self._reason: str | None = None
@@ -192,27 +355,70 @@ class Waiter:
                 cgroup.signal_all(self.node, signal.SIGTERM)
             else:
                 pidfd.send(self.child.pidfd, signal.SIGTERM)
+                _session().signal_cell(self.session, signal.SIGTERM, exclude=(self.child.pid,))
             crashpoints.hit("cancel_grace")
 
+    def stop_now(self, reason: str) -> None:
+        """Kill the whole tree at once, no grace: the cell broke a limit. First reason wins."""
+        if self._reason is None:
+            self._reason = reason
+        self._kill_tree()
+
+    def _on_oom(self) -> None:
+        try:
+            os.read(self.oom_fd, 8)
+        except BlockingIOError:
+            return
+        # v1 has no memory.oom.group: the OOM killer takes one process, we take the rest.
+        # The kernel notifies before it picks its victim (mem_cgroup_oom_notify precedes
+        # out_of_memory), so we let it act first (the receipt then shows its kill in
+        # oom_kills) and kill the rest once the counter moves, or OOM_SETTLE later.
+        if self._oom_at is None:
+            self._oom_at = time.monotonic()
+
+    def _oom_due(self, now: float) -> bool:
+        if self._oom_at is None or self._reason is not None:
+            return False
+        return now >= self._oom_at + OOM_SETTLE or (cgroup.oom_kills(self.node) or 0) > 0
+
     def wait(self, poll_wake=None) -> Outcome:
-        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable."""
+        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
+
+        The same loop pumps the cell's output (if the role caps it) and watches
+        the v1 OOM eventfd; after the leader is gone and the tree is dead, what
+        is left in the pipes is delivered."""
         start = time.monotonic()
         p = select.poll()
         p.register(self.child.pidfd, select.POLLIN)
         if self.wake_fd is not None:
             p.register(self.wake_fd, select.POLLIN)
+        if self.oom_fd is not None:
+            p.register(self.oom_fd, select.POLLIN)
+        pumped: dict[int, int] = {}
         while True:
+            if self.pump is not None:
+                pumped = _sync_poll(p, pumped, self.pump.interest())
             now = time.monotonic()
             deadlines = []
             if self.timeout and self._term_sent_at is None:
                 deadlines.append(start + self.timeout)
             if self._term_sent_at is not None:
                 deadlines.append(self._term_sent_at + self.grace)
+            if self._oom_at is not None and self._reason is None:
+                deadlines.append(now + 0.02)  # look at the OOM counter again shortly
             wait_ms = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             events = p.poll(wait_ms)
-            for fd, _ in events:
+            for fd, mask in events:
                 if fd == self.wake_fd and poll_wake:
                     poll_wake()
+                elif fd == self.oom_fd:
+                    self._on_oom()
+                elif fd in pumped:
+                    self.pump.handle(fd, mask)
+            if self.pump is not None and self.pump.overflowed:
+                self.stop_now("output_limit")
+            if self._oom_due(time.monotonic()):
+                self.stop_now("oom")
             if any(fd == self.child.pidfd for fd, _ in events):
                 break
             now = time.monotonic()
@@ -220,23 +426,38 @@ class Waiter:
                 self.request_stop("timeout")
             elif self._term_sent_at is not None and now >= self._term_sent_at + self.grace:
                 self._kill_tree()
+        if self.node is None:  # before the leader is reaped: its pid, the session id, stays ours
+            grace_until = self._term_sent_at + self.grace if self._term_sent_at is not None else None
+            self.left, killed = _session().end_cell(self.session, grace_until)
+            if killed:
+                self.kill_method = self.kill_method or _session().TRACKING
         info = os.waitid(os.P_PIDFD, self.child.pidfd, os.WEXITED)
         status = sig = None
         if info.si_code == os.CLD_EXITED:
             status = info.si_status
         else:
             sig = info.si_status
-        return self._finish(status, sig)
+        if self.child.status_fd is not None:  # a PID-namespace init: the command's own status
+            status, sig = pidinit.command_status(self.child.status_fd, status, sig)
+        outcome = self._finish(status, sig)
+        if self.pump is not None:
+            # The tree is dead: every write end is closed, EOF comes at once.
+            self.pump.drain(5.0)
+            if self.pump.overflowed and self._reason is None:
+                # it wrote past the cap and ended before we read it: delivered up to the cap only
+                outcome.reason = "output_limit"
+        return outcome
 
     def _kill_tree(self) -> None:
         if self.kill_method is None:
             crashpoints.hit("cancel_frozen")
-            self.kill_method = cgroup.kill(self.node) if self.node is not None else "pidfd"
+            self.kill_method = cgroup.kill(self.node) if self.node is not None else _session().TRACKING
             if self.node is None:
                 pidfd.send(self.child.pidfd, signal.SIGKILL)
+                _session().kill_cell(self.session, exclude=(self.child.pid,))
 
     def _finish(self, status, sig) -> Outcome:
-        leftover = []
+        leftover = self.left
         if self.node is not None:
             prim = self.node.primary
             leftover = cgroup.procs(prim[1]) if prim else []
@@ -258,14 +479,28 @@ class Waiter:
         reason = self._reason or ("exited" if status is not None else "killed")
         if reason == "timeout":
             code, state = 124, "timeout"
-        elif status is not None:
-            code = status
-            state = "cancelled" if reason == "cancelled" else "exited"
         else:
-            code = 128 + sig
-            state = "cancelled" if reason == "cancelled" else "killed"
+            code = status if status is not None else 128 + sig
+            # a broken limit (output_limit, oom) is a kill by the supervisor
+            state = {"cancelled": "cancelled", "output_limit": "killed", "oom": "killed"}.get(
+                reason, "exited" if status is not None else "killed")
         return Outcome(exit_code=code, status=status, signal=sig, reason=reason, state=state,
                        cancel_reason=self.cancel_reason, kill_method=self.kill_method, leftover=leftover)
+
+
+def _session():
+    from .linux import session
+    return session
+
+
+def _sync_poll(p, current: dict[int, int], want: dict[int, int]) -> dict[int, int]:
+    """Make the poll object's registrations for the pump equal `want`."""
+    for fd in current.keys() - want.keys():
+        p.unregister(fd)
+    for fd, mask in want.items():
+        if current.get(fd) != mask:
+            p.register(fd, mask)
+    return want
 
 
 def probe(fn) -> tuple[bool, str]:

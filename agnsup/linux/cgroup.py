@@ -62,6 +62,14 @@ def parse_mountinfo(mountinfo: str) -> tuple[str | None, dict[str, str]]:
 
 
 def detect_layout(mountinfo: str | None = None) -> Layout:
+    """The host's layout; AGNSUP_CGROUP_LAYOUT=none runs without cgroups even
+    where they are writable (cells are then tracked by session + token)."""
+    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if mountinfo is None else ""
+    if forced == "none":
+        return Layout("none", None)
+    if forced:
+        from ..errors import UsageError
+        raise UsageError(f"AGNSUP_CGROUP_LAYOUT={forced!r}: the only override is 'none' (run without cgroups)")
     if mountinfo is None:
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
@@ -95,7 +103,7 @@ def root_name(state_root: str) -> str:
 class Node:
     """One logical cgroup (a run, an agent or a cell) across the hierarchies.
 
-    ``paths`` maps a hierarchy ("v2", "memory", "pids", "freezer") to a directory.
+    ``paths`` maps a hierarchy ("v2", "memory", "pids", "freezer", "cpu") to a directory.
     """
     paths: dict[str, str]
 
@@ -121,11 +129,14 @@ def base_node(layout: Layout, state_root: str) -> Node:
     paths = {}
     if layout.v2:
         paths["v2"] = os.path.join(layout.v2, base, name) if base else os.path.join(layout.v2, name)
-    for c in ("memory", "pids", "freezer"):
+    for c in ("memory", "pids", "freezer", "cpu"):
         if c in layout.v1:
             # On a hybrid host the v2 tree tracks and kills; the freezer is only
             # needed where there is no cgroup.kill.
             if c == "freezer" and layout.v2:
+                continue
+            # cpu limits go to v2 where its cpu controller is available (pure v2 hosts)
+            if c == "cpu" and "cpu" in layout.v2_controllers:
                 continue
             paths[c] = os.path.join(layout.v1[c], name)
     return Node(paths)
@@ -137,6 +148,16 @@ def scope_node(base: Node, run_id: str, agent_id: str | None = None, cell_id: st
         node = node.child(f"agent-{agent_id}")
         if cell_id is not None:
             node = node.child(f"cell-{cell_id}")
+    return node
+
+
+def cell_node(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Node:
+    """The cell's directories: every hierarchy of the base, except the v1 cpu
+    hierarchy when the role sets no CPU limit (joined only to limit: one mkdir
+    and one move fewer per cell)."""
+    node = scope_node(base, run_id, agent_id, cell_id)
+    if "cpu" in node.paths and not (limits.get("cpu_weight") or limits.get("cpu_max")):
+        node = Node({h: p for h, p in node.paths.items() if h != "cpu"})
     return node
 
 
@@ -177,11 +198,13 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> list[str
 def create_cell(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict) -> dict:
     """mkdir the run/agent/cell directories and apply the limits.
 
-    Returns {"node": Node, "inode": primary dir inode, "limits": {what: where}}.
-    A directory that already exists for the cell is an error: a cell id is
-    never reused within a run, and a recreated directory must not pass as ours.
+    Returns {"node": Node, "inode": primary dir inode, "limits": {what: where},
+    "oom_fd": an eventfd that becomes readable when the v1 OOM killer acts in
+    the cell, or None}. A directory that already exists for the cell is an
+    error: a cell id is never reused within a run, and a recreated directory
+    must not pass as ours.
     """
-    cell = scope_node(base, run_id, agent_id, cell_id)
+    cell = cell_node(base, run_id, agent_id, cell_id, limits)
     for p in cell.paths.values():
         for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
             try:
@@ -192,30 +215,131 @@ def create_cell(base: Node, run_id: str, agent_id: str, cell_id: str, limits: di
                 continue
         else:
             raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
-    applied: dict[str, str] = {}
-    mem, pids = limits.get("memory_max"), limits.get("pids_max")
     v2 = cell.paths.get("v2")
+    wanted = tuple(c for c, keys in V2_LIMIT_CONTROLLERS.items() if any(limits.get(k) for k in keys))
     v2_ctrl: list[str] = []
-    if v2 and (mem or pids):
+    if v2 and wanted:
         chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
-        v2_ctrl = _enable_v2_controllers(chain, tuple(c for c, v in (("memory", mem), ("pids", pids)) if v))
-    if mem:
-        if "memory" in v2_ctrl:
-            _write(os.path.join(v2, "memory.max"), str(mem))
-            applied["memory"] = "v2:" + v2
-        elif "memory" in cell.paths:
-            _write(os.path.join(cell.paths["memory"], "memory.limit_in_bytes"), str(mem))
-            applied["memory"] = "v1:" + cell.paths["memory"]
-    if pids:
-        if "pids" in v2_ctrl:
-            _write(os.path.join(v2, "pids.max"), str(pids))
-            applied["pids"] = "v2:" + v2
-        elif "pids" in cell.paths:
-            _write(os.path.join(cell.paths["pids"], "pids.max"), str(pids))
-            applied["pids"] = "v1:" + cell.paths["pids"]
+        v2_ctrl = _enable_v2_controllers(chain, wanted)
+    applied = apply_limits(cell.paths, v2_ctrl, limits)
+    oom_fd = None
+    if "memory" in applied and applied["memory"].startswith("v1:"):
+        oom_fd = _v1_oom_eventfd(cell.paths["memory"])
     prim = cell.primary
     ino = os.stat(prim[1]).st_ino if prim else None
-    return {"node": cell, "inode": ino, "limits": applied}
+    return {"node": cell, "inode": ino, "limits": applied, "oom_fd": oom_fd}
+
+
+# Which v2 controller each limit key needs.
+V2_LIMIT_CONTROLLERS = {"memory": ("memory_max",), "pids": ("pids_max",), "cpu": ("cpu_weight", "cpu_max")}
+CPU_PERIOD_US = 100_000
+
+
+def limit_writes(paths: dict[str, str], v2_controllers: list[str], limits: dict) -> list[tuple[str, str, str]]:
+    """The files to write for `limits`, as (resource, file path, value), in order.
+
+    One code path per layout: a resource goes to the v2 directory when the v2
+    hierarchy has its controller enabled for us, else to the v1 hierarchy of
+    that controller. Pure (no I/O), so both layouts are unit-tested on any host.
+    """
+    out: list[tuple[str, str, str]] = []
+    v2 = paths.get("v2")
+    mem, pids = limits.get("memory_max"), limits.get("pids_max")
+    weight, cpus = limits.get("cpu_weight"), limits.get("cpu_max")
+    if mem:
+        if v2 and "memory" in v2_controllers:
+            out.append(("memory", os.path.join(v2, "memory.max"), str(mem)))
+            # no swap beyond the limit (else the hog swaps instead of meeting the OOM killer),
+            # and the OOM killer takes the whole cell, never half a tree (cgroup-v2.rst: memory.oom.group)
+            out.append(("memory", os.path.join(v2, "memory.swap.max"), "0"))
+            out.append(("memory", os.path.join(v2, "memory.oom.group"), "1"))
+        elif "memory" in paths:
+            d = paths["memory"]
+            out.append(("memory", os.path.join(d, "memory.limit_in_bytes"), str(mem)))
+            # memory+swap may not be below memory (so written second); absent without swapaccount
+            out.append(("memory", os.path.join(d, "memory.memsw.limit_in_bytes"), str(mem)))
+    if pids:
+        if v2 and "pids" in v2_controllers:
+            out.append(("pids", os.path.join(v2, "pids.max"), str(pids)))
+        elif "pids" in paths:
+            out.append(("pids", os.path.join(paths["pids"], "pids.max"), str(pids)))
+    if weight or cpus:
+        if v2 and "cpu" in v2_controllers:
+            if weight:
+                out.append(("cpu", os.path.join(v2, "cpu.weight"), str(weight)))
+            if cpus:
+                out.append(("cpu", os.path.join(v2, "cpu.max"), f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}"))
+        elif "cpu" in paths:
+            d = paths["cpu"]
+            if weight:
+                # v1 shares default to 1024 where v2's weight defaults to 100 (the kernel's own
+                # mapping, cgroup-v2.rst "cpu.weight")
+                out.append(("cpu", os.path.join(d, "cpu.shares"), str(max(2, weight * 1024 // 100))))
+            if cpus:
+                out.append(("cpu", os.path.join(d, "cpu.cfs_period_us"), str(CPU_PERIOD_US)))
+                out.append(("cpu", os.path.join(d, "cpu.cfs_quota_us"), str(max(1000, int(cpus * CPU_PERIOD_US)))))
+    return out
+
+
+# Files a kernel may lack without weakening the limit itself (no swap accounting).
+_OPTIONAL = ("memory.swap.max", "memory.memsw.limit_in_bytes")
+
+
+def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict) -> dict[str, str]:
+    """Write the limit files; returns {resource: "v2:<dir>" | "v1:<dir>"} for what is in force.
+
+    A limit the role asks for that no hierarchy can hold is simply absent
+    from the result (the receipt shows it); a write the kernel refuses raises."""
+    applied: dict[str, str] = {}
+    for resource, path, value in limit_writes(paths, v2_controllers, limits):
+        try:
+            _write(path, value)
+        except FileNotFoundError:
+            if os.path.basename(path) in _OPTIONAL:
+                continue
+            raise
+        d = os.path.dirname(path)
+        applied[resource] = ("v2:" if d == paths.get("v2") else "v1:") + d
+    return applied
+
+
+def _v1_oom_eventfd(memory_dir: str) -> int | None:
+    """An eventfd the kernel signals when the OOM killer acts in this v1 memory
+    cgroup (memory.oom_control notification, Documentation/admin-guide/cgroup-v1/memory.rst
+    section 10): v1 has no memory.oom.group, so the controller kills the rest of
+    the cell itself. None where the kernel lacks the interface."""
+    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    try:
+        ofd = os.open(os.path.join(memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
+        finally:
+            os.close(ofd)
+    except OSError:
+        os.close(efd)
+        return None
+    return efd
+
+
+def oom_kills(node: Node) -> int | None:
+    """How many processes the OOM killer took in the cell (None: not knowable here).
+
+    v2 memory.events counts the subtree; v1 memory.oom_control has an oom_kill
+    counter (Linux 4.13). Read before the cgroup is removed."""
+    candidates = []
+    if "v2" in node.paths:
+        candidates.append(os.path.join(node.paths["v2"], "memory.events"))
+    if "memory" in node.paths:
+        candidates.append(os.path.join(node.paths["memory"], "memory.oom_control"))
+    for path in candidates:
+        try:
+            for line in _read(path).splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def join_self(node: Node) -> None:
@@ -413,27 +537,63 @@ def remove_if_empty(path: str) -> bool:
         return False
 
 
+def _keyed(path: str) -> dict[str, int]:
+    """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        for line in _read(path).splitlines():
+            k, _, v = line.partition(" ")
+            try:
+                out[k] = int(v)
+            except ValueError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _int(path: str) -> int | None:
+    try:
+        return int(_read(path))
+    except (OSError, ValueError):
+        return None
+
+
 def read_usage(node: Node) -> dict:
-    """Resource use the cgroup recorded, for the receipt (read before removal)."""
+    """Resource use the cgroup recorded, for the receipt (read before removal).
+
+    Each counter is read on its own: a file one kernel lacks costs that
+    counter only. Keys name the limit they bear on: oom_kills (memory),
+    pids_max_events (pids), cpu_throttled_usec / cpu_nr_throttled (cpu)."""
     out: dict = {}
     v2 = node.paths.get("v2")
-    try:
-        if v2:
-            for line in _read(os.path.join(v2, "cpu.stat")).splitlines():
-                k, v = line.split()
-                if k in ("usage_usec", "user_usec", "system_usec"):
-                    out["cpu_" + k] = int(v)
-            mp = os.path.join(v2, "memory.peak")
-            if os.path.exists(mp):
-                out["memory_peak"] = int(_read(mp))
-        if "memory" in node.paths:
-            out["memory_max_usage"] = int(_read(os.path.join(node.paths["memory"], "memory.max_usage_in_bytes")))
-            fc = os.path.join(node.paths["memory"], "memory.failcnt")
-            out["memory_failcnt"] = int(_read(fc))
-        if "pids" in node.paths:
-            pe = os.path.join(node.paths["pids"], "pids.events")
-            if os.path.exists(pe):
-                out["pids_max_events"] = int(_read(pe).split()[-1])
-    except (OSError, ValueError):
-        pass
+    if v2:
+        for k, v in _keyed(os.path.join(v2, "cpu.stat")).items():
+            if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
+                out["cpu_" + k] = v
+        for name, key in (("memory.peak", "memory_peak"),):
+            v = _int(os.path.join(v2, name))
+            if v is not None:
+                out[key] = v
+        ev = _keyed(os.path.join(v2, "pids.events"))
+        if "max" in ev:
+            out["pids_max_events"] = ev["max"]
+    if "memory" in node.paths:
+        d = node.paths["memory"]
+        for name, key in (("memory.max_usage_in_bytes", "memory_max_usage"), ("memory.failcnt", "memory_failcnt")):
+            v = _int(os.path.join(d, name))
+            if v is not None:
+                out[key] = v
+    if "pids" in node.paths:
+        ev = _keyed(os.path.join(node.paths["pids"], "pids.events"))
+        if "max" in ev:
+            out["pids_max_events"] = ev["max"]
+    if "cpu" in node.paths:
+        st = _keyed(os.path.join(node.paths["cpu"], "cpu.stat"))
+        if "nr_throttled" in st:
+            out["cpu_nr_throttled"] = st["nr_throttled"]
+            out["cpu_throttled_usec"] = st.get("throttled_time", 0) // 1000
+    kills = oom_kills(node)
+    if kills is not None:
+        out["oom_kills"] = kills
     return out

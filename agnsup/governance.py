@@ -17,10 +17,16 @@ from .errors import Denied
 def kernel_of(policy: dict, state_root: str | None):
     """What the kernel refuses in a cell of this role, from the keys compiler.compile_plan
     reads: a network namespace of its own for deny/loopback, the read-only root,
-    the masked deny paths and state root."""
+    the masked deny paths and state root. A root cell that keeps CAP_SYS_ADMIN
+    could remount or leave its namespaces, one that keeps CAP_NET_ADMIN could
+    wire its namespace to the host's: then those guarantees are not claimed."""
     from .gate import Kernel
     fs = policy["filesystem"]
-    return Kernel(netns=policy["network"]["mode"] in ("deny", "loopback"), root_ro=fs.get("root", "ro") == "ro",
+    kept = set((policy.get("isolation") or {}).get("capabilities") or ())
+    if "SYS_ADMIN" in kept:
+        return Kernel()
+    return Kernel(netns=policy["network"]["mode"] in ("deny", "loopback") and "NET_ADMIN" not in kept,
+                  root_ro=fs.get("root", "ro") == "ro",
                   masked=tuple(fs.get("deny", ())) + ((state_root,) if state_root else ()))
 
 

@@ -128,6 +128,18 @@ def test_what_the_kernel_does_not_enforce_stays_denied_under_open(what, role, ch
     assert not any(f.endswith("kernel_enforced") for f in d.flags)
 
 
+@pytest.mark.parametrize("caps,command,rule", [
+    ('["SYS_ADMIN"]', "echo x > /usr/local/x", "sandbox.path_escape"),
+    ('["SYS_ADMIN"]', "cat ~/.ssh/config", "sandbox.deny_path"),
+    ('["SYS_ADMIN"]', "curl https://example.com", "network.command"),
+    ('["NET_ADMIN"]', "curl https://example.com", "network.command"),
+])
+def test_a_role_whose_root_cell_keeps_admin_capabilities_gets_no_kernel_flag(caps, command, rule, roles):
+    write_role(roles, "capable", isolation__capabilities=caps)
+    d = judge_shell(command, ctx_of("capable"))
+    assert (d.allowed, d.rule) == (False, rule), d
+
+
 def test_a_write_to_a_fifo_outside_the_writable_paths_stays_denied_a_read_only_mount_does_not_stop_it():
     fifo = f"/var/tmp/agnsup-gate-fifo-{os.getpid()}"
     os.mkfifo(fifo)

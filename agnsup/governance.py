@@ -26,7 +26,7 @@ def kernel_of(policy: dict, state_root: str | None):
     if "SYS_ADMIN" in kept:
         return Kernel()
     return Kernel(netns=policy["network"]["mode"] in ("deny", "loopback") and "NET_ADMIN" not in kept,
-                  root_ro=fs.get("root", "ro") == "ro",
+                  root_ro=fs.get("root", "ro") == "ro", worktree_ro=fs.get("worktree", "rw") == "ro",
                   masked=tuple(fs.get("deny", ())) + ((state_root,) if state_root else ()))
 
 
@@ -36,7 +36,7 @@ def context(policy: dict, worktree: str, state_root: str | None):
     gov, fs = policy["governance"], policy["filesystem"]
     return GateContext(
         role=policy["role"]["name"], mode=gov.get("mode", "open"), network=policy["network"]["mode"],
-        worktree=worktree if fs.get("worktree", "rw") == "rw" else "/nonexistent-readonly-worktree",
+        worktree=worktree, worktree_writable=fs.get("worktree", "rw") == "rw",
         writable=("/tmp", "/dev/shm", "/dev/null"), deny_paths=tuple(fs.get("deny", ())),
         state_root=state_root, home=os.path.expanduser("~"),
         allow_commands=tuple(gov.get("allow_commands", ())), deny_commands=tuple(gov.get("deny_commands", ())),

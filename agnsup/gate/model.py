@@ -45,6 +45,8 @@ class Kernel:
     # Everything outside the worktree, the private /tmp and /dev/shm is mounted
     # read-only, recursively (filesystem.root = "ro"): writes there fail with EROFS.
     root_ro: bool = False
+    # The worktree is re-attached read-only (filesystem.worktree = "ro"): writes into it fail with EROFS.
+    worktree_ro: bool = False
     # Paths the mount namespace hides (filesystem.deny and the state root, as written;
     # `~` is GateContext.home): an empty read-only tmpfs or /dev/null in their place.
     masked: tuple[str, ...] = ()
@@ -62,8 +64,10 @@ class GateContext:
     # "deny": no network tool may run; "loopback": only loopback URLs;
     # "host": the host's network, URLs still pass the SSRF guard.
     network: str = "deny"
-    # Resolved worktree root: writes are allowed inside it.
+    # Resolved worktree root: relative paths start here; writes are allowed inside it
+    # unless worktree_writable is False (a role with filesystem.worktree = "ro").
     worktree: str = "."
+    worktree_writable: bool = True
     # Extra writable roots (artifact dir, the cell's private /tmp => "/tmp").
     writable: tuple[str, ...] = ()
     # Extra deny paths on top of DEFAULT_DENY_PATHS (reads and writes refused).

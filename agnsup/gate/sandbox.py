@@ -51,12 +51,17 @@ HINT_DENY = ("Deny paths hold credentials and agnsup's state; remove the path fr
 class Scope:
     def __init__(self, ctx: GateContext):
         self.home = home_of(ctx.home)
+        self.role = ctx.role
         self.worktree = real(os.path.abspath(ctx.worktree or "."))
-        self.writable = [self.worktree] + [real(os.path.abspath(os.path.expanduser(w))) for w in ctx.writable]
+        # The cell attaches the worktree over /tmp's private copy: read-only wins even under /tmp.
+        self.worktree_writable = ctx.worktree_writable
+        self.writable = ([self.worktree] if ctx.worktree_writable else []) + \
+            [real(os.path.abspath(os.path.expanduser(w))) for w in ctx.writable]
         denies = list(DEFAULT_DENY_PATHS) + list(ctx.deny_paths) + ([ctx.state_root] if ctx.state_root else [])
         self.deny = self._roots(denies)
         kernel = ctx.kernel
         self.root_ro = bool(kernel and kernel.root_ro)
+        self.worktree_ro = bool(kernel and kernel.worktree_ro)
         self.masked = self._roots(kernel.masked) if kernel else []
 
     def _roots(self, paths) -> list[str]:
@@ -102,17 +107,26 @@ class Scope:
                                    "(governance.kernel_enforced = 'flag').", evidence=evidence or word)
                 return deny("sandbox.deny_path", f"{verb} {word} ({what}) touches the deny path {d}.",
                             HINT_DENY + (HINT_KERNEL if hidden else ""), evidence or word)
-        if mode == "w" and not any(within(r, w) for w in self.writable):
-            erofs = in_cell and self.root_ro and _refused_by_read_only_mount(r)
+        in_ro_worktree = not self.worktree_writable and within(r, self.worktree)
+        if mode == "w" and (in_ro_worktree or not any(within(r, w) for w in self.writable)):
+            # The worktree is its own mount (read-only for filesystem.worktree = "ro"); the rest is the root's.
+            ro = self.worktree_ro if within(r, self.worktree) else self.root_ro
+            erofs = in_cell and ro and _refused_by_read_only_mount(r)
             if erofs and flag:
                 return Finding(True, "sandbox.kernel_enforced",
                                f"{what} writes {word}, which resolves to {r}, outside the cell's writable paths; "
-                               "allowed with a flag because the cell's read-only root mount refuses the write "
+                               "allowed with a flag because the cell's read-only mount there refuses the write "
                                "(EROFS) (governance.kernel_enforced = 'flag').", evidence=evidence or word)
-            return deny("sandbox.path_escape",
-                        f"{what} writes {word}, which resolves to {r}, outside the worktree {self.worktree}"
-                        + (f" and the writable roots {', '.join(self.writable[1:])}" if len(self.writable) > 1 else "")
-                        + ".", HINT_WRITE + (HINT_KERNEL if erofs else ""), evidence or word)
+            if in_ro_worktree:
+                where = f"inside the worktree {self.worktree}, which is read-only for role '{self.role}'"
+                hint = "Set filesystem.worktree = 'rw' in the role if it should write its worktree."
+            else:
+                roots = [w for w in self.writable if w != self.worktree]
+                where = f"outside the worktree {self.worktree}" + (
+                    f" and the writable roots {', '.join(roots)}" if roots else "")
+                hint = HINT_WRITE
+            return deny("sandbox.path_escape", f"{what} writes {word}, which resolves to {r}, {where}.",
+                        hint + (HINT_KERNEL if erofs else ""), evidence or word)
         return None
 
 

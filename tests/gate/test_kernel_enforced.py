@@ -315,6 +315,19 @@ def test_a_flagged_read_of_a_masked_deny_path_runs_and_reads_nothing(agnsup, wor
     assert "sandbox.deny_path" in cp.err and "the-secret-value" not in cp.out
 
 
+def test_a_write_into_the_worktree_of_the_readonly_role_is_flagged_and_the_cell_refuses_it(agnsup, worktree,
+                                                                                            tmp_path):
+    d = judge_shell("echo x > out.txt", ctx_of("readonly"))
+    assert d.allowed and "sandbox.kernel_enforced" in d.flags, d
+    assert judge_shell("echo x > out.txt", ctx_of("readonly", kernel_enforced="deny")).rule == "sandbox.path_escape"
+    rec = tmp_path / "receipt.json"
+    cp = agnsup("run", "--role", "readonly", "--workdir", worktree, "--receipt", str(rec), "--",
+                "sh", "-c", "echo x > out.txt", timeout=120)
+    assert cp.returncode not in (0, 126) and "Read-only file system" in cp.err, cp.err
+    assert not os.path.exists(os.path.join(worktree, "out.txt"))
+    assert "sandbox.kernel_enforced" in receipt(rec)["governance"]["decision"]["flags"]
+
+
 def test_check_prints_each_flag_with_its_reason(agnsup, worktree):
     cp = agnsup("check", "--workdir", worktree, "--", "curl", "https://example.com", check=0)
     assert cp.out.startswith("allowed:") and "flagged network.kernel_enforced:" in cp.out

@@ -12,7 +12,6 @@ it: otherwise "nothing received" would prove nothing.
 Run with -s to print the per-variant table (docs/governance.md quotes it).
 """
 import csv
-import os
 import select
 import socket
 import threading

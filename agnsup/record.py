@@ -105,3 +105,12 @@ class Record:
     def __repr__(self) -> str:
         d = self.__dict__
         return f"{type(self).__qualname__}({', '.join(f'{n}={d[n]!r}' for n in self._fields)})"
+
+
+def replace(obj: Record, **changes) -> Record:
+    """A copy of `obj` with some fields changed (dataclasses.replace for records)."""
+    d = obj.__dict__
+    unknown = set(changes) - set(obj._fields)
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {', '.join(sorted(unknown))}")
+    return type(obj)(**{n: changes[n] if n in changes else d[n] for n in obj._fields})

@@ -153,3 +153,21 @@ def test_a_threaded_controller_forks_instead(state, worktree):
     r = _receipt(state, "forked")
     assert r["isolation"]["cgroup_join"] == FORK
     _in_every_hierarchy(res["stdout"], r)
+
+
+def test_records_behave_like_the_dataclasses_they_replace():
+    from agnsup.gate.model import Decision, Finding
+    from agnsup.record import FrozenError, replace
+    d = Decision(True, "allow.x", "green", "ok", "policy")
+    assert d == Decision(allowed=True, rule="allow.x", zone="green", reason="ok", check="policy")
+    assert hash(d) == hash(Decision(True, "allow.x", "green", "ok", "policy")) and d.flags == ()
+    assert replace(d, rule="allow.y").rule == "allow.y" and d.rule == "allow.x"
+    with pytest.raises(FrozenError):
+        d.rule = "changed"
+    with pytest.raises(TypeError):
+        Decision(True, "r")  # missing fields
+    with pytest.raises(TypeError):
+        Decision(True, "r", "green", "ok", "policy", bogus=1)
+    a, b = Finding(True, "r", "x"), Finding(True, "r", "x")
+    assert a.extra == {} and a.extra is not b.extra  # a fresh default each time
+    assert "rule='r'" in repr(a)

@@ -47,8 +47,8 @@ def test_the_documented_catastrophic_exceptions_are_still_allowed():
 
 def shipped(role: str) -> GateContext:
     """A shipped role's gate context as `agnsup run` builds it (kernel_enforced flag from its preset)."""
-    import dataclasses
-    return dataclasses.replace(governance.context(policy.load(role), "/workspace/project", None), home="/home/user")
+    from agnsup import record
+    return record.replace(governance.context(policy.load(role), "/workspace/project", None), home="/home/user")
 
 
 @pytest.mark.parametrize("role", ["executor", "networked"])

@@ -10,7 +10,6 @@ or kernel_enforced = "deny" they stay denials; what the kernel does not
 enforce stays a denial in every mode. The last tests run the flagged commands
 in real cells and watch the kernel refuse them.
 """
-import dataclasses
 import json
 import os
 import select
@@ -21,7 +20,7 @@ import types
 
 import pytest
 
-from agnsup import compiler, governance, policy
+from agnsup import compiler, governance, policy, record
 from agnsup.errors import PolicyError
 from agnsup.gate import GateContext, check, judge_shell
 from conftest import write_role
@@ -31,7 +30,7 @@ WT = "/workspace/project"
 
 def ctx_of(name: str, **replace) -> GateContext:
     ctx = governance.context(policy.load(name), WT, "/var/lib/agnsup-test-state")
-    return dataclasses.replace(ctx, **replace) if replace else ctx
+    return record.replace(ctx, **replace) if replace else ctx
 
 
 @pytest.fixture
@@ -120,10 +119,10 @@ def test_what_the_kernel_does_not_enforce_stays_denied_under_open(what, role, ch
     change = dict(change)
     if "kernel" in change:
         k = change.pop("kernel")
-        change["kernel"] = None if k is None else dataclasses.replace(
+        change["kernel"] = None if k is None else record.replace(
             ctx.kernel, **{"root_rw": {"root_ro": False}, "no_netns": {"netns": False},
                            "no_masks": {"masked": ()}}[k])
-    d = judge_shell(command, dataclasses.replace(ctx, **change))
+    d = judge_shell(command, record.replace(ctx, **change))
     assert (d.allowed, d.rule) == (False, rule), d
     assert not any(f.endswith("kernel_enforced") for f in d.flags)
 

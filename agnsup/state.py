@@ -10,11 +10,10 @@
 from __future__ import annotations
 
 import os
-import re
 
 from .errors import StateError, UsageError
 
-ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 def default_root() -> str:
@@ -28,7 +27,9 @@ def default_root() -> str:
 
 
 def check_id(kind: str, value: str) -> str:
-    if not ID.match(value or ""):
+    # ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z without compiling a regex on every start (the
+    # regex this replaces ended in `$`, which also let a trailing newline through)
+    if not value or len(value) > 64 or value[0] in "._-" or not _ID_CHARS.issuperset(value):
         raise UsageError(f"invalid {kind} id {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit")
     return value

@@ -171,3 +171,26 @@ def test_records_behave_like_the_dataclasses_they_replace():
     a, b = Finding(True, "r", "x"), Finding(True, "r", "x")
     assert a.extra == {} and a.extra is not b.extra  # a fresh default each time
     assert "rule='r'" in repr(a)
+
+
+def test_the_string_tests_agree_with_the_regexes_they_replace():
+    import re
+    from agnsup.secretkeys import looks_secret
+    from agnsup.state import check_id
+    from agnsup.errors import UsageError
+    secret = re.compile(r"(^AWS_|_TOKEN$|_SECRET$|_KEY$|_PASSWORD$|_PASSWD$|_CREDENTIALS?$|^SECRET|PASSWORD)",
+                        re.IGNORECASE)
+    ident = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+    keys = ["AWS_X", "aws_x", "X_AWS_", "GH_TOKEN", "gh_token", "TOKEN", "X_SECRET", "SECRETS_DIR", "secret",
+            "A_KEY", "KEYS", "MY_KEY\n", "DB_PASSWORD", "PASSWORDLESS", "x_passwd", "X_CREDENTIAL", "X_CREDENTIALS",
+            "X_CREDENTIALSS", "PATH", "HOME", "LANG", "_KEY", "\u212aEY", "X_\u212aEY", "ı_TOKEN", "X_TOKEN\n\n", ""]
+    for k in keys:
+        assert looks_secret(k) == bool(secret.search(k)), k
+    ids = ["a", "A9", "9", "a.b_c-d", "x" * 64, "x" * 65, "", ".a", "_a", "-a", "a/b", "a b", "é", "a\n", "ab\u212a"]
+    for v in ids:
+        try:
+            check_id("cell", v)
+            ok = True
+        except UsageError:
+            ok = False
+        assert ok == bool(ident.match(v)), v

@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import sys
 import time
 
 from . import locks
-from .journal import TERMINAL_CELL, TERMINAL_RUN
+from .journal import TERMINAL_CELL, TERMINAL_RUN, sqlite3
 from .linux import proc
 
 # Must stay textually identical to the partial index in journal/0002_janitor.sql.

@@ -17,7 +17,8 @@ import pytest
 
 HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", "dis", "shutil", "tree_sitter",
          "tree_sitter_bash", "pyroute2", "psutil", "secrets", "random", "hmac", "typing", "tomllib",
-         "importlib.resources", "importlib.metadata", "socket", "tempfile", "bz2", "lzma")
+         "importlib.resources", "importlib.metadata", "socket", "tempfile", "bz2", "lzma", "datetime",
+         "sqlite3.dbapi2")
 
 # The console script's own entry point, under -X importtime: every module the
 # interpreter imports is listed on stderr as it happens (the CLI leaves with

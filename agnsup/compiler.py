@@ -78,8 +78,10 @@ def _outermost(paths) -> list[str]:
     return out
 
 
-# A "home" holding one of these is the system, not a home: hiding it would hide the OS.
+# A "home" holding one of these, or inside one of the OS trees (system users have
+# homes like /usr/sbin or /dev), is the system, not a home: hiding it would hide the OS.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/run")
+OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
 
 
 def invoking_homes(env=None) -> list[str]:
@@ -108,9 +110,10 @@ def invoking_homes(env=None) -> list[str]:
         real = os.path.realpath(h)
         if real == "/" or not os.path.isdir(real):
             continue
-        held = [d for d in SYSTEM_DIRS if _under(d, real)]
+        held = [f"holds {d}" for d in SYSTEM_DIRS if _under(d, real)] + [f"is inside {d}" for d in OS_TREES
+                                                                          if _under(real, d)]
         if held:
-            raise SetupError(f"the invoking user's home {real} holds {held[0]}: hiding it would hide the system; "
+            raise SetupError(f"the invoking user's home {real} {held[0]}: hiding it would hide the system; "
                              "set filesystem.home = \"ro\" in the role to run with it visible", step="home")
         homes.append(real)
     return _outermost(homes)

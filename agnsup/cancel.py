@@ -121,13 +121,16 @@ class _Cancel:
         cells = self._record()
         grace = self.grace if self.grace is not None else self._policy_grace(cells)
         targets = [c for c in cells if c["node"] is not None]
+        loose = [c for c in cells if c["node"] is None and c.get("session") is not None]
         for c in cells:
-            if c["node"] is None:
+            if c["node"] is None and c.get("session") is None:
                 c["notes"].append(c.pop("why_untouched"))
         sent = self._term(targets)
+        sent.update(self._term_sessions(loose))
         crashpoints.hit("cancel_grace")
-        self._wait_empty(targets, grace)
+        self._wait_empty(targets, grace, loose)
         self._kill(targets)
+        self._kill_sessions(loose)
         for c in targets:
             from .linux import cgroup
             c["empty"] = cgroup.wait_empty(c["node"], 10.0)
@@ -164,8 +167,11 @@ class _Cancel:
                  "node": None, "notes": []}
             node = cgroup.Node(json.loads(r["cgroup"])) if r["cgroup"] else None
             prim = node.primary if node is not None else None
-            if prim is None:
-                c["why_untouched"] = "no cgroup: the cell's controller stops it (it polls the journal at its end)"
+            if prim is None and r["pid"]:
+                c["session"] = _session_evidence(r)
+                c["notes"].append("no cgroup (ENV_BLOCKED: cgroup): found by session + token + start time")
+            elif prim is None:
+                c["why_untouched"] = "no cgroup and no process yet: the cell stops at its identity commit"
             elif r["cgroup_ino"] is None:
                 c["why_untouched"] = "cgroup not yet created or not yet journaled: the cell stops at its identity commit"
             else:
@@ -197,13 +203,26 @@ class _Cancel:
         from .linux import cgroup
         return {(c["run_id"], c["cell_id"]): cgroup.signal_all(c["node"], signal.SIGTERM) for c in cells}
 
-    def _wait_empty(self, cells: list[dict], grace: float) -> None:
-        from .linux import cgroup
+    def _term_sessions(self, cells: list[dict]) -> dict:
+        from .linux import session
+        return {(c["run_id"], c["cell_id"]): len(session.signal_cell(c["session"], signal.SIGTERM)) for c in cells}
+
+    def _kill_sessions(self, cells: list[dict]) -> None:
+        from .linux import session
+        for c in cells:
+            killed = session.kill_cell(c["session"])
+            c["kill"] = f"pidfd SIGSTOP+SIGKILL of {len(killed)} process(es) on session + token evidence"
+            c["empty"] = all(k["verified_dead"] for k in killed)
+
+    def _wait_empty(self, cells: list[dict], grace: float, loose: list[dict] = ()) -> None:
+        from .linux import cgroup, session
         deadline = time.monotonic() + grace
-        pending = list(cells)
+        pending = list(cells) + list(loose)
         delay = 0.002
         while pending and time.monotonic() < deadline:
-            pending = [c for c in pending if cgroup.populated(c["node"])]
+            snap = session.Snapshot.take(exclude=(os.getpid(),)) if any("session" in c for c in pending) else None
+            pending = [c for c in pending if (cgroup.populated(c["node"]) if c["node"] is not None
+                                             else bool(c["session"].find(snap)[0]))]
             if pending:
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.05)
@@ -334,3 +353,17 @@ def _own_node(row):
         rest = {h: p for h, p in node.paths.items() if h != prim[0] and os.path.isdir(p)}
         return cgroup.Node(rest) if rest else None
     return node if ino == row["cgroup_ino"] else None
+
+
+def _session_evidence(row):
+    """A cell without a cgroup: its session (the leader's pid, if the leader is
+    still the journaled process), its token and its start (linux/session.py)."""
+    from .linux import pidfd, session
+    ok, why = None, ""
+    fd = pidfd.open(row["pid"])
+    if fd is not None:
+        try:
+            ok, why = pidfd.matches(fd, row["pid"], row["pidfd_ino"], row["starttime"])
+        finally:
+            os.close(fd)
+    return session.Evidence(row["pid"], ok, row["token"], row["starttime"] or 0, why)

@@ -240,3 +240,22 @@ def test_a_term_trap_gets_its_grace_when_the_cell_runs_under_serve(agnsup, tmp_p
         assert starter.exit_code("default", "T2") == 128 + signal.SIGKILL
     finally:
         starter.close()
+
+
+def test_without_cgroups_cancel_from_another_process_stops_the_whole_session_and_token_tree(state, tmp_path):
+    from conftest import Agnsup
+    agnsup = Agnsup(state, env={"AGNSUP_CGROUP_LAYOUT": "none"})
+    starter = STARTERS["run"](agnsup, tmp_path)
+    try:
+        wt = _wt(tmp_path, "N1")
+        info = starter.start("RN", "A", "N1", wt, stubborn_argv(wt, "N1") + ["--stripped"])
+        wait_beats(info["heartbeats"])
+        assert not agnsup.json("ps", "--json")[0]["cgroup"]  # {}: no hierarchy
+        out = agnsup.json("cancel", "--run", "RN", "--agent", "A", "--grace", "0.5", "--json")
+        assert out["cancelled"] == 1 and out["cells"][0]["empty"] and out["cells"][0]["state"] == "cancelled"
+        assert "session" in out["cells"][0]["kill"]
+        assert gone(info), [(p, alive(*p)) for p in tree_pids(info)]
+        assert not any(growing(info["heartbeats"]).values())
+        assert starter.exit_code("RN", "N1") in (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+    finally:
+        starter.close()

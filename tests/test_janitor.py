@@ -98,8 +98,8 @@ def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=No
     hb = os.path.join(worktree, f"hb-{cell}")
     args = ["run", "--role", "networked", "--workdir", worktree, "--cell", cell, "--",
             "python3", os.path.join(worktree, "stubborn_tree.py"), "--heartbeat", hb]
-    if stripped:
-        args.append("--stripped")
+    if stripped:  # True, or the flag to use ("--stripped-in-session" keeps it in the leader's session)
+        args.append(stripped if isinstance(stripped, str) else "--stripped")
     err = open(tmp_path / f"ctl-{cell}.err", "wb")
     p = agnsup.popen(*args, stdout=subprocess.PIPE, stderr=err, env=extra_env)
     err.close()

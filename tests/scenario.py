@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -49,15 +50,16 @@ def alive(pid: int, starttime: int) -> bool:
     return st is not None and st.starttime == starttime and st.state not in ("Z", "X")
 
 
-def bindable(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+def bindable(port: int, reuse_addr: bool = False) -> bool:
+    """No process holds the port (with reuse_addr, a TIME_WAIT remnant does not count as held)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def tree_pids(info: dict) -> list[tuple[int, int]]:
@@ -65,6 +67,29 @@ def tree_pids(info: dict) -> list[tuple[int, int]]:
     if info.get("stripped"):
         out.append((info["stripped"]["pid"], info["stripped"]["starttime"]))
     return out
+
+
+def kill_exact(pairs) -> None:
+    """Kill processes this test started, by pidfd after checking they are still them."""
+    for pid, start in pairs:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            if alive(pid, start):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def cell_row(agnsup, cell: str) -> dict:
+    """The one `agnsup ps --all` row of this cell id."""
+    rows = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
+    assert len(rows) == 1, rows
+    return rows[0]
 
 
 def gone(info: dict) -> bool:

@@ -34,7 +34,8 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    assert not bindable(rport, reuse_addr=True) and not bindable(mport, reuse_addr=True), "the daemons did not survive the controller: invalid"
+    assert not bindable(rport, reuse_addr=True) and not bindable(mport, reuse_addr=True), \
+        "the daemons did not survive the controller: invalid"
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == ["daemons"]
     assert procs_with_env("AGNSUP_CELL_ID", "daemons") == []

@@ -27,8 +27,8 @@ import tempfile
 import threading
 import time
 
-from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, STATE_ROOT, TTY_INJECTION,
-                     WRITE_ESCAPE)
+from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, FORK_BOMB, MEMORY_HOG,
+                     STATE_ROOT, TTY_INJECTION, WRITE_ESCAPE)
 
 GATES = ("HOST_ENV_LEAK", "HOME_VISIBILITY", "CREDENTIAL_VISIBILITY", "STATE_ROOT_VISIBLE", "PROJECT_ESCAPE",
          "NETWORK_EGRESS_NONE", "CGROUP_ESCAPE", "ENVIRON_FORGE", "CONTROLLER_SIGNAL", "HOST_PROCESS_VISIBILITY",
@@ -128,17 +128,6 @@ for src, target, fstype, flags in ((b"tmpfs", sys.argv[1].encode(), b"tmpfs", 0)
         print("mount", target, "refused, errno", ctypes.get_errno())
 sys.exit(77 if worked else 0)
 '''
-
-P_MEMORY = "a = []\nwhile True:\n    a.append(b'\\x01' * (4 << 20))\n"
-
-P_FORK_BOMB = (
-    "import os, time\n"
-    "while True:\n"
-    "    try:\n"
-    "        os.fork()\n"
-    "    except OSError:\n"
-    "        time.sleep(0.02)\n"
-)
 
 # Writes far past the cap on both streams, and tries the controller's own stdout
 # through /proc (a way around the pump): argv: marker
@@ -483,7 +472,7 @@ def _usage(res: dict) -> dict:
 
 
 def gate_oom(h: Harness) -> dict:
-    res = h.probe(P_MEMORY, role="selftest-limits", timeout=120)
+    res = h.probe(MEMORY_HOG, role="selftest-limits", timeout=120)
     if "error" in res:
         return _judge("OOM_OUTSIDE_CELL", res, "")
     r = res["receipt_data"]
@@ -502,7 +491,7 @@ def gate_fork_bomb(h: Harness) -> dict:
     from .. import supervisor
     from ..linux import cgroup
     with open(os.path.join(h.worktree, "bomb.py"), "w") as f:
-        f.write(P_FORK_BOMB)  # from a file: the text gate refuses a fork loop on the command line
+        f.write(FORK_BOMB)  # from a file: the text gate refuses a fork loop on the command line
     cell_no = h.n + 1
     base = cgroup.base_node(cgroup.detect_layout(), h.state)
     node = cgroup.scope_node(base, "selftest", "default", f"probe-{cell_no}")

@@ -8,6 +8,9 @@ try. Probes are Python rather than shell text so the governance text gate lets
 them through: what they test is what the kernel stops. A path that gate would
 refuse on sight is passed in two pieces and joined inside the cell.
 
+MEMORY_HOG and FORK_BOMB are the exception: they never stop by themselves,
+and are judged from the receipt (the limit that stopped them, the counters).
+
 The selftest and the tests run the same text, so what CI proves and what a
 user's host reports are the same probe.
 """
@@ -65,8 +68,9 @@ sys.exit(77 if worked else 0)
 '''
 
 # argv: PID:SIGNAL pairs; PID "ppid" is the cell's parent (the controller or
-# its PID-namespace init); a pid named twice is tried once. Signal 0 asks the kernel whether we may signal and
-# delivers nothing. Prints "signalled <pid>" or "refused <pid> <error>".
+# its PID-namespace init); a pid named twice is tried once. Signal 0 asks the
+# kernel whether we may signal and delivers nothing. Prints "signalled <pid>"
+# or "refused <pid> <error>".
 CONTROLLER_SIGNAL = r'''
 import os, sys
 worked, tried = [], set()
@@ -169,3 +173,18 @@ for w in worked:
     print(w)
 sys.exit(77 if worked else 0)
 '''
+
+# argv: none. Allocates 4 MiB at a time until the memory limit stops it.
+MEMORY_HOG = "a = []\nwhile True:\n    a.append(b'\\x01' * (4 << 20))\n"
+
+# argv: none; run from a file (the governance text gate refuses a fork loop on a
+# command line). Every process forks as fast as the kernel lets it, backing off
+# a little after a refused fork (the machine is shared).
+FORK_BOMB = (
+    "import os, time\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.fork()\n"
+    "    except OSError:\n"
+    "        time.sleep(0.02)\n"
+)

@@ -523,3 +523,12 @@ def probe(fn) -> tuple[bool, str]:
     err = _read_all(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0, err.decode(errors="replace")
+
+
+def host_process(argv: list[str], **popen_kw):
+    """A plain host process outside any cell, for the self-test harness only
+    (agnsup/selftest/: it plays the user, the sentinel and the innocent
+    bystander). Never used on the path of a cell; subprocess is imported here,
+    lazily, because only the supervisor creates processes."""
+    import subprocess
+    return subprocess.Popen(argv, **popen_kw)

@@ -193,6 +193,8 @@ def check(obj, role, workdir, batch, as_json, command):
     else:
         verdict = "allowed" if d.allowed else "DENIED"
         click.echo(f"{verdict}: {d.rule} (zone {d.zone}): {d.reason}")
+        for n in d.flagged:
+            click.echo(f"  flagged {n['rule']}: {n['reason']}")
         if not d.allowed and d.hint:
             click.echo(f"  if this is wrong: {d.hint}")
     sys.exit(0 if d.allowed else 126)

@@ -14,18 +14,35 @@ import os
 from .errors import Denied
 
 
+def kernel_of(policy: dict, state_root: str | None):
+    """What the kernel refuses in a cell of this role, from the keys compiler.compile_plan
+    reads: a network namespace of its own for deny/loopback, the read-only root,
+    the masked deny paths and state root. A root cell that keeps CAP_SYS_ADMIN
+    could remount or leave its namespaces, one that keeps CAP_NET_ADMIN could
+    wire its namespace to the host's: then those guarantees are not claimed."""
+    from .gate import Kernel
+    fs = policy["filesystem"]
+    kept = set((policy.get("isolation") or {}).get("capabilities") or ())
+    if "SYS_ADMIN" in kept:
+        return Kernel()
+    return Kernel(netns=policy["network"]["mode"] in ("deny", "loopback") and "NET_ADMIN" not in kept,
+                  root_ro=fs.get("root", "ro") == "ro", worktree_ro=fs.get("worktree", "rw") == "ro",
+                  masked=tuple(fs.get("deny", ())) + ((state_root,) if state_root else ()))
+
+
 def context(policy: dict, worktree: str, state_root: str | None):
     from .gate import GateContext
     from .gate.quota import limits_of
     gov, fs = policy["governance"], policy["filesystem"]
     return GateContext(
         role=policy["role"]["name"], mode=gov.get("mode", "open"), network=policy["network"]["mode"],
-        worktree=worktree if fs.get("worktree", "rw") == "rw" else "/nonexistent-readonly-worktree",
+        worktree=worktree, worktree_writable=fs.get("worktree", "rw") == "rw",
         writable=("/tmp", "/dev/shm", "/dev/null"), deny_paths=tuple(fs.get("deny", ())),
         state_root=state_root, home=os.path.expanduser("~"),
         allow_commands=tuple(gov.get("allow_commands", ())), deny_commands=tuple(gov.get("deny_commands", ())),
         yellow_allow=tuple(gov.get("yellow_allow", ())), unparseable=gov.get("unparseable"),
-        quota=limits_of(policy.get("quota")))
+        quota=limits_of(policy.get("quota")),
+        kernel=kernel_of(policy, state_root), kernel_enforced=gov.get("kernel_enforced", "flag"))
 
 
 def decide(tool: str, args: dict, policy: dict, worktree: str, state_root: str | None = None):

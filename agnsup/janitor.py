@@ -416,7 +416,7 @@ class _Janitor:
                 if leader_ok:
                     add(lpid, f"journaled leader: boot id matches, {leader_why}", "single", "leader")
                 elif lpid not in found and not proc.is_zombie(lpid):
-                    spared.append(_spared(lpid, f"the journaled leader: {leader_why}; spared"))
+                    spared.append(_spared(lpid, f"the journaled leader pid {lpid} is another process now: {leader_why}; spared"))
         lo = row["starttime"]
         if lo is None:  # no identity committed yet: the cell's life began at its intent row
             lo = _wall_to_ticks(row["created_at"] - 1.0)

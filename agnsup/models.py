@@ -196,6 +196,10 @@ class GovernanceSection(_Strict):
     unparseable: Literal["deny", "flag"] | None = Field(None, description="Shell text that does not parse: 'deny' "
                                                          "refuses it, 'flag' allows it with a flag; unset: locked "
                                                          "denies, open and readonly flag.")
+    kernel_enforced: Literal["flag", "deny"] = Field(
+        "flag", description="A refusal the cell's kernel makes anyway (a network tool under network deny, a write "
+        "under the read-only root, a read of a masked deny path): 'flag' allows it with a flag "
+        "(*.kernel_enforced) under mode open; 'deny' refuses it early. Other modes always refuse.")
     allow_commands: list[str] = Field(default_factory=list, description="If not empty, only these programs may "
                                       "be started (by name).")
     deny_commands: list[str] = Field(default_factory=list, description="Programs this role may never start.")

@@ -28,6 +28,7 @@ JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
 STRICTNESS = {
     "governance.mode": ("open", "locked", "readonly"),
     "governance.unparseable": (None, "flag", "deny"),
+    "governance.kernel_enforced": ("flag", "deny"),
     "network.mode": ("host", "loopback", "deny"),
     "filesystem.root": ("rw", "ro"),
     "filesystem.worktree": ("rw", "ro"),

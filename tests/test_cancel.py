@@ -248,7 +248,7 @@ def test_without_cgroups_cancel_from_another_process_stops_the_whole_session_and
     starter = STARTERS["run"](agnsup, tmp_path)
     try:
         wt = _wt(tmp_path, "N1")
-        info = starter.start("RN", "A", "N1", wt, stubborn_argv(wt, "N1") + ["--stripped"])
+        info = starter.start("RN", "A", "N1", wt, stubborn_argv(wt, "N1") + ["--stripped-in-session"])
         wait_beats(info["heartbeats"])
         assert not agnsup.json("ps", "--json")[0]["cgroup"]  # {}: no hierarchy
         out = agnsup.json("cancel", "--run", "RN", "--agent", "A", "--grace", "0.5", "--json")

@@ -16,6 +16,8 @@ def test_check_batch_prints_one_json_decision_per_line(agnsup, worktree):
     lines = "rm -fr /\ngrep -r curl .\ncurl http://example.invalid\n"
     cp = agnsup("check", "--workdir", worktree, "--batch", "-", input=lines.encode(), check=0)
     out = [json.loads(line) for line in cp.out.splitlines()]
-    assert [d["allowed"] for d in out] == [False, True, False]
-    assert [d["rule"].split(".")[0] for d in out] == ["hardline", "allow", "network"]
+    # executor (mode open, kernel_enforced flag): the cell's network namespace refuses curl, so it is flagged
+    assert [d["allowed"] for d in out] == [False, True, True]
+    assert [d["rule"].split(".")[0] for d in out] == ["hardline", "allow", "allow"]
+    assert "network.kernel_enforced" in out[2]["flags"] and out[2]["flagged"][0]["rule"] == "network.kernel_enforced"
     assert all({"command", "allowed", "rule", "zone", "reason"} <= set(d) for d in out)

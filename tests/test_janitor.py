@@ -27,8 +27,8 @@ def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=No
     """`agnsup run --role networked --cell CELL -- python3 <wt>/stubborn_tree.py ...`: (Popen, info)."""
     args = ["run", "--role", "networked", "--workdir", worktree, "--cell", cell, "--",
             *stubborn_argv(worktree, cell, term_wait=5)]
-    if stripped:
-        args.append("--stripped")
+    if stripped:  # True, or the flag to use ("--stripped-in-session" keeps it in the leader's session)
+        args.append(stripped if isinstance(stripped, str) else "--stripped")
     err = open(tmp_path / f"ctl-{cell}.err", "wb")
     p = agnsup.popen(*args, stdout=subprocess.PIPE, stderr=err, env=extra_env)
     err.close()

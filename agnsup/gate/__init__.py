@@ -11,6 +11,6 @@ carries shell text. Design, rule ids and measured figures: docs/governance.md.
 """
 
 from .checker import check, judge_shell
-from .model import Decision, GateContext
+from .model import Decision, GateContext, Kernel
 
-__all__ = ["check", "judge_shell", "GateContext", "Decision"]
+__all__ = ["check", "judge_shell", "GateContext", "Decision", "Kernel"]

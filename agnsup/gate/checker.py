@@ -3,7 +3,10 @@
     hardline -> policy -> sandbox -> network -> zone -> quota
 
 Each check returns a Finding; the trail records every check that ran. A
-denial is a value carried to the receipt, never an exception.
+denial is a value carried to the receipt, never an exception. A refusal the
+cell's kernel makes anyway (GateContext.kernel, governance.kernel_enforced)
+is a pass with `flagged` notes: its rule id (`*.kernel_enforced`) joins the
+decision's flags, the notes go to the trail entry and the decision.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def check(tool_name: str, args: dict, ctx: GateContext, *, resolver=None) -> tup
     an = analyze_call(args)
     trail: list[dict] = []
     flags: list[str] = []
+    notes: list[dict] = []  # kernel-backed refusals allowed with a flag
     pinned = ""
     final: Finding | None = None
     final_check = ""
@@ -61,7 +65,11 @@ def check(tool_name: str, args: dict, ctx: GateContext, *, resolver=None) -> tup
             continue  # quotas count cells: only a call that runs a command starts one
         else:
             f = quota.decide(ctx.quota, ctx.usage, ctx.role, ctx.run_id, ctx.agent_id)
-        trail.append({"check": name, "allowed": f.allowed, "rule": f.rule, "reason": f.reason})
+        entry = {"check": name, "allowed": f.allowed, "rule": f.rule, "reason": f.reason}
+        if f.flagged:
+            entry["flagged"] = [dict(n) for n in f.flagged]
+            notes.extend(f.flagged)
+        trail.append(entry)
         flags.extend(x for x in f.flags if x not in flags)
         pinned = pinned or f.pinned
         if name == "quota" and f.allowed:
@@ -80,6 +88,7 @@ def check(tool_name: str, args: dict, ctx: GateContext, *, resolver=None) -> tup
     return Decision(
         allowed=final.allowed, rule=final.rule, zone=zone, reason=reason, check=final_check,
         hint=final.hint, flags=tuple(flags), pinned=pinned, evidence=final.evidence,
+        flagged=tuple(notes),
     ), trail
 
 

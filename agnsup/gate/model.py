@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 MODES = ("open", "locked", "readonly")
 NETWORKS = ("deny", "loopback", "host")
+KERNEL_ENFORCED = ("flag", "deny")
+# Tools whose command agnsup runs in a cell (where `Kernel` applies). An agent
+# runtime's own file and fetch tools run in no cell: nothing is kernel-backed there.
+CELL_TOOLS = frozenset({"run_process", "run_shell"})
 
 # Secrets and host state no tool call may read or write. `~` is expanded with
 # GateContext.home; the state root is added when GateContext.state_root is set.
@@ -28,6 +32,27 @@ DEFAULT_DENY_PATHS = (
 
 
 @dataclass(frozen=True)
+class Kernel:
+    """What the kernel refuses inside a cell of the role, whatever the text says.
+
+    Mirrors compiler.compile_plan and linux/mounts.py: governance.context
+    derives it from the same policy keys (tested against a compiled plan).
+    """
+
+    # The cell has its own network namespace with only `lo` up (network deny/loopback):
+    # no connection leaves the cell.
+    netns: bool = False
+    # Everything outside the worktree, the private /tmp and /dev/shm is mounted
+    # read-only, recursively (filesystem.root = "ro"): writes there fail with EROFS.
+    root_ro: bool = False
+    # The worktree is re-attached read-only (filesystem.worktree = "ro"): writes into it fail with EROFS.
+    worktree_ro: bool = False
+    # Paths the mount namespace hides (filesystem.deny and the state root, as written;
+    # `~` is GateContext.home): an empty read-only tmpfs or /dev/null in their place.
+    masked: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class GateContext:
     """Everything the gate needs to know about the role and the call."""
 
@@ -39,8 +64,10 @@ class GateContext:
     # "deny": no network tool may run; "loopback": only loopback URLs;
     # "host": the host's network, URLs still pass the SSRF guard.
     network: str = "deny"
-    # Resolved worktree root: writes are allowed inside it.
+    # Resolved worktree root: relative paths start here; writes are allowed inside it
+    # unless worktree_writable is False (a role with filesystem.worktree = "ro").
     worktree: str = "."
+    worktree_writable: bool = True
     # Extra writable roots (artifact dir, the cell's private /tmp => "/tmp").
     writable: tuple[str, ...] = ()
     # Extra deny paths on top of DEFAULT_DENY_PATHS (reads and writes refused).
@@ -67,6 +94,19 @@ class GateContext:
     # For quota messages: the run and agent the call belongs to.
     run_id: str = ""
     agent_id: str = ""
+    # What a cell of this role has the kernel refuse; None: the call runs in no
+    # agnsup cell (an agent runtime's own gate), so nothing is kernel-backed.
+    kernel: Kernel | None = None
+    # A refusal the kernel makes anyway (network use under a network namespace,
+    # a write under the read-only root, a read of a masked deny path), for a
+    # cell tool under mode open: "flag" allows it with a flag (rule
+    # *.kernel_enforced), "deny" refuses it early. Other modes always deny.
+    kernel_enforced: str = "flag"
+
+    def flags_kernel_enforced(self, tool: str) -> bool:
+        """Whether this call may turn a kernel-backed refusal into a flag."""
+        return (self.kernel is not None and tool in CELL_TOOLS and self.mode == "open"
+                and self.kernel_enforced == "flag")
 
 
 @dataclass(frozen=True)
@@ -91,6 +131,9 @@ class Decision:
     pinned: str = ""
     # The text that triggered the rule (a command, a path), for the receipt.
     evidence: str = ""
+    # Refusals the kernel makes in the cell, allowed with a flag: dicts with
+    # rule ("network.kernel_enforced", ...), reason and evidence.
+    flagged: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         d = {
@@ -106,6 +149,8 @@ class Decision:
             d["pinned"] = self.pinned
         if self.evidence:
             d["evidence"] = self.evidence
+        if self.flagged:
+            d["flagged"] = [dict(x) for x in self.flagged]
         return d
 
 
@@ -121,10 +166,19 @@ class Finding:
     pinned: str = ""
     evidence: str = ""
     extra: dict = field(default_factory=dict)
+    # Kernel-backed refusals this check turned into flags (see Decision.flagged).
+    flagged: tuple[dict, ...] = ()
 
 
 def ok(rule: str, reason: str = "", flags: tuple[str, ...] = (), pinned: str = "") -> Finding:
     return Finding(True, rule, reason, flags=flags, pinned=pinned)
+
+
+def ok_flagged(notes: list[dict], flags: tuple[str, ...] = (), pinned: str = "") -> Finding:
+    """A pass that carries kernel-backed refusals as flags: the trail shows the first one's rule."""
+    rules = tuple(dict.fromkeys(n["rule"] for n in notes))
+    return Finding(True, notes[0]["rule"], notes[0]["reason"], flags=rules + tuple(f for f in flags if f not in rules),
+                   pinned=pinned, evidence=notes[0].get("evidence", ""), flagged=tuple(notes))
 
 
 def deny(rule: str, reason: str, hint: str = "", evidence: str = "") -> Finding:

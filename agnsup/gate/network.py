@@ -3,7 +3,10 @@
 A network tool counts only at command position (after unwrapping), so
 `grep -r curl .` and `echo ssh` pass while `sudo curl`, `$(wget ...)` and
 `bash -c 'nc ...'` do not. Under `network: deny` such commands are refused;
-the network namespace is the guarantee, this check explains early.
+the network namespace is the guarantee, this check explains early. For a
+command that runs in a cell (run_process, run_shell) under mode open with
+governance.kernel_enforced = "flag", the refusal becomes the flag
+`network.kernel_enforced`: the cell's namespace refuses the connection anyway.
 
 URL arguments pass the SSRF guard: the host is normalised the way real
 clients read it (decimal/hex/octal/short IPv4, IPv4-mapped IPv6, userinfo,
@@ -19,7 +22,7 @@ import unicodedata
 
 from .commands import Analysis, Exec
 from .paths import LazyRe
-from .model import Finding, GateContext, deny, ok
+from .model import CELL_TOOLS, Finding, GateContext, deny, ok, ok_flagged
 
 NET_TOOLS = frozenset({"curl", "wget", "nc", "ncat", "netcat", "ssh", "scp", "sftp", "rsync", "socat", "telnet",
                        "ftp"})
@@ -30,6 +33,8 @@ METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "metadata.go
 METADATA_IPS = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200", "169.254.170.2",
                           "192.0.0.192", "169.254.169.123"})
 HINT_NET = "Set `network: host` (or `loopback` for local services) in the role if it should reach the network."
+KERNEL_HINT = (" The cell's network namespace refuses it anyway: under mode open, governance.kernel_enforced = "
+               "'flag' lets it run with a flag.")
 HINT_SSRF = ("Internal, loopback and metadata addresses are refused for URL fetches; use a role with "
              "`network: loopback` for local services.")
 _REMOTE = LazyRe(r"^rsync://|^[^/:\s]+:")  # host:path, user@host:path, host::module
@@ -40,19 +45,39 @@ def _is_remote(ex: Exec) -> bool:
     return any(_REMOTE.match(a) and not a.startswith("-") for a in ex.args)
 
 
-def check_commands(an: Analysis, ctx: GateContext) -> Finding | None:
+def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
+    return {"rule": "network.kernel_enforced", "evidence": ex.text,
+            "reason": f"{what} under role '{ctx.role}''s network: deny; allowed with a flag because the cell's own "
+                      "network namespace (only lo up) refuses every connection that would leave it "
+                      "(governance.kernel_enforced = 'flag')."}
+
+
+def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding | None, list[dict]]:
+    """The first denial (or None), and the kernel-backed refusals flagged instead."""
+    # Under deny the cell's network namespace refuses what these rules refuse:
+    # with kernel_enforced = "flag" (mode open) they become flags.
+    backed = ctx.kernel is not None and tool in CELL_TOOLS and ctx.kernel.netns
+    kernel = backed and ctx.flags_kernel_enforced(tool)
+    hint = HINT_NET + (KERNEL_HINT if backed else "")
+    notes: list[dict] = []
     for ex in an.execs:
         net = ex.prog in NET_TOOLS and (ex.prog not in REMOTE_ONLY or _is_remote(ex))
         dev = next((t for _op, t, _l in ex.redirects if t.startswith(("/dev/tcp/", "/dev/udp/"))), "")
         if ctx.network == "deny":
             if net:
+                if kernel:
+                    notes.append(_kernel_note(f"`{ex.prog}` reaches the network", ex, ctx))
+                    continue
                 return deny("network.command",
                             f"`{ex.prog}` reaches the network, and role '{ctx.role}' has network: deny.",
-                            HINT_NET, ex.text)
+                            hint, ex.text), notes
             if dev:
+                if kernel:
+                    notes.append(_kernel_note(f"redirection to {dev} opens a network connection", ex, ctx))
+                    continue
                 return deny("network.dev_tcp",
                             f"redirection to {dev} opens a network connection, and role '{ctx.role}' has "
-                            "network: deny.", HINT_NET, ex.text)
+                            "network: deny.", hint, ex.text), notes
         elif net and ctx.network == "host" and ex.prog in ("curl", "wget", "http", "xh"):
             for a in ex.args:
                 if "://" in a:
@@ -60,8 +85,8 @@ def check_commands(an: Analysis, ctx: GateContext) -> Finding | None:
                     # reach; only cloud metadata (credentials) is refused in shell commands.
                     f = check_url(a, ctx, resolve=False)
                     if not f.allowed and f.rule == "network.ssrf_metadata":
-                        return f
-    return None
+                        return f, notes
+    return None, notes
 
 
 # --- SSRF guard -----------------------------------------------------------------
@@ -198,17 +223,21 @@ def _resolve(host: str) -> list[str]:
 
 
 def check(tool: str, args: dict, an: Analysis | None, ctx: GateContext, resolver=None) -> Finding:
+    notes: list[dict] = []
     if an is not None:
-        f = check_commands(an, ctx)
+        f, notes = check_commands(an, ctx, tool)
         if f:
             return f
     pinned = ""
     for key in URL_KEYS:
         v = args.get(key)
         for url in ([v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []):
+            # URL arguments are fetched by the tool itself, in no cell: never kernel-backed.
             f = check_url(url, ctx, resolver=resolver)
             if not f.allowed:
                 return f
             pinned = pinned or f.pinned
     flags = tuple(sorted(an.flags & {"network_in_code"})) if an is not None else ()
+    if notes:
+        return ok_flagged(notes, flags, pinned)
     return ok("network.pass", flags=flags, pinned=pinned)

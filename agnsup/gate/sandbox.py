@@ -6,15 +6,25 @@ commands the paths are redirection targets and the operands of commands
 whose meaning we know (cp/mv/tee/rm/touch/mkdir/dd/...); any other operand
 that looks like a path is checked as a read against the deny paths only.
 The mount namespace is the guarantee; this check refuses early and explains.
+
+For a command that runs in a cell (run_process, run_shell) under mode open
+with governance.kernel_enforced = "flag", two refusals the mount namespace
+makes anyway become the flag `sandbox.kernel_enforced`: a write outside the
+writable paths under the read-only root (EROFS; not for device nodes, FIFOs
+and sockets, which a read-only mount does not protect), and a read of a deny
+path the cell's mount namespace hides (filesystem.deny, the state root).
+A deny path only the gate knows (a default the role's filesystem.deny
+leaves out) stays a denial, and so do writes to deny paths.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import stat
 
 from .commands import Analysis, Exec
-from .model import DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok
+from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok, ok_flagged
 from .paths import HARMLESS_DEVICES, UNKNOWN_CWD, expand, home_of, real, within
 
 # Argument names that carry paths, in any tool.
@@ -32,6 +42,8 @@ WRITE_OPS = frozenset({">", ">>", ">|", "&>", "&>>", "<>"})
 
 HINT_WRITE = ("Work inside the worktree, or add the directory to the role's writable paths if this role "
               "must write there.")
+HINT_KERNEL = (" The cell's mount namespace refuses it anyway: under mode open, governance.kernel_enforced = "
+               "'flag' lets it run with a flag.")
 HINT_DENY = ("Deny paths hold credentials and agnsup's state; remove the path from the role's deny_paths if it "
              "was added there (the defaults cannot be lifted).")
 
@@ -39,16 +51,28 @@ HINT_DENY = ("Deny paths hold credentials and agnsup's state; remove the path fr
 class Scope:
     def __init__(self, ctx: GateContext):
         self.home = home_of(ctx.home)
+        self.role = ctx.role
         self.worktree = real(os.path.abspath(ctx.worktree or "."))
-        self.writable = [self.worktree] + [real(os.path.abspath(os.path.expanduser(w))) for w in ctx.writable]
+        # The cell attaches the worktree over /tmp's private copy: read-only wins even under /tmp.
+        self.worktree_writable = ctx.worktree_writable
+        self.writable = ([self.worktree] if ctx.worktree_writable else []) + \
+            [real(os.path.abspath(os.path.expanduser(w))) for w in ctx.writable]
         denies = list(DEFAULT_DENY_PATHS) + list(ctx.deny_paths) + ([ctx.state_root] if ctx.state_root else [])
-        self.deny: list[str] = []
-        for d in denies:
+        self.deny = self._roots(denies)
+        kernel = ctx.kernel
+        self.root_ro = bool(kernel and kernel.root_ro)
+        self.worktree_ro = bool(kernel and kernel.worktree_ro)
+        self.masked = self._roots(kernel.masked) if kernel else []
+
+    def _roots(self, paths) -> list[str]:
+        out: list[str] = []
+        for d in paths:
             p, _ = expand(d, home=self.home, base=self.worktree)
             if p:
-                self.deny.append(p)
+                out.append(p)
                 if real(p) != p:
-                    self.deny.append(real(p))
+                    out.append(real(p))
+        return out
 
     def base(self, cwd: str | None) -> str:
         if cwd is None:
@@ -58,7 +82,12 @@ class Scope:
         p, _ = expand(cwd, home=self.home, base=self.worktree)
         return p or UNKNOWN_CWD
 
-    def judge(self, word: str, mode: str, base: str, what: str, evidence: str = "") -> Finding | None:
+    def judge(self, word: str, mode: str, base: str, what: str, evidence: str = "", *,
+              in_cell: bool = False, flag: bool = False) -> Finding | None:
+        """A denial, None, or an allowed Finding `sandbox.kernel_enforced`.
+
+        in_cell: the call runs in an agnsup cell, whose mount namespace `self`
+        knows; flag: a refusal that namespace makes anyway becomes a flag."""
         p, _glob = expand(word, home=self.home, base=base)
         if p is None:
             return None
@@ -70,14 +99,47 @@ class Scope:
                 if mode == "r" and p.endswith(".pub"):
                     return None  # public keys are public
                 verb = "reading" if mode == "r" else "writing"
-                return deny("sandbox.deny_path", f"{verb} {word} ({what}) touches the deny path {d}.", HINT_DENY,
-                            evidence or word)
-        if mode == "w" and not any(within(r, w) for w in self.writable):
-            return deny("sandbox.path_escape",
-                        f"{what} writes {word}, which resolves to {r}, outside the worktree {self.worktree}"
-                        + (f" and the writable roots {', '.join(self.writable[1:])}" if len(self.writable) > 1 else "")
-                        + ".", HINT_WRITE, evidence or word)
+                hidden = in_cell and mode == "r" and any(within(p, m) or within(r, m) for m in self.masked)
+                if hidden and flag:
+                    return Finding(True, "sandbox.kernel_enforced",
+                                   f"{verb} {word} ({what}) touches the deny path {d}; allowed with a flag because "
+                                   f"the cell's mount namespace hides {d} (it reads as empty there) "
+                                   "(governance.kernel_enforced = 'flag').", evidence=evidence or word)
+                return deny("sandbox.deny_path", f"{verb} {word} ({what}) touches the deny path {d}.",
+                            HINT_DENY + (HINT_KERNEL if hidden else ""), evidence or word)
+        in_ro_worktree = not self.worktree_writable and within(r, self.worktree)
+        if mode == "w" and (in_ro_worktree or not any(within(r, w) for w in self.writable)):
+            # The worktree is its own mount (read-only for filesystem.worktree = "ro"); the rest is the root's.
+            ro = self.worktree_ro if within(r, self.worktree) else self.root_ro
+            erofs = in_cell and ro and _refused_by_read_only_mount(r)
+            if erofs and flag:
+                return Finding(True, "sandbox.kernel_enforced",
+                               f"{what} writes {word}, which resolves to {r}, outside the cell's writable paths; "
+                               "allowed with a flag because the cell's read-only mount there refuses the write "
+                               "(EROFS) (governance.kernel_enforced = 'flag').", evidence=evidence or word)
+            if in_ro_worktree:
+                where = f"inside the worktree {self.worktree}, which is read-only for role '{self.role}'"
+                hint = "Set filesystem.worktree = 'rw' in the role if it should write its worktree."
+            else:
+                roots = [w for w in self.writable if w != self.worktree]
+                where = f"outside the worktree {self.worktree}" + (
+                    f" and the writable roots {', '.join(roots)}" if roots else "")
+                hint = HINT_WRITE
+            return deny("sandbox.path_escape", f"{what} writes {word}, which resolves to {r}, {where}.",
+                        hint + (HINT_KERNEL if erofs else ""), evidence or word)
         return None
+
+
+def _refused_by_read_only_mount(r: str) -> bool:
+    """Whether a read-only mount refuses writing r: not for device nodes, FIFOs and
+    sockets (the kernel writes those whatever the mount says), so nothing under /dev."""
+    if r == "/dev" or r.startswith("/dev/"):
+        return False
+    try:
+        st = os.stat(r)
+    except OSError:
+        return True  # does not exist (yet): creating it needs a writable mount
+    return stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
 
 
 def _words(v) -> list[str]:
@@ -135,14 +197,20 @@ def shell_paths(ex: Exec) -> list[tuple[str, str]]:
     return out
 
 
-def check_shell(an: Analysis, scope: Scope) -> Finding | None:
+def check_shell(an: Analysis, scope: Scope, in_cell: bool = False,
+                flag: bool = False) -> tuple[Finding | None, list[dict]]:
+    """The first denial (or None), and the kernel-backed refusals flagged instead."""
+    notes: list[dict] = []
     for ex in an.execs:
         base = scope.base(ex.cwd)
         for word, mode in shell_paths(ex):
-            f = scope.judge(word, mode, base, f"`{ex.prog}`" if ex.prog != ":" else "a redirection", ex.text)
+            f = scope.judge(word, mode, base, f"`{ex.prog}`" if ex.prog != ":" else "a redirection", ex.text,
+                            in_cell=in_cell, flag=flag)
+            if f and not f.allowed:
+                return f, notes
             if f:
-                return f
-    return None
+                notes.append({"rule": f.rule, "reason": f.reason, "evidence": f.evidence})
+    return None, notes
 
 
 @functools.lru_cache(maxsize=32)
@@ -153,7 +221,14 @@ def scope_for(ctx: GateContext) -> Scope:
 
 def check(tool: str, args: dict, zone: str, an: Analysis | None, ctx: GateContext) -> Finding:
     scope = scope_for(ctx)
+    # Tool arguments name paths the tool itself opens (never in a cell): not kernel-backed.
     f = check_args(tool, args, zone, scope)
-    if f is None and an is not None:
-        f = check_shell(an, scope)
-    return f or ok("sandbox.pass")
+    if f:
+        return f
+    notes: list[dict] = []
+    if an is not None:
+        f, notes = check_shell(an, scope, in_cell=ctx.kernel is not None and tool in CELL_TOOLS,
+                               flag=ctx.flags_kernel_enforced(tool))
+        if f:
+            return f
+    return ok_flagged(notes) if notes else ok("sandbox.pass")

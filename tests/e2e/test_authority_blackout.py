@@ -13,7 +13,6 @@ secret, signals the sentinel, or skips recovery must fail exactly there.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from agnsup import governance, policy
 from agnsup.gate import GateContext, judge_shell
 from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS
 
@@ -42,6 +43,26 @@ def test_every_catastrophic_line_is_denied_by_hardline(command):
 def test_the_documented_catastrophic_exceptions_are_still_allowed():
     for c in CATASTROPHIC_EXCEPTIONS:
         assert judge_shell(c, EXECUTOR).allowed
+
+
+def shipped(role: str) -> GateContext:
+    """A shipped role's gate context as `agnsup run` builds it (kernel_enforced flag from its preset)."""
+    import dataclasses
+    return dataclasses.replace(governance.context(policy.load(role), "/workspace/project", None), home="/home/user")
+
+
+@pytest.mark.parametrize("role", ["executor", "networked"])
+def test_hard_negatives_are_falsely_denied_less_than_one_percent_of_the_time_under_the_shipped_role(role):
+    lines = _lines("benign_hard_negatives.txt")
+    denied = [c for c in lines if not judge_shell(c, shipped(role)).allowed]
+    assert len(denied) / len(lines) < 0.01, denied
+
+
+def test_every_catastrophic_line_is_still_denied_by_hardline_under_the_shipped_executor_role():
+    ctx = shipped("executor")
+    assert ctx.kernel_enforced == "flag" and ctx.kernel.netns and ctx.kernel.root_ro
+    allowed = [c for c in _lines("dangerous_catastrophic.txt") if judge_shell(c, ctx).check != "hardline"]
+    assert allowed == sorted(CATASTROPHIC_EXCEPTIONS)
 
 
 def test_hard_negatives_are_falsely_denied_less_than_one_percent_of_the_time():

@@ -124,7 +124,9 @@ def test_a_role_may_tighten_a_fixed_key_of_its_preset(roles):
 def test_the_readonly_preset_denies_yellow_and_red_and_allows_green(roles):
     role(roles, "look", 'preset = "readonly"')
     ctx = ctx_of("look")
-    assert check("write_file", {"path": "a.txt"}, ctx)[0].rule == "zone.yellow_readonly"
+    d = check("write_file", {"path": "a.txt"}, ctx)[0]  # the worktree is read-only: the sandbox refuses first
+    assert d.rule == "sandbox.path_escape" and "read-only" in d.reason and "filesystem.worktree" in d.hint
+    assert check("write_file", {"path": "/tmp/a.txt"}, ctx)[0].rule == "zone.yellow_readonly"
     assert check("run_process", {"argv": ["ls"]}, ctx)[0].rule == "zone.yellow_readonly"
     assert check("spawn_agent", {}, ctx)[0].rule == "zone.red_readonly"
     assert check("grep", {"pattern": "x", "path": "."}, ctx)[0].rule == "allow.green"
@@ -135,8 +137,12 @@ def test_a_readonly_preset_role_starts_no_cell_and_says_why(agnsup, worktree, po
     role(policy_dir, "look", 'preset = "readonly"')
     cp = agnsup("run", "--role", "look", "--workdir", worktree, "--", "touch", "x",
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
-    assert "zone.yellow_readonly" in cp.err
+    # the first refusal is the read-only worktree (sandbox comes before zone); mode readonly would refuse too
+    assert "sandbox.path_escape" in cp.err and "read-only" in cp.err
     assert not os.path.exists(os.path.join(worktree, "x"))
+    cp = agnsup("run", "--role", "look", "--workdir", worktree, "--", "ls",
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
+    assert "zone.yellow_readonly" in cp.err
 
 
 def test_a_regulated_role_runs_a_real_cell_once_run_process_is_allowed(agnsup, worktree, policy_dir):

@@ -7,22 +7,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 from conftest import REPO
 from agnsup.linux import proc
+from agnsup.selftest.host import bindable, lines  # one copy: the selftest's
 
 SCRIPT = os.path.join(REPO, "scripts", "stubborn_tree.py")
-
-
-def lines(path: str) -> int:
-    try:
-        with open(path) as f:
-            return sum(1 for _ in f)
-    except FileNotFoundError:
-        return 0
 
 
 def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
@@ -48,18 +40,6 @@ def growing(paths, window: float = 0.6) -> dict:
 def alive(pid: int, starttime: int) -> bool:
     st = proc.stat(pid)
     return st is not None and st.starttime == starttime and st.state not in ("Z", "X")
-
-
-def bindable(port: int, reuse_addr: bool = False) -> bool:
-    """No process holds the port (with reuse_addr, a TIME_WAIT remnant does not count as held)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        if reuse_addr:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def tree_pids(info: dict) -> list[tuple[int, int]]:

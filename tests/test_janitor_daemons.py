@@ -29,17 +29,16 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
                      "sh", "-c", script, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
-    while bindable(rport, reuse_addr=True) or bindable(mport, reuse_addr=True):
+    while bindable(rport) or bindable(mport):
         assert time.monotonic() < deadline, "the daemons never listened"
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    assert not bindable(rport, reuse_addr=True) and not bindable(mport, reuse_addr=True), \
-        "the daemons did not survive the controller: invalid"
+    assert not bindable(rport) and not bindable(mport), "the daemons did not survive the controller: invalid"
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == ["daemons"]
     assert procs_with_env("AGNSUP_CELL_ID", "daemons") == []
-    assert bindable(rport, reuse_addr=True) and bindable(mport, reuse_addr=True)
+    assert bindable(rport) and bindable(mport)
     assert os.path.exists(os.path.join(worktree, "redis.pid"))
 
 

@@ -138,7 +138,7 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
             p.wait()
         if token:  # no cgroup to sweep: a failed run must not leave the cell's processes behind
             kill_exact([(q, proc.stat(q).starttime) for q in procs_with_env("AGNSUP_CELL_TOKEN", token)
-                         if proc.stat(q)])
+                        if proc.stat(q)])
         _stop_sentinel(s, sinfo)
 
 

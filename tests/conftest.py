@@ -14,7 +14,7 @@ import time
 import pytest
 
 from agnsup.linux import cgroup
-from agnsup.selftest.host import procs_with_env  # for the tests; one copy: the selftest's  # noqa: F401 - re-exported for the tests
+from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

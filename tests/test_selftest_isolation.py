@@ -103,3 +103,23 @@ def test_control_a_role_passing_the_canary_fails_the_env_gate(monkeypatch):
 def test_a_probe_refused_by_governance_is_not_counted_as_a_pass():
     g = isolation._judge("X", {"error": "denied by hardline.fork_bomb", "denied": True, "exit_code": 126}, "x")
     assert g["status"] == "FAIL" and "not counted" in g["evidence"]
+
+
+def test_all_fifteen_gates_also_hold_when_the_cells_run_as_an_unprivileged_uid():
+    import subprocess
+    from conftest import BIN
+    cp = subprocess.run([BIN, "selftest", "--isolation", "--user", "65534", "--json"], capture_output=True,
+                        timeout=600, stdin=subprocess.DEVNULL)
+    rep = json.loads(cp.stdout)
+    assert rep["cell_uid"] == 65534
+    assert [g["gate"] for g in rep["gates"] if g["status"] != "PASS"] == [], rep["gates"]
+    assert cp.returncode == 0
+
+
+def test_the_user_option_really_runs_the_probe_cells_as_that_uid():
+    h = isolation.Harness(keep=False, user=65534)
+    try:
+        res = h.probe("import os, sys; sys.exit(0 if (os.getuid(), os.geteuid()) == (65534, 65534) else 1)")
+        assert res["exit_code"] == 0, res
+    finally:
+        h.close()

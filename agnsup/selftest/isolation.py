@@ -173,7 +173,8 @@ def _judge(name: str, res: dict, what: str) -> dict:
 class Harness:
     """A private state root, worktree and policy directory; cleaned up at the end."""
 
-    def __init__(self, keep: bool):
+    def __init__(self, keep: bool, user: int | None = None):
+        self.user = user  # run every probe cell as this uid ([process] user), not as the caller
         self.keep = keep
         self.root = tempfile.mkdtemp(prefix="agnsup-selftest-", dir="/var/tmp")
         self.state = os.path.join(self.root, "state")
@@ -188,6 +189,8 @@ class Harness:
         self._saved_env = {k: os.environ.get(k) for k in ("AGNSUP_POLICY_DIR", "AGNSUP_STATE_DIR")}
         os.environ["AGNSUP_POLICY_DIR"] = self.policies
         self.n = 0
+        if user is not None:
+            os.chown(self.worktree, user, user)  # the cell's worktree must be its own to write
         self._write_roles()
 
     def _write_roles(self) -> None:
@@ -202,6 +205,8 @@ class Harness:
                 src = _set_key(src, "limits", key, value)
             for key, value in extra.items():
                 src = _set_key(src, "isolation", key, value)
+            if self.user is not None:
+                src += f"\n[process]\nuser = {self.user}\n"
             with open(os.path.join(self.policies, name + ".toml"), "w") as f:
                 f.write(src)
 
@@ -570,9 +575,9 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
            "FORK_BOMB_OUTSIDE_CELL": gate_fork_bomb, "OUTPUT_LIMIT_BYPASS": gate_output_limit}
 
 
-def run_gates(keep: bool = False, only: list[str] | None = None) -> dict:
+def run_gates(keep: bool = False, only: list[str] | None = None, user: int | None = None) -> dict:
     """Run the gates (all, or `only`) and return {"gates": [...], "state_root": ..., "ok": bool}."""
-    h = Harness(keep)
+    h = Harness(keep, user)
     results = []
     try:
         for name in only or GATES:
@@ -583,7 +588,7 @@ def run_gates(keep: bool = False, only: list[str] | None = None) -> dict:
     finally:
         h.close()
     return {"gates": results, "ok": all(g["status"] == "PASS" for g in results),
-            "uid": os.geteuid(), "root": h.root, "kept": keep}
+            "uid": os.geteuid(), "cell_uid": user, "root": h.root, "kept": keep}
 
 
 def format_table(report: dict) -> str:
@@ -598,8 +603,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool = False, keep: bool = False) -> int:
-    report = run_gates(keep=keep)
+def main(as_json: bool = False, keep: bool = False, user: int | None = None) -> int:
+    report = run_gates(keep=keep, user=user)
     text = json.dumps(report, indent=2, sort_keys=True) if as_json else format_table(report)
     sys.stdout.write(text + "\n")
     return 0 if report["ok"] else 1

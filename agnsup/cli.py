@@ -315,9 +315,11 @@ def _state(obj):
 @click.option("--runs", default=1, show_default=True, type=click.IntRange(min=1), help="Seeded runs in a row.")
 @click.option("--seed", type=int, default=None, help="Seed of the first run (default: random, printed).")
 @click.option("--isolation", is_flag=True, help="Run the isolation probes instead of the blackout scenario.")
+@click.option("--user", "user", type=click.IntRange(min=0), default=None, metavar="UID",
+              help="With --isolation: run the probe cells as this uid (agnsup as root; default: the caller).")
 @click.option("--keep", is_flag=True, help="Keep the private state root of a failed run for inspection.")
 @click.option("--json", "as_json", is_flag=True, help="The gate table as JSON.")
-def selftest(runs, seed, isolation, keep, as_json):
+def selftest(runs, seed, isolation, user, keep, as_json):
     """Certify this host: the authority-blackout test (or, with --isolation,
     the isolation probes) in a private state root and cgroup root.
 
@@ -327,7 +329,7 @@ def selftest(runs, seed, isolation, keep, as_json):
     """
     if isolation:
         from .selftest.isolation import main as isolation_main
-        sys.exit(isolation_main(as_json=as_json, keep=keep))
+        sys.exit(isolation_main(as_json=as_json, keep=keep, user=user))
     from .selftest.blackout import main as blackout_main
     sys.exit(blackout_main(runs=runs, seed=seed, as_json=as_json, keep=keep))
 

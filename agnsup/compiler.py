@@ -37,6 +37,9 @@ class ExecutionPlan(Record):
     gid: int | None = None
     pid_namespace: bool = False
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
+    home: str = "hidden"                   # filesystem.home
+    home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
+    home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
 
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
@@ -53,12 +56,107 @@ class ExecutionPlan(Record):
             "uid": self.uid, "gid": self.gid,
             "pid_namespace": self.pid_namespace,
             "not_in_force": self.not_in_force,
+            "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
         }
     quota: dict = Factory(dict)   # run quotas, judged by the broker (governance.admit)
 
 
 def _expand(path: str, home: str) -> str:
     return os.path.join(home, path[2:]) if path == "~" or path.startswith("~/") else path
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _outermost(paths) -> list[str]:
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        if not any(_under(p, q) for q in out):
+            out.append(p)
+    return out
+
+
+# A "home" holding one of these, or inside one of the OS trees (system users have
+# homes like /usr/sbin or /dev), is the system, not a home: hiding it would hide the OS.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/run")
+OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
+
+
+def invoking_homes(env=None) -> list[str]:
+    """The homes a cell must not read (real paths, outermost only): the real uid's
+    passwd home, $HOME, and when root runs agnsup through sudo, SUDO_USER's home
+    (that human's keys and tokens are what a root cell would otherwise read). An
+    environment variable here can only add a hidden path, never remove one. A home
+    of "/" is the filesystem the role already shows, not a home: skipped."""
+    import pwd
+    env = os.environ if env is None else env
+    found = []
+    try:
+        found.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        pass
+    found.append(env.get("HOME") or "")
+    if os.getuid() == 0 and env.get("SUDO_USER"):
+        try:
+            found.append(pwd.getpwnam(env["SUDO_USER"]).pw_dir)
+        except KeyError:
+            pass
+    homes = []
+    for h in found:
+        if not h.startswith("/"):
+            continue
+        real = os.path.realpath(h)
+        if real == "/" or not os.path.isdir(real):
+            continue
+        held = [f"holds {d}" for d in SYSTEM_DIRS if _under(d, real)] + [f"is inside {d}" for d in OS_TREES
+                                                                          if _under(real, d)]
+        if held:
+            raise SetupError(f"the invoking user's home {real} {held[0]}: hiding it would hide the system; "
+                             "set filesystem.home = \"ro\" in the role to run with it visible", step="home")
+        homes.append(real)
+    return _outermost(homes)
+
+
+def runtime_paths(policy: dict) -> list[str]:
+    """What a cell needs of the interpreter running agnsup: the venv, the
+    interpreter's real prefix (a venv's python is often a symlink into a
+    pyenv/asdf tree under the home), and the @runtime PATH directory."""
+    import sys
+    paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    if "@runtime" in policy["env"]["path"]:
+        paths.append(os.path.dirname(sys.executable))
+    return [os.path.realpath(p) for p in paths]
+
+
+def _home_ops(fs: dict, policy: dict, home: str, wt: str) -> tuple[list, list, list[str], list[str]]:
+    """(clones, placements, hidden, exposed) for filesystem.home: hides first,
+    then attaches; compile_plan sorts them outermost first with the /tmp and
+    worktree attaches."""
+    mode = fs.get("home", "hidden")
+    homes = invoking_homes()
+    if mode == "ro":
+        # The home stays visible, never writable (matters when filesystem.root = "rw").
+        if fs["root"] == "ro":
+            return [], [], [], []
+        keys = [f"home{i}" for i in range(len(homes))]
+        return ([("clone", h, k, True) for h, k in zip(homes, keys)],
+                [("attach", h, k) for h, k in zip(homes, keys)], [], [])
+    if not homes:
+        return [], [], [], []
+    wanted = runtime_paths(policy) + [os.path.realpath(_expand(p, home)) for p in fs.get("home_allow", [])]
+    expose = _outermost(p for p in wanted
+                        if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
+                        and not _under(p, wt) and not _under(p, "/tmp"))
+    keys = [f"expose{i}" for i in range(len(expose))]
+    clones = [("clone", p, k, True) for p, k in zip(expose, keys)]
+    targets = [(p, os.path.isdir(p)) for p in expose] + [(wt, True)]
+    places = []
+    for h in homes:
+        points = tuple((p, d) for p, d in targets if _under(p, h) and p != h)
+        places.append(("hide", h, "", True, points))
+    places += [("attach", p, k) for p, k in zip(expose, keys)]
+    return clones, places, homes, expose
 
 
 def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan:
@@ -71,13 +169,20 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
     deny = [os.path.realpath(_expand(p, home)) for p in fs.get("deny", [])]
-    ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs["worktree"] == "ro")]
+    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt)
+    # Clones first, while their mounts are still read-write and nothing covers them.
+    ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs["worktree"] == "ro"),
+                        *home_clones]
     ops.append(("root", "/", "", fs["root"] == "ro"))
     ops.append(("tmpfs", "/dev/shm"))
-    ops.append(("attach", "/tmp", "tmp"))
-    ops.append(("attach", wt, "worktree"))
+    # Outermost first, by depth; the sort is stable and at equal depth hides come
+    # before attaches and the home's attaches before the worktree's, so a worktree
+    # that is the home itself lands on top.
+    places = home_places + [("attach", "/tmp", "tmp"), ("attach", wt, "worktree")]
+    places.sort(key=lambda op: op[1].count("/"))
+    ops.extend(places)
     # Masks go last so they also cover a deny path or the state root that
-    # happens to lie inside the re-attached worktree.
+    # happens to lie inside the re-attached worktree (or a re-exposed path).
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
     lim = policy["limits"]
@@ -89,7 +194,8 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
         limits={k: lim.get(k) for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
         worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        quota=dict(policy.get("quota") or {}), **conf)
+        quota=dict(policy.get("quota") or {}), home=fs.get("home", "hidden"), home_hidden=hidden,
+        home_exposed=exposed, **conf)
 
 
 # The /dev/null class: devices every program may open for writing.

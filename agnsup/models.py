@@ -73,6 +73,30 @@ class FilesystemSection(_Strict):
     deny: list[str] = Field(default_factory=list, description="Paths hidden inside the cell (~ is the invoking "
                             "user's home). The state root is always hidden. Every cell also gets a private /tmp "
                             "(its temp dir, where HOME and TMPDIR point) and a private /dev/shm.")
+    home: Literal["hidden", "ro"] = Field("hidden", description="The invoking user's home (the real uid's passwd "
+                                          "home, $HOME, and SUDO_USER's home under sudo): 'hidden' puts it under "
+                                          "an empty read-only tmpfs, re-exposing read-only only the worktree (with "
+                                          "its own mode), the Python runtime running agnsup and home_allow; 'ro' "
+                                          "leaves it visible, never writable.")
+    home_allow: list[str] = Field(default_factory=list, description="Paths inside the hidden home the cell may "
+                                  "read (files or directories, '~/...' or absolute), re-exposed read-only at "
+                                  "their real paths; deny paths stay hidden even here.")
+
+    @field_validator("home_allow")
+    @classmethod
+    def _home_paths(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not (p.startswith("/") or p.startswith("~/")):
+                raise ValueError(f"{p!r} is not a path inside the home ('~/...' or absolute)")
+            if ".." in p.split("/"):
+                raise ValueError(f"{p!r} holds '..'")
+        return v
+
+    @model_validator(mode="after")
+    def _allow_needs_hidden(self):
+        if self.home_allow and self.home != "hidden":
+            raise ValueError(f"home_allow applies to a hidden home, but home is {self.home!r}")
+        return self
 
 
 class NetworkSection(_Strict):

@@ -20,7 +20,7 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "3"  # 3: isolation and process sections
+CACHE_VERSION = "4"  # 3: isolation and process sections; 4: filesystem.home, filesystem.home_allow
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
@@ -32,6 +32,7 @@ STRICTNESS = {
     "network.mode": ("host", "loopback", "deny"),
     "filesystem.root": ("rw", "ro"),
     "filesystem.worktree": ("rw", "ro"),
+    "filesystem.home": ("ro", "hidden"),
 }
 
 

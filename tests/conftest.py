@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from agnsup.linux import cgroup, proc
+from agnsup.linux import cgroup
+from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,16 +42,6 @@ class Agnsup:
     def json(self, *args):
         cp = self(*args, check=0)
         return json.loads(cp.out)
-
-
-def procs_with_env(key: str, value: str) -> list[int]:
-    """Live (non-zombie) processes whose environment holds key=value."""
-    out = []
-    for pid in proc.pids():
-        env = proc.environ(pid)
-        if env and env.get(key) == value and not proc.is_zombie(pid):
-            out.append(pid)
-    return out
 
 
 def _cleanup_cgroups(state: str) -> list[str]:

@@ -6,22 +6,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import time
 
 from conftest import REPO
 from agnsup.linux import proc
+from agnsup.selftest.host import bindable, lines  # one copy: the selftest's
 
 SCRIPT = os.path.join(REPO, "scripts", "stubborn_tree.py")
-
-
-def lines(path: str) -> int:
-    try:
-        with open(path) as f:
-            return sum(1 for _ in f)
-    except FileNotFoundError:
-        return 0
 
 
 def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
@@ -49,22 +42,34 @@ def alive(pid: int, starttime: int) -> bool:
     return st is not None and st.starttime == starttime and st.state not in ("Z", "X")
 
 
-def bindable(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def tree_pids(info: dict) -> list[tuple[int, int]]:
     out = [(info["pid"], info["starttime"]), (info["grandchild"]["pid"], info["grandchild"]["starttime"])]
     if info.get("stripped"):
         out.append((info["stripped"]["pid"], info["stripped"]["starttime"]))
     return out
+
+
+def kill_exact(pairs) -> None:
+    """Kill processes this test started, by pidfd after checking they are still them."""
+    for pid, start in pairs:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            if alive(pid, start):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def cell_row(agnsup, cell: str) -> dict:
+    """The one `agnsup ps --all` row of this cell id."""
+    rows = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
+    assert len(rows) == 1, rows
+    return rows[0]
 
 
 def gone(info: dict) -> bool:

@@ -20,10 +20,11 @@ import time
 import pytest
 
 from agnsup.linux import proc
+from agnsup.selftest.probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, STATE_ROOT,
+                                    TTY_INJECTION, WRITE_ESCAPE)
 from conftest import REPO, Agnsup, write_role
 
 NOBODY = 65534
-ESCAPED = 77
 
 # ---------------------------------------------------------------- helpers
 
@@ -71,6 +72,11 @@ def escaped(cp) -> None:
     assert cp.returncode == ESCAPED, f"control: wanted the probe to succeed\nstdout: {cp.out}\nstderr: {cp.err}"
 
 
+def signals_to(host_pid: int) -> tuple[str, str]:
+    """CONTROLLER_SIGNAL's argv: SIGCONT to the controller (harmless if it arrives), SIGTERM to a host process."""
+    return f"ppid:{int(signal.SIGCONT)}", f"{host_pid}:{int(signal.SIGTERM)}"
+
+
 def last_receipt(state: str) -> dict:
     cells = os.path.join(state, "cells")
     paths = []
@@ -81,138 +87,7 @@ def last_receipt(state: str) -> dict:
 
 
 # ---------------------------------------------------------------- probes
-
-ENVIRON_FORGE = r'''
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_MM, PR_SET_MM_ENV_START, PR_SET_MM_ENV_END, PR_SET_MM_MAP = 35, 10, 11, 14
-forged = ctypes.create_string_buffer(b"AGNSUP_CELL_TOKEN=forged\0")
-start = ctypes.addressof(forged)
-end = start + len(b"AGNSUP_CELL_TOKEN=forged\0")
-f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-v = lambda n: int(f[n - 3])  # proc(5) numbers the fields from 1; f starts at field 3
-class MmMap(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("start_code", "end_code", "start_data", "end_data", "start_brk",
-                "brk", "start_stack", "arg_start", "arg_end", "env_start", "env_end", "auxv")] + \
-               [("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
-libc.sbrk.restype = ctypes.c_void_p
-m = MmMap(v(26), v(27), v(45), v(46), v(47), libc.sbrk(0), v(28), v(48), v(49), start, end, 0, 0, 0xFFFFFFFF)
-r1 = libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.byref(m), ctypes.sizeof(m), 0)
-e1 = ctypes.get_errno()
-r2 = libc.prctl(PR_SET_MM, PR_SET_MM_ENV_START, ctypes.c_ulong(start), 0, 0)
-e2 = ctypes.get_errno()
-env = open("/proc/self/environ", "rb").read()
-print("PR_SET_MM_MAP", r1, os.strerror(e1) if r1 else "ok", "ENV_START", r2, os.strerror(e2) if r2 else "ok")
-sys.exit(77 if b"forged" in env or r1 == 0 or r2 == 0 else 0)
-'''
-
-TTY_INJECTION = r'''
-import errno, fcntl, sys, termios
-TIOCLINUX = 0x541C
-try:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # make the pty our controlling terminal, as a session leader may
-except OSError as e:
-    print("TIOCSCTTY", e.strerror)
-worked = []
-for name, req, arg in (("TIOCSTI", termios.TIOCSTI, b"x"), ("TIOCLINUX", TIOCLINUX, bytes([0]))):
-    try:
-        fcntl.ioctl(0, req, arg)
-        worked.append(name)
-        print(name, "worked")
-    except OSError as e:
-        print(name, errno.errorcode[e.errno])
-        if name == "TIOCSTI" and e.errno != errno.EPERM:
-            worked.append(name + " (not refused by the filter: " + errno.errorcode[e.errno] + ")")
-sys.exit(77 if worked else 0)
-'''
-
-CONTROLLER_SIGNAL = r'''
-import os, signal, sys
-ppid = os.getppid()
-worked = []
-for pid, sig in ((ppid, signal.SIGCONT), (int(sys.argv[1]), signal.SIGTERM)):
-    try:
-        os.kill(pid, sig)
-        worked.append(pid)
-        print("signalled", pid)
-    except OSError as e:
-        print("refused", pid, e.strerror)
-sys.exit(77 if worked else 0)
-'''
-
-# Writes its pid into every cgroup.procs (and v1 tasks) above its own cell: the
-# nearest ancestors (agnsup's own agent, run and root directories) first, the
-# hierarchy roots last, and stops at the first one that works.
-CGROUP_ESCAPE = r'''
-import os, sys
-me = str(os.getpid())
-targets = []
-for line in open("/proc/self/cgroup"):
-    _, ctrls, path = line.rstrip("\n").split(":", 2)
-    if ctrls == "":
-        mnt = "/sys/fs/cgroup/unified"
-    else:
-        ctrl = [c for c in ctrls.split(",") if not c.startswith("name=")]
-        if not ctrl:
-            continue
-        mnt = "/sys/fs/cgroup/" + ctrl[0]
-    parts = path.strip("/").split("/")
-    for i in range(len(parts) - 1, -1, -1):
-        d = os.path.join(mnt, *parts[:i])
-        targets += [os.path.join(d, "cgroup.procs"), os.path.join(d, "tasks")]
-targets.sort(key=lambda t: -t.count("/"))
-tried = 0
-for t in targets:
-    if not os.path.exists(t):
-        continue
-    tried += 1
-    try:
-        with open(t, "w") as f:
-            f.write(me)
-        print("ESCAPED to", t)
-        sys.exit(77)
-    except OSError as e:
-        last = e.strerror
-print("tried", tried, "targets; last error:", last)
-sys.exit(0 if tried else 3)
-'''
-
-WRITE_ESCAPE = r'''
-import os, sys
-worked = []
-for p in sys.argv[1:]:
-    try:
-        with open(p, "w") as f:
-            f.write("escaped")
-        worked.append(p)
-        print("WROTE", p)
-    except OSError as e:
-        print("refused", p, e.strerror)
-sys.exit(77 if worked else 0)
-'''
-
-STATE_ROOT = r'''
-import os, sys
-state = sys.argv[1] + sys.argv[2]
-worked = []
-for base in ("", "/proc/%d/root" % os.getppid(), "/proc/%d/cwd/.." % os.getppid()):
-    for name in ("journal.db", "agnsup-probe"):
-        p = base + state + "/" + name if base != "/proc/%d/cwd/.." % os.getppid() else base + "/" + name
-        try:
-            with open(p, "ab") as f:
-                f.write(b"")
-            worked.append(p)
-            print("OPENED for writing", p)
-        except OSError as e:
-            print("refused", p, e.strerror)
-    try:
-        print("listed", base + state, os.listdir(base + state))
-        if os.listdir(base + state):
-            worked.append("list " + base + state)
-    except OSError as e:
-        print("refused listing", base + state, e.strerror)
-sys.exit(77 if worked else 0)
-'''
+# (those `agnsup selftest --isolation` runs too are in agnsup/selftest/probes.py)
 
 IO_URING = r'''
 import ctypes, os, sys
@@ -336,7 +211,7 @@ def test_a_cell_cannot_push_input_into_its_terminal_with_tiocsti(cell, state):
 
 def test_a_cell_cannot_signal_the_controller_or_a_host_process(cell, host_sleeper):
     proc_, _ = host_sleeper
-    cp = cell(CONTROLLER_SIGNAL, str(proc_.pid), check=None)
+    cp = cell(CONTROLLER_SIGNAL, *signals_to(proc_.pid), check=None)
     refused(cp)
     assert proc_.poll() is None, "the host process died"
 
@@ -494,7 +369,7 @@ def test_control_without_landlock_a_root_cell_can_signal_a_host_process(plain, w
     proc_, _ = host_sleeper
     make_role(policy_dir, "nolandlock", **iso(landlock="false"))
     cp = plain("run", "--role", "nolandlock", "--workdir", worktree, "--", "python3", "-c", CONTROLLER_SIGNAL,
-               str(proc_.pid), check=None)
+               *signals_to(proc_.pid), check=None)
     escaped(cp)
     assert proc_.wait(timeout=30) == -signal.SIGTERM
 

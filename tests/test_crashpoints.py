@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import procs_with_env, write_role
+from scenario import cell_row
 
 # a leader that ignores SIGTERM, so it outlives a graceful stop
 IGNORE_TERM = ["python3", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"]
@@ -38,11 +39,6 @@ CASES = {
 SURVIVES = ("after_exec", "cancel_grace", "cancel_frozen")
 
 
-def _ps(agnsup, cell):
-    rows = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
-    return rows[0] if rows else None
-
-
 def _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree, env=None):
     """`agnsup run` with the crash point set; stdio to files (the tree keeps them open)."""
     out = open(tmp_path / f"{cell}.out", "wb")
@@ -62,8 +58,7 @@ def _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree, env=None):
 
 
 def _assert_converged(agnsup, cell):
-    row = _ps(agnsup, cell)
-    assert row is not None
+    row = cell_row(agnsup, cell)
     assert row["state"] in ("exited", "failed", "timeout", "cancelled", "killed", "recovered"), row["state"]
     assert procs_with_env("AGNSUP_CELL_ID", cell) == []
     for path in (row["cgroup"] or {}).values():
@@ -85,8 +80,8 @@ def test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor(a
     if rc != -signal.SIGKILL:
         pytest.skip(f"crash point {point!r} is not reached by `agnsup run` (controller exited {rc}); "
                     "not proven")
-    row = _ps(agnsup, cell)
-    assert row is not None and row["state"] in ("starting", "running"), row
+    row = cell_row(agnsup, cell)
+    assert row["state"] in ("starting", "running"), row
     if point in SURVIVES:
         assert procs_with_env("AGNSUP_CELL_ID", cell), "the tree did not survive its controller: run invalid"
     rep = agnsup.json("janitor", "--json")
@@ -116,7 +111,7 @@ def test_a_janitor_killed_after_its_kill_leaves_a_state_the_next_one_finishes(ag
     first = agnsup("janitor", "--json", env={"AGNSUP_TEST_CRASH_AT": "janitor_after_kill"})
     assert first.returncode == -signal.SIGKILL, (first.returncode, first.out, first.err)
     assert procs_with_env("AGNSUP_CELL_ID", cell) == []          # it killed ...
-    assert _ps(agnsup, cell)["state"] in ("starting", "running")  # ... but recorded nothing
+    assert cell_row(agnsup, cell)["state"] in ("starting", "running")  # ... but recorded nothing
 
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == [cell]

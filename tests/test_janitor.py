@@ -8,9 +8,7 @@ a journaled pid), release every resource, converge the journal and say why.
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -18,86 +16,17 @@ import time
 
 import pytest
 
-from conftest import REPO, procs_with_env
+from conftest import procs_with_env
 from agnsup.linux import proc
 from agnsup.state import StateRoot
-
-SCRIPT = os.path.join(REPO, "scripts", "stubborn_tree.py")
-
+from scenario import (SCRIPT, alive, bindable, cell_row, growing, kill_exact, stubborn_argv, tree_pids,
+                      wait_beats)
 
 # -- helpers ---------------------------------------------------------------
-def _lines(path):
-    try:
-        with open(path) as f:
-            return sum(1 for _ in f)
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_beats(paths, n=5, timeout=20):
-    deadline = time.monotonic() + timeout
-    while any(_lines(p) < n for p in paths):
-        assert time.monotonic() < deadline, {p: _lines(p) for p in paths}
-        time.sleep(0.05)
-
-
-def _growing(paths, window=0.5):
-    before = {p: _lines(p) for p in paths}
-    time.sleep(window)
-    return {p: _lines(p) > before[p] for p in paths}
-
-
-def _alive(pid, starttime):
-    st = proc.stat(pid)
-    return st is not None and st.starttime == starttime and st.state not in ("Z", "X")
-
-
-def _bindable(port):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def _tree_pids(info):
-    out = [(info["pid"], info["starttime"]), (info["grandchild"]["pid"], info["grandchild"]["starttime"])]
-    if info.get("stripped"):
-        out.append((info["stripped"]["pid"], info["stripped"]["starttime"]))
-    return out
-
-
-def _kill_exact(pairs):
-    """Kill processes this test started, by pidfd after checking they are still them."""
-    for pid, start in pairs:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            if _alive(pid, start):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _cell_row(agnsup, cell):
-    rows = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
-    assert len(rows) == 1, rows
-    return rows[0]
-
-
 def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=None):
     """`agnsup run --role networked --cell CELL -- python3 <wt>/stubborn_tree.py ...`: (Popen, info)."""
-    shutil.copy(SCRIPT, os.path.join(worktree, "stubborn_tree.py"))
-    hb = os.path.join(worktree, f"hb-{cell}")
     args = ["run", "--role", "networked", "--workdir", worktree, "--cell", cell, "--",
-            "python3", os.path.join(worktree, "stubborn_tree.py"), "--heartbeat", hb]
+            *stubborn_argv(worktree, cell, term_wait=5)]
     if stripped:  # True, or the flag to use ("--stripped-in-session" keeps it in the leader's session)
         args.append(stripped if isinstance(stripped, str) else "--stripped")
     err = open(tmp_path / f"ctl-{cell}.err", "wb")
@@ -106,7 +35,7 @@ def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=No
     line = p.stdout.readline()
     assert line, f"no report from the stubborn tree; controller stderr: {(tmp_path / f'ctl-{cell}.err').read_text()}"
     info = json.loads(line)
-    _wait_beats(info["heartbeats"])
+    wait_beats(info["heartbeats"])
     return p, info
 
 
@@ -115,7 +44,7 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
     canary = {"AGNSUP_CANARY_SECRET": "must-never-reach-cell"}
     p, info = start_stubborn(agnsup, worktree, "a1", tmp_path, extra_env=canary)
     assert info["secret_env"] is None and info["token_seen"]
-    row = _cell_row(agnsup, "a1")
+    row = cell_row(agnsup, "a1")
     assert row["controller"] and row["pid"] == info["pid"] and row["boot_id"] == proc.boot_id()
 
     # the sentinel: the same program, same argv, on the host outside agnsup
@@ -125,15 +54,15 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
                                 env={**os.environ, "AGNSUP_CELL_TOKEN": "forged-" + secrets.token_hex(8)})
     sinfo = json.loads(sentinel.stdout.readline())
     try:
-        _wait_beats(sinfo["heartbeats"])
+        wait_beats(sinfo["heartbeats"])
 
         # controller death: SIGKILL, no shutdown hook
         p.kill()
         assert p.wait(10) == -signal.SIGKILL
         p.stdout.close()
-        grow = _growing(info["heartbeats"])
+        grow = growing(info["heartbeats"])
         assert all(grow.values()), f"the tree did not survive the controller: run invalid, {grow}"
-        assert all(_alive(*x) for x in _tree_pids(info))
+        assert all(alive(*x) for x in tree_pids(info))
 
         rep = agnsup.json("janitor", "--json")
         assert rep["recovered"] == ["a1"]
@@ -141,20 +70,20 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         assert rep["controllers"][0]["ended"]
 
         # ORPHAN_PROCESS_AFTER_CRASH, HEARTBEAT_CONTINUES, PORT_NOT_RELEASED
-        for pid, start in _tree_pids(info):
-            assert not _alive(pid, start), pid
+        for pid, start in tree_pids(info):
+            assert not alive(pid, start), pid
         assert procs_with_env("AGNSUP_CELL_ID", "a1") == []
-        assert not any(_growing(info["heartbeats"], 1.0).values())
+        assert not any(growing(info["heartbeats"], 1.0).values())
         for port in info["ports"]:
-            assert _bindable(port), port
+            assert bindable(port), port
 
         # SENTINEL_KILLED
-        assert all(_alive(*x) for x in _tree_pids(sinfo))
-        assert all(_growing(sinfo["heartbeats"]).values())
+        assert all(alive(*x) for x in tree_pids(sinfo))
+        assert all(growing(sinfo["heartbeats"]).values())
 
         # the evidence: every tree process killed through the cell's cgroup, with its inode
         killed = {k["pid"]: k for k in rep["killed"]}
-        for pid, _ in _tree_pids(info):
+        for pid, _ in tree_pids(info):
             assert pid in killed, (pid, rep["killed"])
             assert any("cgroup" in e and "inode" in e for e in killed[pid]["evidence"]), killed[pid]
         assert any("journaled leader" in e for e in killed[info["pid"]]["evidence"])
@@ -162,7 +91,7 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         assert sinfo["pid"] not in killed and sinfo["grandchild"]["pid"] not in killed
 
         # RESOURCE_LEAK, STATE_NOT_CONVERGED
-        row = _cell_row(agnsup, "a1")
+        row = cell_row(agnsup, "a1")
         assert row["state"] == "recovered" and row["run_state"] == "recovered" and row["ended_at"]
         for path in row["cgroup"].values():
             assert not os.path.exists(path), path
@@ -175,7 +104,7 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         assert len(recs) == 1 and recs[0]["controller"] == row["controller"]
         cell = recs[0]["cell"]
         assert cell["final_state"] == "recovered" and cell["run_state"] == "recovered"
-        assert {k["pid"] for k in cell["killed"]} >= {pid for pid, _ in _tree_pids(info)}
+        assert {k["pid"] for k in cell["killed"]} >= {pid for pid, _ in tree_pids(info)}
         kinds = {r["kind"] for r in cell["released"]}
         assert {"kill", "cgroup", "tmpdir", "worktree_lock"} <= kinds or {"cgroup", "tmpdir", "worktree_lock"} <= kinds
         with open(rep["receipt"]["path"]) as f:
@@ -186,9 +115,9 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         # idempotent: the second janitor does nothing
         rep2 = agnsup.json("janitor", "--json")
         assert rep2["recovered"] == [] and rep2["killed"] == [] and rep2["receipt"] is None
-        assert all(_alive(*x) for x in _tree_pids(sinfo))
+        assert all(alive(*x) for x in tree_pids(sinfo))
     finally:
-        _kill_exact(_tree_pids(sinfo))
+        kill_exact(tree_pids(sinfo))
         sentinel.stdout.close()
         sentinel.wait(10)
 
@@ -200,11 +129,11 @@ def test_the_next_controller_start_runs_the_janitor(agnsup, worktree, tmp_path):
     p.stdout.close()
     cp = agnsup("run", "--workdir", worktree, "--cell", "b2", "--", "true", check=0)
     assert "janitor recovered 1 cell" in cp.err
-    for pid, start in _tree_pids(info):
-        assert not _alive(pid, start)
-    assert _cell_row(agnsup, "b1")["state"] == "recovered"
+    for pid, start in tree_pids(info):
+        assert not alive(pid, start)
+    assert cell_row(agnsup, "b1")["state"] == "recovered"
     # b2 started on the same run after recovery, so the run is active again then finished its cell
-    assert _cell_row(agnsup, "b2")["state"] == "exited"
+    assert cell_row(agnsup, "b2")["state"] == "exited"
 
 
 def test_a_live_controllers_cell_is_never_touched(agnsup, worktree, tmp_path):
@@ -219,11 +148,11 @@ def test_a_live_controllers_cell_is_never_touched(agnsup, worktree, tmp_path):
         assert rep["recovered"] == [] and rep["killed"] == [] and rep["controllers"] == []
         assert any(s.get("cell_id") == "live" and "alive" in s["reason"] for s in rep["skipped"])
         assert procs_with_env("AGNSUP_CELL_ID", "live")
-        assert _cell_row(agnsup, "live")["state"] == "running"
+        assert cell_row(agnsup, "live")["state"] == "running"
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 128 + signal.SIGTERM
-    assert _cell_row(agnsup, "live")["state"] == "cancelled"
+    assert cell_row(agnsup, "live")["state"] == "cancelled"
 
 
 def test_two_janitors_at_once_recover_each_cell_once(agnsup, worktree, tmp_path):
@@ -235,8 +164,8 @@ def test_two_janitors_at_once_recover_each_cell_once(agnsup, worktree, tmp_path)
     reps = [json.loads(j.communicate(timeout=60)[0]) for j in js]
     assert sorted(r["recovered"] for r in reps) == [[], ["c1"]]
     assert len(agnsup.json("receipts", "--recovery", "--json")) == 1
-    for pid, start in _tree_pids(info):
-        assert not _alive(pid, start)
+    for pid, start in tree_pids(info):
+        assert not alive(pid, start)
 
 
 # -- journal rows crafted by hand: other boot, pid reuse --------------------
@@ -295,7 +224,7 @@ def test_a_cell_from_another_boot_gets_no_signal_only_records_and_files_converge
         assert any("no signal sent" in n for n in cell["notes"])
         assert not os.path.exists(f["tmpdir"]) and not os.path.exists(f["lock"])
         assert not os.path.exists(f["ctl_lock"])
-        row = _cell_row(agnsup, f["cell"])
+        row = cell_row(agnsup, f["cell"])
         assert row["state"] == "recovered" and row["run_state"] == "recovered"
         db = sqlite3.connect(os.path.join(state, "journal.db"))
         assert db.execute("SELECT ended_at FROM controllers WHERE id=?", (f["controller"],)).fetchone()[0]
@@ -331,7 +260,7 @@ def test_pid_reuse_trap_the_innocent_process_is_spared_and_the_receipt_says_why(
         cell = agnsup.json("receipts", "--recovery", "--json")[0]["cell"]
         assert any(s["pid"] == p.pid for s in cell["spared"])
         assert not os.path.exists(f["tmpdir"])
-        assert _cell_row(agnsup, f["cell"])["state"] == "recovered"
+        assert cell_row(agnsup, f["cell"])["state"] == "recovered"
     finally:
         p.kill()
         p.wait()

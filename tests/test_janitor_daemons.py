@@ -9,22 +9,13 @@ import time
 import pytest
 
 from conftest import procs_with_env
+from scenario import bindable
 
 
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _bindable(port):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("memcached")),
@@ -38,16 +29,16 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
                      "sh", "-c", script, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
-    while _bindable(rport) or _bindable(mport):
+    while bindable(rport) or bindable(mport):
         assert time.monotonic() < deadline, "the daemons never listened"
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    assert not _bindable(rport) and not _bindable(mport), "the daemons did not survive the controller: invalid"
+    assert not bindable(rport) and not bindable(mport), "the daemons did not survive the controller: invalid"
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == ["daemons"]
     assert procs_with_env("AGNSUP_CELL_ID", "daemons") == []
-    assert _bindable(rport) and _bindable(mport)
+    assert bindable(rport) and bindable(mport)
     assert os.path.exists(os.path.join(worktree, "redis.pid"))
 
 

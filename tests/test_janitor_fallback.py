@@ -21,8 +21,8 @@ import time
 import pytest
 
 from conftest import procs_with_env
-from test_janitor import (SCRIPT, _alive, _bindable, _cell_row, _fake_dead_cell, _growing, _kill_exact,
-                          _tree_pids, _wait_beats, start_stubborn)
+from scenario import SCRIPT, alive, bindable, cell_row, growing, kill_exact, tree_pids, wait_beats
+from test_janitor import _fake_dead_cell, start_stubborn
 from agnsup.errors import UsageError
 from agnsup.linux import cgroup, proc
 
@@ -51,7 +51,7 @@ def _sentinel(tmp_path):
     s = subprocess.Popen([sys.executable, SCRIPT, "--heartbeat", hb, "--stripped-in-session"], stdout=subprocess.PIPE,
                          start_new_session=True, env={**os.environ, "AGNSUP_CELL_TOKEN": PLACEHOLDER})
     info = json.loads(s.stdout.readline())
-    _wait_beats(info["heartbeats"])
+    wait_beats(info["heartbeats"])
     return s, info
 
 
@@ -61,17 +61,17 @@ def _forge_sentinel(sinfo, token):
 
 
 def _stop_sentinel(s, sinfo):
-    _kill_exact(_tree_pids(sinfo))
+    kill_exact(tree_pids(sinfo))
     s.stdout.close()
     s.wait(10)
 
 
 def _assert_tree_gone(info):
-    for pid, start in _tree_pids(info):
-        assert not _alive(pid, start), pid
-    assert not any(_growing(info["heartbeats"], 1.0).values())
+    for pid, start in tree_pids(info):
+        assert not alive(pid, start), pid
+    assert not any(growing(info["heartbeats"], 1.0).values())
     for port in info["ports"]:
-        assert _bindable(port), port
+        assert bindable(port), port
 
 
 def test_the_layout_override_and_what_doctor_says(agnsup, monkeypatch):
@@ -106,7 +106,7 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
         line = p.stdout.readline()
         assert line, (tmp_path / "ctl.err").read_text()
         info = json.loads(line)
-        _wait_beats(info["heartbeats"])
+        wait_beats(info["heartbeats"])
         token = proc.environ(info["pid"])["AGNSUP_CELL_TOKEN"]
         _forge_sentinel(sinfo, token)
         # the shapes under test: the grandchild left the session, the stripped one has no token
@@ -117,37 +117,40 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
         assert p.wait(60) == 0, (tmp_path / "ctl.err").read_text()
         p.stdout.close()
         _assert_tree_gone(info)
-        assert procs_with_env("AGNSUP_CELL_ID", "n1") == []
+        forged = {pid for pid, _ in tree_pids(sinfo)}  # the sentinel carries the cell's token too
+        assert [q for q in procs_with_env("AGNSUP_CELL_TOKEN", token) if q not in forged] == []
 
         # SENTINEL_KILLED: token forged to the cell's, but it started before the cell
-        assert all(_alive(*x) for x in _tree_pids(sinfo))
-        assert all(_growing(sinfo["heartbeats"]).values())
+        assert all(alive(*x) for x in tree_pids(sinfo))
+        assert all(growing(sinfo["heartbeats"]).values())
 
-        row = _cell_row(agnsup, "n1")
+        row = cell_row(agnsup, "n1")
         assert row["state"] == "exited"
         with open(os.path.join(agnsup.state, "cells", "default", "n1", "receipt.json")) as f:
             rec = json.load(f)
         assert rec["isolation"]["tracking"] == "session+token"
         assert rec["isolation"]["env_blocked"] == ["ENV_BLOCKED: cgroup"] and rec["cgroup"] is None
         assert rec["kill_method"] == "session+token"
-        assert {pid for pid, _ in _tree_pids(info)} <= set(rec["pids"]["left_after_leader"])
+        assert {pid for pid, _ in tree_pids(info)} <= set(rec["pids"]["left_after_leader"])
         assert sinfo["pid"] not in rec["pids"]["left_after_leader"]
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         if token:  # no cgroup to sweep: a failed run must not leave the cell's processes behind
-            _kill_exact([(q, proc.stat(q).starttime) for q in procs_with_env("AGNSUP_CELL_TOKEN", token)
-                         if proc.stat(q)])
+            forged = {pid for pid, _ in tree_pids(sinfo)}
+            kill_exact([(q, proc.stat(q).starttime) for q in procs_with_env("AGNSUP_CELL_TOKEN", token)
+                        if q not in forged and proc.stat(q)])
         _stop_sentinel(s, sinfo)
 
 
 def test_a_timeout_without_cgroup_stops_then_kills_the_tree(agnsup, worktree):
-    cp = agnsup("run", "--workdir", worktree, "--cell", "t1", "--timeout", "1", "--", "sh", "-c",
+    cell = "t1-" + secrets.token_hex(4)  # processes are looked up host-wide by cell id: make it unique
+    cp = agnsup("run", "--workdir", worktree, "--cell", cell, "--timeout", "1", "--", "sh", "-c",
                 "trap '' TERM; (trap '' TERM; setsid sleep 1000 & sleep 1000) & sleep 1000", env=NONE)
     assert cp.returncode == 124, cp.err
-    assert procs_with_env("AGNSUP_CELL_ID", "t1") == []
-    assert _cell_row(agnsup, "t1")["state"] == "timeout"
+    assert procs_with_env("AGNSUP_CELL_ID", cell) == []
+    assert cell_row(agnsup, cell)["state"] == "timeout"
 
 
 def test_the_janitor_without_cgroup_kills_the_tree_of_a_sigkilled_controller(agnsup, worktree, tmp_path):
@@ -160,15 +163,16 @@ def test_the_janitor_without_cgroup_kills_the_tree_of_a_sigkilled_controller(agn
         p.kill()
         assert p.wait(10) == -signal.SIGKILL
         p.stdout.close()
-        grow = _growing(info["heartbeats"])
+        grow = growing(info["heartbeats"])
         assert all(grow.values()), f"the tree did not survive the controller: run invalid, {grow}"
 
         rep = agnsup.json("janitor", "--json")
         assert rep["recovered"] == ["j1"]
         _assert_tree_gone(info)
-        assert procs_with_env("AGNSUP_CELL_ID", "j1") == []
-        assert all(_alive(*x) for x in _tree_pids(sinfo))
-        assert all(_growing(sinfo["heartbeats"]).values())
+        forged = {pid for pid, _ in tree_pids(sinfo)}  # the sentinel carries the cell's token too
+        assert [q for q in procs_with_env("AGNSUP_CELL_TOKEN", token) if q not in forged] == []
+        assert all(alive(*x) for x in tree_pids(sinfo))
+        assert all(growing(sinfo["heartbeats"]).values())
 
         # the evidence, by name, for each shape
         killed = {k["pid"]: k for k in rep["killed"]}
@@ -183,7 +187,7 @@ def test_the_janitor_without_cgroup_kills_the_tree_of_a_sigkilled_controller(agn
 
         cell = agnsup.json("receipts", "--recovery", "--cell", "j1", "--json")[0]["cell"]
         assert cell["tracking"] == "session+token" and any("ENV_BLOCKED: cgroup" in n for n in cell["notes"])
-        row = _cell_row(agnsup, "j1")
+        row = cell_row(agnsup, "j1")
         assert row["state"] == "recovered" and row["run_state"] == "recovered"
         assert not os.path.exists(os.path.join(agnsup.state, "cells", "default", "j1", "tmp"))
         again = agnsup.json("janitor", "--json")

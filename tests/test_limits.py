@@ -20,22 +20,18 @@ import tty
 import pytest
 
 from agnsup.linux import cgroup
+from agnsup.selftest.probes import FORK_BOMB, MEMORY_HOG  # the same programs the selftest runs
 from conftest import write_role
 
-MEMORY_HOG = "a = []\nwhile True:\n    a.append(b'\\x01' * (4 << 20))\n"
 
-# A fork bomb that keeps pushing: every process forks as fast as the kernel lets it,
-# backing off a little after a refused fork (the machine is shared).
-FORK_BOMB = (
-    "import os, time\n"
-    "refused = 0\n"
-    "while True:\n"
-    "    try:\n"
-    "        os.fork()\n"
-    "    except OSError:\n"
-    "        refused += 1\n"
-    "        time.sleep(0.02)\n"
-)
+def role_without(agnsup, policy_dir, name: str, line: str) -> None:
+    """The packaged executor role less one line, made visible to the console script."""
+    write_role(policy_dir, name)
+    path = policy_dir / f"{name}.toml"
+    src = path.read_text()
+    assert line in src, f"the executor role has no {line!r} to take out"
+    path.write_text(src.replace(line, ""))
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
 
 
 @pytest.fixture
@@ -308,10 +304,7 @@ def test_a_terminal_on_the_controller_side_becomes_a_pty_of_the_cells_own(agnsup
 
 
 def test_a_role_without_an_output_cap_writes_the_controllers_stdout_directly(agnsup, policy_dir, worktree, tmp_path):
-    write_role(policy_dir, "uncapped")
-    src = (policy_dir / "uncapped.toml").read_text().replace('output_max = "16M"\n', "")
-    (policy_dir / "uncapped.toml").write_text(src)
-    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    role_without(agnsup, policy_dir, "uncapped", 'output_max = "16M"\n')
     rfile = tmp_path / "receipt.json"
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
@@ -414,10 +407,7 @@ def test_usage_counters_are_read_per_file_and_name_the_limit_they_bear_on(tmp_pa
 
 
 def test_a_role_without_a_cpu_limit_does_not_join_the_v1_cpu_hierarchy(agnsup, policy_dir, worktree, tmp_path):
-    write_role(policy_dir, "nocpu")
-    src = (policy_dir / "nocpu.toml").read_text().replace("cpu_weight = 100\n", "")
-    (policy_dir / "nocpu.toml").write_text(src)
-    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    role_without(agnsup, policy_dir, "nocpu", "cpu_weight = 100\n")
     rfile = tmp_path / "receipt.json"
     cp = agnsup("run", "--role", "nocpu", "--receipt", str(rfile), "--workdir", worktree, "--", "cat",
                 "/proc/self/cgroup", check=0)

@@ -9,13 +9,10 @@ import pytest
 from agnsup.linux import cgroup
 from agnsup.selftest import isolation
 
-# What this branch's own code enforces (limits and output, the mount and network
-# namespaces, a read-only root). The rest (ENVIRON_FORGE, TTY_INJECTION,
-# CONTROLLER_SIGNAL, HOST_PROCESS_VISIBILITY, STATE_ROOT_VISIBLE and HOME_VISIBILITY
-# for a root cell, the /proc route around the output cap) needs the confinement of
-# issue 7's other half: until then they must report FAIL, never PASS by accident.
-ENFORCED_HERE = ("HOST_ENV_LEAK", "CREDENTIAL_VISIBILITY", "PROJECT_ESCAPE", "NETWORK_EGRESS_NONE", "CGROUP_ESCAPE",
-                 "MOUNT_LEAK", "OOM_OUTSIDE_CELL", "FORK_BOMB_OUTSIDE_CELL")
+# Every gate holds on this host (issue 7): the confinement, the limits and the
+# hidden home (filesystem.home). A gate this host could not enforce would be
+# ENV_BLOCKED, which this list does not accept either.
+ENFORCED_HERE = isolation.GATES
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +34,11 @@ def test_the_json_table_has_all_fifteen_gates_with_a_status_each(report):
         assert g["evidence"], g
 
 
-def test_the_gates_this_code_enforces_pass(report):
+def test_all_fifteen_gates_pass_on_this_host(report):
     by = {g["gate"]: g for g in report["gates"]}
     failing = {n: by[n] for n in ENFORCED_HERE if by[n]["status"] != "PASS"}
     assert not failing, json.dumps(failing, indent=2)
+    assert report["ok"] and report["_exit"] == 0
 
 
 def test_the_output_cap_holds_in_the_selftest_and_any_way_around_it_is_named(report):
@@ -92,6 +90,11 @@ def test_control_with_the_host_network_the_egress_probe_reaches_the_host(monkeyp
     assert g["status"] == "FAIL" and ("REACHED" in g["evidence"] or "listener was reached" in g["evidence"]), g
 
 
+def test_control_with_the_home_visible_the_home_probe_reads_the_canary(monkeypatch):
+    g = _control(monkeypatch, "filesystem", "home", '"ro"', "HOME_VISIBILITY")
+    assert g["status"] == "FAIL" and "it worked" in g["evidence"], g
+
+
 def test_control_a_role_passing_the_canary_fails_the_env_gate(monkeypatch):
     g = _control(monkeypatch, "env", "pass", '["LANG", "AGNSUP_SELFTEST_CANARY"]', "HOST_ENV_LEAK")
     assert g["status"] == "FAIL" and "it worked" in g["evidence"], g
@@ -100,3 +103,23 @@ def test_control_a_role_passing_the_canary_fails_the_env_gate(monkeypatch):
 def test_a_probe_refused_by_governance_is_not_counted_as_a_pass():
     g = isolation._judge("X", {"error": "denied by hardline.fork_bomb", "denied": True, "exit_code": 126}, "x")
     assert g["status"] == "FAIL" and "not counted" in g["evidence"]
+
+
+def test_all_fifteen_gates_also_hold_when_the_cells_run_as_an_unprivileged_uid():
+    import subprocess
+    from conftest import BIN
+    cp = subprocess.run([BIN, "selftest", "--isolation", "--user", "65534", "--json"], capture_output=True,
+                        timeout=600, stdin=subprocess.DEVNULL)
+    rep = json.loads(cp.stdout)
+    assert rep["cell_uid"] == 65534
+    assert [g["gate"] for g in rep["gates"] if g["status"] != "PASS"] == [], rep["gates"]
+    assert cp.returncode == 0
+
+
+def test_the_user_option_really_runs_the_probe_cells_as_that_uid():
+    h = isolation.Harness(keep=False, user=65534)
+    try:
+        res = h.probe("import os, sys; sys.exit(0 if (os.getuid(), os.geteuid()) == (65534, 65534) else 1)")
+        assert res["exit_code"] == 0, res
+    finally:
+        h.close()

@@ -15,8 +15,14 @@ The recipe, in order:
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
            a cell cannot write any cgroup.procs.
   tmpfs    fresh private tmpfs (e.g. /dev/shm).
-  attach   the clones go back at their targets (the temp dir at /tmp first,
-           so a worktree under /tmp lands on the private /tmp).
+  hide     the invoking user's home under an empty tmpfs (its host owner and
+           mode), the mount points of what is attached beneath it made
+           inside, then the tmpfs sealed read-only: all in one step, before
+           anything is stacked on it.
+  attach   the clones go back at their targets, outermost first (the
+           compiler orders hides and attaches by depth: the temp dir at /tmp
+           before a worktree under /tmp, a hidden home before the runtime
+           and worktree re-exposed inside it).
   mask     deny paths and the state root disappear under an empty read-only
            tmpfs (directories) or /dev/null (files); last, so they also cover
            what lies inside a re-attached worktree.
@@ -29,15 +35,16 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "root", "tmpfs", "mask", "attach")
+KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach")
 
 
 # kind:     one of KINDS
 # path:     source for clone, target otherwise
 # key:      names a clone for a later attach
 # readonly: root: read-only (else only private); clone: a read-only copy
+# points:   hide: (path, is_dir) mount points to make inside the tmpfs
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
-MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly"), defaults=("", True))
+MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
 
 def apply(ops: list) -> None:
@@ -59,16 +66,43 @@ def apply(ops: list) -> None:
             elif op.kind == "tmpfs":
                 if os.path.isdir(op.path):
                     lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
+            elif op.kind == "hide":
+                _hide(op.path, op.points)
             elif op.kind == "mask":
                 _mask(op.path)
             elif op.kind == "attach":
-                if not os.path.isdir(op.path):
+                if not os.path.exists(op.path):  # a file clone lands on an existing file point
                     os.makedirs(op.path, exist_ok=True)
                 lsys.move_mount_fd(clones.pop(op.key), op.path)
         except OSError as e:
             raise OSError(e.errno, f"mount step {op.kind} {op.path}: {e.strerror}") from None
     for fd in clones.values():
         os.close(fd)
+
+
+def _hide(path: str, points: tuple) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # not there in this namespace (e.g. under the private /tmp): nothing to read
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise OSError(20, "not a directory")
+    flags = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
+    mode = stat_mod.S_IMODE(st.st_mode)
+    lsys.mount("tmpfs", path, "tmpfs", flags,
+               f"size=64k,nr_inodes=4096,mode={mode:o},uid={st.st_uid},gid={st.st_gid}")
+    old = os.umask(0o022)  # points readable as on any host directory, whatever the controller's umask
+    try:
+        for p, is_dir in points:
+            if is_dir:
+                os.makedirs(p, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+    finally:
+        os.umask(old)
+    # Per-mount read-only: nothing is stacked on the tmpfs yet, so the path names it.
+    lsys.mount(None, path, None, lsys.MS_REMOUNT | lsys.MS_BIND | lsys.MS_RDONLY | flags)
 
 
 def _mask(path: str) -> None:

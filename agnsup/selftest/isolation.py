@@ -27,7 +27,9 @@ import tempfile
 import threading
 import time
 
-ESCAPED = 77
+from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, FORK_BOMB, MEMORY_HOG,
+                     STATE_ROOT, TTY_INJECTION, WRITE_ESCAPE)
+
 GATES = ("HOST_ENV_LEAK", "HOME_VISIBILITY", "CREDENTIAL_VISIBILITY", "STATE_ROOT_VISIBLE", "PROJECT_ESCAPE",
          "NETWORK_EGRESS_NONE", "CGROUP_ESCAPE", "ENVIRON_FORGE", "CONTROLLER_SIGNAL", "HOST_PROCESS_VISIBILITY",
          "TTY_INJECTION", "MOUNT_LEAK", "OOM_OUTSIDE_CELL", "FORK_BOMB_OUTSIDE_CELL", "OUTPUT_LIMIT_BYPASS")
@@ -37,6 +39,7 @@ LIMITS = {"memory_max": '"64M"', "pids_max": "64", "output_max": '"1M"', "cpu_ma
 OUTPUT_CAP = 1 << 20
 
 # ------------------------------------------------------------------ probes
+# (the probes tests/test_confinement.py runs as well are in probes.py)
 
 P_ENV = r'''
 import json, sys
@@ -68,44 +71,6 @@ for s in seen:
 sys.exit(77 if seen else 0)
 '''
 
-P_STATE = r'''
-import os, sys
-state = sys.argv[1] + sys.argv[2]
-worked = []
-ppid = os.getppid()
-for base in ("", f"/proc/{ppid}/root", "/proc/1/root"):
-    d = base + state
-    try:
-        names = os.listdir(d)
-        if names:
-            worked.append(f"listed {d}: {names[:5]}")
-    except OSError as e:
-        print("refused listing", d, e.strerror)
-    for name in ("journal.db", "selftest-probe"):
-        try:
-            with open(d + "/" + name, "ab"):
-                worked.append(f"opened {d}/{name} for writing")
-        except OSError as e:
-            print("refused", d + "/" + name, e.strerror)
-for w in worked:
-    print(w)
-sys.exit(77 if worked else 0)
-'''
-
-P_WRITE = r'''
-import sys
-worked = []
-for p in sys.argv[1:]:
-    try:
-        with open(p, "w") as f:
-            f.write("escaped")
-        worked.append(p)
-        print("WROTE", p)
-    except OSError as e:
-        print("refused", p, e.strerror)
-sys.exit(77 if worked else 0)
-'''
-
 # argv: host address, port, token
 P_NET = r'''
 import socket, sys
@@ -134,80 +99,6 @@ for w in worked:
 sys.exit(77 if worked else 0)
 '''
 
-P_CGROUP = r'''
-import os, sys
-me = str(os.getpid())
-targets = []
-for line in open("/proc/self/cgroup"):
-    _, ctrls, path = line.rstrip("\n").split(":", 2)
-    if ctrls == "":
-        mnt = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
-    else:
-        ctrl = [c for c in ctrls.split(",") if not c.startswith("name=")]
-        if not ctrl:
-            continue
-        mnt = "/sys/fs/cgroup/" + ctrl[0]
-    parts = path.strip("/").split("/")
-    for i in range(len(parts) - 1, -1, -1):
-        d = os.path.join(mnt, *parts[:i])
-        targets += [os.path.join(d, "cgroup.procs"), os.path.join(d, "tasks")]
-targets.sort(key=lambda t: -t.count("/"))
-tried, last = 0, ""
-for t in targets:
-    if not os.path.exists(t):
-        continue
-    tried += 1
-    try:
-        with open(t, "w") as f:
-            f.write(me)
-        print("ESCAPED to", t)
-        sys.exit(77)
-    except OSError as e:
-        last = e.strerror
-print("tried", tried, "targets; last error:", last)
-sys.exit(0 if tried else 3)
-'''
-
-P_ENVIRON_FORGE = r'''
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_MM, PR_SET_MM_ENV_START, PR_SET_MM_MAP = 35, 10, 14
-forged = ctypes.create_string_buffer(b"AGNSUP_CELL_TOKEN=forged\0")
-start = ctypes.addressof(forged)
-end = start + len(b"AGNSUP_CELL_TOKEN=forged\0")
-f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-v = lambda n: int(f[n - 3])
-class MmMap(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("start_code", "end_code", "start_data", "end_data", "start_brk",
-                "brk", "start_stack", "arg_start", "arg_end", "env_start", "env_end", "auxv")] + \
-               [("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
-libc.sbrk.restype = ctypes.c_void_p
-m = MmMap(v(26), v(27), v(45), v(46), v(47), libc.sbrk(0), v(28), v(48), v(49), start, end, 0, 0, 0xFFFFFFFF)
-r1 = libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.byref(m), ctypes.sizeof(m), 0)
-e1 = ctypes.get_errno()
-r2 = libc.prctl(PR_SET_MM, PR_SET_MM_ENV_START, ctypes.c_ulong(start), 0, 0)
-e2 = ctypes.get_errno()
-env = open("/proc/self/environ", "rb").read()
-print("PR_SET_MM_MAP", os.strerror(e1) if r1 else "worked", "/ PR_SET_MM_ENV_START", os.strerror(e2) if r2 else "worked")
-sys.exit(77 if b"forged" in env or r1 == 0 or r2 == 0 else 0)
-'''
-
-# argv: the controller's pid. Signal 0 asks the kernel whether we may signal, and delivers nothing.
-P_SIGNAL = r'''
-import os, sys
-worked = []
-for pid in sorted({os.getppid(), int(sys.argv[1]), 1}):
-    try:
-        os.kill(pid, 0)
-        if pid == 1 and os.getpid() < 1000 and open("/proc/1/cmdline", "rb").read().startswith(b"agnsup"):
-            continue  # our own PID-namespace init
-        worked.append(pid)
-        print("may signal", pid)
-    except OSError as e:
-        print("refused", pid, e.strerror)
-sys.exit(77 if worked else 0)
-'''
-
 # argv: the controller's pid and start time
 P_PROCS = r'''
 import os, sys
@@ -221,23 +112,6 @@ except OSError:
     pass
 print("visible pids:", sorted(int(p) for p in os.listdir("/proc") if p.isdigit())[:20])
 sys.exit(0)
-'''
-
-P_TTY = r'''
-import errno, fcntl, sys, termios
-try:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-except OSError as e:
-    print("TIOCSCTTY", e.strerror)
-worked = []
-for name, req, arg in (("TIOCSTI", termios.TIOCSTI, b"x"), ("TIOCLINUX", 0x541C, bytes([0]))):
-    try:
-        fcntl.ioctl(0, req, arg)
-        worked.append(name)
-        print(name, "worked")
-    except OSError as e:
-        print(name, errno.errorcode[e.errno])
-sys.exit(77 if worked else 0)
 '''
 
 # argv: a directory inside the worktree
@@ -254,17 +128,6 @@ for src, target, fstype, flags in ((b"tmpfs", sys.argv[1].encode(), b"tmpfs", 0)
         print("mount", target, "refused, errno", ctypes.get_errno())
 sys.exit(77 if worked else 0)
 '''
-
-P_MEMORY = "a = []\nwhile True:\n    a.append(b'\\x01' * (4 << 20))\n"
-
-P_FORK_BOMB = (
-    "import os, time\n"
-    "while True:\n"
-    "    try:\n"
-    "        os.fork()\n"
-    "    except OSError:\n"
-    "        time.sleep(0.02)\n"
-)
 
 # Writes far past the cap on both streams, and tries the controller's own stdout
 # through /proc (a way around the pump): argv: marker
@@ -310,7 +173,8 @@ def _judge(name: str, res: dict, what: str) -> dict:
 class Harness:
     """A private state root, worktree and policy directory; cleaned up at the end."""
 
-    def __init__(self, keep: bool):
+    def __init__(self, keep: bool, user: int | None = None):
+        self.user = user  # run every probe cell as this uid ([process] user), not as the caller
         self.keep = keep
         self.root = tempfile.mkdtemp(prefix="agnsup-selftest-", dir="/var/tmp")
         self.state = os.path.join(self.root, "state")
@@ -325,6 +189,8 @@ class Harness:
         self._saved_env = {k: os.environ.get(k) for k in ("AGNSUP_POLICY_DIR", "AGNSUP_STATE_DIR")}
         os.environ["AGNSUP_POLICY_DIR"] = self.policies
         self.n = 0
+        if user is not None:
+            os.chown(self.worktree, user, user)  # the cell's worktree must be its own to write
         self._write_roles()
 
     def _write_roles(self) -> None:
@@ -339,6 +205,8 @@ class Harness:
                 src = _set_key(src, "limits", key, value)
             for key, value in extra.items():
                 src = _set_key(src, "isolation", key, value)
+            if self.user is not None:
+                src += f"\n[process]\nuser = {self.user}\n"
             with open(os.path.join(self.policies, name + ".toml"), "w") as f:
                 f.write(src)
 
@@ -456,7 +324,7 @@ def gate_credential_visibility(h: Harness) -> dict:
 def gate_state_root(h: Harness) -> dict:
     h.run(["true"])  # the journal exists now
     half = len(h.state) // 2
-    return _judge("STATE_ROOT_VISIBLE", h.probe(P_STATE, h.state[:half], h.state[half:]),
+    return _judge("STATE_ROOT_VISIBLE", h.probe(STATE_ROOT, h.state[:half], h.state[half:]),
                   "reading or writing the state root")
 
 
@@ -467,7 +335,7 @@ def gate_project_escape(h: Harness) -> dict:
     try:
         targets = [os.path.join(h.outside, name + "-abs"), os.path.join(h.worktree, "..", "outside", name + "-dotdot"),
                    os.path.join(link, name + "-symlink"), f"/var/tmp/{name}-vartmp", f"/etc/{name}"]
-        res = h.probe(P_WRITE, *targets)
+        res = h.probe(WRITE_ESCAPE, *targets)
     finally:
         os.unlink(link)
     landed = [t for t in targets if os.path.exists(t)]
@@ -534,15 +402,15 @@ def gate_network(h: Harness) -> dict:
 
 
 def gate_cgroup_escape(h: Harness) -> dict:
-    return _judge("CGROUP_ESCAPE", h.probe(P_CGROUP), "writing its pid into a cgroup.procs above its own")
+    return _judge("CGROUP_ESCAPE", h.probe(CGROUP_ESCAPE), "writing its pid into a cgroup.procs above its own")
 
 
 def gate_environ_forge(h: Harness) -> dict:
-    return _judge("ENVIRON_FORGE", h.probe(P_ENVIRON_FORGE), "rewriting /proc/self/environ with prctl(PR_SET_MM)")
+    return _judge("ENVIRON_FORGE", h.probe(ENVIRON_FORGE), "rewriting /proc/self/environ with prctl(PR_SET_MM)")
 
 
 def gate_controller_signal(h: Harness) -> dict:
-    return _judge("CONTROLLER_SIGNAL", h.probe(P_SIGNAL, str(os.getpid())),
+    return _judge("CONTROLLER_SIGNAL", h.probe(CONTROLLER_SIGNAL, "ppid:0", f"{os.getpid()}:0", "1:0"),
                   "signalling the controller and host processes")
 
 
@@ -569,7 +437,7 @@ def gate_tty_injection(h: Harness) -> dict:
         os.dup2(slave, 0)
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-        res = h.probe(P_TTY, capture=False)
+        res = h.probe(TTY_INJECTION, capture=False)
     finally:
         for n, fd in enumerate(saved):
             os.dup2(fd, n)
@@ -609,7 +477,7 @@ def _usage(res: dict) -> dict:
 
 
 def gate_oom(h: Harness) -> dict:
-    res = h.probe(P_MEMORY, role="selftest-limits", timeout=120)
+    res = h.probe(MEMORY_HOG, role="selftest-limits", timeout=120)
     if "error" in res:
         return _judge("OOM_OUTSIDE_CELL", res, "")
     r = res["receipt_data"]
@@ -628,7 +496,7 @@ def gate_fork_bomb(h: Harness) -> dict:
     from .. import supervisor
     from ..linux import cgroup
     with open(os.path.join(h.worktree, "bomb.py"), "w") as f:
-        f.write(P_FORK_BOMB)  # from a file: the text gate refuses a fork loop on the command line
+        f.write(FORK_BOMB)  # from a file: the text gate refuses a fork loop on the command line
     cell_no = h.n + 1
     base = cgroup.base_node(cgroup.detect_layout(), h.state)
     node = cgroup.scope_node(base, "selftest", "default", f"probe-{cell_no}")
@@ -707,9 +575,9 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
            "FORK_BOMB_OUTSIDE_CELL": gate_fork_bomb, "OUTPUT_LIMIT_BYPASS": gate_output_limit}
 
 
-def run_gates(keep: bool = False, only: list[str] | None = None) -> dict:
+def run_gates(keep: bool = False, only: list[str] | None = None, user: int | None = None) -> dict:
     """Run the gates (all, or `only`) and return {"gates": [...], "state_root": ..., "ok": bool}."""
-    h = Harness(keep)
+    h = Harness(keep, user)
     results = []
     try:
         for name in only or GATES:
@@ -720,7 +588,7 @@ def run_gates(keep: bool = False, only: list[str] | None = None) -> dict:
     finally:
         h.close()
     return {"gates": results, "ok": all(g["status"] == "PASS" for g in results),
-            "uid": os.geteuid(), "root": h.root, "kept": keep}
+            "uid": os.geteuid(), "cell_uid": user, "root": h.root, "kept": keep}
 
 
 def format_table(report: dict) -> str:
@@ -735,8 +603,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool = False, keep: bool = False) -> int:
-    report = run_gates(keep=keep)
+def main(as_json: bool = False, keep: bool = False, user: int | None = None) -> int:
+    report = run_gates(keep=keep, user=user)
     text = json.dumps(report, indent=2, sort_keys=True) if as_json else format_table(report)
     sys.stdout.write(text + "\n")
     return 0 if report["ok"] else 1

@@ -23,6 +23,22 @@ def roles(policy_dir, monkeypatch):
     return policy_dir
 
 
+def preset(policy_dir, name, body=""):
+    """A preset file presets/NAME.toml holding body, and a role "r" that inherits it; returns the file."""
+    (policy_dir / "presets").mkdir(exist_ok=True)
+    path = policy_dir / "presets" / f"{name}.toml"
+    path.write_text(f'[preset]\nname = "{name}"\n{body}')
+    role(policy_dir, "r", f'preset = "{name}"')
+    return path
+
+
+def load_error(name) -> str:
+    """The message of the PolicyError loading this role raises."""
+    with pytest.raises(PolicyError) as e:
+        policy.load(name)
+    return e.value.message
+
+
 def ctx_of(name, worktree="/workspace/project"):
     return governance.context(policy.load(name), worktree, None)
 
@@ -90,17 +106,14 @@ def test_the_regulated_preset_sets_run_quotas_a_role_may_change(roles):
 ])
 def test_a_role_cannot_loosen_a_key_the_regulated_preset_fixes(roles, lines, key):
     path = role(roles, "loose", f'preset = "regulated"\n{lines}')
-    with pytest.raises(PolicyError) as e:
-        policy.load("loose")
-    msg = e.value.message
+    msg = load_error("loose")
     assert msg.startswith(path) and f"key {key}" in msg and "regulated" in msg and "looser" in msg
 
 
 def test_a_role_cannot_give_a_regulated_role_the_host_network(roles):
     path = role(roles, "netreg", 'preset = "regulated"', '[network]\nmode = "host"\n')
-    with pytest.raises(PolicyError, match="key network.mode: 'host' is looser") as e:
-        policy.load("netreg")
-    assert e.value.message.startswith(path)
+    msg = load_error("netreg")
+    assert msg.startswith(path) and "key network.mode: 'host' is looser" in msg
 
 
 def test_a_role_may_tighten_a_fixed_key_of_its_preset(roles):
@@ -144,36 +157,22 @@ def test_a_regulated_role_runs_a_real_cell_once_run_process_is_allowed(agnsup, w
 
 def test_an_unknown_preset_names_the_file_the_key_and_the_known_presets(roles):
     path = role(roles, "typo", 'preset = "regulatd"')
-    with pytest.raises(PolicyError) as e:
-        policy.load("typo")
-    assert e.value.message == (f"{path}: key governance.preset: unknown preset 'regulatd' "
+    assert load_error("typo") == (f"{path}: key governance.preset: unknown preset 'regulatd' "
                                "(known: readonly, regulated, standard)")
 
 
 def test_a_preset_with_a_section_it_may_not_set_is_refused_naming_the_preset_file(roles):
-    (roles / "presets").mkdir()
-    bad = roles / "presets" / "odd.toml"
-    bad.write_text('[preset]\nname = "odd"\n[env]\npath = ["/bin"]\n')
-    role(roles, "r", 'preset = "odd"')
-    with pytest.raises(PolicyError) as e:
-        policy.load("r")
-    assert e.value.message.startswith(f"{bad}: key env: a preset may set only governance")
+    bad = preset(roles, "odd", '[env]\npath = ["/bin"]\n')
+    assert load_error("r").startswith(f"{bad}: key env: a preset may set only governance")
 
 
 def test_a_bad_value_inherited_from_a_preset_is_blamed_on_the_preset_file(roles):
-    (roles / "presets").mkdir()
-    bad = roles / "presets" / "odd.toml"
-    bad.write_text('[preset]\nname = "odd"\n[governance]\nmode = "lax"\n')
-    role(roles, "r", 'preset = "odd"')
-    with pytest.raises(PolicyError) as e:
-        policy.load("r")
-    assert e.value.message.startswith(f"{bad}: key governance.mode: Input should be")
+    bad = preset(roles, "odd", '[governance]\nmode = "lax"\n')
+    assert load_error("r").startswith(f"{bad}: key governance.mode: Input should be")
 
 
 def test_a_preset_cannot_fix_a_key_it_does_not_set(roles):
-    (roles / "presets").mkdir()
-    (roles / "presets" / "odd.toml").write_text('[preset]\nname = "odd"\nfixed = ["network.mode"]\n')
-    role(roles, "r", 'preset = "odd"')
+    preset(roles, "odd", 'fixed = ["network.mode"]\n')
     with pytest.raises(PolicyError, match=r"key preset.fixed: 'network.mode' is fixed but the preset does not set"):
         policy.load("r")
 
@@ -181,10 +180,7 @@ def test_a_preset_cannot_fix_a_key_it_does_not_set(roles):
 def test_editing_a_preset_invalidates_the_cached_role(roles, tmp_path):
     state = str(tmp_path / "st")
     os.makedirs(state)
-    (roles / "presets").mkdir()
-    pre = roles / "presets" / "mine.toml"
-    pre.write_text('[preset]\nname = "mine"\n[governance]\nmode = "open"\n')
-    role(roles, "r", 'preset = "mine"')
+    pre = preset(roles, "mine", '[governance]\nmode = "open"\n')
     first = policy.load("r", state)
     assert first["governance"]["mode"] == "open"
     pre.write_text('[preset]\nname = "mine"\n[governance]\nmode = "locked"\n')

@@ -265,15 +265,19 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
                     "starttime": st.starttime if st else None, "pgid": pid, "boot_id": proc.boot_id()}
         on_identity(identity)
         os.write(barrier_w, b"1")
-    except BaseException:
+    except BaseException as e:
         # The child sees EOF at the barrier and exits without exec.
         os.close(barrier_w)
-        os.close(err_r)
+        # A child that failed its own setup meanwhile (gone: no such process
+        # to move, no reader at the barrier) has written why: that is the error.
+        report = _read_all(err_r) if isinstance(e, (ProcessLookupError, BrokenPipeError)) else os.close(err_r)
         if status_r is not None:
             os.close(status_r)
         if fd is not None:
             os.close(fd)
         _reap(pid)
+        if report:
+            raise _child_error(plan, report) from None
         raise
     os.close(barrier_w)
     report = _read_all(err_r)
@@ -282,16 +286,21 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(fd)
         if status_r is not None:
             os.close(status_r)
-        step, code, msg = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
-        code = int(code or 0)
-        if step == "exec":
-            exe = plan.spec.exe
-            if code == errno.ENOENT:
-                raise NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
-            raise NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
-        raise SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
+        raise _child_error(plan, report)
     return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r,
                  cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
+
+
+def _child_error(plan, report: bytes) -> Exception:
+    """The error a child reported on the close-on-exec pipe ("step\\0errno\\0message")."""
+    step, code, msg = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
+    code = int(code or 0)
+    if step == "exec":
+        exe = plan.spec.exe
+        if code == errno.ENOENT:
+            return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+        return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+    return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
 
 
 _JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"

@@ -195,3 +195,31 @@ def test_the_string_tests_agree_with_the_regexes_they_replace():
         except UsageError:
             ok = False
         assert ok == bool(ident.match(v)), v
+
+
+FAILING_SETUP = r"""
+import errno, json, sys
+from agnsup.linux import mounts
+from agnsup.errors import AgnsupError
+from agnsup.tool import run_process
+
+def broken(ops):
+    raise OSError(errno.EPERM, "mount step root /: refused for the test")
+mounts.apply = broken  # the forked child runs this copy: its setup fails at step "mounts"
+try:
+    run_process(["true"], state_dir=sys.argv[1], workdir=sys.argv[2], cell_id="broken")
+except AgnsupError as e:
+    print(json.dumps({"type": type(e).__name__, "message": e.message, "exit_code": e.exit_code}))
+"""
+
+
+def test_a_child_that_fails_its_setup_says_why_while_the_controller_joins_it(state, worktree):
+    """The controller's v1 joins can take a grace period, longer than a failing
+    child lives: the child's own report still is the error, not ESRCH/EPIPE."""
+    cp = subprocess.run([sys.executable, "-c", FAILING_SETUP, state, worktree], capture_output=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr.decode(errors="replace")
+    err = json.loads(cp.stdout)
+    assert err["type"] == "SetupError" and "step 'mounts'" in err["message"], err
+    with open(os.path.join(state, "cells", "default", "broken", "receipt.json")) as f:
+        r = json.load(f)
+    assert r["state"] == "failed" and "step 'mounts'" in r["error"]

@@ -198,14 +198,13 @@ def test_the_string_tests_agree_with_the_regexes_they_replace():
 
 
 FAILING_SETUP = r"""
-import errno, json, sys
-from agnsup.linux import mounts
+import errno, json, os, sys
 from agnsup.errors import AgnsupError
 from agnsup.tool import run_process
 
-def broken(ops):
-    raise OSError(errno.EPERM, "mount step root /: refused for the test")
-mounts.apply = broken  # the forked child runs this copy: its setup fails at step "mounts"
+def broken():
+    raise OSError(errno.EPERM, "refused for the test")
+os.setsid = broken  # only the forked child calls it: its setup fails at once, at step "setsid"
 try:
     run_process(["true"], state_dir=sys.argv[1], workdir=sys.argv[2], cell_id="broken")
 except AgnsupError as e:
@@ -219,7 +218,7 @@ def test_a_child_that_fails_its_setup_says_why_while_the_controller_joins_it(sta
     cp = subprocess.run([sys.executable, "-c", FAILING_SETUP, state, worktree], capture_output=True, timeout=120)
     assert cp.returncode == 0, cp.stderr.decode(errors="replace")
     err = json.loads(cp.stdout)
-    assert err["type"] == "SetupError" and "step 'mounts'" in err["message"], err
+    assert err["type"] == "SetupError" and "step 'setsid'" in err["message"], err
     with open(os.path.join(state, "cells", "default", "broken", "receipt.json")) as f:
         r = json.load(f)
-    assert r["state"] == "failed" and "step 'mounts'" in r["error"]
+    assert r["state"] == "failed" and "step 'setsid'" in r["error"]

@@ -170,6 +170,13 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     home = os.path.expanduser("~")
     deny = [os.path.realpath(_expand(p, home)) for p in fs.get("deny", [])]
     home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt)
+    # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
+    # behind the cell's private /tmp: it comes back read-only inside it.
+    tmp_rt = _outermost(p for p in runtime_paths(policy)
+                        if _under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not _under(p, wt))
+    tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
+    home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
+    home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
     # Clones first, while their mounts are still read-write and nothing covers them.
     ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs["worktree"] == "ro"),
                         *home_clones]

@@ -262,19 +262,10 @@ def journal_rows(state: str, sql: str, args: tuple = ()) -> list[dict]:
 
 
 def flock_free(path: str) -> bool:
-    """Nobody holds a flock on path (or it does not exist)."""
-    import fcntl
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    """Nobody holds a flock on path (or it does not exist). The kernel answers,
+    so the product's own probe is as good as an outside one."""
+    from ..locks import is_free
+    return is_free(path)
 
 
 # -- the PID-reuse trap -----------------------------------------------------

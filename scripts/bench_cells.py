@@ -2,8 +2,8 @@
 
     bench_cells.py AGNSUP_BIN [--procs 1000] [--cells 1000]
 
-1. cancel: one cell holding PROCS processes, half of them double-forked
-   `setsid` daemons (reparented out of the tree, still in the cgroup); time
+1. cancel: one cell holding PROCS processes that ignore SIGTERM, half of them
+   double-forked `setsid` daemons (reparented out of the tree, still in the cgroup); time
    from `agnsup cancel --cell C --grace 0` being called to its return (it
    returns once the cgroup is empty, removed and the receipt written).
 2. serve: CELLS sequential short cells (`true`) through one `agnsup serve`
@@ -34,8 +34,9 @@ def _wait(cond, timeout, what):
 def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int) -> dict:
     half = nprocs // 2
     # leader + `half` children + `half` daemons (each `setsid sh -c 'sleep &'` exits at once)
-    script = (f"i=0; while [ $i -lt {half} ]; do sleep 1000 & setsid sh -c 'sleep 1000 &' ; i=$((i+1)); done; "
-              "echo up; wait")
+    # SIGTERM ignored (inherited across exec), so the kill after the grace does the work
+    script = (f"trap '' TERM; i=0; while [ $i -lt {half} ]; do sleep 1000 & setsid sh -c 'sleep 1000 &' ; "
+              "i=$((i+1)); done; echo up; wait")
     p = subprocess.Popen([agnsup, "run", "--run-id", "bench", "--cell", "big", "--workdir", wt, "--",
                           "sh", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert p.stdout.readline() == b"up\n", "the tree did not start"

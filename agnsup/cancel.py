@@ -131,8 +131,8 @@ class _Cancel:
         self._wait_empty(targets, grace, loose)
         self._kill(targets)
         self._kill_sessions(loose)
+        from .linux import cgroup
         for c in targets:
-            from .linux import cgroup
             c["empty"] = cgroup.wait_empty(c["node"], 10.0)
         concluded = self._conclude(cells)
         out_cells = []
@@ -174,16 +174,11 @@ class _Cancel:
                 c["why_untouched"] = "no cgroup and no process yet: the cell stops at its identity commit"
             elif r["cgroup_ino"] is None:
                 c["why_untouched"] = "cgroup not yet created or not yet journaled: the cell stops at its identity commit"
+            elif (ino := _dir_inode(prim[1])) == r["cgroup_ino"]:
+                c["node"] = node
             else:
-                try:
-                    ino = os.stat(prim[1]).st_ino
-                except FileNotFoundError:
-                    ino = None
-                if ino == r["cgroup_ino"]:
-                    c["node"] = node
-                else:
-                    c["why_untouched"] = (f"cgroup {prim[1]} is gone or recreated (inode {ino}, journaled "
-                                          f"{r['cgroup_ino']}): nothing of the cell can be in it; not touched")
+                c["why_untouched"] = (f"cgroup {prim[1]} is gone or recreated (inode {ino}, journaled "
+                                      f"{r['cgroup_ino']}): nothing of the cell can be in it; not touched")
             cells.append(c)
         return cells
 
@@ -345,14 +340,21 @@ def _own_node(row):
     prim = node.primary
     if prim is None:
         return None
-    try:
-        ino = os.stat(prim[1]).st_ino
-    except FileNotFoundError:
+    ino = _dir_inode(prim[1])
+    if ino is None:
         # the primary is gone; leftovers in other hierarchies (a crash between
         # two rmdirs) are empty directories of ours
         rest = {h: p for h, p in node.paths.items() if h != prim[0] and os.path.isdir(p)}
         return cgroup.Node(rest) if rest else None
     return node if ino == row["cgroup_ino"] else None
+
+
+def _dir_inode(path: str) -> int | None:
+    """The inode of a cgroup directory now (None if gone): compared with the journaled one."""
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def _session_evidence(row):

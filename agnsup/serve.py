@@ -192,6 +192,7 @@ class Server:
             conn.close()
 
     def _dispatch(self, line: bytes, note) -> dict:
+        """One request -> its response; `note(text)` sends a {"note"} line first (spawn, run: lock waits)."""
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
@@ -200,7 +201,7 @@ class Server:
             fn = getattr(self, "op_" + str(op), None)
             if fn is None:
                 raise UsageError(f"unknown op {op!r}")
-            return {"ok": True, **(fn(req, note) if op in ("spawn", "run") else fn(req))}
+            return {"ok": True, **fn(req, note)}
         except AgnsupError as e:
             return {"ok": False, "error": e.message, "exit_code": e.exit_code}
         except (ValueError, TypeError, KeyError) as e:
@@ -209,7 +210,7 @@ class Server:
             return {"ok": False, "error": f"serve: {e}", "exit_code": 125}
 
     # ops
-    def op_ping(self, req: dict) -> dict:
+    def op_ping(self, req: dict, note) -> dict:
         return {"controller": self.sup.controller_id, "pid": os.getpid()}
 
     def _spawn_args(self, req: dict) -> tuple[list, dict]:
@@ -230,21 +231,21 @@ class Server:
         h = self.sup.spawn(argv, entry="serve", notify=note, **opts)
         return self.sup.wait(h["run_id"], h["cell_id"])
 
-    def op_wait(self, req: dict) -> dict:
+    def op_wait(self, req: dict, note) -> dict:
         res = self.sup.wait(req["run_id"], req["cell_id"], req.get("timeout"))
         return res if res is not None else {"pending": True}
 
-    def op_cancel(self, req: dict) -> dict:
+    def op_cancel(self, req: dict, note) -> dict:
         return self.sup.cancel(req.get("cell_id"), req.get("run_id"), req.get("agent_id"),
                                bool(req.get("all")), req.get("grace"))
 
-    def op_cleanup(self, req: dict) -> dict:
+    def op_cleanup(self, req: dict, note) -> dict:
         return self.sup.cleanup(req["run_id"])
 
-    def op_ps(self, req: dict) -> dict:
+    def op_ps(self, req: dict, note) -> dict:
         return {"cells": self.sup.list(req.get("run_id"), bool(req.get("all")))}
 
-    def op_shutdown(self, req: dict) -> dict:
+    def op_shutdown(self, req: dict, note) -> dict:
         self.stop.set()
         os.kill(os.getpid(), signal.SIGTERM)  # wakes the accept loop
         return {}

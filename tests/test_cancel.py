@@ -217,7 +217,8 @@ def test_through_serve_and_the_api_a_held_worktree_makes_a_cell_wait_or_time_out
         else:
             assert starter.sup.cancel(cell_id="L1", run_id="R", grace=0)["cancelled"] == 1
             assert starter.sup.run(["true"], cell_id="L3", workdir=worktree, lock_timeout=1)["exit_code"] == 0
-            assert starter.sup.cleanup("R")["cleaned"] >= 0 and starter.sup.cleanup("R")["cleaned"] == 0
+            starter.sup.cleanup("R")
+            assert starter.sup.cleanup("R")["cleaned"] == 0
         assert not any(alive(*p) for p in tree_pids(info))  # executor: its ports were in the cell's own netns
         assert starter.exit_code("R", "L1") in (128 + signal.SIGTERM, 128 + signal.SIGKILL)
     finally:

@@ -5,6 +5,13 @@ A Controller is one controller instance: it holds an exclusive flock on
 liveness) and journals every cell it starts, in two phases: the intent row
 before any kernel object exists, the identity before the command may exec.
 
+    start(prepared)   lock the worktree, journal the intent (run quotas judged inside
+                      that transaction), make the cell's place (backend), fork the leader
+                      (supervisor), journal its identity, let it exec
+    waiter(cell)      the supervisor's wait loop, stopping the cell's tree (reaper.Tree)
+    finish(cell, w)   what is left of the tree after the leader is reaped (reaper), the
+                      outcome, the receipt; fail(cell, error) for a cell that never ran
+
 A one-cell controller (`agnsup run`, run_process) writes fewer transactions
 for the same records: its own row rides in the cell's intent transaction
 (its liveness lock is taken just before), and its end in the cell's
@@ -16,15 +23,27 @@ import json
 import os
 import time
 
-from . import crashpoints, governance, locks, supervisor
-from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, StateError
-from .journal import TERMINAL_RUN
-from .linux import cgroup, pidfd, proc
+from . import crashpoints, locks, reaper, supervisor
+from .errors import AgnsupError, CancelledBeforeStart, Denied, SetupError, StateError
+from .linux import pidfd, proc
 from .record import Factory, Record
+
+# How long after the leader ended a cell that another process cancelled (it owns
+# the grace period and the kill) is left to that process, beyond the grace itself.
+CANCELLER_SLACK = 2.0
 
 
 def stage(name: str, **info) -> dict:
     return {"stage": name, "t": time.time(), **info}
+
+
+class Prepared(Record):
+    """What the stages before the broker hand it (tool.prepare)."""
+    plan: object
+    decision: dict
+    trail: list
+    trace: list
+    admit: object = None   # admit(usage) judges run quotas inside the intent transaction; raises Denied
 
 
 class Cell(Record):
@@ -36,9 +55,7 @@ class Cell(Record):
     trail: list
     trace: list
     created_at: float = Factory(time.time)
-    node: object = None
-    cgroup_ino: int | None = None
-    limits_applied: dict = Factory(dict)
+    place: object = None         # backend.Place: planned at intent, made by the backend
     isolation: dict = Factory(dict)
     identity: dict = Factory(dict)
     started_at: float | None = None
@@ -47,7 +64,13 @@ class Cell(Record):
     child: object = None
     capture: bool = False
     pump: object = None          # output.Pump when the role caps output
-    oom_fd: int | None = None    # v1 OOM eventfd (cgroup.create_cell)
+
+    def target(self) -> reaper.Target:
+        spec = self.spec
+        return reaper.Target(run_id=spec.run_id, cell_id=spec.cell_id, place=self.place,
+                             leader=self.identity or None, token=spec.token,
+                             since=self.identity.get("starttime") or 0, tmpdir=self.plan.tmpdir,
+                             lock_path=self.lock_path, lock_fd=self.lock_fd)
 
     def output_info(self) -> dict:
         from .digest import sha256
@@ -67,9 +90,10 @@ class Cell(Record):
 
 
 class Controller:
-    def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False):
+    def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False, backend=None):
         """`journal`: an open Journal to use (and close) instead of opening one.
         `one_cell`: this controller starts one cell and ends with it."""
+        from . import backend as backends
         self.state = state.ensure()
         self.journal = journal if journal is not None else state.journal()
         self.kind = kind
@@ -82,8 +106,7 @@ class Controller:
             self._take_lock()
             self.journal.register_controller(self._row())
             self._registered = True
-        self.layout = cgroup.detect_layout()
-        self.base = cgroup.base_node(self.layout, state.path)
+        self.backend = backend if backend is not None else backends.choose(state.path)
 
     def _take_lock(self) -> None:
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
@@ -118,39 +141,48 @@ class Controller:
                 self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, plan, decision: dict, trail: list, trace: list, capture: bool = False, notify=None) -> Cell:
+    def start(self, prepared: Prepared, capture: bool = False, notify=None) -> Cell:
+        plan = prepared.plan
         spec = plan.spec
-        cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=decision,
-                    trail=trail, trace=trace, capture=capture)
-        exclusive = plan.worktree_mode == "rw"
+        cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
+                    trail=prepared.trail, trace=prepared.trace, capture=capture)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
-        cell.lock_fd = locks.acquire(cell.lock_path, exclusive, spec.lock_timeout,
+        cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
                                      f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
-            if not self._registered and self._lock_fd is None:
-                self._take_lock()
-            self._intent(cell)
+            self._intent(cell, prepared.admit)
         except BaseException as e:
             locks.release(cell.lock_path, cell.lock_fd)
             if isinstance(e, Denied):  # a run quota, judged in the intent transaction (rolled back)
-                record_denied(self.state, spec, e.details["decision"], trail + e.details["trail"], trace)
+                self.journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=e.details["decision"],
+                                           trail=cell.trail + e.details["trail"],
+                                           chain=[s["stage"] for s in cell.trace])
             raise
         crashpoints.hit("after_intent")
         try:
-            self._backend(cell)
+            self._make_place(cell)
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = self._stdio(cell)
             try:
-                cell.child = supervisor.spawn(plan, cell.node, lambda ident: self._identity(cell, ident), stdio)
-                if cell.node is not None:
-                    cell.isolation["cgroup_join"] = cell.child.cgroup_join
+                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
+            if cell.place.node is not None:
+                cell.isolation["cgroup_join"] = cell.child.cgroup_join
+            try:
+                self._identity(cell)
+            except BaseException:
+                supervisor.abandon(cell.child)  # never runs: it exits at the barrier
+                cell.child = None
+                raise
+            try:
+                supervisor.release(plan, cell.child)
+            except BaseException:
+                cell.child = None  # reaped by release
+                raise
             crashpoints.hit("after_exec")
-            with self.journal.tx() as db:
-                self.journal.update_cell(db, spec.run_id, spec.cell_id, state="running")
-                self.journal.event(db, "state.running", spec.run_id, spec.cell_id)
+            self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
             self.fail(cell, e)
             raise
@@ -160,83 +192,52 @@ class Controller:
             raise err from None
         return cell
 
-    def _intent(self, cell: Cell) -> None:
+    def _intent(self, cell: Cell, admit) -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
-        node = cgroup.cell_node(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
-        now = time.time()
-        with self.journal.tx() as db:
-            if not self._registered:  # a one-cell controller: its row and its cell's, together
-                self.journal.register_controller(self._row(), db)
-            run = db.execute("SELECT state FROM runs WHERE run_id=?", (spec.run_id,)).fetchone()
-            if run is None:
-                db.execute("INSERT INTO runs(run_id, state, created_at) VALUES (?, 'active', ?)", (spec.run_id, now))
-            elif run["state"] == "cancelled":
-                raise RunNotActive(f"run {spec.run_id!r} was cancelled; it accepts no new cells (use another --run-id)")
-            elif run["state"] in TERMINAL_RUN:
-                db.execute("UPDATE runs SET state='active', ended_at=NULL WHERE run_id=?", (spec.run_id,))
-            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=?", (spec.run_id, spec.cell_id)).fetchone():
-                raise RunNotActive(f"cell {spec.cell_id!r} already exists in run {spec.run_id!r}; cell ids are never reused")
-            # run quotas count the journal's cells: inside BEGIN IMMEDIATE, so race-free
-            governance.admit(db, spec, plan.quota, cell.decision.get("zone", "yellow"), now)
-            db.execute(
-                "INSERT INTO cells(run_id, cell_id, agent_id, role, state, token, controller_id, boot_id, cgroup,"
-                " tmpdir, worktree, lock_path, argv, exe, created_at) VALUES (?,?,?,?, 'starting', ?,?,?,?,?,?,?,?,?,?)",
-                (spec.run_id, spec.cell_id, spec.agent_id, spec.role, spec.token, self.id, cell.boot_id,
-                 json.dumps(node.as_dict()), plan.tmpdir, spec.workdir, cell.lock_path, json.dumps(spec.argv),
-                 spec.exe, now))
-            for st in cell.trace:
-                self.journal.event(db, "stage." + st["stage"], spec.run_id, spec.cell_id, **st)
-            self.journal.event(db, "state.starting", spec.run_id, spec.cell_id)
+        cell.place = self.backend.place(spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
+        controller = None
+        if not self._registered:  # a one-cell controller: its row and its cell's, together
+            if self._lock_fd is None:
+                self._take_lock()
+            controller = self._row()
+        self.journal.begin_cell({
+            "run_id": spec.run_id, "cell_id": spec.cell_id, "agent_id": spec.agent_id, "role": spec.role,
+            "token": spec.token, "controller_id": self.id, "boot_id": cell.boot_id,
+            "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.workdir,
+            "lock_path": cell.lock_path, "argv": json.dumps(spec.argv), "exe": spec.exe, "created_at": time.time(),
+            "grace": plan.grace}, cell.trace, admit, controller)
         self._registered = True
-        cell.node = node
 
-    def _backend(self, cell: Cell) -> None:
-        spec, plan = cell.spec, cell.plan
+    def _make_place(self, cell: Cell) -> None:
+        spec, plan, backend = cell.spec, cell.plan, self.backend
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
         if plan.uid is not None:  # process.user: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
-        node = cell.node
-        if node.paths:
-            made = cgroup.create_cell(self.base, spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
-            cell.cgroup_ino, cell.limits_applied, cell.oom_fd = made["inode"], made["limits"], made["oom_fd"]
-        else:
-            cell.node = None
+        if cell.place.node is not None:
+            cell.place = backend.create(cell.place, plan.limits)
         cell.isolation = {
-            "cgroup_layout": self.layout.kind,
-            "tracking": node.primary[0] if node.paths else "session+token",
-            "env_blocked": [] if node.paths else ["ENV_BLOCKED: cgroup"],
+            "cgroup_layout": backend.kind, "tracking": backend.tracking, "env_blocked": list(backend.env_blocked),
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
             "private_tmp": True, "masked": plan.deny_masked,
             "network_namespace": plan.new_netns, "network": plan.network,
             "cap_sys_admin_dropped": 21 in plan.drop_caps,
-            "limits": cell.limits_applied,
+            "limits": cell.place.limits,
             **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
         }
-        st = stage("backend", layout=self.layout.kind, cgroup=node.as_dict(), cgroup_inode=cell.cgroup_ino,
+        st = stage("backend", layout=backend.kind, cgroup=cell.place.paths(), cgroup_inode=cell.place.inode,
                    isolation=cell.isolation)
         cell.trace.append(st)
-        with self.journal.tx() as db:
-            self.journal.update_cell(db, spec.run_id, spec.cell_id, cgroup_ino=cell.cgroup_ino)
-            self.journal.event(db, "stage.backend", spec.run_id, spec.cell_id, **st)
+        self.journal.stage(spec.run_id, spec.cell_id, st, cgroup_ino=cell.place.inode)
 
-    def _identity(self, cell: Cell, ident: dict) -> None:
-        spec = cell.spec
+    def _identity(self, cell: Cell) -> None:
+        ident = cell.child.identity
         cell.identity, cell.started_at = ident, time.time()
         st = stage("process_supervisor", pid=ident["pid"], pgid=ident["pgid"], starttime=ident["starttime"],
                    pidfd_ino=ident["pidfd_ino"])
         cell.trace.append(st)
-        # crash point "journal_tx": die inside the identity transaction, with the
-        # child forked and waiting at the barrier; SQLite rolls the write back.
-        with self.journal.tx(crash_point="journal_tx") as db:
-            why = db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
-                             (spec.run_id, spec.cell_id)).fetchone()[0]
-            if why:  # a cancel landed while we were setting up: the command never runs
-                raise CancelledBeforeStart(f"cell {spec.cell_id} of run {spec.run_id} was {why} before it started")
-            self.journal.update_cell(db, spec.run_id, spec.cell_id, pid=ident["pid"], pidfd_ino=ident["pidfd_ino"],
-                                     starttime=ident["starttime"], pgid=ident["pgid"], started_at=cell.started_at)
-            self.journal.event(db, "stage.process_supervisor", spec.run_id, spec.cell_id, **st)
+        self.journal.commit_identity(cell.spec.run_id, cell.spec.cell_id, {**ident, "started_at": cell.started_at}, st)
 
     def _stdio(self, cell: Cell) -> tuple:
         """(the child's fds 0-2, None meaning inherit; the output pump or None).
@@ -283,86 +284,78 @@ class Controller:
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
-        w = supervisor.Waiter(cell.child, cell.node, cell.plan.grace, cell.plan.timeout, wake_fd,
-                              token=cell.spec.token, pump=cell.pump, oom_fd=cell.oom_fd)
-        w.cancelled_elsewhere = lambda: self._cancel_reason(cell) is not None
-        return w
+        tree = reaper.Tree(self.backend, cell.target(), cell.child.pidfd)
+        return supervisor.Waiter(cell.child, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
+                                 oom_fd=cell.place.oom_fd)
 
-    def _cancel_reason(self, cell: Cell) -> str | None:
-        """The first cancel recorded for the cell by any process (agnsup cancel), or None."""
-        row = self.journal.db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
-                                      (cell.spec.run_id, cell.spec.cell_id)).fetchone()
-        return row[0] if row else None
-
-    def finish(self, cell: Cell, outcome) -> dict:
-        """Release what the cell held, journal its end, write its receipt."""
-        why = self._cancel_reason(cell)
-        if why and outcome.reason != "timeout":
-            # cancelled from another process: the journal holds the first reason
-            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", why
-        if outcome.state == "cancelled" and outcome.signal is None:
-            # it exited on its own after SIGTERM: a cancelled cell still ends 128+SIGTERM (cli.md)
-            outcome.exit_code = 128 + 15
-        usage = cgroup.read_usage(cell.node) if cell.node else {}
-        if usage.get("oom_kills") and outcome.reason in ("exited", "killed"):
-            # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-            outcome.reason, outcome.state = "oom", "killed"
+    def finish(self, cell: Cell, waiter: supervisor.Waiter) -> dict:
+        """The leader has exited: reap the rest of the tree, then the leader; release
+        what the cell held, journal its end, write its receipt."""
+        spec, target = cell.spec, cell.target()
+        why = self.journal.cancel_reason(spec.run_id, spec.cell_id)  # a cancel by any process (agnsup cancel)
+        until = waiter.grace_until()  # a stop in progress gets its grace period for the rest of the tree too
+        if until is None and why:
+            # the canceller owns the grace period and the kill (a TERM trap may be writing
+            # its last words); if it died meanwhile, we kill after this wait
+            until = time.monotonic() + cell.plan.grace + CANCELLER_SLACK
+        # Before the leader is reaped: its pid, the cell's session id, stays ours meanwhile.
+        left = reaper.stop(self.backend, [target], until=until, exclude=(cell.child.pid,))[0]
+        if not left.empty:
+            raise SetupError(left.error)
+        status, sig = supervisor.collect(cell.child)
+        if cell.pump is not None:
+            cell.pump.drain(5.0)  # the tree is dead: every write end is closed, EOF comes at once
+        reason = waiter.reason or ("exited" if status is not None else "killed")
+        if cell.pump is not None and cell.pump.overflowed and waiter.reason is None:
+            reason = "output_limit"  # it wrote past the cap and ended before we read it: delivered up to the cap
+        cancel_reason = waiter.cancel_reason
+        if why and reason != "timeout":
+            reason, cancel_reason = "cancelled", why  # cancelled from another process: the journal holds the first reason
+        usage = self.backend.usage(cell.place)
+        if usage.get("oom_kills") and reason in ("exited", "killed"):
+            reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
+        outcome = supervisor.Outcome.of(reason, status, sig, cancel_reason=cancel_reason,
+                                        kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
-        released = self._release(cell)
-        receipt = self._conclude(cell, outcome, usage, released)
-        return receipt
+        return self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
 
     def fail(self, cell: Cell, error: AgnsupError) -> dict:
-        """A cell that never ran: undo what exists, record why."""
-        from .supervisor import Outcome
-        code = getattr(error, "exit_code", 125)
-        outcome = Outcome(exit_code=code, status=None, signal=None, reason=type(error).__name__, state="failed")
-        if isinstance(error, CancelledBeforeStart):
-            outcome.reason, outcome.state, outcome.cancel_reason = "cancelled", "cancelled", self._cancel_reason(cell)
-        if cell.child is not None:
-            os.close(cell.child.pidfd)
+        """A cell that never ran (or whose start could not be recorded): undo what exists, record why."""
+        cancel = self.journal.cancel_reason(cell.spec.run_id, cell.spec.cell_id) \
+            if isinstance(error, CancelledBeforeStart) else None
+        outcome = supervisor.Outcome.failed(error, cancel)
+        target = cell.target()
+        if cell.child is not None:  # it runs, but its start was not recorded: it must not
+            reaper.Tree(self.backend, target, cell.child.pidfd).kill()
+            supervisor.collect(cell.child)
         self._close_fds(cell)
-        if cell.node is not None and cgroup.populated(cell.node):
-            cgroup.kill(cell.node)
-            cgroup.wait_empty(cell.node, 5)
-        released = self._release(cell)
-        return self._conclude(cell, outcome, {}, released, error=error.message)
+        r = reaper.reap(self.backend, target)
+        return self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
 
     def _close_fds(self, cell: Cell) -> None:
         if cell.pump is not None:
             cell.pump.close()
-        if cell.oom_fd is not None:
-            os.close(cell.oom_fd)
-            cell.oom_fd = None
+        if cell.place is not None and cell.place.oom_fd is not None:
+            os.close(cell.place.oom_fd)
+            cell.place.oom_fd = None
 
-    def _release(self, cell: Cell) -> list:
-        from .reap import release_cell_resources
-        released = release_cell_resources(cell.node, cell.plan.tmpdir, self.base)
-        if cell.lock_fd is not None:
-            locks.release(cell.lock_path, cell.lock_fd)
-            cell.lock_fd = None
-            released.append({"kind": "worktree_lock", "path": cell.lock_path})
+    @staticmethod
+    def _release(cell: Cell, released: list) -> list:
+        """The reaper's release dropped the worktree lock the cell's target carried."""
+        cell.lock_fd = None
         return released
 
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
         from . import receipts
-        spec = cell.spec
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
             receipts.write(path, receipt)
         except OSError:
             path = None
-        with self.journal.tx() as db:
-            self.journal.update_cell(db, spec.run_id, spec.cell_id, state=receipt["state"], ended_at=receipt["ended_at"],
-                                     exit_code=receipt["exit_code"], signal=receipt["signal"],
-                                     reason=receipt["reason"], receipt_path=path)
-            self.journal.add_receipt(db, "cell", spec.run_id, spec.cell_id, receipt)
-            self.journal.event(db, "state." + receipt["state"], spec.run_id, spec.cell_id, reason=receipt["reason"],
-                               exit_code=receipt["exit_code"])
-            if self.one_cell and self._registered:  # its one cell is concluded: so is the controller
-                self.journal.end_controller(self.id, db)
-        if self.one_cell and self._registered:
+        ends = self.id if self.one_cell and self._registered else None  # its one cell is concluded: so is the controller
+        self.journal.conclude_cell(receipt, path, end_controller=ends)
+        if ends:
             self._ended = True
         return receipt
 
@@ -383,14 +376,3 @@ def _cell_pty(like: int) -> tuple[int, int]:
     except OSError:
         pass
     return master, slave
-
-
-def record_denied(state, spec, decision: dict, trail: list, trace: list) -> None:
-    """A denied call starts nothing, but the journal remembers it was asked."""
-    j = state.journal()
-    try:
-        with j.tx() as db:
-            j.event(db, "denied", spec.run_id, spec.cell_id, argv=spec.argv, decision=decision, trail=trail,
-                    chain=[s["stage"] for s in trace])
-    finally:
-        j.close()

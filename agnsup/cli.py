@@ -9,14 +9,14 @@ import sys
 
 import click
 
-from .errors import AgnsupError
+from .errors import AgnsupError, exit_code
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _fail(e: AgnsupError):
     click.echo(f"agnsup: {e.message}", err=True)
-    sys.exit(e.exit_code)
+    sys.exit(exit_code(e))
 
 
 class _Group(click.Group):
@@ -46,25 +46,23 @@ def main(ctx, state_dir):
     ctx.obj = {"state_dir": state_dir}
 
 
+_CLICK_TYPES = {"pos": click.FloatRange(min=0, min_open=True), "nonneg": click.FloatRange(min=0)}
+
+
 def _cell_options(f):
-    """The options `run` and `spawn` share (cli.md: spawn takes the same options as run)."""
-    opts = [
-        click.option("--role", default="executor", show_default=True, help="Role policy (policies/ROLE.toml)."),
-        click.option("--run-id", default="default", show_default=True, help="Run this cell belongs to."),
-        click.option("--agent", "agent_id", default="default", show_default=True, help="Agent this cell belongs to."),
-        click.option("--cell", "cell_id", default=None, help="Cell id (default: generated, c-XXXXXXXX)."),
-        click.option("--workdir", type=click.Path(file_okay=False), default=None,
-                     help="Worktree the command runs in (default: the current directory)."),
-        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Stop the cell after SECONDS (SIGTERM, grace, SIGKILL); exit 124."),
-        click.option("--lock-timeout", type=click.FloatRange(min=0), default=None,
-                     help="Give up after SECONDS waiting for the worktree lock (exit 75)."),
-        click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
-                     help="Set a variable in the cell (repeatable). KEY alone passes the host's value."),
-        click.option("--receipt", "receipt_file", type=click.Path(dir_okay=False), default=None,
-                     help="Also write the cell's receipt to FILE."),
-        click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED),
-    ]
+    """The options `run` and `spawn` share, from request.CellRequest (cli.md: spawn takes run's options)."""
+    from .request import CellRequest
+    opts = []
+    for name, o in CellRequest.options().items():
+        if not o.flags:
+            continue
+        kw = {"help": o.help, "metavar": o.metavar}
+        if o.kind == "env":
+            kw.update(multiple=True)
+        else:
+            kw.update(default=o.default, show_default=o.default is not None, type=_CLICK_TYPES.get(o.kind))
+        opts.append(click.option(*o.flags, name, **kw))
+    opts.append(click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED))
     for o in reversed(opts):
         f = o(f)
     return f
@@ -73,7 +71,7 @@ def _cell_options(f):
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @_cell_options
 @click.pass_obj
-def run(obj, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file, command):
+def run(obj, command, **options):
     """Run CMD as one cell in the foreground and supervise it.
 
     stdin, stdout and stderr pass through; SIGINT or SIGTERM to agnsup cancel
@@ -84,10 +82,8 @@ def run(obj, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, en
     Example: agnsup run --role executor -- pytest -q
     """
     from .tool import run_process
-    result = run_process(list(command), role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
-                         workdir=workdir, timeout=timeout, lock_timeout=lock_timeout, env=list(env),
-                         state_dir=obj["state_dir"], capture=False, entry="cli", forward_signals=True,
-                         receipt_file=receipt_file)
+    result = run_process(list(command), **options, state_dir=obj["state_dir"], capture=False, entry="cli",
+                         forward_signals=True)
     sys.exit(result["exit_code"])
 
 
@@ -287,8 +283,7 @@ def serve(obj, socket_path):
               help="The serve controller's socket (default: <state>/agnsup.sock).")
 @_cell_options
 @click.pass_obj
-def spawn(obj, socket_path, role, run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file,
-          command):
+def spawn(obj, socket_path, command, **options):
     """Ask the serve controller to start CMD as a cell; return at once.
 
     Prints {"cell_id", "run_id", "agent_id", "pid", "cgroup"} as JSON. The
@@ -296,9 +291,7 @@ def spawn(obj, socket_path, role, run_id, agent_id, cell_id, workdir, timeout, l
     shows how it ended. Exit status as for run when the cell cannot start.
     """
     from .serve import main_spawn
-    opts = {"role": role, "run_id": run_id, "agent_id": agent_id, "cell_id": cell_id, "workdir": workdir,
-            "timeout": timeout, "lock_timeout": lock_timeout, "env": list(env), "receipt_file": receipt_file}
-    click.echo(json.dumps(main_spawn(obj["state_dir"], socket_path, list(command), opts)))
+    click.echo(json.dumps(main_spawn(obj["state_dir"], socket_path, list(command), options)))
 
 
 def _state(obj):

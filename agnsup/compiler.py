@@ -58,7 +58,6 @@ class ExecutionPlan(Record):
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
         }
-    quota: dict = Factory(dict)   # run quotas, judged by the broker (governance.admit)
 
 
 def _expand(path: str, home: str) -> str:
@@ -118,33 +117,32 @@ def invoking_homes(env=None) -> list[str]:
     return _outermost(homes)
 
 
-def runtime_paths(policy: dict) -> list[str]:
+def runtime_paths(policy) -> list[str]:
     """What a cell needs of the interpreter running agnsup: the venv, the
     interpreter's real prefix (a venv's python is often a symlink into a
     pyenv/asdf tree under the home), and the @runtime PATH directory."""
     import sys
     paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    if "@runtime" in policy["env"]["path"]:
+    if "@runtime" in policy.env.path:
         paths.append(os.path.dirname(sys.executable))
     return [os.path.realpath(p) for p in paths]
 
 
-def _home_ops(fs: dict, policy: dict, home: str, wt: str) -> tuple[list, list, list[str], list[str]]:
+def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], list[str]]:
     """(clones, placements, hidden, exposed) for filesystem.home: hides first,
     then attaches; compile_plan sorts them outermost first with the /tmp and
     worktree attaches."""
-    mode = fs.get("home", "hidden")
     homes = invoking_homes()
-    if mode == "ro":
+    if fs.home == "ro":
         # The home stays visible, never writable (matters when filesystem.root = "rw").
-        if fs["root"] == "ro":
+        if fs.root == "ro":
             return [], [], [], []
         keys = [f"home{i}" for i in range(len(homes))]
         return ([("clone", h, k, True) for h, k in zip(homes, keys)],
                 [("attach", h, k) for h, k in zip(homes, keys)], [], [])
     if not homes:
         return [], [], [], []
-    wanted = runtime_paths(policy) + [os.path.realpath(_expand(p, home)) for p in fs.get("home_allow", [])]
+    wanted = runtime_paths(policy) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
     expose = _outermost(p for p in wanted
                         if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
                         and not _under(p, wt) and not _under(p, "/tmp"))
@@ -159,8 +157,10 @@ def _home_ops(fs: dict, policy: dict, home: str, wt: str) -> tuple[list, list, l
     return clones, places, homes, expose
 
 
-def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan:
-    fs = policy["filesystem"]
+def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> ExecutionPlan:
+    """The plan for `spec` under `policy` (policy.Frozen). Pure: `host` is what this
+    host offers ({protection: None or why not}, linux/host.protections())."""
+    fs = policy.filesystem
     wt = spec.workdir
     state_real = os.path.realpath(state_root)
     if wt == state_real or wt.startswith(state_real + "/"):
@@ -168,7 +168,7 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     cell_dir = os.path.join(state_root, "cells", spec.run_id, spec.cell_id)
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
-    deny = [os.path.realpath(_expand(p, home)) for p in fs.get("deny", [])]
+    deny = [os.path.realpath(_expand(p, home)) for p in fs.deny]
     home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt)
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
@@ -178,9 +178,9 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
     # Clones first, while their mounts are still read-write and nothing covers them.
-    ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs["worktree"] == "ro"),
+    ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
-    ops.append(("root", "/", "", fs["root"] == "ro"))
+    ops.append(("root", "/", "", fs.root == "ro"))
     ops.append(("tmpfs", "/dev/shm"))
     # Outermost first, by depth; the sort is stable and at equal depth hides come
     # before attaches and the home's attaches before the worktree's, so a worktree
@@ -192,53 +192,26 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     # happens to lie inside the re-attached worktree (or a re-exposed path).
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
-    lim = policy["limits"]
-    conf = _confinement(policy, spec, wt, tmpdir, home, fs["worktree"] == "rw")
-    timeout = spec.timeout if spec.timeout is not None else lim.get("timeout")
+    lim = policy.limits
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
-        new_netns=policy["network"]["mode"] in ("deny", "loopback"), network=policy["network"]["mode"],
-        limits={k: lim.get(k) for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
-        grace=float(lim.get("grace", 3.0)), timeout=timeout,
-        worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        quota=dict(policy.get("quota") or {}), home=fs.get("home", "hidden"), home_hidden=hidden,
-        home_exposed=exposed, **conf)
+        new_netns=policy.network.mode in ("deny", "loopback"), network=policy.network.mode,
+        limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
+        grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
+        worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
+        home=fs.home, home_hidden=hidden, home_exposed=exposed, **conf)
 
 
 # The /dev/null class: devices every program may open for writing.
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]
-_host_cache: dict = {}
-
-
-def host_protections() -> dict:
-    """What this host offers, once per process: {protection: None or why not}."""
-    if not _host_cache:
-        from .linux import landlock, seccomp
-        abi = landlock.abi()
-        root = os.geteuid() == 0
-        _host_cache.update({
-            "seccomp": seccomp.supported(),
-            "landlock": None if abi >= 1 else "no Landlock in this kernel (or it is disabled)",
-            "landlock_scopes": None if abi >= 6 else f"Landlock ABI {abi} < 6 has no signal/socket scopes",
-            "no_new_privs": None,
-            "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
-            "capabilities": None,  # a root cell drops them; any other uid has none to drop
-            "_abi": abi, "_root": root,
-        })
-    return _host_cache
-
-
-def _confinement(policy: dict, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool) -> dict:
+def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict) -> dict:
     from .linux.sys import CAP_NAMES, cap_last_cap
-    iso = policy.get("isolation") or {}
-    proc_ = policy.get("process") or {}
-    host = host_protections()
-    wanted = {"seccomp": iso.get("seccomp", True), "landlock": iso.get("landlock", True),
-              "no_new_privs": iso.get("no_new_privs", True), "pid_namespace": iso.get("pid_namespace", False)}
-    wanted["landlock_scopes"] = wanted["landlock"]
-    wanted["capabilities"] = True
-    for p in iso.get("require", []):
+    iso, proc_ = policy.isolation, policy.process
+    wanted = {"seccomp": iso.seccomp, "landlock": iso.landlock, "no_new_privs": iso.no_new_privs,
+              "pid_namespace": iso.pid_namespace, "landlock_scopes": iso.landlock, "capabilities": True}
+    for p in iso.require:
         if host.get(p):
             raise SetupError(f"role {spec.role} requires {p}, which is not available here: {host[p]}",
                              step="require")
@@ -249,22 +222,22 @@ def _confinement(policy: dict, spec: CellSpec, wt: str, tmpdir: str, home: str, 
     out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
                  "no_new_privs": bool(wanted["no_new_privs"])}
     if wanted["seccomp"] and not host["seccomp"]:
-        out["seccomp_refuse"] = tuple(g for g, allowed in (("ptrace", iso.get("allow_ptrace")),
-                                                           ("mount", iso.get("allow_mount"))) if not allowed)
+        out["seccomp_refuse"] = tuple(g for g, allowed in (("ptrace", iso.allow_ptrace), ("mount", iso.allow_mount))
+                                      if not allowed)
     if wanted["landlock"] and not host["landlock"]:
         writable = [tmpdir] + ([wt] if worktree_rw else [])
-        writable += [os.path.realpath(_expand(p, home)) for p in iso.get("writable", [])]
+        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable]
         out["landlock_writable"] = writable + WRITABLE_DEVICES
         out["landlock_abi"] = host["_abi"]
     uid = gid = None
-    if proc_.get("user") is not None:
+    if proc_.user is not None:
         if not root:
             raise SetupError(f"role {spec.role} sets process.user: agnsup must run as root to change the "
                              "cell's uid", step="user")
-        uid, gid = _ids(proc_["user"], proc_.get("group"), spec.role)
+        uid, gid = _ids(proc_.user, proc_.group, spec.role)
     out["uid"], out["gid"] = uid, gid
     if root:
-        keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.get("capabilities", []))
+        keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.capabilities)
         out["cap_keep"] = keep
         out["drop_caps"] = [c for c in range(cap_last_cap() + 1) if c not in keep]
     else:

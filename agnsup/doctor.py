@@ -41,9 +41,9 @@ def confinement() -> dict:
 
     seccomp and Landlock are really applied in a throwaway child, so
     "available" means "works on this host", not "the kernel has the symbol"."""
-    from .compiler import host_protections
     from .linux import landlock, seccomp
-    host = host_protections()
+    from .linux.host import protections
+    host = protections()
     out = {}
     for name in ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities"):
         out[name] = {"available": host[name] is None, **({"why_not": host[name]} if host[name] else {})}
@@ -66,8 +66,9 @@ def _ns(flag: int):
 
 
 def report(state_root: str) -> dict:
+    from . import backend as backends
     layout = cgroup.detect_layout()
-    base = cgroup.base_node(layout, state_root)
+    chosen = backends.choose(state_root)
     # cgroup.kill exists only in non-root cgroups, from Linux 5.14 on
     v2_kill = bool(layout.v2) and kernel_at_least(5, 14)
     ns = {}
@@ -88,13 +89,8 @@ def report(state_root: str) -> dict:
         else:
             limits_via[ctrl] = None
     use = {
-        "tracking_and_kill": ("cgroup v2 cgroup.kill" if v2_kill else
-                              "cgroup v2 membership, SIGKILL each member until empty" if layout.v2 else
-                              "cgroup v1 freezer (freeze, kill, thaw)" if "freezer" in base.paths else
-                              "ENV_BLOCKED: cgroup: tracking session+token (the cell's session and process group, "
-                              "token + start time; stop then kill through pidfds until a scan finds none; weaker: "
-                              "no limits, no atomic tree kill, a process that leaves the session and clears its "
-                              "environment is not found)"),
+        "backend": type(chosen).__name__,
+        "tracking_and_kill": chosen.describe(kernel_at_least(5, 14)),
         "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",
@@ -110,7 +106,7 @@ def report(state_root: str) -> dict:
     return {
         "euid": os.geteuid(),
         "cgroup": {"layout": layout.kind, "hierarchies": hierarchies, "v2_controllers": list(layout.v2_controllers),
-                   "cgroup_kill": v2_kill, "agnsup_root": base.as_dict()},
+                   "cgroup_kill": v2_kill, "agnsup_root": chosen.roots()},
         "namespaces": ns,
         "new_mount_api": {"available": mount_api_ok, **({"error": mount_api_err} if mount_api_err else {})},
         "pidfd": {"pidfd_open": True, "pidfs": pidfd.has_pidfs()},

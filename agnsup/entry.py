@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import sys
 
-# option -> (keyword, kind); kind: str | float>0 | float>=0 | multi
-_RUN_OPTIONS = {
-    "--role": ("role", "str"), "--run-id": ("run_id", "str"), "--agent": ("agent_id", "str"),
-    "--cell": ("cell_id", "str"), "--workdir": ("workdir", "str"), "--timeout": ("timeout", "pos"),
-    "--lock-timeout": ("lock_timeout", "nonneg"), "--env": ("env", "multi"), "--receipt": ("receipt_file", "str"),
-}
-_DEFAULTS = {"role": "executor", "run_id": "default", "agent_id": "default", "cell_id": None, "workdir": None,
-             "timeout": None, "lock_timeout": None, "env": [], "receipt_file": None}
+def _run_options() -> tuple[dict, dict]:
+    """{flag: (keyword, kind)} and {keyword: default} of `run`, from request.CellRequest."""
+    from .request import CellRequest
+    flags, defaults = {}, {}
+    for name, o in CellRequest.options().items():
+        if o.flags:
+            defaults[name] = o.default
+            for flag in o.flags:
+                flags[flag] = (name, o.kind)
+    return flags, defaults
 
 
 def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
@@ -36,7 +38,8 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
     if i >= len(argv) or state_dir == "":
         return None
     i += 1
-    opts = {**_DEFAULTS, "env": []}
+    options, defaults = _run_options()
+    opts = {**defaults, "env": []}
     while i < len(argv):
         a = argv[i]
         if a == "--":
@@ -45,7 +48,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         if not a.startswith("-") or a == "-":
             break
         name, eq, value = a.partition("=")
-        if name not in _RUN_OPTIONS:
+        if name not in options:
             return None
         if not eq:
             if i + 1 >= len(argv):
@@ -53,7 +56,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             value, i = argv[i + 1], i + 2
         else:
             i += 1
-        key, kind = _RUN_OPTIONS[name]
+        key, kind = options[name]
         if kind in ("pos", "nonneg"):
             try:
                 v = float(value)
@@ -62,7 +65,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             if v != v or (kind == "pos" and v <= 0) or (kind == "nonneg" and v < 0):
                 return None
             opts[key] = v
-        elif kind == "multi":
+        elif kind == "env":
             opts[key].append(value)
         else:
             opts[key] = value
@@ -81,14 +84,14 @@ def main() -> None:
         cli_main()
         return
     state_dir, opts, command = parsed
-    from .errors import AgnsupError
+    from .errors import AgnsupError, exit_code
     from .tool import run_process
     try:
         result = run_process(command, state_dir=state_dir, capture=False, entry="cli", forward_signals=True,
                              exit_after=True, **opts)
     except AgnsupError as e:
         sys.stderr.write(f"agnsup: {e.message}\n")
-        sys.exit(e.exit_code)
+        sys.exit(exit_code(e))
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

@@ -1,31 +1,40 @@
-"""agnsup's errors. The CLI is the only place that turns them into exit codes.
+"""agnsup's errors, and the one table that turns them into exit codes.
 
-    AgnsupError                 exit 125: agnsup itself could not do its job
-    ├── UsageError              a bad option or id
-    ├── PolicyError             a malformed policy file or an unknown role
-    ├── StateError              the state root or journal is unusable
-    ├── SetupError              a cell could not be built (names the failed step)
-    ├── LockTimeout             exit 75: the worktree lock was not free in time
-    ├── UnknownId               exit 1: an id the journal never saw
-    ├── RunNotActive            exit 1: the run was cancelled or recovered
-    ├── AmbiguousId             exit 1: a cell id that names cells in several runs
-    ├── CellsStillRunning       exit 1: cleanup of a run whose cells still run
-    ├── NoServer                exit 125: no serve controller listens on the socket
-    ├── CancelledBeforeStart    exit 143: cancelled between intent and exec
-    ├── Denied                  exit 126: governance refused the command
-    ├── NotExecutable           exit 126: found but cannot be executed
-    └── NotFound                exit 127: not found on the cell's PATH
+    AgnsupError                 125  agnsup itself could not do its job
+    ├── UsageError              125  a bad option, id or argument
+    ├── PolicyError             125  a malformed policy file or an unknown role
+    ├── StateError              125  the state root or journal is unusable
+    ├── SetupError              125  a cell could not be built (names the failed step)
+    ├── NoServer                125  no serve controller listens on the socket
+    ├── LockTimeout              75  the worktree lock was not free in time (EX_TEMPFAIL)
+    ├── UnknownId                 1  an id the journal never saw
+    ├── RunNotActive              1  the run was cancelled, or the cell id is taken
+    ├── AmbiguousId               1  a cell id that names cells in several runs
+    ├── CellsStillRunning         1  cleanup of a run whose cells still run
+    ├── CancelledBeforeStart    143  cancelled between intent and exec (what a cell
+    │                                cancelled a moment later ends with: 128+SIGTERM)
+    ├── Denied                  126  governance refused the command
+    ├── NotExecutable           126  found but cannot be executed
+    └── NotFound                127  not found on the cell's PATH
+
+Only front doors look at the table: the CLI exits with `exit_code(e)`; the
+Python tool API and the serve protocol return `as_value(e)`, and the serve
+client turns such a value back into the same error with `from_value`.
+A cell's own exit status (the command's, 128+N, 124 for a timeout) is not an
+error: `supervisor.Outcome` decides it.
 """
 from __future__ import annotations
 
 
 class AgnsupError(Exception):
-    exit_code = 125
-
     def __init__(self, message: str, **details):
         super().__init__(message)
         self.message = message
         self.details = details
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self)
 
 
 class UsageError(AgnsupError):
@@ -44,41 +53,71 @@ class SetupError(AgnsupError):
     pass
 
 
-class LockTimeout(AgnsupError):
-    exit_code = 75  # EX_TEMPFAIL, sysexits(3): try again later
-
-
-class UnknownId(AgnsupError):
-    exit_code = 1
-
-
-class RunNotActive(AgnsupError):
-    exit_code = 1
-
-
-class AmbiguousId(AgnsupError):
-    exit_code = 1
-
-
-class CellsStillRunning(AgnsupError):
-    exit_code = 1
-
-
 class NoServer(AgnsupError):
     pass
 
 
+class LockTimeout(AgnsupError):
+    pass
+
+
+class UnknownId(AgnsupError):
+    pass
+
+
+class RunNotActive(AgnsupError):
+    pass
+
+
+class AmbiguousId(AgnsupError):
+    pass
+
+
+class CellsStillRunning(AgnsupError):
+    pass
+
+
 class CancelledBeforeStart(AgnsupError):
-    exit_code = 128 + 15  # what a cell cancelled a moment later would have ended with
+    pass
 
 
 class Denied(AgnsupError):
-    exit_code = 126
+    pass
 
 
 class NotExecutable(AgnsupError):
-    exit_code = 126
+    pass
 
 
 class NotFound(AgnsupError):
-    exit_code = 127
+    pass
+
+
+EXIT_CODES: dict[type, int] = {
+    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 1, AmbiguousId: 1, CellsStillRunning: 1,
+    CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
+}
+
+
+def exit_code(e: BaseException) -> int:
+    """The CLI's exit status for `e` (its nearest class in EXIT_CODES; 125 for anything else)."""
+    for cls in type(e).__mro__:
+        if cls in EXIT_CODES:
+            return EXIT_CODES[cls]
+    return 125
+
+
+def as_value(e: AgnsupError) -> dict:
+    """The error as a front door returns it instead of raising (tool API, serve)."""
+    out = {"error": e.message, "error_type": type(e).__name__, "exit_code": exit_code(e)}
+    if "decision" in e.details:
+        out["decision"] = e.details["decision"]
+    return out
+
+
+def from_value(v: dict) -> AgnsupError:
+    """The error an `as_value` dict describes (the serve client raises it)."""
+    cls = globals().get(str(v.get("error_type")))
+    if not (isinstance(cls, type) and issubclass(cls, AgnsupError)):
+        cls = AgnsupError
+    return cls(v.get("error") or "request failed", **({"decision": v["decision"]} if "decision" in v else {}))

@@ -1,4 +1,4 @@
-"""The journal: SQLite in WAL mode under the state root.
+"""The journal store: SQLite in WAL mode under the state root, and the only module with SQL.
 
 Writes go through `tx()` (BEGIN IMMEDIATE ... COMMIT) so each change is whole
 or absent after a crash. synchronous=NORMAL: in WAL mode a commit survives the
@@ -7,7 +7,18 @@ last commits, and a power cut also ends every process they described. The
 same holds for a process that exits without closing its connection (the CLI
 does, to skip the checkpoint-on-close): the WAL it leaves is folded into the
 database by a later writer's automatic checkpoint.
-Migrations are the numbered files in `journal/`, applied in order.
+
+The state machine lives here and is checked on every change:
+
+    cell:  starting -> running -> one of TERMINAL_CELL;  starting -> TERMINAL_CELL
+           (a terminal cell never changes again)
+    run:   active -> cancelled | finished | recovered
+           finished | recovered -> active  (a new cell reopens the run: event `run.reopened`)
+           cancelled: final (a cancelled run refuses every new cell)
+
+Migrations are the numbered files in `journal/`, applied in order; in them
+`@TERMINAL_CELL@` stands for the quoted list of terminal cell states, so the
+partial index and the queries it serves are spelled from one constant.
 """
 from __future__ import annotations
 
@@ -24,10 +35,18 @@ try:
 except ImportError:  # pragma: no cover - an interpreter without the private name
     import sqlite3
 
-from .errors import StateError
+from .errors import CancelledBeforeStart, RunNotActive, StateError
 
 TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 TERMINAL_RUN = ("cancelled", "finished", "recovered")
+CELL_FLOW = {"starting": ("running", *TERMINAL_CELL), "running": TERMINAL_CELL}
+RUN_FLOW = {"active": TERMINAL_RUN, "finished": ("active",), "recovered": ("active",), "cancelled": ()}
+
+_TERMINAL_SQL = ",".join(f"'{s}'" for s in TERMINAL_CELL)
+LIVE_CELL = f"state NOT IN ({_TERMINAL_SQL})"  # the cells_live partial index's predicate, to the letter
+OPEN_SQL = ("SELECT id, boot_id, lock_path FROM controllers WHERE ended_at IS NULL "
+            "UNION SELECT c.id, c.boot_id, c.lock_path FROM cells x JOIN controllers c ON c.id = x.controller_id "
+            "WHERE x." + LIVE_CELL)
 
 
 def _migrations() -> list[tuple[int, str]]:
@@ -36,7 +55,7 @@ def _migrations() -> list[tuple[int, str]]:
     for entry in files("agnsup.migrations").iterdir():
         name = entry.name
         if name.endswith(".sql") and name[:4].isdigit():
-            out.append((int(name[:4]), entry.read_text()))
+            out.append((int(name[:4]), entry.read_text().replace("@TERMINAL_CELL@", _TERMINAL_SQL)))
     return sorted(out)
 
 
@@ -60,9 +79,9 @@ class Journal:
         if mode != "wal":
             raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
         if version == 0 or version < _latest():
-            self._migrate(version)
+            self._migrate()
 
-    def _migrate(self, version: int) -> None:
+    def _migrate(self) -> None:
         try:
             with self.tx():
                 current = self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -78,7 +97,8 @@ class Journal:
     @contextmanager
     def tx(self, crash_point: str | None = None):
         """One write transaction. `crash_point` names a test-only crash point
-        fired after the statements ran and before COMMIT (crashpoints.py)."""
+        fired after the statements ran and before COMMIT (crashpoints.py).
+        An SQLite error inside it rolls back and becomes a StateError."""
         lock = self.lock
         if lock is not None:
             lock.acquire()
@@ -93,11 +113,13 @@ class Journal:
                     from . import crashpoints
                     crashpoints.hit(crash_point)
                 self.db.execute("COMMIT")
-            except BaseException:
+            except BaseException as e:
                 try:
                     self.db.execute("ROLLBACK")
                 except sqlite3.Error:
                     pass
+                if isinstance(e, sqlite3.Error):
+                    raise StateError(f"journal {self.path}: cannot write: {e}") from None
                 raise
         finally:
             if lock is not None:
@@ -106,10 +128,29 @@ class Journal:
     def close(self) -> None:
         self.db.close()
 
-    # -- writes -----------------------------------------------------------
+    def _one(self, sql: str, args: tuple = ()):
+        lock = self.lock
+        if lock is None:
+            return self.db.execute(sql, args).fetchone()
+        with lock:
+            return self.db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list:
+        lock = self.lock
+        if lock is None:
+            return self.db.execute(sql, args).fetchall()
+        with lock:
+            return self.db.execute(sql, args).fetchall()
+
+    # -- events and controllers -------------------------------------------
     def event(self, db, kind: str, run_id=None, cell_id=None, **data) -> None:
         db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)",
                    (time.time(), run_id, cell_id, kind, json.dumps(data) if data else None))
+
+    def add_event(self, kind: str, run_id=None, cell_id=None, **data) -> None:
+        """One event in a transaction of its own."""
+        with self.tx() as db:
+            self.event(db, kind, run_id, cell_id, **data)
 
     def register_controller(self, row: dict, db=None) -> None:
         """The controller instance's row, in its own transaction or in the caller's `db`."""
@@ -125,40 +166,242 @@ class Journal:
             with self.tx() as db:
                 self.end_controller(cid, db)
             return
-        db.execute("UPDATE controllers SET ended_at=? WHERE id=?", (time.time(), cid))
+        db.execute("UPDATE controllers SET ended_at=? WHERE id=? AND ended_at IS NULL", (time.time(), cid))
 
-    def update_cell(self, db, run_id: str, cell_id: str, **fields) -> None:
+    def open_controllers(self) -> list:
+        """(id, boot_id, lock_path) of every controller not ended or with a live cell."""
+        return self._all(OPEN_SQL)
+
+    def controller(self, cid: str):
+        return self._one("SELECT * FROM controllers WHERE id=?", (cid,))
+
+    # -- a cell's life ------------------------------------------------------
+    def begin_cell(self, row: dict, trace: list, admit=None, controller: dict | None = None) -> None:
+        """The intent: the cell row (state `starting`) and its stage events, in one
+        transaction. The run is created, reopened (finished or recovered before:
+        event `run.reopened`) or refused (cancelled: RunNotActive); a cell id is
+        never reused in a run. `admit(usage)` judges run quotas with counts taken
+        inside this transaction (race-free) and raises to refuse; `controller`: a
+        one-cell controller's own row, registered in the same transaction."""
+        run_id, cell_id = row["run_id"], row["cell_id"]
+        with self.tx() as db:
+            if controller is not None:
+                self.register_controller(controller, db)
+            run = db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()
+            if run is None:
+                db.execute("INSERT INTO runs(run_id, state, created_at) VALUES (?, 'active', ?)",
+                           (run_id, row["created_at"]))
+            elif run["state"] == "cancelled":
+                raise RunNotActive(f"run {run_id!r} was cancelled; it accepts no new cells (use another --run-id)")
+            elif run["state"] != "active":
+                self._move_run(db, run_id, run["state"], "active", ended_at=None)
+                self.event(db, "run.reopened", run_id, cell_id, was=run["state"])
+            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone():
+                raise RunNotActive(f"cell {cell_id!r} already exists in run {run_id!r}; cell ids are never reused")
+            if admit is not None:
+                admit(self._quota_usage(db, run_id, row["agent_id"], row["created_at"]))
+            cols = ", ".join(row)
+            db.execute(f"INSERT INTO cells({cols}, state) VALUES ({', '.join(':' + k for k in row)}, 'starting')",
+                       row)
+            for st in trace:
+                self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
+            self.event(db, "state.starting", run_id, cell_id)
+
+    def _quota_usage(self, db, run_id: str, agent_id: str, now: float) -> tuple[int, int, int, float | None]:
+        """(cells in the run, live cells of the run, live cells of the agent, run age in s or None)."""
+        row = db.execute(f"SELECT COUNT(*), COALESCE(SUM({LIVE_CELL}), 0), COALESCE(SUM({LIVE_CELL} AND agent_id=?), 0)"
+                         " FROM cells WHERE run_id=?", (agent_id, run_id)).fetchone()
+        run = db.execute("SELECT created_at FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        age = None if run is None or run[0] is None else max(0.0, now - run[0])
+        return row[0], row[1], row[2], age
+
+    def stage(self, run_id: str, cell_id: str, st: dict, **fields) -> None:
+        """A stage of the chain (and the cell fields it produced), in one transaction."""
+        with self.tx() as db:
+            if fields:
+                self._set(db, run_id, cell_id, fields)
+            self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
+
+    def commit_identity(self, run_id: str, cell_id: str, ident: dict, st: dict) -> None:
+        """The leader's identity, before it may exec. A cancel recorded meanwhile
+        wins: CancelledBeforeStart, and the command never runs. The crash point
+        "journal_tx" dies inside this transaction (SQLite rolls it back)."""
+        with self.tx(crash_point="journal_tx") as db:
+            why = db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
+                             (run_id, cell_id)).fetchone()[0]
+            if why:
+                raise CancelledBeforeStart(f"cell {cell_id} of run {run_id} was {why} before it started")
+            self._set(db, run_id, cell_id, {k: ident[k] for k in ("pid", "pidfd_ino", "starttime", "pgid")}
+                      | {"started_at": ident["started_at"]})
+            self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
+
+    def mark_running(self, run_id: str, cell_id: str) -> None:
+        with self.tx() as db:
+            self._move_cell(db, run_id, cell_id, "running")
+            self.event(db, "state.running", run_id, cell_id)
+
+    def cancel_reason(self, run_id: str, cell_id: str) -> str | None:
+        """The first cancel recorded for the cell by any process, or None."""
+        row = self._one("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id))
+        return row[0] if row else None
+
+    def conclude_cell(self, receipt: dict, receipt_path: str | None, end_controller: str | None = None) -> None:
+        """The cell's terminal state and its receipt, in one transaction (with
+        `end_controller`: a one-cell controller ends with its cell)."""
+        run_id, cell_id = receipt["run_id"], receipt["cell_id"]
+        with self.tx() as db:
+            self._move_cell(db, run_id, cell_id, receipt["state"], ended_at=receipt["ended_at"],
+                            exit_code=receipt["exit_code"], signal=receipt["signal"], reason=receipt["reason"],
+                            receipt_path=receipt_path)
+            self._add_receipt(db, "cell", run_id, cell_id, receipt)
+            self.event(db, "state." + receipt["state"], run_id, cell_id, reason=receipt["reason"],
+                       exit_code=receipt["exit_code"])
+            if end_controller:
+                self.end_controller(end_controller, db)
+
+    def _set(self, db, run_id: str, cell_id: str, fields: dict) -> None:
+        assert "state" not in fields, "cell states change only through _move_cell"
+        if not fields:
+            return
         cols = ", ".join(f"{k}=:{k}" for k in fields)
-        db.execute(f"UPDATE cells SET {cols} WHERE run_id=:_r AND cell_id=:_c",
-                   {**fields, "_r": run_id, "_c": cell_id})
+        db.execute(f"UPDATE cells SET {cols} WHERE run_id=:_r AND cell_id=:_c", {**fields, "_r": run_id, "_c": cell_id})
 
-    def add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
+    def _move_cell(self, db, run_id: str, cell_id: str, state: str, **fields) -> None:
+        row = db.execute("SELECT state FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone()
+        if row is None:
+            raise StateError(f"journal {self.path}: no cell {cell_id!r} in run {run_id!r}")
+        if state not in CELL_FLOW.get(row[0], ()):
+            raise StateError(f"journal {self.path}: cell {cell_id} of run {run_id} cannot go from {row[0]} to {state}")
+        self._set(db, run_id, cell_id, fields)
+        db.execute("UPDATE cells SET state=? WHERE run_id=? AND cell_id=?", (state, run_id, cell_id))
+
+    def _move_run(self, db, run_id: str, was: str, state: str, **fields) -> None:
+        if state not in RUN_FLOW.get(was, ()):
+            raise StateError(f"journal {self.path}: run {run_id} cannot go from {was} to {state}")
+        sets = "".join(f", {k}=:{k}" for k in fields)
+        db.execute(f"UPDATE runs SET state=:state{sets} WHERE run_id=:run_id AND state=:was",
+                   {**fields, "state": state, "run_id": run_id, "was": was})
+
+    def record_denied(self, run_id: str, cell_id: str, **data) -> None:
+        """A denied call starts nothing, but the journal remembers it was asked."""
+        self.add_event("denied", run_id, cell_id, **data)
+
+    def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
                    (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))
 
+    # -- cancel and cleanup ---------------------------------------------------
+    @staticmethod
+    def _scope_where(kind: str, run_id, agent_id, cell_id) -> tuple[str, tuple]:
+        return {"cell": ("run_id=? AND cell_id=?", (run_id, cell_id)),
+                "agent": ("run_id=? AND agent_id=?", (run_id, agent_id)),
+                "run": ("run_id=?", (run_id,)), "all": ("1=1", ())}[kind]
+
+    def cell_runs(self, cell_id: str) -> list[str]:
+        """The runs that hold a cell with this id."""
+        return [r[0] for r in self._all("SELECT run_id FROM cells WHERE cell_id=? ORDER BY run_id", (cell_id,))]
+
+    def has_agent(self, run_id: str, agent_id: str) -> bool:
+        return self._one("SELECT 1 FROM cells WHERE run_id=? AND agent_id=? LIMIT 1", (run_id, agent_id)) is not None
+
+    def record_cancel(self, kind: str, run_id, agent_id, cell_id, reason: str) -> list:
+        """Every live cell of the scope gets `reason` unless it has one (first
+        reason wins); a run scope also marks the run cancelled. Returns the rows."""
+        where, args = self._scope_where(kind, run_id, agent_id, cell_id)
+        with self.tx() as db:
+            rows = db.execute(f"SELECT * FROM cells WHERE {where} AND {LIVE_CELL} ORDER BY created_at", args).fetchall()
+            for r in rows:
+                db.execute("UPDATE cells SET cancel_reason=? WHERE run_id=? AND cell_id=? AND cancel_reason IS NULL",
+                           (reason, r["run_id"], r["cell_id"]))
+            if kind == "run":
+                db.execute("UPDATE runs SET state='cancelled', ended_at=?, cancel_reason=COALESCE(cancel_reason, ?) "
+                           "WHERE run_id=? AND state='active'", (time.time(), reason, run_id))
+            self.event(db, "cancel", run_id, cell_id, scope=kind, agent_id=agent_id, reason=reason,
+                       cells=[[r["run_id"], r["cell_id"]] for r in rows])
+        return rows
+
+    def cell_state(self, run_id: str, cell_id: str) -> str | None:
+        row = self._one("SELECT state FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id))
+        return row[0] if row else None
+
+    def finish_run(self, run_id: str, items: list) -> None:
+        """Cleanup: an active run with no live cell becomes finished; what was reclaimed is an event."""
+        with self.tx() as db:
+            if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone() is None:
+                db.execute("UPDATE runs SET state='finished', ended_at=? WHERE run_id=? AND state='active'",
+                           (time.time(), run_id))
+            if items:
+                self.event(db, "cleanup", run_id, None, items=items)
+
+    # -- recovery (the janitor) -------------------------------------------------
+    def live_cells_of(self, cid: str) -> list:
+        return self._all(f"SELECT * FROM cells WHERE controller_id=? AND {LIVE_CELL} ORDER BY created_at", (cid,))
+
+    def recovery_plans(self, run_id: str, cell_id: str) -> list[dict]:
+        """What earlier janitors journaled they were about to kill in this cell."""
+        return [json.loads(d or "{}") for (d,) in self._all(
+            "SELECT data FROM events WHERE run_id=? AND cell_id=? AND kind='recovery.kill' ORDER BY id",
+            (run_id, cell_id))]
+
+    def add_recovery_plans(self, plans: list[tuple[str, str, dict]]) -> None:
+        """(run, cell, plan) of one kill round, journaled before the kill: they survive the janitor."""
+        with self.tx() as db:
+            for run_id, cell_id, plan in plans:
+                self.event(db, "recovery.kill", run_id, cell_id, **plan)
+
+    def conclude_recovered(self, cells: list[dict], janitor: str, now: float, receipt_path: str) -> None:
+        """One transaction: every recovered cell terminal, its run `recovered` when no
+        other cell of it lives, a recovery receipt row each. `cells`: dicts with
+        run_id, cell_id, controller and entry (the receipt entry, updated here)."""
+        with self.tx() as db:
+            for c in cells:
+                self._move_cell(db, c["run_id"], c["cell_id"], "recovered", reason="recovered", ended_at=now,
+                                receipt_path=receipt_path)
+                self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor, controller=c["controller"])
+            for c in cells:
+                run_id, entry = c["run_id"], c["entry"]
+                if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
+                    entry["run_state"] = "active"
+                    entry["notes"].append(f"run {run_id} has other live cells: it stays active")
+                else:
+                    cur = db.execute("UPDATE runs SET state='recovered', ended_at=? WHERE run_id=? AND state='active'",
+                                     (now, run_id))
+                    entry["run_state"] = "recovered" if cur.rowcount else \
+                        db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
+                self._add_receipt(db, "recovery", run_id, c["cell_id"], c["receipt"])
+
+    def end_controllers(self, ids: list[str], janitor: str) -> None:
+        with self.tx() as db:
+            for cid in ids:
+                self.end_controller(cid, db)
+                self.event(db, "recovery.controller_ended", controller=cid, janitor=janitor)
+
     # -- reads ------------------------------------------------------------
     def run(self, run_id: str):
-        return self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return self._one("SELECT * FROM runs WHERE run_id=?", (run_id,))
 
     def cell(self, run_id: str, cell_id: str):
-        return self.db.execute("SELECT * FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone()
+        return self._one("SELECT * FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id))
 
-    def cells(self, run_id: str | None = None, live_only: bool = False) -> list:
-        q, args = "SELECT c.*, r.state AS run_state FROM cells c JOIN runs r USING (run_id)", []
-        where = []
+    def cells(self, run_id: str | None = None, live_only: bool = False, scope: tuple | None = None) -> list:
+        """Cells (with their run's state as run_state), oldest first: of one run, live
+        ones only, or of a cancel scope (kind, run_id, agent_id, cell_id)."""
+        q, args, where = "SELECT c.*, r.state AS run_state FROM cells c JOIN runs r USING (run_id)", [], []
         if run_id:
             where.append("c.run_id=?")
             args.append(run_id)
         if live_only:
-            where.append(f"c.state NOT IN ({','.join('?' * len(TERMINAL_CELL))})")
-            args.extend(TERMINAL_CELL)
+            where.append("c." + LIVE_CELL)
+        if scope is not None:
+            w, a = self._scope_where(*scope)
+            where.append(" AND ".join("c." + p for p in w.split(" AND ")))
+            args.extend(a)
         if where:
             q += " WHERE " + " AND ".join(where)
-        return self.db.execute(q + " ORDER BY c.created_at", args).fetchall()
+        return self._all(q + " ORDER BY c.created_at", tuple(args))
 
     def events(self, run_id: str, cell_id: str) -> list:
-        return self.db.execute("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id",
-                               (run_id, cell_id)).fetchall()
+        return self._all("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id", (run_id, cell_id))
 
     def receipts(self, kind: str | None = None, run_id: str | None = None, cell_id: str | None = None) -> list[dict]:
         q, args, where = "SELECT data FROM receipts", [], []
@@ -168,7 +411,11 @@ class Journal:
                 args.append(val)
         if where:
             q += " WHERE " + " AND ".join(where)
-        return [json.loads(r[0]) for r in self.db.execute(q + " ORDER BY id", args)]
+        return [json.loads(r[0]) for r in self._all(q + " ORDER BY id", tuple(args))]
+
+    def query_plan(self, sql: str) -> str:
+        """EXPLAIN QUERY PLAN of one of this module's queries (tests: the indexes serve them)."""
+        return " ".join(r[3] for r in self._all("EXPLAIN QUERY PLAN " + sql))
 
 
 def _latest() -> int:
@@ -184,3 +431,18 @@ def _latest() -> int:
 
 def open_journal(state_root: str) -> Journal:
     return Journal(os.path.join(state_root, "journal.db"))
+
+
+def peek_open_controllers(path: str) -> list | None:
+    """OPEN_SQL on a journal file without opening it for writing (the janitor's
+    start-up probe); None if there is no usable journal."""
+    if not os.path.exists(path):
+        return None
+    try:
+        db = sqlite3.connect(path, timeout=30)
+        try:
+            return db.execute(OPEN_SQL).fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None

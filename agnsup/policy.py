@@ -6,6 +6,12 @@ A file is validated by the pydantic models once; the validated form is cached
 as JSON under `<state>/cache/`, keyed by the file's sha256, so the spawn path
 neither parses TOML nor imports pydantic when nothing changed.
 
+`load` returns a `Frozen` view of the validated policy: every key the models
+define is present (pydantic filled in the defaults once, at validation), so no
+reader re-states a default, and a misspelt key fails loudly. Read it as
+`pol.limits.grace` or `pol["limits"]["grace"]`; `pol._digest`, `pol._file` and
+`pol._preset` say where it came from.
+
 A role may name a preset (`[governance] preset = "regulated"`): a file
 `presets/<name>.toml` next to the roles whose sections the role inherits.
 Keys the role sets win; list keys that deny (`governance.deny_commands`,
@@ -20,7 +26,7 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "4"  # 3: isolation and process sections; 4: filesystem.home, filesystem.home_allow
+CACHE_VERSION = "5"  # 3: isolation and process sections; 4: filesystem.home(_allow); 5: env.passthrough by name
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
@@ -117,8 +123,55 @@ def find(role: str) -> str:
     raise PolicyError(f"unknown role {role!r} (known: {', '.join(known_roles())})")
 
 
-def load(role: str, state_root: str | None = None) -> dict:
-    """The validated policy for `role` as a plain dict, plus "_file" and "_digest"."""
+class Frozen:
+    """A validated policy, or one of its sections: read-only, by attribute or by key."""
+    __slots__ = ("_d",)
+
+    def __init__(self, data: dict):
+        object.__setattr__(self, "_d", data)
+
+    def __getattr__(self, key: str):
+        try:
+            return _frozen(self._d[key])
+        except KeyError:
+            raise AttributeError(f"policy has no key {key!r}") from None
+
+    def __getitem__(self, key: str):
+        return _frozen(self._d[key])
+
+    def get(self, key: str, default=None):
+        return _frozen(self._d[key]) if key in self._d else default
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def keys(self):
+        return self._d.keys()
+
+    def __setattr__(self, key, value):
+        raise AttributeError("a policy is read-only")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Frozen) and self._d == other._d
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Frozen({self._d!r})"
+
+
+def _frozen(v):
+    return Frozen(v) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
+
+
+def load(role: str, state_root: str | None = None) -> Frozen:
+    """The validated policy for `role`, with "_file" and "_digest" (and "_preset")."""
     path = find(role)
     try:
         with open(path, "rb") as f:
@@ -131,7 +184,7 @@ def load(role: str, state_root: str | None = None) -> dict:
     if cache:
         try:
             with open(cache) as f:
-                return json.load(f)
+                return Frozen(json.load(f))
         except (OSError, ValueError):
             pass
     data = validate(raw, path, role)
@@ -142,7 +195,7 @@ def load(role: str, state_root: str | None = None) -> dict:
             data["_digest"] = "sha256:" + sha256(raw + b"\0" + f.read()).hexdigest()
     if cache:
         _write_cache(cache, data)
-    return data
+    return Frozen(data)
 
 
 def _read_toml(raw: bytes, path: str) -> dict:
@@ -246,7 +299,7 @@ def validate(raw: bytes, path: str, role: str | None = None) -> dict:
         raise PolicyError(f"{where}: key {key}: {msg}{more}") from None
     if role is not None and pol.role.name != role:
         raise PolicyError(f"{path}: key role.name: is {pol.role.name!r} but the file is for role {role!r}")
-    data = pol.model_dump(by_alias=True)
+    data = pol.model_dump()
     if preset:
         data["_preset"] = preset
     return data

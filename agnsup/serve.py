@@ -27,10 +27,8 @@ import socket
 import sys
 import threading
 
-from .errors import AgnsupError, NoServer, UsageError
+from .errors import AgnsupError, NoServer, UsageError, as_value, from_value
 
-SPAWN_KEYS = ("role", "run_id", "agent_id", "cell_id", "workdir", "timeout", "lock_timeout", "env", "host_env",
-              "receipt_file")
 MAX_REQUEST = 8 << 20
 
 
@@ -91,9 +89,7 @@ class Client:
                 break
             print(resp["note"], file=sys.stderr, flush=True)
         if not resp.pop("ok", False):
-            err = AgnsupError(resp.get("error", "serve: request failed"))
-            err.exit_code = int(resp.get("exit_code", 125))
-            raise err
+            raise from_value(resp)
         return resp
 
     def close(self) -> None:
@@ -203,32 +199,23 @@ class Server:
                 raise UsageError(f"unknown op {op!r}")
             return {"ok": True, **fn(req, note)}
         except AgnsupError as e:
-            return {"ok": False, "error": e.message, "exit_code": e.exit_code}
+            return {"ok": False, **as_value(e)}
         except (ValueError, TypeError, KeyError) as e:
-            return {"ok": False, "error": f"bad request: {e}", "exit_code": 125}
+            return {"ok": False, **as_value(UsageError(f"bad request: {e}"))}
         except OSError as e:
-            return {"ok": False, "error": f"serve: {e}", "exit_code": 125}
+            return {"ok": False, **as_value(AgnsupError(f"serve: {e}"))}
 
     # ops
     def op_ping(self, req: dict, note) -> dict:
         return {"controller": self.sup.controller_id, "pid": os.getpid()}
 
-    def _spawn_args(self, req: dict) -> tuple[list, dict]:
-        argv = req.pop("argv")
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-            raise UsageError("argv must be a non-empty list of strings")
-        unknown = set(req) - set(SPAWN_KEYS)
-        if unknown:
-            raise UsageError(f"unknown spawn option(s): {', '.join(sorted(unknown))}")
-        return argv, {k: v for k, v in req.items() if v is not None}
-
     def op_spawn(self, req: dict, note) -> dict:
-        argv, opts = self._spawn_args(req)
-        return self.sup.spawn(argv, entry="serve", notify=note, **opts)
+        """The request's keys are request.CellRequest's (argv and its options), checked there."""
+        req.pop("entry", None)  # which front door asked is the server's to say
+        return self.sup.spawn(req.pop("argv", None), entry="serve", notify=note, **req)
 
     def op_run(self, req: dict, note) -> dict:
-        argv, opts = self._spawn_args(req)
-        h = self.sup.spawn(argv, entry="serve", notify=note, **opts)
+        h = self.op_spawn(req, note)
         return self.sup.wait(h["run_id"], h["cell_id"])
 
     def op_wait(self, req: dict, note) -> dict:

@@ -23,8 +23,8 @@ from .errors import UnknownId
 
 
 class _Running:
-    def __init__(self, cell, capture: bool):
-        self.cell, self.capture = cell, capture
+    def __init__(self, cell, request):
+        self.cell, self.request = cell, request
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: BaseException | None = None
@@ -47,40 +47,34 @@ class Supervisor:
         return self.ctl.id
 
     # -- start ------------------------------------------------------------
-    def spawn(self, argv: list[str], *, role: str = "executor", run_id: str = "default",
-              agent_id: str = "default", cell_id: str | None = None, workdir: str | None = None,
-              timeout: float | None = None, lock_timeout: float | None = None,
-              env: list[str] | dict | None = None, host_env: dict | None = None, capture: bool = True,
-              receipt_file: str | None = None, entry: str = "api", notify=None) -> dict:
+    def spawn(self, argv: list[str], *, notify=None, **options) -> dict:
         """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup}.
-        Raises AgnsupError (denied, not found, lock timeout...) like run_process.
-        A held worktree lock is waited for; `notify(line)` hears about it (default: stderr)."""
+        `options` are request.CellRequest's (role, run_id, agent_id, cell_id, workdir,
+        timeout, lock_timeout, env, host_env, capture, receipt_file, entry), all checked
+        before anything is created. Raises AgnsupError (denied, not found, lock
+        timeout...) like run_process. A held worktree lock is waited for;
+        `notify(line)` hears about it (default: stderr)."""
+        from .request import CellRequest
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
-        plan, decision, trail, trace = prepare(self.state, argv, role=role, run_id=run_id, agent_id=agent_id,
-                                               cell_id=cell_id, workdir=workdir, timeout=timeout,
-                                               lock_timeout=lock_timeout, env=env, entry=entry, host_env=host_env)
-        cell = self.ctl.start(plan, decision, trail, trace, capture=capture, notify=notify)
-        r = _Running(cell, capture)
+        options.setdefault("entry", "api")
+        request = CellRequest.make(argv, **options)
+        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify)
+        r = _Running(cell, request)
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
-        t = threading.Thread(target=self._supervise, args=(r, receipt_file), name=f"cell-{key[1]}", daemon=True)
+        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         t.start()
         return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
-                "pid": cell.identity["pid"], "cgroup": cell.node.primary[1] if cell.node and cell.node.primary
-                else None, "controller": self.ctl.id}
+                "pid": cell.identity["pid"], "cgroup": cell.place.dir, "controller": self.ctl.id}
 
-    def _supervise(self, r: _Running, receipt_file: str | None) -> None:
-        from .tool import cell_result
+    def _supervise(self, r: _Running) -> None:
+        from .tool import ended
         try:
-            outcome = self.ctl.waiter(r.cell).wait()
-            receipt = self.ctl.finish(r.cell, outcome)
-            if receipt_file:
-                from . import receipts
-                receipts.write(receipt_file, receipt)
-            r.result = cell_result(receipt, r.cell.plan.cell_dir, r.capture)
+            receipt = self.ctl.finish(r.cell, self.ctl.waiter(r.cell).wait())
+            r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
         finally:
@@ -106,28 +100,20 @@ class Supervisor:
         return r.result
 
     def _ended(self, run_id: str, cell_id: str) -> dict:
-        from .tool import cell_result
-        j = self.state.journal()
-        try:
-            row = j.cell(run_id, cell_id)
-            if row is None:
-                raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
-            recs = j.receipts("cell", run_id, cell_id)
-        finally:
-            j.close()
+        from .tool import ended
+        row = self.ctl.journal.cell(run_id, cell_id)
+        if row is None:
+            raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+        recs = self.ctl.journal.receipts("cell", run_id, cell_id)
         if not recs:
             return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
                     "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
-        return cell_result(recs[-1], os.path.join(self.state.path, "cells", run_id, cell_id), False)
+        return ended(recs[-1], self.state.cell_dir(run_id, cell_id), capture=False)
 
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
         from . import cancel as cancelmod
-        j = self.state.journal()
-        try:
-            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
-        finally:
-            j.close()
+        scope = cancelmod.resolve(self.ctl.journal, cell_id, run_id, agent_id, everything)
         return cancelmod.cancel(self.state, scope, grace, by=f"supervisor {self.ctl.id} (pid {os.getpid()})")
 
     def cleanup(self, run_id: str) -> dict:

@@ -13,26 +13,12 @@ import os
 import sys
 
 from .errors import NotFound, NotExecutable, UsageError
-from .record import Factory, Record
+from .record import Record
 from .state import check_id
 
 TOKEN_VAR = "AGNSUP_CELL_TOKEN"
 IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR)
 CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"
-
-
-class ToolCall(Record):
-    """What an entry point received: the public run_process arguments."""
-    argv: list[str]
-    role: str = "executor"
-    run_id: str = "default"
-    agent_id: str = "default"
-    cell_id: str | None = None
-    workdir: str | None = None
-    timeout: float | None = None
-    lock_timeout: float | None = None
-    env: list[str] = Factory(list)   # "KEY=VALUE" or "KEY" (take the host's value)
-    entry: str = "api"                             # cli | api | tool | serve
 
 
 class CellSpec(Record):
@@ -54,10 +40,9 @@ def new_cell_id() -> str:
     return "c-" + os.urandom(4).hex()  # os.urandom is what `secrets` uses, without its imports
 
 
-def build(call: ToolCall, policy: dict, host_env: dict[str, str] | None = None) -> CellSpec:
-    host_env = os.environ if host_env is None else host_env
-    if not call.argv:
-        raise UsageError("no command given (usage: agnsup run [OPTIONS] -- CMD [ARG...])")
+def build(call, policy) -> CellSpec:
+    """The CellSpec of a request.CellRequest under a role's (policy.Frozen) policy."""
+    host_env = os.environ if call.host_env is None else call.host_env
     run_id = check_id("run", call.run_id)
     agent_id = check_id("agent", call.agent_id)
     cell_id = check_id("cell", call.cell_id or new_cell_id())
@@ -73,15 +58,15 @@ def build(call: ToolCall, policy: dict, host_env: dict[str, str] | None = None) 
         env[k], src[k] = v, s
 
     runtime = os.path.dirname(sys.executable)
-    put("PATH", ":".join(runtime if d == "@runtime" else d for d in policy["env"]["path"]), "policy")
+    put("PATH", ":".join(runtime if d == "@runtime" else d for d in policy.env.path), "policy")
     put("HOME", CELL_HOME, "agnsup")
     put("TMPDIR", CELL_TMP, "agnsup")
-    put("LANG", policy["env"].get("lang", "C.UTF-8"), "policy")
+    put("LANG", policy.env.lang, "policy")
     put("AGNSUP_RUN_ID", run_id, "agnsup")
     put("AGNSUP_AGENT_ID", agent_id, "agnsup")
     put("AGNSUP_CELL_ID", cell_id, "agnsup")
     put(TOKEN_VAR, token, "agnsup")
-    for k in policy["env"].get("pass", []):
+    for k in policy.env.passthrough:
         if k in host_env:
             put(k, host_env[k], "host")
     for item in call.env:

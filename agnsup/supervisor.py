@@ -43,11 +43,11 @@ import signal
 import time
 
 from . import crashpoints
-from .errors import NotExecutable, NotFound, SetupError
+from .errors import CancelledBeforeStart, NotExecutable, NotFound, SetupError, exit_code
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import cgroup, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
+from .linux import landlock, mounts, netns, pidfd, pidinit, proc, seccomp
 from .linux import sys as lsys
 from .record import Record
 
@@ -61,17 +61,42 @@ class Child(Record):
     identity: dict
     status_fd: int | None = None  # PID namespace: the init reports the command's status here
     cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
+    barrier_fd: int | None = None  # written once the identity is journaled: then it may exec
+    report_fd: int | None = None   # the child's setup error, or EOF once execve worked
 
 
 class Outcome(Record):
     exit_code: int          # what the controller exits with (128+N for signal N)
     status: int | None      # the command's own exit status, if it exited
     signal: int | None      # the signal that killed the leader, if any
-    reason: str             # exited | killed | timeout | cancelled | output_limit | oom
+    reason: str             # exited | killed | timeout | cancelled | output_limit | oom | <error class>
     state: str              # the cell's terminal state
     cancel_reason: str | None = None
     kill_method: str | None = None
     leftover: list | None = None  # pids still in the cell after the leader ended
+
+    @classmethod
+    def of(cls, reason: str, status: int | None, sig: int | None, **more) -> "Outcome":
+        """The one place a cell's exit status and terminal state are decided (cli.md):
+        the command's own status; 128+N when signal N ended it; 124 for a timeout; a
+        cancelled cell that exited by itself after SIGTERM still ends 128+SIGTERM."""
+        if reason == "timeout":
+            code, state = 124, "timeout"
+        elif reason == "cancelled":
+            code, state = (128 + sig if sig is not None else 128 + signal.SIGTERM), "cancelled"
+        else:
+            code = status if status is not None else 128 + sig
+            # a broken limit (output_limit, oom) is a kill by the supervisor
+            state = "killed" if reason in ("output_limit", "oom") or status is None else "exited"
+        return cls(exit_code=code, status=status, signal=sig, reason=reason, state=state, **more)
+
+    @classmethod
+    def failed(cls, error: Exception, cancel_reason: str | None = None) -> "Outcome":
+        """A cell that never ran its command."""
+        if isinstance(error, CancelledBeforeStart):
+            return cls(exit_code=exit_code(error), status=None, signal=None, reason="cancelled", state="cancelled",
+                       cancel_reason=cancel_reason)
+        return cls(exit_code=exit_code(error), status=None, signal=None, reason=type(error).__name__, state="failed")
 
 
 class _Confinement(Record):
@@ -84,7 +109,7 @@ class _Step:
     name = "start"
 
 
-def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
+def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
            status_w: int | None, controller: int, born_in: tuple[str, ...] = ()) -> None:
     """Runs in the forked child; never returns."""
     at = _Step()
@@ -97,8 +122,7 @@ def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _C
         at.name = "setsid"
         os.setsid()
         at.name = "cgroup"
-        if node is not None:
-            cgroup.join_self(node, skip=born_in)
+        backend.attach(place, 0, skip=born_in)
         at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
@@ -205,9 +229,11 @@ def _prepare(plan) -> _Confinement:
     return conf
 
 
-def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
-    """Fork the cell leader; journal its identity through `on_identity(identity)`
-    before it may exec; return once execve succeeded (or raise)."""
+def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
+    """Fork the cell leader into `place` and hold it at the barrier.
+
+    Returns with the child's identity; the caller journals it and then lets the
+    command run with `release(plan, child)`, or never with `abandon(child)`."""
     try:
         conf = _prepare(plan)
     except OSError as e:
@@ -222,11 +248,11 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
     try:
         if plan.pid_namespace:
             status_r, status_w = os.pipe()
-        pid, fd = _clone_into_cgroup(node, plan.pid_namespace)
+        pid, fd = _clone_into_cgroup(backend.clone_dir(place), plan.pid_namespace)
         if pid is not None:
             # born in v2; the controller moves it into the other hierarchies
             # below, while the child builds its namespaces
-            born_in = tuple(node.paths)
+            born_in = ("v2",)
         elif plan.pid_namespace:
             pid = _fork_into_new_pid_namespace()
         else:
@@ -244,51 +270,82 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(err_r)
         if status_r is not None:
             os.close(status_r)
-        _child(plan, node, barrier_r, err_w, stdio, conf, status_w, controller, born_in)
+        _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born_in)
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:
         os.close(status_w)
     if conf.ruleset:
         conf.ruleset.close()
+    child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
+                  cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
     try:
         if born_in:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
             # cgroup_threadgroup_rwsem): made here, it overlaps the child's own
             # setup instead of adding to it. Done before the barrier, so the
             # command still never runs outside any of its cgroups.
-            cgroup.attach(node, pid, skip=("v2",))
-        if fd is None:
-            fd = os.pidfd_open(pid)
+            backend.attach(place, pid, skip=born_in)
+        if child.pidfd is None:
+            child.pidfd = os.pidfd_open(pid)
         st = proc.stat(pid)
-        identity = {"pid": pid, "pidfd_ino": pidfd.inode(fd) if pidfd.has_pidfs() else None,
-                    "starttime": st.starttime if st else None, "pgid": pid, "boot_id": proc.boot_id()}
-        on_identity(identity)
-        os.write(barrier_w, b"1")
+        child.identity = {"pid": pid, "pidfd_ino": pidfd.inode(child.pidfd) if pidfd.has_pidfs() else None,
+                          "starttime": st.starttime if st else None, "pgid": pid, "boot_id": proc.boot_id()}
     except BaseException as e:
-        # The child sees EOF at the barrier and exits without exec.
-        os.close(barrier_w)
-        # A child that failed its own setup meanwhile (gone: no such process
-        # to move, no reader at the barrier) has written why: that is the error.
-        report = _read_all(err_r) if isinstance(e, (ProcessLookupError, BrokenPipeError)) else os.close(err_r)
-        if status_r is not None:
-            os.close(status_r)
-        if fd is not None:
-            os.close(fd)
-        _reap(pid)
+        # A child that failed its own setup meanwhile (gone: no such process to
+        # move) has written why: that is the error.
+        report = abandon(child, read_report=isinstance(e, ProcessLookupError))
         if report:
             raise _child_error(plan, report) from None
         raise
-    os.close(barrier_w)
-    report = _read_all(err_r)
+    return child
+
+
+def release(plan, child: Child) -> None:
+    """The identity is journaled: let the command exec. Returns once execve
+    succeeded; raises the child's own error if its setup failed."""
+    try:
+        os.write(child.barrier_fd, b"1")
+    except BrokenPipeError:
+        pass  # it failed its setup and left: its report says why
+    finally:
+        os.close(child.barrier_fd)
+        child.barrier_fd = None
+    report = _read_all(child.report_fd)
+    child.report_fd = None
     if report:
-        os.waitid(os.P_PIDFD, fd, os.WEXITED)
-        os.close(fd)
-        if status_r is not None:
-            os.close(status_r)
+        os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+        os.close(child.pidfd)
+        if child.status_fd is not None:
+            os.close(child.status_fd)
         raise _child_error(plan, report)
-    return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r,
-                 cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
+
+
+def abandon(child: Child, read_report: bool = False) -> bytes:
+    """The command must never run: the child sees EOF at the barrier and exits
+    without exec; reaped here. Returns its setup report if `read_report`."""
+    os.close(child.barrier_fd)
+    report = _read_all(child.report_fd) if read_report else os.close(child.report_fd)
+    if child.status_fd is not None:
+        os.close(child.status_fd)
+    if child.pidfd is not None:
+        os.close(child.pidfd)
+    _reap(child.pid)
+    return report or b""
+
+
+def collect(child: Child) -> tuple[int | None, int | None]:
+    """Reap the leader once its tree is dead: (exit status, killing signal) of the command."""
+    info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+    os.close(child.pidfd)
+    status = sig = None
+    if info.si_code == os.CLD_EXITED:
+        status = info.si_status
+    else:
+        sig = info.si_status
+    if child.status_fd is not None:  # a PID-namespace init: the command's own status
+        status, sig = pidinit.command_status(child.status_fd, status, sig)
+    return status, sig
 
 
 def _child_error(plan, report: bytes) -> Exception:
@@ -313,12 +370,11 @@ _CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, err
                        errno.EACCES)
 
 
-def _clone_into_cgroup(node, new_pid_namespace: bool) -> tuple[int | None, int | None]:
-    """(pid, pidfd) of a child born in the cell's cgroup2 directory, (0, None)
+def _clone_into_cgroup(path: str | None, new_pid_namespace: bool) -> tuple[int | None, int | None]:
+    """(pid, pidfd) of a child born in the cgroup2 directory `path`, (0, None)
     in that child, or (None, None) when clone3 cannot be used here and the
     caller must fork. Only for a single-threaded controller: the raw clone3
     skips glibc's fork handlers (linux/sys.py)."""
-    path = node.paths.get("v2") if node is not None else None
     if path is None or len(os.listdir("/proc/self/task")) != 1:
         return None, None
     cgfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -380,46 +436,42 @@ def _reap(pid: int) -> None:
 
 
 class Waiter:
-    """Waits for the leader, honours a timeout and cancel requests, kills the tree."""
+    """Waits for the leader; honours a timeout, stop requests and broken limits
+    by stopping the tree (reaper.Tree: SIGTERM, then the kill when the grace
+    period ends). Returns once the leader has exited, unreaped: its pid, the
+    cell's session id, stays ours until `collect`, after the rest is reaped."""
 
-    def __init__(self, child: Child, node, grace: float, timeout: float | None, wake_fd: int | None = None,
-                 token: str | None = None, pump=None, oom_fd: int | None = None):
-        self.child, self.node, self.grace, self.timeout = child, node, grace, timeout
+    def __init__(self, child: Child, tree, grace: float, timeout: float | None, wake_fd: int | None = None,
+                 pump=None, oom_fd: int | None = None):
+        self.child, self.tree, self.grace, self.timeout = child, tree, grace, timeout
         self.wake_fd = wake_fd
-        self.session = None  # no cgroup: the cell is its session + token (linux/session.py)
-        self.left: list[int] = []
-        if node is None:
-            self.session = _session().for_leader(child.identity, token)
         self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
         self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
         self._oom_at: float | None = None
+        self.reason: str | None = None      # why we stopped it (first reason wins), None: it ended by itself
         self.cancel_reason: str | None = None
-        self._term_sent_at: float | None = None
-        self._reason: str | None = None
+        self.term_sent_at: float | None = None
         self.kill_method: str | None = None
-        # Set by the broker: True once another process (agnsup cancel) recorded
-        # a cancel; that process then owns the grace period and the kill.
-        self.cancelled_elsewhere = lambda: False
 
     def request_stop(self, reason: str, cancel_reason: str | None = None) -> None:
         """SIGTERM the whole tree now; SIGKILL it when the grace period ends. First reason wins."""
-        if self._reason is None:
-            self._reason = reason
+        if self.reason is None:
+            self.reason = reason
             self.cancel_reason = cancel_reason
-        if self._term_sent_at is None:
-            self._term_sent_at = time.monotonic()
-            if self.node is not None:
-                cgroup.signal_all(self.node, signal.SIGTERM)
-            else:
-                pidfd.send(self.child.pidfd, signal.SIGTERM)
-                _session().signal_cell(self.session, signal.SIGTERM, exclude=(self.child.pid,))
+        if self.term_sent_at is None:
+            self.term_sent_at = time.monotonic()
+            self.tree.term()
             crashpoints.hit("cancel_grace")
 
     def stop_now(self, reason: str) -> None:
         """Kill the whole tree at once, no grace: the cell broke a limit. First reason wins."""
-        if self._reason is None:
-            self._reason = reason
+        if self.reason is None:
+            self.reason = reason
         self._kill_tree()
+
+    def grace_until(self) -> float | None:
+        """When a stop in progress must have killed the rest (monotonic), else None."""
+        return self.term_sent_at + self.grace if self.term_sent_at is not None else None
 
     def _on_oom(self) -> None:
         try:
@@ -434,16 +486,15 @@ class Waiter:
             self._oom_at = time.monotonic()
 
     def _oom_due(self, now: float) -> bool:
-        if self._oom_at is None or self._reason is not None:
+        if self._oom_at is None or self.reason is not None:
             return False
-        return now >= self._oom_at + OOM_SETTLE or (cgroup.oom_kills(self.node) or 0) > 0
+        return now >= self._oom_at + OOM_SETTLE or (self.tree.oom_kills() or 0) > 0
 
-    def wait(self, poll_wake=None) -> Outcome:
+    def wait(self, poll_wake=None) -> "Waiter":
         """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
 
         The same loop pumps the cell's output (if the role caps it) and watches
-        the v1 OOM eventfd; after the leader is gone and the tree is dead, what
-        is left in the pipes is delivered."""
+        the v1 OOM eventfd."""
         start = time.monotonic()
         p = select.poll()
         p.register(self.child.pidfd, select.POLLIN)
@@ -457,11 +508,11 @@ class Waiter:
                 pumped = _sync_poll(p, pumped, self.pump.interest())
             now = time.monotonic()
             deadlines = []
-            if self.timeout and self._term_sent_at is None:
+            if self.timeout and self.term_sent_at is None:
                 deadlines.append(start + self.timeout)
-            if self._term_sent_at is not None:
-                deadlines.append(self._term_sent_at + self.grace)
-            if self._oom_at is not None and self._reason is None:
+            if self.term_sent_at is not None:
+                deadlines.append(self.term_sent_at + self.grace)
+            if self._oom_at is not None and self.reason is None:
                 deadlines.append(now + 0.02)  # look at the OOM counter again shortly
             wait_ms = None if not deadlines else max(0, int((min(deadlines) - now) * 1000) + 1)
             events = p.poll(wait_ms)
@@ -477,77 +528,17 @@ class Waiter:
             if self._oom_due(time.monotonic()):
                 self.stop_now("oom")
             if any(fd == self.child.pidfd for fd, _ in events):
-                break
+                return self
             now = time.monotonic()
-            if self.timeout and self._term_sent_at is None and now >= start + self.timeout:
+            if self.timeout and self.term_sent_at is None and now >= start + self.timeout:
                 self.request_stop("timeout")
-            elif self._term_sent_at is not None and now >= self._term_sent_at + self.grace:
+            elif self.term_sent_at is not None and now >= self.term_sent_at + self.grace:
                 self._kill_tree()
-        if self.node is None:  # before the leader is reaped: its pid, the session id, stays ours
-            grace_until = self._term_sent_at + self.grace if self._term_sent_at is not None else None
-            self.left, killed = _session().end_cell(self.session, grace_until)
-            if killed:
-                self.kill_method = self.kill_method or _session().TRACKING
-        info = os.waitid(os.P_PIDFD, self.child.pidfd, os.WEXITED)
-        status = sig = None
-        if info.si_code == os.CLD_EXITED:
-            status = info.si_status
-        else:
-            sig = info.si_status
-        if self.child.status_fd is not None:  # a PID-namespace init: the command's own status
-            status, sig = pidinit.command_status(self.child.status_fd, status, sig)
-        outcome = self._finish(status, sig)
-        if self.pump is not None:
-            # The tree is dead: every write end is closed, EOF comes at once.
-            self.pump.drain(5.0)
-            if self.pump.overflowed and self._reason is None:
-                # it wrote past the cap and ended before we read it: delivered up to the cap only
-                outcome.reason = "output_limit"
-        return outcome
 
     def _kill_tree(self) -> None:
         if self.kill_method is None:
             crashpoints.hit("cancel_frozen")
-            self.kill_method = cgroup.kill(self.node) if self.node is not None else _session().TRACKING
-            if self.node is None:
-                pidfd.send(self.child.pidfd, signal.SIGKILL)
-                _session().kill_cell(self.session, exclude=(self.child.pid,))
-
-    def _finish(self, status, sig) -> Outcome:
-        leftover = self.left
-        if self.node is not None:
-            prim = self.node.primary
-            leftover = cgroup.procs(prim[1]) if prim else []
-            # A stop in progress gets its grace period for the rest of the tree too.
-            if self._term_sent_at is not None and leftover:
-                remaining = self._term_sent_at + self.grace - time.monotonic()
-                if remaining > 0:
-                    cgroup.wait_empty(self.node, remaining)
-            elif leftover and self.cancelled_elsewhere():
-                # let the canceller's grace period run (a TERM trap may be writing
-                # its last words); if it died meanwhile, we kill after this wait
-                cgroup.wait_empty(self.node, self.grace + 2.0)
-            if cgroup.populated(self.node):
-                m = cgroup.kill(self.node)
-                self.kill_method = self.kill_method or m
-            if not cgroup.wait_empty(self.node, 10.0):
-                raise SetupError(f"cell cgroup {prim[1]} is still populated 10 s after the kill")
-        os.close(self.child.pidfd)
-        reason = self._reason or ("exited" if status is not None else "killed")
-        if reason == "timeout":
-            code, state = 124, "timeout"
-        else:
-            code = status if status is not None else 128 + sig
-            # a broken limit (output_limit, oom) is a kill by the supervisor
-            state = {"cancelled": "cancelled", "output_limit": "killed", "oom": "killed"}.get(
-                reason, "exited" if status is not None else "killed")
-        return Outcome(exit_code=code, status=status, signal=sig, reason=reason, state=state,
-                       cancel_reason=self.cancel_reason, kill_method=self.kill_method, leftover=leftover)
-
-
-def _session():
-    from .linux import session
-    return session
+            self.kill_method = self.tree.kill()
 
 
 def _sync_poll(p, current: dict[int, int], want: dict[int, int]) -> dict[int, int]:

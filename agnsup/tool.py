@@ -2,106 +2,86 @@
 
 `agnsup run`, the Python API and an LLM function call all end here, and here
 the chain starts: spec builder -> governance -> policy compiler -> broker ->
-backend -> process supervisor. RUN_PROCESS_SCHEMA is the JSON schema an agent
-runtime hands to a model for function calling.
+backend -> process supervisor. Every front door turns its input into one
+request.CellRequest first (checked before anything is created);
+RUN_PROCESS_SCHEMA, the JSON schema an agent runtime hands to a model for
+function calling, is generated from that type.
 """
 from __future__ import annotations
 
 import os
 import signal
 
-from .errors import AgnsupError
+from .errors import AgnsupError, UsageError, as_value
+from .request import CellRequest, tool_schema
 
-RUN_PROCESS_SCHEMA = {
-    "name": "run_process",
-    "description": "Run one command as a supervised, isolated cell and return its exit status and output. "
-                   "The command gets an environment built from nothing, a private /tmp, and the role's "
-                   "filesystem, network and resource limits.",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "argv": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                     "description": "The command and its arguments; no shell is involved."},
-            "role": {"type": "string", "description": "Role policy to apply (executor, readonly, networked).",
-                     "default": "executor"},
-            "workdir": {"type": "string", "description": "Worktree directory the command runs in."},
-            "timeout": {"type": "number", "description": "Seconds before the cell is stopped (exit 124)."},
-            "env": {"type": "object", "additionalProperties": {"type": "string"},
-                    "description": "Extra environment variables for this call."},
-        },
-        "required": ["argv"],
-        "additionalProperties": False,
-    },
-}
+RUN_PROCESS_SCHEMA = tool_schema(
+    "run_process", "Run one command as a supervised, isolated cell and return its exit status and output. "
+    "The command gets an environment built from nothing, a private /tmp, and the role's filesystem, network "
+    "and resource limits.")
 
 MAX_RETURNED_OUTPUT = 64 * 1024
 
 
-def run_process(argv: list[str], *, role: str = "executor", run_id: str = "default", agent_id: str = "default",
-                cell_id: str | None = None, workdir: str | None = None, timeout: float | None = None,
-                lock_timeout: float | None = None, env: list[str] | dict | None = None,
-                state_dir: str | None = None, capture: bool = True, entry: str = "tool",
-                forward_signals: bool = False, receipt_file: str | None = None, exit_after: bool = False) -> dict:
-    """Run `argv` as one cell and wait for it. Raises AgnsupError subclasses when
-    agnsup refuses or fails (each carries its exit code); returns a result dict
-    with exit_code, state, reason, receipt (and stdout/stderr when captured).
-    `exit_after`: the caller ends the process with os._exit right after a
-    result (the CLI): the journal connection is left to the exit (broker.Controller.close)."""
+def run_process(argv: list[str], *, state_dir: str | None = None, forward_signals: bool = False,
+                exit_after: bool = False, **options) -> dict:
+    """Run `argv` as one cell and wait for it. `options` are CellRequest's (role,
+    run_id, agent_id, cell_id, workdir, timeout, lock_timeout, env, receipt_file,
+    capture, entry). Raises AgnsupError subclasses when agnsup refuses or fails;
+    returns a result dict with exit_code, state, reason, receipt (and
+    stdout/stderr when captured). `exit_after`: the caller ends the process with
+    os._exit right after a result (the CLI): the journal connection is left to
+    the exit (broker.Controller.close)."""
     from . import broker, janitor
     from .state import StateRoot
 
+    options.setdefault("entry", "tool")
+    request = CellRequest.make(argv, **options)  # every argument checked before anything exists
     state = StateRoot(state_dir)
     state.ensure()
     journal = state.journal()
     try:
         janitor.on_start(state, journal)  # crash recovery first: one query when nothing to do
-        plan, decision, trail, trace = prepare(state, argv, role=role, run_id=run_id, agent_id=agent_id,
-                                               cell_id=cell_id, workdir=workdir, timeout=timeout,
-                                               lock_timeout=lock_timeout, env=env, entry=entry)
+        prepared = prepare(state, journal, request)
         ctl = broker.Controller(state, kind="run", journal=journal, one_cell=True)
     except BaseException:
         journal.close()
         raise
     result = None
     try:
-        result = _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file)
+        result = _supervise(ctl, prepared, request, forward_signals)
         return result
     finally:
         ctl.close(leave_journal_open=exit_after and result is not None)
 
 
-def prepare(state, argv: list[str], *, role: str = "executor", run_id: str = "default", agent_id: str = "default",
-            cell_id: str | None = None, workdir: str | None = None, timeout: float | None = None,
-            lock_timeout: float | None = None, env: list[str] | dict | None = None, entry: str = "tool",
-            host_env: dict | None = None):
+def prepare(state, journal, request: CellRequest):
     """The stages before the broker: spec builder -> governance -> policy compiler.
 
-    Returns (plan, decision, trail, trace); raises Denied (journaled first)
-    when governance refuses. Shared by run_process and the serve controller."""
+    Returns a broker.Prepared; raises Denied (journaled first) when governance
+    refuses. Shared by run_process and the serve controller."""
     from . import broker, compiler, governance, policy, spec as specmod
+    from .linux import host
 
-    trace = [broker.stage("public_tool", tool="run_process", entry=entry)]
-    if isinstance(env, dict):
-        env = [f"{k}={v}" for k, v in env.items()]
-    call = specmod.ToolCall(argv=list(argv), role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
-                            workdir=workdir, timeout=timeout, lock_timeout=lock_timeout, env=list(env or []),
-                            entry=entry)
-    pol = policy.load(role, state.path)
-    spec = specmod.build(call, pol, host_env)
-    trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=role))
+    trace = [broker.stage("public_tool", tool="run_process", entry=request.entry)]
+    pol = policy.load(request.role, state.path)
+    spec = specmod.build(request, pol)
+    trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
                                         spec.workdir, state.path)
     trace.append(broker.stage("governance", allowed=decision.allowed, rule=decision.rule))
     if not decision.allowed:
-        broker.record_denied(state, spec, decision.to_dict(), trail, trace)
+        journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
+                              chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    plan = compiler.compile_plan(spec, pol, state.path)
+    plan = compiler.compile_plan(spec, pol, state.path, host.protections())
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
-    return plan, decision.to_dict(), trail, trace
+    return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,
+                           admit=governance.admission(spec, pol, decision.zone))
 
 
-def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, receipt_file) -> dict:
+def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> dict:
     wake_r = wake_w = None
     old = {}
     caught: list[int] = []
@@ -112,7 +92,7 @@ def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, rece
             old[sig] = signal.signal(sig, lambda n, _f: caught.append(n))
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     try:
-        cell = ctl.start(plan, decision, trail, trace, capture=capture)
+        cell = ctl.start(prepared, capture=request.capture)
         waiter = ctl.waiter(cell, wake_r)
 
         def on_wake():
@@ -127,8 +107,7 @@ def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, rece
 
         if caught:
             on_wake()
-        outcome = waiter.wait(on_wake)
-        receipt = ctl.finish(cell, outcome)
+        receipt = ctl.finish(cell, waiter.wait(on_wake))
     finally:
         if forward_signals:
             signal.set_wakeup_fd(old_wake)
@@ -136,14 +115,16 @@ def _supervise(ctl, plan, decision, trail, trace, capture, forward_signals, rece
                 signal.signal(sig, h)
             os.close(wake_r)
             os.close(wake_w)
-    if receipt_file:
+    return ended(receipt, cell.plan.cell_dir, request)
+
+
+def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:
+    """What a caller gets back for an ended cell (and the output, when captured);
+    the receipt is also written to the request's receipt_file, if it names one."""
+    if request is not None and request.receipt_file:
         from . import receipts
-        receipts.write(receipt_file, receipt)
-    return cell_result(receipt, plan.cell_dir, capture)
-
-
-def cell_result(receipt: dict, cell_dir: str, capture: bool) -> dict:
-    """What a caller gets back for an ended cell (and the output, when captured)."""
+        receipts.write(request.receipt_file, receipt)
+    capture = request.capture if capture is None else capture
     result = {"run_id": receipt["run_id"], "agent_id": receipt["agent_id"], "cell_id": receipt["cell_id"],
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
@@ -159,20 +140,35 @@ def cell_result(receipt: dict, cell_dir: str, capture: bool) -> dict:
     return result
 
 
-def handle_tool_call(name: str, arguments: dict, **context) -> dict:
-    """Dispatch an LLM function call; errors come back as values, never raised."""
+def handle_tool_call(name: str, arguments, **context) -> dict:
+    """Dispatch an LLM function call; errors come back as values, never raised.
+
+    `arguments`: the model's arguments, as an object or as the JSON text models
+    usually send; checked against RUN_PROCESS_SCHEMA's properties. `context`:
+    run_process keywords the runtime (not the model) sets (state_dir, run_id, ...)."""
     if name != "run_process":
-        return {"error": f"unknown tool {name!r}", "exit_code": 125}
-    args = dict(arguments)
-    extra = set(args) - set(RUN_PROCESS_SCHEMA["parameters"]["properties"])
-    if extra:
-        return {"error": f"unknown argument(s): {', '.join(sorted(extra))}", "exit_code": 125}
+        return {"error": f"unknown tool {name!r} (known: run_process)", "error_type": "UsageError",
+                "exit_code": 125}
     try:
-        return run_process(args.pop("argv"), **args, **context)
+        args = _tool_arguments(arguments)
+        return run_process(args.pop("argv", None), **args, **context)
     except AgnsupError as e:
-        return {"error": e.message, "exit_code": e.exit_code, **({"decision": e.details["decision"]}
-                                                                 if "decision" in e.details else {})}
-    except (KeyError, TypeError) as e:
-        return {"error": f"bad arguments: {e}", "exit_code": 125}
+        return as_value(e)
 
 
+def _tool_arguments(arguments) -> dict:
+    import json
+    if isinstance(arguments, (str, bytes)):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise UsageError(f"arguments are not valid JSON: {e}") from None
+    if not isinstance(arguments, dict):
+        raise UsageError(f"arguments must be a JSON object, not {type(arguments).__name__}")
+    extra = set(arguments) - set(RUN_PROCESS_SCHEMA["parameters"]["properties"])
+    if extra:
+        raise UsageError(f"unknown argument(s): {', '.join(sorted(extra))} "
+                         f"(known: {', '.join(RUN_PROCESS_SCHEMA['parameters']['properties'])})")
+    if "argv" not in arguments:
+        raise UsageError("argv: required (the command and its arguments, a list of strings)")
+    return dict(arguments)

@@ -82,7 +82,7 @@ def janitor(agnsup: str, state: str, base) -> tuple[float, float, int, int]:
     with open(path) as f:
         rec = json.load(f)
     cells = [c for ctl in rec["controllers"] for c in ctl["cells"]]
-    left = [d for p in base.paths.values() for d in cgroup._walk(p) if d != p]
+    left = [d for p in base.paths.values() for d in cgroup.walk(p) if d != p]
     if left or (base.primary and cgroup.procs(base.primary[1])):
         raise SystemExit(f"bench: the janitor left cgroups or processes: {left[:5]}")
     return (wall, rec["duration"], sum(c["final_state"] == "recovered" for c in cells),

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from agnsup.linux import cgroup
+from agnsup import backend
 from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
@@ -46,34 +46,7 @@ class Agnsup:
 
 def _cleanup_cgroups(state: str) -> list[str]:
     """Kill and remove this state root's cgroup tree; return what was there."""
-    layout = cgroup.detect_layout()
-    base = cgroup.base_node(layout, state)
-    leaked = []
-    for h, p in base.paths.items():
-        if not os.path.isdir(p):
-            continue
-        dirs = [d for d in cgroup._walk(p) if d != p]
-        pids = cgroup.procs(p)
-        if dirs or pids:
-            leaked.append(f"{p}: {len(dirs)} dirs, pids {pids}")
-        if h == "v2" and pids:
-            with open(os.path.join(p, "cgroup.kill"), "w") as f:
-                f.write("1")
-        elif pids:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)  # members of our own test cgroup: ours
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + 5
-        while cgroup.procs(p) and time.time() < deadline:
-            time.sleep(0.01)
-        for d in cgroup._walk(p):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-    return leaked
+    return backend.choose(state).purge()
 
 
 @pytest.fixture

@@ -272,8 +272,8 @@ def test_a_recreated_cgroup_with_another_inode_is_not_killed_through(agnsup, sta
     if layout.kind == "none":
         pytest.skip("ENV_BLOCKED: no writable cgroup hierarchy")
     base = cgroup.base_node(layout, state)
-    made = cgroup.create_cell(base, "r-fake", "default", "c-fake", {})
-    node = made["node"]
+    node = cgroup.cell_node(base, "r-fake", "default", "c-fake", {})
+    made = cgroup.create_cell(base, node, {})
     p, ino, start = _innocent()
     try:
         with open(os.path.join(node.primary[1], "cgroup.procs"), "w") as fh:
@@ -307,7 +307,6 @@ def test_startup_check_is_one_cheap_query_when_nothing_is_dead(agnsup, worktree,
         assert janitor.on_start(st) is None
     per_call = (time.perf_counter() - t0) / 50
     assert per_call < 0.02, f"startup janitor check costs {per_call * 1000:.1f} ms"
-    db = sqlite3.connect(os.path.join(state, "journal.db"))
-    plan = " ".join(r[3] for r in db.execute("EXPLAIN QUERY PLAN " + janitor.OPEN_SQL))
-    db.close()
+    from agnsup.journal import OPEN_SQL
+    plan = st.journal().query_plan(OPEN_SQL)
     assert "controllers_open" in plan and "cells_live" in plan, plan

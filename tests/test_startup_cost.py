@@ -63,7 +63,7 @@ def test_the_cell_was_recorded(state, worktree, tmp_path):
 
 def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     """reap.rmtree replaces shutil.rmtree on the cell's /tmp, which the cell wrote."""
-    from agnsup.reap import rmtree
+    from agnsup.reaper import rmtree
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_text("x")

@@ -6,8 +6,8 @@ and how long a run may go on.
     max_concurrent_per_agent   quota.concurrent_agent   live cells of one agent (of a run) at once
     max_run_seconds            quota.run_wall_time      wall time since the run's first cell
 
-The decision (`decide`) is pure. The counts come from the journal
-(`usage`), and the broker asks inside its intent transaction (BEGIN
+The decision (`decide`) is pure. The counts come from the journal store
+(journal.begin_cell counts them inside the broker's intent transaction, BEGIN
 IMMEDIATE), so two controllers starting cells at the same moment cannot both
 pass a limit of one: the second waits for the first's INSERT and counts it.
 Without a journal (`agnsup check`, `check(...)` of an agent runtime) only a
@@ -23,13 +23,11 @@ from .model import Finding, deny, ok
 KEYS = ("max_cells_per_run", "max_concurrent_per_run", "max_concurrent_per_agent", "max_run_seconds")
 RULES = {"max_cells_per_run": "quota.cells_per_run", "max_concurrent_per_run": "quota.concurrent_run",
          "max_concurrent_per_agent": "quota.concurrent_agent", "max_run_seconds": "quota.run_wall_time"}
-# Cell states that no longer hold anything (journal.TERMINAL_CELL; repeated
-# here so the gate does not import the journal).
-TERMINAL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 
 
 class Usage(Record, frozen=True):
-    """What a run and an agent hold, from the journal, before the new cell."""
+    """What a run and an agent hold, from the journal, before the new cell
+    (in the order journal.begin_cell counts them)."""
 
     cells_in_run: int
     live_in_run: int
@@ -82,15 +80,3 @@ def decide(limits, usage: Usage | None, role: str, run_id: str = "", agent_id: s
         return deny(RULES["max_run_seconds"], f"{run} began {usage.run_age:.0f} s ago and role '{role}' allows "
                     f"{n:g} s of wall time per run (quota.max_run_seconds).", _hint("max_run_seconds", role))
     return ok("quota.pass", "within the role's quotas")
-
-
-def usage(db, run_id: str, agent_id: str, now: float) -> Usage:
-    """The counts `decide` needs, read with the caller's connection (inside its transaction)."""
-    marks = ",".join("?" * len(TERMINAL))
-    row = db.execute(
-        f"SELECT COUNT(*), COALESCE(SUM(state NOT IN ({marks})), 0),"
-        f" COALESCE(SUM(state NOT IN ({marks}) AND agent_id=?), 0) FROM cells WHERE run_id=?",
-        (*TERMINAL, *TERMINAL, agent_id, run_id)).fetchone()
-    run = db.execute("SELECT created_at FROM runs WHERE run_id=?", (run_id,)).fetchone()
-    age = None if run is None or run[0] is None else max(0.0, now - run[0])
-    return Usage(cells_in_run=row[0], live_in_run=row[1], live_of_agent=row[2], run_age=age)

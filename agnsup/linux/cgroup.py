@@ -1,4 +1,4 @@
-"""Cgroups: layout detection, the cell/agent/run directories, limits, tree kill.
+"""Cgroup primitives: layout detection, agnsup's directories, limits, membership, freeze.
 
 Hosts come in four layouts, detected at run time from /proc/self/mountinfo:
 
@@ -6,13 +6,15 @@ Hosts come in four layouts, detected at run time from /proc/self/mountinfo:
 - ``hybrid``: cgroup2 somewhere (here /sys/fs/cgroup/unified) for tracking and
               ``cgroup.kill``; memory and pids as v1 hierarchies (these machines).
 - ``v1``:     v1 only: the freezer makes a tree kill atomic.
-- ``none``:   nothing writable: process group + token scan, and we say so.
+- ``none``:   nothing writable.
 
-agnsup owns one directory per hierarchy, ``agnsup-<digest of the state root>``,
-so two state roots never share a subtree, and never writes a cgroup it did not
-create: controllers are enabled only in our own directories' subtree_control.
-Beneath it the hierarchy mirrors the domain: ``run-R/agent-A/cell-C``, so one
-write to ``cgroup.kill`` reaches a whole cell, agent or run.
+What to do with each is the backends' business (agnsup/backend/): this module
+only reads and writes cgroup files. agnsup owns one directory per hierarchy,
+``agnsup-<digest of the state root>``, so two state roots never share a
+subtree, and never writes a cgroup it did not create: controllers are enabled
+only in our own directories' subtree_control. Beneath it the hierarchy mirrors
+the domain: ``run-R/agent-A/cell-C``, so one write to ``cgroup.kill`` reaches a
+whole cell, agent or run.
 """
 from __future__ import annotations
 
@@ -194,16 +196,15 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> list[str
     return enabled
 
 
-def create_cell(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict) -> dict:
-    """mkdir the run/agent/cell directories and apply the limits.
+def create_cell(base: Node, cell: Node, limits: dict) -> dict:
+    """mkdir the run/agent/cell directories of `cell` (a cell_node of `base`) and apply the limits.
 
-    Returns {"node": Node, "inode": primary dir inode, "limits": {what: where},
+    Returns {"inode": primary dir inode, "limits": {what: where},
     "oom_fd": an eventfd that becomes readable when the v1 OOM killer acts in
     the cell, or None}. A directory that already exists for the cell is an
     error: a cell id is never reused within a run, and a recreated directory
     must not pass as ours.
     """
-    cell = cell_node(base, run_id, agent_id, cell_id, limits)
     for p in cell.paths.values():
         for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
             try:
@@ -226,7 +227,7 @@ def create_cell(base: Node, run_id: str, agent_id: str, cell_id: str, limits: di
         oom_fd = _v1_oom_eventfd(cell.paths["memory"])
     prim = cell.primary
     ino = os.stat(prim[1]).st_ino if prim else None
-    return {"node": cell, "inode": ino, "limits": applied, "oom_fd": oom_fd}
+    return {"inode": ino, "limits": applied, "oom_fd": oom_fd}
 
 
 # Which v2 controller each limit key needs.
@@ -341,12 +342,6 @@ def oom_kills(node: Node) -> int | None:
     return None
 
 
-def join_self(node: Node, skip: tuple[str, ...] = ()) -> None:
-    """Move the calling process into every hierarchy of `node` but those in
-    `skip` (already joined). Runs in the child."""
-    attach(node, 0, skip)
-
-
 def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
     """Move process `pid` (0: the caller) into every hierarchy of `node` but those in `skip`."""
     for h, p in node.paths.items():
@@ -354,7 +349,7 @@ def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
             _write(os.path.join(p, "cgroup.procs"), str(pid))
 
 
-def _walk(path: str) -> list[str]:
+def walk(path: str) -> list[str]:
     """`path` and every directory below it, deepest first."""
     out = []
     try:
@@ -370,7 +365,7 @@ def _walk(path: str) -> list[str]:
 def procs(path: str) -> list[int]:
     """Every pid in `path` and its descendants (cgroup.procs is per directory)."""
     out: list[int] = []
-    for d in _walk(path):
+    for d in walk(path):
         try:
             out.extend(int(x) for x in _read(os.path.join(d, "cgroup.procs")).split())
         except (FileNotFoundError, OSError):
@@ -397,7 +392,7 @@ def populated(node: Node) -> bool:
     return bool(procs(path))
 
 
-def signal_all(node: Node, sig: int) -> int:
+def signal_all(node: Node, sig: int, layout: Layout | None = None) -> int:
     """Send `sig` to every process in the tree, each through a pidfd.
 
     Membership is rechecked after the pidfd is open, so a pid that was reused
@@ -413,7 +408,7 @@ def signal_all(node: Node, sig: int) -> int:
         if fd is None:
             continue
         try:
-            if not _in_tree(proc.cgroup_lines(pid), h, path):
+            if not _in_tree(proc.cgroup_lines(pid), h, path, layout):
                 continue
             if pidfd.send(fd, sig):
                 sent += 1
@@ -422,10 +417,10 @@ def signal_all(node: Node, sig: int) -> int:
     return sent
 
 
-def _in_tree(lines: list[str] | None, hierarchy: str, path: str) -> bool:
+def _in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout | None = None) -> bool:
     if not lines:
         return False
-    mount_rel = _relative(path)
+    mount_rel = _relative(path, layout or _layout_cache())
     for line in lines:
         _, ctrls, cg = line.split(":", 2)
         if (hierarchy == "v2" and line.startswith("0::")) or hierarchy in ctrls.split(","):
@@ -433,9 +428,8 @@ def _in_tree(lines: list[str] | None, hierarchy: str, path: str) -> bool:
     return False
 
 
-def _relative(path: str) -> str:
+def _relative(path: str, layout: Layout) -> str:
     """/sys/fs/cgroup/unified/agnsup-x/run-R -> /agnsup-x/run-R (as /proc/PID/cgroup shows it)."""
-    layout = _layout_cache()
     for mnt in ([layout.v2] if layout.v2 else []) + list(layout.v1.values()):
         if path == mnt:
             return "/"
@@ -456,41 +450,41 @@ def _layout_cache() -> Layout:
 
 
 
-def kill(node: Node) -> str:
-    """SIGKILL the whole tree at once; returns the method used.
+def write_kill(path: str) -> bool:
+    """SIGKILL every process in the v2 directory `path` and below at once
+    (cgroup.kill, Linux 5.14). False when there is no cgroup.kill to write
+    (an older kernel, or a v1 directory)."""
+    try:
+        _write(os.path.join(path, "cgroup.kill"), "1")
+    except FileNotFoundError:
+        return not os.path.isdir(path)  # the directory itself is gone: nothing left to kill
+    except OSError as e:
+        if e.errno != errno.ENODEV:  # ENODEV: being removed under us, so empty
+            raise
+    return True
 
-    v2: cgroup.kill (Linux 5.14). v1: freeze, wait for FROZEN, kill each
-    member, thaw: a frozen v1 task cannot die until thawed, and freezing first
-    stops the tree from forking new members between our read and our kill.
-    """
-    prim = node.primary
-    if prim is None:
-        return "none"
-    h, path = prim
-    if not os.path.isdir(path):
-        return "gone"
-    if h == "v2" and os.path.exists(os.path.join(path, "cgroup.kill")):
-        try:
-            _write(os.path.join(path, "cgroup.kill"), "1")
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENODEV):
-                raise
-            return "gone"  # removed between our check and the write: nothing left to kill
-        return "cgroup.kill"
-    if h == "freezer":
-        state = os.path.join(path, "freezer.state")
-        _write(state, "FROZEN")
-        deadline = time.monotonic() + 2.0
-        while _read(state).strip() != "FROZEN" and time.monotonic() < deadline:
-            time.sleep(0.001)
-        signal_all(node, signal.SIGKILL)
-        _write(state, "THAWED")
-        return "freezer"
-    # no atomic kill: repeat until a scan finds none
-    for _ in range(100):
-        if signal_all(node, signal.SIGKILL) == 0:
-            break
-    return "signal-loop"
+
+FREEZE_TIMEOUT = 2.0
+
+
+def freeze_v1(path: str) -> bool:
+    """Freeze a v1 freezer cgroup and wait until the kernel reports FROZEN (not
+    FREEZING); True if it did within FREEZE_TIMEOUT. The caller thaws in any case."""
+    state = os.path.join(path, "freezer.state")
+    _write(state, "FROZEN")
+    deadline = time.monotonic() + FREEZE_TIMEOUT
+    while _read(state).strip() != "FROZEN":
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def thaw_v1(path: str) -> None:
+    try:
+        _write(os.path.join(path, "freezer.state"), "THAWED")
+    except FileNotFoundError:
+        pass
 
 
 def wait_empty(node: Node, timeout: float) -> bool:
@@ -519,7 +513,7 @@ def remove(node: Node) -> list[str]:
     removal is idempotent."""
     removed = []
     for p in node.paths.values():
-        for d in _walk(p):
+        for d in walk(p):
             for attempt in range(50):
                 try:
                     os.rmdir(d)

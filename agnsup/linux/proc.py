@@ -7,6 +7,7 @@ but an answer (`None`), since any process can exit between two reads.
 from __future__ import annotations
 
 import os
+import time
 
 from ..record import Record
 
@@ -91,3 +92,10 @@ def uptime_ticks() -> int:
     """Now, in the same unit as Stat.starttime."""
     with open("/proc/uptime") as f:
         return int(float(f.read().split()[0]) * clock_ticks())
+
+
+def wall_to_ticks(t: float) -> int:
+    """A wall-clock time (time.time()) in the unit of Stat.starttime, on this boot."""
+    with open("/proc/uptime") as f:
+        up = float(f.read().split()[0])
+    return max(0, int((t - (time.time() - up)) * clock_ticks()))

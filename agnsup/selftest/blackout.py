@@ -62,32 +62,11 @@ def pid_namespace(procs: Procs) -> tuple[list[str] | None, str]:
 
 def cleanup_cgroups(state: str) -> list[str]:
     """Kill and remove whatever is left of this run's private cgroup root; say what was there."""
-    from ..linux import cgroup
+    from .. import backend
     try:
-        layout = cgroup.detect_layout()
+        return backend.choose(state).purge()
     except OSError:
         return []
-    base = cgroup.base_node(layout, state)
-    found = []
-    present = {h: p for h, p in base.paths.items() if os.path.isdir(p)}
-    if not present:
-        return []
-    node = cgroup.Node(present)
-    for h, p in present.items():
-        dirs = [d for d in cgroup._walk(p) if d != p]
-        pids = cgroup.procs(p)
-        if dirs or pids:
-            found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
-    if cgroup.populated(node):
-        cgroup.kill(node)  # the run's own private cgroup root, created for its private state root
-        cgroup.wait_empty(node, 10.0)
-    for p in present.values():
-        for d in cgroup._walk(p):
-            try:
-                os.rmdir(d)
-            except OSError as e:
-                found.append(f"could not remove {d}: {e.strerror}")
-    return found
 
 
 def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, blocked: str, **extra) -> dict:

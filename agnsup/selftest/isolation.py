@@ -255,24 +255,8 @@ def _set_key(src: str, section: str, key: str, value: str) -> str:
 def remove_state(state: str) -> list[str]:
     """Kill whatever is left in this state root's own cgroup tree and remove it (ours alone:
     the tree's name is derived from the state root)."""
-    import signal
-    from ..linux import cgroup
-    base = cgroup.base_node(cgroup.detect_layout(), state)
-    left = []
-    if any(os.path.isdir(p) for p in base.paths.values()):
-        if cgroup.populated(base):
-            left.append(f"processes {cgroup.procs(base.primary[1])}")
-            try:
-                cgroup.kill(base)
-            except OSError:
-                cgroup.signal_all(base, signal.SIGKILL)
-            cgroup.wait_empty(base, 10)
-        for d in (d for p in base.paths.values() for d in cgroup._walk(p)):
-            try:
-                os.rmdir(d)
-            except OSError:
-                left.append(d)
-    return left
+    from .. import backend
+    return backend.choose(state).purge()
 
 
 # ------------------------------------------------------------------ the gates

@@ -22,14 +22,13 @@ import shutil
 import sys
 import time
 
+from ..journal import TERMINAL_CELL, TERMINAL_RUN  # the states cli.md promises
 from .gates import Verdicts
 from .host import (LOOKALIKES, CANARY_SECRET, Procs, Watch, bindable, canary_values, communicate, environ_values,
                    flock_free, journal_rows, lines, listening, make_canaries, scan_files, size, start_with_pid,
                    tree_watches)
 
 CHAIN = ["public_tool", "spec_builder", "governance", "policy_compiler", "broker", "backend", "process_supervisor"]
-TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
-TERMINAL_RUN = ("cancelled", "finished", "recovered")
 TREE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubborn-tree")
 GRACE = 0.5          # the selftest role's grace period (cancel sends SIGTERM, then kills after this)
 TERM_WAIT = 5.0      # the stubborn leader outlives SIGTERM by this much: the kill is what ends it

@@ -207,7 +207,8 @@ def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     state = str(tmp_path / "state")
     os.makedirs(state)
     spec = types.SimpleNamespace(workdir=str(tmp_path), run_id="r", cell_id="c", timeout=None)
-    plan = compiler.compile_plan(spec, pol, state)
+    from agnsup.linux.host import protections
+    plan = compiler.compile_plan(spec, pol, state, protections())
     k = governance.kernel_of(pol, state)
     assert k.netns == plan.new_netns
     assert k.root_ro == next(op[3] for op in plan.mount_ops if op[0] == "root")

@@ -1,0 +1,181 @@
+"""Backends: where a cell's processes live on this host, one implementation per host kind.
+
+`choose(state_root)` picks one at start from the detected cgroup layout and
+nobody above a backend branches on the layout:
+
+    Cgroup2     pure v2: tracking, cgroup.kill and every limit in v2    (backend/cgroups.py)
+    Hybrid      v2 tracks and kills (cgroup.kill); memory, pids, cpu limits in v1 (these machines)
+    Cgroup1     v1 only: the freezer makes a tree kill atomic
+    Untracked   no writable hierarchy (or AGNSUP_CGROUP_LAYOUT=none): no tree of its own;
+                the reaper finds the cell's processes on session + token evidence (below)
+    (a fake one for unit tests: tests/unit/fake_backend.py)
+
+The verbs, the same in each (a `Place` is one cell's, agent's or run's place;
+a cgroup backend's is a set of directories, an untracked backend has none):
+
+    place(run, agent, cell, limits) -> Place    where the cell will live (nothing created yet)
+    create(place, limits) -> Place              make it and apply the limits (inode, what is in force)
+    from_journal(paths, inode) -> (Place|None, note, bystanders)   only if provably the cell's
+    scope(run, agent=None) -> Place             the run's or agent's place (one kill reaches all below)
+    cells_under(scope) -> {dirs}                the cell directories below it
+    clone_dir(place) -> path|None               the cgroup2 directory to be born in (clone3)
+    attach(place, pid, skip)                    move a process in (0: the caller)
+    members(place) / populated(place)           who is in the tree
+    signal(place, sig) -> int                   every member, each through a checked pidfd
+    kill(place) -> method                       the whole tree at once (or as close as the host allows)
+    wait_empty(place, timeout) -> bool          verified empty (zombies count as gone)
+    usage(place) -> dict                        resource use, for the receipt
+    remove(place) -> [dirs]                     the directories, deepest first, and empty ancestors
+    prune(place) -> [dirs]                      only the empty ones (cleanup of a run)
+
+and the process evidence every backend shares (the reaper's view of /proc):
+`snapshot()`, `signal_checked(cand, sig, recheck)`, `dead(pid, starttime)`.
+"""
+from __future__ import annotations
+
+import os
+
+from ..record import Factory, Record
+
+
+class Place(Record):
+    """One cell's (or scope's) place in a backend: its cgroup directories, or none."""
+    node: object = None                  # linux.cgroup.Node (hierarchy -> directory), None: no tree
+    inode: int | None = None             # inode of the primary directory, once created
+    limits: dict = Factory(dict)         # resource -> "v2:<dir>" | "v1:<dir>": what is in force
+    oom_fd: int | None = None            # v1: an eventfd the OOM killer signals
+
+    @property
+    def dir(self) -> str | None:
+        """The directory membership is tracked and killed with (None: no tree)."""
+        prim = self.node.primary if self.node is not None else None
+        return prim[1] if prim else None
+
+    def paths(self) -> dict:
+        """What the journal and the receipt record: {hierarchy: directory} ({} without a tree)."""
+        return self.node.as_dict() if self.node is not None else {}
+
+
+class Backend:
+    """The interface, with the evidence primitives every backend shares."""
+    kind = "none"               # receipt isolation.cgroup_layout
+    tracking = "session+token"  # receipt isolation.tracking
+    trees = False               # does a cell get a tree of its own (a cgroup)?
+    env_blocked: tuple[str, ...] = ("ENV_BLOCKED: cgroup",)
+
+    def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
+        return Place()
+
+    def create(self, place: Place, limits: dict) -> Place:
+        return place
+
+    def from_journal(self, paths: dict | None, inode: int | None) -> tuple[Place | None, str, list[int]]:
+        """(the journaled place if provably the cell's, a note, pids of a look-alike place)."""
+        return None, "", []
+
+    def scope(self, run_id: str, agent_id: str | None = None) -> Place:
+        return Place()
+
+    def cells_under(self, scope: Place) -> set[str]:
+        return set()
+
+    def clone_dir(self, place: Place) -> str | None:
+        return None
+
+    def attach(self, place: Place, pid: int, skip: tuple = ()) -> None:
+        pass
+
+    def members(self, place: Place) -> list[int]:
+        return []
+
+    def populated(self, place: Place) -> bool:
+        return False
+
+    def signal(self, place: Place, sig: int) -> int:
+        return 0
+
+    def kill(self, place: Place) -> str:
+        return "none"
+
+    def wait_empty(self, place: Place, timeout: float) -> bool:
+        return True
+
+    def usage(self, place: Place) -> dict:
+        return {}
+
+    def oom_kills(self, place: Place) -> int | None:
+        return None
+
+    def remove(self, place: Place) -> list[str]:
+        return []
+
+    def prune(self, place: Place) -> list[str]:
+        """Remove the empty directories at and below `place` (and empty ones above it, up to ours)."""
+        return []
+
+    def describe(self, has_cgroup_kill: bool = True) -> str:
+        """How this backend tracks and kills a cell's tree (agnsup doctor)."""
+        return ("ENV_BLOCKED: cgroup: tracking session+token (the cell's session and process group, token + "
+                "start time; stop then kill through pidfds until a scan finds none; weaker: no limits, no atomic "
+                "tree kill, a process that leaves the session and clears its environment is not found)")
+
+    def roots(self) -> dict:
+        """agnsup's own directory per hierarchy for this state root (doctor, receipts)."""
+        return {}
+
+    def purge(self) -> list[str]:
+        """Kill whatever is left under this state root's own cgroup root and remove it
+        (a private root of the self-test or of a test, at its end). Returns what was there."""
+        return []
+
+    # -- process evidence (one /proc view, shared by every backend) ---------
+    def snapshot(self, exclude: tuple = ()):
+        from ..linux import session
+        return session.Snapshot.take(exclude=(os.getpid(), *exclude))
+
+    def signal_checked(self, cand: dict, sig: int, recheck) -> tuple[bool, str]:
+        """Signal one process through a pidfd, once `recheck(fd, cand)` -> (ok, why) holds."""
+        from ..linux import pidfd
+        return pidfd.signal_if(cand["pid"], sig, lambda fd: recheck(fd, cand))
+
+    def dead(self, pid: int, starttime: int) -> bool:
+        from ..linux import session
+        return session.dead(pid, starttime)
+
+    def leader_matches(self, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool | None, str]:
+        """Is `pid` the journaled leader? True, False (another process holds the number), None (gone)."""
+        from ..linux import pidfd
+        try:
+            fd = pidfd.open(pid)
+        except OSError:  # EINVAL: the number is a thread's now, so not the leader's
+            return False, f"pid {pid} is a thread of another process"
+        if fd is None:
+            return None, f"pid {pid} is gone"
+        try:
+            return pidfd.matches(fd, pid, pidfd_ino, starttime)
+        finally:
+            os.close(fd)
+
+    def recheck(self, fd: int, cand: dict, leader: dict | None, evidence) -> tuple[bool, str]:
+        """After the pidfd is open: is it still the process the evidence found?"""
+        from ..linux import pidfd
+        if "leader" in cand["recheck"] and leader is not None:
+            return pidfd.matches(fd, cand["pid"], leader.get("pidfd_ino"), leader.get("starttime"))
+        return evidence.recheck(cand["pid"], cand)
+
+
+class Untracked(Backend):
+    """No writable cgroup hierarchy here (an unprivileged user without delegation, a
+    container; or AGNSUP_CGROUP_LAYOUT=none): a cell has no tree of its own, so the
+    reaper finds its processes on session + token + start-time evidence alone
+    (linux/session.py), and no limit can be applied. Every verb is the base's."""
+
+
+def choose(state_root: str, mountinfo: str | None = None) -> Backend:
+    """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked)."""
+    from ..linux import cgroup
+    layout = cgroup.detect_layout(mountinfo)
+    if layout.kind == "none":
+        return Untracked()
+    from .cgroups import for_layout
+    return for_layout(layout, state_root)

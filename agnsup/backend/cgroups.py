@@ -1,0 +1,203 @@
+"""The cgroup backends: a cell is a directory `run-R/agent-A/cell-C` in each hierarchy used.
+
+agnsup owns one directory per hierarchy, `agnsup-<digest of the state root>`
+(linux/cgroup.py: base_node), and never writes a cgroup it did not create.
+The three kinds differ in how a tree dies:
+
+- Cgroup2 (pure v2) and Hybrid (v2 for tracking, v1 memory/pids/cpu for limits):
+  one write to `cgroup.kill` (Linux 5.14); on older kernels SIGKILL every member
+  until the directory is empty;
+- Cgroup1: the freezer. Freeze, wait until the kernel says FROZEN (nothing can
+  fork between our read of the members and the kill), SIGKILL each member, and
+  thaw in every case: a frozen v1 task cannot die until thawed.
+
+Which limit goes to which hierarchy is one pure function (linux/cgroup.py:
+limit_writes); `create` reports only what is really in force.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from . import Backend, Place
+from ..linux import cgroup
+
+
+class CgroupBackend(Backend):
+    env_blocked = ()
+    trees = True
+
+    def __init__(self, layout, state_root: str):
+        self.layout = layout
+        self.kind = layout.kind
+        self.base = cgroup.base_node(layout, state_root)
+        self.tracking = self.base.primary[0] if self.base.primary else "none"
+
+    def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
+        return Place(node=cgroup.cell_node(self.base, run_id, agent_id, cell_id, limits))
+
+    def create(self, place: Place, limits: dict) -> Place:
+        made = cgroup.create_cell(self.base, place.node, limits)
+        return Place(node=place.node, inode=made["inode"], limits=made["limits"], oom_fd=made["oom_fd"])
+
+    def from_journal(self, paths: dict | None, inode: int | None) -> tuple[Place | None, str, list[int]]:
+        """The journaled place if its directory is provably the cell's: (place or None,
+        a note for the receipt, pids in a directory at that path that is *not* the cell's).
+        A directory recreated at the same path (another inode) is not the cell's."""
+        node = cgroup.Node(paths or {})
+        prim = node.primary
+        if prim is None:
+            return None, "no cgroup journaled for the cell", []
+        path = prim[1]
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            # the other hierarchies may remain (a crash between two rmdirs): empty ones are still ours
+            rest = {h: p for h, p in node.paths.items() if h != prim[0] and os.path.isdir(p)}
+            return (Place(node=cgroup.Node(rest)) if rest else None), \
+                f"cgroup {path} does not exist (not yet made, or already removed)", []
+        if inode is None:
+            if cgroup.populated(node):
+                return None, (f"cgroup {path} has no journaled inode and is populated: membership proves nothing; "
+                              "not touched"), cgroup.procs(path)
+            return Place(node=node), f"cgroup {path} has no journaled inode (it was not yet recorded) and is " \
+                                     "empty", []
+        if ino != inode:
+            return None, (f"cgroup {path} was recreated (inode {ino}, journaled {inode}): nothing of the cell can "
+                          "be in it; not touched"), cgroup.procs(path)
+        return Place(node=node, inode=ino), "", []
+
+    def scope(self, run_id: str, agent_id: str | None = None) -> Place:
+        return Place(node=cgroup.scope_node(self.base, run_id, agent_id))
+
+    def cells_under(self, scope: Place) -> set[str]:
+        """The cell directories below a run or agent directory (real paths)."""
+        top = scope.dir
+        depth = 1 if os.path.basename(top).startswith("agent-") else 2
+        out = set()
+        for d in cgroup.walk(top):
+            rel = os.path.relpath(d, top)
+            if rel != "." and rel.count("/") == depth - 1:
+                out.add(os.path.realpath(d))
+        return out
+
+    def clone_dir(self, place: Place) -> str | None:
+        return place.node.paths.get("v2") if place.node is not None else None
+
+    def attach(self, place: Place, pid: int, skip: tuple = ()) -> None:
+        cgroup.attach(place.node, pid, skip)
+
+    def members(self, place: Place) -> list[int]:
+        return cgroup.procs(place.dir) if place.dir else []
+
+    def populated(self, place: Place) -> bool:
+        return place.node is not None and cgroup.populated(place.node)
+
+    def signal(self, place: Place, sig: int) -> int:
+        return cgroup.signal_all(place.node, sig, self.layout) if place.node is not None else 0
+
+    def kill(self, place: Place) -> str:
+        path = place.dir
+        if path is None:
+            return "none"
+        if not os.path.isdir(path):
+            return "gone"
+        return self._kill(place, path)
+
+    def _kill(self, place: Place, path: str) -> str:
+        if cgroup.write_kill(path):
+            return "cgroup.kill"
+        # no cgroup.kill (Linux < 5.14): no atomic kill, repeat until a scan finds none
+        for _ in range(100):
+            if cgroup.signal_all(place.node, signal.SIGKILL, self.layout) == 0:
+                break
+        return "signal-loop"
+
+    def wait_empty(self, place: Place, timeout: float) -> bool:
+        return place.node is None or cgroup.wait_empty(place.node, timeout)
+
+    def usage(self, place: Place) -> dict:
+        return cgroup.read_usage(place.node) if place.node is not None else {}
+
+    def oom_kills(self, place: Place) -> int | None:
+        return cgroup.oom_kills(place.node) if place.node is not None else None
+
+    def remove(self, place: Place) -> list[str]:
+        if place.node is None:
+            return []
+        removed = cgroup.remove(place.node)
+        self._prune_up(place)
+        return removed
+
+    def prune(self, place: Place) -> list[str]:
+        removed = [d for p in (place.node.paths.values() if place.node else ()) for d in cgroup.walk(p)
+                   if cgroup.remove_if_empty(d)]
+        self._prune_up(place)
+        return removed
+
+    def _prune_up(self, place: Place) -> None:
+        """The agent, run and base directories above `place`, if now empty; never
+        above our own base directory: what is above it is not ours."""
+        for h, p in place.node.paths.items():
+            top = self.base.paths.get(h)
+            up = os.path.dirname(p)
+            while top and (up == top or up.startswith(top + "/")) and cgroup.remove_if_empty(up):
+                up = os.path.dirname(up)
+
+    def roots(self) -> dict:
+        return self.base.as_dict()
+
+    def purge(self) -> list[str]:
+        found = []
+        for h, p in self.base.paths.items():
+            if os.path.isdir(p):
+                dirs = [d for d in cgroup.walk(p) if d != p]
+                pids = cgroup.procs(p)
+                if dirs or pids:
+                    found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
+        present = {h: p for h, p in self.base.paths.items() if os.path.isdir(p)}
+        root = Place(node=cgroup.Node(present))
+        if present and self.populated(root):
+            self.kill(root)  # this state root's own cgroup root: ours
+            self.wait_empty(root, 10.0)
+        for p in present.values():
+            for d in cgroup.walk(p):
+                try:
+                    os.rmdir(d)
+                except OSError as e:
+                    found.append(f"could not remove {d}: {e.strerror}")
+        return found
+
+
+class Cgroup2(CgroupBackend):
+    """Pure cgroup v2: tracking, cgroup.kill and every limit in one hierarchy."""
+
+    def describe(self, has_cgroup_kill: bool = True) -> str:
+        return "cgroup v2 cgroup.kill" if has_cgroup_kill else "cgroup v2 membership, SIGKILL each member until empty"
+
+
+class Hybrid(Cgroup2):
+    """cgroup2 (here /sys/fs/cgroup/unified) tracks and kills; memory, pids and cpu
+    limits go to their v1 hierarchies (linux/cgroup.py: base_node, limit_writes)."""
+
+
+class Cgroup1(CgroupBackend):
+    """v1 only: the freezer hierarchy tracks, and makes the kill atomic."""
+
+    def describe(self, has_cgroup_kill: bool = True) -> str:
+        return "cgroup v1 freezer (freeze, wait for FROZEN, kill, thaw)" if "freezer" in self.base.paths else \
+            "cgroup v1 membership, SIGKILL each member until empty"
+
+    def _kill(self, place: Place, path: str) -> str:
+        if "freezer" not in place.node.paths:
+            return super()._kill(place, path)
+        frozen = cgroup.freeze_v1(path)
+        try:
+            cgroup.signal_all(place.node, signal.SIGKILL, self.layout)
+        finally:
+            cgroup.thaw_v1(path)  # a frozen v1 task cannot die until thawed
+        return "freezer" if frozen else "freezer (never reached FROZEN: killed while freezing)"
+
+
+def for_layout(layout, state_root: str) -> CgroupBackend:
+    return {"v2": Cgroup2, "hybrid": Hybrid, "v1": Cgroup1}[layout.kind](layout, state_root)

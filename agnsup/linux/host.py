@@ -1,0 +1,29 @@
+"""What this host offers a cell, probed once per process: {protection: None, or why not}.
+
+The policy compiler takes this as an argument (it never probes the kernel
+itself); `agnsup doctor` shows it, and proves seccomp and Landlock in a
+throwaway child on top."""
+from __future__ import annotations
+
+import os
+
+_cache: dict = {}
+
+
+def protections() -> dict:
+    """{"seccomp"|"landlock"|"landlock_scopes"|"no_new_privs"|"pid_namespace"|"capabilities":
+    None when available, else why not; "_abi": the Landlock ABI; "_root": euid 0}."""
+    if not _cache:
+        from . import landlock, seccomp
+        abi = landlock.abi()
+        root = os.geteuid() == 0
+        _cache.update({
+            "seccomp": seccomp.supported(),
+            "landlock": None if abi >= 1 else "no Landlock in this kernel (or it is disabled)",
+            "landlock_scopes": None if abi >= 6 else f"Landlock ABI {abi} < 6 has no signal/socket scopes",
+            "no_new_privs": None,
+            "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
+            "capabilities": None,  # a root cell drops them; any other uid has none to drop
+            "_abi": abi, "_root": root,
+        })
+    return _cache

@@ -1,0 +1,123 @@
+"""The cell request: the one carrier of a cell's options, from every front door to the broker.
+
+Each option is declared once, below, with its default, its kind (how a value
+is checked), the command-line flags that spell it and, for the options a model
+may set, its JSON schema. From this one declaration come the `run`/`spawn`
+options of the CLI (cli.py) and of its fast parser (entry.py), the keyword
+arguments of `run_process` and `Supervisor.spawn`, the keys of a serve
+`spawn` request and RUN_PROCESS_SCHEMA for LLM function calling
+(tests/unit/test_request.py checks that they agree).
+
+`CellRequest.make(argv, **options)` checks every value before anything is
+created (a bad value is a UsageError naming the option), so a refusal never
+leaves a lock or a half-made cell behind.
+"""
+from __future__ import annotations
+
+from .errors import UsageError
+from .record import Factory, Record
+
+
+class Opt(Factory):
+    """A cell option: its default (copied per request), kind, CLI flags, help and JSON schema."""
+    __slots__ = ("default", "kind", "flags", "help", "schema", "metavar")
+
+    def __init__(self, default, kind: str, *flags: str, help: str = "", schema: dict | None = None,
+                 metavar: str | None = None):
+        super().__init__(lambda: list(default) if isinstance(default, list) else default)
+        self.default, self.kind, self.flags, self.help = default, kind, flags, help
+        self.schema, self.metavar = schema, metavar
+
+
+# kind -> (accepts, what it should be): checked by CellRequest.make
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v not in (float("inf"),)
+
+
+KINDS = {
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "optstr": (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string"),
+    "pos": (lambda v: v is None or (_number(v) and v > 0), "a number of seconds > 0"),
+    "nonneg": (lambda v: v is None or (_number(v) and v >= 0), "a number of seconds >= 0"),
+    "env": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                                for k, x in v.items()))
+            or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+            'an object of strings ({"KEY": "VALUE"}) or a list of "KEY=VALUE" / "KEY" strings'),
+    "dict": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                                 for k, x in v.items())), "an object of strings"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+class CellRequest(Record):
+    """What a front door asks for: one command and how to run it."""
+    argv: list[str]
+    role: str = Opt("executor", "str", "--role", help="Role policy (policies/ROLE.toml).",
+                    schema={"type": "string", "description": "Role policy to apply (executor, readonly, networked).",
+                            "default": "executor"})
+    run_id: str = Opt("default", "str", "--run-id", "--run", help="Run this cell belongs to.")
+    agent_id: str = Opt("default", "str", "--agent", "--agent-id", help="Agent this cell belongs to.")
+    cell_id: str | None = Opt(None, "optstr", "--cell", "--cell-id", help="Cell id (default: generated, c-XXXXXXXX).")
+    workdir: str | None = Opt(None, "optstr", "--workdir", help="Worktree the command runs in (default: the "
+                              "current directory).", schema={"type": "string",
+                                                             "description": "Worktree directory the command runs in."})
+    timeout: float | None = Opt(None, "pos", "--timeout", metavar="SECONDS", help="Stop the cell after SECONDS "
+                                "(SIGTERM, grace, SIGKILL); exit 124.",
+                                schema={"type": "number", "exclusiveMinimum": 0,
+                                        "description": "Seconds before the cell is stopped (exit 124)."})
+    lock_timeout: float | None = Opt(None, "nonneg", "--lock-timeout", metavar="SECONDS",
+                                     help="Give up after SECONDS waiting for the worktree lock (exit 75).")
+    env: list[str] | dict = Opt([], "env", "--env", metavar="KEY=VALUE", help="Set a variable in the cell "
+                                "(repeatable). KEY alone passes the host's value.",
+                                schema={"type": "object", "additionalProperties": {"type": "string"},
+                                        "description": "Extra environment variables for this call."})
+    receipt_file: str | None = Opt(None, "optstr", "--receipt", metavar="FILE",
+                                   help="Also write the cell's receipt to FILE.")
+    # Not spelled on the command line: the caller's environment (serve gets its
+    # client's), whether output is captured, and which front door asked.
+    host_env: dict | None = Opt(None, "dict")
+    capture: bool = Opt(True, "bool")
+    entry: str = Opt("api", "str")
+
+    @classmethod
+    def options(cls) -> dict[str, Opt]:
+        return {k: v for k, v in cls._defaults.items() if isinstance(v, Opt)}
+
+    @classmethod
+    def make(cls, argv, **options) -> "CellRequest":
+        """A checked request; UsageError names the first bad option."""
+        known = cls.options()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise UsageError(f"unknown option(s): {', '.join(unknown)} (known: argv, {', '.join(known)})")
+        if isinstance(argv, (str, bytes)) or not isinstance(argv, (list, tuple)) or not argv \
+                or not all(isinstance(a, str) for a in argv):
+            raise UsageError("argv: must be a non-empty list of strings (the command and its arguments; "
+                             "no shell is involved)")
+        for name, value in options.items():
+            accepts, what = KINDS[known[name].kind]
+            if value is None and known[name].default is not None:
+                options[name] = known[name].make()  # None means "the default" for every option
+                continue
+            if not accepts(value):
+                raise UsageError(f"{name}: must be {what}, not {value!r}")
+        env = options.get("env")
+        if isinstance(env, dict):
+            options["env"] = [f"{k}={v}" for k, v in env.items()]
+        elif isinstance(env, tuple):
+            options["env"] = list(env)
+        return cls(argv=list(argv), **options)
+
+    def cell_options(self) -> dict:
+        """The options as keyword arguments (what a serve `spawn` request carries)."""
+        return {k: getattr(self, k) for k in self.options()}
+
+
+def tool_schema(name: str, description: str) -> dict:
+    """The JSON schema of a tool that takes a cell request: argv plus every option a model may set."""
+    props = {"argv": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                      "description": "The command and its arguments; no shell is involved."}}
+    props.update({k: o.schema for k, o in CellRequest.options().items() if o.schema is not None})
+    return {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": props, "required": ["argv"],
+                           "additionalProperties": False}}

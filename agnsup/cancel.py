@@ -76,7 +76,7 @@ def resolve(journal, cell: str | None = None, run: str | None = None, agent: str
     return Scope("run", run)
 
 
-def cancel(state, scope: Scope, grace: float | None = None, by: str | None = None) -> dict:
+def cancel(state, scope: Scope, grace: float | None = None, by: str | None = None, backend=None) -> dict:
     """Stop every live cell of `scope`; return {"cancelled": N, "cells": [...], ...}.
 
     Idempotent: what already ended is not counted, so a repeat reports 0."""
@@ -84,7 +84,7 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
     janitor.on_start(state)  # a dead controller's cells are the janitor's, not ours to cancel
     t0 = time.monotonic()
     reason = f"cancelled by {scope.label()} ({by or f'agnsup cancel (pid {os.getpid()})'})"
-    backend = backends.choose(state.path)
+    backend = backend if backend is not None else backends.choose(state.path)
     j = state.journal()
     try:
         rows = j.record_cancel(scope.kind, scope.run_id, scope.agent_id, scope.cell_id, reason)
@@ -104,7 +104,8 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
             elif not t.leader:
                 c["notes"].append("no process yet: the cell stops at its identity commit")
             cells.append(c)
-        scope_place = backend.scope(scope.run_id, scope.agent_id) if scope.kind in ("agent", "run") else None
+        scope_place = backend.scope(scope.run_id, scope.agent_id) \
+            if backend.trees and scope.kind in ("agent", "run") else None
         done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place)
         for (c, _), r in zip(targets, done):
             c.update(signalled=r.signalled, kill=r.kill_note(), empty=r.empty)
@@ -157,9 +158,8 @@ def cleanup(state, run_id: str) -> dict:
                 continue
             done = reaper.reap(backend, reaper.from_row(backend, r)[0])
             items += [{**it, "cell_id": r["cell_id"]} for it in done.released]
-        if not running:
-            run_place = backend.scope(run_id)
-            items += [{"kind": "cgroup", "path": d} for d in backend.prune(run_place)]
+        if not running and backend.trees:
+            items += [{"kind": "cgroup", "path": d} for d in backend.prune(backend.scope(run_id))]
         j.finish_run(run_id, items)
         out = {"cleaned": len(items), "items": items, "run_id": run_id, "run_state": j.run(run_id)["state"],
                "running": running}

@@ -1,38 +1,17 @@
 """`agnsup doctor`: what this host offers and what agnsup will do with it."""
 from __future__ import annotations
 
-import ctypes
 import os
 
 from . import supervisor
 from .linux import cgroup, pidfd
 from .linux import sys as lsys
 
-_SYS_LANDLOCK_CREATE_RULESET = 444
-LANDLOCK_CREATE_RULESET_VERSION = 1
-
-
-def landlock_abi() -> int | None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    v = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
-                     ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
-    return int(v) if v > 0 else None
-
-
 def kernel_at_least(major: int, minor: int) -> bool:
     parts = os.uname().release.split(".")
     try:
         return (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
     except (ValueError, IndexError):
-        return False
-
-
-def seccomp_available() -> bool:
-    try:
-        with open("/proc/self/status") as f:
-            return any(line.startswith("Seccomp:") for line in f)
-    except OSError:
         return False
 
 
@@ -78,7 +57,8 @@ def report(state_root: str) -> dict:
         ns[name] = {"available": ok, **({"error": err} if err else {})}
     mount_api_ok, mount_api_err = supervisor.probe(
         lambda: (lsys.unshare(lsys.CLONE_NEWNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
-    ll = landlock_abi()
+    from .linux.host import protections
+    ll = protections()["_abi"] or None
     hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}
     limits_via = {}
     for ctrl in ("memory", "pids"):
@@ -110,7 +90,7 @@ def report(state_root: str) -> dict:
         "namespaces": ns,
         "new_mount_api": {"available": mount_api_ok, **({"error": mount_api_err} if mount_api_err else {})},
         "pidfd": {"pidfd_open": True, "pidfs": pidfd.has_pidfs()},
-        "seccomp": seccomp_available(),
+        "seccomp": protections()["seccomp"] is None,
         "landlock_abi": ll,
         "confinement": conf,
         "will_use": use,

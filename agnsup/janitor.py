@@ -59,11 +59,12 @@ def on_start(state, journal=None) -> dict | None:
 
     `journal`: the controller's own open Journal, to ask with (one connection
     fewer, and no SQLite checkpoint when this one closes)."""
-    from .journal import peek_open_controllers, sqlite3
+    from .errors import AgnsupError
+    from .journal import peek_open_controllers
     if journal is not None:
         try:
             rows = journal.open_controllers()
-        except sqlite3.Error:
+        except AgnsupError:
             return None  # the controller opens (and checks) the journal properly right after
     else:
         rows = peek_open_controllers(os.path.join(state.path, "journal.db"))
@@ -72,10 +73,9 @@ def on_start(state, journal=None) -> dict | None:
     boot = proc.boot_id()
     if not any(_is_dead(boot, cboot, lock) for _, cboot, lock in rows):
         return None
-    from .errors import AgnsupError
     try:
         report = run_janitor(state, journal)
-    except (AgnsupError, OSError, sqlite3.Error) as e:
+    except (AgnsupError, OSError) as e:
         print(f"agnsup: janitor: recovery failed, continuing: {e}", file=sys.stderr, flush=True)
         return None
     if report["recovered"]:
@@ -85,9 +85,10 @@ def on_start(state, journal=None) -> dict | None:
     return report
 
 
-def run_janitor(state_root, journal=None) -> dict:
+def run_janitor(state_root, journal=None, backend=None) -> dict:
     """Recover every dead controller instance's cells now. Returns the report
-    {"recovered", "killed", "skipped", "receipt", "controllers"}."""
+    {"recovered", "killed", "skipped", "receipt", "controllers"}. `backend`:
+    instead of the host's (backend.choose)."""
     from .state import StateRoot
     state = state_root if isinstance(state_root, StateRoot) else StateRoot(str(state_root))
     state.ensure()
@@ -96,7 +97,7 @@ def run_janitor(state_root, journal=None) -> dict:
     lock_path = os.path.join(state.path, "janitor.lock")
     fd = locks.acquire(lock_path, True, LOCK_TIMEOUT, "janitor", f"janitor pid {os.getpid()}")
     try:
-        return _Janitor(state, j).run()
+        return _Janitor(state, j, backend).run()
     finally:
         locks.release(lock_path, fd)
         if own:
@@ -114,12 +115,12 @@ class _Cell:
 
 
 class _Janitor:
-    def __init__(self, state, journal):
+    def __init__(self, state, journal, backend=None):
         from . import backend as backends
         self.state, self.j = state, journal
         self.id = "jan-" + os.urandom(6).hex()
         self.boot = proc.boot_id()
-        self.backend = backends.choose(state.path)
+        self.backend = backend if backend is not None else backends.choose(state.path)
         self.receipt_path = os.path.join(state.path, "recovery", self.id + ".json")
         self.receipt: dict | None = None
 

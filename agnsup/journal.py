@@ -129,18 +129,18 @@ class Journal:
         self.db.close()
 
     def _one(self, sql: str, args: tuple = ()):
-        lock = self.lock
-        if lock is None:
-            return self.db.execute(sql, args).fetchone()
-        with lock:
-            return self.db.execute(sql, args).fetchone()
+        rows = self._all(sql, args)
+        return rows[0] if rows else None
 
     def _all(self, sql: str, args: tuple = ()) -> list:
-        lock = self.lock
-        if lock is None:
-            return self.db.execute(sql, args).fetchall()
-        with lock:
-            return self.db.execute(sql, args).fetchall()
+        """A read (under the lock when threads share the connection); SQLite errors become StateError."""
+        try:
+            if self.lock is None:
+                return self.db.execute(sql, args).fetchall()
+            with self.lock:
+                return self.db.execute(sql, args).fetchall()
+        except sqlite3.Error as e:
+            raise StateError(f"journal {self.path}: cannot read: {e}") from None
 
     # -- events and controllers -------------------------------------------
     def event(self, db, kind: str, run_id=None, cell_id=None, **data) -> None:

@@ -148,19 +148,8 @@ class Frozen:
     def __iter__(self):
         return iter(self._d)
 
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def keys(self):
-        return self._d.keys()
-
     def __setattr__(self, key, value):
         raise AttributeError("a policy is read-only")
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Frozen) and self._d == other._d
-
-    __hash__ = None
 
     def __repr__(self) -> str:
         return f"Frozen({self._d!r})"

@@ -91,8 +91,74 @@ class Reaped(Record):
 
 
 # -- evidence -------------------------------------------------------------------
-def _uses_evidence(backend, t: Target, thorough: bool) -> bool:
-    return thorough or (not t.has_tree and not backend.trees)
+def find(backend, t: Target, snap, ev=None, thorough: bool = False, exclude: tuple = ()) -> tuple[dict, list]:
+    """(candidates {pid: {pid, comm, starttime, evidence, via, recheck}}, spared) of one
+    cell in `snap`; `ev`: its linux.session.Evidence, when evidence counts (else the tree only)."""
+    found: dict[int, dict] = {}
+    spared: list[dict] = []
+
+    def add(p, why, via, recheck):
+        k = found.setdefault(p.pid, {"pid": p.pid, "comm": p.comm, "starttime": p.starttime, "evidence": [],
+                                     "via": via, "recheck": []})
+        k["via"] = "cgroup" if via == "cgroup" else k["via"]
+        k["evidence"].append(why)
+        k["recheck"].append(recheck)
+
+    live = {pid: p for pid, p in snap.procs.items() if p.state not in ("Z", "X") and pid not in exclude}
+    if thorough and t.has_tree:
+        for pid in backend.members(t.place):
+            if pid in live:
+                add(live[pid], f"member of the cell's cgroup {t.place.dir} (directory inode {t.place.inode} "
+                               "matches the journal)", "cgroup", "cgroup")
+    if ev is None:
+        return found, spared
+    leader = live.get(ev.leader)
+    if thorough and leader is not None and ev.leader_ok:
+        add(leader, f"journaled leader: boot id matches, {ev.leader_why}", "single", "leader")
+    elif thorough and leader is not None and ev.leader_ok is False and leader.pid not in found:
+        spared.append({"pid": leader.pid, "comm": leader.comm, "starttime": leader.starttime,
+                       "reason": f"the journaled leader pid {leader.pid} is another process now: {ev.leader_why}; "
+                                 "spared"})
+    more, why_spared = ev.find(snap)
+    for pid, k in more.items():
+        for why, recheck in zip(k["evidence"], k["recheck"]):
+            if pid in live:
+                add(live[pid], why, "single", recheck)
+    spared.extend(s for s in why_spared if s["pid"] not in found)
+    return found, spared
+
+
+class _Job:
+    """One target's stop in progress: its evidence (when it counts) and its outcome."""
+
+    def __init__(self, backend, t: Target, thorough: bool):
+        self.t, self.r = t, Reaped()
+        self.ev = _evidence(backend, t) if thorough or (not t.has_tree and not backend.trees) else None
+        self.seen: set = set()
+
+    def find(self, backend, snap, thorough, exclude) -> dict:
+        if snap is None:
+            return {}
+        cands, spared = find(backend, self.t, snap, self.ev, thorough, exclude)
+        for s in spared:
+            if (s["pid"], s["reason"]) not in self.seen:
+                self.seen.add((s["pid"], s["reason"]))
+                self.r.spared.append(s)
+        return cands
+
+    def signal(self, backend, cands: dict, sig: int, refused: dict | None = None) -> dict[int, tuple[bool, str]]:
+        """Each single candidate through its own pidfd, once its evidence is rechecked there;
+        one that failed its check in `refused` (the SIGSTOP pass) is not ours to kill."""
+        out = {}
+        for c in cands.values():
+            if c["via"] == "cgroup":
+                continue
+            if refused is not None and not refused[c["pid"]][0]:
+                out[c["pid"]] = refused[c["pid"]]
+                continue
+            out[c["pid"]] = backend.signal_checked(c, sig, lambda fd, cand: backend.recheck(fd, cand, self.t.leader,
+                                                                                           self.ev))
+        return out
 
 
 def _evidence(backend, t: Target):
@@ -104,64 +170,6 @@ def _evidence(backend, t: Target):
     return session.Evidence(lpid, ok, t.token, t.since, why)
 
 
-def find(backend, t: Target, snap, thorough: bool = False, exclude: tuple = ()) -> tuple[dict, list]:
-    """(candidates {pid: {pid, comm, starttime, evidence, via, recheck}}, spared) for one cell."""
-    found: dict[int, dict] = {}
-    spared: list[dict] = []
-
-    def add(pid, comm, start, why, via, recheck):
-        if pid in exclude:
-            return
-        k = found.setdefault(pid, {"pid": pid, "comm": comm, "starttime": start, "evidence": [], "via": via,
-                                   "recheck": []})
-        if via == "cgroup":
-            k["via"] = "cgroup"
-        k["evidence"].append(why)
-        k["recheck"].append(recheck)
-
-    if thorough and t.has_tree:
-        for pid in backend.members(t.place):
-            p = snap.procs.get(pid)
-            if p is not None and p.state not in ("Z", "X"):
-                add(pid, p.comm, p.starttime, f"member of the cell's cgroup {t.place.dir} (directory inode "
-                                              f"{t.place.inode} matches the journal)", "cgroup", "cgroup")
-    if not _uses_evidence(backend, t, thorough):
-        return found, spared
-    ev = _evidence(backend, t)
-    lpid = ev.leader
-    if lpid and thorough:
-        p = snap.procs.get(lpid)
-        if ev.leader_ok and p is not None and p.state not in ("Z", "X"):
-            add(lpid, p.comm, p.starttime, f"journaled leader: boot id matches, {ev.leader_why}", "single", "leader")
-        elif ev.leader_ok is False and lpid not in found and p is not None and p.state not in ("Z", "X"):
-            spared.append(_spared(p, f"the journaled leader pid {lpid} is another process now: {ev.leader_why}; "
-                                     "spared"))
-    more, why_spared = ev.find(snap)
-    for pid, k in more.items():
-        for why, recheck in zip(k["evidence"], k["recheck"]):
-            add(pid, k["comm"], k["starttime"], why, "single", recheck)
-    spared.extend(s for s in why_spared if s["pid"] not in found)
-    return found, spared
-
-
-def _spared(p, reason: str) -> dict:
-    return {"pid": p.pid, "comm": p.comm, "starttime": p.starttime, "reason": reason}
-
-
-def _signal_each(backend, cands: list[tuple[Target, dict]], sig: int, evidence_of: dict,
-                 refused: dict | None = None) -> dict[int, tuple[bool, str]]:
-    """Signal each candidate through its own pidfd once its evidence is rechecked there.
-    `refused`: an earlier pass's answers; a candidate that failed its check then is skipped."""
-    out = {}
-    for t, c in cands:
-        if refused is not None and not refused.get(c["pid"], (True,))[0]:
-            out[c["pid"]] = refused[c["pid"]]  # it failed its check at SIGSTOP: not ours to kill
-            continue
-        ev = evidence_of[id(t)]
-        out[c["pid"]] = backend.signal_checked(c, sig, lambda fd, cand: backend.recheck(fd, cand, t.leader, ev))
-    return out
-
-
 # -- stop -----------------------------------------------------------------------
 def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0.0, until: float | None = None,
          thorough: bool = False, scope=None, exclude: tuple = (), on_plan=None) -> list[Reaped]:
@@ -171,122 +179,96 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     whose whole tree is these targets (one kill reaches them all). `on_plan(plans)`
     hears [(target, candidates)] before each round's kill (the janitor journals
     them). `exclude`: pids never touched (a leader the caller reaps itself)."""
-    out = [Reaped() for _ in targets]
-    if not targets:
-        return out
-    evidence_of = {id(t): _evidence(backend, t) for t in targets if _uses_evidence(backend, t, thorough)}
-    snap = backend.snapshot(exclude) if evidence_of else None
-    found = [find(backend, t, snap, thorough, exclude) if id(t) in evidence_of or thorough else ({}, [])
-             for t in targets]
-    for r, t, (cands, spared) in zip(out, targets, found):
-        r.left = sorted(set(backend.members(t.place) if t.has_tree else []) | set(cands))
-        r.spared.extend(spared)
+    jobs = [_Job(backend, t, thorough) for t in targets]
+    scans = thorough or any(j.ev for j in jobs)
+    snap = backend.snapshot(exclude) if scans else None
+    for j in jobs:
+        cands = j.find(backend, snap, thorough, exclude)
+        j.r.left = sorted(set(backend.members(j.t.place) if j.t.has_tree else ()) | set(cands))
+        if term:
+            j.r.signalled += backend.signal(j.t.place, signal.SIGTERM) if j.t.has_tree else 0
+            j.r.signalled += sum(ok for ok, _ in j.signal(backend, cands, signal.SIGTERM).values())
     if term:
-        for r, t, (cands, _) in zip(out, targets, found):
-            if t.has_tree:
-                r.signalled += backend.signal(t.place, signal.SIGTERM)
-        sent = _signal_each(backend, [(t, c) for t, (cands, _) in zip(targets, found) for c in cands.values()
-                                      if c["via"] != "cgroup"], signal.SIGTERM, evidence_of)
-        for r, (cands, _) in zip(out, found):
-            r.signalled += sum(1 for pid in cands if pid in sent and sent[pid][0])
         crashpoints.hit("cancel_grace")
     deadline = until if until is not None else time.monotonic() + (grace if term else 0.0)
-    _wait_quiet(backend, targets, deadline, thorough, exclude, evidence_of)
-    _kill_rounds(backend, targets, out, thorough, scope, exclude, on_plan, evidence_of)
-    return out
-
-
-def _quiet(backend, targets, thorough, exclude, evidence_of) -> bool:
-    snap = backend.snapshot(exclude) if evidence_of else None
-    for t in targets:
-        if t.has_tree and backend.populated(t.place):
-            return False
-        if id(t) in evidence_of and find(backend, t, snap, thorough, exclude)[0]:
-            return False
-    return True
-
-
-def _wait_quiet(backend, targets, deadline, thorough, exclude, evidence_of) -> None:
     delay = 0.002
-    while time.monotonic() < deadline and not _quiet(backend, targets, thorough, exclude, evidence_of):
+    while time.monotonic() < deadline and _busy(backend, jobs, thorough, exclude, scans):
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.05)
+    _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans)
+    return [j.r for j in jobs]
 
 
-def _kill_rounds(backend, targets, out, thorough, scope, exclude, on_plan, evidence_of) -> None:
-    pending = list(range(len(targets)))
-    seen_spared: list[set] = [{(s["pid"], s["reason"]) for s in r.spared} for r in out]
-    for _ in range(KILL_ROUNDS if evidence_of or thorough else 1):
-        snap = backend.snapshot(exclude) if evidence_of or thorough else None
-        plans = []
-        for i in pending:
-            t = targets[i]
-            cands, spared = find(backend, t, snap, thorough, exclude) if snap is not None else ({}, [])
-            for s in spared:
-                if (s["pid"], s["reason"]) not in seen_spared[i]:
-                    seen_spared[i].add((s["pid"], s["reason"]))
-                    out[i].spared.append(s)
-            live_tree = t.has_tree and backend.populated(t.place)
-            if cands or live_tree:
-                plans.append((i, cands, live_tree))
+def _busy(backend, jobs, thorough, exclude, scans) -> bool:
+    snap = backend.snapshot(exclude) if scans else None
+    return any((j.t.has_tree and backend.populated(j.t.place)) or j.find(backend, snap, thorough, exclude)
+               for j in jobs)
+
+
+def _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans) -> None:
+    pending = jobs
+    for _ in range(KILL_ROUNDS if scans else 1):
+        snap = backend.snapshot(exclude) if scans else None
+        plans = [(j, cands, live) for j in pending
+                 for cands, live in [(j.find(backend, snap, thorough, exclude),
+                                      j.t.has_tree and backend.populated(j.t.place))] if cands or live]
         if not plans:
             return
         if on_plan is not None:
-            on_plan([(targets[i], cands) for i, cands, _ in plans])
+            on_plan([(j.t, cands) for j, cands, _ in plans])
         crashpoints.hit("cancel_frozen")
-        trees = [i for i, _, live in plans if live]
-        if scope is not None and trees and _covers(backend, scope, targets):
+        trees = [j for j, _, live in plans if live]
+        if scope is not None and trees and _covers(backend, scope, jobs):
             method = f"{backend.kill(scope)} on {scope.dir}"
-            for i in trees:
-                out[i].method = out[i].method or method
-        else:
-            for i in trees:
-                try:
-                    m = backend.kill(targets[i].place)
-                except OSError as e:
-                    out[i].error = f"cannot kill the cgroup of cell {targets[i].cell_id}: {e}"
-                    continue
-                out[i].method = out[i].method or m
-        # SIGSTOP every single first (none can fork or exec any more), then SIGKILL
-        singles = [(targets[i], c) for i, cands, _ in plans for c in cands.values() if c["via"] != "cgroup"]
-        stopped = _signal_each(backend, singles, signal.SIGSTOP, evidence_of)
-        sent = _signal_each(backend, singles, signal.SIGKILL, evidence_of, refused=stopped)
+            for j in trees:
+                j.r.method = j.r.method or method
+            trees = []
+        for j in trees:
+            try:
+                j.r.method = j.r.method or backend.kill(j.t.place)
+            except OSError as e:
+                j.r.error = f"cannot kill the cgroup of cell {j.t.cell_id}: {e}"
+        # SIGSTOP every single one first (none can fork or exec any more), then SIGKILL
+        stopped = {j: j.signal(backend, cands, signal.SIGSTOP) for j, cands, _ in plans}
+        sent = {j: j.signal(backend, cands, signal.SIGKILL, refused=stopped[j]) for j, cands, _ in plans}
         verify_by = time.monotonic() + VERIFY_TIMEOUT
-        for i, cands, live in plans:
-            r, t = out[i], targets[i]
-            if live and not backend.wait_empty(t.place, max(0.0, verify_by - time.monotonic())):
-                r.empty = False
-                r.error = r.error or f"cell cgroup {t.place.dir} is still populated {VERIFY_TIMEOUT:g} s after the kill"
-            for c in cands.values():
-                rec = {k: v for k, v in c.items() if k != "recheck"}
-                if c["via"] == "cgroup":
-                    rec["method"] = r.method or "none"
-                else:
-                    ok, why = sent[c["pid"]]
-                    rec.update(method="pidfd_send_signal" if ok else "none", signal_note=why)
-                    if ok and not t.has_tree:
-                        r.method = r.method or EVIDENCE_KILL
-                # wait, not a glance: a PID-namespace init leaves its cgroup before it has
-                # finished dying (it first reaps its namespace, pid_namespaces(7))
-                rec["verified_dead"] = _wait_dead(backend, c["pid"], c["starttime"], verify_by)
-                r.killed.append(rec)
-                if not rec["verified_dead"] and rec["method"] != "none":
-                    r.empty = False
-                    r.error = r.error or f"process {c['pid']} of cell {t.cell_id} still alive after the kill"
-        pending = [i for i, _, _ in plans if out[i].error is None]
-        if not evidence_of and not thorough:
-            return
-    for i in pending:
-        out[i].empty = False
-        out[i].error = out[i].error or (f"processes of cell {targets[i].cell_id} still found after "
-                                        f"{KILL_ROUNDS} kill rounds")
+        for j, cands, live in plans:
+            _verify(backend, j, cands, live, sent[j], verify_by)
+        if not scans:
+            return  # the tree was killed and verified: a cgroup leaves nothing to scan for
+        pending = [j for j, _, _ in plans if j.r.error is None]
+    for j in pending:
+        j.r.empty = False
+        j.r.error = j.r.error or f"processes of cell {j.t.cell_id} still found after {KILL_ROUNDS} kill rounds"
 
 
-def _covers(backend, scope, targets) -> bool:
-    """Every cell directory under `scope` is one of `targets` (then one kill of the scope is exact)."""
+def _verify(backend, j: _Job, cands: dict, live: bool, sent: dict, verify_by: float) -> None:
+    r, t = j.r, j.t
+    if live and not backend.wait_empty(t.place, max(0.0, verify_by - time.monotonic())):
+        r.empty = False
+        r.error = r.error or f"cell cgroup {t.place.dir} is still populated {VERIFY_TIMEOUT:g} s after the kill"
+    for c in cands.values():
+        rec = {k: v for k, v in c.items() if k != "recheck"}
+        if c["via"] == "cgroup":
+            rec["method"] = r.method or "none"
+        else:
+            ok, why = sent[c["pid"]]
+            rec.update(method="pidfd_send_signal" if ok else "none", signal_note=why)
+            if ok and not t.has_tree:
+                r.method = r.method or EVIDENCE_KILL
+        # wait, not a glance: a PID-namespace init leaves its cgroup before it has
+        # finished dying (it first reaps its namespace, pid_namespaces(7))
+        rec["verified_dead"] = _wait_dead(backend, c["pid"], c["starttime"], verify_by)
+        r.killed.append(rec)
+        if not rec["verified_dead"] and rec["method"] != "none":
+            r.empty = False
+            r.error = r.error or f"process {c['pid']} of cell {t.cell_id} still alive after the kill"
+
+
+def _covers(backend, scope, jobs) -> bool:
+    """Every cell directory under `scope` is one of ours (then one kill of the scope is exact)."""
     found = backend.cells_under(scope)
-    ours = {os.path.realpath(t.place.dir) for t in targets if t.has_tree}
-    return bool(found) and found <= ours
+    return bool(found) and found <= {os.path.realpath(j.t.place.dir) for j in jobs if j.t.has_tree}
 
 
 def _wait_dead(backend, pid: int, start: int, deadline: float) -> bool:
@@ -317,9 +299,9 @@ class Tree:
             self.backend.signal(self.target.place, signal.SIGTERM)
             return
         pidfd.send(self.leader_fd, signal.SIGTERM)
-        t = self.target
-        cands, _ = find(self.backend, t, self.backend.snapshot(self.exclude), exclude=self.exclude)
-        _signal_each(self.backend, [(t, c) for c in cands.values()], signal.SIGTERM, {id(t): _evidence(self.backend, t)})
+        job = _Job(self.backend, self.target, thorough=False)
+        job.signal(self.backend, job.find(self.backend, self.backend.snapshot(self.exclude), False, self.exclude),
+                   signal.SIGTERM)
 
     def oom_kills(self) -> int | None:
         return self.backend.oom_kills(self.target.place) if self.target.has_tree else None

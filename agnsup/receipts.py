@@ -15,7 +15,6 @@ RECEIPT_VERSION = 1
 
 def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
     spec, plan = cell.spec, cell.plan
-    from .spec import redacted_env
     r = {
         "kind": "cell", "version": RECEIPT_VERSION,
         "run_id": spec.run_id, "agent_id": spec.agent_id, "cell_id": spec.cell_id,
@@ -49,6 +48,13 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         r["error"] = error
     r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
     return r
+
+
+def redacted_env(spec) -> dict[str, str]:
+    """The environment for a receipt: secret-looking values and the token hidden."""
+    from .linux.session import TOKEN_VAR
+    from .secretkeys import looks_secret
+    return {k: ("<redacted>" if k == TOKEN_VAR or looks_secret(k) else v) for k, v in spec.env.items()}
 
 
 def write(path: str, receipt: dict, compact: bool = False) -> None:

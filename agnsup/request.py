@@ -108,10 +108,6 @@ class CellRequest(Record):
             options["env"] = list(env)
         return cls(argv=list(argv), **options)
 
-    def cell_options(self) -> dict:
-        """The options as keyword arguments (what a serve `spawn` request carries)."""
-        return {k: getattr(self, k) for k in self.options()}
-
 
 def tool_schema(name: str, description: str) -> dict:
     """The JSON schema of a tool that takes a cell request: argv plus every option a model may set."""

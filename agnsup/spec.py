@@ -13,10 +13,10 @@ import os
 import sys
 
 from .errors import NotFound, NotExecutable, UsageError
+from .linux.session import TOKEN_VAR  # the janitor reads the same name from /proc
 from .record import Record
 from .state import check_id
 
-TOKEN_VAR = "AGNSUP_CELL_TOKEN"
 IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR)
 CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"
 
@@ -108,9 +108,3 @@ def resolve(cmd: str, path: str, cwd: str) -> str:
     if found_noexec:
         raise NotExecutable(f"{cmd}: {found_noexec} is not executable")
     raise NotFound(f"{cmd}: command not found on the cell's PATH ({path})")
-
-
-def redacted_env(spec: CellSpec) -> dict[str, str]:
-    """The environment for a receipt: secret-looking values and the token hidden."""
-    from .secretkeys import looks_secret
-    return {k: ("<redacted>" if k == TOKEN_VAR or looks_secret(k) else v) for k, v in spec.env.items()}

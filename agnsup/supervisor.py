@@ -122,7 +122,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         at.name = "setsid"
         os.setsid()
         at.name = "cgroup"
-        backend.attach(place, 0, skip=born_in)
+        if place.node is not None:
+            backend.attach(place, 0, skip=born_in)
         at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
@@ -248,7 +249,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
     try:
         if plan.pid_namespace:
             status_r, status_w = os.pipe()
-        pid, fd = _clone_into_cgroup(backend.clone_dir(place), plan.pid_namespace)
+        pid, fd = _clone_into_cgroup(backend.clone_dir(place) if place.node else None, plan.pid_namespace)
         if pid is not None:
             # born in v2; the controller moves it into the other hierarchies
             # below, while the child builds its namespaces
@@ -552,9 +553,8 @@ def _sync_poll(p, current: dict[int, int], want: dict[int, int]) -> dict[int, in
 
 
 def probe(fn) -> tuple[bool, str]:
-    """Run `fn()` in a throwaway child (for `doctor`): (succeeded, error text).
-
-    Lives here because only the supervisor creates processes."""
+    """Run `fn()` in a throwaway child, never a cell: (succeeded, error text).
+    `agnsup doctor` proves a kernel feature works here by using it once."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -571,12 +571,3 @@ def probe(fn) -> tuple[bool, str]:
     err = _read_all(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0, err.decode(errors="replace")
-
-
-def host_process(argv: list[str], **popen_kw):
-    """A plain host process outside any cell, for the self-test harness only
-    (agnsup/selftest/: it plays the user, the sentinel and the innocent
-    bystander). Never used on the path of a cell; subprocess is imported here,
-    lazily, because only the supervisor creates processes."""
-    import subprocess
-    return subprocess.Popen(argv, **popen_kw)

@@ -14,7 +14,7 @@ from conftest import REPO
 from agnsup.linux import proc
 from agnsup.selftest.host import bindable, lines  # one copy: the selftest's
 
-SCRIPT = os.path.join(REPO, "scripts", "stubborn_tree.py")
+SCRIPT = os.path.join(REPO, "agnsup", "selftest", "stubborn-tree")
 
 
 def wait_for(cond, timeout: float = 20.0, what: str = "condition"):

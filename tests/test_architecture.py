@@ -1,12 +1,35 @@
-"""Only the process supervisor creates processes: proven by reading the source."""
+"""The shape of the package, proven by reading the source:
+
+- only the process supervisor creates processes (the self-test harness, which
+  plays the user and the bystanders, starts plain host processes in one place);
+- imports flow one way: front doors -> tool/service -> stages (spec, governance,
+  policy, compiler; cancel and janitor) -> broker -> reaper/supervisor ->
+  backend/journal -> linux and the shared modules. A module imports its own
+  layer or below, never above (lazy imports inside functions count too).
+"""
 import ast
 import os
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agnsup")
-ALLOWED = {os.path.join(PKG, "supervisor.py")}
+SUPERVISOR = os.path.join(PKG, "supervisor.py")
+HARNESS = os.path.join(PKG, "selftest", "host.py")  # may use subprocess.Popen, nothing else
 FORBIDDEN_CALLS = {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen", "spawnv", "spawnve",
                    "spawnl", "spawnle", "spawnlp", "spawnvp", "execv", "execve", "execvp", "execvpe", "execl",
                    "execle", "execlp", "execlpe"}
+
+LAYERS = [  # top to bottom
+    ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.doctor", "agnsup.selftest"]),
+    ("tool and service", ["agnsup.service", "agnsup.tool"]),
+    ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
+                "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor"]),
+    ("broker", ["agnsup.broker"]),
+    ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.output",
+                               "agnsup.locks"]),
+    ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.state", "agnsup.migrations"]),
+    ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
+                          "agnsup.crashpoints", "agnsup.policies"]),
+]
+DATA_PACKAGES = {"migrations", "policies"}  # package data shipped as agnsup.<name> (pyproject package-dir)
 
 
 def _sources():
@@ -14,6 +37,56 @@ def _sources():
         for f in files:
             if f.endswith(".py"):
                 yield os.path.join(root, f)
+
+
+def _module(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def layer(module: str) -> int | None:
+    best = None
+    for i, (_, mods) in enumerate(LAYERS):
+        for m in mods:
+            if (module == m or module.startswith(m + ".")) and (best is None or len(m) > len(best[1])):
+                best = (i, m)
+    return best[0] if best else None
+
+
+def _is_module(name: str) -> bool:
+    p = os.path.join(os.path.dirname(PKG), *name.split("."))
+    return os.path.isdir(p) or os.path.exists(p + ".py") or name.rpartition(".")[2] in DATA_PACKAGES
+
+
+def imports(path: str, source: str | None = None) -> set[str]:
+    """Every agnsup module `path` imports, at the top or inside a function."""
+    mod = _module(path)
+    pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+    if source is None:
+        with open(path) as f:
+            source = f.read()
+    out = set()
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "agnsup")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = pkg.split(".")
+                target = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "agnsup":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if _is_module(sub) else target)
+    return out
+
+
+def upward(path: str, source: str | None = None) -> list[str]:
+    here = layer(_module(path))
+    return sorted(f"{t} ({LAYERS[layer(t)][0]})" for t in imports(path, source)
+                  if layer(t) is None or layer(t) < here)
 
 
 def _violations(path):
@@ -41,9 +114,11 @@ def _violations(path):
 def test_no_module_but_the_supervisor_creates_processes():
     bad = {}
     for path in _sources():
-        if path in ALLOWED:
+        if path == SUPERVISOR:
             continue
         v = _violations(path)
+        if path == HARNESS:
+            v = [x for x in v if x not in ("import subprocess", "subprocess.Popen")]
         if v:
             bad[os.path.relpath(path, PKG)] = v
     assert not bad, f"process creation outside agnsup/supervisor.py: {bad}"
@@ -56,4 +131,49 @@ def test_the_source_check_would_catch_a_fork(tmp_path):
 
 
 def test_the_supervisor_is_where_fork_and_exec_live():
-    assert {"os.fork", "os.execve", "lsys.clone3_into_cgroup"} <= set(_violations(os.path.join(PKG, "supervisor.py")))
+    assert {"os.fork", "os.execve", "lsys.clone3_into_cgroup"} <= set(_violations(SUPERVISOR))
+
+
+def test_imports_flow_one_way_down_the_path():
+    bad = {}
+    for path in _sources():
+        if layer(_module(path)) is None:
+            bad[os.path.relpath(path, PKG)] = ["module has no layer: add it to LAYERS"]
+        elif upward(path):
+            bad[os.path.relpath(path, PKG)] = upward(path)
+    assert not bad, f"imports against the direction of the path: {bad}"
+
+
+def test_the_direction_check_would_catch_an_upward_import():
+    """The broker asking governance, the gate running the journal's SQL, the backend
+    reaching for the broker: each is caught, at the top or inside a function."""
+    def up(rel: str, src: str) -> list[str]:
+        return upward(os.path.join(PKG, rel), src)
+    assert up("broker.py", "def f():\n    from . import governance\n") == ["agnsup.governance (stages)"]
+    assert up("gate/quota.py", "from ..journal import Journal\n") == []  # down is fine
+    assert up("backend/cgroups.py", "import agnsup.broker\n") == ["agnsup.broker (broker)"]
+    assert up("linux/cgroup.py", "from .. import reaper\n") == ["agnsup.reaper (reaper and supervisor)"]
+    assert up("journal.py", "from . import migrations\n") == []
+
+
+STORE = os.path.join(PKG, "journal.py")
+OBSERVER = os.path.join(PKG, "selftest", "host.py")  # reads the journal read-only, as evidence from outside
+
+
+def _sql(path: str) -> list[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            out += [f"import {n}" for n in names if n.split(".")[0] in ("sqlite3", "_sqlite3")]
+        elif isinstance(node, ast.Attribute) and node.attr in ("execute", "executemany", "executescript"):
+            out.append(f".{node.attr}()")
+    return out
+
+
+def test_only_the_store_speaks_sql():
+    bad = {os.path.relpath(p, PKG): v for p in _sources() if p not in (STORE, OBSERVER) and (v := _sql(p))}
+    assert not bad, f"SQL outside agnsup/journal.py: {bad}"
+    assert _sql(STORE)  # the check sees SQL where it is

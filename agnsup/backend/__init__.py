@@ -10,8 +10,9 @@ nobody above a backend branches on the layout:
                 the reaper finds the cell's processes on session + token evidence (below)
     (a fake one for unit tests: tests/unit/fake_backend.py)
 
-The verbs, the same in each (a `Place` is one cell's, agent's or run's place;
-a cgroup backend's is a set of directories, an untracked backend has none):
+The verbs (a `Place` is one cell's, agent's or run's place: a cgroup
+backend's is a set of directories; an untracked backend's places have none,
+and only `place`, `from_journal` and `usage` are asked of it):
 
     place(run, agent, cell, limits) -> Place    where the cell will live (nothing created yet)
     create(place, limits) -> Place              make it and apply the limits (inode, what is in force)
@@ -57,7 +58,8 @@ class Place(Record):
 
 
 class Backend:
-    """The interface, with the evidence primitives every backend shares."""
+    """What every backend has; the tree verbs are the cgroup backends' (backend/cgroups.py)
+    and are called only for a Place with a node. This base is the Untracked backend's whole."""
     kind = "none"               # receipt isolation.cgroup_layout
     tracking = "session+token"  # receipt isolation.tracking
     trees = False               # does a cell get a tree of its own (a cgroup)?
@@ -66,52 +68,12 @@ class Backend:
     def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
         return Place()
 
-    def create(self, place: Place, limits: dict) -> Place:
-        return place
-
     def from_journal(self, paths: dict | None, inode: int | None) -> tuple[Place | None, str, list[int]]:
         """(the journaled place if provably the cell's, a note, pids of a look-alike place)."""
         return None, "", []
 
-    def scope(self, run_id: str, agent_id: str | None = None) -> Place:
-        return Place()
-
-    def cells_under(self, scope: Place) -> set[str]:
-        return set()
-
-    def clone_dir(self, place: Place) -> str | None:
-        return None
-
-    def attach(self, place: Place, pid: int, skip: tuple = ()) -> None:
-        pass
-
-    def members(self, place: Place) -> list[int]:
-        return []
-
-    def populated(self, place: Place) -> bool:
-        return False
-
-    def signal(self, place: Place, sig: int) -> int:
-        return 0
-
-    def kill(self, place: Place) -> str:
-        return "none"
-
-    def wait_empty(self, place: Place, timeout: float) -> bool:
-        return True
-
     def usage(self, place: Place) -> dict:
         return {}
-
-    def oom_kills(self, place: Place) -> int | None:
-        return None
-
-    def remove(self, place: Place) -> list[str]:
-        return []
-
-    def prune(self, place: Place) -> list[str]:
-        """Remove the empty directories at and below `place` (and empty ones above it, up to ours)."""
-        return []
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         """How this backend tracks and kills a cell's tree (agnsup doctor)."""

@@ -82,7 +82,8 @@ class CgroupBackend(Backend):
         return out
 
     def clone_dir(self, place: Place) -> str | None:
-        return place.node.paths.get("v2") if place.node is not None else None
+        """The cgroup2 directory a child can be born in (clone3 CLONE_INTO_CGROUP), if any."""
+        return place.node.paths.get("v2")
 
     def attach(self, place: Place, pid: int, skip: tuple = ()) -> None:
         cgroup.attach(place.node, pid, skip)
@@ -91,10 +92,10 @@ class CgroupBackend(Backend):
         return cgroup.procs(place.dir) if place.dir else []
 
     def populated(self, place: Place) -> bool:
-        return place.node is not None and cgroup.populated(place.node)
+        return cgroup.populated(place.node)
 
     def signal(self, place: Place, sig: int) -> int:
-        return cgroup.signal_all(place.node, sig, self.layout) if place.node is not None else 0
+        return cgroup.signal_all(place.node, sig, self.layout)
 
     def kill(self, place: Place) -> str:
         path = place.dir
@@ -114,24 +115,21 @@ class CgroupBackend(Backend):
         return "signal-loop"
 
     def wait_empty(self, place: Place, timeout: float) -> bool:
-        return place.node is None or cgroup.wait_empty(place.node, timeout)
+        return cgroup.wait_empty(place.node, timeout)
 
     def usage(self, place: Place) -> dict:
         return cgroup.read_usage(place.node) if place.node is not None else {}
 
     def oom_kills(self, place: Place) -> int | None:
-        return cgroup.oom_kills(place.node) if place.node is not None else None
+        return cgroup.oom_kills(place.node)
 
     def remove(self, place: Place) -> list[str]:
-        if place.node is None:
-            return []
         removed = cgroup.remove(place.node)
         self._prune_up(place)
         return removed
 
     def prune(self, place: Place) -> list[str]:
-        removed = [d for p in (place.node.paths.values() if place.node else ()) for d in cgroup.walk(p)
-                   if cgroup.remove_if_empty(d)]
+        removed = [d for p in place.node.paths.values() for d in cgroup.walk(p) if cgroup.remove_if_empty(d)]
         self._prune_up(place)
         return removed
 

@@ -392,7 +392,7 @@ def populated(node: Node) -> bool:
     return bool(procs(path))
 
 
-def signal_all(node: Node, sig: int, layout: Layout | None = None) -> int:
+def signal_all(node: Node, sig: int, layout: Layout) -> int:
     """Send `sig` to every process in the tree, each through a pidfd.
 
     Membership is rechecked after the pidfd is open, so a pid that was reused
@@ -417,10 +417,10 @@ def signal_all(node: Node, sig: int, layout: Layout | None = None) -> int:
     return sent
 
 
-def _in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout | None = None) -> bool:
+def _in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
     if not lines:
         return False
-    mount_rel = _relative(path, layout or _layout_cache())
+    mount_rel = _relative(path, layout)
     for line in lines:
         _, ctrls, cg = line.split(":", 2)
         if (hierarchy == "v2" and line.startswith("0::")) or hierarchy in ctrls.split(","):
@@ -436,18 +436,6 @@ def _relative(path: str, layout: Layout) -> str:
         if path.startswith(mnt.rstrip("/") + "/"):
             return path[len(mnt.rstrip("/")):]
     return path
-
-
-_layout: Layout | None = None
-
-
-def _layout_cache() -> Layout:
-    global _layout
-    if _layout is None:
-        _layout = detect_layout()
-    return _layout
-
-
 
 
 def write_kill(path: str) -> bool:

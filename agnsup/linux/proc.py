@@ -58,14 +58,6 @@ def cgroup_lines(pid: int | str) -> list[str] | None:
         return None
 
 
-def cgroup_v2_path(pid: int | str) -> str | None:
-    """The process's path in the unified hierarchy ("0::/a/b"), or None."""
-    for line in cgroup_lines(pid) or ():
-        if line.startswith("0::"):
-            return line[3:]
-    return None
-
-
 def environ(pid: int | str) -> dict[str, str] | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -86,12 +78,6 @@ def pids() -> list[int]:
 
 def clock_ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
-
-
-def uptime_ticks() -> int:
-    """Now, in the same unit as Stat.starttime."""
-    with open("/proc/uptime") as f:
-        return int(float(f.read().split()[0]) * clock_ticks())
 
 
 def wall_to_ticks(t: float) -> int:

@@ -24,19 +24,19 @@ start a new session L and end itself before the scan, leaving members that
 would match (while it lives, its identity tells it apart). Cgroups have
 neither gap.
 
-The kill: every signal through a pidfd opened, then checked (the evidence
-still holds, not a zombie); SIGSTOP every candidate first, so none can fork
-between the scan and the kill, then SIGKILL; repeated until a scan finds none.
+The kill is the reaper's (agnsup/reaper.py): every signal through a pidfd
+opened, then checked here (`Evidence.recheck`: the evidence still holds, not a
+zombie); SIGSTOP every candidate first, so none can fork between the scan and
+the kill, then SIGKILL; repeated until a scan finds none.
 """
 from __future__ import annotations
 
 import os
-import signal
-import time
 
-from . import pidfd, proc
+from . import proc
 
-TOKEN_KEY = b"AGNSUP_CELL_TOKEN="
+TOKEN_VAR = "AGNSUP_CELL_TOKEN"  # the ownership token's name in a cell's environment (spec.py sets it)
+TOKEN_KEY = TOKEN_VAR.encode() + b"="
 READ_SIZE = 65536
 TRACKING = "session+token"
 BLOCKED = "ENV_BLOCKED: cgroup"
@@ -193,19 +193,6 @@ class Evidence:
         return False, f"pid {pid} no longer carries the evidence it was found by: spared"
 
 
-def stop_and_kill(cands: list[dict], check) -> dict[int, tuple[bool, str]]:
-    """SIGSTOP every candidate (none can fork or exec any more), then SIGKILL
-    each; every signal through a pidfd after `check(fd, cand)` -> (ok, why).
-    Returns {pid: (killed, why)}."""
-    out: dict[int, tuple[bool, str]] = {}
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for c in cands:
-            if sig == signal.SIGKILL and c["pid"] in out and not out[c["pid"]][0]:
-                continue  # it failed its check at SIGSTOP: not ours to kill
-            out[c["pid"]] = pidfd.signal_if(c["pid"], sig, lambda fd, c=c: check(fd, c))
-    return out
-
-
 def dead(pid: int, start: int) -> bool:
     """Gone, a zombie, or the pid is another process now (one raw read: this runs per killed process)."""
     raw = _read(f"/proc/{pid}/stat")
@@ -213,68 +200,3 @@ def dead(pid: int, start: int) -> bool:
         return True
     rest = raw[raw.rindex(b")") + 2:].split(None, 20)
     return int(rest[19]) != start or rest[0] in (b"Z", b"X")
-
-
-def wait_dead(pid: int, start: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while not dead(pid, start):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-    return True
-
-
-def signal_cell(ev: Evidence, sig: int, exclude: tuple[int, ...] = ()) -> list[int]:
-    """Send `sig` once to every process the evidence finds now (graceful stop)."""
-    found, _ = ev.find(Snapshot.take(exclude=(os.getpid(), *exclude)))
-    sent = []
-    for c in found.values():
-        ok, _ = pidfd.signal_if(c["pid"], sig, lambda fd, c=c: ev.recheck(c["pid"], c))
-        if ok:
-            sent.append(c["pid"])
-    return sent
-
-
-def kill_cell(ev: Evidence, exclude: tuple[int, ...] = (), timeout: float = 30.0) -> list[dict]:
-    """Stop and kill every process of the cell, scan again, until a scan finds none.
-
-    Returns what was killed: [{pid, comm, starttime, evidence, method, verified_dead}]."""
-    killed: list[dict] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        found, _ = ev.find(Snapshot.take(exclude=(os.getpid(), *exclude)))
-        if not found:
-            return killed
-        if time.monotonic() >= deadline:
-            raise OSError(f"processes {sorted(found)} of the cell still found after {timeout:.0f} s of killing")
-        done = stop_and_kill(list(found.values()), lambda fd, c: ev.recheck(c["pid"], c))
-        for pid, c in found.items():
-            sent, why = done[pid]
-            killed.append({**{k: v for k, v in c.items() if k != "recheck"},
-                           "method": "pidfd_send_signal" if sent else "none", "signal_note": why,
-                           "verified_dead": wait_dead(pid, c["starttime"], 5.0)})
-
-
-# -- the controller's side: a cell it started and still watches -------------
-def for_leader(identity: dict, token: str | None) -> Evidence:
-    """The evidence of a cell whose leader this controller holds by pidfd, unreaped."""
-    return Evidence(identity["pid"], True, token, identity.get("starttime") or 0)
-
-
-def end_cell(ev: Evidence, grace_until: float | None) -> tuple[list[int], list[dict]]:
-    """The leader has exited but is not reaped yet, so its pid (the session id)
-    cannot be reused under us: let a stop in progress have the rest of its grace
-    period, then kill whatever of the cell is left. Returns (left, killed)."""
-    from ..errors import SetupError
-    skip = (os.getpid(), ev.leader)
-    found, _ = ev.find(Snapshot.take(exclude=skip))
-    left = sorted(found)
-    while found and grace_until is not None and time.monotonic() < grace_until:
-        time.sleep(0.05)
-        found, _ = ev.find(Snapshot.take(exclude=skip))
-    try:
-        return left, kill_cell(ev, exclude=(ev.leader,)) if found else []
-    except OSError as e:
-        raise SetupError(f"cell without a cgroup: {e}") from None

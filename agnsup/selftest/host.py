@@ -4,8 +4,9 @@ journal read-only, canaries).
 
 Nothing here trusts agnsup's word: a process is alive when its pidfd says so,
 a port is free when it can be bound, a heartbeat stopped when the file stops
-growing. Processes the harness starts go through supervisor.host_process (the
-supervisor is the only module that creates processes).
+growing. The harness plays the user and the bystanders, so it starts plain
+host processes (Procs.start, the one place in the package outside the
+supervisor that does: never a cell's, tests/test_architecture.py).
 """
 from __future__ import annotations
 
@@ -57,11 +58,11 @@ class Procs:
         self.is_init = os.getpid() == 1
 
     def start(self, argv: list[str], **kw):
-        from ..supervisor import host_process
+        import subprocess
         for k in ("stdin", "stdout", "stderr"):
-            kw.setdefault(k, -3)  # subprocess.DEVNULL: nothing of ours is inherited by accident
+            kw.setdefault(k, subprocess.DEVNULL)  # nothing of ours is inherited by accident
         kw.setdefault("close_fds", True)
-        p = host_process(argv, **kw)
+        p = subprocess.Popen(argv, **kw)
         self.started.append(p)
         return p
 
@@ -215,10 +216,6 @@ def listening(port: int) -> bool:
 
 
 # -- /proc ------------------------------------------------------------------
-def cgroup_v2(pid: int) -> str | None:
-    return proc.cgroup_v2_path(pid)
-
-
 def environ_values(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -228,12 +225,11 @@ def environ_values(pid: int) -> str | None:
 
 
 def procs_with_env(key: str, value: str) -> list[int]:
-    out = []
-    for pid in proc.pids():
-        env = proc.environ(pid)
-        if env and env.get(key) == value and not proc.is_zombie(pid):
-            out.append(pid)
-    return out
+    """Live processes whose environment holds key=value, as psutil sees them: an
+    outside reader of /proc, not agnsup's own (linux/proc.py, under test here)."""
+    import psutil
+    return [p.pid for p in psutil.process_iter(["environ", "status"])
+            if (p.info["environ"] or {}).get(key) == value and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def scan_files(root: str, needles: list[str]) -> list[str]:

@@ -1,1 +1,0 @@
-../agnsup/selftest/stubborn-tree

@@ -1,0 +1,114 @@
+"""The journal store on a real SQLite file: the state machine, first-reason-wins, quotas' counts."""
+import time
+
+import pytest
+
+from agnsup.errors import CancelledBeforeStart, RunNotActive, StateError
+from agnsup.journal import LIVE_CELL, OPEN_SQL, TERMINAL_CELL, Journal
+
+
+@pytest.fixture
+def j(tmp_path):
+    journal = Journal(str(tmp_path / "journal.db"))
+    journal.register_controller({"id": "ctl-1", "kind": "run", "pid": 1, "pidfd_ino": None, "starttime": 1,
+                                 "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    yield journal
+    journal.close()
+
+
+def begin(j, cell="c1", run="R", agent="A", admit=None):
+    j.begin_cell({"run_id": run, "cell_id": cell, "agent_id": agent, "role": "executor", "token": "t",
+                  "controller_id": "ctl-1", "boot_id": "b", "cgroup": "{}", "tmpdir": None, "worktree": "/w",
+                  "lock_path": None, "argv": '["true"]', "exe": "/bin/true", "created_at": time.time(), "grace": 1.0},
+                 [{"stage": "public_tool", "t": 0}], admit)
+
+
+def receipt(cell="c1", run="R", state="exited"):
+    return {"run_id": run, "cell_id": cell, "state": state, "ended_at": time.time(), "exit_code": 0, "signal": None,
+            "reason": state}
+
+
+def test_a_cell_goes_starting_running_terminal_and_never_changes_after(j):
+    begin(j)
+    assert j.cell_state("R", "c1") == "starting"
+    j.mark_running("R", "c1")
+    j.conclude_cell(receipt(), None)
+    assert j.cell_state("R", "c1") == "exited"
+    with pytest.raises(StateError, match="cannot go from exited to running"):
+        j.mark_running("R", "c1")
+    with pytest.raises(StateError, match="cannot go from exited to cancelled"):
+        j.conclude_cell(receipt(state="cancelled"), None)
+    assert [e["kind"] for e in j.events("R", "c1")] == ["stage.public_tool", "state.starting", "state.running",
+                                                         "state.exited"]
+
+
+def test_a_cell_id_is_never_reused_in_a_run_but_may_be_in_another(j):
+    begin(j)
+    with pytest.raises(RunNotActive, match="never reused"):
+        begin(j)
+    begin(j, run="R2")
+    assert j.cell_runs("c1") == ["R", "R2"]
+
+
+def test_a_finished_run_is_reopened_by_a_new_cell_and_the_journal_says_so(j):
+    begin(j)
+    j.conclude_cell(receipt(), None)
+    j.finish_run("R", [])
+    assert j.run("R")["state"] == "finished"
+    begin(j, cell="c2")
+    assert j.run("R")["state"] == "active" and j.run("R")["ended_at"] is None
+    (ev,) = [e for e in j.events("R", "c2") if e["kind"] == "run.reopened"]
+    assert '"was": "finished"' in ev["data"]
+
+
+def test_a_cancelled_run_refuses_every_new_cell(j):
+    begin(j)
+    j.record_cancel("run", "R", None, None, "cancelled by run R (test)")
+    assert j.run("R")["state"] == "cancelled"
+    with pytest.raises(RunNotActive, match="was cancelled"):
+        begin(j, cell="c2")
+    assert j.cell("R", "c2") is None  # the refused intent left nothing
+
+
+def test_the_first_cancel_reason_wins_and_a_cell_setting_up_never_starts(j):
+    begin(j)
+    assert [r["cell_id"] for r in j.record_cancel("cell", "R", None, "c1", "first")] == ["c1"]
+    j.record_cancel("agent", "R", "A", None, "second")
+    assert j.cancel_reason("R", "c1") == "first"
+    with pytest.raises(CancelledBeforeStart, match="first"):
+        j.commit_identity("R", "c1", {"pid": 5, "pidfd_ino": None, "starttime": 9, "pgid": 5, "started_at": 1.0},
+                          {"stage": "process_supervisor"})
+    assert j.cell("R", "c1")["pid"] is None  # rolled back
+
+
+def test_a_quota_judge_sees_the_counts_inside_the_intent_transaction(j):
+    seen = []
+    begin(j, admit=seen.append)
+    begin(j, cell="c2", agent="B", admit=seen.append)
+    assert seen[0] == (0, 0, 0, 0.0)                              # a new run: created with this cell
+    assert seen[1][:3] == (1, 1, 0) and seen[1][3] >= 0          # one live cell, of agent A
+
+    def refuse(counts):
+        raise RunNotActive("quota")
+    with pytest.raises(RunNotActive):
+        begin(j, cell="c3", admit=refuse)
+    assert j.cell("R", "c3") is None
+
+
+def test_recovery_marks_the_run_recovered_only_when_no_other_cell_lives(j):
+    begin(j)
+    begin(j, cell="c2")
+    entries = [{"notes": []}, {"notes": []}]
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c1", "controller": "ctl-1", "entry": entries[0],
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert entries[0]["run_state"] == "active" and j.run("R")["state"] == "active"
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c2", "controller": "ctl-1", "entry": entries[1],
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert entries[1]["run_state"] == "recovered" and j.run("R")["state"] == "recovered"
+    assert len(j.receipts("recovery", "R")) == 2
+
+
+def test_the_terminal_states_are_spelled_once_and_the_live_index_serves_the_janitor(j):
+    assert all(f"'{s}'" in LIVE_CELL for s in TERMINAL_CELL)
+    plan = j.query_plan(OPEN_SQL)
+    assert "controllers_open" in plan and "cells_live" in plan, plan

@@ -207,7 +207,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]
 def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict) -> dict:
-    from .linux.sys import CAP_NAMES, cap_last_cap
+    from .linux.sys import CAP_NAMES
     iso, proc_ = policy.isolation, policy.process
     wanted = {"seccomp": iso.seccomp, "landlock": iso.landlock, "no_new_privs": iso.no_new_privs,
               "pid_namespace": iso.pid_namespace, "landlock_scopes": iso.landlock, "capabilities": True}
@@ -239,7 +239,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
     if root:
         keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.capabilities)
         out["cap_keep"] = keep
-        out["drop_caps"] = [c for c in range(cap_last_cap() + 1) if c not in keep]
+        out["drop_caps"] = [c for c in range(host["_cap_last"] + 1) if c not in keep]
     else:
         out["drop_caps"] = []
     return out

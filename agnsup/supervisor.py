@@ -110,7 +110,7 @@ class _Step:
 
 
 def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
-           status_w: int | None, controller: int, born_in: tuple[str, ...] = ()) -> None:
+           status_w: int | None, controller: int, born: bool = False) -> None:
     """Runs in the forked child; never returns."""
     at = _Step()
     try:
@@ -122,8 +122,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         at.name = "setsid"
         os.setsid()
         at.name = "cgroup"
-        if place.node is not None:
-            backend.attach(place, 0, skip=born_in)
+        if place.node is not None and not born:  # born in its cgroup: the controller moves it into the rest
+            backend.attach(place, 0)
         at.name = "signals"
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                     signal.SIGQUIT, signal.SIGCHLD):
@@ -245,7 +245,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
     status_r = status_w = None
     controller = os.getpid()
     fd = None
-    born_in: tuple[str, ...] = ()
+    born = False
     try:
         if plan.pid_namespace:
             status_r, status_w = os.pipe()
@@ -253,7 +253,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
         if pid is not None:
             # born in v2; the controller moves it into the other hierarchies
             # below, while the child builds its namespaces
-            born_in = ("v2",)
+            born = True
         elif plan.pid_namespace:
             pid = _fork_into_new_pid_namespace()
         else:
@@ -271,7 +271,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
         os.close(err_r)
         if status_r is not None:
             os.close(status_r)
-        _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born_in)
+        _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born)
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:
@@ -279,14 +279,14 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
     if conf.ruleset:
         conf.ruleset.close()
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
-                  cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
+                  cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK)
     try:
-        if born_in:
+        if born:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
             # cgroup_threadgroup_rwsem): made here, it overlaps the child's own
             # setup instead of adding to it. Done before the barrier, so the
             # command still never runs outside any of its cgroups.
-            backend.attach(place, pid, skip=born_in)
+            backend.attach(place, pid, born=True)
         if child.pidfd is None:
             child.pidfd = os.pidfd_open(pid)
         st = proc.stat(pid)

@@ -85,8 +85,9 @@ class CgroupBackend(Backend):
         """The cgroup2 directory a child can be born in (clone3 CLONE_INTO_CGROUP), if any."""
         return place.node.paths.get("v2")
 
-    def attach(self, place: Place, pid: int, skip: tuple = ()) -> None:
-        cgroup.attach(place.node, pid, skip)
+    def attach(self, place: Place, pid: int, born: bool = False) -> None:
+        """Move `pid` (0: the caller) into the place; `born`: it was born in clone_dir's hierarchy."""
+        cgroup.attach(place.node, pid, ("v2",) if born else ())
 
     def members(self, place: Place) -> list[int]:
         return cgroup.procs(place.dir) if place.dir else []

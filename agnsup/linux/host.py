@@ -12,9 +12,11 @@ _cache: dict = {}
 
 def protections() -> dict:
     """{"seccomp"|"landlock"|"landlock_scopes"|"no_new_privs"|"pid_namespace"|"capabilities":
-    None when available, else why not; "_abi": the Landlock ABI; "_root": euid 0}."""
+    None when available, else why not; "_abi": the Landlock ABI; "_root": euid 0;
+    "_cap_last": the highest capability number this kernel knows}."""
     if not _cache:
         from . import landlock, seccomp
+        from .sys import cap_last_cap
         abi = landlock.abi()
         root = os.geteuid() == 0
         _cache.update({
@@ -24,6 +26,6 @@ def protections() -> dict:
             "no_new_privs": None,
             "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
             "capabilities": None,  # a root cell drops them; any other uid has none to drop
-            "_abi": abi, "_root": root,
+            "_abi": abi, "_root": root, "_cap_last": cap_last_cap(),
         })
     return _cache

@@ -1,6 +1,9 @@
 """A fake backend: the kernel's part of a host (cgroup directories, processes,
 signals, the /proc view) in memory, behind the same interface as the real
-backends, so the layers above them are unit-tested without root or processes."""
+backends, so the layers above them are unit-tested without root or processes.
+
+tests/unit holds pure logic over this fake: no root, no cgroups, no cell
+processes; `pytest tests/unit` runs in seconds anywhere."""
 from __future__ import annotations
 
 import signal

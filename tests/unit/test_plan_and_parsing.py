@@ -9,7 +9,8 @@ from agnsup.linux import cgroup, session
 from agnsup.request import CellRequest
 
 HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
-        "capabilities": None, "_abi": 7, "_root": True}
+        "capabilities": None, "_abi": 7, "_root": True,
+        "_cap_last": 40}
 
 
 def plan(tmp_path, role="executor", host=HOST, **kw):

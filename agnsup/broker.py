@@ -48,6 +48,8 @@ class Cell(Record):
     capture: bool = False
     pump: object = None          # output.Pump when the role caps output
     oom_fd: int | None = None    # v1 OOM eventfd (cgroup.create_cell)
+    egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
+    network: dict | None = None  # the receipt's network section, once the proxy stopped
 
     def output_info(self) -> dict:
         from .digest import sha256
@@ -144,6 +146,7 @@ class Controller:
                 cell.child = supervisor.spawn(plan, cell.node, lambda ident: self._identity(cell, ident), stdio)
                 if cell.node is not None:
                     cell.isolation["cgroup_join"] = cell.child.cgroup_join
+                self._start_egress(cell)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -159,6 +162,20 @@ class Controller:
             self.fail(cell, err)
             raise err from None
         return cell
+
+    def _start_egress(self, cell: Cell) -> None:
+        """allowlist/internal: the controller's proxy serves the cell's only way out (agnsup/egress/)."""
+        if cell.child.egress_listener is not None:
+            from . import egress
+            cell.egress = egress.serve(cell.child.egress_listener, cell.plan.egress,
+                                       self.journal.path, cell.spec.run_id, cell.spec.cell_id)
+
+    def _stop_egress(self, cell: Cell) -> None:
+        """Close the proxy (and every connection it still relays); its records go to the receipt."""
+        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:
+            from . import egress
+            cell.network = egress.receipt_section(cell.egress, cell.plan.egress)
+            cell.egress = None
 
     def _intent(self, cell: Cell) -> None:
         spec, plan = cell.spec, cell.plan
@@ -329,6 +346,7 @@ class Controller:
         return self._conclude(cell, outcome, {}, released, error=error.message)
 
     def _close_fds(self, cell: Cell) -> None:
+        self._stop_egress(cell)
         if cell.pump is not None:
             cell.pump.close()
         if cell.oom_fd is not None:

@@ -40,6 +40,7 @@ class ExecutionPlan(Record):
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
+    egress: dict | None = None             # allowlist/internal: the network table the proxy judges by
 
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
@@ -197,7 +198,8 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     timeout = spec.timeout if spec.timeout is not None else lim.get("timeout")
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
-        new_netns=policy["network"]["mode"] in ("deny", "loopback"), network=policy["network"]["mode"],
+        new_netns=policy["network"]["mode"] in NETNS_MODES, network=policy["network"]["mode"],
+        egress=dict(policy["network"]) if policy["network"]["mode"] in ("allowlist", "internal") else None,
         limits={k: lim.get(k) for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
         worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
@@ -205,6 +207,9 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
         home_exposed=exposed, **conf)
 
 
+# Network modes that give the cell a namespace of its own with only lo up; allowlist
+# and internal reach out only through the controller's proxy (agnsup/egress/).
+NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # The /dev/null class: devices every program may open for writing.
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]

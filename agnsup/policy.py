@@ -20,16 +20,18 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "4"  # 3: isolation and process sections; 4: filesystem.home, filesystem.home_allow
+CACHE_VERSION = "5"  # 3: isolation and process sections; 4: filesystem.home, filesystem.home_allow; 5: network lists
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
-JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
+JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny")
 # Values from loosest to strictest, for the keys a preset may fix.
 STRICTNESS = {
     "governance.mode": ("open", "locked", "readonly"),
     "governance.unparseable": (None, "flag", "deny"),
     "governance.kernel_enforced": ("flag", "deny"),
-    "network.mode": ("host", "loopback", "deny"),
+    # internal opens the private network (databases, admin consoles) to listed names;
+    # allowlist opens listed names on the public internet, private addresses only with allow_private
+    "network.mode": ("host", "internal", "allowlist", "loopback", "deny"),
     "filesystem.root": ("rw", "ro"),
     "filesystem.worktree": ("rw", "ro"),
     "filesystem.home": ("ro", "hidden"),

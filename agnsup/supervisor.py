@@ -8,9 +8,11 @@ spawn() forks one child and runs the cell recipe in it, in order:
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
-    unshare the mount (and, if the role denies network, network) namespace
+    unshare the mount (and, unless the role has the host's network, network) namespace
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
+    allowlist/internal roles: listen on the proxy port inside it and hand the
+        listener to the controller (agnsup/egress/handoff.py)
     PID namespace roles: mount the namespace's own /proc, wait at the
         barrier, fork the command and stay as its init (linux/pidinit.py);
         the command continues below
@@ -59,6 +61,7 @@ class Child(Record):
     pid: int
     pidfd: int
     identity: dict
+    egress_listener: object = None  # allowlist/internal: the proxy's listener, made in the cell's namespace
     status_fd: int | None = None  # PID namespace: the init reports the command's status here
     cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
 
@@ -78,6 +81,7 @@ class _Confinement(Record):
     """Built in the controller before fork; used by the child."""
     ruleset: object = None   # landlock.Ruleset
     filter: object = None    # seccomp.Filter
+    egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
 
 
 class _Step:
@@ -93,7 +97,8 @@ def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _C
             for target, fd in enumerate(stdio):
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
-        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None})
+        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
+                        conf.egress.child_fd() if conf.egress else None})
         at.name = "setsid"
         os.setsid()
         at.name = "cgroup"
@@ -111,6 +116,9 @@ def _child(plan, node, barrier_r: int, err_w: int, stdio: tuple | None, conf: _C
         if plan.new_netns:
             at.name = "loopback"
             netns.loopback_up()
+        if conf.egress:
+            at.name = "egress"
+            conf.egress.in_child()
         crashpoints.hit("child_setup", controller)
         if plan.pid_namespace:
             at.name = "proc"
@@ -202,6 +210,9 @@ def _prepare(plan) -> _Confinement:
         conf.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
         conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+    if plan.egress is not None:
+        from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
+        conf.egress = Handoff(plan.egress["proxy_port"])
     return conf
 
 
@@ -237,6 +248,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
                 os.close(fd)
         if conf.ruleset:
             conf.ruleset.close()
+        if conf.egress:
+            conf.egress.close()
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
                          errno=e.errno) from None
     if pid == 0:
@@ -251,6 +264,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(status_w)
     if conf.ruleset:
         conf.ruleset.close()
+    if conf.egress:
+        conf.egress.after_fork()
     try:
         if born_in:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
@@ -275,6 +290,8 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
             os.close(status_r)
         if fd is not None:
             os.close(fd)
+        if conf.egress:
+            conf.egress.close()
         _reap(pid)
         if report:
             raise _child_error(plan, report) from None
@@ -286,9 +303,21 @@ def spawn(plan, node, on_identity, stdio: tuple | None = None) -> Child:
         os.close(fd)
         if status_r is not None:
             os.close(status_r)
+        if conf.egress:
+            conf.egress.close()
         raise _child_error(plan, report)
+    listener = None
+    if conf.egress:
+        try:
+            listener = conf.egress.receive()  # sent before the barrier: already queued
+        except OSError as e:
+            # cannot happen once the command executed; if it does, the command never runs unserved
+            pidfd.send(fd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, fd, os.WEXITED)
+            os.close(fd)
+            raise SetupError(f"cell setup failed at step 'egress': {e}", step="egress") from None
     return Child(pid=pid, pidfd=fd, identity=identity, status_fd=status_r,
-                 cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK)
+                 cgroup_join=_JOIN_CLONE3 if born_in else _JOIN_FORK, egress_listener=listener)
 
 
 def _child_error(plan, report: bytes) -> Exception:

@@ -142,8 +142,8 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
     return scheme, (hosts[0] if hosts else ""), hosts
 
 
-def classify(ip) -> str:
-    """"" for a public address, else why not."""
+def unmapped(ip):
+    """The IPv4 address an IPv4-mapped, 6to4 or NAT64 (64:ff9b::/96) address carries; else `ip`."""
     import ipaddress
 
     if ip.version == 6:
@@ -151,7 +151,13 @@ def classify(ip) -> str:
         if mapped is None and ip in ipaddress.ip_network("64:ff9b::/96"):
             mapped = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if mapped is not None:
-            return classify(mapped)
+            return mapped
+    return ip
+
+
+def classify(ip) -> str:
+    """"" for a public address, else why not."""
+    ip = unmapped(ip)
     s = str(ip)
     if s in METADATA_IPS:
         return "metadata"

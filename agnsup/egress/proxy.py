@@ -245,7 +245,7 @@ class Proxy:
         method, target, version = parts
         if method == b"CONNECT":
             rec["protocol"] = "http-connect"
-            host, port = _split_hostport(target.decode("latin-1"), None)
+            host, port = _split_hostport(target.decode("utf-8", "replace"), None)
             up = self._judge_and_connect(host, port, rec)
             client.sendall(version + b" 200 Connection established\r\n\r\n")
             return up, rest
@@ -260,7 +260,7 @@ class Proxy:
             path = b"/" + path
         if b"@" in authority:
             raise Refused("refused", "protocol", "userinfo in a proxied URL", http_status=400)
-        host, port = _split_hostport(authority.decode("latin-1"), 80)
+        host, port = _split_hostport(authority.decode("utf-8", "replace"), 80)
         up = self._judge_and_connect(host, port, rec)
         kept = [h for h in headers.split(b"\r\n") if h and h.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS]
         if not any(h.lower().startswith(b"host:") for h in kept):
@@ -283,7 +283,7 @@ class Proxy:
         if atyp == 1:
             host = socket.inet_ntop(socket.AF_INET, _recv_exact(client, 4))
         elif atyp == 3:
-            host = _recv_exact(client, _recv_exact(client, 1)[0]).decode("latin-1")
+            host = _recv_exact(client, _recv_exact(client, 1)[0]).decode("utf-8", "replace")
         elif atyp == 4:
             host = "[" + socket.inet_ntop(socket.AF_INET6, _recv_exact(client, 16)) + "]"
         else:

@@ -41,13 +41,16 @@ class JournalSink:
             self.error = str(e)
             j = None
         try:
-            stop = False
+            stop, last = False, 0.0
             while not stop:
                 rows = [self.q.get()]
-                deadline = time.monotonic() + FLUSH_EVERY
+                # The first record after a quiet spell is committed at once; under load,
+                # one commit per FLUSH_EVERY carries everything that arrived meanwhile.
+                deadline = last + FLUSH_EVERY
                 try:
                     while len(rows) < 500 and rows[-1] is not _STOP:
-                        rows.append(self.q.get(timeout=max(0.0, deadline - time.monotonic())))
+                        left = deadline - time.monotonic()
+                        rows.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
                 except queue.Empty:
                     pass
                 if _STOP in rows:
@@ -59,6 +62,7 @@ class JournalSink:
                             j.add_connections(db, self.run_id, self.cell_id, rows)
                     except Exception as e:  # noqa: BLE001
                         self.error = str(e)
+                last = time.monotonic()
         finally:
             if j is not None:
                 j.close()

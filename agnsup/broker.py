@@ -175,6 +175,8 @@ class Controller:
         if cell.plan is not None and cell.plan.egress is not None and cell.network is None:
             from . import egress
             cell.network = egress.receipt_section(cell.egress, cell.plan.egress)
+            if cell.egress is None and cell.child is not None and cell.child.egress_listener is not None:
+                cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
             cell.egress = None
 
     def _intent(self, cell: Cell) -> None:

@@ -618,3 +618,37 @@ def test_pip_downloads_a_package_from_this_hosts_index_through_the_proxy(agnsup,
     allowed = [c for c in r["connections"] if c["decision"] == "allowed"]
     assert allowed and {c["name"] for c in allowed} <= hosts and r["refused"] == 0
     assert sum(c["bytes_down"] for c in allowed) > os.path.getsize(os.path.join(worktree, "dl", got[0]))
+
+
+def test_serve_cells_get_the_proxy_too_and_pid_namespace_cells_as_well(net, monkeypatch, policy_dir):
+    """Through the long-lived controller (the Python API serve uses): one proxy per cell, concurrently."""
+    from agnsup import Supervisor
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
+    monkeypatch.setenv("AGNSUP_TEST_EGRESS_HOSTS", HOSTS)
+    write_role(policy_dir, "pkgsns", network__mode='"allowlist"', network__allow='["pkg.test:*"]',
+               network__allow_private="true", isolation__pid_namespace="true")
+    url = f"http://pkg.test:{net.site['http']}/hello.txt"
+    with Supervisor(net.state) as sup:
+        hs = [sup.spawn(["curl", "-fsS", url], role=role, cell_id=f"s{i}", workdir=net.worktree)
+              for i, role in enumerate(["pkgs", "pkgs", "pkgsns"])]
+        results = [sup.wait(h["run_id"], h["cell_id"], timeout=60) for h in hs]
+    assert [r["stdout"] for r in results] == ["hello from pkg.test\n"] * 3, results
+    for i in range(3):
+        c, = _receipt(net.state, f"s{i}")["network"]["connections"]
+        assert c["decision"] == "allowed" and c["bytes_down"] > 0
+    assert _receipt(net.state, "s2")["isolation"]["pid_namespace"] is True
+
+
+def test_the_shipped_proxied_role_reaches_public_names_only(state, worktree, site):
+    """`proxied` as shipped: any name, ports 80 and 443, never the host's loopback (so not our server)."""
+    from agnsup import policy
+    pol = policy.load("proxied")
+    assert pol["network"] == {"mode": "allowlist", "allow": ["*"], "deny": [], "allow_private": False,
+                              "proxy_port": 3128}
+    a = Agnsup(state, env={"AGNSUP_TEST_EGRESS_HOSTS": HOSTS})
+    cp = a("run", "--role", "proxied", "--cell", "pub", "--workdir", worktree, "--", "curl", "-sS", "-o", "/dev/null",
+           "-o", "/dev/null", "-w", "%{http_code}", f"http://pkg.test:{site['http']}/hello.txt", "http://pkg.test/hello.txt",
+           check=None)
+    assert cp.out == "403403", cp.out + cp.err
+    rules = [c["rule"] for c in _receipt(state, "pub")["network"]["connections"]]
+    assert rules == ["unlisted", "address:loopback"]  # a port other than 80/443; then the host's loopback

@@ -267,18 +267,16 @@ def test_an_unlisted_name_is_refused_with_the_rule_in_the_receipt(net):
 PROBE = r"""
 import json, socket, sys
 port = int(sys.argv[1])
+def http(request):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(request.encode())
+    line = s.recv(200).split(b"\r\n")[0].decode()
+    s.close()
+    return line
 def connect_(host):
-    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
-    s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
-    line = s.recv(200).split(b"\r\n")[0].decode()
-    s.close()
-    return line
+    return http(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n")
 def absolute(host):
-    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
-    s.sendall(f"GET http://{host}:{port}/hello.txt HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    line = s.recv(200).split(b"\r\n")[0].decode()
-    s.close()
-    return line
+    return http(f"GET http://{host}:{port}/hello.txt HTTP/1.1\r\nHost: {host}\r\n\r\n")
 def socks(host):
     s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
     s.sendall(b"\x05\x01\x00")

@@ -83,6 +83,7 @@ def resolver_from_env(env=None) -> tuple[object, str]:
 class Proxy:
     def __init__(self, listener: socket.socket, rules, resolve=system_resolver, sink=None, resolver_name="system"):
         self.listener, self.rules, self.resolve, self.sink = listener, rules, resolve, sink
+        listener.setblocking(False)  # poll says readable; a connection reset meanwhile must not block accept
         self.resolver_name = resolver_name
         self._lock = threading.Lock()
         self._seq = 0
@@ -112,7 +113,11 @@ class Proxy:
                 client, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 continue
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors for now: the connection waits in the backlog
+                    time.sleep(0.1)
+                    continue
                 return
             with self._lock:
                 self._seq += 1

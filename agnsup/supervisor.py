@@ -61,9 +61,9 @@ class Child(Record):
     pid: int
     pidfd: int
     identity: dict
-    egress_listener: object = None  # allowlist/internal: the proxy's listener, made in the cell's namespace
     status_fd: int | None = None  # PID namespace: the init reports the command's status here
     cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
+    egress_listener: object = None  # allowlist/internal: the proxy's listener, made in the cell's namespace
 
 
 class Outcome(Record):

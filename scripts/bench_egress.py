@@ -11,8 +11,9 @@ round runs two cells back to back (order alternating):
 
 and, in the same cells, CONNS sequential connections each fetching the tiny
 page (Python sockets: connect, request, read the reply, close), direct
-against through the proxy (absolute-URI GET). Prints medians: MB/s of the
-download and milliseconds per connection, and the ratio. Run as root; a
+against through the proxy (absolute-URI GET); then `agnsup run -- true` of a
+deny role against an allowlist role (what starting the proxy adds). Prints
+medians: MB/s of the download, milliseconds per connection and per start. Run as root; a
 private state root, removed at the end.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 ROLE = """[role]
 name = "bench-egress"
@@ -116,6 +118,14 @@ def main() -> None:
                 if cp.returncode:
                     raise SystemExit(f"bench: the {via} cell failed: {cp.stderr.strip()}")
                 res[via].append(json.loads(cp.stdout))
+        start: dict[str, list] = {"host": [], "proxy": []}
+        for i in range(a.rounds * 4):  # what the proxy adds to a cell's start: `run -- true`, interleaved
+            for via in (("host", "proxy") if i % 2 == 0 else ("proxy", "host")):
+                role = "executor" if via == "host" else "bench-egress"
+                t0 = time.perf_counter()
+                subprocess.run([a.agnsup, "run", "--role", role, "--workdir", top, "--", "true"], env=env,
+                               check=True, timeout=60)
+                start[via].append((time.perf_counter() - t0) * 1000)
         dl = {v: statistics.median(size / r["download_s"] / 1e6 for r in rs) for v, rs in res.items()}
         conn = {v: statistics.median(ms for r in rs for ms in r["conn_ms"]) for v, rs in res.items()}
         print(f"{a.mb} MB download over loopback (curl in a cell), {a.rounds} rounds, medians:")
@@ -124,6 +134,10 @@ def main() -> None:
         print(f"connection setup + one tiny request, {a.conns} sequential per round, median per connection:")
         print(f"  {'host network':22} {conn['host']:9.3f} ms")
         print(f"  {'through the proxy':22} {conn['proxy']:9.3f} ms   (+{conn['proxy'] - conn['host']:.3f} ms)")
+        st = {v: statistics.median(x) for v, x in start.items()}
+        print(f"agnsup run -- true, {len(start['host'])} runs each, median:")
+        print(f"  {'executor (deny)':22} {st['host']:9.1f} ms")
+        print(f"  {'allowlist (proxy)':22} {st['proxy']:9.1f} ms   (+{st['proxy'] - st['host']:.1f} ms)")
     finally:
         srv.shutdown()
         shutil.rmtree(top, ignore_errors=True)

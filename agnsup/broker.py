@@ -64,6 +64,8 @@ class Cell(Record):
     child: object = None
     capture: bool = False
     pump: object = None          # output.Pump when the role caps output
+    egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
+    network: dict | None = None  # the receipt's network section, once the proxy stopped
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -181,6 +183,7 @@ class Controller:
             except BaseException:
                 cell.child = None  # reaped by release
                 raise
+            self._start_egress(cell)
             crashpoints.hit("after_exec")
             self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
@@ -191,6 +194,22 @@ class Controller:
             self.fail(cell, err)
             raise err from None
         return cell
+
+    def _start_egress(self, cell: Cell) -> None:
+        """allowlist/internal: the controller's proxy serves the cell's only way out (agnsup/egress/)."""
+        if cell.child.egress_listener is not None:
+            from . import egress
+            cell.egress = egress.serve(cell.child.egress_listener, cell.plan.egress_rules,
+                                       self.journal.path, cell.spec.run_id, cell.spec.cell_id)
+
+    def _stop_egress(self, cell: Cell) -> None:
+        """Close the proxy (and every connection it still relays); its records go to the receipt."""
+        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:
+            from . import egress
+            cell.network = egress.receipt_section(cell.egress, cell.plan.egress)
+            if cell.egress is None and cell.child is not None and cell.child.egress_listener is not None:
+                cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
+            cell.egress = None
 
     def _intent(self, cell: Cell, admit) -> None:
         spec, plan = cell.spec, cell.plan
@@ -333,6 +352,7 @@ class Controller:
         return self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
 
     def _close_fds(self, cell: Cell) -> None:
+        self._stop_egress(cell)
         if cell.pump is not None:
             cell.pump.close()
         if cell.place is not None and cell.place.oom_fd is not None:

@@ -130,6 +130,10 @@ def receipts(obj, run_id, cell_id, recovery, as_json):
         if r.get("kind") == "cell":
             click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']} ({r['reason']}) "
                        f"exit={r['exit_code']} {' '.join(r['argv'])[:60]}")
+            if r.get("network"):
+                from .egress.summary import lines
+                for line in lines(r["network"]):
+                    click.echo("  " + line)
         else:
             click.echo(json.dumps(r, sort_keys=True))
     if not items:

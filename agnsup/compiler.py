@@ -40,6 +40,8 @@ class ExecutionPlan(Record):
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
+    egress: dict | None = None             # allowlist/internal: the role's network table (for the receipt)
+    egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
 
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
@@ -194,15 +196,23 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     ops.extend(("mask", p) for p in masked)
     lim = policy.limits
     conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
+    proxied = policy.network.mode in ("allowlist", "internal")
+    if proxied:
+        from .netpolicy import Rules
+        conf["egress_rules"] = Rules.of(policy.network)
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
-        new_netns=policy.network.mode in ("deny", "loopback"), network=policy.network.mode,
+        new_netns=policy.network.mode in NETNS_MODES, network=policy.network.mode,
+        egress=policy.network.as_dict() if proxied else None,
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, **conf)
 
 
+# Network modes that give the cell a namespace of its own with only lo up; allowlist
+# and internal reach out only through the controller's proxy (agnsup/egress/).
+NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # The /dev/null class: devices every program may open for writing.
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]

@@ -76,6 +76,8 @@ def report(state_root: str) -> dict:
         else "UNAVAILABLE: cells cannot start",
         "network_deny": "network namespace with loopback only" if ns["network"]["available"]
         else "UNAVAILABLE: roles that deny network cannot start",
+        "network_allowlist": "the cell's own namespace, out only through the controller's proxy"
+        if ns["network"]["available"] else "UNAVAILABLE: allowlist and internal roles cannot start",
         "process_identity": "boot id + pidfd inode (pidfs)" if pidfd.has_pidfs() else "boot id + start time",
         "cgroup_escape": ("read-only /sys/fs/cgroup, capabilities dropped" if os.geteuid() == 0
                           else "unprivileged uid") + (", Landlock (no write rule there)" if ll else ""),

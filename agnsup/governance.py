@@ -17,7 +17,7 @@ from .errors import Denied
 
 def kernel_of(policy, state_root: str | None):
     """What the kernel refuses in a cell of this role, from the keys compiler.compile_plan
-    reads: a network namespace of its own for deny/loopback, the read-only root,
+    reads: a network namespace of its own (every mode but host), the read-only root,
     the masked deny paths and state root. A root cell that keeps CAP_SYS_ADMIN
     could remount or leave its namespaces, one that keeps CAP_NET_ADMIN could
     wire its namespace to the host's: then those guarantees are not claimed."""
@@ -26,7 +26,8 @@ def kernel_of(policy, state_root: str | None):
     kept = set(policy.isolation.capabilities)
     if "SYS_ADMIN" in kept:
         return Kernel()
-    return Kernel(netns=policy.network.mode in ("deny", "loopback") and "NET_ADMIN" not in kept,
+    from .compiler import NETNS_MODES
+    return Kernel(netns=policy.network.mode in NETNS_MODES and "NET_ADMIN" not in kept,
                   root_ro=fs.root == "ro", worktree_ro=fs.worktree == "ro",
                   masked=tuple(fs.deny) + ((state_root,) if state_root else ()))
 
@@ -35,7 +36,11 @@ def context(policy, worktree: str, state_root: str | None):
     from .gate import GateContext
     from .gate.quota import limits_of
     gov, fs = policy.governance, policy.filesystem
-    return GateContext(
+    egress = None
+    if policy.network.mode in ("allowlist", "internal"):
+        from .netpolicy import Rules
+        egress = Rules.of(policy.network)
+    return GateContext(egress=egress,
         role=policy.role.name, mode=gov.mode, network=policy.network.mode,
         worktree=worktree, worktree_writable=fs.worktree == "rw",
         writable=("/tmp", "/dev/shm", "/dev/null"), deny_paths=tuple(fs.deny),

@@ -376,6 +376,18 @@ class Journal:
                 self.end_controller(cid, db)
                 self.event(db, "recovery.controller_ended", controller=cid, janitor=janitor)
 
+    def add_connections(self, db, run_id: str, cell_id: str, rows: list[dict]) -> None:
+        """Egress proxy records (egress/proxy.py): one row per attempt, replaced by its
+        later version (the same seq) when the connection ends."""
+        db.executemany(
+            "INSERT INTO connections(run_id, cell_id, seq, t, protocol, requested, name, port, address, decision, rule,"
+            " reason, bytes_up, bytes_down, duration, error) VALUES (:_r, :_c, :seq, :t, :protocol, :requested, :name,"
+            " :port, :address, :decision, :rule, :reason, :bytes_up, :bytes_down, :duration, :error)"
+            " ON CONFLICT(run_id, cell_id, seq) DO UPDATE SET address=excluded.address, decision=excluded.decision,"
+            " rule=excluded.rule, reason=excluded.reason, bytes_up=excluded.bytes_up,"
+            " bytes_down=excluded.bytes_down, duration=excluded.duration, error=excluded.error",
+            [{"duration": None, "error": None, **r, "_r": run_id, "_c": cell_id} for r in rows])
+
     # -- reads ------------------------------------------------------------
     def run(self, run_id: str):
         return self._one("SELECT * FROM runs WHERE run_id=?", (run_id,))
@@ -402,6 +414,10 @@ class Journal:
 
     def events(self, run_id: str, cell_id: str) -> list:
         return self._all("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id", (run_id, cell_id))
+
+    def connections(self, run_id: str, cell_id: str) -> list[dict]:
+        return [dict(r) for r in self._all("SELECT * FROM connections WHERE run_id=? AND cell_id=? ORDER BY seq",
+                                           (run_id, cell_id))]
 
     def receipts(self, kind: str | None = None, run_id: str | None = None, cell_id: str | None = None) -> list[dict]:
         q, args, where = "SELECT data FROM receipts", [], []

@@ -100,8 +100,40 @@ class FilesystemSection(_Strict):
 
 
 class NetworkSection(_Strict):
-    mode: Literal["deny", "loopback", "host"] = Field("deny", description="'deny' and 'loopback': a network "
-                                                      "namespace of the cell's own with only lo up; 'host': the host's network.")
+    mode: Literal["deny", "loopback", "host", "allowlist", "internal"] = Field(
+        "deny", description="'deny' and 'loopback': a network namespace of the cell's own with only lo up; "
+        "'host': the host's network; 'allowlist' and 'internal': the cell's own namespace whose only way out "
+        "is the controller's proxy on its loopback, to the destinations in allow (internal: private ones only).")
+    allow: list[str] = Field(default_factory=list, description="allowlist/internal: destinations the proxy "
+                             "connects to: 'example.org', '*.example.org' (the names below it), '*' (any), an "
+                             "IP or CIDR (for IP-literal requests), each optionally ':port' or ':*' (default "
+                             "80 and 443).")
+    deny: list[str] = Field(default_factory=list, description="allowlist/internal: destinations refused even "
+                            "when allow lists them (same syntax).")
+    allow_private: StrictBool = Field(False, description="allowlist: a listed destination may also resolve to "
+                                      "a loopback, private, link-local or CGNAT address of the host's network "
+                                      "(metadata, multicast and 0.0.0.0 never).")
+    proxy_port: int = Field(3128, ge=1024, le=65535, description="allowlist/internal: the port of the proxy "
+                            "(HTTP and SOCKS5) on the cell's own loopback, 127.0.0.1.")
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _entries(cls, v: list[str]) -> list[str]:
+        from .netpolicy import parse_entry
+        for e in v:
+            parse_entry(e)
+        return v
+
+    @model_validator(mode="after")
+    def _lists_need_proxy(self):
+        from .netpolicy import MODES
+        if self.mode not in MODES:
+            for key in ("allow", "deny"):
+                if getattr(self, key):
+                    raise ValueError(f"network.{key} applies to mode 'allowlist' or 'internal', not {self.mode!r}")
+            if self.allow_private:
+                raise ValueError(f"network.allow_private applies to mode 'allowlist', not {self.mode!r}")
+        return self
 
 
 class LimitsSection(_Strict):
@@ -251,3 +283,12 @@ class Policy(_Strict):
                                         "of the cell's process: seccomp, Landlock, capabilities, PID namespace.")
     process: ProcessSection = Field(default_factory=ProcessSection, description="Who the cell runs as.")
     quota: QuotaSection = Field(default_factory=QuotaSection, description="Run quotas, judged from the journal.")
+
+    @model_validator(mode="after")
+    def _proxy_cannot_be_bypassed(self):
+        from .netpolicy import MODES
+        kept = {"NET_ADMIN", "SYS_ADMIN"} & set(self.isolation.capabilities)
+        if self.network.mode in MODES and kept:
+            raise ValueError(f"network.mode {self.network.mode!r} needs a cell that cannot rewire its network "
+                             f"namespace, but isolation.capabilities keeps {', '.join(sorted(kept))}")
+        return self

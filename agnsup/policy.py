@@ -26,16 +26,18 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "5"  # 3: isolation and process sections; 4: filesystem.home(_allow); 5: env.passthrough by name
+CACHE_VERSION = "6"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name; 6: network lists
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
-JOINED_LISTS = ("governance.deny_commands", "filesystem.deny")
+JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny")
 # Values from loosest to strictest, for the keys a preset may fix.
 STRICTNESS = {
     "governance.mode": ("open", "locked", "readonly"),
     "governance.unparseable": (None, "flag", "deny"),
     "governance.kernel_enforced": ("flag", "deny"),
-    "network.mode": ("host", "loopback", "deny"),
+    # internal opens the private network (databases, admin consoles) to listed names;
+    # allowlist opens listed names on the public internet, private addresses only with allow_private
+    "network.mode": ("host", "internal", "allowlist", "loopback", "deny"),
     "filesystem.root": ("rw", "ro"),
     "filesystem.worktree": ("rw", "ro"),
     "filesystem.home": ("ro", "hidden"),
@@ -148,11 +150,24 @@ class Frozen:
     def __iter__(self):
         return iter(self._d)
 
+    def as_dict(self) -> dict:
+        """A plain, mutable copy (for data that travels in a plan)."""
+        return _thawed(self._d)
+
     def __setattr__(self, key, value):
         raise AttributeError("a policy is read-only")
 
+    def __eq__(self, other) -> bool:
+        return self._d == (other._d if isinstance(other, Frozen) else other)
+
+    __hash__ = None
+
     def __repr__(self) -> str:
         return f"Frozen({self._d!r})"
+
+
+def _thawed(v):
+    return {k: _thawed(x) for k, x in v.items()} if isinstance(v, dict) else list(v) if isinstance(v, list) else v
 
 
 def _frozen(v):

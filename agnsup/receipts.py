@@ -43,6 +43,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
+    if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
+        r["network"] = cell.network
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error

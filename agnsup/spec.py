@@ -3,9 +3,10 @@
 The environment is built from nothing. In order: PATH from the policy (the
 host's PATH never reaches a cell, and the command is resolved on the cell's
 PATH, not ours), HOME and TMPDIR inside the cell's private /tmp, LANG, the
-cell identity and ownership token, host keys the role passes, and last the
-per-call `--env` values. A secret-looking host key arrives only by an explicit
-`--env KEY` for that call.
+cell identity and ownership token, host keys the role passes, the proxy
+variables of an allowlist/internal role, and last the per-call `--env`
+values. A secret-looking host key arrives only by an explicit `--env KEY` for
+that call.
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ def build(call, policy) -> CellSpec:
     for k in policy.env.passthrough:
         if k in host_env:
             put(k, host_env[k], "host")
+    if policy.network.mode in ("allowlist", "internal"):  # the only way out: the controller's proxy (egress/)
+        from .egress import proxy_env
+        for k, v in proxy_env(policy.network.proxy_port).items():
+            put(k, v, "agnsup")
     for item in call.env:
         k, eq, v = item.partition("=")
         if not k or not k.replace("_", "a").isalnum() or k[0].isdigit():

@@ -8,9 +8,11 @@ spawn() forks one child and runs the cell recipe in it, in order:
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
-    unshare the mount (and, if the role denies network, network) namespace
+    unshare the mount (and, unless the role has the host's network, network) namespace
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
+    allowlist/internal roles: listen on the proxy port inside it and hand the
+        listener to the controller (agnsup/egress/handoff.py)
     PID namespace roles: mount the namespace's own /proc, wait at the
         barrier, fork the command and stay as its init (linux/pidinit.py);
         the command continues below
@@ -63,6 +65,8 @@ class Child(Record):
     cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
     barrier_fd: int | None = None  # written once the identity is journaled: then it may exec
     report_fd: int | None = None   # the child's setup error, or EOF once execve worked
+    handoff: object = None         # allowlist/internal: egress.handoff.Handoff the listener comes back on
+    egress_listener: object = None  # ... and the proxy's listener, made in the cell's namespace
 
 
 class Outcome(Record):
@@ -103,6 +107,7 @@ class _Confinement(Record):
     """Built in the controller before fork; used by the child."""
     ruleset: object = None   # landlock.Ruleset
     filter: object = None    # seccomp.Filter
+    egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
 
 
 class _Step:
@@ -118,7 +123,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             for target, fd in enumerate(stdio):
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
-        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None})
+        _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
+                        conf.egress.child_fd() if conf.egress else None})
         at.name = "setsid"
         os.setsid()
         at.name = "cgroup"
@@ -136,6 +142,9 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         if plan.new_netns:
             at.name = "loopback"
             netns.loopback_up()
+        if conf.egress:
+            at.name = "egress"
+            conf.egress.in_child()
         crashpoints.hit("child_setup", controller)
         if plan.pid_namespace:
             at.name = "proc"
@@ -227,6 +236,9 @@ def _prepare(plan) -> _Confinement:
         conf.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
         conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+    if plan.egress is not None:
+        from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
+        conf.egress = Handoff(plan.egress["proxy_port"])
     return conf
 
 
@@ -264,6 +276,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
                 os.close(fd)
         if conf.ruleset:
             conf.ruleset.close()
+        if conf.egress:
+            conf.egress.close()
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
                          errno=e.errno) from None
     if pid == 0:
@@ -278,8 +292,10 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
         os.close(status_w)
     if conf.ruleset:
         conf.ruleset.close()
+    if conf.egress:
+        conf.egress.after_fork()
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
-                  cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK)
+                  cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK, handoff=conf.egress)
     try:
         if born:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
@@ -319,7 +335,18 @@ def release(plan, child: Child) -> None:
         os.close(child.pidfd)
         if child.status_fd is not None:
             os.close(child.status_fd)
+        if child.handoff:
+            child.handoff.close()
         raise _child_error(plan, report)
+    if child.handoff:
+        try:
+            child.egress_listener = child.handoff.receive()  # sent before the barrier: already queued
+        except OSError as e:
+            # cannot happen once the command executed; if it does, the command never runs unserved
+            pidfd.send(child.pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+            os.close(child.pidfd)
+            raise SetupError(f"cell setup failed at step 'egress': {e}", step="egress") from None
 
 
 def abandon(child: Child, read_report: bool = False) -> bytes:
@@ -329,6 +356,8 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
     report = _read_all(child.report_fd) if read_report else os.close(child.report_fd)
     if child.status_fd is not None:
         os.close(child.status_fd)
+    if child.handoff:
+        child.handoff.close()
     if child.pidfd is not None:
         os.close(child.pidfd)
     _reap(child.pid)

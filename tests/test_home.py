@@ -86,7 +86,7 @@ def canary():
         os.unlink(p)
 
 
-@pytest.mark.parametrize("role", ["executor", "readonly", "networked"])
+@pytest.mark.parametrize("role", ["executor", "readonly", "networked", "proxied"])
 def test_a_file_in_the_invoking_users_home_is_unreadable_from_a_cell_of_each_shipped_role(
         agnsup, worktree, canary, role):
     token, paths = canary

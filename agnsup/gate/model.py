@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..record import Factory, Record
 
 MODES = ("open", "locked", "readonly")
-NETWORKS = ("deny", "loopback", "host")
+NETWORKS = ("deny", "loopback", "host", "allowlist", "internal")
 KERNEL_ENFORCED = ("flag", "deny")
 # Tools whose command agnsup runs in a cell (where `Kernel` applies). An agent
 # runtime's own file and fetch tools run in no cell: nothing is kernel-backed there.
@@ -39,8 +39,9 @@ class Kernel(Record, frozen=True):
     derives it from the same policy keys (tested against a compiled plan).
     """
 
-    # The cell has its own network namespace with only `lo` up (network deny/loopback):
-    # no connection leaves the cell.
+    # The cell has its own network namespace with only `lo` up (network deny/loopback,
+    # and allowlist/internal, whose only way out is the controller's proxy): no
+    # connection leaves the cell except through that proxy.
     netns: bool = False
     # Everything outside the worktree, the private /tmp and /dev/shm is mounted
     # read-only, recursively (filesystem.root = "ro"): writes there fail with EROFS.
@@ -61,8 +62,12 @@ class GateContext(Record, frozen=True):
     # tools in yellow_allow; "readonly": yellow and red denied.
     mode: str = "open"
     # "deny": no network tool may run; "loopback": only loopback URLs;
-    # "host": the host's network, URLs still pass the SSRF guard.
+    # "host": the host's network, URLs still pass the SSRF guard;
+    # "allowlist"/"internal": only what `egress` allows, through the controller's proxy.
     network: str = "deny"
+    # allowlist/internal: the role's lists (netpolicy.Rules), judged by the same
+    # matcher as the proxy's (gate/egress.py); None for the other modes.
+    egress: object = None
     # Resolved worktree root: relative paths start here; writes are allowed inside it
     # unless worktree_writable is False (a role with filesystem.worktree = "ro").
     worktree: str = "."

@@ -47,7 +47,7 @@ def _is_remote(ex: Exec) -> bool:
 
 def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
     return {"rule": "network.kernel_enforced", "evidence": ex.text,
-            "reason": f"{what} under role '{ctx.role}''s network: deny; allowed with a flag because the cell's own "
+            "reason": f"{what} under role '{ctx.role}''s network: {ctx.network}; allowed with a flag because the cell's own "
                       "network namespace (only lo up) refuses every connection that would leave it "
                       "(governance.kernel_enforced = 'flag')."}
 
@@ -61,10 +61,15 @@ def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding |
     hint = HINT_NET + (KERNEL_HINT if backed else "")
     notes: list[dict] = []
     for ex in an.execs:
+        if ctx.egress is not None:  # allowlist/internal: the proxy's own matcher (gate/egress.py)
+            from .egress import check_exec
+            f = check_exec(ex, ctx, tool, notes)
+            if f:
+                return f, notes
         net = ex.prog in NET_TOOLS and (ex.prog not in REMOTE_ONLY or _is_remote(ex))
         dev = next((t for _op, t, _l in ex.redirects if t.startswith(("/dev/tcp/", "/dev/udp/"))), "")
-        if ctx.network == "deny":
-            if net:
+        if ctx.network == "deny" or (ctx.egress is not None and dev):  # /dev/tcp never goes through a proxy
+            if net and ctx.network == "deny":
                 if kernel:
                     notes.append(_kernel_note(f"`{ex.prog}` reaches the network", ex, ctx))
                     continue
@@ -77,7 +82,7 @@ def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding |
                     continue
                 return deny("network.dev_tcp",
                             f"redirection to {dev} opens a network connection, and role '{ctx.role}' has "
-                            "network: deny.", hint, ex.text), notes
+                            f"network: {ctx.network}.", hint, ex.text), notes
         elif net and ctx.network == "host" and ex.prog in ("curl", "wget", "http", "xh"):
             for a in ex.args:
                 if "://" in a:
@@ -142,8 +147,8 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
     return scheme, (hosts[0] if hosts else ""), hosts
 
 
-def classify(ip) -> str:
-    """"" for a public address, else why not."""
+def unmapped(ip):
+    """The IPv4 address an IPv4-mapped, 6to4 or NAT64 (64:ff9b::/96) address carries; else `ip`."""
     import ipaddress
 
     if ip.version == 6:
@@ -151,7 +156,13 @@ def classify(ip) -> str:
         if mapped is None and ip in ipaddress.ip_network("64:ff9b::/96"):
             mapped = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if mapped is not None:
-            return classify(mapped)
+            return mapped
+    return ip
+
+
+def classify(ip) -> str:
+    """"" for a public address, else why not."""
+    ip = unmapped(ip)
     s = str(ip)
     if s in METADATA_IPS:
         return "metadata"
@@ -174,6 +185,10 @@ def check_url(url: str, ctx: GateContext, *, resolve: bool = True, resolver=None
         return deny("network.ssrf", f"the URL {url!r} has no host that can be checked.", HINT_SSRF, url)
     if ctx.network == "deny" and resolve:
         return deny("network.url", f"role '{ctx.role}' has network: deny, so no URL is fetched.", HINT_NET, url)
+    if ctx.egress is not None and resolve:
+        from .egress import check_url as check_listed
+        one = resolver or _resolve
+        return check_listed(url, ctx, lambda name, _port: one(name))
     pinned = ""
     for h in hosts:
         if h in METADATA_HOSTS:

@@ -201,7 +201,7 @@ def test_a_bad_kernel_enforced_value_names_file_and_key(roles):
     assert path in str(e.value) and "governance.kernel_enforced" in str(e.value)
 
 
-@pytest.mark.parametrize("role", ["executor", "networked", "readonly"])
+@pytest.mark.parametrize("role", ["executor", "networked", "readonly", "proxied"])
 def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     pol = policy.load(role)
     state = str(tmp_path / "state")

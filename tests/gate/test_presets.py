@@ -48,7 +48,7 @@ def test_the_shipped_presets_are_standard_regulated_and_readonly():
 
 
 def test_the_shipped_command_roles_inherit_the_standard_preset():
-    for name in ("executor", "networked", "readonly"):
+    for name in ("executor", "networked", "readonly", "proxied"):
         assert policy.load(name)["_preset"]["name"] == "standard"
 
 

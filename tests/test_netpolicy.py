@@ -257,4 +257,4 @@ def test_a_preset_fixing_allowlist_refuses_host_and_internal_and_keeps_its_deny_
         pol = policy.load("tight")
     finally:
         del os.environ["AGNSUP_POLICY_DIR"]
-    assert pol["network"]["deny"] == ["*.tracker.example", "ads.example"]
+    assert list(pol["network"]["deny"]) == ["*.tracker.example", "ads.example"]

@@ -42,7 +42,10 @@ def context(policy: dict, worktree: str, state_root: str | None):
         allow_commands=tuple(gov.get("allow_commands", ())), deny_commands=tuple(gov.get("deny_commands", ())),
         yellow_allow=tuple(gov.get("yellow_allow", ())), unparseable=gov.get("unparseable"),
         quota=limits_of(policy.get("quota")),
-        kernel=kernel_of(policy, state_root), kernel_enforced=gov.get("kernel_enforced", "flag"))
+        kernel=kernel_of(policy, state_root), kernel_enforced=gov.get("kernel_enforced", "flag"),
+        unknown_operands=gov.get("unknown_operands", "flag"), git_allow=tuple(gov.get("git_allow", ())),
+        allow_internal=tuple(policy["network"].get("allow_internal", ())),
+        tunnels=policy["network"].get("tunnels", "deny"))
 
 
 def decide(tool: str, args: dict, policy: dict, worktree: str, state_root: str | None = None):

@@ -101,6 +101,18 @@ class GateContext(Record, frozen=True):
     # cell tool under mode open: "flag" allows it with a flag (rule
     # *.kernel_enforced), "deny" refuses it early. Other modes always deny.
     kernel_enforced: str = "flag"
+    # An operand of a destructive command (rm -r, find -delete, chmod -R, dd of=, shred) known only at
+    # run time ($DIR, $(cmd), xargs input): "flag" allows it with the flag hardline.unknown_operand,
+    # "deny" refuses it.
+    unknown_operands: str = "flag"
+    # git rules (gate/git.py RULES: "force_push", "reset_hard", ...) the role allows; "*": all.
+    git_allow: tuple[str, ...] = ()
+    # With the host network: destinations in shell commands and URL arguments that are not public
+    # but may be reached anyway: categories ("loopback", "private", "link-local", "metadata", ...)
+    # or addresses and networks ("10.1.0.0/16", "::1").
+    allow_internal: tuple[str, ...] = ()
+    # With the host network: "deny" refuses tunnels (ngrok, cloudflared, chisel, frpc, ssh -R/-D), "allow" runs them.
+    tunnels: str = "deny"
 
     def flags_kernel_enforced(self, tool: str) -> bool:
         """Whether this call may turn a kernel-backed refusal into a flag."""

@@ -36,6 +36,7 @@ class ExecutionPlan(Record):
     uid: int | None = None                 # run the cell as this uid/gid
     gid: int | None = None
     pid_namespace: bool = False
+    redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
@@ -192,6 +193,7 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
     # happens to lie inside the re-attached worktree (or a re-exposed path).
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
+    from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy["limits"]
     conf = _confinement(policy, spec, wt, tmpdir, home, fs["worktree"] == "rw")
     timeout = spec.timeout if spec.timeout is not None else lim.get("timeout")
@@ -202,7 +204,7 @@ def compile_plan(spec: CellSpec, policy: dict, state_root: str) -> ExecutionPlan
         grace=float(lim.get("grace", 3.0)), timeout=timeout,
         worktree_mode=fs["worktree"], policy_digest=policy.get("_digest", ""), deny_masked=masked,
         quota=dict(policy.get("quota") or {}), home=fs.get("home", "hidden"), home_hidden=hidden,
-        home_exposed=exposed, **conf)
+        home_exposed=exposed, redact=redact_config(policy["governance"]), **conf)
 
 
 # The /dev/null class: devices every program may open for writing.

@@ -43,6 +43,11 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
+    if plan is not None and getattr(plan, "redact", None) and cell.capture:
+        # What each redaction rule takes out of the output a caller gets back (tool.cell_result).
+        from .redact import receipt_section
+        from .tool import MAX_RETURNED_OUTPUT
+        r["output"]["redaction"] = receipt_section(plan.redact, spec.env, plan.cell_dir, MAX_RETURNED_OUTPUT)
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error

@@ -148,13 +148,16 @@ def cell_result(receipt: dict, cell_dir: str, capture: bool) -> dict:
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
     if capture:
+        # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
+        from .redact import for_receipt
+        redact = for_receipt(receipt)
         for name in ("stdout", "stderr"):
             try:
                 with open(os.path.join(cell_dir, name), "rb") as f:
                     data = f.read(MAX_RETURNED_OUTPUT + 1)
             except FileNotFoundError:
                 data = b""
-            result[name] = data[:MAX_RETURNED_OUTPUT].decode(errors="replace")
+            result[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace"))
             result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
     return result
 

@@ -219,8 +219,9 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
             code = words[3] if words[2] == "-c" and len(words) > 3 else " ".join(words[2:])
             _nested_shell_word(code, all(literal[2:]), an, depth, "sg")
             return
-        if prog == "script" and any(w in ("-c", "--command") for w in words[1:-1]):
-            k = next(i for i, w in enumerate(words) if w in ("-c", "--command") and i + 1 < len(words))
+        k = next((i for i, w in enumerate(words[:-1]) if i and (w in ("-c", "--command") or (
+            w[:1] == "-" and w[1:2] != "-" and w.endswith("c")))), 0) if prog == "script" else 0
+        if k:  # script(1) -c CMD (also -qc CMD) runs CMD through the shell
             _nested_shell_word(words[k + 1], literal[k + 1], an, depth, "script -c")
             return
         if prog == "env" and len(words) > 1:
@@ -301,6 +302,8 @@ def _xargs_items(opts: list[str], stdin: str | None, files: dict[str, str]) -> t
         o = opts[i]
         val = opts[i + 1] if i + 1 < len(opts) else ""
         if o in ("-a", "--arg-file"):
+            src, i = files.get(val), i + 1
+        elif o == "--arg-file=":
             src, i = files.get(val), i + 1
         elif o.startswith("--arg-file="):
             src = files.get(o.split("=", 1)[1])
@@ -385,7 +388,7 @@ def _skip_wrapper(prog: str, words: list[str]) -> int:
             if prog in ("nice",) and w[1:].lstrip("-").isdigit():
                 i += 1
                 continue
-            if w in opts:
+            if w in opts or (w.startswith("--") and w.endswith("=")):  # `--opt=<(...)`: two words in the tree
                 i += 2
                 continue
             i += 1

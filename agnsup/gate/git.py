@@ -163,6 +163,8 @@ _PUSH_VALUE = frozenset({"-o", "--push-option", "--receive-pack", "--exec", "--r
 
 def _push(args: list[str]) -> str:
     """Why this push is a force push, or ""."""
+    if _short(args, "n") or _long(args, "--dry-run"):
+        return ""  # nothing is sent
     if _short(args, "f") or _long(args, "--force", "--mirror"):
         return "force_push"
     pos = _positionals(args, _PUSH_VALUE)

@@ -146,7 +146,8 @@ def classify_address(ip) -> str:
             return classify_address(mapped)
     if str(ip) in METADATA_IPS:
         return "metadata"
-    for name in ("loopback", "link_local", "private", "multicast", "unspecified", "reserved"):
+    # Most specific first: Python's is_private also holds 0.0.0.0/8 and 240.0.0.0/4.
+    for name in ("loopback", "link_local", "unspecified", "multicast", "reserved", "private"):
         if getattr(ip, f"is_{name}"):
             return name.replace("_", "-")
     return "public" if ip.is_global else "non-global"
@@ -279,7 +280,7 @@ def network_kind(ex: Exec) -> str:
         return "tunnel"
     if p in NET_TOOLS and (p not in REMOTE_ONLY or _is_remote(ex)):
         return "client"
-    if p in DNS_TOOLS:
+    if p in DNS_TOOLS and ex.args:
         return "dns"
     if _openssl_client(ex):
         return "tls"

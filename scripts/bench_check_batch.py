@@ -8,7 +8,9 @@ commands; ../shared/corpora or tests/data/corpora) repeated to --lines lines.
 Each round runs every build once, so both see the same machine load (this
 machine is shared: compare within one run). A build is judged through the
 real CLI (`agnsup.cli`), in a fresh interpreter, with its own state root;
-the time includes the interpreter start and imports. The corpora are text
+the time includes the interpreter start and imports. Two rates per build:
+by wall time, and by the CPU time the child used (getrusage): the second
+moves far less with the load other processes put on the machine. The corpora are text
 only: nothing here executes a line of them.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -53,14 +56,21 @@ def corpus_mix(corpora: Path, n: int) -> list[str]:
     return (out * reps)[:n]
 
 
-def run(code: Path, batch: str, role: str, state: str, wt: str) -> tuple[float, int]:
+def _child_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def run(code: Path, batch: str, role: str, state: str, wt: str) -> tuple[float, float, int]:
+    cpu = _child_cpu()
     t = time.perf_counter()
     cp = subprocess.run([sys.executable, "-c", LAUNCH, str(code), "--state-dir", state, "check", "--role", role,
                          "--workdir", wt, "--batch", batch], capture_output=True, text=True)
     dt = time.perf_counter() - t
+    cpu = _child_cpu() - cpu
     if cp.returncode not in (0, 126):
         raise SystemExit(f"{code}: exit {cp.returncode}: {cp.stderr[-2000:]}")
-    return dt, len(cp.stdout.splitlines())
+    return dt, cpu, len(cp.stdout.splitlines())
 
 
 def main() -> None:
@@ -79,17 +89,21 @@ def main() -> None:
         wt = os.path.join(tmp, "wt")
         os.mkdir(wt)
         rates: dict[str, list[float]] = {name: [] for name, _ in builds}
+        cpu_rates: dict[str, list[float]] = {name: [] for name, _ in builds}
         for _ in range(a.rounds):
             for name, code in builds:
                 state = tempfile.mkdtemp(dir=tmp)
-                dt, n = run(code, batch, a.role, state, wt)
+                dt, cpu, n = run(code, batch, a.role, state, wt)
                 if n != len(lines):
                     raise SystemExit(f"{name}: {n} decisions for {len(lines)} lines")
                 rates[name].append(n / dt)
-    print(f"{len(lines)} lines, role {a.role}, {a.rounds} interleaved rounds (lines/s, whole CLI invocation)")
+                cpu_rates[name].append(n / cpu)
+    print(f"{len(lines)} lines, role {a.role}, {a.rounds} interleaved rounds (lines/s, whole CLI invocation; "
+          f"load average {os.getloadavg()[0]:.1f})")
     for name, code in builds:
-        r = rates[name]
-        print(f"  {name:7s} {code}: median {statistics.median(r):,.0f}  min {min(r):,.0f}  max {max(r):,.0f}")
+        r, c = rates[name], cpu_rates[name]
+        print(f"  {name:7s} {code}: wall median {statistics.median(r):,.0f} (min {min(r):,.0f}, max {max(r):,.0f}); "
+              f"CPU median {statistics.median(c):,.0f} (max {max(c):,.0f})")
 
 
 if __name__ == "__main__":

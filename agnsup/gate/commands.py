@@ -434,6 +434,7 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
         an.flags.add("dynamic_code")
 
 
+@functools.lru_cache(maxsize=256)
 def _interp_flags(prog: str) -> tuple[str, ...] | None:
     for name, flags in INTERPRETERS.items():
         if prog == name or (prog.startswith(name) and re.fullmatch(r"[\d.]*", prog[len(name):])):

@@ -179,7 +179,15 @@ class Finding(Record, frozen=True):
     flagged: tuple[dict, ...] = ()
 
 
+_PASSES: dict[str, Finding] = {}
+
+
 def ok(rule: str, reason: str = "", flags: tuple[str, ...] = (), pinned: str = "") -> Finding:
+    if not (flags or pinned):  # a plain pass is the same frozen value every time: build it once
+        f = _PASSES.get(rule + "\0" + reason)
+        if f is None:
+            f = _PASSES[rule + "\0" + reason] = Finding(True, rule, reason)
+        return f
     return Finding(True, rule, reason, flags=flags, pinned=pinned)
 
 

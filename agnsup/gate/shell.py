@@ -47,6 +47,11 @@ _EXPANSIONS = frozenset({"simple_expansion", "expansion", "command_substitution"
 _UNESCAPE = re.compile(r"\\(.)", re.S)
 _DQ_UNESCAPE = re.compile(r"\\([\\$`\"\n])")
 _WRITE_OPS = frozenset({">", ">>", ">|", "&>", "&>>", "<>"})
+# Node types with nothing inside that could run (the walker skips them without a look).
+_LEAVES = frozenset({"word", "raw_string", "string_content", "number", "variable_name", "comment", "ansi_c_string",
+                     "file_descriptor", "heredoc_start", "heredoc_end", "special_variable_name", ";", "&&", "||",
+                     "|", "&", "(", ")", "{", "}", "$", "=", '"', "do", "done", "then", "fi", "if", "else",
+                     "in", "for", "while", "case", "esac", "test_operator", "regex", "extglob_pattern"})
 _READ_OPS = frozenset({"<"})
 
 
@@ -312,8 +317,10 @@ class _Walker:
 
     # -- statements ---------------------------------------------------------
     def visit(self, n, bg: bool = False, loop: int | None = None, pipe_in: str | None = None) -> None:
-        if not self._deeper(n):
+        if self.nesting >= MAX_NESTING:
+            self._deeper(n)  # records why the rest is not judged
             return
+        self.nesting += 1
         try:
             self._visit(n, bg, loop, pipe_in)
         finally:
@@ -321,6 +328,8 @@ class _Walker:
 
     def _visit(self, n, bg, loop, pipe_in) -> None:
         t = n.type
+        if t in _LEAVES:
+            return
         if t == "command":
             self.command(n, [], bg, loop, pipe_in)
         elif t == "redirected_statement":

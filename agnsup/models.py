@@ -26,6 +26,13 @@ def parse_size(v) -> int | None:
     return int(m.group(1)) * 1024 ** "_KMGT".index((m.group(2) or "_").upper())
 
 
+def _known(v: list[str], known: tuple[str, ...], what: str) -> list[str]:
+    for name in v:
+        if name not in known:
+            raise ValueError(f"unknown {what} {name!r} (known: {', '.join(known)})")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -274,18 +281,12 @@ class GovernanceSection(_Strict):
     @field_validator("git_allow")
     @classmethod
     def _git(cls, v: list[str]) -> list[str]:
-        for name in v:
-            if name != "*" and name not in GIT_RULES:
-                raise ValueError(f"unknown git rule {name!r} (known: {', '.join(GIT_RULES)}, or '*')")
-        return v
+        return _known(v, GIT_RULES + ("*",), "git rule")
 
     @field_validator("redact")
     @classmethod
     def _redact(cls, v: list[str]) -> list[str]:
-        for name in v:
-            if name not in REDACT_SETS:
-                raise ValueError(f"unknown redaction rule set {name!r} (known: {', '.join(REDACT_SETS)})")
-        return v
+        return _known(v, REDACT_SETS, "redaction rule set")
 
     @field_validator("redact_patterns")
     @classmethod

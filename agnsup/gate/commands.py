@@ -163,6 +163,22 @@ class Analysis(Record):
         self.parsed_shell = self.parsed_shell or other.parsed_shell
 
 
+def operands(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
+    """The words of `args` that are not options (nor values of the options in `with_value`);
+    everything after `--` is an operand."""
+    out, i, dash = [], 0, False
+    while i < len(args):
+        a = args[i]
+        if dash or a == "-" or not a.startswith("-"):
+            out.append(a)
+        elif a == "--":
+            dash = True
+        elif a in with_value:
+            i += 1
+        i += 1
+    return out
+
+
 def prog_name(word: str) -> str:
     """`/usr/bin/git` -> `git`; `\\rm` -> `rm`."""
     w = word.lstrip("\\")

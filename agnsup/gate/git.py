@@ -20,7 +20,7 @@ Pure Python, no I/O.
 
 from __future__ import annotations
 
-from .commands import Analysis, Exec
+from .commands import Analysis, Exec, operands
 from .model import Finding, GateContext, deny, ok
 
 # Global options of git(1) that take a separate value.
@@ -133,20 +133,6 @@ def _value(args: list[str], name: str) -> str | None:
     return None
 
 
-def _positionals(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
-    out, i, dash = [], 0, False
-    while i < len(args):
-        a = args[i]
-        if dash or not a.startswith("-") or a == "-":
-            out.append(a)
-        elif a == "--":
-            dash = True
-        elif a in with_value:
-            i += 1
-        i += 1
-    return out
-
-
 def _after_dashdash(args: list[str]) -> list[str] | None:
     return args[args.index("--") + 1:] if "--" in args else None
 
@@ -167,7 +153,7 @@ def _push(args: list[str]) -> str:
         return ""  # nothing is sent
     if _short(args, "f") or _long(args, "--force", "--mirror"):
         return "force_push"
-    pos = _positionals(args, _PUSH_VALUE)
+    pos = operands(args, _PUSH_VALUE)
     refspecs = pos[1:]
     if any(r.startswith("+") for r in refspecs):
         return "force_push"
@@ -198,7 +184,7 @@ def rule_of(call: GitCall) -> str:
             return "discard_worktree"
         paths = _after_dashdash(args)
         if paths is None:
-            pos = _positionals(args, frozenset({"-b", "-B", "--orphan", "--conflict", "--pathspec-from-file"}))
+            pos = operands(args, frozenset({"-b", "-B", "--orphan", "--conflict", "--pathspec-from-file"}))
             paths = [p for p in pos if p in (".", "./", ":/", "*")]  # `git checkout .` without --
         return "discard_worktree" if any(_broad(p) for p in paths) else ""
     if sub == "restore":
@@ -206,7 +192,7 @@ def rule_of(call: GitCall) -> str:
             _short(args, "W") or _long(args, "--worktree"))
         if staged_only:
             return ""  # only the index: the worktree keeps its changes
-        pos = _positionals(args, frozenset({"-s", "--source", "--conflict", "--pathspec-from-file"}))
+        pos = operands(args, frozenset({"-s", "--source", "--conflict", "--pathspec-from-file"}))
         return "discard_worktree" if any(_broad(p) for p in pos) else ""
     if sub == "switch":
         return "discard_worktree" if _short(args, "f") or _long(args, "--discard-changes", "--force") else ""
@@ -217,12 +203,12 @@ def rule_of(call: GitCall) -> str:
             return "branch_force_delete"
         return ""
     if sub == "stash":
-        pos = _positionals(args)
+        pos = operands(args)
         return "stash_drop" if pos[:1] in (["drop"], ["clear"]) else ""
     if sub in ("filter-branch", "filter-repo"):
         return "history_rewrite"
     if sub == "reflog":
-        pos = _positionals(args)
+        pos = operands(args)
         if pos[:1] == ["delete"]:
             return "reflog_expire"
         if pos[:1] == ["expire"]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from .commands import Analysis, Exec
+from .commands import Analysis, Exec, operands as _operands
 from .paths import LazyRe
 from .model import Finding, deny, ok, ok_flagged
 from .paths import (BLOCK_DEVICE, HARMLESS_DEVICES, UNKNOWN_CWD, catastrophic_target, expand, home_of,
@@ -70,20 +70,6 @@ class _Ctx:
         if base != UNKNOWN_CWD and not base.startswith("/"):
             base = self.worktree.rstrip("/") + "/" + base
         return expand(word, home=self.home, base=base)
-
-
-def _operands(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
-    out, i, dash = [], 0, False
-    while i < len(args):
-        a = args[i]
-        if dash or a == "-" or not a.startswith("-"):
-            out.append(a)
-        elif a == "--":
-            dash = True
-        elif a in with_value:
-            i += 1
-        i += 1
-    return out
 
 
 def _has_flag(args: list[str], short: str, long: tuple[str, ...] = ()) -> bool:

@@ -173,7 +173,8 @@ def _looks_like_path(w: str) -> bool:
 
 def shell_paths(ex: Exec) -> list[tuple[str, str]]:
     """(word, "r"|"w") for the paths one command touches."""
-    from .hardline import _operands, _write_targets  # same notion of write targets as hardline
+    from .commands import operands as _operands
+    from .hardline import _write_targets  # same notion of write targets as hardline
 
     out = [(t, "w") for t, _kind in _write_targets(ex, None)]
     prog, args = ex.prog, ex.args

@@ -145,10 +145,10 @@ def figures(corpora: Path, verbose: bool = False) -> dict:
     out["network_variants"] = net
     ctx = contexts()["executor"]
     batch = (ben + cat + [r["command"] for r in dcg]) * 10
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: other processes' load on a shared machine moves it far less
     for c in batch:
         judge_shell(c, ctx)
-    out["lines_per_s"] = len(batch) / (time.perf_counter() - t)
+    out["lines_per_s"] = len(batch) / (time.process_time() - t)
     return out
 
 
@@ -205,7 +205,7 @@ def print_report(after: dict, before: dict | None = None, verbose: bool = False)
         was = f" (before: denied {b['denied']}, flagged {b['flagged']})" if b else ""
         print(f"  {label}: denied {pct(n['denied'], n['total'])}, allowed with flags {n['flagged']}{was}")
     was = f" (before: {before['lines_per_s']:,.0f})" if both else ""
-    print(f"\nthroughput, in process, executor: {after['lines_per_s']:,.0f} lines/s{was}")
+    print(f"\nthroughput, in process, executor, by CPU time: {after['lines_per_s']:,.0f} lines/s{was}")
 
 
 def main(argv: list[str]) -> None:

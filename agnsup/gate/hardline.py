@@ -118,6 +118,18 @@ def _find_deletes_everything(args: list[str]) -> bool:
     return deletes
 
 
+# Glob components that match every entry of a directory (`.*` also `..` in older shells).
+_BROAD_GLOBS = frozenset({"*", ".*", "*.*", "**", "*/", ".??*", ".[!.]*", "..?*", "[!.]*", "?*"})
+
+
+def _broad_glob(word: str) -> bool:
+    """Whether the first glob component of `word` matches everything in its directory."""
+    for part in word.split("/"):
+        if any(ch in part for ch in "*?["):
+            return part in _BROAD_GLOBS
+    return True
+
+
 def _what(rule: str) -> str:
     return {"rm_root": "the root filesystem", "rm_home": "a home directory", "rm_system": "a system directory",
             "rm_worktree": "the whole worktree (or a directory containing it)"}[rule]
@@ -148,11 +160,13 @@ def _recursive_delete(ex: Exec, c: _Ctx) -> Finding | None:
     if not targets:
         return None
     for t in targets:
-        p, _glob = c.path(ex, t)
+        p, glob = c.path(ex, t)
         if p is None:
             if verb != "moving away":
                 c.unknown_operand(ex, repr(t), f"`{prog}` ({verb})")
             continue
+        if glob and not _broad_glob(t):
+            p = p.rstrip("/") + "/\0some"  # `*.txt`, `build-*`: some entries of p, not all of it
         why = catastrophic_target(p, home=c.home, worktree=c.worktree)
         if why:
             return deny(f"hardline.{why}", f"{verb} of {_what(why)} ({t}) is never allowed.", HINT, ex.text)
@@ -229,14 +243,13 @@ def _permissions(ex: Exec, c: _Ctx) -> Finding | None:
 
 
 def _mkfs_target(ex: Exec, c: _Ctx) -> str:
-    """The operand that makes mkfs/mkswap destructive ("" when every operand is a regular file path:
-    `mkfs.erofs image.erofs root/`, `mkswap ./swapfile` only write a file)."""
-    ops = _operands(ex.args, frozenset({"-t", "--type", "-L", "--label", "-U", "--uuid", "-b", "-C", "-d", "-E",
-                                        "-g", "-G", "-i", "-I", "-J", "-l", "-m", "-M", "-N", "-o", "-O", "-r",
-                                        "-T", "-z", "-e", "-n", "-p", "-s", "-c", "-F", "-S", "-x", "-A", "-B"}))
-    if not ops:
+    """The word that makes mkfs/mkswap destructive ("" when every non-option word is a regular file
+    path: `mkfs.erofs image.erofs root/`, `mkswap ./swapfile` only write a file). Option values
+    (`-L data`, `-t ext4`) count as words too: which options take one differs per mkfs."""
+    words = [a for a in ex.args if not a.startswith("-")]
+    if not words:
         return "(no operand)"
-    for t in ops:
+    for t in words:
         p, _ = c.path(ex, t)
         if p is None or p == "/dev" or p.startswith("/dev/") or BLOCK_DEVICE.match(p):
             return t

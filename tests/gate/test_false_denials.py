@@ -41,6 +41,8 @@ ALLOWED = [
     "wipefs --all --no-act /dev/sda", "wipefs -n -a /dev/sdb", "sfdisk --no-act /dev/sda < layout",
     "sgdisk --pretend --zap-all /dev/sda", "truncate --size 10G file", "truncate -s 100G disk.qcow2",
     "fallocate -l 1G swapfile",
+    # a narrow glob is some entries of a directory, not all of it
+    "rm -rf *.txt", "for f in *.log; do rm -rf \"$f\"; done", "rm -rf ~/*.log", "rm -rf build-*", "mkfs.ext4 -F disk.img",
 ]
 
 ROOT_ALLOWED = [
@@ -77,6 +79,9 @@ STILL_DENIED = [
     (CTX, "gh secret delete TOKEN", "hardline.repo_delete"),
     (CTX, "wipefs -a /dev/sda", "hardline.disk_wipe"), (CTX, "truncate -s 500T /tmp/sparse", "hardline.resource_exhaustion"),
     (CTX, "fallocate -l 100G /tmp/fill", "hardline.resource_exhaustion"),
+    (CTX, "rm -rf *", "hardline.rm_worktree"), (CTX, "rm -rf .*", "hardline.rm_worktree"),
+    (CTX, "rm -rf ~/*", "hardline.rm_home"), (CTX, "rm -rf /usr/*.so", "hardline.rm_system"),
+    (CTX, "rm -rf /home/*", "hardline.rm_home"),
     (ROOT_HOME, "rm -rf ~", "hardline.rm_home"), (ROOT_HOME, "rm -rf /root", "hardline.rm_home"),
     (ROOT_WORKTREE, "rm -rf .", "hardline.rm_worktree"), (ROOT_WORKTREE, "rm -rf /root/src", "hardline.rm_worktree"),
     (ROOT_WORKTREE, "rm -rf /etc/nginx", "hardline.rm_system"),

@@ -156,35 +156,42 @@ def doctor(obj, as_json):
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--role", default="executor", show_default=True, help="Role policy to judge under.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Worktree (default: cwd).")
-@click.option("--batch", "batch", type=click.File("r"), default=None,
-              help="One shell command per line from FILE ('-' for stdin); one JSON decision per line out.")
+@click.option("--batch", "batch", type=click.File("rb"), default=None,
+              help="One shell command per line from FILE ('-' for stdin); one JSON decision per line out; "
+                   "exit 126 if any line was denied.")
 @click.option("--json", "as_json", is_flag=True, help="The decision as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def check(obj, role, workdir, batch, as_json, command):
     """The governance decision for CMD without running anything.
 
-    Exit 0 when allowed, 126 when denied. With --batch, every line is judged
-    as shell text and printed as {"command", "allowed", "rule", "zone", "reason"}.
+    Exit 0 when allowed, 126 when denied. With --batch, every non-empty line is
+    judged as shell text and printed as {"command", "allowed", "rule", "zone",
+    "reason", ...}, one decision per line whatever the line holds; the exit
+    status is 0 when no line was denied, 126 when at least one was.
     """
     import os
 
     from . import governance, policy
+    from .gate.paths import resolve
     from .state import StateRoot
     st = StateRoot(obj["state_dir"])
     pol = policy.load(role, st.path if os.path.isdir(st.path) else None)
-    wt = os.path.realpath(workdir or os.getcwd())
+    wt = resolve(os.path.abspath(workdir or os.getcwd()))
     ctx = governance.context(pol, wt, st.path)
     from .gate import check as gate_check, judge_shell
     if batch is not None:
         out = click.get_text_stream("stdout")
-        for line in batch:
-            line = line.rstrip("\n")
+        denied = False
+        for raw in batch:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")  # a bad byte is judged, not fatal
             if not line.strip():
                 continue
             d = judge_shell(line, ctx)
+            denied = denied or not d.allowed
             out.write(json.dumps({"command": line, **d.to_dict()}) + "\n")
-        sys.exit(0)
+        out.flush()
+        sys.exit(126 if denied else 0)
     if not command:
         raise click.UsageError("give a command after -- or --batch FILE")
     d, trail = gate_check("run_process", {"argv": list(command), "cwd": wt}, ctx)

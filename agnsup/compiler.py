@@ -36,6 +36,7 @@ class ExecutionPlan(Record):
     uid: int | None = None                 # run the cell as this uid/gid
     gid: int | None = None
     pid_namespace: bool = False
+    redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
@@ -194,6 +195,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     # happens to lie inside the re-attached worktree (or a re-exposed path).
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
+    from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
     conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
     proxied = policy.network.mode in ("allowlist", "internal")
@@ -207,7 +209,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        home=fs.home, home_hidden=hidden, home_exposed=exposed, **conf)
+        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance), **conf)
 
 
 # Network modes that give the cell a namespace of its own with only lo up; allowlist

@@ -47,7 +47,9 @@ def context(policy, worktree: str, state_root: str | None):
         state_root=state_root, home=os.path.expanduser("~"),
         allow_commands=gov.allow_commands, deny_commands=gov.deny_commands,
         yellow_allow=gov.yellow_allow, unparseable=gov.unparseable,
-        quota=limits_of(policy.quota), kernel=kernel_of(policy, state_root), kernel_enforced=gov.kernel_enforced)
+        quota=limits_of(policy.quota), kernel=kernel_of(policy, state_root), kernel_enforced=gov.kernel_enforced,
+        unknown_operands=gov.unknown_operands, git_allow=gov.git_allow,
+        allow_internal=policy.network.allow_internal, tunnels=policy.network.tunnels)
 
 
 def decide(tool: str, args: dict, policy, worktree: str, state_root: str | None = None):

@@ -26,6 +26,13 @@ def parse_size(v) -> int | None:
     return int(m.group(1)) * 1024 ** "_KMGT".index((m.group(2) or "_").upper())
 
 
+def _known(v: list[str], known: tuple[str, ...], what: str) -> list[str]:
+    for name in v:
+        if name not in known:
+            raise ValueError(f"unknown {what} {name!r} (known: {', '.join(known)})")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -99,6 +106,16 @@ class FilesystemSection(_Strict):
         return self
 
 
+# network.allow_internal categories: what agnsup.gate.network.classify_address returns for a non-public address.
+INTERNAL_CATEGORIES = ("loopback", "link-local", "private", "metadata", "multicast", "unspecified", "reserved",
+                       "non-global")
+# governance.git_allow names: agnsup.gate.git.RULES (kept here as names so validation needs no gate import).
+GIT_RULES = ("force_push", "reset_hard", "clean", "discard_worktree", "branch_force_delete", "stash_drop",
+             "history_rewrite", "reflog_expire", "gc_prune", "update_ref_delete")
+# governance.redact rule sets: agnsup/redact.py RULE_SETS.
+REDACT_SETS = ("host_secrets", "key_formats", "bearer_tokens", "private_keys")
+
+
 class NetworkSection(_Strict):
     mode: Literal["deny", "loopback", "host", "allowlist", "internal"] = Field(
         "deny", description="'deny' and 'loopback': a network namespace of the cell's own with only lo up; "
@@ -115,6 +132,12 @@ class NetworkSection(_Strict):
                                       "(metadata, multicast and 0.0.0.0 never).")
     proxy_port: int = Field(3128, ge=1024, le=65535, description="allowlist/internal: the port of the proxy "
                             "(HTTP and SOCKS5) on the cell's own loopback, 127.0.0.1.")
+    allow_internal: list[str] = Field(default_factory=list, description="With mode host: non-public destinations "
+                                      "that shell commands and URL arguments may reach anyway: categories (loopback, "
+                                      "link-local, private, metadata, multicast, unspecified, reserved, non-global) "
+                                      "or addresses and networks ('10.1.0.0/16', '::1'). Empty: public only.")
+    tunnels: Literal["deny", "allow"] = Field("deny", description="With mode host: 'deny' refuses tunnels (ngrok, "
+                                              "cloudflared, chisel, frpc, ssh -R/-D, ...), 'allow' runs them.")
 
     @field_validator("allow", "deny")
     @classmethod
@@ -134,6 +157,20 @@ class NetworkSection(_Strict):
             if self.allow_private:
                 raise ValueError(f"network.allow_private applies to mode 'allowlist', not {self.mode!r}")
         return self
+
+    @field_validator("allow_internal")
+    @classmethod
+    def _internal(cls, v: list[str]) -> list[str]:
+        import ipaddress
+        for entry in v:
+            if entry in INTERNAL_CATEGORIES:
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is neither a category ({', '.join(INTERNAL_CATEGORIES)}) nor an "
+                                 "address or network") from None
+        return v
 
 
 class LimitsSection(_Strict):
@@ -256,10 +293,45 @@ class GovernanceSection(_Strict):
         "flag", description="A refusal the cell's kernel makes anyway (a network tool under network deny, a write "
         "under the read-only root, a read of a masked deny path): 'flag' allows it with a flag "
         "(*.kernel_enforced) under mode open; 'deny' refuses it early. Other modes always refuse.")
+    unknown_operands: Literal["flag", "deny"] = Field(
+        "flag", description="An operand of a destructive command (rm -r, find -delete, chmod -R, dd of=, shred) "
+        "known only at run time ($DIR, $(cmd), xargs input): 'flag' allows it with the flag "
+        "hardline.unknown_operand, 'deny' refuses it.")
+    git_allow: list[str] = Field(default_factory=list, description="git rules (force_push, reset_hard, clean, "
+                                 "discard_worktree, branch_force_delete, stash_drop, history_rewrite, reflog_expire, "
+                                 "gc_prune, update_ref_delete) this role may run; '*' allows all. Empty: all refused.")
+    redact: list[str] = Field(default_factory=list, description="Rule sets applied to the output a caller gets back "
+                              "(host_secrets, key_formats, bearer_tokens, private_keys); each redaction is counted "
+                              "in the receipt by rule id.")
+    redact_patterns: dict[str, str] = Field(default_factory=dict, description="More redaction rules: name -> regular "
+                                            "expression; a match is redacted as rule redact.role.<name>.")
     allow_commands: list[str] = Field(default_factory=list, description="If not empty, only these programs may "
                                       "be started (by name).")
     deny_commands: list[str] = Field(default_factory=list, description="Programs this role may never start.")
     yellow_allow: list[str] = Field(default_factory=list, description="Side-effect tools a locked role allows.")
+
+    @field_validator("git_allow")
+    @classmethod
+    def _git(cls, v: list[str]) -> list[str]:
+        return _known(v, GIT_RULES + ("*",), "git rule")
+
+    @field_validator("redact")
+    @classmethod
+    def _redact(cls, v: list[str]) -> list[str]:
+        return _known(v, REDACT_SETS, "redaction rule set")
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _patterns(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, pattern in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                raise ValueError(f"pattern name {name!r}: use letters, digits and _")
+            try:
+                if re.compile(pattern).match(""):
+                    raise ValueError(f"pattern {name!r} matches the empty string")
+            except re.error as e:
+                raise ValueError(f"pattern {name!r} is not a regular expression: {e}") from None
+        return v
 
 
 class QuotaSection(_Strict):

@@ -170,13 +170,14 @@ def address_class(ip) -> str:
     NAT64 forms are judged as the IPv4 address they carry."""
     import ipaddress
 
-    from .gate.network import classify, unmapped
+    from .gate.network import classify_address, unmapped
     ip = unmapped(ip)
     if ip.version == 4 and ip in ipaddress.IPv4Network("0.0.0.0/8") or ip.is_unspecified:
         return "unspecified"  # connecting to 0.0.0.0 reaches the host's own loopback
     if ip.version == 4 and ip in ipaddress.IPv4Network("100.64.0.0/10"):
         return "cgnat"
-    return classify(ip)
+    c = classify_address(ip)
+    return "" if c == "public" else c
 
 
 class Rules(Record, frozen=True):

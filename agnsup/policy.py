@@ -26,15 +26,20 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "6"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name; 6: network lists
+CACHE_VERSION = "7"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
+#                     6: network lists; 7: git, redaction, destinations
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
-# Lists a preset and a role join (both deny): a role adds entries, never drops one.
-JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny")
+# Lists a preset and a role join (both deny or protect): a role adds entries, never drops one.
+JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny", "governance.redact")
+# Lists that allow: when a preset fixes one, a role may keep or drop entries, never add one.
+ALLOW_LISTS = ("governance.git_allow", "network.allow_internal")
 # Values from loosest to strictest, for the keys a preset may fix.
 STRICTNESS = {
     "governance.mode": ("open", "locked", "readonly"),
     "governance.unparseable": (None, "flag", "deny"),
     "governance.kernel_enforced": ("flag", "deny"),
+    "governance.unknown_operands": ("flag", "deny"),
+    "network.tunnels": ("allow", "deny"),
     # internal opens the private network (databases, admin consoles) to listed names;
     # allowlist opens listed names on the public internet, private addresses only with allow_private
     "network.mode": ("host", "internal", "allowlist", "loopback", "deny"),
@@ -150,6 +155,12 @@ class Frozen:
     def __iter__(self):
         return iter(self._d)
 
+    def keys(self):
+        return self._d.keys()
+
+    def items(self):
+        return ((k, _frozen(v)) for k, v in self._d.items())
+
     def as_dict(self) -> dict:
         """A plain, mutable copy (for data that travels in a plan)."""
         return _thawed(self._d)
@@ -241,8 +252,9 @@ def load_preset(name: str, role_path: str = "") -> tuple[dict, str]:
         raise PolicyError(f"{path}: key preset.fixed: not a list of keys")
     for key in fixed:
         section, _, field = str(key).partition(".")
-        if key not in STRICTNESS:
-            raise PolicyError(f"{path}: key preset.fixed: {key!r} cannot be fixed (only {', '.join(STRICTNESS)})")
+        if key not in STRICTNESS and key not in ALLOW_LISTS:
+            raise PolicyError(f"{path}: key preset.fixed: {key!r} cannot be fixed (only "
+                              f"{', '.join(list(STRICTNESS) + list(ALLOW_LISTS))})")
         if field not in doc.get(section, {}):
             raise PolicyError(f"{path}: key preset.fixed: {key!r} is fixed but the preset does not set it")
     return doc, path
@@ -271,6 +283,12 @@ def apply_preset(doc: dict, path: str) -> tuple[dict, dict | None]:
             key = f"{section}.{field}"
             if key in JOINED_LISTS and isinstance(value, list) and isinstance(theirs.get(field), list):
                 out[field] = list(theirs[field]) + [x for x in value if x not in theirs[field]]
+            elif key in fixed and field in theirs and key in ALLOW_LISTS:
+                extra = [x for x in (value if isinstance(value, list) else [value]) if x not in theirs[field]]
+                if extra:
+                    raise PolicyError(f"{path}: key {key}: {extra[0]!r} is looser than preset {name!r} allows "
+                                      f"({pre_path} fixes it to {theirs[field]!r} or fewer entries)")
+                out[field] = value
             elif key in fixed and field in theirs:
                 order = STRICTNESS[key]
                 if value not in order or order.index(value) < order.index(theirs[field]):

@@ -11,6 +11,7 @@ import os
 import time
 
 RECEIPT_VERSION = 1
+MAX_RETURNED_OUTPUT = 64 * 1024  # captured output a caller gets back (tool.ended); redaction counts cover it
 
 
 def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
@@ -45,6 +46,10 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     }
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
+    if plan is not None and getattr(plan, "redact", None) and cell.capture:
+        # What each redaction rule takes out of the output a caller gets back (tool.ended).
+        from .redact import receipt_section
+        r["output"]["redaction"] = receipt_section(plan.redact, spec.env, plan.cell_dir, MAX_RETURNED_OUTPUT)
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error

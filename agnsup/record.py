@@ -29,6 +29,9 @@ class FrozenError(AttributeError):
 class Record:
     _fields: tuple[str, ...] = ()
     _defaults: dict = {}
+    _fieldset: frozenset = frozenset()
+    _plain: dict = {}
+    _factories: tuple = ()
     _frozen = False
 
     def __init_subclass__(cls, frozen: bool = False, **kw) -> None:
@@ -53,6 +56,9 @@ class Record:
             if isinstance(d, Factory) and name in cls.__dict__:
                 delattr(cls, name)  # no shared mutable default on the class
         cls._fields, cls._defaults = tuple(fields), defaults
+        cls._fieldset = frozenset(fields)
+        cls._plain = {n: d for n, d in defaults.items() if not isinstance(d, Factory)}
+        cls._factories = tuple((n, d.make) for n, d in defaults.items() if isinstance(d, Factory))
         cls._frozen = frozen or cls._frozen
         if cls._frozen:
             cls.__hash__ = Record._hash
@@ -60,25 +66,27 @@ class Record:
             cls.__hash__ = None  # mutable and compared by value: unhashable, like a dataclass
 
     def __init__(self, *args, **kwargs) -> None:
+        # Hot: the gate builds several records per judged line (agnsup check --batch): defaults
+        # are filled in one update, then what was given overwrites them.
         fields = self._fields
         if len(args) > len(fields):
             raise TypeError(f"{type(self).__name__}() takes {len(fields)} fields, {len(args)} given")
-        values = dict(zip(fields, args))
-        for k, v in kwargs.items():
-            if k not in self._defaults and k not in fields:
-                raise TypeError(f"{type(self).__name__}() got an unexpected field {k!r}")
-            if k in values:
-                raise TypeError(f"{type(self).__name__}() got field {k!r} twice")
-            values[k] = v
         d = self.__dict__
-        for name in fields:
-            if name in values:
-                d[name] = values[name]
-                continue
-            default = self._defaults.get(name, _MISSING)
-            if default is _MISSING:
-                raise TypeError(f"{type(self).__name__}() missing field {name!r}")
-            d[name] = default.make() if isinstance(default, Factory) else default
+        d.update(self._plain)
+        for name, make in self._factories:
+            d[name] = make()
+        for name, v in zip(fields, args):
+            d[name] = v
+        if kwargs:
+            for k in kwargs:
+                if k not in self._fieldset:
+                    raise TypeError(f"{type(self).__name__}() got an unexpected field {k!r}")
+                if k in fields[:len(args)]:
+                    raise TypeError(f"{type(self).__name__}() got field {k!r} twice")
+            d.update(kwargs)
+        if len(d) < len(fields):
+            missing = next(n for n in fields if n not in d)
+            raise TypeError(f"{type(self).__name__}() missing field {missing!r}")
 
     def __setattr__(self, name: str, value) -> None:
         if self._frozen:
@@ -100,7 +108,12 @@ class Record:
         return self._values() == other._values()
 
     def _hash(self) -> int:
-        return hash(self._values())
+        # Frozen, so the hash never changes: computed once (lru_cache keys hash a GateContext per call).
+        h = self.__dict__.get("_hash_value")
+        if h is None:
+            h = hash(self._values())
+            object.__setattr__(self, "_hash_value", h)
+        return h
 
     def __repr__(self) -> str:
         d = self.__dict__

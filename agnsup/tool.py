@@ -13,6 +13,7 @@ import os
 import signal
 
 from .errors import AgnsupError, UsageError, as_value
+from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 
 RUN_PROCESS_SCHEMA = tool_schema(
@@ -20,7 +21,6 @@ RUN_PROCESS_SCHEMA = tool_schema(
     "The command gets an environment built from nothing, a private /tmp, and the role's filesystem, network "
     "and resource limits.")
 
-MAX_RETURNED_OUTPUT = 64 * 1024
 
 
 def run_process(argv: list[str], *, state_dir: str | None = None, forward_signals: bool = False,
@@ -129,13 +129,16 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
     if capture:
+        # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
+        from .redact import for_receipt
+        redact = for_receipt(receipt)
         for name in ("stdout", "stderr"):
             try:
                 with open(os.path.join(cell_dir, name), "rb") as f:
                     data = f.read(MAX_RETURNED_OUTPUT + 1)
             except FileNotFoundError:
                 data = b""
-            result[name] = data[:MAX_RETURNED_OUTPUT].decode(errors="replace")
+            result[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace"))
             result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
     return result
 

@@ -28,7 +28,7 @@ LAYERS = [  # top to bottom
                                "agnsup.locks", "agnsup.egress"]),
     ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.state", "agnsup.migrations"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
-                          "agnsup.crashpoints", "agnsup.policies"]),
+                          "agnsup.crashpoints", "agnsup.policies", "agnsup.redact"]),
 ]
 DATA_PACKAGES = {"migrations", "policies"}  # package data shipped as agnsup.<name> (pyproject package-dir)
 

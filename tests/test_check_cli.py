@@ -14,7 +14,8 @@ def test_check_allows_grep_for_the_word_curl(agnsup, worktree):
 
 def test_check_batch_prints_one_json_decision_per_line(agnsup, worktree):
     lines = "rm -fr /\ngrep -r curl .\ncurl http://example.invalid\n"
-    cp = agnsup("check", "--workdir", worktree, "--batch", "-", input=lines.encode(), check=0)
+    # one line is denied, so the batch exits 126 (docs/cli.md); every line still has its decision
+    cp = agnsup("check", "--workdir", worktree, "--batch", "-", input=lines.encode(), check=126)
     out = [json.loads(line) for line in cp.out.splitlines()]
     # executor (mode open, kernel_enforced flag): the cell's network namespace refuses curl, so it is flagged
     assert [d["allowed"] for d in out] == [False, True, True]

@@ -65,13 +65,46 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "busybox": frozenset(),
     "catchsegv": frozenset(),
     "xargs": frozenset({"-I", "-n", "-P", "-L", "-s", "-d", "-E", "-a", "--arg-file", "--delimiter",
-                        "--max-args", "--max-procs", "--max-lines", "--eof", "--replace",
+                        "--max-args", "--max-procs", "--max-lines", "--eof",
                         "--max-chars", "--process-slot-var"}),
     "watch": frozenset({"-n", "--interval", "-d", "-q", "--equexit"}),
     "doppler": frozenset(),  # "doppler run -- cmd" handled below
+    # zsh precommand modifiers, moreutils, sandboxes and session helpers that run their arguments
+    "noglob": frozenset(),
+    "nocorrect": frozenset(),
+    "chronic": frozenset(),
+    "firejail": frozenset(),  # its options are --name or --name=value
+    "systemd-inhibit": frozenset({"--what", "--who", "--why", "--mode"}),
+    "caffeinate": frozenset({"-t", "-w"}),
+    "xvfb-run": frozenset({"-n", "--server-num", "-s", "--server-args", "-f", "--auth-file", "-e", "--error-file",
+                           "-p", "--xauth-protocol"}),
+    "dbus-run-session": frozenset({"--config-file", "--dbus-daemon"}),
+    "numactl": frozenset({"-N", "--cpunodebind", "-m", "--membind", "-C", "--physcpubind", "-i", "--interleave",
+                          "-p", "--preferred"}),
+    "prlimit": frozenset({"-p", "--pid"}),
+    "setpriv": frozenset({"--reuid", "--regid", "--ruid", "--euid", "--rgid", "--egid", "--groups", "--inh-caps",
+                          "--ambient-caps", "--bounding-set", "--securebits", "--selinux-label",
+                          "--apparmor-profile"}),
+    "cgexec": frozenset({"-g"}),
+    "trickle": frozenset({"-d", "-u", "-w", "-t", "-l", "-n"}),
+    "fakeroot": frozenset({"-l", "--lib", "--faked", "-i", "-s"}),
+    "ssh-agent": frozenset({"-a", "-t", "-E", "-P", "-O"}),
+    "eatmydata": frozenset(),
+    "nocache": frozenset(),
+    "valgrind": frozenset(),
+    "chpst": frozenset({"-u", "-U", "-e", "-n", "-l", "-L", "-m", "-d", "-o", "-p", "-f", "-c", "-r", "-t"}),
+    "runcon": frozenset({"-u", "-r", "-t", "-l", "--user", "--role", "--type", "--range"}),
 }
 # Wrappers followed by a fixed number of positional words before the command.
 WRAPPER_POSITIONALS = {"timeout": 1, "chroot": 1, "flock": 1, "taskset": 1, "chrt": 1, "faketime": 1}
+# GNU parallel (and its `sem`): options that take a separate value.
+PARALLEL_OPTS = frozenset({"-j", "--jobs", "-P", "--max-procs", "-S", "--sshlogin", "-a", "--arg-file", "-d",
+                           "--delimiter", "-n", "--max-args", "-N", "-I", "--colsep", "-C", "--joblog", "--results",
+                           "--res", "--tmpdir", "--timeout", "--delay", "--retries", "-L", "--max-lines", "-E",
+                           "--workdir", "--wd", "--basefile", "--bf", "--return", "--transfer", "--sshloginfile",
+                           "--slf", "--halt", "--memfree", "--load", "--nice", "--id", "--tag-string"})
+PARALLEL_SOURCES = (":::", "::::", ":::+", "::::+")
+MAX_EXPANDED = 16  # items of xargs -I / parallel ::: judged one by one (beyond: the first ones)
 
 INTERPRETERS = {
     # program prefix -> flags that introduce inline code
@@ -117,15 +150,33 @@ class Analysis(Record):
     flags: set[str] = Factory(set)            # advisory findings
     dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
+    unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
+        self.unjudgeable.extend(other.unjudgeable)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
         self.dynamic.extend(other.dynamic)
         self.parsed_shell = self.parsed_shell or other.parsed_shell
+
+
+def operands(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
+    """The words of `args` that are not options (nor values of the options in `with_value`);
+    everything after `--` is an operand."""
+    out, i, dash = [], 0, False
+    while i < len(args):
+        a = args[i]
+        if dash or a == "-" or not a.startswith("-"):
+            out.append(a)
+        elif a == "--":
+            dash = True
+        elif a in with_value:
+            i += 1
+        i += 1
+    return out
 
 
 def prog_name(word: str) -> str:
@@ -151,10 +202,15 @@ def analyze_shell(text: str, depth: int = 0) -> Analysis:
 
 def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
            redirects=None, background=False, loop=None, cwd=None, text="",
-           stdin_code: str | None = None) -> None:
-    """Peel wrappers off `words` and add the resulting Exec(s) to `an`."""
-    via: list[str] = []
+           stdin_code: str | None = None, files: dict[str, str] | None = None, via: tuple[str, ...] = ()) -> None:
+    """Peel wrappers off `words` and add the resulting Exec(s) to `an`.
+
+    `stdin_code`: what the command reads on stdin, when the line makes it
+    obvious (a heredoc, a here-string, `echo ... |`); `files`: the output of
+    process substitutions by their text (`<(echo /)`), for `xargs -a`."""
+    via = list(via)
     from_stdin = False
+    common = dict(redirects=redirects, background=background, loop=loop, cwd=cwd, text=text)
     while words:
         prog = prog_name(words[0])
         if not literal[0]:
@@ -162,6 +218,28 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
             break
         if prog == "command" and len(words) > 1 and words[1] in ("-v", "-V"):
             return  # `command -v git` looks a name up, runs nothing
+        if prog == "coproc" and len(words) > 1:
+            # coproc [NAME] { list; } / coproc cmd: tree-sitter-bash reads it as words
+            k = 2 if words[1] == "{" else (3 if len(words) > 2 and words[2] == "{" else 1)
+            via.append("coproc")
+            words, literal = words[k:], literal[k:]
+            continue
+        if prog == "ip" and words[1:3] == ["netns", "exec"] and len(words) > 4:
+            via.append("ip netns exec")
+            words, literal = words[4:], literal[4:]
+            continue
+        if prog in ("parallel", "sem"):
+            _parallel(words, literal, an, depth, via, stdin_code, common)
+            return
+        if prog == "sg" and len(words) > 2:
+            code = words[3] if words[2] == "-c" and len(words) > 3 else " ".join(words[2:])
+            _nested_shell_word(code, all(literal[2:]), an, depth, "sg")
+            return
+        k = next((i for i, w in enumerate(words[:-1]) if i and (w in ("-c", "--command") or (
+            w[:1] == "-" and w[1:2] != "-" and w.endswith("c")))), 0) if prog == "script" else 0
+        if k:  # script(1) -c CMD (also -qc CMD) runs CMD through the shell
+            _nested_shell_word(words[k + 1], literal[k + 1], an, depth, "script -c")
+            return
         if prog == "env" and len(words) > 1:
             # `env -S "a b"` splits its string into words (coreutils env(1)).
             i = 1
@@ -189,10 +267,19 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
             k = _skip_wrapper(prog, words)
             via.append(prog)
             if prog == "xargs":
-                from_stdin = True
-                if k >= len(words):
-                    words, literal = ["echo"], [True]
-                    break
+                items, replace = _xargs_items(words[1:k], stdin_code, files or {})
+                stdin_code = None  # xargs gives the command /dev/null as stdin
+                words, literal = (words[k:], literal[k:]) if k < len(words) else (["echo"], [True])
+                if items is None:
+                    from_stdin = True  # more operands arrive at run time
+                elif replace:
+                    for item in items[:MAX_EXPANDED]:
+                        unwrap([w.replace(replace, item) for w in words], literal, an, depth, via=tuple(via),
+                               **common)
+                    return
+                else:
+                    words, literal = words + items, literal + [True] * len(items)
+                continue
             if prog == "watch":
                 # watch(1) runs its arguments through `sh -c`.
                 rest = words[k:]
@@ -220,6 +307,90 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
         _find_exec(ex, an, depth)
 
 
+def _xargs_items(opts: list[str], stdin: str | None, files: dict[str, str]) -> tuple[list[str] | None, str]:
+    """What xargs(1) appends to its command: (items, replace string of -I), items None when unknown.
+
+    Input is stdin, or the file of -a/--arg-file when the line shows its content
+    (a process substitution of a constant). Split as xargs does: blanks and
+    newlines with quotes (default), lines (-I), NUL (-0) or a delimiter (-d)."""
+    src, delim, replace, i = stdin, None, "", 0
+    while i < len(opts):
+        o = opts[i]
+        val = opts[i + 1] if i + 1 < len(opts) else ""
+        if o in ("-a", "--arg-file"):
+            src, i = files.get(val), i + 1
+        elif o == "--arg-file=":
+            src, i = files.get(val), i + 1
+        elif o.startswith("--arg-file="):
+            src = files.get(o.split("=", 1)[1])
+        elif o.startswith("-a") and not o.startswith("--"):
+            src = files.get(o[2:])
+        elif o in ("-0", "--null"):
+            delim = "\0"
+        elif o in ("-d", "--delimiter"):
+            delim, i = _unescape_delim(val), i + 1
+        elif o.startswith("--delimiter="):
+            delim = _unescape_delim(o.split("=", 1)[1])
+        elif o.startswith("-d") and not o.startswith("--"):
+            delim = _unescape_delim(o[2:])
+        elif o == "-I":
+            replace, i = val, i + 1
+        elif o.startswith("-I"):
+            replace = o[2:]
+        elif o in ("-i", "--replace"):
+            replace = "{}"
+        elif o.startswith(("-i", "--replace=")):
+            replace = o.split("=", 1)[1] if "=" in o else o[2:]
+        elif o in WRAPPERS["xargs"]:
+            i += 1
+        i += 1
+    if src is None:
+        return None, replace
+    if delim:
+        items = src.split(delim)
+        if items and items[-1] in ("", "\n"):
+            items.pop()
+    elif replace:
+        items = [line.lstrip() for line in src.split("\n") if line.strip()]
+    else:
+        items = split_words(src)
+    return [x for x in items if x != ""], replace
+
+
+def _unescape_delim(d: str) -> str:
+    return {"\\n": "\n", "\\t": "\t", "\\0": "\0", "\\\\": "\\"}.get(d, d[:1])
+
+
+def _parallel(words: list[str], literal: list[bool], an: Analysis, depth: int, via: list[str],
+              stdin: str | None, common: dict) -> None:
+    """GNU parallel / sem: `parallel [opts] cmd ::: args` runs `cmd arg` through the shell for each
+    arg; with no command the args are the command lines; without ::: the args come from stdin (as xargs)."""
+    i = 1
+    while i < len(words) and words[i].startswith("-") and words[i] not in PARALLEL_SOURCES:
+        if words[i] == "--":
+            i += 1
+            break
+        i += 2 if words[i] in PARALLEL_OPTS else 1
+    j = next((k for k in range(i, len(words)) if words[k] in PARALLEL_SOURCES), len(words))
+    cmd, cmd_lit = words[i:j], literal[i:j]
+    args = [w for w in words[j + 1:] if w not in PARALLEL_SOURCES] if j < len(words) else []
+    if j == len(words):
+        if cmd:  # arguments from stdin, like xargs
+            unwrap(["xargs"] + cmd, [True] + cmd_lit, an, depth, via=tuple(via + ["parallel"]),
+                   stdin_code=stdin, **common)
+        return
+    if not all(cmd_lit) or not all(literal[j + 1:]):
+        an.dynamic.append(" ".join(words[i:]))
+        an.flags.add("dynamic_code")
+        return
+    for a in args[:MAX_EXPANDED] or [""]:
+        line = " ".join(cmd) if cmd else a
+        if cmd and a:
+            line = line.replace("{}", a) if "{}" in line else line + " " + a
+        if line:
+            _nested_shell(line, an, depth, "parallel")
+
+
 def _skip_wrapper(prog: str, words: list[str]) -> int:
     opts = WRAPPERS[prog]
     positionals = WRAPPER_POSITIONALS.get(prog, 0)
@@ -233,7 +404,7 @@ def _skip_wrapper(prog: str, words: list[str]) -> int:
             if prog in ("nice",) and w[1:].lstrip("-").isdigit():
                 i += 1
                 continue
-            if w in opts:
+            if w in opts or (w.startswith("--") and w.endswith("=")):  # `--opt=<(...)`: two words in the tree
                 i += 2
                 continue
             i += 1
@@ -262,7 +433,8 @@ def _nested_shell(code: str, an: Analysis, depth: int, where: str, strict: bool 
     """Analyse `code` as shell. strict=False: the string was only guessed to be
     shell (a literal in interpreter code), so a parse error there is not ours."""
     if depth + 1 > MAX_DEPTH:
-        an.unparseable.append(f"shell code nested more than {MAX_DEPTH} levels deep ({where})")
+        an.unjudgeable.append(f"shell code nested more than {MAX_DEPTH} levels deep ({where}), deeper than the "
+                              "gate follows")
         return
     sub = analyze_shell(code, depth + 1)
     if not strict:
@@ -278,6 +450,7 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
         an.flags.add("dynamic_code")
 
 
+@functools.lru_cache(maxsize=256)
 def _interp_flags(prog: str) -> tuple[str, ...] | None:
     for name, flags in INTERPRETERS.items():
         if prog == name or (prog.startswith(name) and re.fullmatch(r"[\d.]*", prog[len(name):])):
@@ -288,6 +461,12 @@ def _interp_flags(prog: str) -> tuple[str, ...] | None:
 def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     """Code inside this Exec's words: sh -c, eval, python -c, awk programs."""
     prog, argv, lit = ex.prog, ex.argv, ex.literal
+    if prog == "git" or prog.startswith("git-"):
+        from .git import shell_code  # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
+        if all(lit):
+            for code, where in shell_code(ex):
+                _nested_shell(code, an, depth, where, strict=False)
+        return
     if prog in SHELLS:
         for i in range(1, len(argv)):
             w = argv[i]

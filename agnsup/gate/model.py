@@ -106,6 +106,18 @@ class GateContext(Record, frozen=True):
     # cell tool under mode open: "flag" allows it with a flag (rule
     # *.kernel_enforced), "deny" refuses it early. Other modes always deny.
     kernel_enforced: str = "flag"
+    # An operand of a destructive command (rm -r, find -delete, chmod -R, dd of=, shred) known only at
+    # run time ($DIR, $(cmd), xargs input): "flag" allows it with the flag hardline.unknown_operand,
+    # "deny" refuses it.
+    unknown_operands: str = "flag"
+    # git rules (gate/git.py RULES: "force_push", "reset_hard", ...) the role allows; "*": all.
+    git_allow: tuple[str, ...] = ()
+    # With the host network: destinations in shell commands and URL arguments that are not public
+    # but may be reached anyway: categories ("loopback", "private", "link-local", "metadata", ...)
+    # or addresses and networks ("10.1.0.0/16", "::1").
+    allow_internal: tuple[str, ...] = ()
+    # With the host network: "deny" refuses tunnels (ngrok, cloudflared, chisel, frpc, ssh -R/-D), "allow" runs them.
+    tunnels: str = "deny"
 
     def flags_kernel_enforced(self, tool: str) -> bool:
         """Whether this call may turn a kernel-backed refusal into a flag."""
@@ -172,7 +184,15 @@ class Finding(Record, frozen=True):
     flagged: tuple[dict, ...] = ()
 
 
+_PASSES: dict[str, Finding] = {}
+
+
 def ok(rule: str, reason: str = "", flags: tuple[str, ...] = (), pinned: str = "") -> Finding:
+    if not (flags or pinned):  # a plain pass is the same frozen value every time: build it once
+        f = _PASSES.get(rule + "\0" + reason)
+        if f is None:
+            f = _PASSES[rule + "\0" + reason] = Finding(True, rule, reason)
+        return f
     return Finding(True, rule, reason, flags=flags, pinned=pinned)
 
 

@@ -1,18 +1,37 @@
-"""Network: network tools at command position, and the SSRF guard for URLs.
+"""Network: network tools at command position, where they connect, and the SSRF guard for URLs.
 
 A network tool counts only at command position (after unwrapping), so
 `grep -r curl .` and `echo ssh` pass while `sudo curl`, `$(wget ...)` and
-`bash -c 'nc ...'` do not. Under `network: deny` such commands are refused;
-the network namespace is the guarantee, this check explains early. For a
-command that runs in a cell (run_process, run_shell) under mode open with
-governance.kernel_enforced = "flag", the refusal becomes the flag
-`network.kernel_enforced`: the cell's namespace refuses the connection anyway.
+`bash -c 'nc ...'` do not. Network tools are HTTP and socket clients, remote
+shells and copies, DNS lookups (`dig`, `nslookup`, `host`), TLS clients
+(`openssl s_client`), tunnels (`ngrok`, `cloudflared`, `chisel`, `frpc`,
+`ssh -R/-D`) and cloud CLIs that upload (`aws s3 cp` to a bucket, `gsutil
+cp`, `az storage blob upload`).
+
+Under `network: deny` such commands are refused; the network namespace is
+the guarantee, this check explains early. For a command that runs in a cell
+(run_process, run_shell) under mode open with governance.kernel_enforced =
+"flag", the refusal becomes the flag `network.kernel_enforced`: the cell's
+namespace refuses the connection anyway.
+
+Under `network: host` nothing in the kernel stands between the cell and the
+host's own services, so the text decides: every destination a client names
+(URLs, `host:port`, `user@host`, `/dev/tcp/HOST/PORT`, proxies and curl's
+`--resolve`) gets the same judgement as a URL argument: loopback,
+link-local, private, metadata and other non-public addresses are refused
+unless the role lists them in `network.allow_internal`; tunnels are refused
+unless `network.tunnels = "allow"`; a DNS lookup with data in the name is
+refused (exfiltration); uploads are flagged.
 
 URL arguments pass the SSRF guard: the host is normalised the way real
 clients read it (decimal/hex/octal/short IPv4, IPv4-mapped IPv6, userinfo,
 trailing dots, Unicode digits and full stops), resolved once, and every
 address must be public. The address that was checked is returned as
 `pinned`: the caller connects to it, never to a second resolution.
+
+The address functions at the top (`parse_ipv4`, `normalise_host`,
+`host_address`, `classify_address`, `internal_allowed`) are pure and public:
+the egress proxy classifies with the same code.
 """
 
 from __future__ import annotations
@@ -24,77 +43,18 @@ from .commands import Analysis, Exec
 from .paths import LazyRe
 from .model import CELL_TOOLS, Finding, GateContext, deny, ok, ok_flagged
 
-NET_TOOLS = frozenset({"curl", "wget", "nc", "ncat", "netcat", "ssh", "scp", "sftp", "rsync", "socat", "telnet",
-                       "ftp"})
-REMOTE_ONLY = frozenset({"rsync", "scp"})  # network only with a host:path or rsync:// operand
-URL_KEYS = ("url", "uri", "urls", "endpoint")
+# --- addresses and hosts (pure; shared with the egress proxy) ---------------------
+
+# What classify_address returns: "public", or why an address is not.
+CATEGORIES = ("public", "loopback", "link-local", "private", "metadata", "multicast", "unspecified", "reserved",
+              "non-global")
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "metadata.goog", "instance-data",
                             "instance-data.ec2.internal", "metadata.azure.com", "metadata.packet.net"})
 METADATA_IPS = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200", "169.254.170.2",
                           "192.0.0.192", "169.254.169.123"})
-HINT_NET = "Set `network: host` (or `loopback` for local services) in the role if it should reach the network."
-KERNEL_HINT = (" The cell's network namespace refuses it anyway: under mode open, governance.kernel_enforced = "
-               "'flag' lets it run with a flag.")
-HINT_SSRF = ("Internal, loopback and metadata addresses are refused for URL fetches; use a role with "
-             "`network: loopback` for local services.")
-_REMOTE = LazyRe(r"^rsync://|^[^/:\s]+:")  # host:path, user@host:path, host::module
 _DOTS = dict.fromkeys(map(ord, "\u3002\uff0e\uff61"), ".")
+_IPV4ISH = LazyRe(r"[0-9a-fx.]+")
 
-
-def _is_remote(ex: Exec) -> bool:
-    return any(_REMOTE.match(a) and not a.startswith("-") for a in ex.args)
-
-
-def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
-    return {"rule": "network.kernel_enforced", "evidence": ex.text,
-            "reason": f"{what} under role '{ctx.role}''s network: {ctx.network}; allowed with a flag because the cell's own "
-                      "network namespace (only lo up) refuses every connection that would leave it "
-                      "(governance.kernel_enforced = 'flag')."}
-
-
-def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding | None, list[dict]]:
-    """The first denial (or None), and the kernel-backed refusals flagged instead."""
-    # Under deny the cell's network namespace refuses what these rules refuse:
-    # with kernel_enforced = "flag" (mode open) they become flags.
-    backed = ctx.kernel is not None and tool in CELL_TOOLS and ctx.kernel.netns
-    kernel = backed and ctx.flags_kernel_enforced(tool)
-    hint = HINT_NET + (KERNEL_HINT if backed else "")
-    notes: list[dict] = []
-    for ex in an.execs:
-        if ctx.egress is not None:  # allowlist/internal: the proxy's own matcher (gate/egress.py)
-            from .egress import check_exec
-            f = check_exec(ex, ctx, tool, notes)
-            if f:
-                return f, notes
-        net = ex.prog in NET_TOOLS and (ex.prog not in REMOTE_ONLY or _is_remote(ex))
-        dev = next((t for _op, t, _l in ex.redirects if t.startswith(("/dev/tcp/", "/dev/udp/"))), "")
-        if ctx.network == "deny" or (ctx.egress is not None and dev):  # /dev/tcp never goes through a proxy
-            if net and ctx.network == "deny":
-                if kernel:
-                    notes.append(_kernel_note(f"`{ex.prog}` reaches the network", ex, ctx))
-                    continue
-                return deny("network.command",
-                            f"`{ex.prog}` reaches the network, and role '{ctx.role}' has network: deny.",
-                            hint, ex.text), notes
-            if dev:
-                if kernel:
-                    notes.append(_kernel_note(f"redirection to {dev} opens a network connection", ex, ctx))
-                    continue
-                return deny("network.dev_tcp",
-                            f"redirection to {dev} opens a network connection, and role '{ctx.role}' has "
-                            f"network: {ctx.network}.", hint, ex.text), notes
-        elif net and ctx.network == "host" and ex.prog in ("curl", "wget", "http", "xh"):
-            for a in ex.args:
-                if "://" in a:
-                    # With the host's network, loopback and private services are the role's to
-                    # reach; only cloud metadata (credentials) is refused in shell commands.
-                    f = check_url(a, ctx, resolve=False)
-                    if not f.allowed and f.rule == "network.ssrf_metadata":
-                        return f, notes
-    return None, notes
-
-
-# --- SSRF guard -----------------------------------------------------------------
 
 def _ipv4_number(part: str) -> int | None:
     """One dotted part as inet_aton/WHATWG read it: 0x.. hex, 0.. octal, else decimal."""
@@ -128,7 +88,9 @@ def parse_ipv4(host: str) -> str | None:
 
 
 def normalise_host(url: str) -> tuple[str, str, list[str]]:
-    """(scheme, host, [hosts as other clients could read the URL])."""
+    """(scheme, host, [hosts as other clients could read the URL]); hosts lower-cased,
+    without brackets' content changed, trailing dots dropped. A word without `://`
+    is read as `http://word` (`user@10.0.0.1:22`, `[::1]:80`, `localhost`)."""
     from urllib.parse import urlsplit
 
     u = unicodedata.normalize("NFKC", url.strip().translate(_DOTS))
@@ -147,6 +109,28 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
     return scheme, (hosts[0] if hosts else ""), hosts
 
 
+def host_address(host: str):
+    """The address a host names without DNS: an IP literal in any spelling inet_aton or
+    WHATWG accept, `localhost` (and `*.localhost`) as 127.0.0.1. Returns an
+    ipaddress object, None for a name that needs resolving, or "malformed"."""
+    import ipaddress
+
+    bare = host.strip("[]").split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    if bare and _IPV4ISH.fullmatch(bare):
+        v4 = parse_ipv4(bare)
+        if v4:
+            return ipaddress.IPv4Address(v4)
+        if re.fullmatch(r"[0-9.]+", bare) or bare.startswith("0x"):
+            return "malformed"
+    if bare == "localhost" or bare.endswith(".localhost"):
+        return ipaddress.IPv4Address("127.0.0.1")
+    return None
+
+
 def unmapped(ip):
     """The IPv4 address an IPv4-mapped, 6to4 or NAT64 (64:ff9b::/96) address carries; else `ip`."""
     import ipaddress
@@ -160,18 +144,371 @@ def unmapped(ip):
     return ip
 
 
-def classify(ip) -> str:
-    """"" for a public address, else why not."""
+def classify_address(ip) -> str:
+    """One of CATEGORIES for an address (an ipaddress object or its text); IPv4-mapped,
+    6to4 and NAT64 addresses are judged as the IPv4 address they carry (the egress
+    proxy's netpolicy.address_class judges the same way)."""
+    import ipaddress
+
+    if isinstance(ip, str):
+        ip = ipaddress.ip_address(ip.strip("[]").split("%", 1)[0])
     ip = unmapped(ip)
-    s = str(ip)
-    if s in METADATA_IPS:
+    if str(ip) in METADATA_IPS:
         return "metadata"
-    for name in ("loopback", "link_local", "private", "multicast", "unspecified", "reserved"):
+    # Most specific first: Python's is_private also holds 0.0.0.0/8 and 240.0.0.0/4.
+    for name in ("loopback", "link_local", "unspecified", "multicast", "reserved", "private"):
         if getattr(ip, f"is_{name}"):
             return name.replace("_", "-")
-    if not ip.is_global:
-        return "non-global"
+    return "public" if ip.is_global else "non-global"
+
+
+def internal_allowed(ip, category: str, allow: tuple[str, ...] | list[str]) -> bool:
+    """Whether `allow` (network.allow_internal: categories, addresses, networks) admits this
+    non-public address. "metadata" must be named itself: "link-local" does not cover it."""
+    import ipaddress
+
+    if category in allow:
+        return True
+    for entry in allow:
+        if entry in CATEGORIES:
+            continue
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            continue
+        if ip.version == net.version and ip in net:
+            return True
+    return False
+
+
+# --- programs --------------------------------------------------------------------
+
+NET_TOOLS = frozenset({"curl", "wget", "nc", "ncat", "netcat", "ssh", "scp", "sftp", "rsync", "socat", "telnet",
+                       "ftp", "lftp", "http", "https", "xh", "aria2c", "lynx", "links", "w3m", "elinks"})
+REMOTE_ONLY = frozenset({"rsync", "scp"})  # network only with a host:path or rsync:// operand
+DNS_TOOLS = frozenset({"dig", "nslookup", "host", "drill", "kdig", "delv"})
+TUNNELS = frozenset({"ngrok", "cloudflared", "chisel", "frpc", "frps", "bore", "lt", "localtunnel", "sshuttle",
+                     "pagekite", "pagekite.py", "zrok", "inlets", "tmate", "gost", "rathole"})
+URL_KEYS = ("url", "uri", "urls", "endpoint")
+HINT_NET = "Set `network: host` (or `loopback` for local services) in the role if it should reach the network."
+KERNEL_HINT = (" The cell's network namespace refuses it anyway: under mode open, governance.kernel_enforced = "
+               "'flag' lets it run with a flag.")
+HINT_SSRF = ("Internal, loopback and metadata addresses are refused; list the category or network in the role's "
+             "network.allow_internal (e.g. [\"loopback\"] or [\"10.1.0.0/16\"]) if it should reach them.")
+HINT_TUNNEL = ("A tunnel publishes the host's services or relays traffic past the role's network rules; set "
+               "network.tunnels = 'allow' in the role if it should open one.")
+HINT_DNS = ("Data in a DNS name leaves the host through any resolver; write the name literally (short labels) if "
+            "this is a real lookup.")
+_REMOTE = LazyRe(r"^rsync://|^[^/:\s]+:")  # host:path, user@host:path, host::module
+
+# Options with a separate value, per client, so values are not read as destinations.
+_CURL_VALUE = frozenset(
+    "-A -b -c -C -d -D -e -E -F -H -K -m -o -P -Q -r -T -u -U -w -X -y -Y -z -t "
+    "--data --data-raw --data-binary --data-urlencode --data-ascii --header --user-agent --referer --cookie "
+    "--cookie-jar --output --upload-file --user --proxy-user --write-out --request --max-time --connect-timeout "
+    "--retry --retry-delay --retry-max-time --limit-rate --max-filesize --range --cert --key --cacert --capath "
+    "--config --form --form-string --interface --dns-servers --local-port --output-dir --continue-at "
+    "--dump-header --speed-limit --speed-time --expect100-timeout --keepalive-time --max-redirs --oauth2-bearer "
+    "--aws-sigv4 --json --variable --trace --trace-ascii --stderr --unix-socket --abstract-unix-socket --noproxy "
+    "--netrc-file --cert-type --key-type --pass --ciphers --tls-max --create-file-mode --etag-save --etag-compare "
+    "--telnet-option --quote --mail-from --mail-rcpt --proto --proto-redir --happy-eyeballs-timeout-ms".split())
+_CURL_DEST = frozenset({"-x", "--proxy", "--preproxy", "--socks4", "--socks4a", "--socks5", "--socks5-hostname",
+                        "--url"})
+_WGET_VALUE = frozenset("-O -o -a -P -t -T -w -e -U -Q -l -A -R -D -I -X -i -B --header --user --password "
+                        "--post-data --post-file --output-document --directory-prefix --tries --timeout --wait "
+                        "--user-agent --referer --limit-rate --quota --level --bind-address --input-file".split())
+_NC_VALUE = frozenset("-I -i -M -m -O -P -p -q -s -T -V -W -w -X -g -G -o -e -c --exec --sh-exec --lua-exec "
+                      "--proxy-type --proxy-auth --source-port --source --wait --idle-timeout".split())
+_NC_DEST = frozenset({"-x", "--proxy"})
+_SSH_VALUE = frozenset("-B -b -c -E -e -F -I -i -l -m -O -o -p -Q -S -P".split())
+_SSH_DEST = frozenset({"-J", "-W"})
+_SSH_TUNNEL = frozenset({"-R", "-D", "-w"})
+_SOCAT_CONNECT = LazyRe(r"^(?:tcp[46]?|tcp[46]?-connect|udp[46]?|udp[46]?-sendto|udp[46]?-connect|openssl|"
+                        r"openssl-connect|ssl|socks4a?|socks5|proxy|proxy-connect|sctp-connect|dccp-connect):"
+                        r"([^,]+)", re.I)
+_HTTPIE = frozenset({"http", "https", "xh", "xhs"})
+_SHORTHAND_LOCAL = LazyRe(r"^:\d*(/.*)?$")  # httpie: `:8080/x` is localhost:8080
+
+
+def _is_remote(ex: Exec) -> bool:
+    return any(_REMOTE.match(a) and not a.startswith("-") for a in ex.args)
+
+
+def _upload(ex: Exec) -> str:
+    """What a cloud CLI uploads to ("" if this is no upload): `aws s3 cp x s3://b`, `gsutil cp`, ..."""
+    prog, args = ex.prog, ex.args
+    ops = [a for a in args if not a.startswith("-")]
+    if prog == "aws" and ops[:1] == ["s3"] and ops[1:2] in (["cp"], ["mv"], ["sync"]) and len(ops) >= 4:
+        if ops[-1].startswith("s3://") and not ops[2].startswith("s3://"):
+            return ops[-1]
+    if prog == "aws" and ops[:2] == ["s3api", "put-object"]:
+        return "s3api put-object"
+    if prog == "gsutil" and ops[:1] in (["cp"], ["mv"], ["rsync"]) and len(ops) >= 3:
+        if ops[-1].startswith("gs://") and not ops[1].startswith("gs://"):
+            return ops[-1]
+    if prog == "gcloud" and ops[:1] == ["storage"] and ops[1:2] in (["cp"], ["mv"], ["rsync"]) and len(ops) >= 4:
+        if ops[-1].startswith("gs://") and not ops[2].startswith("gs://"):
+            return ops[-1]
+    if prog == "az" and ops[:1] == ["storage"] and len(ops) >= 3 and ops[2].startswith("upload"):
+        return f"az storage {ops[1]} {ops[2]}"
+    if prog == "azcopy" and ops[:1] in (["copy"], ["cp"], ["sync"]) and len(ops) >= 3 and "://" in ops[-1]:
+        return ops[-1]
+    if prog == "rclone" and ops[:1] in (["copy"], ["sync"], ["move"], ["copyto"], ["moveto"]) and len(ops) >= 3:
+        if ":" in ops[-1] and not ops[-1].startswith("/") and ":" not in ops[1]:
+            return ops[-1]
     return ""
+
+
+def _openssl_client(ex: Exec) -> bool:
+    return ex.prog == "openssl" and bool(ex.args) and ex.args[0] in ("s_client", "s_time")
+
+
+def _tunnel(ex: Exec) -> str:
+    """Why this command is a tunnel, or ""."""
+    if ex.prog in TUNNELS:
+        return f"`{ex.prog}` opens a tunnel"
+    if ex.prog == "ssh":
+        for i, a in enumerate(ex.args):
+            if a == "--":
+                break
+            if a in _SSH_TUNNEL or (a[:2] in _SSH_TUNNEL and len(a) > 2 and not a.startswith("--")):
+                return f"`ssh {a[:2]}` forwards a port or a SOCKS proxy through the connection"
+            if a == "-o" and i + 1 < len(ex.args) and ex.args[i + 1].split("=", 1)[0].lower() in (
+                    "remoteforward", "dynamicforward", "tunnel"):
+                return f"`ssh -o {ex.args[i + 1]}` forwards through the connection"
+    return ""
+
+
+def network_kind(ex: Exec) -> str:
+    """"" or what kind of network use this command is: client, dns, tls, tunnel, upload."""
+    p = ex.prog
+    if p in ("--help", "--version") or (ex.args and all(a in ("--help", "-h", "--version", "-V", "version", "help")
+                                                         for a in ex.args)):
+        return ""
+    if _tunnel(ex):
+        return "tunnel"
+    if p in NET_TOOLS and (p not in REMOTE_ONLY or _is_remote(ex)):
+        return "client"
+    if p in DNS_TOOLS and ex.args:
+        return "dns"
+    if _openssl_client(ex):
+        return "tls"
+    if p in ("aws", "gsutil", "gcloud", "az", "azcopy", "rclone") and _upload(ex):
+        return "upload"
+    return ""
+
+
+def _positionals(args: list[str], with_value: frozenset[str], dests: frozenset[str]) -> tuple[list[str], list[str]]:
+    """(positional words, values of destination options) of a client's arguments."""
+    pos, dest, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            pos += args[i + 1:]
+            break
+        if a.startswith("--") and "=" in a:
+            name, _, v = a.partition("=")
+            if name in dests:
+                dest.append(v)
+        elif a in dests and i + 1 < len(args):
+            dest.append(args[i + 1])
+            i += 1
+        elif a in with_value:
+            i += 1
+        elif len(a) > 2 and a[:2] in dests and not a.startswith("--"):
+            dest.append(a[2:])  # -x10.0.0.1:3128
+        elif not a.startswith("-") or a == "-":
+            pos.append(a)
+        i += 1
+    return pos, dest
+
+
+def destinations(ex: Exec) -> list[str]:
+    """The destinations a network client names, as URLs or `host[:port]` words."""
+    p, args = ex.prog, ex.args
+    out: list[str] = []
+    if p == "curl" or p in ("wget", "aria2c", "lynx", "links", "w3m", "elinks"):
+        pos, dest = _positionals(args, _CURL_VALUE if p == "curl" else _WGET_VALUE,
+                                 _CURL_DEST if p == "curl" else frozenset())
+        out += pos + dest
+        out += [a for a in args if "://" in a and a not in out]
+        for i, a in enumerate(args):  # --resolve host:port:addr, --connect-to h1:p1:h2:p2 pin the address
+            v = args[i + 1] if a in ("--resolve", "--connect-to") and i + 1 < len(args) else (
+                a.split("=", 1)[1] if a.startswith(("--resolve=", "--connect-to=")) else "")
+            parts = v.split(":")
+            if a.startswith("--resolve") and len(parts) >= 3:
+                out += [x.strip("[]") for x in ":".join(parts[2:]).split(",") if x]
+            elif a.startswith("--connect-to") and len(parts) >= 4 and parts[2]:
+                out.append(parts[2])
+    elif p in _HTTPIE:
+        pos, _ = _positionals(args, frozenset({"--auth", "-a", "--output", "-o", "--session", "--verify", "--cert",
+                                               "--cert-key", "--timeout", "--proxy", "--max-redirects"}),
+                              frozenset())
+        pos = [w for w in pos if w.upper() not in ("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS")]
+        if pos:
+            out.append("localhost" + pos[0] if _SHORTHAND_LOCAL.match(pos[0]) else pos[0])
+    elif p in ("nc", "ncat", "netcat", "telnet"):
+        if any(a in ("-l", "--listen") or (a.startswith("-") and not a.startswith("--") and "l" in a[1:])
+               for a in args if a.startswith("-")):
+            return []  # listening: the host operand is the address to bind
+        pos, dest = _positionals(args, _NC_VALUE, _NC_DEST)
+        out += pos[:1] + dest
+    elif p == "socat":
+        for a in args:
+            m = _SOCAT_CONNECT.match(a)
+            if m:
+                host = m.group(1).rsplit(":", 1)[0] if ":" in m.group(1) else m.group(1)
+                out.append(host)
+    elif p in ("ssh", "sftp", "ftp", "lftp"):
+        pos, dest = _positionals(args, _SSH_VALUE | {"-L", "-R", "-D", "-w"}, _SSH_DEST)
+        out += pos[:1] + [d for x in dest for d in x.split(",")]
+    elif p in ("scp", "rsync"):
+        pos, dest = _positionals(args, _SSH_VALUE | {"-e", "--rsh"}, _SSH_DEST)
+        for w in pos:
+            if w.startswith(("rsync://", "scp://", "sftp://")):
+                out.append(w)
+            elif _REMOTE.match(w):
+                out.append(w.split(":", 1)[0] if not w.startswith("[") else w.split("]", 1)[0] + "]")
+        out += dest
+    elif _openssl_client(ex):
+        host, port = "", ""
+        for i, a in enumerate(args):
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            if a in ("-connect", "--connect"):
+                host = nxt
+            elif a == "-host":
+                host = nxt
+            elif a == "-proxy":
+                out.append(nxt)
+        out.append(host or "localhost:4433")  # s_client's default peer
+    return [w for w in out if w]
+
+
+def _dev_tcp(ex: Exec) -> str:
+    return next((t for _op, t, _l in ex.redirects if t.startswith(("/dev/tcp/", "/dev/udp/"))), "")
+
+
+_LABEL_DATA = LazyRe(r"[A-Za-z0-9+/=_-]{32,}")
+_EXPANSION_LABEL = LazyRe(r"\$\{?\w+\}?[.\w-]*\.")
+
+
+def dns_exfil_name(word: str, literal: bool) -> bool:
+    """Whether a name given to a DNS lookup carries data: a substitution or variable as a
+    label (`$(cat f | base64).evil.com`, `$D.evil.com`), or a long encoded label."""
+    if not literal:
+        return "$(" in word or "`" in word or bool(_EXPANSION_LABEL.search(word))
+    labels = word.rstrip(".").split(".")
+    return len(word) > 120 or any(_LABEL_DATA.fullmatch(lb) and not lb.startswith("xn--")
+                                  and any(ch.isdigit() for ch in lb) for lb in labels)
+
+
+def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
+    return {"rule": "network.kernel_enforced", "evidence": ex.text,
+            "reason": f"{what} under role '{ctx.role}''s network: {ctx.network}; allowed with a flag because the cell's own "
+                      "network namespace (only lo up) refuses every connection that would leave it "
+                      "(governance.kernel_enforced = 'flag')."}
+
+
+_WHAT = {"client": "reaches the network", "dns": "looks names up over the network (DNS)",
+         "tls": "opens a TLS connection", "tunnel": "opens a tunnel", "upload": "uploads to cloud storage"}
+
+
+def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding | None, list[dict], tuple[str, ...]]:
+    """The first denial (or None), the kernel-backed refusals flagged instead, and advisory flags."""
+    # Under deny the cell's network namespace refuses what these rules refuse:
+    # with kernel_enforced = "flag" (mode open) they become flags.
+    backed = ctx.kernel is not None and tool in CELL_TOOLS and ctx.kernel.netns
+    kernel = backed and ctx.flags_kernel_enforced(tool)
+    hint = HINT_NET + (KERNEL_HINT if backed else "")
+    notes: list[dict] = []
+    flags: list[str] = []
+    for ex in an.execs:
+        if ctx.egress is not None:  # allowlist/internal: the proxy's own matcher (gate/egress.py)
+            from .egress import check_exec
+            f = check_exec(ex, ctx, tool, notes)
+            if f:
+                return f, notes, ()
+        kind = network_kind(ex)
+        dev = _dev_tcp(ex)
+        if ctx.network == "deny" or (ctx.egress is not None and dev):  # /dev/tcp never goes through a proxy
+            if kind and ctx.network == "deny":
+                if kernel:
+                    notes.append(_kernel_note(f"`{ex.prog}` {_WHAT[kind]}", ex, ctx))
+                    continue
+                return deny("network.command",
+                            f"`{ex.prog}` {_WHAT[kind]}, and role '{ctx.role}' has network: deny.",
+                            hint, ex.text), notes, ()
+            if dev:
+                if kernel:
+                    notes.append(_kernel_note(f"redirection to {dev} opens a network connection", ex, ctx))
+                    continue
+                return deny("network.dev_tcp",
+                            f"redirection to {dev} opens a network connection, and role '{ctx.role}' has "
+                            f"network: {ctx.network}.", hint, ex.text), notes, ()
+        elif ctx.network == "host":
+            # With the host's network nothing in the kernel keeps the cell off the host's own
+            # services: the text judges every destination as the SSRF guard judges a URL.
+            if kind == "tunnel" and ctx.tunnels != "allow":
+                return deny("network.tunnel", f"{_tunnel(ex)}, and role '{ctx.role}' does not allow tunnels "
+                            "(network.tunnels).", HINT_TUNNEL, ex.text), notes, ()
+            if kind == "dns":
+                for w, lit in zip(ex.args, ex.literal[1:]):
+                    if not w.startswith(("-", "+", "@")) and dns_exfil_name(w, lit):
+                        return deny("network.dns_exfil", f"the name {w[:80]!r} given to `{ex.prog}` carries data "
+                                    "(a substitution or an encoded label): DNS lookups are an exfiltration channel.",
+                                    HINT_DNS, ex.text), notes, ()
+            if kind == "upload" and "network.upload" not in flags:
+                flags.append("network.upload")
+            targets = destinations(ex) if kind in ("client", "tls") else []
+            if dev:
+                targets.append(dev.split("/")[3] if dev.count("/") >= 3 else "")
+            for t in targets:
+                f = check_destination(t, ctx, ex.text or t)
+                if f is not None:
+                    return f, notes, ()
+    return None, notes, tuple(flags)
+
+
+# --- destinations and the SSRF guard ---------------------------------------------------
+
+def judge_host(h: str, addrs: list, ctx: GateContext, evidence: str, what: str) -> Finding | None:
+    """The shared destination judgement: a metadata name or address, or a non-public
+    address the role does not list in network.allow_internal, is refused."""
+    if h in METADATA_HOSTS and "metadata" not in ctx.allow_internal:
+        return deny("network.ssrf_metadata", f"{h} is a cloud metadata endpoint ({what}).", HINT_SSRF, evidence)
+    for a in addrs:
+        why = classify_address(a)
+        if why == "public" or internal_allowed(a, why, ctx.allow_internal):
+            continue
+        if why == "metadata":
+            named = h.strip("[]")
+            which = named if named == str(a) else f"{named} ({a})"
+            return deny("network.ssrf_metadata", f"{which} is a cloud metadata address ({what}).", HINT_SSRF,
+                        evidence)
+        named = h.strip("[]")
+        which = f"{named} is a {why} address" if named == str(a) else f"{named} is {a}, a {why} address"
+        return deny("network.ssrf", f"{which} ({what}), and role '{ctx.role}' does not list it in "
+                    "network.allow_internal; only public addresses may be reached.", HINT_SSRF, evidence)
+    return None
+
+
+def check_destination(word: str, ctx: GateContext, evidence: str) -> Finding | None:
+    """A destination named in a shell command (URL or host[:port]), judged without DNS."""
+    if not word or "$" in word or "`" in word:
+        return None  # known only at run time
+    _scheme, host, hosts = normalise_host(word if "://" in word or not _bare_ipv6(word) else f"[{word}]")
+    for h in hosts:
+        a = host_address(h)
+        if a == "malformed":
+            continue  # a word that is no address (curl reads it as a name and fails)
+        f = judge_host(h, [a] if a is not None else [], ctx, evidence, "in a shell command")
+        if f is not None:
+            return f
+    return None
+
+
+def _bare_ipv6(w: str) -> bool:
+    return w.count(":") >= 2 and "://" not in w and not w.startswith("[") and "/" not in w
 
 
 def check_url(url: str, ctx: GateContext, *, resolve: bool = True, resolver=None) -> Finding:
@@ -191,41 +528,32 @@ def check_url(url: str, ctx: GateContext, *, resolve: bool = True, resolver=None
         return check_listed(url, ctx, lambda name, _port: one(name))
     pinned = ""
     for h in hosts:
-        if h in METADATA_HOSTS:
+        a = host_address(h)
+        if a == "malformed":
+            return deny("network.ssrf", f"the host {h!r} is a malformed IP address.", HINT_SSRF, url)
+        if h in METADATA_HOSTS and "metadata" not in ctx.allow_internal:
             return deny("network.ssrf_metadata", f"{h} is a cloud metadata endpoint.", HINT_SSRF, url)
-        addrs: list = []
-        bare = h.strip("[]").split("%", 1)[0]
-        try:
-            addrs = [ipaddress.ip_address(bare)]
-        except ValueError:
-            v4 = parse_ipv4(bare) if re.fullmatch(r"[0-9a-fx.]+", bare) and bare[-1:] != "" else None
-            if v4:
-                addrs = [ipaddress.IPv4Address(v4)]
-            elif re.fullmatch(r"[0-9.]+", bare) or (re.fullmatch(r"[0-9a-fx.]+", bare) and bare.startswith("0x")):
-                return deny("network.ssrf", f"the host {h!r} is a malformed IP address.", HINT_SSRF, url)
-            elif bare == "localhost" or bare.endswith(".localhost"):
-                addrs = [ipaddress.IPv4Address("127.0.0.1")]
-            elif not resolve:
-                continue  # shell commands: names are not resolved (kernel namespace decides)
-            else:
-                try:
-                    addrs = [ipaddress.ip_address(a.split("%", 1)[0]) for a in (resolver or _resolve)(bare)]
-                except OSError as e:
-                    return deny("network.ssrf_unresolved", f"{bare} could not be resolved ({e}), so it cannot be "
-                                "checked.", HINT_SSRF, url)
-                if not addrs:
-                    return deny("network.ssrf_unresolved", f"{bare} resolved to no address.", HINT_SSRF, url)
-        for a in addrs:
-            why = classify(a)
-            if ctx.network == "loopback":
-                if why != "loopback":
-                    return deny("network.url", f"{h} ({a}) is not a loopback address, and role '{ctx.role}' has "
+        addrs: list = [a] if a is not None else []
+        if a is None and h not in METADATA_HOSTS:
+            if not resolve:
+                continue  # names are not resolved here
+            bare = h.strip("[]")
+            try:
+                addrs = [ipaddress.ip_address(x.split("%", 1)[0]) for x in (resolver or _resolve)(bare)]
+            except OSError as e:
+                return deny("network.ssrf_unresolved", f"{bare} could not be resolved ({e}), so it cannot be "
+                            "checked.", HINT_SSRF, url)
+            if not addrs:
+                return deny("network.ssrf_unresolved", f"{bare} resolved to no address.", HINT_SSRF, url)
+        if ctx.network == "loopback":
+            for x in addrs:
+                if classify_address(x) != "loopback":
+                    return deny("network.url", f"{h} ({x}) is not a loopback address, and role '{ctx.role}' has "
                                 "network: loopback.", HINT_NET, url)
-            elif why == "metadata":
-                return deny("network.ssrf_metadata", f"{h} ({a}) is a cloud metadata address.", HINT_SSRF, url)
-            elif why:
-                return deny("network.ssrf", f"{h} resolves to {a}, a {why} address; URL fetches may only reach "
-                            "public addresses.", HINT_SSRF, url)
+        else:
+            f = judge_host(h, addrs, ctx, url, "URL fetch")
+            if f is not None:
+                return f
         if addrs and h == host:
             pinned = str(addrs[0])
     return ok("network.pass", pinned=pinned)
@@ -239,8 +567,9 @@ def _resolve(host: str) -> list[str]:
 
 def check(tool: str, args: dict, an: Analysis | None, ctx: GateContext, resolver=None) -> Finding:
     notes: list[dict] = []
+    extra: tuple[str, ...] = ()
     if an is not None:
-        f, notes = check_commands(an, ctx, tool)
+        f, notes, extra = check_commands(an, ctx, tool)
         if f:
             return f
     pinned = ""
@@ -252,7 +581,7 @@ def check(tool: str, args: dict, an: Analysis | None, ctx: GateContext, resolver
             if not f.allowed:
                 return f
             pinned = pinned or f.pinned
-    flags = tuple(sorted(an.flags & {"network_in_code"})) if an is not None else ()
+    flags = (tuple(sorted(an.flags & {"network_in_code"})) if an is not None else ()) + extra
     if notes:
         return ok_flagged(notes, flags, pinned)
     return ok("network.pass", flags=flags, pinned=pinned)

@@ -25,7 +25,7 @@ import stat
 
 from .commands import Analysis, Exec
 from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok, ok_flagged
-from .paths import HARMLESS_DEVICES, UNKNOWN_CWD, expand, home_of, real, within
+from .paths import HARMLESS_DEVICES, UNKNOWN_CWD, expand, home_of, real, resolve, within
 
 # Argument names that carry paths, in any tool.
 PATH_KEYS = frozenset({"path", "file", "file_path", "filepath", "filename", "paths", "files", "cwd", "dest",
@@ -93,13 +93,15 @@ class Scope:
             return None
         if HARMLESS_DEVICES.match(p) or p.startswith(("/dev/tcp/", "/dev/udp/")):
             return None
-        r = os.path.realpath(p)  # not cached: a symlink may change between calls
+        r = resolve(p)  # not cached: a symlink may change between calls
         for d in self.deny:
             if within(p, d) or within(r, d):
                 if mode == "r" and p.endswith(".pub"):
                     return None  # public keys are public
                 verb = "reading" if mode == "r" else "writing"
-                hidden = in_cell and mode == "r" and any(within(p, m) or within(r, m) for m in self.masked)
+                # Through /proc/PID/root another process's root is read, where the cell's masks do not apply.
+                hidden = in_cell and mode == "r" and "/proc/" not in word and any(
+                    within(p, m) or within(r, m) for m in self.masked)
                 if hidden and flag:
                     return Finding(True, "sandbox.kernel_enforced",
                                    f"{verb} {word} ({what}) touches the deny path {d}; allowed with a flag because "
@@ -171,7 +173,8 @@ def _looks_like_path(w: str) -> bool:
 
 def shell_paths(ex: Exec) -> list[tuple[str, str]]:
     """(word, "r"|"w") for the paths one command touches."""
-    from .hardline import _operands, _write_targets  # same notion of write targets as hardline
+    from .commands import operands as _operands
+    from .hardline import _write_targets  # same notion of write targets as hardline
 
     out = [(t, "w") for t, _kind in _write_targets(ex, None)]
     prog, args = ex.prog, ex.args

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agnsup import governance, policy
+from agnsup import governance, policy, record
 from agnsup.gate import GateContext, judge_shell
 from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS
 
@@ -54,8 +54,18 @@ def shipped(role: str) -> GateContext:
 @pytest.mark.parametrize("role", ["executor", "networked"])
 def test_hard_negatives_are_falsely_denied_less_than_one_percent_of_the_time_under_the_shipped_role(role):
     lines = _lines("benign_hard_negatives.txt")
-    denied = [c for c in lines if not judge_shell(c, shipped(role)).allowed]
+    decisions = [(c, judge_shell(c, shipped(role))) for c in lines]
+    # With the host network, the host's loopback services are the role's to list (network.allow_internal);
+    # the shipped networked role lists none, so `curl http://localhost:9200/...` is refused by design.
+    loopback = [c for c, d in decisions if d.rule == "network.ssrf" and "loopback" in d.reason]
+    denied = [c for c, d in decisions if not d.allowed and c not in loopback]
     assert len(denied) / len(lines) < 0.01, denied
+    if role == "networked":
+        assert len(loopback) == 18 and all("localhost" in c for c in loopback), loopback
+        listed = record.replace(shipped(role), allow_internal=("loopback",))
+        assert [c for c in loopback if not judge_shell(c, listed).allowed] == []
+    else:
+        assert loopback == []
 
 
 def test_every_catastrophic_line_is_still_denied_by_hardline_under_the_shipped_executor_role():
@@ -67,7 +77,8 @@ def test_every_catastrophic_line_is_still_denied_by_hardline_under_the_shipped_e
 
 def test_hard_negatives_are_falsely_denied_less_than_one_percent_of_the_time():
     lines = _lines("benign_hard_negatives.txt")
-    denied = [c for c in lines if not judge_shell(c, LAYOUT_FREE).allowed]
+    # host network, no network.allow_internal: the 18 `curl http://localhost:...` lines are refused by design
+    denied = [c for c in lines if not judge_shell(c, record.replace(LAYOUT_FREE, allow_internal=("loopback",))).allowed]
     assert len(denied) / len(lines) < 0.01, denied
 
 

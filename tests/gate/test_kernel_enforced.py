@@ -265,7 +265,7 @@ NETWORK_COMMANDS = [
 
 @pytest.mark.parametrize("what,argv", NETWORK_COMMANDS, ids=[n[0] for n in NETWORK_COMMANDS])
 def test_a_flagged_network_command_runs_in_an_executor_cell_and_the_host_listener_hears_nothing(
-        what, argv, agnsup, worktree, tmp_path):
+        what, argv, agnsup, worktree, tmp_path, policy_dir):
     with Listener() as lis:
         args = [a.format(port=lis.port) for a in argv]
         rec = tmp_path / "receipt.json"
@@ -277,9 +277,12 @@ def test_a_flagged_network_command_runs_in_an_executor_cell_and_the_host_listene
         assert any(t["rule"] == "network.kernel_enforced" for t in gov["trail"])
     assert lis.heard == []
     # Control: the same command from a host-network cell is heard, so silence above means something.
+    # The listener is on the host's loopback, which a host-network role must list to reach.
+    write_role(policy_dir, "networked-loopback", network__mode='"host"', network__allow_internal='["loopback"]')
     with Listener() as lis:
         args = [a.format(port=lis.port) for a in argv]
-        agnsup("run", "--role", "networked", "--workdir", worktree, "--timeout", "30", "--", *args, timeout=120)
+        agnsup("run", "--role", "networked-loopback", "--workdir", worktree, "--timeout", "30", "--", *args,
+               timeout=120, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
     assert lis.heard != []
 
 

@@ -26,7 +26,8 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "6"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name; 6: network lists
+CACHE_VERSION = "7"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name; 6: network lists;
+#                     7: process.on_controller_death
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny")

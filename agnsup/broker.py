@@ -92,9 +92,11 @@ class Cell(Record):
 
 
 class Controller:
-    def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False, backend=None):
+    def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False, backend=None, forker=None):
         """`journal`: an open Journal to use (and close) instead of opening one.
-        `one_cell`: this controller starts one cell and ends with it."""
+        `one_cell`: this controller starts one cell and ends with it. `forker`: the
+        long-lived thread every cell is forked from (supervisor.spawn), when this
+        controller has many threads."""
         from . import backend as backends
         self.state = state.ensure()
         self.journal = journal if journal is not None else state.journal()
@@ -109,6 +111,7 @@ class Controller:
             self.journal.register_controller(self._row())
             self._registered = True
         self.backend = backend if backend is not None else backends.choose(state.path)
+        self.forker = forker
 
     def _take_lock(self) -> None:
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
@@ -166,7 +169,7 @@ class Controller:
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = self._stdio(cell)
             try:
-                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio)
+                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -225,7 +228,8 @@ class Controller:
             "token": spec.token, "controller_id": self.id, "boot_id": cell.boot_id,
             "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.workdir,
             "lock_path": cell.lock_path, "argv": json.dumps(spec.argv), "exe": spec.exe, "created_at": time.time(),
-            "grace": plan.grace}, cell.trace, admit, controller)
+            "grace": plan.grace, "on_controller_death": spec.on_controller_death,
+            "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller)
         self._registered = True
 
     def _make_place(self, cell: Cell) -> None:

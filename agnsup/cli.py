@@ -46,7 +46,8 @@ def main(ctx, state_dir):
     ctx.obj = {"state_dir": state_dir}
 
 
-_CLICK_TYPES = {"pos": click.FloatRange(min=0, min_open=True), "nonneg": click.FloatRange(min=0)}
+_CLICK_TYPES = {"pos": click.FloatRange(min=0, min_open=True), "nonneg": click.FloatRange(min=0),
+                "death": click.Choice(["kill", "keep"])}
 
 
 def _cell_options(f):
@@ -319,11 +320,13 @@ def _state(obj):
 @click.option("--runs", default=1, show_default=True, type=click.IntRange(min=1), help="Seeded runs in a row.")
 @click.option("--seed", type=int, default=None, help="Seed of the first run (default: random, printed).")
 @click.option("--isolation", is_flag=True, help="Run the isolation probes instead of the blackout scenario.")
+@click.option("--dead-man", "dead_man", is_flag=True,
+              help="Prove that a SIGKILLed controller (run, serve, the Python API) takes its cells with it.")
 @click.option("--user", "user", type=click.IntRange(min=0), default=None, metavar="UID",
               help="With --isolation: run the probe cells as this uid (agnsup as root; default: the caller).")
 @click.option("--keep", is_flag=True, help="Keep the private state root of a failed run for inspection.")
 @click.option("--json", "as_json", is_flag=True, help="The gate table as JSON.")
-def selftest(runs, seed, isolation, user, keep, as_json):
+def selftest(runs, seed, isolation, dead_man, user, keep, as_json):
     """Certify this host: the authority-blackout test (or, with --isolation,
     the isolation probes) in a private state root and cgroup root.
 
@@ -331,6 +334,9 @@ def selftest(runs, seed, isolation, user, keep, as_json):
     ENV_BLOCKED: <capability> when this host cannot offer what a gate needs
     (never counted as a pass). Exit 0 only when every gate passes in every run.
     """
+    if dead_man:
+        from .selftest.deadman import main as deadman_main
+        sys.exit(deadman_main(as_json=as_json, keep=keep))
     if isolation:
         from .selftest.isolation import main as isolation_main
         sys.exit(isolation_main(as_json=as_json, keep=keep, user=user))

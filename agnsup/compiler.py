@@ -37,12 +37,26 @@ class ExecutionPlan(Record):
     gid: int | None = None
     pid_namespace: bool = False
     redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
+    dies_with_controller: str = ""         # how on_controller_death = kill is in force: "namespace" | "leader" | ""
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
     egress: dict | None = None             # allowlist/internal: the role's network table (for the receipt)
     egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
+
+    def on_controller_death(self) -> dict:
+        """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
+        mode = self.spec.on_controller_death
+        if mode == "keep":
+            return {"mode": "keep", "in_force": True, "how": "the tree outlives its controller; the janitor's "
+                    "next run recovers it"}
+        if self.dies_with_controller == "namespace":
+            return {"mode": "kill", "in_force": True, "how": "the command runs under an init of its own in a PID "
+                    "namespace; the init has PR_SET_PDEATHSIG(SIGKILL) towards the controller, and the kernel "
+                    "kills everything in a namespace whose init dies"}
+        return {"mode": "kill", "in_force": False, "how": "no PID namespace here: only the leader has "
+                "PR_SET_PDEATHSIG(SIGKILL); what it started is left to the janitor's next run"}
 
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
@@ -58,6 +72,7 @@ class ExecutionPlan(Record):
             "capabilities_kept": None if self.cap_keep is None else [CAP_NAMES[c] for c in self.cap_keep],
             "uid": self.uid, "gid": self.gid,
             "pid_namespace": self.pid_namespace,
+            "on_controller_death": self.on_controller_death(),
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
         }
@@ -233,6 +248,14 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
     root = host["_root"]
     out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
                  "no_new_privs": bool(wanted["no_new_privs"])}
+    if spec.on_controller_death == "kill":
+        # the kernel's dead-man switch: a PID namespace dies with its init, and the init
+        # with the controller (PR_SET_PDEATHSIG); without PID namespaces, the leader only
+        if host["pid_namespace"] is None:
+            out["pid_namespace"], out["dies_with_controller"] = True, "namespace"
+        else:
+            out["dies_with_controller"] = "leader"
+            missing.append(f"on_controller_death kill (the whole tree): {host['pid_namespace']}")
     if wanted["seccomp"] and not host["seccomp"]:
         out["seccomp_refuse"] = tuple(g for g, allowed in (("ptrace", iso.allow_ptrace), ("mount", iso.allow_mount))
                                       if not allowed)

@@ -67,6 +67,8 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             opts[key] = v
         elif kind == "env":
             opts[key].append(value)
+        elif kind == "death" and value not in ("kill", "keep"):
+            return None
         else:
             opts[key] = value
     command = argv[i:]

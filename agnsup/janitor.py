@@ -284,11 +284,26 @@ class _Janitor:
             for c in done_cells:
                 c.entry["final_state"] = "recovered"
                 c.entry["duration"] = round(now - t0, 6)
+                c.entry["reason"] = _reason(c)
             self.j.conclude_recovered([
                 {"run_id": c.row["run_id"], "cell_id": c.row["cell_id"], "controller": c.cid, "entry": c.entry,
+                 "reason": c.entry["reason"],
                  "receipt": {"kind": "recovery", "version": 1, "janitor": self.id, "boot_id": self.boot,
                              "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path}}
                 for c in done_cells], self.id, now, self.receipt_path)
+
+
+def _reason(c: _Cell) -> str:
+    """`controller_died` when the cell's tree died with its controller (on_controller_death
+    = kill through a PID namespace: the kernel ended it, nothing was left to kill), else
+    `recovered`."""
+    keys = c.row.keys()
+    dies = c.row["dies_with_controller"] if "dies_with_controller" in keys else None
+    if dies == "namespace" and c.signals and not c.entry["killed"]:
+        c.entry["notes"].append("its processes ended with their controller: the PID namespace's init had "
+                                "PR_SET_PDEATHSIG(SIGKILL) (on_controller_death = kill); nothing was left to kill")
+        return "controller_died"
+    return "recovered"
 
 
 def _public(k: dict) -> dict:

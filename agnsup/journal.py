@@ -352,10 +352,12 @@ class Journal:
     def conclude_recovered(self, cells: list[dict], janitor: str, now: float, receipt_path: str) -> None:
         """One transaction: every recovered cell terminal, its run `recovered` when no
         other cell of it lives, a recovery receipt row each. `cells`: dicts with
-        run_id, cell_id, controller and entry (the receipt entry, updated here)."""
+        run_id, cell_id, controller, entry (the receipt entry, updated here) and
+        optionally reason (default `recovered`)."""
         with self.tx() as db:
             for c in cells:
-                self._move_cell(db, c["run_id"], c["cell_id"], "recovered", reason="recovered", ended_at=now,
+                self._move_cell(db, c["run_id"], c["cell_id"], "recovered", reason=c.get("reason", "recovered"),
+                                ended_at=now,
                                 receipt_path=receipt_path)
                 self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor, controller=c["controller"])
             for c in cells:

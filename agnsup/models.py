@@ -267,6 +267,11 @@ class ProcessSection(_Strict):
                                    "(isolation.capabilities is for root cells).")
     group: int | str | None = Field(None, description="The cell's gid or group name; unset: the user's primary "
                                     "group (or the uid's number when the user has no passwd entry).")
+    on_controller_death: Literal["kill", "keep"] = Field(
+        "kill", description="'kill': the cell dies with its controller at once (its command runs under an init "
+        "of its own in a PID namespace that the kernel kills, with everything in it, when the controller dies: "
+        "PR_SET_PDEATHSIG); 'keep': the tree outlives a dead controller until the janitor's next run "
+        "(`agnsup run --on-controller-death` overrides it per cell).")
 
     @field_validator("user", "group")
     @classmethod

@@ -46,6 +46,7 @@ KINDS = {
     "dict": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
                                                                  for k, x in v.items())), "an object of strings"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "death": (lambda v: v is None or v in ("kill", "keep"), '"kill" or "keep"'),
 }
 
 
@@ -73,6 +74,10 @@ class CellRequest(Record):
                                         "description": "Extra environment variables for this call."})
     receipt_file: str | None = Opt(None, "optstr", "--receipt", metavar="FILE",
                                    help="Also write the cell's receipt to FILE.")
+    on_controller_death: str | None = Opt(None, "death", "--on-controller-death", metavar="kill|keep",
+                                          help="kill: the cell dies with its controller at once; keep: it "
+                                               "outlives it until the janitor runs (default: the role's "
+                                               "process.on_controller_death).")
     # Not spelled on the command line: the caller's environment (serve gets its
     # client's), whether output is captured, and which front door asked.
     host_env: dict | None = Opt(None, "dict")

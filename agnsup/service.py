@@ -30,13 +30,53 @@ class _Running:
         self.error: BaseException | None = None
 
 
+class _Forker:
+    """The thread every cell of a Supervisor is forked from. It lives as long as the
+    Supervisor: a cell's PR_SET_PDEATHSIG (on_controller_death = kill) fires when the
+    *thread* that forked it ends (prctl(2)), and serve's request threads end with
+    their connections."""
+
+    def __init__(self):
+        import queue
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="agnsup-forker", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def __call__(self, fn):
+        box: list = []
+        done = threading.Event()
+        self.jobs.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(5)
+
+
 class Supervisor:
     def __init__(self, state_dir: str | None = None, kind: str = "serve"):
         from . import broker, janitor
         from .state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
-        self.ctl = broker.Controller(self.state, kind=kind)
+        self._forker = _Forker()
+        self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker)
         self.ctl.journal.lock = threading.RLock()
         self._cells: dict[tuple[str, str], _Running] = {}
         self._guard = threading.Lock()
@@ -140,6 +180,7 @@ class Supervisor:
             for _, r in live:
                 r.done.wait(30)
         self.ctl.close()
+        self._forker.close()
 
     def __enter__(self) -> "Supervisor":
         return self

@@ -35,6 +35,7 @@ class CellSpec(Record):
     env: dict[str, str]
     env_sources: dict[str, str]    # key -> policy | agnsup | host | call
     token: str
+    on_controller_death: str = "kill"   # kill | keep: the request's, else the role's
 
 
 def new_cell_id() -> str:
@@ -89,7 +90,8 @@ def build(call, policy) -> CellSpec:
     exe = resolve(call.argv[0], env["PATH"], workdir)
     return CellSpec(argv=list(call.argv), exe=exe, role=call.role, run_id=run_id, agent_id=agent_id,
                     cell_id=cell_id, workdir=workdir, timeout=call.timeout, lock_timeout=call.lock_timeout,
-                    env=env, env_sources=src, token=token)
+                    env=env, env_sources=src, token=token,
+                    on_controller_death=call.on_controller_death or policy.process.on_controller_death)
 
 
 def resolve(cmd: str, path: str, cwd: str) -> str:

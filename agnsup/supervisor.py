@@ -5,6 +5,8 @@ spawn() forks one child and runs the cell recipe in it, in order:
     (born in the cell's cgroup2 directory by clone3(CLONE_INTO_CGROUP) where
     the kernel and a single-threaded controller allow it; else forked)
     close every fd but 0-2, the two pipes and the Landlock ruleset
+    on_controller_death = kill: PR_SET_PDEATHSIG(SIGKILL) (the leader, or the
+        PID namespace's init, dies with the controller; so does the namespace)
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
@@ -119,6 +121,11 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
     """Runs in the forked child; never returns."""
     at = _Step()
     try:
+        if plan.dies_with_controller:
+            # the dead-man switch, first: the kernel SIGKILLs us when the controller's
+            # forking thread dies (prctl(2)); had it died already, the barrier sees EOF
+            at.name = "pdeathsig"
+            lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
         if stdio:
             for target, fd in enumerate(stdio):
                 if fd is not None and fd != target:
@@ -242,11 +249,14 @@ def _prepare(plan) -> _Confinement:
     return conf
 
 
-def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
+def spawn(plan, backend, place, stdio: tuple | None = None, forker=None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
-    command run with `release(plan, child)`, or never with `abandon(child)`."""
+    command run with `release(plan, child)`, or never with `abandon(child)`.
+    `forker(fn)`: run the fork in a thread that lives as long as the controller
+    (service.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
+    the cell exits (prctl(2)), and a serve request's thread ends with its connection."""
     try:
         conf = _prepare(plan)
     except OSError as e:
@@ -258,18 +268,28 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
     controller = os.getpid()
     fd = None
     born = False
-    try:
-        if plan.pid_namespace:
-            status_r, status_w = os.pipe()
+
+    def fork() -> tuple[int, int | None, bool]:
         pid, fd = _clone_into_cgroup(backend.clone_dir(place) if place.node else None, plan.pid_namespace)
         if pid is not None:
             # born in v2; the controller moves it into the other hierarchies
             # below, while the child builds its namespaces
             born = True
-        elif plan.pid_namespace:
-            pid = _fork_into_new_pid_namespace()
         else:
-            pid = os.fork()
+            born = False
+            pid = _fork_into_new_pid_namespace() if plan.pid_namespace else os.fork()
+        if pid == 0:
+            os.close(barrier_w)
+            os.close(err_r)
+            if status_r is not None:
+                os.close(status_r)
+            _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born)
+        return pid, fd, born
+
+    try:
+        if plan.pid_namespace:
+            status_r, status_w = os.pipe()
+        pid, fd, born = forker(fork) if forker is not None else fork()
     except OSError as e:
         for fd in (barrier_r, barrier_w, err_r, err_w, status_r, status_w):
             if fd is not None:
@@ -280,12 +300,6 @@ def spawn(plan, backend, place, stdio: tuple | None = None) -> Child:
             conf.egress.close()
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
                          errno=e.errno) from None
-    if pid == 0:
-        os.close(barrier_w)
-        os.close(err_r)
-        if status_r is not None:
-            os.close(status_r)
-        _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born)
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:

@@ -94,7 +94,7 @@ class CliStarter:
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
         err = open(self.tmp / f"ctl-{cell_id}.err", "wb")
         p = self.agnsup.popen("run", "--role", role, "--run-id", run_id, "--agent", agent_id, "--cell", cell_id,
-                              "--workdir", worktree, "--", *argv, stdout=subprocess.PIPE, stderr=err)
+                              "--workdir", worktree, *KEEP, "--", *argv, stdout=subprocess.PIPE, stderr=err)
         err.close()
         self.procs[cell_id] = p
         line = p.stdout.readline()
@@ -137,7 +137,7 @@ class ServeStarter:
 
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
         out = self.agnsup.json("spawn", "--role", role, "--run-id", run_id, "--agent", agent_id, "--cell", cell_id,
-                               "--workdir", worktree, "--", *argv)
+                               "--workdir", worktree, *KEEP, "--", *argv)
         assert out["cell_id"] == cell_id and out["pid"] > 0
         info = _stdout_json(self.agnsup.state, run_id, cell_id)
         assert info["pid"] == out["pid"]
@@ -167,7 +167,8 @@ class ApiStarter:
         self.sup = Supervisor(agnsup.state)
 
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
-        h = self.sup.spawn(argv, role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id, workdir=worktree)
+        h = self.sup.spawn(argv, role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id, workdir=worktree,
+                           on_controller_death="keep")
         info = _stdout_json(self.state, run_id, cell_id)
         assert info["pid"] == h["pid"]
         return info
@@ -179,4 +180,7 @@ class ApiStarter:
         self.sup.close()
 
 
+# These cells outlive their controller (on_controller_death = keep): the trees report
+# their pids from the host's PID namespace, and the tests kill and watch them by those.
+KEEP = ("--on-controller-death", "keep")
 STARTERS = {"run": CliStarter, "serve": ServeStarter, "api": ApiStarter}

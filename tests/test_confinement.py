@@ -45,7 +45,7 @@ def iso(**keys) -> dict:
 def cell(request, state, worktree, policy_dir):
     """Runs a probe in a confined cell, as root or as uid 65534."""
     as_user = request.param == "nobody"
-    make_role(policy_dir, "probe", extra=f"[process]\nuser = {NOBODY}\n" if as_user else "")
+    make_role(policy_dir, "probe", **({"process__user": str(NOBODY)} if as_user else {}))
     if as_user:
         os.chmod(os.path.dirname(worktree), 0o755)
         os.chown(worktree, NOBODY, NOBODY)
@@ -339,7 +339,7 @@ def test_landlock_alone_refuses_cgroup_and_outside_writes_under_a_writable_root(
 
 
 def test_control_without_landlock_a_writable_root_lets_the_probes_escape(plain, worktree, policy_dir, outside):
-    make_role(policy_dir, "open", filesystem__root='"rw"', **iso(landlock="false"))
+    make_role(policy_dir, "open", filesystem__root='"rw"', **iso(landlock="false"), process__on_controller_death='"keep"')
     cp = plain("run", "--role", "open", "--workdir", worktree, "--", "python3", "-c", WRITE_ESCAPE,
                f"{outside}/a", check=None)
     escaped(cp)
@@ -350,7 +350,7 @@ def test_control_without_landlock_a_writable_root_lets_the_probes_escape(plain, 
 
 
 def test_control_without_seccomp_the_probes_succeed(plain, worktree, policy_dir):
-    make_role(policy_dir, "noseccomp", **iso(seccomp="false"))
+    make_role(policy_dir, "noseccomp", **iso(seccomp="false"), process__on_controller_death='"keep"')
     for probe in (ENVIRON_FORGE, IO_URING):
         escaped(plain("run", "--role", "noseccomp", "--workdir", worktree, "--", "python3", "-c", probe, check=None))
     master, slave = pty.openpty()
@@ -367,7 +367,7 @@ def test_control_without_seccomp_the_probes_succeed(plain, worktree, policy_dir)
 def test_control_without_landlock_a_root_cell_can_signal_a_host_process(plain, worktree, policy_dir,
                                                                           host_sleeper):
     proc_, _ = host_sleeper
-    make_role(policy_dir, "nolandlock", **iso(landlock="false"))
+    make_role(policy_dir, "nolandlock", **iso(landlock="false"), process__on_controller_death='"keep"')
     cp = plain("run", "--role", "nolandlock", "--workdir", worktree, "--", "python3", "-c", CONTROLLER_SIGNAL,
                *signals_to(proc_.pid), check=None)
     escaped(cp)
@@ -380,7 +380,7 @@ def test_control_without_landlock_a_root_cell_can_signal_a_host_process(plain, w
 @pytest.fixture(params=["root", "nobody"])
 def pidns(request, state, worktree, policy_dir):
     as_user = request.param == "nobody"
-    make_role(policy_dir, "pidns", extra=f"[process]\nuser = {NOBODY}\n" if as_user else "",
+    make_role(policy_dir, "pidns", **({"process__user": str(NOBODY)} if as_user else {}),
               **iso(pid_namespace="true"))
     if as_user:
         os.chmod(os.path.dirname(worktree), 0o755)
@@ -399,7 +399,8 @@ def test_with_a_pid_namespace_a_cell_cannot_see_host_processes(pidns, host_sleep
     refused(cp)
     assert cp.out.startswith("pids [1, 2")
     # control: without the namespace the same probe sees the host process
-    escaped(plain("run", "--workdir", worktree, "--", "python3", "-c", HOST_PROCESSES, marker[:6], marker[6:],
+    escaped(plain("run", "--workdir", worktree, "--on-controller-death", "keep", "--", "python3", "-c",
+                  HOST_PROCESSES, marker[:6], marker[6:],
                   check=None))
 
 
@@ -527,7 +528,7 @@ def test_bad_isolation_keys_are_refused_naming_file_and_key(plain, worktree, pol
 
 
 def test_an_unknown_process_user_is_refused(plain, worktree, policy_dir):
-    make_role(policy_dir, "bad2", extra='[process]\nuser = "no-such-user-here"', **iso(capabilities="[]"))
+    make_role(policy_dir, "bad2", process__user='"no-such-user-here"', **iso(capabilities="[]"))
     cp = plain("run", "--role", "bad2", "--workdir", worktree, "--", "true", check=125)
     assert "process.user 'no-such-user-here' is not a user on this host" in cp.err
 

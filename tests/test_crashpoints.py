@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import procs_with_env, write_role
+from scenario import KEEP
 from scenario import cell_row
 
 # a leader that ignores SIGTERM, so it outlives a graceful stop
@@ -43,7 +44,7 @@ def _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree, env=None):
     """`agnsup run` with the crash point set; stdio to files (the tree keeps them open)."""
     out = open(tmp_path / f"{cell}.out", "wb")
     err = open(tmp_path / f"{cell}.err", "wb")
-    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *opts, "--", *argv,
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *opts, *KEEP, "--", *argv,
                      env={"AGNSUP_TEST_CRASH_AT": point, **(env or {})}, stdin=subprocess.DEVNULL,
                      stdout=out, stderr=err)
     out.close()
@@ -97,7 +98,7 @@ def test_a_janitor_killed_after_its_kill_leaves_a_state_the_next_one_finishes(ag
     write_role(policy_dir, "quick", limits__grace="0.5")
     agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
     cell = "x-janitor"
-    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, "--", *TREE,
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, "--", *TREE,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while len(procs_with_env("AGNSUP_CELL_ID", cell)) < 2:

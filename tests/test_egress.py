@@ -447,7 +447,8 @@ time.sleep(60)
 def test_a_sigkilled_controller_leaves_the_cell_without_network_and_nothing_to_clean(net):
     p = net.site["http"]
     flag = os.path.join(net.worktree, "flag")
-    ctl = net.popen("run", "--role", "pkgs", "--cell", "killed", "--workdir", net.worktree, "--", sys.executable,
+    ctl = net.popen("run", "--role", "pkgs", "--cell", "killed", "--workdir", net.worktree,
+                    "--on-controller-death", "keep", "--", sys.executable,
                     "-c", KILLED, str(p), flag, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 60

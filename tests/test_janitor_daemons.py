@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import procs_with_env
-from scenario import bindable
+from scenario import KEEP, bindable
 
 
 def _free_port():
@@ -25,7 +25,7 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
     script = (f"redis-server --port {rport} --bind 127.0.0.1 --daemonize yes --pidfile {worktree}/redis.pid "
               f"--dir {worktree} --save '' > /dev/null; "
               f"memcached -d -u root -l 127.0.0.1 -p {mport} -P {worktree}/mc.pid; sleep 1000")
-    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "daemons", "--",
+    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "daemons", *KEEP, "--",
                      "sh", "-c", script, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
@@ -46,7 +46,7 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
 def test_a_parallel_make_with_nested_shells_is_gone_after_the_janitor(agnsup, worktree):
     with open(os.path.join(worktree, "Makefile"), "w") as f:
         f.write("all: a b c d\n" + "".join(f"{t}:\n\tsh -c 'sh -c \"sleep 1000\"'\n" for t in "abcd"))
-    p = agnsup.popen("run", "--workdir", worktree, "--cell", "make", "--", "make", "-j4",
+    p = agnsup.popen("run", "--workdir", worktree, "--cell", "make", *KEEP, "--", "make", "-j4",
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while len(procs_with_env("AGNSUP_CELL_ID", "make")) < 9:  # make + 4 x (sh, sh, sleep) at least

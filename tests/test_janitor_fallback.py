@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import procs_with_env
-from scenario import SCRIPT, alive, bindable, cell_row, growing, kill_exact, tree_pids, wait_beats
+from scenario import KEEP, SCRIPT, alive, bindable, cell_row, growing, kill_exact, tree_pids, wait_beats
 from test_janitor import _fake_dead_cell, start_stubborn
 from agnsup.errors import UsageError
 from agnsup.linux import cgroup, proc
@@ -97,7 +97,7 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
     hb = os.path.join(worktree, "hb-n1")
     go = os.path.join(worktree, "go")
     err = open(tmp_path / "ctl.err", "wb")
-    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "n1", "--", "sh", "-c",
+    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "n1", *KEEP, "--", "sh", "-c",
                      f"python3 stubborn_tree.py --heartbeat {hb} --stripped-in-session & "
                      f"while [ ! -e {go} ]; do sleep 0.1; done", env=NONE, stdout=subprocess.PIPE, stderr=err)
     err.close()
@@ -146,7 +146,7 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
 
 def test_a_timeout_without_cgroup_stops_then_kills_the_tree(agnsup, worktree):
     cell = "t1-" + secrets.token_hex(4)  # processes are looked up host-wide by cell id: make it unique
-    cp = agnsup("run", "--workdir", worktree, "--cell", cell, "--timeout", "1", "--", "sh", "-c",
+    cp = agnsup("run", "--workdir", worktree, "--cell", cell, "--timeout", "1", *KEEP, "--", "sh", "-c",
                 "trap '' TERM; (trap '' TERM; setsid sleep 1000 & sleep 1000) & sleep 1000", env=NONE)
     assert cp.returncode == 124, cp.err
     assert procs_with_env("AGNSUP_CELL_ID", cell) == []

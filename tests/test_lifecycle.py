@@ -22,7 +22,9 @@ def _assert_cell_gone(agnsup, cell):
 
 
 def test_a_backgrounded_sleep_does_not_outlive_its_cell(agnsup, worktree):
-    agnsup("run", "--workdir", worktree, "--cell", "bg", "--", "sh", "-c", "sleep 1000 & exit 3", check=3)
+    # keep: no PID namespace, so the rest of the tree is there to find when the leader exits
+    agnsup("run", "--workdir", worktree, "--cell", "bg", "--on-controller-death", "keep", "--", "sh", "-c",
+           "sleep 1000 & exit 3", check=3)
     r = _assert_cell_gone(agnsup, "bg")
     assert r["exit_code"] == 3 and r["state"] == "exited"
     assert r["pids"]["left_after_leader"], "the sleep should have been found in the cell after the leader exited"

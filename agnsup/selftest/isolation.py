@@ -206,7 +206,7 @@ class Harness:
             for key, value in extra.items():
                 src = _set_key(src, "isolation", key, value)
             if self.user is not None:
-                src += f"\n[process]\nuser = {self.user}\n"
+                src = _set_key(src, "process", "user", str(self.user))
             with open(os.path.join(self.policies, name + ".toml"), "w") as f:
                 f.write(src)
 

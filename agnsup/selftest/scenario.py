@@ -95,14 +95,15 @@ class Scenario:
     @staticmethod
     def _role(decoy_dir: str) -> str:
         """The packaged networked role (ports visible from the host), with a short
-        grace period and the decoy's directory denied."""
+        grace period, the decoy's directory denied and on_controller_death = keep."""
         from ..policy import _packaged_dir
         with open(os.path.join(_packaged_dir(), "networked.toml")) as f:
             src = f.read()
         src = src.replace('name = "networked"', 'name = "selftest"')
         src = re.sub(r"(?m)^grace = .*$", f"grace = {GRACE}", src)
         src = re.sub(r"(?m)^deny = \[", f"deny = [{json.dumps(decoy_dir)}, ", src)
-        return src
+        # the blackout scenario proves the janitor: the tree must outlive its controller
+        return re.sub(r'(?m)^on_controller_death = .*$', 'on_controller_death = "keep"', src)
 
     def worktree(self, name: str) -> str:
         wt = os.path.join(self.work, "wt-" + name)

@@ -206,7 +206,8 @@ def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     pol = policy.load(role)
     state = str(tmp_path / "state")
     os.makedirs(state)
-    spec = types.SimpleNamespace(workdir=str(tmp_path), run_id="r", cell_id="c", timeout=None)
+    spec = types.SimpleNamespace(workdir=str(tmp_path), run_id="r", cell_id="c", timeout=None, role=role,
+                                 on_controller_death="kill")
     from agnsup.linux.host import protections
     plan = compiler.compile_plan(spec, pol, state, protections())
     k = governance.kernel_of(pol, state)

@@ -30,12 +30,13 @@ def controller(state, j, cid, alive: bool, boot=None):
     return fd
 
 
-def cell(j, b, k, cid, cell_id, run="R", agent="A", pid=None, boot=None, token="tok"):
+def cell(j, b, k, cid, cell_id, run="R", agent="A", pid=None, boot=None, token="tok", dies=""):
     place = b.create(b.place(run, agent, cell_id, {}), {})
     j.begin_cell({"run_id": run, "cell_id": cell_id, "agent_id": agent, "role": "executor", "token": token,
                   "controller_id": cid, "boot_id": boot or proc.boot_id(), "cgroup": json.dumps(place.paths()),
                   "tmpdir": None, "worktree": "/w", "lock_path": None, "argv": '["x"]', "exe": "/x",
-                  "created_at": time.time(), "grace": 0.0}, [])
+                  "created_at": time.time(), "grace": 0.0, "on_controller_death": "kill" if dies else "keep",
+                  "dies_with_controller": dies}, [])
     j.stage(run, cell_id, {"stage": "backend"}, cgroup_ino=place.inode)
     if pid:
         k.spawn(pid, start=100, dir=place.dir, token=token)
@@ -116,3 +117,16 @@ def test_the_janitor_leaves_a_cell_whose_tree_will_not_die_for_the_next_janitor(
     assert rep["recovered"] == [] and j.cell_state("R", "c1") == "running"
     assert any("still" in s["reason"] for s in rep["skipped"] if s.get("cell_id") == "c1")
     assert [e for e in j.events("R", "c1") if e["kind"] == "recovery.kill"]  # the plan survives
+
+
+def test_a_cell_whose_tree_died_with_its_controller_is_recorded_as_controller_died(world):
+    state, j, k, b = world
+    controller(state, j, "ctl-dead", alive=False)
+    cell(j, b, k, "ctl-dead", "c1", pid=10, dies="namespace")
+    k.procs[10].alive = False  # the kernel ended the namespace with its init
+    cell(j, b, k, "ctl-dead", "c2", pid=20, dies="namespace", token="tok2")  # ... but here something is left
+    rep = janitor.run_janitor(state, j, backend=b)
+    assert sorted(rep["recovered"]) == ["c1", "c2"] and [x["pid"] for x in rep["killed"]] == [20]
+    assert j.cell("R", "c1")["reason"] == "controller_died" and j.cell("R", "c2")["reason"] == "recovered"
+    (rec,) = j.receipts("recovery", "R", "c1")
+    assert rec["cell"]["reason"] == "controller_died" and any("PR_SET_PDEATHSIG" in n for n in rec["cell"]["notes"])

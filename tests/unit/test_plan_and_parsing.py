@@ -80,3 +80,21 @@ def test_mountinfo_names_the_cgroup2_mount_and_the_v1_controllers():
     v2, v1 = cgroup.parse_mountinfo(text)
     assert v2 == "/sys/fs/cgroup/unified"
     assert v1 == {"memory": "/sys/fs/cgroup/memory", "cpu": "/sys/fs/cgroup/cpu,cpuacct", "pids": "/mnt/with space"}
+
+
+def test_kill_on_controller_death_runs_the_cell_under_an_init_that_dies_with_the_controller(tmp_path):
+    p = plan(tmp_path)
+    assert p.pid_namespace and p.dies_with_controller == "namespace"
+    assert p.on_controller_death() == {**p.on_controller_death(), "mode": "kill", "in_force": True}
+
+
+def test_without_pid_namespaces_kill_covers_the_leader_only_and_says_so(tmp_path):
+    p = plan(tmp_path, host={**HOST, "pid_namespace": "a PID namespace needs agnsup to run as root", "_root": False})
+    assert not p.pid_namespace and p.dies_with_controller == "leader"
+    assert p.on_controller_death()["in_force"] is False and "janitor" in p.on_controller_death()["how"]
+    assert any(n.startswith("on_controller_death kill") for n in p.not_in_force)
+
+
+def test_keep_adds_no_namespace_and_no_parent_death_signal(tmp_path):
+    p = plan(tmp_path, on_controller_death="keep")
+    assert not p.pid_namespace and p.dies_with_controller == "" and p.on_controller_death()["mode"] == "keep"

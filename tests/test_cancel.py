@@ -130,11 +130,11 @@ def test_a_second_cell_on_a_held_worktree_waits_until_the_first_ends(agnsup, wor
     second = None
     try:
         wait_for(lambda: any(c["cell_id"] == "w1" and c["state"] == "running" for c in agnsup.json("ps", "--json")),
-                 timeout=60, what="w1 running")
+                 what="w1 running")
         with open(errf, "wb") as err:
             second = agnsup.popen("run", "--cell", "w2", "--workdir", worktree, "--", "true", stderr=err)
         wait_for(lambda: "waiting for the worktree" in errf.read_text() or second.poll() is not None,
-                 timeout=60, what="w2 waiting for the worktree lock")
+                 what="w2 waiting for the worktree lock")
         assert second.poll() is None, f"w2 did not wait for the worktree w1 holds: {errf.read_text()}"
         assert "w1" in errf.read_text()
         open(release, "w").close()

@@ -18,8 +18,9 @@ from conftest import procs_with_env, write_role
 from scenario import KEEP
 from scenario import cell_row
 
-# a leader that ignores SIGTERM, so it outlives a graceful stop
-IGNORE_TERM = ["python3", "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"]
+# a leader that ignores SIGTERM from its first instruction on, so it outlives a graceful stop (an
+# interpreter that installs SIG_IGN itself may still be starting when a 0.5 s timeout fires, on a slow CPU)
+IGNORE_TERM = ["sh", "-c", "trap '' TERM; exec sleep 1000"]
 # a tree: a background sleep plus a leader that lives on
 TREE = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exec sleep 1000"]
 QUICK = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exit 0"]

@@ -297,7 +297,8 @@ def s_cells(agnsup: str, who: Who, tag: str) -> None:
         left = subprocess.run(["pgrep", "-u", str(who.uid), "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
         ok = cc.returncode == 0 and k1.get("state") == "cancelled" and not left
         status = "PASS" if ok else "FAIL"
-        detail = f"controller exit {rc}, receipt state {k1.get('state')}, sleep left {left or 'none'}; {last_line(cc)}"
+        detail = (f"cancel exit {cc.returncode} ({(json_of(cc) or {}).get('cancelled')} cancelled), controller exit {rc},"
+                  f" receipt state {k1.get('state')}, sleep left {left or 'none'}")
     except subprocess.TimeoutExpired as e:
         detail = f"timed out: {e}"
     finally:

@@ -436,21 +436,17 @@ def main() -> int:
         if a.runs:
             s_blackout(agnsup, root, "root", a.runs, a.seed)
     else:
-        s_doctor(agnsup, root, "systemd-root")
-        s_scope(agnsup, a.venv, root, "systemd-root")
-        s_cells(agnsup, root, "systemd-root")
-        s_isolation(agnsup, root, "systemd-root")
-        if a.runs:
-            s_blackout(agnsup, root, "systemd-root", 1, a.seed)
-        user = make_user(a.venv)
-        start_session(user)
-        s_unshare(user)
-        s_doctor(agnsup, user, "user")
-        s_scope(agnsup, a.venv, user, "user")
-        s_cells(agnsup, user, "user")
-        s_isolation(agnsup, user, "user")
-        if a.runs:
-            s_blackout(agnsup, user, "user", 1, a.seed)
+        for who, tag in ((root, "systemd-root"), (None, "user")):
+            if who is None:  # a normal user in a session of its own
+                who = make_user(a.venv)
+                start_session(who)
+                s_unshare(who)
+            s_doctor(agnsup, who, tag)
+            s_scope(agnsup, a.venv, who, tag)
+            s_cells(agnsup, who, tag)
+            s_isolation(agnsup, who, tag)
+            if a.runs:
+                s_blackout(agnsup, who, tag, 1, a.seed)
     bad = [s for s in STEPS if s["status"] != "PASS"]
     print(f"=== v2lane guest: {len(STEPS) - len(bad)}/{len(STEPS)} steps PASS", flush=True)
     return 0 if not bad else 1

@@ -61,6 +61,18 @@ def test_the_cell_was_recorded(state, worktree, tmp_path):
     assert [s["stage"] for s in receipt["chain"]][:3] == ["public_tool", "spec_builder", "governance"]
 
 
+def _nest(top, depth: int) -> None:
+    """`depth` directories named d below `top`, made through two fds at a time."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        fd2 = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = fd2
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+
+
 def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     """reap.rmtree replaces shutil.rmtree on the cell's /tmp, which the cell wrote."""
     from agnsup.reaper import rmtree
@@ -69,14 +81,7 @@ def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     (outside / "keep").write_text("x")
     top = tmp_path / "cell-tmp"
     top.mkdir()
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):  # deeper than Python's recursion limit
-        os.mkdir("d", dir_fd=fd)
-        fd2 = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = fd2
-    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    os.close(fd)
+    _nest(top, 1500)  # deeper than Python's recursion limit
     (top / "link-dir").symlink_to(outside)
     (top / "d" / "link-file").symlink_to(outside / "keep")
     os.mkfifo(top / "fifo")
@@ -90,18 +95,6 @@ def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     rmtree(str(f))
     assert not f.exists()
 
-
-
-def _nest(top, depth: int) -> None:
-    """`depth` directories named d below `top`, made through two fds at a time."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(depth):
-        os.mkdir("d", dir_fd=fd)
-        fd2 = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = fd2
-    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    os.close(fd)
 
 
 def test_rmtree_removes_a_tree_deeper_than_the_open_file_limit(tmp_path):

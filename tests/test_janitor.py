@@ -20,7 +20,7 @@ from conftest import procs_with_env
 from agnsup.linux import pidfd, proc
 from agnsup.state import StateRoot
 from scenario import (KEEP, SCRIPT, alive, bindable, cell_row, growing, kill_exact, stubborn_argv, tree_pids,
-                      wait_beats)
+                      wait_beats, wait_for)
 
 # -- helpers ---------------------------------------------------------------
 def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=None):
@@ -140,10 +140,8 @@ def test_a_live_controllers_cell_is_never_touched(agnsup, worktree, tmp_path):
     p = agnsup.popen("run", "--workdir", worktree, "--cell", "live", "--", "sleep", "1000",
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
-        while not procs_with_env("AGNSUP_CELL_ID", "live"):
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.05)
+        wait_for(lambda: procs_with_env("AGNSUP_CELL_ID", "live") or p.poll() is not None, what="the live cell")
+        assert p.poll() is None
         rep = agnsup.json("janitor", "--json")
         assert rep["recovered"] == [] and rep["killed"] == [] and rep["controllers"] == []
         assert any(s.get("cell_id") == "live" and "alive" in s["reason"] for s in rep["skipped"])

@@ -391,29 +391,43 @@ def rmtree(path: str) -> None:
         pass
 
 
+# Directory fds held at once below the top, whatever the depth: systemd services and the kernel's PID 1
+# start with a soft RLIMIT_NOFILE of 1024 (getrlimit(2)), and a serve controller needs its fds for cells.
+_OPEN_DIRS = 16
+
+
 def _empty_dir(top: int) -> None:
     """Empty the directory open as `top`, depth first, without recursion (a cell
-    can nest directories deeper than Python's recursion limit)."""
-    stack = [(top, _entries(top), "")]  # (dir fd, its entries left, its name in the parent)
+    can nest directories deeper than Python's recursion limit) and with at most
+    _OPEN_DIRS fds, however deep the tree: a level further up than that is closed
+    and, on the way back, re-opened as '..' of its child, checked by inode."""
+    stack = [[top, _entries(top), "", None]]  # [dir fd or None, its entries left, its name, its (dev, ino)]
     try:
         _drain(stack)
     finally:
-        for fd, _, _ in stack[1:]:
-            os.close(fd)
+        for fd, _, _, _ in stack[1:]:
+            if fd is not None:
+                os.close(fd)
 
 
 def _drain(stack: list) -> None:
     while stack:
-        fd, entries, name = stack[-1]
+        fd, entries, name, _ = stack[-1]
         entry = next(entries, None)
         if entry is None:
             stack.pop()
-            if stack:
-                os.close(fd)
-                try:
-                    os.rmdir(name, dir_fd=stack[-1][0])
-                except OSError:
-                    pass
+            if not stack:
+                break
+            parent = stack[-1]
+            if parent[0] is None:
+                parent[0] = _reopen_parent(fd, parent[3])
+            os.close(fd)
+            if parent[0] is None:
+                return  # the tree moved under the walk: what is left, the next reap removes
+            try:
+                os.rmdir(name, dir_fd=parent[0])
+            except OSError:
+                pass
             continue
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
@@ -428,8 +442,29 @@ def _drain(stack: list) -> None:
         try:
             sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
         except OSError:
-            continue  # e.g. out of fds at a great depth: left for the next reap
-        stack.append((sub, _entries(sub), entry.name))
+            continue  # e.g. not readable: left for the next reap
+        stack.append([sub, _entries(sub), entry.name, None])
+        if len(stack) > _OPEN_DIRS + 1:
+            far = stack[-_OPEN_DIRS - 1]  # never stack[0]: the caller owns that fd
+            if far[0] is not None:
+                st = os.fstat(far[0])
+                far[3] = (st.st_dev, st.st_ino)
+                os.close(far[0])
+                far[0] = None
+
+
+def _reopen_parent(child: int, ident: tuple) -> int | None:
+    """The directory '..' of the open directory `child`, if it is still the one
+    with `ident` (dev, ino); None if it moved (then nothing there is touched)."""
+    try:
+        fd = os.open("..", _DIR_FLAGS, dir_fd=child)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != ident:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _entries(fd: int):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Install the test dependencies and run the whole test suite (the README's second command; CI runs it).
+# V2LANE=1 adds the pure cgroup-v2 lane afterwards (see the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,4 +16,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-exec .venv/bin/python -m pytest "$@"
+# V2LANE=1: after the host suite, the pure cgroup-v2 lane in a guest kernel under QEMU (scripts/v2lane;
+# docs/hosts.md "Lanes"), with V2LANE_ARGS as its options (e.g. "-k 6.1", "--systemd").
+if [ "${V2LANE:-0}" = 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+rc=0
+.venv/bin/python -m pytest "$@" || rc=$?
+# shellcheck disable=SC2086 # V2LANE_ARGS is a list of options
+bash scripts/v2lane ${V2LANE_ARGS:-} || rc=$?
+exit "$rc"

@@ -17,7 +17,9 @@ from agnsup.selftest.host import bindable, lines  # one copy: the selftest's
 SCRIPT = os.path.join(REPO, "agnsup", "selftest", "stubborn-tree")
 
 
-def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
+def wait_for(cond, timeout: float = 60.0, what: str = "condition"):
+    # 60 s: an emulated CPU (the pure-v2 guest, scripts/v2lane) takes seconds per controller start; a
+    # condition that holds returns at once, so only a failing test waits that long
     deadline = time.monotonic() + timeout
     while True:
         v = cond()

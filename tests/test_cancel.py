@@ -120,13 +120,31 @@ def test_a_term_trap_runs_within_the_grace_period_then_the_tree_is_killed(agnsup
         p.stdout.close()
 
 
-def test_a_second_cell_on_a_held_worktree_waits_until_the_first_ends(agnsup, worktree):
-    first = agnsup.popen("run", "--cell", "w1", "--workdir", worktree, "--", "sleep", "1.5")
-    wait_for(lambda: any(c["cell_id"] == "w1" and c["state"] == "running" for c in agnsup.json("ps", "--json")),
-             what="w1 running")
-    second = agnsup("run", "--cell", "w2", "--workdir", worktree, "--", "true", check=0)
-    assert first.wait(30) == 0
-    assert "waiting for the worktree" in second.err and "w1" in second.err
+def test_a_second_cell_on_a_held_worktree_waits_until_the_first_ends(agnsup, worktree, tmp_path):
+    # the first cell holds the worktree until the test lets it go, after it saw the second one wait:
+    # no fixed sleep to outlast the second controller's start-up (seconds on an emulated CPU)
+    release = os.path.join(worktree, ".release")
+    first = agnsup.popen("run", "--cell", "w1", "--workdir", worktree, "--timeout", "120", "--",
+                         "sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done")
+    errf = tmp_path / "w2.err"
+    second = None
+    try:
+        wait_for(lambda: any(c["cell_id"] == "w1" and c["state"] == "running" for c in agnsup.json("ps", "--json")),
+                 what="w1 running")
+        with open(errf, "wb") as err:
+            second = agnsup.popen("run", "--cell", "w2", "--workdir", worktree, "--", "true", stderr=err)
+        wait_for(lambda: "waiting for the worktree" in errf.read_text() or second.poll() is not None,
+                 what="w2 waiting for the worktree lock")
+        assert second.poll() is None, f"w2 did not wait for the worktree w1 holds: {errf.read_text()}"
+        assert "w1" in errf.read_text()
+        open(release, "w").close()
+        assert first.wait(60) == 0 and second.wait(60) == 0
+    finally:
+        open(release, "a").close()
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
     rec = {r["cell_id"]: r for r in agnsup.json("receipts", "--json")}
     assert rec["w2"]["started_at"] >= rec["w1"]["ended_at"], "two cells wrote one worktree at once"
 

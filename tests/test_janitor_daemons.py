@@ -4,12 +4,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
 from conftest import procs_with_env
-from scenario import KEEP, bindable
+from scenario import KEEP, bindable, wait_for
 
 
 def _free_port():
@@ -28,10 +27,7 @@ def test_daemonized_redis_and_memcached_are_gone_after_the_janitor(agnsup, workt
     p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "daemons", *KEEP, "--",
                      "sh", "-c", script, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while bindable(rport) or bindable(mport):
-        assert time.monotonic() < deadline, "the daemons never listened"
-        time.sleep(0.05)
+    wait_for(lambda: not bindable(rport) and not bindable(mport), what="the daemons listening")
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     assert not bindable(rport) and not bindable(mport), "the daemons did not survive the controller: invalid"
@@ -48,10 +44,8 @@ def test_a_parallel_make_with_nested_shells_is_gone_after_the_janitor(agnsup, wo
         f.write("all: a b c d\n" + "".join(f"{t}:\n\tsh -c 'sh -c \"sleep 1000\"'\n" for t in "abcd"))
     p = agnsup.popen("run", "--workdir", worktree, "--cell", "make", *KEEP, "--", "make", "-j4",
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while len(procs_with_env("AGNSUP_CELL_ID", "make")) < 9:  # make + 4 x (sh, sh, sleep) at least
-        assert time.monotonic() < deadline, "make never started its jobs"
-        time.sleep(0.05)
+    # make + 4 x (sh, sh, sleep) at least
+    wait_for(lambda: len(procs_with_env("AGNSUP_CELL_ID", "make")) >= 9, what="make's jobs")
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     assert len(procs_with_env("AGNSUP_CELL_ID", "make")) >= 9, "the tree did not survive the controller: invalid"

@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import time
 
 from conftest import procs_with_env, write_role
 from agnsup.linux import cgroup
@@ -69,13 +68,14 @@ def test_a_file_that_is_not_executable_exits_126(agnsup, worktree):
 
 def test_timeout_on_a_tree_that_ignores_sigterm_exits_124_and_leaves_nothing(agnsup, worktree, policy_dir):
     write_role(policy_dir, "quick", limits__grace="0.5")
-    t0 = time.monotonic()
     agnsup("run", "--role", "quick", "--workdir", worktree, "--cell", "to", "--timeout", "1", "--",
            "sh", "-c", "trap '' TERM; (trap '' TERM; sleep 1000) & sleep 1000",
            env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=124)
-    assert time.monotonic() - t0 < 10
     r = _assert_cell_gone(agnsup, "to")
     assert r["state"] == "timeout" and r["reason"] == "timeout"
+    # timeout 1 s + grace 0.5 s, then the kill: measured from the cell's start, not the controller's
+    # (an interpreter start takes seconds on an emulated CPU)
+    assert r["duration"] < 6, r["duration"]
 
 
 def test_sigterm_to_the_controller_cancels_the_cell(agnsup, worktree, policy_dir):

@@ -90,6 +90,20 @@ def test_control_with_the_host_network_the_egress_probe_reaches_the_host(monkeyp
     assert g["status"] == "FAIL" and ("REACHED" in g["evidence"] or "listener was reached" in g["evidence"]), g
 
 
+def test_on_a_host_with_only_loopback_the_egress_gate_is_judged_by_the_host_listener(monkeypatch):
+    """A host (a VM, a container with --network none) without an address but 127.0.0.1: the probe's UDP
+    datagram to 127.0.0.1 lands on the cell's own loopback, which is no egress; the host's listener decides."""
+    monkeypatch.setattr(isolation, "_host_address", lambda: None)
+    g = isolation.run_gates(only=["NETWORK_EGRESS_NONE"])["gates"][0]
+    assert g["status"] == "PASS" and "127.0.0.1" in g["evidence"], g
+
+
+def test_control_with_the_host_network_and_only_loopback_the_egress_probe_still_reaches_the_host(monkeypatch):
+    monkeypatch.setattr(isolation, "_host_address", lambda: None)
+    g = _control(monkeypatch, "network", "mode", '"host"', "NETWORK_EGRESS_NONE")
+    assert g["status"] == "FAIL" and ("REACHED tcp" in g["evidence"] or "listener was reached" in g["evidence"]), g
+
+
 def test_control_with_the_home_visible_the_home_probe_reads_the_canary(monkeypatch):
     g = _control(monkeypatch, "filesystem", "home", '"ro"', "HOME_VISIBILITY")
     assert g["status"] == "FAIL" and "it worked" in g["evidence"], g

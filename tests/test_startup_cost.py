@@ -61,6 +61,18 @@ def test_the_cell_was_recorded(state, worktree, tmp_path):
     assert [s["stage"] for s in receipt["chain"]][:3] == ["public_tool", "spec_builder", "governance"]
 
 
+def _nest(top, depth: int) -> None:
+    """`depth` directories named d below `top`, made through two fds at a time."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        fd2 = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = fd2
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+
+
 def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     """reap.rmtree replaces shutil.rmtree on the cell's /tmp, which the cell wrote."""
     from agnsup.reaper import rmtree
@@ -69,14 +81,7 @@ def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     (outside / "keep").write_text("x")
     top = tmp_path / "cell-tmp"
     top.mkdir()
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(1500):  # deeper than Python's recursion limit
-        os.mkdir("d", dir_fd=fd)
-        fd2 = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = fd2
-    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
-    os.close(fd)
+    _nest(top, 1500)  # deeper than Python's recursion limit
     (top / "link-dir").symlink_to(outside)
     (top / "d" / "link-file").symlink_to(outside / "keep")
     os.mkfifo(top / "fifo")
@@ -89,6 +94,42 @@ def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     f.write_text("x")
     rmtree(str(f))
     assert not f.exists()
+
+
+
+def test_rmtree_removes_a_tree_deeper_than_the_open_file_limit(tmp_path):
+    """systemd services and the kernel's PID 1 start with a soft RLIMIT_NOFILE of 1024: a cell that nests
+    its /tmp deeper than that must still be removed, so the walk holds a bounded number of fds."""
+    top = tmp_path / "cell-tmp"
+    top.mkdir()
+    _nest(top, 1500)
+    prog = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "from agnsup.reaper import rmtree\n"
+            "rmtree(sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", prog, str(top)], check=True, timeout=120)
+    assert not os.path.lexists(top), "a tree deeper than RLIMIT_NOFILE was left behind"
+
+
+def test_rmtree_stops_where_the_tree_was_moved_under_it(tmp_path):
+    """Coming back up through '..' (past the fds it keeps open) is checked by inode: a directory moved
+    out of the tree mid-walk leads elsewhere, and nothing there is removed by name."""
+    from agnsup import reaper
+    (tmp_path / "tree" / "a").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "a").mkdir(parents=True)
+    tree = os.stat(tmp_path / "tree")
+    fd = os.open(tmp_path / "elsewhere" / "a", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert reaper._reopen_parent(fd, (tree.st_dev, tree.st_ino)) is None
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path / "tree" / "a", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        up = reaper._reopen_parent(fd, (tree.st_dev, tree.st_ino))
+        assert up is not None and os.fstat(up).st_ino == tree.st_ino
+        os.close(up)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- clone3(CLONE_INTO_CGROUP)

@@ -91,7 +91,12 @@ u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 for addr in (host, "1.1.1.1"):
     try:
         u.sendto(token, (addr, port if addr == host else 53))
-        worked.append(f"udp sendto {addr}")
+        if addr == host and host.startswith("127."):
+            # a host with only loopback: in the cell's own namespace 127.0.0.1 is the cell's, and a
+            # datagram sent there left nothing; whether it reached the host, the host's listener tells
+            print("udp", addr, "sent to the cell's own loopback (the host listener judges)")
+        else:
+            worked.append(f"udp sendto {addr}")
     except OSError as e:
         print("udp", addr, "refused:", e.strerror)
 for w in worked:

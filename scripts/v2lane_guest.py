@@ -1,0 +1,456 @@
+"""The guest half of scripts/v2lane: run as root inside the v2guest VM (../shared/tools/v2guest/run.sh).
+
+    v2lane_guest.py --venv V --src S [--pytest ARGS] [--runs N] [--seed S] [--isolation-user UID]
+
+Busybox PID 1 (pure cgroup v2, every controller at the root, no systemd): doctor, the chosen pytest
+subset, `agnsup selftest --isolation` (as root, and with cells as an unprivileged uid), `agnsup selftest
+--runs N`. Under systemd (run.sh --systemd): the same host checks as root, then as a normal user with its
+own user@UID.service: where the cell's cgroup lives (inside a unit with Delegate=yes, or beside systemd's
+slices), whether a cpu.max and a memory.max cell limit are in force, a cancel, the blackout run (SIGKILL of
+the controller, then the janitor: nothing left) and the isolation probes.
+
+Every step ends PASS, FAIL or ENV_BLOCKED with the evidence; nothing the guest cannot do counts as a pass.
+Results: $V2GUEST_OUT/steps.json (and junit.xml, pytest.log, *.json of each step). Exit 0 only when every
+step passed. Standard library only: it runs before anything is known about the guest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+OUT = os.environ.get("V2GUEST_OUT", "/tmp")
+STEPS: list[dict] = []
+# a busy loop that counts only its own CPU time (an emulated CPU spends more than that starting Python)
+BUSY = ("import time\nc0, t0 = time.process_time(), time.monotonic()\n"
+        "while time.process_time() - c0 < {cpu}: pass\nprint(time.monotonic() - t0)\n")
+HOG = "b = bytearray(200 << 20)\nprint('allocated')\n"
+
+
+def uptime() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0])
+
+
+def step(name: str, status: str, seconds: float, detail: str) -> dict:
+    s = {"step": name, "status": status, "seconds": round(seconds, 1), "detail": detail}
+    STEPS.append(s)
+    print(f"=== v2lane step {name}: {status} in {s['seconds']} s: {detail}", flush=True)
+    with open(os.path.join(OUT, "steps.json"), "w") as f:
+        json.dump({"steps": STEPS, "facts": FACTS}, f, indent=1)
+    return s
+
+
+class Who:
+    """root, or a normal user with a user session: how to run a command as them."""
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AGNSUP_")}
+        if name:
+            pw = pwd.getpwnam(name)
+            self.uid, self.home = pw.pw_uid, pw.pw_dir
+            self.env.update(HOME=pw.pw_dir, USER=name, LOGNAME=name, XDG_RUNTIME_DIR=f"/run/user/{pw.pw_uid}",
+                            DBUS_SESSION_BUS_ADDRESS=f"unix:path=/run/user/{pw.pw_uid}/bus")
+            self.env.pop("XDG_STATE_HOME", None)
+        else:
+            self.uid, self.home = 0, "/root"
+        self.label = name or "root"
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return ["runuser", "-u", self.name, "--", *argv] if self.name else argv
+
+    def run(self, argv, timeout=600, env=None, **kw) -> subprocess.CompletedProcess:
+        e = {**self.env, **(env or {})}
+        return subprocess.run(self.argv(argv), env=e, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, **kw)
+
+    def popen(self, argv, env=None, **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(argv), env={**self.env, **(env or {})}, stdin=subprocess.DEVNULL, **kw)
+
+
+def last_line(cp) -> str:
+    text = (cp.stderr or "").strip() or (cp.stdout or "").strip()
+    return text.splitlines()[-1][:300] if text else f"exit {cp.returncode}, no output"
+
+
+def json_of(cp):
+    try:
+        return json.loads(cp.stdout)
+    except ValueError:
+        return None
+
+
+def save(name: str, cp) -> None:
+    with open(os.path.join(OUT, name), "w") as f:
+        f.write(cp.stdout or "")
+        if cp.stderr:
+            f.write("\n--- stderr\n" + cp.stderr)
+
+
+# ----------------------------------------------------------------------------------------------- the steps
+
+def s_doctor(agnsup: str, who: Who, tag: str) -> dict | None:
+    t = uptime()
+    cp = who.run([agnsup, "doctor", "--json"], timeout=300)
+    save(f"doctor-{tag}.json", cp)
+    rep = json_of(cp)
+    if rep is None:
+        step(f"doctor[{tag}]", "FAIL", uptime() - t, f"no JSON: {last_line(cp)}")
+        return None
+    cg = rep.get("cgroup", {})
+    detail = (f"layout {cg.get('layout')}, v2 controllers {' '.join(cg.get('v2_controllers') or []) or '-'},"
+              f" agnsup root {cg.get('agnsup_root', {}).get('v2', '-')}, does without {rep.get('does_without')}")
+    ok = cp.returncode == 0 and cg.get("layout") == "v2"
+    step(f"doctor[{tag}]", "PASS" if ok else "FAIL", uptime() - t, detail)
+    return rep
+
+
+def s_pytest(venv: str, src: str, args: list[str]) -> None:
+    t = uptime()
+    with open(os.path.join(OUT, "pytest.log"), "w") as log:
+        rc = subprocess.call([f"{venv}/bin/python", "-m", "pytest", f"--junitxml={OUT}/junit.xml",
+                              "--durations=0", *args], cwd=src, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+    counts, failed = junit_counts(os.path.join(OUT, "junit.xml"))
+    detail = counts + (f"; failed: {', '.join(failed)}" if failed else "")
+    step("pytest", "PASS" if rc == 0 else "FAIL", uptime() - t, detail)
+
+
+def junit_counts(path: str) -> tuple[str, list[str]]:
+    import xml.etree.ElementTree as ET
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return "no junit.xml", []
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{tc.get('classname')}::{tc.get('name')}" for tc in root.iter("testcase")
+              if tc.find("failure") is not None or tc.find("error") is not None]
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    return f"{passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped", failed
+
+
+def s_isolation(agnsup: str, who: Who, tag: str, cell_uid: int | None = None) -> None:
+    t = uptime()
+    extra = ["--user", str(cell_uid)] if cell_uid is not None else []
+    cp = who.run([agnsup, "selftest", "--isolation", *extra, "--json"], timeout=900)
+    save(f"isolation-{tag}.json", cp)
+    rep = json_of(cp)
+    if rep is None:
+        step(f"isolation[{tag}]", "FAIL", uptime() - t, f"no JSON: {last_line(cp)}")
+        return
+    bad = [f"{g['gate']}={g['status']}" for g in rep["gates"] if g["status"] != "PASS"]
+    status = "PASS" if cp.returncode == 0 and rep.get("ok") and not bad else (
+        "ENV_BLOCKED" if bad and all("ENV_BLOCKED" in b for b in bad) else "FAIL")
+    step(f"isolation[{tag}]", status, uptime() - t,
+         f"{len(rep['gates']) - len(bad)}/{len(rep['gates'])} gates PASS" + (f"; {' '.join(bad)}" if bad else ""))
+
+
+def s_blackout(agnsup: str, who: Who, tag: str, runs: int, seed: int) -> None:
+    t = uptime()
+    cp = who.run([agnsup, "selftest", "--runs", str(runs), "--seed", str(seed), "--json"], timeout=600 + 300 * runs)
+    save(f"blackout-{tag}.json", cp)
+    rep = json_of(cp)
+    if rep is None:
+        step(f"blackout[{tag}]", "FAIL", uptime() - t, f"no JSON: {last_line(cp)}")
+        return
+    res = rep.get("results", [])
+    per = []
+    for r in res:
+        bad = [f"{g}={v['status']}" for g, v in r.get("gates", {}).items() if v["status"] != "PASS"]
+        per.append(f"seed {r.get('seed')} {r.get('status')} {r.get('seconds', 0):.0f}s" + (f" ({' '.join(bad)})" if bad else ""))
+    blocked = [r for r in res if r.get("status") == "ENV_BLOCKED"]
+    status = "PASS" if cp.returncode == 0 and rep.get("status") == "PASS" else (
+        "ENV_BLOCKED" if res and len(blocked) == len(res) else "FAIL")
+    step(f"blackout[{tag}]", status, uptime() - t, "; ".join(per) or last_line(cp))
+
+
+def _role(policy_dir: str, name: str, limits: dict) -> None:
+    """A copy of the packaged executor role with some [limits] keys replaced."""
+    import re
+    src = open(os.path.join(SRC, "policies", "executor.toml")).read().replace('name = "executor"', f'name = "{name}"')
+    for key, value in limits.items():
+        src, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", src)
+        if not n:
+            src = src.replace("[limits]\n", f"[limits]\n{key} = {value}\n", 1)
+    with open(os.path.join(policy_dir, f"{name}.toml"), "w") as f:
+        f.write(src)
+
+
+def _scratch(who: Who, prefix: str) -> str:
+    d = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
+    os.chown(d, who.uid, -1)
+    return d
+
+
+def _cell(agnsup, who, env, wt, role, argv, timeout=600):
+    rfile = os.path.join(wt, f"receipt-{role}.json")
+    cp = who.run([agnsup, "run", "--role", role, "--receipt", rfile, "--workdir", wt, "--", *argv],
+                 env=env, timeout=timeout)
+    try:
+        with open(rfile) as f:
+            return cp, json.load(f)
+    except (OSError, ValueError):
+        return cp, None
+
+
+def _unit_of(cgroup_dir: str, who: Who) -> tuple[str | None, str]:
+    """The systemd unit whose cgroup holds `cgroup_dir`, and its Delegate= setting."""
+    rel = cgroup_dir[len("/sys/fs/cgroup"):]
+    parts = [p for p in rel.split("/") if p]
+    for i in range(len(parts), 0, -1):
+        if parts[i - 1].endswith((".service", ".scope")):
+            unit = parts[i - 1]
+            user_side = who.name and any(p.startswith("user@") for p in parts[:i - 1])
+            cmd = ["systemctl", *(["--user"] if user_side else []), "show", "-p", "Delegate", "--value", unit]
+            cp = who.run(cmd, timeout=60) if user_side else subprocess.run(cmd, capture_output=True, text=True)
+            return unit, cp.stdout.strip()
+    return None, ""
+
+
+def s_cells(agnsup: str, who: Who, tag: str) -> None:
+    """Where the cell's cgroup lives, and whether cpu.max / memory.max are in force (or named as not)."""
+    state = _scratch(who, f"v2lane-state-{tag}.")
+    wt = _scratch(who, f"v2lane-wt-{tag}.")
+    pol = _scratch(who, f"v2lane-pol-{tag}.")
+    _role(pol, "half", {"cpu_max": "0.5"})
+    _role(pol, "small", {"memory_max": '"64M"'})
+    env = {"AGNSUP_STATE_DIR": state, "AGNSUP_POLICY_DIR": pol}
+
+    t = uptime()
+    cp, r = _cell(agnsup, who, env, wt, "executor", ["cat", "/proc/self/cgroup"], timeout=300)
+    if r is None or cp.returncode != 0:
+        step(f"run[{tag}]", "FAIL", uptime() - t, f"`agnsup run -- cat /proc/self/cgroup`: {last_line(cp)}")
+        for name in ("unit", "cpu_max", "memory_max", "cancel"):
+            step(f"{name}[{tag}]", "FAIL", 0, "not reached: no cell starts here")
+        return
+    step(f"run[{tag}]", "PASS", uptime() - t, f"cell cgroup {cp.stdout.strip().splitlines()[-1]}, "
+         f"tracking {r['isolation'].get('tracking')}, env_blocked {r['isolation'].get('env_blocked')}")
+
+    t = uptime()
+    v2 = (r.get("cgroup") or {}).get("v2")
+    unit, delegate = _unit_of(v2, who) if v2 else (None, "")
+    if v2 is None:
+        step(f"unit[{tag}]", "FAIL", uptime() - t, "the cell has no cgroup2 directory")
+    elif unit is None:
+        step(f"unit[{tag}]", "FAIL", uptime() - t, f"{v2} is beside systemd's slices, in no unit of its own")
+    else:
+        ok = delegate == "yes"
+        step(f"unit[{tag}]", "PASS" if ok else "FAIL", uptime() - t, f"{v2} is in {unit} (Delegate={delegate or '?'})")
+
+    t = uptime()
+    cp, r = _cell(agnsup, who, env, wt, "half", ["python3", "-c", BUSY.format(cpu=1.0)])
+    try:
+        wall = float(cp.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        wall = None
+    if r is None or wall is None:
+        step(f"cpu_max[{tag}]", "FAIL", uptime() - t, f"the busy cell did not run: {last_line(cp)}")
+    else:
+        applied = r["limits"].get("applied", {}).get("cpu")
+        named = [n for n in r["isolation"].get("not_in_force", []) if "cpu" in str(n)]
+        held = wall >= 2.0 * 0.8  # 1 s of CPU at 50 % of a CPU takes 2 s of wall time at least
+        what = (f"1 s of CPU took {wall:.2f} s at cpu_max 0.5; applied {applied or '-'}, "
+                f"throttled {r['usage'].get('cpu_nr_throttled')}, limits_hit {r['limits_hit']}, not_in_force {named}")
+        if held and applied:
+            status = "PASS"
+        elif not held and named:
+            status = "ENV_BLOCKED"  # named honestly: not in force, and the receipt says so
+        elif applied and not held:
+            status, what = "FAIL", "reported as applied but not in force: " + what
+        else:
+            status, what = "FAIL", "silently dropped: " + what
+        step(f"cpu_max[{tag}]", status, uptime() - t, what)
+
+    t = uptime()
+    cp, r = _cell(agnsup, who, env, wt, "small", ["python3", "-c", HOG])
+    if r is None:
+        step(f"memory_max[{tag}]", "FAIL", uptime() - t, f"the hog did not run: {last_line(cp)}")
+    else:
+        ok = r.get("reason") == "oom" and "allocated" not in cp.stdout
+        step(f"memory_max[{tag}]", "PASS" if ok else "FAIL", uptime() - t,
+             f"200 MB in a 64M cell: reason {r.get('reason')}, exit {r.get('exit_code')}, limits_hit {r['limits_hit']}")
+
+    t = uptime()
+    ctl = who.popen([agnsup, "run", "--cell", "k1", "--workdir", wt, "--", "sleep", "300"], env=env,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    detail, status = "", "FAIL"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ctl.poll() is None:
+            ps = json_of(who.run([agnsup, "ps", "--json"], env=env, timeout=120)) or []
+            if any(c.get("cell_id") == "k1" and c.get("state") == "running" for c in ps):
+                break
+            time.sleep(0.2)
+        cc = who.run([agnsup, "cancel", "--cell", "k1", "--grace", "0", "--json"], env=env, timeout=300)
+        rc = ctl.wait(120)
+        rec = json_of(who.run([agnsup, "receipts", "--json"], env=env, timeout=120)) or []
+        k1 = next((x for x in rec if x.get("cell_id") == "k1"), {})
+        left = subprocess.run(["pgrep", "-u", str(who.uid), "-f", "sleep 300"], capture_output=True, text=True).stdout.split()
+        ok = cc.returncode == 0 and k1.get("state") == "cancelled" and not left
+        status = "PASS" if ok else "FAIL"
+        detail = (f"cancel exit {cc.returncode} ({(json_of(cc) or {}).get('cancelled')} cancelled), controller exit {rc},"
+                  f" receipt state {k1.get('state')}, sleep left {left or 'none'}")
+    except subprocess.TimeoutExpired as e:
+        detail = f"timed out: {e}"
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()  # our own controller
+            ctl.wait()
+    step(f"cancel[{tag}]", status, uptime() - t, detail)
+    who.run([agnsup, "cleanup", "--run", "default"], env=env, timeout=300)
+
+
+# ----------------------------------------------------------------------------------------- the user session
+
+def make_user(venv: str) -> Who:
+    uid = 4242
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            try:
+                pwd.getpwnam(f"v2l{uid}")
+            except KeyError:
+                break
+        uid += 1
+    name = f"v2l{uid}"
+    subprocess.run(["useradd", "-m", "-u", str(uid), "-U", "-s", "/bin/bash", name], check=True)
+    # the interpreter and the tree may sit under a root-only home: o+x on their directories (guest overlay only)
+    for p in (os.path.realpath(f"{venv}/bin/python"), venv, SRC):
+        d = p if os.path.isdir(p) else os.path.dirname(p)
+        while d != "/":
+            mode = os.stat(d).st_mode
+            if not mode & 0o001:
+                os.chmod(d, mode | 0o001)
+            d = os.path.dirname(d)
+    return Who(name)
+
+
+def start_session(who: Who) -> str:
+    t = uptime()
+    cp = subprocess.run(["systemctl", "start", f"user@{who.uid}.service"], capture_output=True, text=True, timeout=120)
+    u = f"/sys/fs/cgroup/user.slice/user-{who.uid}.slice/user@{who.uid}.service"
+    try:
+        owner = pwd.getpwuid(os.stat(u).st_uid).pw_name
+        ctrls = open(f"{u}/cgroup.controllers").read().strip()
+    except OSError as e:
+        owner, ctrls = "?", str(e)
+    ok = cp.returncode == 0 and owner == who.name
+    step("user_session", "PASS" if ok else "FAIL", uptime() - t,
+         f"user@{who.uid}.service: {last_line(cp) if cp.returncode else 'active'}; {u} owned by {owner}, controllers [{ctrls}]")
+    return u
+
+
+def s_unshare(who: Who) -> None:
+    t = uptime()
+    cp = who.run(["unshare", "-Urm", "--", "sh", "-c", "id -u; cat /proc/self/uid_map"], timeout=60)
+    ok = cp.returncode == 0 and cp.stdout.split()[:1] == ["0"]
+    step("userns[user]", "PASS" if ok else "FAIL", uptime() - t,
+         f"unshare -Urm as {who.name}: " + (" ".join(cp.stdout.split()) if ok else last_line(cp)))
+
+
+SCOPE_PROBE = r"""
+import json, os, subprocess, sys
+rel = open("/proc/self/cgroup").read().split("::")[1].strip()
+d = "/sys/fs/cgroup" + rel
+own = {f: os.stat(os.path.join(d, f)).st_uid == os.getuid() for f in ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads")}
+cp = subprocess.run([sys.argv[1], "doctor", "--json"], capture_output=True, text=True,
+                    env={**os.environ, "AGNSUP_CGROUP_BASE": rel})
+try:
+    layout = json.loads(cp.stdout)["cgroup"]["layout"]
+except (ValueError, KeyError):
+    layout = "no JSON: " + (cp.stderr.strip().splitlines() or ["?"])[-1]
+print(json.dumps({"cgroup": rel, "owned": all(own.values()), "controllers": open(d + "/cgroup.controllers").read().split(),
+                  "doctor_layout_with_base": layout}))
+"""
+
+
+def s_scope(agnsup: str, venv: str, who: Who, tag: str) -> None:
+    """A transient scope with Delegate=yes, as phase B would ask systemd for one: its cost, what it
+    gives, and what doctor says with AGNSUP_CGROUP_BASE naming it."""
+    user = ["--user"] if who.name else []
+    run = ["systemd-run", *user, "--scope", "--quiet", "--collect", "-p", "Delegate=yes", "--"]
+    costs = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        cp = who.run([*run, "/bin/true"], timeout=120)
+        costs.append(time.monotonic() - t0)
+    t = uptime()
+    cp = who.run([*run, f"{venv}/bin/python", "-c", SCOPE_PROBE, agnsup], timeout=300)
+    got = json_of(cp)
+    cost = sorted(costs)[1]
+    if got is None:
+        step(f"scope[{tag}]", "FAIL", uptime() - t, f"systemd-run {' '.join(user)} --scope -p Delegate=yes: {last_line(cp)}")
+        return
+    step(f"scope[{tag}]", "PASS" if got["owned"] else "FAIL", uptime() - t,
+         f"systemd-run {' '.join(user)} --scope -p Delegate=yes /bin/true: {cost * 1000:.0f} ms (median of 3);"
+         f" {got['cgroup']} owned: {got['owned']}, controllers [{' '.join(got['controllers'])}]")
+    ok = got["doctor_layout_with_base"] == "v2"
+    step(f"doctor_in_scope[{tag}]", "PASS" if ok else "FAIL", 0,
+         f"AGNSUP_CGROUP_BASE={got['cgroup']} agnsup doctor: layout {got['doctor_layout_with_base']}")
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+FACTS: dict = {}
+SRC = ""
+
+
+def main() -> int:
+    global SRC
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--venv", required=True)
+    ap.add_argument("--src", required=True)
+    ap.add_argument("--pytest", default="", help="pytest arguments, one shell-quoted string ('' skips pytest)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=5150)
+    ap.add_argument("--isolation-user", type=int, default=65534)
+    a = ap.parse_args()
+    SRC = a.src
+    agnsup = f"{a.venv}/bin/agnsup"
+    init = open("/proc/1/comm").read().strip()
+    FACTS.update(kernel=os.uname().release, pid1=init, nofile_soft=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                 cgroup=open("/proc/self/cgroup").read().strip(),
+                 root_subtree_control=open("/sys/fs/cgroup/cgroup.subtree_control").read().strip(),
+                 cpus=os.cpu_count())
+    print(f"=== v2lane guest: {FACTS}", flush=True)
+    root = Who()
+    os.chdir(a.src)
+    if init != "systemd":
+        s_doctor(agnsup, root, "root")
+        if a.pytest:
+            s_pytest(a.venv, a.src, shlex.split(a.pytest))
+        s_isolation(agnsup, root, "root")
+        if a.isolation_user >= 0:
+            make_user(a.venv)  # only for the o+x on the interpreter's path; the cells run as the uid given
+            s_isolation(agnsup, root, f"uid{a.isolation_user}", a.isolation_user)
+        if a.runs:
+            s_blackout(agnsup, root, "root", a.runs, a.seed)
+    else:
+        for who, tag in ((root, "systemd-root"), (None, "user")):
+            if who is None:  # a normal user in a session of its own
+                who = make_user(a.venv)
+                start_session(who)
+                s_unshare(who)
+            s_doctor(agnsup, who, tag)
+            s_scope(agnsup, a.venv, who, tag)
+            s_cells(agnsup, who, tag)
+            s_isolation(agnsup, who, tag)
+            if a.runs:
+                s_blackout(agnsup, who, tag, 1, a.seed)
+    bad = [s for s in STEPS if s["status"] != "PASS"]
+    print(f"=== v2lane guest: {len(STEPS) - len(bad)}/{len(STEPS)} steps PASS", flush=True)
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

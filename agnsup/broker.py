@@ -307,7 +307,12 @@ class Controller:
                 return (tuple(child) if cell.stdin else None), None
             else:
                 dst = {1: 1, 2: 2}
-            pump = self._pump(cell, cap, child, dst, owned)  # fills in the cell's ends
+            # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
+            # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
+            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n)]
+            if len(direct) == 2:
+                return (tuple(child) if cell.stdin else None), None
+            pump = self._pump(cell, cap, child, dst, owned, direct)  # fills in the cell's ends
             return tuple(child), pump
         except BaseException:
             if cell.input is not None:
@@ -321,7 +326,7 @@ class Controller:
                 os.close(fd)
             raise
 
-    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list) -> object:
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list) -> object:
         """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
         from .output import Pump, Tape
         tape = None
@@ -331,14 +336,15 @@ class Controller:
                          "tty": os.path.join(d, "stdout")})
         ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
         pump = Pump(cap, "pty" if ttys or cell.pty else "pipe", tape)
+        pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
         try:
-            return self._fill_pump(cell, pump, ttys, child, dst, owned)
+            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct)
         except BaseException:
             pump.close()
             raise
 
     @staticmethod
-    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list) -> object:
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list) -> object:
         from .output import Input
         if cell.pty is not None:
             # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
@@ -359,8 +365,13 @@ class Controller:
                 child[n] = slave
             owned.append(slave)
             pump.add("tty", master, ttys[0])
+        if not cell.capture and not ttys and not direct and _same_file(1, 2):
+            r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
+            child[1] = child[2] = w
+            owned.append(w)
+            pump.add("stdout", r, 1)
         for n, name in ((1, "stdout"), (2, "stderr")):
-            if child[n] is None:
+            if child[n] is None and n not in direct:
                 r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
                 child[n] = w
                 owned.append(w)
@@ -449,6 +460,26 @@ class Controller:
         if ends:
             self._ended = True
         return receipt
+
+
+def _users_own(fd: int) -> bool:
+    """The controller's `fd` is a regular file, /dev/null or a pipe: handed to the cell as it is."""
+    import stat
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        return True
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
+
+
+def _same_file(a: int, b: int) -> bool:
+    try:
+        x, y = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
 
 
 def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True) -> tuple[int, int]:

@@ -58,6 +58,7 @@ class Pump:
     def __init__(self, cap: int | None, via: str, tape: "Tape | None" = None):
         self.cap, self.via = cap, via  # via: pipe | pty
         self.tape = tape        # a live cell: what read_output serves
+        self.direct: list[str] = []  # streams the cell writes to the user's own file/pipe (not pumped)
         self.streams: list[Stream] = []
         self.total = 0          # bytes the cell wrote that we read (up to cap + 1)
         self.overflowed = False
@@ -187,6 +188,8 @@ class Pump:
                 out[s.name + "_broken"] = s.broken
         if self.incomplete:
             out["incomplete"] = True
+        if self.direct:
+            out["direct"] = self.direct
         return out
 
 

@@ -10,6 +10,7 @@ function calling, is generated from that type.
 from __future__ import annotations
 
 import os
+import sys
 import signal
 
 from .errors import AgnsupError, UsageError, as_value
@@ -108,6 +109,8 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
         if caught:
             on_wake()
         receipt = ctl.finish(cell, waiter.wait(on_wake))
+        if request.entry == "cli":
+            _say_why_stopped(receipt, cell.plan)
     finally:
         if forward_signals:
             signal.set_wakeup_fd(old_wake)
@@ -116,6 +119,23 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
             os.close(wake_r)
             os.close(wake_w)
     return ended(receipt, cell.plan.cell_dir, request)
+
+
+# A limit that stopped the cell: the key a user would look up, and where its value is.
+_STOPPED_BY = {"output_limit": ("limits.output_max", lambda plan: plan.limits.get("output_max"), " bytes"),
+               "oom": ("limits.memory_max", lambda plan: plan.limits.get("memory_max"), " bytes"),
+               "timeout": ("timeout", lambda plan: plan.timeout, " s")}
+
+
+def _say_why_stopped(receipt: dict, plan) -> None:
+    """The CLI's one stderr line when agnsup stopped the cell for a limit: reason, key, value
+    (a killed cell must not look like a crash or an OOM of the command's own)."""
+    why = _STOPPED_BY.get(receipt.get("reason"))
+    if why is None:
+        return
+    key, value, unit = why
+    sys.stderr.write(f"agnsup: cell {receipt['cell_id']} stopped: {receipt['reason']} ({key} = {value(plan)}{unit})\n")
+    sys.stderr.flush()
 
 
 def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:

@@ -92,9 +92,15 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[sig] = signal.signal(sig, lambda n, _f: caught.append(n))
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    cell = None
     try:
         cell = ctl.start(prepared, capture=request.capture)
         waiter = ctl.waiter(cell, wake_r)
+        user_tty = cell.pump.terminal if cell.pump is not None else None
+        if forward_signals and user_tty is not None:
+            # the user's terminal changes size: so does the cell's pty (the kernel sends it SIGWINCH)
+            old[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, lambda n, _f: caught.append(n))
+            user_tty.follow_size()  # a resize before the handler was in place
 
         def on_wake():
             try:
@@ -104,6 +110,9 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
                 pass
             while caught:
                 n = caught.pop(0)
+                if n == signal.SIGWINCH:
+                    user_tty.follow_size()
+                    continue
                 waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller (pid {os.getpid()})")
 
         if caught:
@@ -112,6 +121,8 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
         if request.entry == "cli":
             _say_why_stopped(receipt, cell.plan)
     finally:
+        if cell is not None and cell.pump is not None and cell.pump.terminal is not None:
+            cell.pump.terminal.restore()  # every exit path gives the user their terminal back
         if forward_signals:
             signal.set_wakeup_fd(old_wake)
             for sig, h in old.items():

@@ -168,8 +168,11 @@ def test_the_output_cap_still_stops_a_streamed_cell_and_the_file_holds_what_was_
         sup, worktree, policy_dir, monkeypatch, state):
     write_role(policy_dir, "capped", limits__output_max='"64K"')
     monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
-    h = sup.spawn(["sh", "-c", "echo start >&2; yes"], role="capped", workdir=worktree, stream=True)
+    h = sup.spawn(["sh", "-c", "echo start >&2; read go; yes"], role="capped", workdir=worktree, stream=True,
+                  stdin=True)
     r = Reader(sup, h)
+    r.until(b"start\n")  # stderr counts against the cap too: in before the flood
+    sup.write_stdin(h["run_id"], h["cell_id"], b"go\n")
     res = sup.wait(h["run_id"], h["cell_id"], 30)
     data = r.to_end()
     assert res["reason"] == "output_limit" and len(data) == 64 * 1024

@@ -439,6 +439,9 @@ class Tape:
                 if stream not in fds:
                     fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
                 chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
+        except OSError as e:
+            from .errors import StateError
+            raise StateError(f"the captured output is gone ({self.files.get(stream)}: {e.strerror})") from None
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -235,3 +235,23 @@ def test_serve_ops_carry_live_io_and_spawn_follow_prints_the_output(agnsup, tmp_
         assert json.loads(handle)["cell_id"].startswith("c-") and rest == "e1\n"
     finally:
         s.close()
+
+
+def test_spawn_follow_sends_ctrl_c_to_the_cell_and_exits_with_its_status(agnsup, tmp_path, worktree):
+    import signal
+    import subprocess
+
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        p = agnsup.popen("spawn", "--follow", "--workdir", worktree, "--", "sh", "-c",
+                         f"trap 'echo interrupted; exit 4' INT; echo ready; {LOOP}",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        assert p.stdout.readline() == b"ready\n"
+        p.send_signal(signal.SIGINT)  # as ^C at the client's terminal would
+        assert p.stdout.readline() == b"interrupted\n"
+        assert p.wait(60) == 4
+        p.stdout.close()
+        p.stderr.close()
+    finally:
+        s.close()

@@ -38,6 +38,9 @@ def run_process(argv: list[str], *, state_dir: str | None = None, forward_signal
 
     options.setdefault("entry", "tool")
     request = CellRequest.make(argv, **options)  # every argument checked before anything exists
+    if request.stdin:
+        raise UsageError("stdin: run_process waits for the cell, so nobody could write its stdin; "
+                         "use Supervisor.spawn (or serve's spawn) and write_stdin")
     state = StateRoot(state_dir)
     state.ensure()
     journal = state.journal()
@@ -94,7 +97,7 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     cell = None
     try:
-        cell = ctl.start(prepared, capture=request.capture)
+        cell = ctl.start(prepared, capture=request.capture, pty=request.pty, stream=request.stream)
         waiter = ctl.waiter(cell, wake_r)
         user_tty = cell.pump.terminal if cell.pump is not None else None
         if forward_signals and user_tty is not None:

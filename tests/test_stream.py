@@ -255,3 +255,12 @@ def test_spawn_follow_sends_ctrl_c_to_the_cell_and_exits_with_its_status(agnsup,
         p.stderr.close()
     finally:
         s.close()
+
+
+def test_run_process_runs_a_cell_under_a_pty_and_refuses_stdin(state, worktree):
+    from agnsup.tool import run_process
+    res = run_process(["sh", "-c", "test -t 1 && stty size"], state_dir=state, workdir=worktree,
+                      pty={"cols": 90, "rows": 20})
+    assert res["exit_code"] == 0 and res["stdout"] == "20 90\r\n"
+    with pytest.raises(UsageError, match="nobody could write its stdin"):
+        run_process(["cat"], state_dir=state, workdir=worktree, stdin=True)

@@ -10,6 +10,7 @@ import select
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 
@@ -18,12 +19,15 @@ from conftest import BIN
 from agnsup.selftest.probes import TTY_INJECTION
 
 
+BACKGROUND = "import subprocess, sys\nsys.exit(subprocess.Popen(sys.argv[1:], process_group=0).wait())\n"
+
+
 def _size(fd, rows, cols):
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 class UserTerminal:
-    def __init__(self, agnsup, *args, rows=30, cols=100):
+    def __init__(self, agnsup, *args, rows=30, cols=100, background=False):
         self.master, slave = os.openpty()
         _size(self.master, rows, cols)
         self.slave_path = os.ttyname(slave)
@@ -32,7 +36,10 @@ class UserTerminal:
 
         def take_terminal():  # in the child: a new session whose controlling terminal is this pty
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        self.p = subprocess.Popen([BIN, "run", *args], env=agnsup.env, stdin=slave, stdout=slave, stderr=slave,
+        argv = [BIN, "run", *args]
+        if background:  # a session leader that starts agnsup in a process group of its own, as `&` would
+            argv = [sys.executable, "-c", BACKGROUND, *argv]
+        self.p = subprocess.Popen(argv, env=agnsup.env, stdin=slave, stdout=slave, stderr=slave,
                                   start_new_session=True, preexec_fn=take_terminal)
         self.slave = slave  # kept open: the modes are read from it after agnsup ends
 
@@ -108,3 +115,13 @@ def test_ctrl_c_typed_at_the_terminal_interrupts_the_cell_not_agnsup(agnsup, wor
     finally:
         code = t.end()
     assert code == 4 and t.now == t.modes
+
+
+def test_a_background_agnsup_leaves_the_terminal_alone(agnsup, worktree):
+    # taking the terminal (raw mode) from a background group would stop agnsup with SIGTTOU
+    t = UserTerminal(agnsup, "--workdir", worktree, "--", "sh", "-c", "echo done", background=True)
+    try:
+        t.until(b"done")
+    finally:
+        code = t.end()
+    assert code == 0 and t.now == t.modes

@@ -330,4 +330,17 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
         finally:
             signal.signal(signal.SIGINT, old)
         c.close()
+        _say_why_stopped(res.get("receipt"))
         return res["exit_code"]
+
+
+def _say_why_stopped(receipt_path: str | None) -> None:
+    """As `agnsup run` does: one stderr line when a limit stopped the cell (its receipt says which)."""
+    from .tool import stopped_line
+    try:
+        with open(receipt_path) as f:
+            line = stopped_line(json.load(f))
+    except (OSError, TypeError, ValueError):
+        return
+    if line:
+        print(line, file=sys.stderr, flush=True)

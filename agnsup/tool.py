@@ -122,7 +122,7 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
             on_wake()
         receipt = ctl.finish(cell, waiter.wait(on_wake))
         if request.entry == "cli":
-            _say_why_stopped(receipt, cell.plan)
+            _say_why_stopped(receipt)
     finally:
         if cell is not None and cell.pump is not None and cell.pump.terminal is not None:
             cell.pump.terminal.restore()  # every exit path gives the user their terminal back
@@ -135,21 +135,28 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
     return ended(receipt, cell.plan.cell_dir, request)
 
 
-# A limit that stopped the cell: the key a user would look up, and where its value is.
-_STOPPED_BY = {"output_limit": ("limits.output_max", lambda plan: plan.limits.get("output_max"), " bytes"),
-               "oom": ("limits.memory_max", lambda plan: plan.limits.get("memory_max"), " bytes"),
-               "timeout": ("timeout", lambda plan: plan.timeout, " s")}
+# A limit that stopped the cell: the key a user would look up, its value in the receipt, its unit.
+_STOPPED_BY = {"output_limit": ("limits.output_max", "output_max", " bytes"),
+               "oom": ("limits.memory_max", "memory_max", " bytes"),
+               "timeout": ("timeout", "timeout", " s")}
 
 
-def _say_why_stopped(receipt: dict, plan) -> None:
-    """The CLI's one stderr line when agnsup stopped the cell for a limit: reason, key, value
+def stopped_line(receipt: dict) -> str | None:
+    """One line for the user when agnsup stopped the cell for a limit: reason, key, value
     (a killed cell must not look like a crash or an OOM of the command's own)."""
     why = _STOPPED_BY.get(receipt.get("reason"))
     if why is None:
-        return
-    key, value, unit = why
-    sys.stderr.write(f"agnsup: cell {receipt['cell_id']} stopped: {receipt['reason']} ({key} = {value(plan)}{unit})\n")
-    sys.stderr.flush()
+        return None
+    key, field, unit = why
+    return (f"agnsup: cell {receipt['cell_id']} stopped: {receipt['reason']} "
+            f"({key} = {(receipt.get('limits') or {}).get(field)}{unit})")
+
+
+def _say_why_stopped(receipt: dict) -> None:
+    line = stopped_line(receipt)
+    if line:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:

@@ -233,6 +233,9 @@ def test_serve_ops_carry_live_io_and_spawn_follow_prints_the_output(agnsup, tmp_
         assert cp.out == "o1\n"
         handle, rest = cp.err.split("\n", 1)
         assert json.loads(handle)["cell_id"].startswith("c-") and rest == "e1\n"
+        cp = agnsup("spawn", "--follow", "--timeout", "0.3", "--workdir", worktree, "--", "sleep", "30", check=124)
+        cell = json.loads(cp.err.split("\n", 1)[0])["cell_id"]
+        assert cp.err.split("\n")[1] == f"agnsup: cell {cell} stopped: timeout (timeout = 0.3 s)"
     finally:
         s.close()
 

@@ -307,7 +307,8 @@ class Controller:
             else:
                 # At a terminal the cell gets a pty of its own as stdin and controlling
                 # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
-                cell.controlling_tty = not cell.stdin and _at_a_terminal()
+                from .output import at_a_terminal
+                cell.controlling_tty = not cell.stdin and at_a_terminal()
                 if cap is None and not cell.controlling_tty:
                     return (tuple(child) if cell.stdin else None), None
                 dst = {1: 1, 2: 2}
@@ -474,18 +475,6 @@ class Controller:
         if ends:
             self._ended = True
         return receipt
-
-
-def _at_a_terminal() -> bool:
-    """Our stdin is a terminal we may take over: in its foreground group (a background job,
-    `agnsup run ... &`, would be stopped by SIGTTOU/SIGTTIN: it keeps the terminal as it is),
-    or a terminal that is not our controlling one (no job control applies)."""
-    if not os.isatty(0):
-        return False
-    try:
-        return os.tcgetpgrp(0) == os.getpgrp()
-    except OSError:
-        return True
 
 
 def _users_own(fd: int) -> bool:

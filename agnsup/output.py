@@ -331,6 +331,18 @@ class Pump:
         return out
 
 
+def at_a_terminal() -> bool:
+    """Our stdin is a terminal we may take over: in its foreground group (a background job,
+    `agnsup run ... &`, would be stopped by SIGTTOU/SIGTTIN: it keeps the terminal as it is),
+    or a terminal that is not our controlling one (no job control applies)."""
+    if not os.isatty(0):
+        return False
+    try:
+        return os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return True
+
+
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe `fd` (FIONREAD)."""
     import fcntl

@@ -300,38 +300,84 @@ def main_spawn(state_dir: str | None, socket_path: str | None, argv: list[str], 
 def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str], options: dict) -> int:
     """`agnsup spawn --follow`: spawn a streamed cell, print its output as it comes (stdout and
     tty to stdout, stderr to stderr), return its exit code. The handle goes to stderr as one
-    JSON line. ^C (SIGINT here) is sent on to the cell's process group; the cell decides."""
+    JSON line. ^C (SIGINT here) is sent on to the cell's process group; the cell decides.
+
+    At a terminal (as `agnsup run` there): the cell gets a pty of the terminal's size and
+    stdin; our terminal goes raw and its keys go to the cell (^C too, as a byte its pty
+    turns into SIGINT), a resize here resizes the cell's pty; our modes come back at the end."""
+    from .output import at_a_terminal
     from .state import StateRoot
     path = socket_path or default_socket(StateRoot(state_dir).path)
+    interactive = at_a_terminal() and os.isatty(1)
+    if interactive:
+        size = os.get_terminal_size(0)
+        options = {**options, "stdin": True, "pty": {"cols": size.columns, "rows": size.lines}}
     with Client(path) as c:
         h = c.call("spawn", **spawn_request(argv, {**options, "stream": True}))
         print(json.dumps(h), file=sys.stderr, flush=True)
         ids = {"run_id": h["run_id"], "cell_id": h["cell_id"]}
-        sinks = {"stdout": sys.stdout.buffer, "tty": sys.stdout.buffer, "stderr": sys.stderr.buffer}
-        since = 0
 
-        def on_interrupt(_n, _f):
-            # runs between two steps of the loop below (the read it interrupted resumes,
-            # PEP 475): the signal goes on a connection of its own
-            with Client(path) as side:
-                side.call("signal", **ids, sig="INT")
-        old = signal.signal(signal.SIGINT, on_interrupt)
+        def side_call(op: str, **args) -> None:
+            # from a signal handler or the keyboard thread: a connection of its own (the
+            # main loop's may hold half an answer); the read it interrupted resumes (PEP 475)
+            try:
+                with Client(path) as side:
+                    side.call(op, **ids, **args)
+            except AgnsupError:
+                pass  # the cell ended meanwhile
+        handlers = {signal.SIGINT: lambda *_: side_call("signal", sig="INT")}
+        if interactive:
+            handlers[signal.SIGWINCH] = lambda *_: side_call("resize", cols=os.get_terminal_size(0).columns,
+                                                             rows=os.get_terminal_size(0).lines)
+        old = {n: signal.signal(n, fn) for n, fn in handlers.items()}
+        modes = _keyboard_to(path, ids) if interactive else None
         try:
-            while True:
-                out = c.call("output", **ids, since=since, timeout=1.0)
-                for chunk in out["chunks"]:
-                    sink = sinks[chunk["stream"]]
-                    sink.write(base64.b64decode(chunk["data_b64"]))
-                    sink.flush()
-                since = out["next"]
-                if out["ended"]:
-                    break
-            res = c.call("wait", **ids)
+            res = _follow(c, ids)
         finally:
-            signal.signal(signal.SIGINT, old)
+            if modes is not None:
+                import termios
+                termios.tcsetattr(0, termios.TCSADRAIN, modes)
+            for n, fn in old.items():
+                signal.signal(n, fn)
         c.close()
         _say_why_stopped(res.get("receipt"))
         return res["exit_code"]
+
+
+def _follow(c: "Client", ids: dict) -> dict:
+    """Print the cell's output until it ended; its result."""
+    sinks = {"stdout": sys.stdout.buffer, "tty": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+    since = 0
+    while True:
+        out = c.call("output", **ids, since=since, timeout=1.0)
+        for chunk in out["chunks"]:
+            sink = sinks[chunk["stream"]]
+            sink.write(base64.b64decode(chunk["data_b64"]))
+            sink.flush()
+        since = out["next"]
+        if out["ended"]:
+            return c.call("wait", **ids)
+
+
+def _keyboard_to(path: str, ids: dict):
+    """Our terminal raw, and a thread sending what is typed to the cell's stdin; the saved modes."""
+    import termios
+    import tty
+    modes = termios.tcgetattr(0)
+    tty.setraw(0, termios.TCSANOW)
+
+    def keys() -> None:
+        try:
+            with Client(path) as side:
+                while True:
+                    data = os.read(0, 4096)
+                    side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=not data)
+                    if not data:
+                        return
+        except (AgnsupError, OSError):
+            return  # the cell ended (its stdin is closed), or our terminal went away
+    threading.Thread(target=keys, name="agnsup-keys", daemon=True).start()
+    return modes
 
 
 def _say_why_stopped(receipt_path: str | None) -> None:

@@ -27,7 +27,7 @@ def _size(fd, rows, cols):
 
 
 class UserTerminal:
-    def __init__(self, agnsup, *args, rows=30, cols=100, background=False):
+    def __init__(self, agnsup, *args, rows=30, cols=100, background=False, command=("run",)):
         self.master, slave = os.openpty()
         _size(self.master, rows, cols)
         self.slave_path = os.ttyname(slave)
@@ -36,7 +36,7 @@ class UserTerminal:
 
         def take_terminal():  # in the child: a new session whose controlling terminal is this pty
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        argv = [BIN, "run", *args]
+        argv = [BIN, *command, *args]
         if background:  # a session leader that starts agnsup in a process group of its own, as `&` would
             argv = [sys.executable, "-c", BACKGROUND, *argv]
         self.p = subprocess.Popen(argv, env=agnsup.env, stdin=slave, stdout=slave, stderr=slave,
@@ -125,3 +125,24 @@ def test_a_background_agnsup_leaves_the_terminal_alone(agnsup, worktree):
     finally:
         code = t.end()
     assert code == 0 and t.now == t.modes
+
+
+def test_spawn_follow_at_a_terminal_is_interactive_like_run(agnsup, tmp_path, worktree):
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        script = ("stty size; echo ready; read x; echo got-$x; trap 'stty size; exit 3' WINCH; echo armed; "
+                  "while :; do sleep 0.05; done")
+        t = UserTerminal(agnsup, "--workdir", worktree, "--", "sh", "-c", script, command=("spawn", "--follow"))
+        try:
+            t.until(b"30 100\r\nready\r\n")  # a pty of our terminal's size, through serve
+            t.type(b"hi\r")  # keys go to the cell's stdin op
+            t.until(b"got-hi\r\n")
+            t.until(b"armed\r\n")
+            _size(t.master, 40, 120)  # SIGWINCH here: the resize op
+            t.until(b"40 120\r\n")
+        finally:
+            code = t.end()
+        assert code == 3 and t.now == t.modes
+    finally:
+        s.close()

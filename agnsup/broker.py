@@ -63,7 +63,13 @@ class Cell(Record):
     lock_path: str | None = None
     child: object = None
     capture: bool = False
-    pump: object = None          # output.Pump when the role caps output
+    stdin: bool = False          # fd 0 is a pipe (or the pty) the supervisor writes: `input`
+    pty: dict | None = None      # {"cols", "rows"}: fds 0-2 and the controlling terminal are a pty
+    stream: bool = False         # the pump keeps a Tape for read_output (implied by pty)
+    pump: object = None          # output.Pump when the role caps output or the cell is live
+    input: object = None         # output.Input: the supervisor's end of the cell's fd 0
+    terminal: object = None      # output.Input on the pty's master (pty cells)
+    controlling_tty: bool = False  # agnsup run at a terminal: the cell's pty is its controlling terminal
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
 
@@ -75,7 +81,7 @@ class Cell(Record):
                              lock_path=self.lock_path, lock_fd=self.lock_fd)
 
     def output_info(self) -> dict:
-        from .digest import sha256
+        from .digest import file_sha256
         out = {"mode": "captured" if self.capture else "passthrough"}
         out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
         if not self.capture:
@@ -84,8 +90,8 @@ class Cell(Record):
             p = os.path.join(self.plan.cell_dir, name)
             try:
                 with open(p, "rb") as f:
-                    data = f.read()
-                out[name] = {"bytes": len(data), "sha256": sha256(data).hexdigest(), "path": p}
+                    size, digest = file_sha256(f)
+                out[name] = {"bytes": size, "sha256": digest, "path": p}
             except OSError:
                 out[name] = None
         return out
@@ -146,11 +152,13 @@ class Controller:
                 self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, prepared: Prepared, capture: bool = False, notify=None) -> Cell:
+    def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
+              pty: dict | None = None, stream: bool = False) -> Cell:
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
-                    trail=prepared.trail, trace=prepared.trace, capture=capture)
+                    trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
+                    stdin=stdin, pty=pty, stream=stream or pty is not None)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
         cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
                                      f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
@@ -169,7 +177,8 @@ class Controller:
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = self._stdio(cell)
             try:
-                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker)
+                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
+                                              ctty=cell.pty is not None or cell.controlling_tty)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -269,41 +278,122 @@ class Controller:
         controller's stdio (run) or the log files (capture). With a cap it
         writes pipes the supervisor pumps, counting bytes; a terminal on the
         controller's side becomes a pty of the cell's own, so isatty() still
-        holds for the command but it never holds the user's terminal for output."""
+        holds for the command but it never holds the user's terminal for output.
+        A live cell (stream, pty) is always pumped into its log files, keeping a
+        Tape; `stdin` makes fd 0 a pipe whose write end is `cell.input`."""
+        from .output import Input
         cap = cell.plan.limits.get("output_max")
-        stdin = None
-        if cell.capture:
-            d = cell.plan.cell_dir
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600), 2: os.open(os.path.join(d, "stderr"), flags, 0o600)}
-            if cap is None:
-                return (stdin, dst[1], dst[2]), None
-        elif cap is None:
-            return None, None
-        else:
-            dst = {1: 1, 2: 2}
-        from .output import Pump
-        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
-        pump = Pump(cap, "pty" if ttys else "pipe")
-        child = [stdin, None, None]
+        child: list = [None, None, None]
+        owned: list[int] = []  # closed here if anything fails
         try:
-            if ttys:
-                master, slave = _cell_pty(ttys[0])
-                for n in ttys:
-                    child[n] = slave
-                pump.add("tty", master, ttys[0])
-            for n, name in ((1, "stdout"), (2, "stderr")):
-                if child[n] is None:
-                    r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
-                    child[n] = w
-                    pump.add(name, r, dst[n], own_dst=cell.capture)
+            if cell.stdin and cell.pty is None:
+                r, w = os.pipe()
+                owned += (r, w)
+                child[0] = r
+                cell.input = Input(w, tty=False)
+            elif cell.capture:
+                child[0] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                owned.append(child[0])
+            if cell.capture:
+                d = cell.plan.cell_dir
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600)}
+                owned.append(dst[1])
+                dst[2] = os.open(os.path.join(d, "stderr"), flags, 0o600)
+                owned.append(dst[2])
+                if cap is None and not cell.stream:
+                    child[1], child[2] = dst[1], dst[2]
+                    return tuple(child), None
+            else:
+                # At a terminal the cell gets a pty of its own as stdin and controlling
+                # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
+                from .output import at_a_terminal
+                cell.controlling_tty = not cell.stdin and at_a_terminal()
+                if cap is None and not cell.controlling_tty:
+                    return (tuple(child) if cell.stdin else None), None
+                dst = {1: 1, 2: 2}
+            # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
+            # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
+            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n)]
+            if len(direct) == 2 and not cell.controlling_tty:
+                return (tuple(child) if cell.stdin else None), None
+            pump = self._pump(cell, cap, child, dst, owned, direct)  # fills in the cell's ends
+            return tuple(child), pump
         except BaseException:
-            pump.close()
-            for fd in {fd for fd in child if fd is not None}:
+            if cell.input is not None:
+                if cell.input.fd in owned:
+                    owned.remove(cell.input.fd)
+                cell.input.close()
+            if cell.terminal is not None:
+                cell.terminal.close()
+            cell.input = cell.terminal = None
+            for fd in owned:
                 os.close(fd)
             raise
-        return tuple(child), pump
+
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list) -> object:
+        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
+        from .output import Pump, Tape
+        tape = None
+        if cell.stream:
+            d = cell.plan.cell_dir
+            tape = Tape({"stdout": os.path.join(d, "stdout"), "stderr": os.path.join(d, "stderr"),
+                         "tty": os.path.join(d, "stdout")})
+        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
+        pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
+        pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
+        try:
+            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct)
+        except BaseException:
+            pump.close()
+            raise
+
+    @staticmethod
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list) -> object:
+        from .output import Input
+        if cell.pty is not None:
+            # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
+            master, slave = _cell_pty(None, cell.pty, raw_output=False)
+            child[0] = child[1] = child[2] = slave
+            owned.append(slave)
+            pump.add("tty", master, dst[1], own_dst=True)
+            owned.remove(dst[1])
+            cell.terminal = Input(os.dup(master), tty=True)  # resize; and write_stdin with `stdin`
+            if cell.stdin:
+                cell.input = cell.terminal
+            os.close(dst[2])
+            owned.remove(dst[2])
+            return pump
+        if cell.controlling_tty:
+            from .output import UserTerminal
+            master, slave = _cell_pty(0, raw_output=False, suspend=False)
+            child[0] = slave
+            for n in ttys:
+                child[n] = slave
+            owned.append(slave)
+            pump.add("tty", master, ttys[0] if ttys else 0)  # fd 0 of a terminal is open read-write
+            pump.add("stdin", os.dup(0), os.dup(master), own_dst=True, counted=False, nonblock=False)
+            pump.terminal = UserTerminal(0, os.dup(master))
+        elif ttys:
+            master, slave = _cell_pty(ttys[0])
+            for n in ttys:
+                child[n] = slave
+            owned.append(slave)
+            pump.add("tty", master, ttys[0])
+        if not cell.capture and not ttys and not direct and _same_file(1, 2):
+            r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
+            child[1] = child[2] = w
+            owned.append(w)
+            pump.add("stdout", r, 1)
+        for n, name in ((1, "stdout"), (2, "stderr")):
+            if child[n] is None and n not in direct:
+                r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
+                child[n] = w
+                owned.append(w)
+                pump.add(name, r, dst[n], own_dst=cell.capture)
+                if cell.capture:
+                    owned.remove(dst[n])
+        return pump
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
@@ -357,6 +447,9 @@ class Controller:
 
     def _close_fds(self, cell: Cell) -> None:
         self._stop_egress(cell)
+        for end in (cell.input, cell.terminal):
+            if end is not None:
+                end.close()
         if cell.pump is not None:
             cell.pump.close()
         if cell.place is not None and cell.place.oom_fd is not None:
@@ -384,19 +477,55 @@ class Controller:
         return receipt
 
 
-def _cell_pty(like: int) -> tuple[int, int]:
-    """A pty for the cell's output, sized like the controller's terminal `like`.
+def _users_own(fd: int) -> bool:
+    """The controller's `fd` is a regular file, /dev/null or a pipe: handed to the cell as it is."""
+    import stat
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        return True
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
 
-    Output post-processing is off (no ONLCR) so bytes reach the real terminal
-    unchanged, and it does its own processing there."""
+
+def _same_file(a: int, b: int) -> bool:
+    try:
+        x, y = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True,
+              suspend: bool = True) -> tuple[int, int]:
+    """A pty for the cell, sized like the controller's terminal `like` or `size` ({"cols", "rows"}).
+
+    `raw_output`: output post-processing off (no ONLCR) so bytes reach the real
+    terminal unchanged, and it does its own processing there. A pty that is the
+    cell's whole terminal (request `pty`) keeps a terminal's defaults.
+    `suspend=False`: no ^Z (VSUSP): nothing above the cell does job control, so a
+    stopped cell would hang the user's raw terminal."""
     import fcntl
     import termios
     master, slave = os.openpty()
-    attrs = termios.tcgetattr(slave)
-    attrs[1] &= ~termios.OPOST
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    if raw_output or not suspend:
+        attrs = termios.tcgetattr(slave)
+        if raw_output:
+            attrs[1] &= ~termios.OPOST
+        if not suspend:
+            attrs[6][termios.VSUSP] = b"\0"  # _POSIX_VDISABLE on Linux
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
     try:
-        fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
+        if size is not None:
+            from .output import set_winsize
+            set_winsize(master, size["cols"], size["rows"])
+        else:
+            fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
     except OSError:
-        pass
+        if size is not None:
+            os.close(master)
+            os.close(slave)
+            raise
     return master, slave
+

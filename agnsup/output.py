@@ -13,6 +13,16 @@ first and writes at most PIPE_BUF bytes to a pipe or terminal, which the
 kernel accepts whole once POLLOUT is reported. Regular files take any size.
 If the destination's reader went away (EPIPE), the cell's own pipe is closed
 so the cell gets EPIPE/SIGPIPE on its next write, as it would have directly.
+
+A live cell (request `stream` or `pty`) is always pumped, into its captured
+files, and its pump keeps a Tape: the order of what it read, as (stream,
+offset, length) entries over those files, which read_output serves. The data
+itself is read back from the files (page cache), so the memory a chatty cell
+costs is the index alone, and no chunk is ever lost to a ring: a reader that
+comes late still gets everything from seq 0. Entries nobody has been handed
+yet are merged (same stream, up to CHUNK_MAX), so the index grows with what
+readers ask for, not with the cell's write calls. Input holds what the
+supervisor writes to the cell's fd 0 (write_stdin).
 """
 from __future__ import annotations
 
@@ -22,74 +32,171 @@ import select
 import stat
 
 PIPE_BUF = 4096
-READ_SIZE = 65536
+READ_SIZE = 262144      # one read of a full pipe, mostly
+PIPE_SIZE = 1 << 20     # the cell's pipes (F_SETPIPE_SZ; the default unprivileged maximum)
+SPLICE_SIZE = 1 << 20
+SPLICE_ROUNDS = 8       # splices per wake-up before the loop looks at its other fds again
+SPLICE_F_NONBLOCK = 2   # fcntl.h
+READ_ROUNDS = 16        # reads gathered into one write (a pty gives 4 KiB a read)
+CHUNK_MAX = 65536       # a Tape chunk never grows past this when entries are merged
+STREAMS = ("stdout", "stderr", "tty")
 
 
 class Stream:
-    """One source the cell writes (a pipe or pty master) and where it goes."""
+    """One source the cell writes (a pipe or pty master) and where it goes.
+
+    How it is written (`kind`): "file" (regular: takes any size at once), "nonblock"
+    (a pipe or terminal, through our own O_NONBLOCK open file of it, or one that is
+    non-blocking already: partial writes, EAGAIN, then POLLOUT), "socket" (send with
+    MSG_DONTWAIT), "gated" (anything else: one PIPE_BUF write per POLLOUT, which the
+    kernel takes whole). A pipe into a file or pipe is spliced: no copy through us."""
 
     def __init__(self, name: str, src: int, dst: int, own_dst: bool):
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
+        self.counted = True     # against the cap: what the cell writes, not what the user types
+        self.nonblock = True    # src is ours and O_NONBLOCK: it may be read until EAGAIN
         self.pending = b""
         self.eof = False
         self.bytes = 0          # delivered to the destination's queue (never past the cap)
         self.broken: str | None = None  # why the destination stopped taking bytes
+        self.kind, self.out, self.own_out = _destination(dst)
+        self.sock = None
+        if self.kind == "socket":
+            import socket
+            self.sock = socket.socket(fileno=os.dup(dst))
+        self.splice = _is_fifo(src) and (self.kind == "file" or (self.kind == "nonblock" and _is_fifo(self.out)))
+        self.blocked = False    # splice: the destination is full, waiting for POLLOUT
+
+    def close_out(self) -> None:
+        if self.own_out:
+            os.close(self.out)
+            self.own_out = False
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _is_fifo(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _destination(fd: int) -> tuple[str, int, bool]:
+    """(kind, the fd to write, whether that fd is ours to close) for destination `fd`."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return "gated", fd, False
+    if stat.S_ISREG(st.st_mode):
+        return "file", fd, False
+    if not os.get_blocking(fd):
+        return "nonblock", fd, False  # ours already (a pty master)
+    if stat.S_ISSOCK(st.st_mode):
+        return "socket", fd, False
+    # A pipe or terminal we share with the user: O_NONBLOCK on their open file would
+    # change it for them too, so we open one of our own. Not major 5 (/dev/tty,
+    # /dev/console, /dev/ptmx: reopening those names another terminal, or a new one).
+    if stat.S_ISFIFO(st.st_mode) or (stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) != 5):
         try:
-            regular = stat.S_ISREG(os.fstat(dst).st_mode)
+            own = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError:
-            regular = False
-        self.chunk = READ_SIZE if regular else PIPE_BUF
-        self.gate = not regular  # regular files are always "ready": no POLLOUT round trip
+            return "gated", fd, False
+        return "nonblock", own, True
+    return "gated", fd, False
 
 
 class Pump:
-    def __init__(self, cap: int | None, via: str):
+    def __init__(self, cap: int | None, via: str, tape: "Tape | None" = None):
         self.cap, self.via = cap, via  # via: pipe | pty
+        self.tape = tape        # a live cell: what read_output serves
+        self.direct: list[str] = []  # streams the cell writes to the user's own file/pipe (not pumped)
+        self.terminal: "UserTerminal | None" = None  # agnsup run at a terminal: its modes, its size
+        self.draining = False
         self.streams: list[Stream] = []
         self.total = 0          # bytes the cell wrote that we read (up to cap + 1)
         self.overflowed = False
         self.incomplete = False
 
-    def add(self, name: str, src: int, dst: int, own_dst: bool = False) -> None:
-        os.set_blocking(src, False)
-        self.streams.append(Stream(name, src, dst, own_dst))
+    def add(self, name: str, src: int, dst: int, own_dst: bool = False, counted: bool = True,
+            nonblock: bool = True) -> None:
+        """`nonblock=False`: src shares its open file with someone else (the user's terminal),
+        whose O_NONBLOCK we must not change; it is read only after POLLIN."""
+        if nonblock:
+            os.set_blocking(src, False)
+            if _is_fifo(src):
+                import fcntl
+                try:
+                    fcntl.fcntl(src, fcntl.F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups per byte
+                except OSError:
+                    pass  # above /proc/sys/fs/pipe-max-size for this user: the default
+        s = Stream(name, src, dst, own_dst)
+        s.counted, s.nonblock = counted, nonblock
+        self.streams.append(s)
 
     # -- the poll loop's view ---------------------------------------------
     def interest(self) -> dict[int, int]:
         """{fd: poll mask} this pump wants now."""
         want: dict[int, int] = {}
         for s in self.streams:
-            if s.pending:
-                if s.gate:
-                    want[s.dst] = want.get(s.dst, 0) | select.POLLOUT
+            if not s.counted and self.draining:
+                continue  # the cell is gone: what the user types now has nowhere to go
+            if s.pending or s.blocked:
+                if s.kind != "file":
+                    want[s.out] = want.get(s.out, 0) | select.POLLOUT
             elif not s.eof:
-                want[s.src] = select.POLLIN
+                want[s.src] = want.get(s.src, 0) | select.POLLIN
         return want
-
-    def owns(self, fd: int) -> bool:
-        return any(fd in (s.src, s.dst) for s in self.streams)
 
     def handle(self, fd: int, mask: int) -> None:
         """Move bytes for every stream `fd` belongs to."""
         for s in self.streams:
-            if s.pending and fd == s.dst and mask & (select.POLLOUT | select.POLLERR | select.POLLHUP):
-                self._flush(s)
-            elif not s.pending and not s.eof and fd == s.src:
-                self._read(s)
-                if s.pending and not s.gate:
+            if (s.pending or s.blocked) and fd == s.out and mask & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+                if s.blocked:
+                    s.blocked = False
+                    self._splice(s)
+                else:
                     self._flush(s)
+            elif not s.pending and not s.blocked and not s.eof and fd == s.src:
+                if s.splice:
+                    self._splice(s)
+                    continue
+                self._read(s)
+                if s.pending and s.kind != "gated":
+                    self._flush(s)  # never blocks: a file, or a non-blocking write
 
     def _read(self, s: Stream) -> None:
-        try:
-            data = os.read(s.src, READ_SIZE)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            if e.errno != errno.EIO:  # EIO: a pty master whose slave is closed everywhere
-                raise
-            data = b""
-        if not data:
+        # A pty hands out at most 4 KiB per read: gather a few reads into one write
+        # (fewer polls and writes per byte); a blocking source is read once per POLLIN.
+        parts: list[bytes] = []
+        size, ended = 0, False
+        for _ in range(READ_ROUNDS if s.nonblock else 1):
+            try:
+                b = os.read(s.src, READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno != errno.EIO:  # EIO: a pty master whose slave is closed everywhere
+                    raise
+                b = b""
+            if not b:
+                ended = True
+                break
+            parts.append(b)
+            size += len(b)
+            if size >= READ_SIZE:
+                break
+        if parts:
+            self._take(s, parts[0] if len(parts) == 1 else b"".join(parts))
+        if ended:
             self._close_src(s)
+
+    def _take(self, s: Stream, data: bytes) -> None:
+        """Bytes read from the cell: what of them goes on (the cap), as `s.pending`."""
+        if not s.counted:
+            if s.broken is None:
+                s.pending = memoryview(data)
             return
         if self.overflowed:
             return  # past the cap: read to let the writer die, deliver nothing
@@ -99,30 +206,75 @@ class Pump:
             data = data[:room]
             self.overflowed = True
         if s.broken is None:
-            s.pending = data
+            s.pending = memoryview(data)
+
+    def _splice(self, s: Stream) -> None:
+        """Pipe to file or pipe in the kernel, up to the cap; a few rounds, then back to the loop."""
+        # With another stream of the cell open, one READ_SIZE a turn: the cap is shared, and
+        # what the other stream wrote first must not lose its place to a 1 MiB splice.
+        alone = not any(x is not s and x.counted and not x.eof for x in self.streams)
+        for _ in range(SPLICE_ROUNDS if alone else 1):
+            count = SPLICE_SIZE if alone else READ_SIZE
+            if s.counted and self.cap is not None:
+                if self.overflowed or self.cap <= self.total:
+                    self._read(s)  # at the cap: a byte more is the overflow; or EOF
+                    return
+                count = min(count, self.cap - self.total)
+            try:
+                n = os.splice(s.src, s.out, count, flags=SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                # our pipe is empty, or the destination (a pipe) is full: then wait for POLLOUT
+                s.blocked = s.kind != "file" and _unread(s.src) > 0
+                return
+            except OSError as e:
+                if e.errno == errno.EINVAL and s.bytes == 0:
+                    s.splice = False  # this pair cannot splice (an O_APPEND file...): copy instead
+                    return
+                self._broken(s, e)
+                return
+            if n == 0:
+                self._close_src(s)
+                return
+            if s.counted:
+                self.total += n
+            if self.tape is not None:
+                self.tape.add(s.name, s.bytes, n)
+            s.bytes += n
 
     def _flush(self, s: Stream) -> None:
         while s.pending:
             try:
-                n = os.write(s.dst, s.pending[:s.chunk])
+                if s.kind == "socket":
+                    import socket
+                    n = s.sock.send(s.pending, socket.MSG_DONTWAIT)
+                else:
+                    n = os.write(s.out, s.pending[:PIPE_BUF] if s.kind == "gated" else s.pending)
             except BlockingIOError:
                 return
             except OSError as e:
-                # EPIPE: nobody reads the controller's stdout any more. Hand that on
-                # to the cell: close its pipe so its next write fails the same way.
-                s.broken = errno.errorcode.get(e.errno, str(e.errno))
-                s.pending = b""
-                self._close_src(s)
+                self._broken(s, e)
                 return
+            if self.tape is not None:
+                self.tape.add(s.name, s.bytes, n)  # written to the captured file: now readable
             s.bytes += n
             s.pending = s.pending[n:]
-            if s.gate:
+            if s.kind == "gated":
                 return  # one PIPE_BUF write per POLLOUT: never block the loop
+
+    def _broken(self, s: Stream, e: OSError) -> None:
+        # EPIPE: nobody reads the controller's stdout any more. Hand that on
+        # to the cell: close its pipe so its next write fails the same way.
+        s.broken = errno.errorcode.get(e.errno, str(e.errno))
+        s.pending = b""
+        s.blocked = False
+        self._close_src(s)
 
     def _close_src(self, s: Stream) -> None:
         if not s.eof:
             s.eof = True
             os.close(s.src)
+        if self.tape is not None and all(x.eof and not x.pending for x in self.streams if x.counted):
+            self.tape.close()  # every writer is gone: nothing more will come
 
     # -- after the cell ended ---------------------------------------------
     def drain(self, timeout: float) -> None:
@@ -131,6 +283,7 @@ class Pump:
         Called after the cell's tree is dead, so EOF comes at once; without a
         cgroup a stray writer could hold a pipe open, hence the deadline."""
         import time
+        self.draining = True
         deadline = time.monotonic() + timeout
         p = select.poll()
         while True:
@@ -150,8 +303,13 @@ class Pump:
                 self.handle(fd, mask)
 
     def close(self) -> None:
+        if self.terminal is not None:
+            self.terminal.restore()
+        if self.tape is not None:
+            self.tape.close()
         for s in self.streams:
             self._close_src(s)
+            s.close_out()
             if s.own_dst:
                 try:
                     os.close(s.dst)
@@ -160,7 +318,7 @@ class Pump:
                 s.own_dst = False
 
     def info(self) -> dict:
-        out = {"via": self.via, "limit": self.cap, "bytes": sum(s.bytes for s in self.streams),
+        out = {"via": self.via, "limit": self.cap, "bytes": sum(s.bytes for s in self.streams if s.counted),
                "exceeded": self.overflowed}
         for s in self.streams:
             out[s.name + "_bytes"] = s.bytes
@@ -168,4 +326,209 @@ class Pump:
                 out[s.name + "_broken"] = s.broken
         if self.incomplete:
             out["incomplete"] = True
+        if self.direct:
+            out["direct"] = self.direct
         return out
+
+
+def at_a_terminal() -> bool:
+    """Our stdin is a terminal we may take over: in its foreground group (a background job,
+    `agnsup run ... &`, would be stopped by SIGTTOU/SIGTTIN: it keeps the terminal as it is),
+    or a terminal that is not our controlling one (no job control applies)."""
+    if not os.isatty(0):
+        return False
+    try:
+        return os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return True
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe `fd` (FIONREAD)."""
+    import fcntl
+    import struct
+    import termios
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+class UserTerminal:
+    """The terminal `agnsup run` was started from, while a cell uses a pty of its own through it:
+    raw mode here (every key goes to the cell's pty, whose line discipline does the rest),
+    its size copied to the cell's pty, its modes restored however the cell ends."""
+
+    def __init__(self, fd: int, cell_master: int):
+        import termios
+        import tty
+        self.fd, self.master = fd, cell_master
+        self.saved = termios.tcgetattr(fd)
+        tty.setraw(fd, termios.TCSANOW)
+
+    def follow_size(self) -> None:
+        """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
+        import fcntl
+        import termios
+        if self.master is None:
+            return
+        try:
+            fcntl.ioctl(self.master, termios.TIOCSWINSZ, fcntl.ioctl(self.fd, termios.TIOCGWINSZ, b"\0" * 8))
+        except OSError:
+            pass
+
+    def restore(self) -> None:
+        import termios
+        if self.saved is not None:
+            try:
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            except OSError:
+                pass  # the terminal went away (hangup): nothing to restore
+            self.saved = None
+            os.close(self.master)
+            self.master = None
+
+
+class Tape:
+    """The order of a live cell's output: (stream, offset, length) over its captured files.
+
+    Appended by the pump (the cell's supervising thread), read by any thread
+    (Supervisor.read_output). seq is the entry's index; entries are never
+    dropped, so `since` may be anything from 0."""
+
+    def __init__(self, files: dict[str, str]):
+        import threading
+        from array import array
+        self.files = files                  # stream name -> captured file it is written to
+        self.cond = threading.Condition()
+        self.kind = bytearray()             # STREAMS index per entry
+        self.offset = array("q")
+        self.length = array("q")
+        self.handed = 0                     # entries below this were given to a reader: never merged again
+        self.closed = False
+
+    def add(self, stream: str, offset: int, n: int) -> None:
+        k = STREAMS.index(stream)
+        with self.cond:
+            last = len(self.kind) - 1
+            if last >= self.handed and self.kind[last] == k and self.offset[last] + self.length[last] == offset:
+                grow = min(n, CHUNK_MAX - self.length[last])
+                self.length[last] += grow
+                offset, n = offset + grow, n - grow
+            while n > 0:  # a splice moves up to 1 MiB: chunks stay at most CHUNK_MAX
+                piece = min(n, CHUNK_MAX)
+                self.kind.append(k)
+                self.offset.append(offset)
+                self.length.append(piece)
+                offset, n = offset + piece, n - piece
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def read(self, since: int = 0, timeout: float | None = None, max_bytes: int | None = None) -> dict:
+        """Chunks with seq >= since, waiting up to `timeout` (None: forever) for one.
+
+        At least one chunk comes back when there is one, even past max_bytes
+        (a chunk is at most CHUNK_MAX bytes). `ended`: the cell's output
+        streams are closed and this read reached the end."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.closed or len(self.kind) > since, timeout)
+            total = len(self.kind)
+            end, budget = since, 0
+            while end < total and (max_bytes is None or end == since or budget + self.length[end] <= max_bytes):
+                budget += self.length[end]
+                end += 1
+            self.handed = max(self.handed, end)
+            entries = [(i, STREAMS[self.kind[i]], self.offset[i], self.length[i]) for i in range(since, end)]
+            ended = self.closed and end >= total
+        chunks = []
+        fds: dict[str, int] = {}
+        try:
+            for seq, stream, off, n in entries:
+                if stream not in fds:
+                    fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
+                chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
+        except OSError as e:
+            from .errors import StateError
+            raise StateError(f"the captured output is gone ({self.files.get(stream)}: {e.strerror})") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return {"chunks": chunks, "next": max(end, since), "ended": ended}
+
+
+class Input:
+    """The supervisor's end of a cell's fd 0: a pipe's write end, or a pty master (a dup of it,
+    so the pump closing its own copy never leaves this one pointing at a reused fd number).
+
+    Writers take turns (`turn`); the fd itself is used and closed only under
+    `fd_lock`, held for one non-blocking call at a time, so close() and resize()
+    never wait for a writer the cell does not read from."""
+
+    EOT = b"\x04"  # a pty's default VEOF: at the start of a line, read() returns 0 (termios(3))
+
+    def __init__(self, fd: int, tty: bool):
+        import threading
+        self.fd: int | None = fd
+        self.tty = tty
+        self.turn = threading.Lock()
+        self.fd_lock = threading.Lock()
+        self.eof = False
+        os.set_blocking(fd, False)
+
+    def write(self, data: bytes, eof: bool = False) -> None:
+        """All of `data` (waiting while the cell does not read), then EOF if asked.
+        Raises BrokenPipeError once the cell's end is closed or the cell ended."""
+        with self.turn:
+            if self.eof:
+                raise BrokenPipeError(errno.EPIPE, "stdin was already closed (eof)")
+            view = memoryview(data + (self.EOT if eof and self.tty else b""))
+            while True:
+                with self.fd_lock:
+                    if self.fd is None:
+                        raise BrokenPipeError(errno.EPIPE, "the cell ended")
+                    try:
+                        n = os.write(self.fd, view) if view else 0
+                    except BlockingIOError:
+                        n = None
+                    except OSError as e:
+                        if e.errno == errno.EIO:  # a pty whose cell side is closed everywhere
+                            raise BrokenPipeError(errno.EPIPE, "the cell's terminal is closed") from None
+                        raise
+                    if n is not None:
+                        view = view[n:]
+                    if not view:
+                        if eof and not self.tty:
+                            self.eof = True
+                            self._close()
+                        return
+                    fd = self.fd
+                p = select.poll()
+                p.register(fd, select.POLLOUT)
+                p.poll(200)  # bounded: a close() meanwhile is seen on the next turn
+
+    def resize(self, cols: int, rows: int) -> None:
+        with self.fd_lock:
+            if self.fd is None:
+                raise BrokenPipeError(errno.EPIPE, "the cell ended")
+            set_winsize(self.fd, cols, rows)
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        with self.fd_lock:
+            self._close()
+
+
+def set_winsize(fd: int, cols: int, rows: int) -> None:
+    """TIOCSWINSZ: the kernel sends SIGWINCH to the terminal's foreground process group."""
+    import fcntl
+    import struct
+    import termios
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

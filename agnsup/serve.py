@@ -12,7 +12,15 @@ connection. Every request has "op":
     cancel {cell_id|run_id|agent_id|all, grace} -> {"ok": true, cancelled, cells}
     cleanup {run_id}                      -> {"ok": true, cleaned, items}
     ps     {run_id, all}                  -> {"ok": true, cells: [...]}
+    output {run_id, cell_id, since, timeout, max_bytes}
+                                          -> {"ok": true, chunks: [{seq, stream, data_b64}], next, ended}
+    stdin  {run_id, cell_id, data_b64, eof} -> {"ok": true}
+    signal {run_id, cell_id, sig}         -> {"ok": true}   (sig: INT | TERM | KILL)
+    resize {run_id, cell_id, cols, rows}  -> {"ok": true}
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
+
+Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
+"stream"; bytes travel as base64 in "data_b64".
 
 Errors: {"ok": false, "error": one line, "exit_code": the CLI's exit code}.
 Before a response may come {"note": line} lines (e.g. waiting for a worktree
@@ -20,6 +28,7 @@ lock); the client prints them on stderr.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -232,6 +241,26 @@ class Server:
     def op_ps(self, req: dict, note) -> dict:
         return {"cells": self.sup.list(req.get("run_id"), bool(req.get("all")))}
 
+    def op_output(self, req: dict, note) -> dict:
+        out = self.sup.read_output(req["run_id"], req["cell_id"], req.get("since", 0), req.get("timeout"),
+                                   req.get("max_bytes"))
+        out["chunks"] = [{"seq": c["seq"], "stream": c["stream"], "data_b64": base64.b64encode(c["data"]).decode()}
+                         for c in out["chunks"]]
+        return out
+
+    def op_stdin(self, req: dict, note) -> dict:
+        data = base64.b64decode(req.get("data_b64") or "", validate=True)  # binascii.Error is a ValueError
+        self.sup.write_stdin(req["run_id"], req["cell_id"], data, bool(req.get("eof")))
+        return {}
+
+    def op_signal(self, req: dict, note) -> dict:
+        self.sup.signal(req["run_id"], req["cell_id"], req["sig"])
+        return {}
+
+    def op_resize(self, req: dict, note) -> dict:
+        self.sup.resize(req["run_id"], req["cell_id"], req["cols"], req["rows"])
+        return {}
+
     def op_shutdown(self, req: dict, note) -> dict:
         self.stop.set()
         os.kill(os.getpid(), signal.SIGTERM)  # wakes the accept loop
@@ -266,3 +295,98 @@ def main_spawn(state_dir: str | None, socket_path: str | None, argv: list[str], 
     path = socket_path or default_socket(StateRoot(state_dir).path)
     with Client(path) as c:
         return c.call("spawn", **spawn_request(argv, options))
+
+
+def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str], options: dict) -> int:
+    """`agnsup spawn --follow`: spawn a streamed cell, print its output as it comes (stdout and
+    tty to stdout, stderr to stderr), return its exit code. The handle goes to stderr as one
+    JSON line. ^C (SIGINT here) is sent on to the cell's process group; the cell decides.
+
+    At a terminal (as `agnsup run` there): the cell gets a pty of the terminal's size and
+    stdin; our terminal goes raw and its keys go to the cell (^C too, as a byte its pty
+    turns into SIGINT), a resize here resizes the cell's pty; our modes come back at the end."""
+    from .output import at_a_terminal
+    from .state import StateRoot
+    path = socket_path or default_socket(StateRoot(state_dir).path)
+    interactive = at_a_terminal() and os.isatty(1)
+    if interactive:
+        size = os.get_terminal_size(0)
+        options = {**options, "stdin": True, "pty": {"cols": size.columns, "rows": size.lines}}
+    with Client(path) as c:
+        h = c.call("spawn", **spawn_request(argv, {**options, "stream": True}))
+        print(json.dumps(h), file=sys.stderr, flush=True)
+        ids = {"run_id": h["run_id"], "cell_id": h["cell_id"]}
+
+        def side_call(op: str, **args) -> None:
+            # from a signal handler or the keyboard thread: a connection of its own (the
+            # main loop's may hold half an answer); the read it interrupted resumes (PEP 475)
+            try:
+                with Client(path) as side:
+                    side.call(op, **ids, **args)
+            except AgnsupError:
+                pass  # the cell ended meanwhile
+        handlers = {signal.SIGINT: lambda *_: side_call("signal", sig="INT")}
+        if interactive:
+            handlers[signal.SIGWINCH] = lambda *_: side_call("resize", cols=os.get_terminal_size(0).columns,
+                                                             rows=os.get_terminal_size(0).lines)
+        old = {n: signal.signal(n, fn) for n, fn in handlers.items()}
+        modes = _keyboard_to(path, ids) if interactive else None
+        try:
+            res = _follow(c, ids)
+        finally:
+            if modes is not None:
+                import termios
+                termios.tcsetattr(0, termios.TCSADRAIN, modes)
+            for n, fn in old.items():
+                signal.signal(n, fn)
+        c.close()
+        _say_why_stopped(res.get("receipt"))
+        return res["exit_code"]
+
+
+def _follow(c: "Client", ids: dict) -> dict:
+    """Print the cell's output until it ended; its result."""
+    sinks = {"stdout": sys.stdout.buffer, "tty": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+    since = 0
+    while True:
+        out = c.call("output", **ids, since=since, timeout=1.0)
+        for chunk in out["chunks"]:
+            sink = sinks[chunk["stream"]]
+            sink.write(base64.b64decode(chunk["data_b64"]))
+            sink.flush()
+        since = out["next"]
+        if out["ended"]:
+            return c.call("wait", **ids)
+
+
+def _keyboard_to(path: str, ids: dict):
+    """Our terminal raw, and a thread sending what is typed to the cell's stdin; the saved modes."""
+    import termios
+    import tty
+    modes = termios.tcgetattr(0)
+    tty.setraw(0, termios.TCSANOW)
+
+    def keys() -> None:
+        try:
+            with Client(path) as side:
+                while True:
+                    data = os.read(0, 4096)
+                    side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=not data)
+                    if not data:
+                        return
+        except (AgnsupError, OSError):
+            return  # the cell ended (its stdin is closed), or our terminal went away
+    threading.Thread(target=keys, name="agnsup-keys", daemon=True).start()
+    return modes
+
+
+def _say_why_stopped(receipt_path: str | None) -> None:
+    """As `agnsup run` does: one stderr line when a limit stopped the cell (its receipt says which)."""
+    from .tool import stopped_line
+    try:
+        with open(receipt_path) as f:
+            line = stopped_line(json.load(f))
+    except (OSError, TypeError, ValueError):
+        return
+    if line:
+        print(line, file=sys.stderr, flush=True)

@@ -20,14 +20,64 @@ def _fail(e: AgnsupError):
 
 
 class _Group(click.Group):
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:  # a caller that handles click's exceptions itself (tests)
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("agnsup: interrupted", err=True)
+            sys.exit(130)
+        except click.exceptions.UsageError as e:
+            # one line, as every refusal (click's own form is four)
+            where = f" {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else ""
+            click.echo(f"agnsup{where}: {e.format_message()} (agnsup{where} --help)", err=True)
+            sys.exit(125)
+        except click.exceptions.Abort:
+            click.echo("agnsup: aborted", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.ClickException as e:
+            click.echo(f"agnsup: {e.format_message()}", err=True)
+            sys.exit(125)
+        sys.exit(rv if isinstance(rv, int) else 0)  # standalone_mode=False hands back ctx.exit's code
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except AgnsupError as e:
             _fail(e)
-        except click.exceptions.UsageError as e:
-            e.exit_code = 125
-            raise
+
+
+class _CommandLine(click.Command):
+    """A command that ends in a command line (run, spawn, check): before the first
+    word that is not an option, or before `--`, an option the command does not know
+    is an error, not the command (`run --agent-idd x -- true` must not run
+    `--agent-idd`); after it, everything is the command."""
+
+    def parse_args(self, ctx, args):
+        takes_value, known = set(), set()
+        for p in self.params:
+            if isinstance(p, click.Option):
+                names = p.opts + p.secondary_opts
+                known.update(names)
+                if not p.is_flag and not p.count:
+                    takes_value.update(p.opts)
+        known.update(ctx.help_option_names)
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--" or not a.startswith("-") or a == "-":
+                break
+            name = a.partition("=")[0]
+            if name not in known:
+                import difflib
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                ctx.fail(f"no such option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+                         + "; a command that starts with '-' goes after --")
+            i += 2 if name in takes_value and "=" not in a else 1
+        return super().parse_args(ctx, args)
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
@@ -69,7 +119,8 @@ def _cell_options(f):
     return f
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @_cell_options
 @click.pass_obj
 def run(obj, command, **options):
@@ -97,7 +148,7 @@ def _journal(obj):
 
 
 @main.command()
-@click.option("--run", "run_id", default=None, help="Only this run.")
+@click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
 @click.option("--all", "show_all", is_flag=True, help="Include ended cells.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of cells.")
 @click.pass_obj
@@ -115,8 +166,8 @@ def ps(obj, run_id, show_all, as_json):
 
 
 @main.command()
-@click.option("--run", "run_id", default=None, help="Only this run.")
-@click.option("--cell", "cell_id", default=None, help="Only this cell.")
+@click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
+@click.option("--cell", "--cell-id", "cell_id", default=None, help="Only this cell.")
 @click.option("--recovery", is_flag=True, help="Recovery receipts (written by the janitor).")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of receipts.")
 @click.pass_obj
@@ -154,7 +205,8 @@ def doctor(obj, as_json):
     sys.exit(0 if r["ok"] else 1)
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @click.option("--role", default="executor", show_default=True, help="Role policy to judge under.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Worktree (default: cwd).")
 @click.option("--batch", "batch", type=click.File("rb"), default=None,
@@ -216,9 +268,11 @@ def tool_schema():
 
 
 @main.command()
-@click.option("--cell", "cell_id", default=None, metavar="C", help="Cancel this cell (with --run R if ambiguous).")
-@click.option("--run", "run_id", default=None, metavar="R", help="Cancel this run (with --agent: that agent).")
-@click.option("--agent", "agent_id", default=None, metavar="A", help="Cancel this agent of --run R.")
+@click.option("--cell", "--cell-id", "cell_id", default=None, metavar="C",
+              help="Cancel this cell (with --run R if ambiguous).")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="Cancel this run (with --agent: that agent).")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A", help="Cancel this agent of --run R.")
 @click.option("--all", "everything", is_flag=True, help="Kill switch: every live cell under the state root.")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Seconds between SIGTERM and the kill (default: the role's limits.grace).")
@@ -251,7 +305,7 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
 
 
 @main.command()
-@click.option("--run", "run_id", required=True, metavar="R", help="The run to clean up.")
+@click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The run to clean up.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"cleaned": N, "items": [...]}.')
 @click.pass_obj
 def cleanup(obj, run_id, as_json):
@@ -290,7 +344,8 @@ def serve(obj, socket_path):
     sys.exit(serve_main(obj["state_dir"], socket_path))
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
               help="The serve controller's socket (default: <state>/agnsup.sock).")
 @_cell_options
@@ -355,3 +410,14 @@ def janitor(obj, as_json):
     from .state import StateRoot
     report = run_janitor(StateRoot(obj["state_dir"]))
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))
+
+
+def _set_state_dir(ctx, _param, value):
+    if value is not None:
+        ctx.obj["state_dir"] = value
+
+
+# cli.md: `--state-dir` is also accepted after the command name
+for _cmd in main.commands.values():
+    _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
+                                       callback=_set_state_dir, help="State root (as before the command)."))

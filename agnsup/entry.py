@@ -48,7 +48,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         if not a.startswith("-") or a == "-":
             break
         name, eq, value = a.partition("=")
-        if name not in options:
+        if name not in options and name != "--state-dir":
             return None
         if not eq:
             if i + 1 >= len(argv):
@@ -56,6 +56,11 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             value, i = argv[i + 1], i + 2
         else:
             i += 1
+        if name == "--state-dir":  # cli.md: also accepted after the command name
+            if value == "":
+                return None
+            state_dir = value
+            continue
         key, kind = options[name]
         if kind in ("pos", "nonneg"):
             try:

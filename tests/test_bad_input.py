@@ -1,9 +1,73 @@
-"""Bad input gets one clear line and a non-zero exit, and loses nothing already recorded."""
+"""Bad input gets one clear line and a non-zero exit, and loses nothing already recorded.
+
+TABLE holds the command-line classes of issue 12 (item number, argv, exit code,
+a fragment of the one line on stderr); each row runs against one state root
+that already recorded a cell, and its receipts must be the same after."""
 import json
 import os
+import shutil
 import sqlite3
 
-from conftest import write_role
+import pytest
+
+from agnsup import backend
+from conftest import Agnsup, write_role
+
+TABLE = [
+    # 8: before `--`, an option the command does not know is an error, not the command
+    ("8", ["run", "--agent-idd", "x", "--", "true"], 125, "no such option --agent-idd (did you mean --agent-id?)"),
+    ("8", ["run", "--bogus", "true"], 125, "no such option --bogus"),
+    ("8", ["spawn", "--cel", "c", "--", "true"], 125, "no such option --cel"),
+    ("8", ["check", "--bogus", "true"], 125, "no such option --bogus"),
+    ("8", ["ps", "--bogus"], 125, "--bogus"),
+    ("8", ["run", "--timeout", "abc", "--", "true"], 125, "--timeout"),
+    ("8", ["nosuch"], 125, "No such command 'nosuch'"),
+]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A state root that already holds one cell, and a worktree."""
+    root = tmp_path_factory.mktemp("bad-input")
+    state, wt = str(root / "state"), root / "wt"
+    wt.mkdir()
+    a = Agnsup(state)
+    a("run", "--workdir", str(wt), "--cell", "before", "--", "true", check=0)
+    yield a, str(wt)
+    leaked = backend.choose(state).purge()
+    shutil.rmtree(state, ignore_errors=True)
+    assert not leaked, leaked
+
+
+@pytest.mark.parametrize("item, argv, code, fragment", TABLE, ids=[f"{r[0]}:{' '.join(r[1])}" for r in TABLE])
+def test_bad_input_is_one_line_and_a_documented_code_and_loses_nothing(recorded, item, argv, code, fragment):
+    """Issue 12 (the item in the row): one line naming the problem, the documented
+    exit code, and every receipt recorded before is still there, unchanged."""
+    a, wt = recorded
+    before = a.json("receipts", "--json")
+    assert [r["cell_id"] for r in before][:1] == ["before"]
+    cp = a(*[x.format(wt=wt) for x in argv], check=code, cwd=wt)
+    assert fragment in _one_line(cp)
+    assert a.json("receipts", "--json") == before
+
+
+def test_ids_take_both_spellings_on_every_command_and_state_dir_goes_after_the_command_too(recorded, tmp_path):
+    """Issue 12 item 8: --run/--run-id, --cell/--cell-id, --agent/--agent-id everywhere
+    (cli.md), and `--state-dir` also after the command name."""
+    a, wt = recorded
+    got = a.json("receipts", "--run-id", "default", "--cell-id", "before", "--json")
+    assert [r["cell_id"] for r in got] == ["before"]
+    assert a.json("ps", "--run-id", "default", "--all", "--json")[0]["cell_id"] == "before"
+    assert a.json("cancel", "--run-id", "default", "--cell-id", "before", "--json")["cancelled"] == 0
+    assert a.json("cancel", "--run-id", "default", "--agent-id", "default", "--json")["cancelled"] == 0
+    other = str(tmp_path / "other")
+    try:
+        a("run", "--state-dir", other, "--cell", "elsewhere", "--workdir", wt, "--", "true", check=0)
+        a("run", f"--state-dir={other}", "--cell", "elsewhere2", "--workdir", wt, "--", "true", check=0)
+        assert [r["cell_id"] for r in a.json("receipts", "--state-dir", other, "--json")] == ["elsewhere", "elsewhere2"]
+        assert [r["cell_id"] for r in a.json("receipts", "--json")][:1] == ["before"]
+    finally:
+        assert not backend.choose(other).purge()
 
 
 def _one_line(cp):

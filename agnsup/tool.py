@@ -154,7 +154,11 @@ def handle_tool_call(name: str, arguments, **context) -> dict:
                 "exit_code": 125}
     try:
         args = _tool_arguments(arguments)
-        return run_process(args.pop("argv", None), **args, **context)
+        pinned = sorted(k for k in set(args) & set(context) if args[k] != context[k])
+        if pinned:  # the runtime's keywords are its decisions, not defaults the model may change
+            raise UsageError(f"{', '.join(pinned)}: set by the runtime for this call; the model may not change it")
+        args.update(context)
+        return run_process(args.pop("argv", None), **args)
     except AgnsupError as e:
         return as_value(e)
 

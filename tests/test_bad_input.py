@@ -165,3 +165,57 @@ def test_odd_bytes_in_argv_reach_the_command_unchanged(agnsup, worktree):
 
 def test_no_command_is_a_usage_error(agnsup):
     assert agnsup("run", check=125).returncode == 125
+
+
+def test_no_failure_path_keeps_the_worktree_lock(state, worktree):
+    """Issue 12 item 1: a refused argument, a refused start and a command that fails
+    to execute after its cell started all leave the worktree lock free: the next
+    call in that directory gets it at once (lock_timeout 0) instead of waiting forever."""
+    from agnsup.errors import NotExecutable, NotFound, UsageError
+    from agnsup.service import Supervisor
+    from agnsup.tool import handle_tool_call, run_process
+    bad = os.path.join(worktree, "bad-shebang")
+    with open(bad, "w") as f:
+        f.write("#!/no/such/interpreter\n")
+    os.chmod(bad, 0o755)
+    out = handle_tool_call("run_process", {"argv": ["true"], "timeout": "5"}, state_dir=state, workdir=worktree)
+    assert out["exit_code"] == 125 and "timeout" in out["error"]
+    with pytest.raises(NotFound):  # its cell started, then the exec failed: the interpreter is missing
+        run_process([bad], state_dir=state, workdir=worktree, lock_timeout=0)
+    assert run_process(["true"], state_dir=state, workdir=worktree, lock_timeout=0)["exit_code"] == 0
+    with Supervisor(state) as sup:
+        with pytest.raises(UsageError):
+            sup.spawn(["true"], workdir=worktree, timeout="5")
+        with pytest.raises(UsageError):
+            sup.spawn("true", workdir=worktree)
+        with pytest.raises(NotFound):
+            sup.spawn([bad], workdir=worktree, lock_timeout=0)
+        with pytest.raises(NotExecutable):
+            sup.spawn(["/etc/passwd"], workdir=worktree, lock_timeout=0)
+        assert sup.run(["true"], workdir=worktree, lock_timeout=0)["exit_code"] == 0
+    assert run_process(["true"], state_dir=state, workdir=worktree, lock_timeout=0)["exit_code"] == 0
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    ({"argv": ["true"], "timeout": "5"}, "timeout: must be a number"),
+    ('{"argv": "sh"}', "argv: must be a non-empty list of strings"),
+    ({"argv": ["ls", 3]}, "argv: must be a non-empty list of strings"),
+    ({"argv": ["true"], "timeout": -1}, "timeout: must be a number of seconds > 0"),
+    ({"argv": ["true"], "env": {"A": 1}}, "env: must be an object of strings"),
+    ({"argv": ["true"], "role": 5}, "role: must be a non-empty string"),
+    ({"argv": ["true"], "workdir": "/"}, "workdir: set by the runtime"),
+    (None, "arguments must be a JSON object"),
+    ("[1, 2]", "arguments must be a JSON object, not list"),
+    ("not json", "arguments are not valid JSON"),
+])
+def test_a_bad_tool_call_is_an_error_value_and_records_nothing(state, worktree, arguments, fragment):
+    """Issue 12 item 9: handle_tool_call checks the model's arguments against the
+    published schema and returns errors as values; nothing is recorded."""
+    from agnsup.tool import handle_tool_call, run_process
+    run_process(["true"], state_dir=state, workdir=worktree, cell_id="before")
+    out = handle_tool_call("run_process", arguments, state_dir=state, workdir=worktree)
+    assert out["error_type"] == "UsageError" and out["exit_code"] == 125 and fragment in out["error"], out
+    assert [r["cell_id"] for r in Agnsup(state).json("receipts", "--json")] == ["before"]
+    ok = handle_tool_call("run_process", '{"argv": ["sh", "-c", "echo $A"], "env": {"A": "1"}}', state_dir=state,
+                          workdir=worktree)
+    assert ok["exit_code"] == 0 and ok["stdout"] == "1\n"  # the JSON text models send, and env applied

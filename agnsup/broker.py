@@ -337,7 +337,7 @@ class Controller:
         usage = self.backend.usage(cell.place)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-        outcome = supervisor.Outcome.of(reason, status, sig, cancel_reason=cancel_reason,
+        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
                                         kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
         return self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))

@@ -293,15 +293,15 @@ class Tree:
         self.backend, self.target, self.leader_fd = backend, target, leader_fd
         self.exclude = (target.leader["pid"],) if target.leader else ()
 
-    def term(self) -> None:
+    def term(self, sig: int = signal.SIGTERM) -> None:
         from .linux import pidfd
         if self.target.has_tree:
-            self.backend.signal(self.target.place, signal.SIGTERM)
+            self.backend.signal(self.target.place, sig)
             return
-        pidfd.send(self.leader_fd, signal.SIGTERM)
+        pidfd.send(self.leader_fd, sig)
         job = _Job(self.backend, self.target, thorough=False)
         job.signal(self.backend, job.find(self.backend, self.backend.snapshot(self.exclude), False, self.exclude),
-                   signal.SIGTERM)
+                   sig)
 
     def oom_kills(self) -> int | None:
         return self.backend.oom_kills(self.target.place) if self.target.has_tree else None

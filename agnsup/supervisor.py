@@ -82,14 +82,16 @@ class Outcome(Record):
     leftover: list | None = None  # pids still in the cell after the leader ended
 
     @classmethod
-    def of(cls, reason: str, status: int | None, sig: int | None, **more) -> "Outcome":
+    def of(cls, reason: str, status: int | None, sig: int | None, stop_signal: int = signal.SIGTERM,
+           **more) -> "Outcome":
         """The one place a cell's exit status and terminal state are decided (cli.md):
         the command's own status; 128+N when signal N ended it; 124 for a timeout; a
-        cancelled cell that exited by itself after SIGTERM still ends 128+SIGTERM."""
+        cancelled cell that exited by itself after the stop signal (SIGTERM; SIGINT
+        for a Ctrl-C to `agnsup run`) still ends 128+that signal."""
         if reason == "timeout":
             code, state = 124, "timeout"
         elif reason == "cancelled":
-            code, state = (128 + sig if sig is not None else 128 + signal.SIGTERM), "cancelled"
+            code, state = 128 + (sig if sig is not None else stop_signal), "cancelled"
         else:
             code = status if status is not None else 128 + sig
             # a broken limit (output_limit, oom) is a kill by the supervisor
@@ -495,16 +497,19 @@ class Waiter:
         self.reason: str | None = None      # why we stopped it (first reason wins), None: it ended by itself
         self.cancel_reason: str | None = None
         self.term_sent_at: float | None = None
+        self.stop_signal: int = signal.SIGTERM  # what the tree got first
         self.kill_method: str | None = None
 
-    def request_stop(self, reason: str, cancel_reason: str | None = None) -> None:
-        """SIGTERM the whole tree now; SIGKILL it when the grace period ends. First reason wins."""
+    def request_stop(self, reason: str, cancel_reason: str | None = None, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` (SIGTERM) to the whole tree now; SIGKILL it when the grace period
+        ends. First reason wins."""
         if self.reason is None:
             self.reason = reason
             self.cancel_reason = cancel_reason
         if self.term_sent_at is None:
             self.term_sent_at = time.monotonic()
-            self.tree.term()
+            self.stop_signal = sig
+            self.tree.term(sig)
             crashpoints.hit("cancel_grace")
 
     def stop_now(self, reason: str) -> None:

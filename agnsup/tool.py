@@ -103,7 +103,9 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
                 pass
             while caught:
                 n = caught.pop(0)
-                waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller (pid {os.getpid()})")
+                # the cell gets the signal the controller got (as timeout(1) does): Ctrl-C ends it 130
+                waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller "
+                                    f"(pid {os.getpid()})", sig=n)
 
         if caught:
             on_wake()

@@ -180,7 +180,8 @@ def receipts(obj, run_id, cell_id, recovery, as_json):
         return
     for r in items:
         if r.get("kind") == "cell":
-            click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']} ({r['reason']}) "
+            why = f" ({r['reason']})" if r["reason"] != r["state"] else ""  # not "exited (exited)"
+            click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']}{why} "
                        f"exit={r['exit_code']} {' '.join(r['argv'])[:60]}")
             if r.get("network"):
                 from .egress.summary import lines

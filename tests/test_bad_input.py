@@ -219,3 +219,12 @@ def test_a_bad_tool_call_is_an_error_value_and_records_nothing(state, worktree, 
     ok = handle_tool_call("run_process", '{"argv": ["sh", "-c", "echo $A"], "env": {"A": "1"}}', state_dir=state,
                           workdir=worktree)
     assert ok["exit_code"] == 0 and ok["stdout"] == "1\n"  # the JSON text models send, and env applied
+
+
+def test_the_words_are_not_said_twice(recorded):
+    """Issue 12 item 16: receipts said "exited (exited)", check said "allowed: ... allowed: ..."."""
+    a, wt = recorded
+    line = a("receipts", "--cell", "before", check=0).out.splitlines()[0]
+    assert line.startswith("default/default/before: exited exit=0 true"), line
+    out = a("check", "--", "true", check=0, cwd=wt).out
+    assert out.count("allowed") == 1 and out.startswith("allowed: allow."), out

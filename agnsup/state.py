@@ -46,13 +46,40 @@ class StateRoot:
             for sub in ("controllers", "cells", "locks"):
                 os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
         except OSError as e:
-            raise StateError(f"state root {self.path} is unusable: {e.strerror}") from None
+            raise self.unusable(e) from None
         if not os.access(self.path, os.W_OK):
             raise StateError(f"state root {self.path} is not writable")
         return self
 
+    def unusable(self, e: OSError) -> StateError:
+        """What is wrong with the state root, in words (not "File exists")."""
+        import errno
+        path = e.filename or self.path
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            # it, or a directory on its way, is something else than a directory
+            bad = next((p for p in _ancestors(path) if os.path.lexists(p) and not os.path.isdir(p)), path)
+            return StateError(f"state root {self.path} is unusable: {bad} is not a directory "
+                              f"(it is a {_kind(bad)}); give another --state-dir or move it away")
+        if e.errno == errno.EACCES:
+            return StateError(f"state root {self.path}: permission denied on {path}{_owner(path)}; "
+                              "use a state root of your own (--state-dir) or run as its owner")
+        if e.errno == errno.EROFS:
+            return StateError(f"state root {self.path} is on a read-only file system ({path})")
+        return StateError(f"state root {self.path} is unusable: {path}: {e.strerror}")
+
     def exists(self) -> bool:
-        return os.path.exists(os.path.join(self.path, "journal.db"))
+        """Whether a journal is there; a state root we may not look into is an error,
+        not "nothing was ever run" (another user's, root's /var/lib/agnsup)."""
+        try:
+            os.stat(os.path.join(self.path, "journal.db"))
+            return True
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError as e:
+            raise self.unusable(e) from None
+        except PermissionError as e:
+            e.filename = self.path
+            raise self.unusable(e) from None
 
     def journal(self):
         from .journal import open_journal
@@ -66,3 +93,37 @@ class StateRoot:
 
     def worktree_lock(self, digest: str) -> str:
         return os.path.join(self.path, "locks", digest + ".lock")
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and the directories above it, the top one first."""
+    out = []
+    p = os.path.abspath(path)
+    while True:
+        out.append(p)
+        up = os.path.dirname(p)
+        if up == p:
+            return out[::-1]
+        p = up
+
+
+def _kind(path: str) -> str:
+    import stat
+    try:
+        m = os.lstat(path).st_mode
+    except OSError:
+        return "missing entry"
+    return ("symbolic link" if stat.S_ISLNK(m) else "regular file" if stat.S_ISREG(m) else
+            "socket" if stat.S_ISSOCK(m) else "fifo" if stat.S_ISFIFO(m) else "device" if
+            stat.S_ISCHR(m) or stat.S_ISBLK(m) else "file")
+
+
+def _owner(path: str) -> str:
+    """ " (owned by uid N, mode 0700)" of the nearest part of `path` we can stat."""
+    for p in reversed(_ancestors(path)):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        return f" ({p} is owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}; you are uid {os.geteuid()})"
+    return ""

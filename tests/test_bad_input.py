@@ -22,6 +22,10 @@ TABLE = [
     ("8", ["ps", "--bogus"], 125, "--bogus"),
     ("8", ["run", "--timeout", "abc", "--", "true"], 125, "--timeout"),
     ("8", ["nosuch"], 125, "No such command 'nosuch'"),
+    # 6: a state root that is not a directory says so (was: "unusable: File exists")
+    ("6", ["--state-dir", "{root}/afile", "run", "--", "true"], 125, "afile is not a directory (it is a regular file)"),
+    ("6", ["--state-dir", "{root}/afile/sub", "run", "--", "true"], 125, "afile is not a directory"),
+    ("6", ["--state-dir", "{root}/afile", "ps"], 125, "afile is not a directory"),
 ]
 
 
@@ -31,8 +35,10 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     state, wt = str(root / "state"), root / "wt"
     wt.mkdir()
+    (root / "afile").write_text("x")
     a = Agnsup(state)
     a("run", "--workdir", str(wt), "--cell", "before", "--", "true", check=0)
+    a.root = str(root)
     yield a, str(wt)
     leaked = backend.choose(state).purge()
     shutil.rmtree(state, ignore_errors=True)
@@ -46,7 +52,7 @@ def test_bad_input_is_one_line_and_a_documented_code_and_loses_nothing(recorded,
     a, wt = recorded
     before = a.json("receipts", "--json")
     assert [r["cell_id"] for r in before][:1] == ["before"]
-    cp = a(*[x.format(wt=wt) for x in argv], check=code, cwd=wt)
+    cp = a(*[x.format(wt=wt, root=a.root) for x in argv], check=code, cwd=wt)
     assert fragment in _one_line(cp)
     assert a.json("receipts", "--json") == before
 

@@ -318,7 +318,8 @@ def cleanup(obj, run_id, as_json):
     try:
         result, err = cancelmod.cleanup(_state(obj), run_id), None
     except CellsStillRunning as e:
-        result, err = e.details["result"], e
+        from .errors import as_value
+        result, err = {**e.details["result"], **as_value(e)}, e
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -418,7 +419,26 @@ def _set_state_dir(ctx, _param, value):
         ctx.obj["state_dir"] = value
 
 
+def _json_errors(callback):
+    """With --json, a refusal is JSON on stdout too ({"error", "error_type", "exit_code"}),
+    besides its one line on stderr: a script that parses stdout never gets nothing."""
+    import functools
+
+    @functools.wraps(callback)
+    def wrapped(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except AgnsupError as e:
+            if kwargs.get("as_json"):
+                from .errors import as_value
+                click.echo(json.dumps(as_value(e), indent=2))
+            raise
+    return wrapped
+
+
 # cli.md: `--state-dir` is also accepted after the command name
 for _cmd in main.commands.values():
+    if any(p.name == "as_json" for p in _cmd.params):
+        _cmd.callback = _json_errors(_cmd.callback)
     _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
                                        callback=_set_state_dir, help="State root (as before the command)."))

@@ -7,8 +7,10 @@
     ├── SetupError              125  a cell could not be built (names the failed step)
     ├── NoServer                125  no serve controller listens on the socket
     ├── LockTimeout              75  the worktree lock was not free in time (EX_TEMPFAIL)
-    ├── UnknownId                 1  an id the journal never saw
-    ├── RunNotActive              1  the run was cancelled, or the cell id is taken
+    ├── UnknownId                 1  an id the journal never saw (cancel, cleanup, wait)
+    ├── RunNotActive            125  a start refused: the run was cancelled, or the cell
+    │                                id is taken (125, not 1: `run` must not look like
+    │                                a command that exited 1)
     ├── AmbiguousId               1  a cell id that names cells in several runs
     ├── CellsStillRunning         1  cleanup of a run whose cells still run
     ├── CancelledBeforeStart    143  cancelled between intent and exec (what a cell
@@ -94,7 +96,7 @@ class NotFound(AgnsupError):
 
 
 EXIT_CODES: dict[type, int] = {
-    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 1, AmbiguousId: 1, CellsStillRunning: 1,
+    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
     CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
 }
 

@@ -26,6 +26,11 @@ TABLE = [
     ("6", ["--state-dir", "{root}/afile", "run", "--", "true"], 125, "afile is not a directory (it is a regular file)"),
     ("6", ["--state-dir", "{root}/afile/sub", "run", "--", "true"], 125, "afile is not a directory"),
     ("6", ["--state-dir", "{root}/afile", "ps"], 125, "afile is not a directory"),
+    # 7: agnsup's own refusals have documented codes (docs/cli.md "Exit codes")
+    ("7", ["run", "--cell", "before", "--", "true"], 125, "cell 'before' already exists in run 'default'"),
+    ("7", ["cancel", "--cell", "nosuch"], 1, "no cell 'nosuch' in the journal"),
+    ("7", ["cleanup", "--run", "nosuch"], 1, "no run 'nosuch' in the journal"),
+    ("7", ["receipts", "--run", "default", "--cell", "before", "--bogus"], 125, "--bogus"),
 ]
 
 
@@ -234,3 +239,23 @@ def test_the_words_are_not_said_twice(recorded):
     assert line.startswith("default/default/before: exited exit=0 true"), line
     out = a("check", "--", "true", check=0, cwd=wt).out
     assert out.count("allowed") == 1 and out.startswith("allowed: allow."), out
+
+
+def test_refusals_have_documented_codes_and_json_stays_json(recorded):
+    """Issue 12 item 7: a cancelled run refuses `run` with 125 (was 1, like a command
+    that exited 1); with --json, every refusal is JSON on stdout as well."""
+    a, wt = recorded
+    a("run", "--run", "gone", "--cell", "g1", "--workdir", wt, "--", "true", check=0)
+    a("run", "--run", "other", "--cell", "g1", "--workdir", wt, "--", "true", check=0)
+    assert a.json("cancel", "--run", "gone", "--json")["cancelled"] == 0
+    before = a.json("receipts", "--json")
+    assert "was cancelled" in _one_line(a("run", "--run", "gone", "--workdir", wt, "--", "true", check=125))
+    for argv, code, fragment in [(["cleanup", "--run", "nosuch", "--json"], 1, "no run 'nosuch'"),
+                                 (["cancel", "--cell", "g1", "--json"], 1, "names cells in 2 runs"),
+                                 (["cancel", "--run", "nosuch", "--json"], 1, "no run 'nosuch'"),
+                                 (["receipts", "--state-dir", a.root + "/afile", "--json"], 125, "not a directory")]:
+        cp = a(*argv, check=code)
+        assert fragment in _one_line(cp)
+        out = json.loads(cp.out)
+        assert out["exit_code"] == code and fragment in out["error"], out
+    assert a.json("receipts", "--json") == before

@@ -50,6 +50,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
         r["output"]["redaction"] = receipt_section(plan.redact, spec.env, plan.cell_dir, MAX_RETURNED_OUTPUT)
+    r["limits"]["not_in_force"] = not_in_force(r["limits"])
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error
@@ -74,6 +75,16 @@ def write(path: str, receipt: dict, compact: bool = False) -> None:
                 json.dumps(receipt, indent=2, sort_keys=True))
         f.write("\n")
     os.replace(tmp, path)
+
+
+_RESOURCE = {"memory_max": "memory", "pids_max": "pids", "cpu_weight": "cpu", "cpu_max": "cpu"}
+
+
+def not_in_force(limits: dict) -> list[str]:
+    """The role's limits no hierarchy holds on this host (a receipt never reports a
+    limit as if it were applied): the keys whose resource is not in `applied`."""
+    applied = limits.get("applied") or {}
+    return sorted(k for k, res in _RESOURCE.items() if limits.get(k) is not None and res not in applied)
 
 
 def limits_hit(usage: dict, output: dict) -> list[str]:

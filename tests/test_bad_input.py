@@ -31,6 +31,13 @@ TABLE = [
     ("7", ["cancel", "--cell", "nosuch"], 1, "no cell 'nosuch' in the journal"),
     ("7", ["cleanup", "--run", "nosuch"], 1, "no run 'nosuch' in the journal"),
     ("7", ["receipts", "--run", "default", "--cell", "before", "--bogus"], 125, "--bogus"),
+    # 10: policy values out of range name file, key and problem (were: [Errno 22] at setup, a limit
+    # of 0 reported but not applied, every cell timing out at once)
+    ("10", ["run", "--role", "pidsneg", "--", "true"], 125, "pidsneg.toml: key limits.pids_max: must be between 1"),
+    ("10", ["run", "--role", "pidszero", "--", "true"], 125, "pidszero.toml: key limits.pids_max: must be between 1"),
+    ("10", ["run", "--role", "memzero", "--", "true"], 125, "memzero.toml: key limits.memory_max: must be between 1"),
+    ("10", ["run", "--role", "tneg", "--", "true"], 125, "tneg.toml: key limits.timeout: must be a number of seconds > 0"),
+    ("10", ["check", "--role", "tneg", "--", "true"], 125, "tneg.toml: key limits.timeout"),
 ]
 
 
@@ -41,7 +48,12 @@ def recorded(tmp_path_factory):
     state, wt = str(root / "state"), root / "wt"
     wt.mkdir()
     (root / "afile").write_text("x")
-    a = Agnsup(state)
+    roles = root / "policies"
+    roles.mkdir()
+    for name, key, value in [("pidsneg", "limits__pids_max", "-5"), ("pidszero", "limits__pids_max", "0"),
+                             ("memzero", "limits__memory_max", "0"), ("tneg", "limits__timeout", "-5")]:
+        write_role(roles, name, **{key: value})
+    a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(roles)})
     a("run", "--workdir", str(wt), "--cell", "before", "--", "true", check=0)
     a.root = str(root)
     yield a, str(wt)
@@ -259,3 +271,15 @@ def test_refusals_have_documented_codes_and_json_stays_json(recorded):
         out = json.loads(cp.out)
         assert out["exit_code"] == code and fragment in out["error"], out
     assert a.json("receipts", "--json") == before
+
+
+def test_a_limit_this_host_cannot_apply_is_reported_as_not_in_force(agnsup, worktree, policy_dir):
+    """Issue 12 item 10: the receipt never reports a limit that is not in force."""
+    write_role(policy_dir, "capped", limits__pids_max="64", limits__memory_max='"256M"')
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    agnsup("run", "--role", "capped", "--workdir", worktree, "--cell", "held", "--", "true", env=env, check=0)
+    agnsup("run", "--role", "capped", "--workdir", worktree, "--cell", "bare", "--", "true",
+           env={**env, "AGNSUP_CGROUP_LAYOUT": "none"}, check=0)
+    held, bare = ({r["cell_id"]: r for r in agnsup.json("receipts", "--json")}[c]["limits"] for c in ("held", "bare"))
+    assert held["pids_max"] == 64 and {"pids", "memory"} <= set(held["applied"]) and held["not_in_force"] == []
+    assert bare["applied"] == {} and {"memory_max", "pids_max"} <= set(bare["not_in_force"])

@@ -169,11 +169,20 @@ def ps(obj, run_id, show_all, as_json):
 @click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
 @click.option("--cell", "--cell-id", "cell_id", default=None, help="Only this cell.")
 @click.option("--recovery", is_flag=True, help="Recovery receipts (written by the janitor).")
+@click.option("--refused", is_flag=True, help="Calls that started nothing: denied by governance, or the "
+                                             "command not found / not executable.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of receipts.")
 @click.pass_obj
-def receipts(obj, run_id, cell_id, recovery, as_json):
+def receipts(obj, run_id, cell_id, recovery, refused, as_json):
     """Receipts of ended cells (or of recoveries) as JSON objects."""
     j = _journal(obj)
+    if refused:
+        items = [r for r in (j.refusals(run_id) if j else []) if cell_id is None or r["cell_id"] == cell_id]
+        click.echo(json.dumps(items, indent=2, sort_keys=True) if as_json else
+                   "\n".join(f"{r['run_id']}: {r['kind']}: {' '.join(r.get('argv') or [])[:60]}: "
+                             f"{r.get('error') or (r.get('decision') or {}).get('rule')}" for r in items)
+                   or "no refused calls")
+        return
     items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
     if as_json:
         click.echo(json.dumps(items, indent=2, sort_keys=True))

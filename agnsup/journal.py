@@ -286,6 +286,17 @@ class Journal:
         """A denied call starts nothing, but the journal remembers it was asked."""
         self.add_event("denied", run_id, cell_id, **data)
 
+    def record_refused(self, run_id: str, cell_id: str | None, **data) -> None:
+        """A start refused before a cell existed (not found, not executable): an event too."""
+        self.add_event("refused", run_id, cell_id, **data)
+
+    def refusals(self, run_id: str | None = None) -> list[dict]:
+        """The denied and refused calls, oldest first."""
+        where, args = ("AND run_id=?", (run_id,)) if run_id else ("", ())
+        return [{"kind": k, "run_id": r, "cell_id": c, "t": t, **json.loads(d or "{}")} for k, r, c, t, d in self._all(
+            f"SELECT kind, run_id, cell_id, t, data FROM events WHERE kind IN ('denied','refused') {where} "
+            "ORDER BY id", args)]
+
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
                    (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))

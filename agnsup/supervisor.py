@@ -401,9 +401,26 @@ def _child_error(plan, report: bytes) -> Exception:
     if step == "exec":
         exe = plan.spec.exe
         if code == errno.ENOENT:
+            interp = _interpreter(exe)
+            if interp is not None:  # the file is there: its #! interpreter is not (in the cell's view)
+                return NotFound(f"{plan.spec.argv[0]}: its interpreter {interp} (the #! line of {exe}) "
+                                "was not found", step=step)
             return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
     return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
+
+
+def _interpreter(exe: str) -> str | None:
+    """The interpreter a script's #! line names, if `exe` is one."""
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return words[0].decode(errors="replace") if words else None
 
 
 _JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"

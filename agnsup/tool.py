@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .errors import AgnsupError, UsageError, as_value
+from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 
@@ -65,7 +65,14 @@ def prepare(state, journal, request: CellRequest):
 
     trace = [broker.stage("public_tool", tool="run_process", entry=request.entry)]
     pol = policy.load(request.role, state.path)
-    spec = specmod.build(request, pol)
+    try:
+        spec = specmod.build(request, pol)
+    except (NotFound, NotExecutable) as e:
+        # nothing starts, but the journal remembers it was asked (as for a denial)
+        journal.record_refused(request.run_id, request.cell_id, argv=request.argv, error=e.message,
+                               error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
+                               entry=request.entry)
+        raise
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
                                         spec.workdir, state.path)

@@ -38,6 +38,9 @@ TABLE = [
     ("10", ["run", "--role", "memzero", "--", "true"], 125, "memzero.toml: key limits.memory_max: must be between 1"),
     ("10", ["run", "--role", "tneg", "--", "true"], 125, "tneg.toml: key limits.timeout: must be a number of seconds > 0"),
     ("10", ["check", "--role", "tneg", "--", "true"], 125, "tneg.toml: key limits.timeout"),
+    # 12: not found / not executable (journaled as refused: test_a_refused_start_is_journaled)
+    ("12", ["run", "--", "no-such-command-xyz"], 127, "no-such-command-xyz: command not found on the cell's PATH"),
+    ("12", ["run", "--", "/etc/passwd"], 126, "/etc/passwd: not executable"),
 ]
 
 
@@ -283,3 +286,23 @@ def test_a_limit_this_host_cannot_apply_is_reported_as_not_in_force(agnsup, work
     held, bare = ({r["cell_id"]: r for r in agnsup.json("receipts", "--json")}[c]["limits"] for c in ("held", "bare"))
     assert held["pids_max"] == 64 and {"pids", "memory"} <= set(held["applied"]) and held["not_in_force"] == []
     assert bare["applied"] == {} and {"memory_max", "pids_max"} <= set(bare["not_in_force"])
+
+
+def test_a_refused_start_is_journaled(agnsup, worktree):
+    """Issue 12 item 12: a command not found or not executable starts nothing but is an
+    event in the journal (`receipts --refused`), like a denial; a bad #! line names
+    the missing interpreter."""
+    agnsup("run", "--workdir", worktree, "--run", "R", "--cell", "nf", "--", "no-such-command-xyz", check=127)
+    agnsup("run", "--workdir", worktree, "--", "/etc/passwd", check=126)
+    script = os.path.join(worktree, "bad-shebang")
+    with open(script, "w") as f:
+        f.write("#!/no/such/interpreter\n")
+    os.chmod(script, 0o755)
+    line = _one_line(agnsup("run", "--workdir", worktree, "--cell", "bs", "--", script, check=127))
+    assert "its interpreter /no/such/interpreter (the #! line of" in line
+    refused = agnsup.json("receipts", "--refused", "--json")
+    assert [(r["kind"], r["run_id"], r["cell_id"], r["exit_code"], r["argv"]) for r in refused] == [
+        ("refused", "R", "nf", 127, ["no-such-command-xyz"]), ("refused", "default", None, 126, ["/etc/passwd"])]
+    assert "command not found" in refused[0]["error"] and refused[1]["error_type"] == "NotExecutable"
+    assert [r["state"] for r in agnsup.json("receipts", "--cell", "bs", "--json")] == ["failed"]  # it had a cell
+    assert agnsup.json("receipts", "--refused", "--run", "R", "--json")[0]["cell_id"] == "nf"

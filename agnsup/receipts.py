@@ -44,6 +44,9 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
+    raw = argv_bytes(spec.argv)
+    if raw is not None:
+        r["argv_b64"] = raw
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
@@ -56,6 +59,19 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         r["error"] = error
     r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
     return r
+
+
+def argv_bytes(argv: list[str]) -> list[str] | None:
+    """argv as base64 of the exact bytes, when some argument is not UTF-8: `argv`
+    then holds surrogate escapes (\\udcff) that only Python maps back, and a
+    receipt must let any reader recover what ran. None when argv is all UTF-8."""
+    import base64
+    try:
+        for a in argv:
+            a.encode()
+        return None
+    except UnicodeEncodeError:
+        return [base64.b64encode(os.fsencode(a)).decode() for a in argv]
 
 
 def redacted_env(spec) -> dict[str, str]:

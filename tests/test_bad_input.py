@@ -186,7 +186,13 @@ def test_odd_bytes_in_argv_reach_the_command_unchanged(agnsup, worktree):
                          env={**agnsup.env}, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == arg
-    assert agnsup.json("receipts", "--json")[0]["argv"][2] == arg.decode(errors="surrogateescape")
+    r = agnsup.json("receipts", "--json")[0]
+    assert r["argv"][2] == arg.decode(errors="surrogateescape")
+    # Issue 12 item 13: the exact bytes are recoverable by any reader of the receipt, not only Python
+    import base64
+    assert [base64.b64decode(x) for x in r["argv_b64"]] == [b"printf", b"%s", arg]
+    with open(os.path.join(agnsup.state, "cells", r["run_id"], r["cell_id"], "receipt.json"), "rb") as f:
+        assert json.loads(f.read())["argv_b64"] == r["argv_b64"]
 
 
 def test_no_command_is_a_usage_error(agnsup):

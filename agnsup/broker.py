@@ -24,7 +24,7 @@ import os
 import time
 
 from . import crashpoints, locks, reaper, supervisor
-from .errors import AgnsupError, CancelledBeforeStart, Denied, SetupError, StateError
+from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .linux import pidfd, proc
 from .record import Factory, Record
 
@@ -217,6 +217,10 @@ class Controller:
     def _intent(self, cell: Cell, admit) -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
+        if os.path.lexists(plan.cell_dir):
+            # a receipt on disk is evidence: never overwritten, even when the journal lost the cell
+            raise RunNotActive(f"cell {spec.cell_id!r} already exists in run {spec.run_id!r}; cell ids are never "
+                               f"reused (its directory {plan.cell_dir} is on disk)")
         cell.place = self.backend.place(spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
         controller = None
         if not self._registered:  # a one-cell controller: its row and its cell's, together

@@ -5,6 +5,7 @@ Contract: ../shared/spec/cli.md (docs/cli.md in this repository).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -143,6 +144,8 @@ def _journal(obj):
     from .state import StateRoot
     st = StateRoot(obj["state_dir"])
     if not st.exists():
+        from .journal import preflight
+        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "no receipts"
         return None
     return st.journal()
 
@@ -298,20 +301,35 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
     Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
     """
     from . import cancel as cancelmod
-    state = _state(obj)
-    j = state.journal()
+    from .errors import StateError
     try:
-        scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
-    finally:
-        j.close()
-    result = cancelmod.cancel(state, scope, grace)
+        state = _state(obj)
+        j = state.journal()
+    except StateError as e:
+        if not everything:
+            raise
+        # the kill switch works from whatever evidence survives (a damaged or lost journal)
+        from .state import StateRoot
+        result = cancelmod.cancel_unjournaled(StateRoot(obj["state_dir"]), cancelmod.Scope("all"), grace, e)
+    else:
+        try:
+            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+        finally:
+            j.close()
+        result = cancelmod.cancel(state, scope, grace)
     if as_json:
         click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(f"cancelled {result['cancelled']} cell(s) of {result['scope']}")
-    for c in result["cells"]:
-        click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
-                   + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+    else:
+        click.echo(f"cancelled {result['cancelled']} {'process(es)' if 'root' in result else 'cell(s)'} "
+                   f"of {result['scope']}")
+        for c in result["cells"]:
+            click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
+                       + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+    if result.get("journaled") is False:
+        what = result.get("note") or result.get("root", {}).get("note") or ""
+        _fail(StateError(f"cancel {'killed' if result['cancelled'] else 'found'} {result['cancelled']} "
+                         f"{'process(es)' if 'root' in result else 'cell(s)'}"
+                         f"{' (' + what + ')' if what else ''} but could not journal it: {result['not_journaled']}"))
 
 
 @main.command()
@@ -378,6 +396,8 @@ def _state(obj):
     from .state import StateRoot
     st = StateRoot(obj["state_dir"])
     if not st.exists():
+        from .journal import preflight
+        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
         raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
     return st
 
@@ -421,6 +441,54 @@ def janitor(obj, as_json):
     from .state import StateRoot
     report = run_janitor(StateRoot(obj["state_dir"]))
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))
+    if report.get("journaled") is False:
+        from .errors import StateError
+        _fail(StateError(f"janitor worked from the kernel's evidence but could not journal it: {report['journal']}"))
+
+
+@main.group(cls=_Group)
+def journal():
+    """Check or repair the journal (a damaged file, or one that lost its history)."""
+
+
+@journal.command("check")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.pass_obj
+def journal_check(obj, as_json):
+    """Say what is wrong with the journal and what the disk still holds: its file,
+    SQLite's integrity check, cells on disk it does not know. Exit 0 when nothing
+    is wrong, 1 when something is (then: agnsup journal repair)."""
+    from .repair import check
+    from .state import StateRoot
+    r = check(StateRoot(obj["state_dir"]))
+    if as_json:
+        click.echo(json.dumps(r, indent=2, sort_keys=True))
+    else:
+        click.echo(f"journal {r['journal']}: {'ok' if r['ok'] else 'NOT OK'} ({r['cells_on_disk']} cell(s) on disk)")
+        for p in r["problems"]:
+            click.echo(f"  {p}")
+    sys.exit(0 if r["ok"] else 1)
+
+
+@journal.command("repair")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.pass_obj
+def journal_repair(obj, as_json):
+    """Move a damaged journal (or one that lost its history) aside into
+    <state>/quarantine/, never deleting it, and rebuild the journal from the cell
+    receipts on disk. Refused (exit 1) while processes still run under the state
+    root's cgroups: agnsup cancel --all first."""
+    from .repair import repair
+    from .state import StateRoot
+    r = repair(StateRoot(obj["state_dir"]).ensure())
+    if as_json:
+        click.echo(json.dumps(r, indent=2, sort_keys=True))
+        return
+    for q in r["quarantined"]:
+        click.echo(f"kept aside: {q}")
+    click.echo(f"imported {len(r['imported'])} cell receipt(s) from disk")
+    for sk in r["skipped"]:
+        click.echo(f"  {sk['cell']}: {sk['why']}")
 
 
 def _set_state_dir(ctx, _param, value):

@@ -93,7 +93,11 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
     state = state_root if isinstance(state_root, StateRoot) else StateRoot(str(state_root))
     state.ensure()
     own = journal is None
-    j = state.journal() if own else journal
+    from .errors import JournalDamaged
+    try:
+        j = state.journal() if own else journal
+    except JournalDamaged as e:
+        return _without_journal(state, e, backend)
     lock_path = os.path.join(state.path, "janitor.lock")
     fd = locks.acquire(lock_path, True, LOCK_TIMEOUT, "janitor", f"janitor pid {os.getpid()}")
     try:
@@ -102,6 +106,45 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
         locks.release(lock_path, fd)
         if own:
             j.close()
+
+
+def _without_journal(state, error, backend=None) -> dict:
+    """Recovery when the journal is damaged or lost its history (issue 12 item 3):
+    from the evidence that survives. The controllers' liveness locks say whether
+    any controller lives; when none does, every process under this state root's
+    own cgroup tree belongs to a dead controller's cell and is killed; when one
+    lives, its cells cannot be told from the dead ones' without the journal, and
+    nothing is touched. The recovery receipt is a file only (nothing is journaled)."""
+    from . import backend as backends, reaper, receipts
+    backend = backend or backends.choose(state.path)
+    cdir = os.path.join(state.path, "controllers")
+    try:
+        held = [n[:-5] for n in sorted(os.listdir(cdir)) if n.endswith(".lock")
+                and not locks.is_free(os.path.join(cdir, n))]
+    except OSError:
+        held = []
+    report = {"recovered": [], "killed": [], "skipped": [], "receipt": None, "controllers": [],
+              "journal": error.message, "journaled": False}
+    if held:
+        report["skipped"].append({"cell_id": "*", "reason": f"controller(s) {', '.join(held)} still live: without "
+                                                            "the journal their cells cannot be told apart; nothing killed"})
+        return report
+    root = reaper.kill_root(backend, 0.0)
+    report["root"] = root
+    if root["processes"]:
+        import uuid
+        jid = "j-" + uuid.uuid4().hex[:8]
+        path = os.path.join(state.path, "recovery", jid + ".json")
+        rec = {"kind": "recovery", "version": 1, "janitor": jid, "pid": os.getpid(), "boot_id": proc.boot_id(),
+               "at": time.time(), "journal": error.message, "journaled": False,
+               "evidence": "no controller lock held: every process under the state root's cgroup tree was a dead "
+                           "controller's", "root": root}
+        try:
+            receipts.write(path, rec)
+            report["receipt"] = {"path": path}
+        except OSError as e:
+            report["skipped"].append({"cell_id": "*", "reason": f"recovery receipt not written: {e.strerror}"})
+    return report
 
 
 class _Cell:
@@ -325,7 +368,11 @@ def _identity_note(backend, pid, pidfd_ino, starttime) -> str | None:
 
 
 def format_text(report: dict) -> str:
-    if not report["controllers"]:
+    if report.get("journaled") is False:
+        root = report.get("root") or {}
+        lines = [f"without the journal: killed {root.get('processes', 0)} process(es) under this state root's "
+                 f"cgroups ({root.get('kill') or 'nothing to kill'}){'; ' + root['note'] if root.get('note') else ''}"]
+    elif not report["controllers"]:
         lines = ["nothing to recover"]
     else:
         lines = [f"controller {c['id']}: dead ({c['why_dead']}){'' if c['ended'] else '; not finished'}"

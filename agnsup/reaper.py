@@ -315,6 +315,36 @@ class Tree:
         return EVIDENCE_KILL
 
 
+# -- without a journal (issue 12 item 3: the kill switch works from what survives) ----
+def live_under_root(backend) -> list[int]:
+    """The pids under this state root's own cgroup root: every cell's, whoever started it."""
+    root = backend.root()
+    return backend.members(root) if root is not None else []
+
+
+def kill_root(backend, grace: float) -> dict:
+    """The kill switch when the journal cannot say which cells live: every process
+    under this state root's own cgroup root (agnsup made that tree: all of it is
+    cells) gets SIGTERM, then after `grace` the tree's kill, then it is verified
+    empty. Without cgroups there is no such evidence: nothing is touched, and the
+    result says so."""
+    root = backend.root()
+    if root is None:
+        if backend.trees:  # cgroups here, but no tree under this state root: no cell lives
+            return {"processes": 0, "kill": None, "empty": True, "note": ""}
+        return {"processes": 0, "kill": None, "empty": None,
+                "note": "no cgroups on this host (ENV_BLOCKED: cgroup): without the journal no process can be "
+                        "proven a cell's"}
+    before = backend.members(root)
+    if not before:
+        return {"processes": 0, "kill": None, "empty": True, "note": ""}
+    backend.signal(root, signal.SIGTERM)
+    backend.wait_empty(root, grace)
+    method = backend.kill(root) if backend.populated(root) else None
+    empty = backend.wait_empty(root, 10.0)
+    return {"processes": len(before), "kill": method, "empty": empty, "note": ""}
+
+
 # -- release --------------------------------------------------------------------
 def release(backend, t: Target) -> list[dict]:
     """Remove what the cell held: its cgroup directories, temp dir, worktree lock."""

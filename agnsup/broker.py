@@ -382,7 +382,12 @@ class Controller:
         except OSError:
             path = None
         ends = self.id if self.one_cell and self._registered else None  # its one cell is concluded: so is the controller
-        self.journal.conclude_cell(receipt, path, end_controller=ends)
+        try:
+            self.journal.conclude_cell(receipt, path, end_controller=ends)
+        except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded
+            raise StateError(f"cell {cell.spec.cell_id} ended ({receipt['state']}, exit {receipt['exit_code']}) but "
+                             f"its end could not be journaled (receipt {'at ' + path if path else 'not written'}; "
+                             f"the next janitor concludes it): {e.message}") from None
         if ends:
             self._ended = True
         return receipt

@@ -49,6 +49,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except AgnsupError as e:
             _fail(e)
+        except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
+            from .errors import StateError
+            _fail(StateError(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"))
 
 
 class _CommandLine(click.Command):

@@ -99,6 +99,9 @@ def main() -> None:
     except AgnsupError as e:
         sys.stderr.write(f"agnsup: {e.message}\n")
         sys.exit(exit_code(e))
+    except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
+        sys.stderr.write(f"agnsup: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}\n")
+        sys.exit(125)
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

@@ -526,7 +526,10 @@ def release_lock_file(path: str | None) -> dict | None:
                 return None  # already unlinked and recreated by someone else: not ours
         except FileNotFoundError:
             return None
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except OSError as e:  # read-only state root: the lock is free, its file stays
+            return {"kind": "lock", "path": path, "left": f"not removed: {e.strerror}"}
         return {"kind": "lock", "path": path}
     finally:
         os.close(fd)

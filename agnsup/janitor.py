@@ -328,12 +328,32 @@ class _Janitor:
                 c.entry["final_state"] = "recovered"
                 c.entry["duration"] = round(now - t0, 6)
                 c.entry["reason"] = _reason(c)
-            self.j.conclude_recovered([
+            from . import receipts
+            concluded = [
                 {"run_id": c.row["run_id"], "cell_id": c.row["cell_id"], "controller": c.cid, "entry": c.entry,
                  "reason": c.entry["reason"],
                  "receipt": {"kind": "recovery", "version": 1, "janitor": self.id, "boot_id": self.boot,
-                             "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path}}
-                for c in done_cells], self.id, now, self.receipt_path)
+                             "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path},
+                 # every cell that started has a cell receipt too (issue 12 item 4)
+                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry, self._chain(c.row), self.id,
+                                                            self.receipt_path, now)}
+                for c in done_cells]
+            self.j.conclude_recovered(concluded, self.id, now, self.receipt_path)
+            for c in concluded:  # and on disk, where no receipt is (one on disk is never overwritten)
+                path = os.path.join(self.state.cell_dir(c["run_id"], c["cell_id"]), "receipt.json")
+                if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
+                    try:
+                        receipts.write(path, c["cell_receipt"])
+                    except OSError:
+                        pass  # the journal holds it
+
+    def _chain(self, row) -> list[dict]:
+        """The stages as the cell's events journaled them."""
+        out = []
+        for e in self.j.events(row["run_id"], row["cell_id"]):
+            if e["kind"].startswith("stage.") and e["data"]:
+                out.append(json.loads(e["data"]))
+        return out
 
 
 def _reason(c: _Cell) -> str:

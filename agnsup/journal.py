@@ -405,6 +405,8 @@ class Journal:
                     entry["run_state"] = "recovered" if cur.rowcount else \
                         db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
                 self._add_receipt(db, "recovery", run_id, c["cell_id"], c["receipt"])
+                if c.get("cell_receipt") is not None:
+                    self._add_receipt(db, "cell", run_id, c["cell_id"], c["cell_receipt"])
 
     def end_controllers(self, ids: list[str], janitor: str) -> None:
         with self.tx() as db:

@@ -61,6 +61,32 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     return r
 
 
+def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recovery_path: str, now: float) -> dict:
+    """The cell receipt of a cell the janitor recovered (its controller died first):
+    what the journal holds of it (the chain as each stage journaled it, ids, argv,
+    the leader), state `recovered`, and what the janitor killed and spared and why,
+    with a pointer to the recovery receipt. Never built from constants: a field the
+    journal did not hold is None."""
+    argv = json.loads(row["argv"]) if row["argv"] else []
+    r = {"kind": "cell", "version": RECEIPT_VERSION, "run_id": row["run_id"], "agent_id": row["agent_id"],
+         "cell_id": row["cell_id"], "role": row["role"], "controller": row["controller_id"],
+         "boot_id": row["boot_id"], "chain": chain, "argv": argv, "exe": row["exe"], "workdir": row["worktree"],
+         "cgroup": entry.get("cgroup"), "cgroup_inode": row["cgroup_ino"],
+         "pids": {"leader": row["pid"], "pgid": row["pgid"], "starttime": row["starttime"],
+                  "pidfd_ino": row["pidfd_ino"]},
+         "started_at": row["started_at"], "ended_at": now, "state": "recovered", "reason": entry.get("reason"),
+         "exit_code": None, "exit_status": None, "signal": None, "cancel_reason": row["cancel_reason"],
+         "state_before": entry.get("state_before"),
+         "recovery": {"janitor": janitor, "receipt": recovery_path, "killed": entry.get("killed", []),
+                      "spared": entry.get("spared", []), "released": entry.get("released", []),
+                      "notes": entry.get("notes", [])}}
+    raw = argv_bytes(argv)
+    if raw is not None:
+        r["argv_b64"] = raw
+    r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
+    return r
+
+
 def argv_bytes(argv: list[str]) -> list[str] | None:
     """argv as base64 of the exact bytes, when some argument is not UTF-8: `argv`
     then holds surrogate escapes (\\udcff) that only Python maps back, and a

@@ -26,6 +26,16 @@ def default_root() -> str:
     return os.path.join(xdg, "agnsup")
 
 
+def registry_dir() -> str:
+    """Where agnsup notes every state root it used on this host (one symlink per root),
+    so that each cell can be kept from all of them, not only from its own: sticky and
+    world-writable like /var/tmp, so every user's roots are hidden from every cell."""
+    return os.environ.get("AGNSUP_ROOTS_REGISTRY") or "/var/tmp/agnsup-roots"
+
+
+DEFAULT_ROOTS = ("/var/lib/agnsup",)  # hidden whenever they exist, registered or not
+
+
 def check_id(kind: str, value: str) -> str:
     # ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z without compiling a regex on every start (the
     # regex this replaces ended in `$`, which also let a trailing newline through)
@@ -41,6 +51,11 @@ class StateRoot:
 
     def ensure(self) -> "StateRoot":
         """Create the layout (mode 0700); a clear StateError if we cannot."""
+        repo = _worktree_above(self.path)
+        if repo is not None:
+            raise StateError(f"state root {self.path} is inside the worktree {repo}: a command run there (git clean "
+                             "-fdx, rm -rf) would take the journal and the receipts with it; use a state root "
+                             "outside any worktree (--state-dir)")
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             for sub in ("controllers", "cells", "locks"):
@@ -49,7 +64,50 @@ class StateRoot:
             raise self.unusable(e) from None
         if not os.access(self.path, os.W_OK):
             raise StateError(f"state root {self.path} is not writable")
+        self.register()
         return self
+
+    def register(self) -> None:
+        """Note this root in the host's registry (registry_dir); best effort, one lstat when known."""
+        from .digest import sha256
+        reg = registry_dir()
+        entry = os.path.join(reg, sha256(self.path.encode()).hexdigest()[:24])
+        if os.path.lexists(entry):
+            return
+        try:
+            if not os.path.isdir(reg):
+                os.makedirs(reg, exist_ok=True)
+                os.chmod(reg, 0o1777)  # anyone adds their roots; the sticky bit keeps each user's own
+            os.symlink(self.path, entry)
+        except OSError:
+            pass  # a read-only /var/tmp: this root is hidden from its own cells all the same
+
+    def other_roots(self) -> list[str]:
+        """Every other state root known on this host that still holds a journal (a cell
+        sees none of them); entries whose root is gone are dropped."""
+        out = []
+        reg = registry_dir()
+        try:
+            names = os.listdir(reg)
+        except OSError:
+            names = []
+        for n in names:
+            entry = os.path.join(reg, n)
+            try:
+                target = os.readlink(entry)
+            except OSError:
+                continue
+            if not os.path.exists(os.path.join(target, "journal.db")):
+                if not os.path.exists(target):
+                    try:
+                        os.unlink(entry)
+                    except OSError:
+                        pass
+                continue
+            out.append(target)
+        out += [p for p in DEFAULT_ROOTS if os.path.isdir(p)]
+        own = os.path.realpath(self.path)
+        return sorted({os.path.realpath(p) for p in out} - {own})
 
     def unusable(self, e: OSError) -> StateError:
         """What is wrong with the state root, in words (not "File exists")."""
@@ -127,3 +185,15 @@ def _owner(path: str) -> str:
             continue
         return f" ({p} is owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}; you are uid {os.geteuid()})"
     return ""
+
+
+def _worktree_above(path: str) -> str | None:
+    """The nearest directory at or above `path` that is a git worktree (has .git), if any."""
+    p = os.path.abspath(path)
+    while True:
+        if os.path.lexists(os.path.join(p, ".git")):
+            return p
+        up = os.path.dirname(p)
+        if up == p:
+            return None
+        p = up

@@ -4,8 +4,9 @@
     ├── UsageError              125  a bad option, id or argument
     ├── PolicyError             125  a malformed policy file or an unknown role
     ├── StateError              125  the state root or journal is unusable
-    │   └── JournalDamaged      125  the journal is corrupt or lost its history: nothing
-    │                                is written into it (agnsup journal check / repair)
+    │   ├── JournalDamaged      125  the journal is corrupt or lost its history: nothing
+    │   │                            is written into it (agnsup journal check / repair)
+    │   └── NoPermission        125  the state root is another user's (permission denied)
     ├── SetupError              125  a cell could not be built (names the failed step)
     ├── NoServer                125  no serve controller listens on the socket
     ├── LockTimeout              75  the worktree lock was not free in time (EX_TEMPFAIL)
@@ -54,6 +55,10 @@ class StateError(AgnsupError):
 
 
 class JournalDamaged(StateError):
+    pass
+
+
+class NoPermission(StateError):
     pass
 
 

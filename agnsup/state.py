@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import StateError, UsageError
+from .errors import NoPermission, StateError, UsageError
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -118,8 +118,8 @@ class StateRoot:
             bad = next((p for p in _ancestors(path) if os.path.lexists(p) and not os.path.isdir(p)), path)
             return StateError(f"state root {self.path} is unusable: {bad} is not a directory "
                               f"(it is a {_kind(bad)}); give another --state-dir or move it away")
-        if e.errno == errno.EACCES:
-            return StateError(f"state root {self.path}: permission denied on {path}{_owner(path)}; "
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return NoPermission(f"state root {self.path}: permission denied on {path}{_owner(path)}; "
                               "use a state root of your own (--state-dir) or run as its owner")
         if e.errno == errno.EROFS:
             return StateError(f"state root {self.path} is on a read-only file system ({path})")

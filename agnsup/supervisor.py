@@ -407,6 +407,11 @@ def _child_error(plan, report: bytes) -> Exception:
                                 "was not found", step=step)
             return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+    if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
+        # what is needed, not only what failed (issue 12 item 11)
+        return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
+                          f"CAP_SYS_ADMIN, which uid {os.geteuid()} lacks here; run agnsup as root (sudo), or see "
+                          "`agnsup doctor` and docs/hosts.md for unprivileged hosts", step=step, errno=code)
     return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
 
 

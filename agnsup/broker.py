@@ -24,7 +24,7 @@ import os
 import time
 
 from . import crashpoints, locks, reaper, supervisor
-from .errors import AgnsupError, CancelledBeforeStart, Denied, SetupError, StateError
+from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .linux import pidfd, proc
 from .record import Factory, Record
 
@@ -226,6 +226,10 @@ class Controller:
     def _intent(self, cell: Cell, admit) -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
+        if os.path.lexists(plan.cell_dir):
+            # a receipt on disk is evidence: never overwritten, even when the journal lost the cell
+            raise RunNotActive(f"cell {spec.cell_id!r} already exists in run {spec.run_id!r}; cell ids are never "
+                               f"reused (its directory {plan.cell_dir} is on disk)")
         cell.place = self.backend.place(spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
         controller = None
         if not self._registered:  # a one-cell controller: its row and its cell's, together
@@ -427,7 +431,7 @@ class Controller:
         usage = self.backend.usage(cell.place)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-        outcome = supervisor.Outcome.of(reason, status, sig, cancel_reason=cancel_reason,
+        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
                                         kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
         return self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
@@ -471,7 +475,12 @@ class Controller:
         except OSError:
             path = None
         ends = self.id if self.one_cell and self._registered else None  # its one cell is concluded: so is the controller
-        self.journal.conclude_cell(receipt, path, end_controller=ends)
+        try:
+            self.journal.conclude_cell(receipt, path, end_controller=ends)
+        except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded
+            raise StateError(f"cell {cell.spec.cell_id} ended ({receipt['state']}, exit {receipt['exit_code']}) but "
+                             f"its end could not be journaled (receipt {'at ' + path if path else 'not written'}; "
+                             f"the next janitor concludes it): {e.message}") from None
         if ends:
             self._ended = True
         return receipt

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 
-from .errors import AmbiguousId, CellsStillRunning, UnknownId, UsageError
+from .errors import AgnsupError, AmbiguousId, CellsStillRunning, StateError, UnknownId, UsageError
 from .journal import TERMINAL_CELL
 from .record import Record
 
@@ -87,7 +87,10 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
     backend = backend if backend is not None else backends.choose(state.path)
     j = state.journal()
     try:
-        rows = j.record_cancel(scope.kind, scope.run_id, scope.agent_id, scope.cell_id, reason)
+        try:
+            rows = j.record_cancel(scope.kind, scope.run_id, scope.agent_id, scope.cell_id, reason)
+        except StateError as e:  # read-only or full: kill first, then report what was not journaled
+            return cancel_unjournaled(state, scope, grace, e, journal=j, backend=backend)
         if grace is None:
             grace = max((r["grace"] if r["grace"] is not None else DEFAULT_GRACE for r in rows), default=0.0)
         cells, targets = [], []
@@ -118,6 +121,48 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
         j.close()
     return {"cancelled": len(cells), "cells": cells, "scope": scope.label(), "reason": reason, "grace": grace,
             "duration": round(time.monotonic() - t0, 6)}
+
+
+def cancel_unjournaled(state, scope: Scope, grace: float | None, error, journal=None, backend=None) -> dict:
+    """The kill switch when the journal cannot record the cancel (issue 12 items 3, 5):
+    kill first, then say what could not be journaled. With a journal that still
+    reads (a read-only or full state root), the scope's live cells are stopped on
+    their journaled evidence as `cancel` would; with none (damaged, lost), only
+    `--all` can act: every process under this state root's own cgroup root."""
+    from . import backend as backends, reaper
+    t0 = time.monotonic()
+    backend = backend if backend is not None else backends.choose(state.path)
+    grace = DEFAULT_GRACE if grace is None else grace
+    out = {"cancelled": 0, "cells": [], "scope": scope.label(), "grace": grace, "journaled": False,
+           "not_journaled": error.message}
+    rows = None
+    if journal is not None:
+        try:
+            rows = journal.cells(live_only=True, scope=(scope.kind, scope.run_id, scope.agent_id, scope.cell_id))
+        except AgnsupError:
+            rows = None
+    if rows is not None:
+        targets = []
+        for r in rows:
+            c = {"run_id": r["run_id"], "agent_id": r["agent_id"], "cell_id": r["cell_id"], "state": r["state"],
+                 "notes": [], "kill": None, "empty": True, "signalled": 0}
+            t, note, _ = reaper.from_row(backend, r)
+            if note:
+                c["notes"].append(note)
+            if t.has_tree or (not backend.trees and t.leader):
+                targets.append((c, t))
+            out["cells"].append(c)
+        for (c, _), r in zip(targets, reaper.stop(backend, [t for _, t in targets], term=True, grace=grace)):
+            c.update(signalled=r.signalled, kill=r.kill_note(), empty=r.empty)
+        out["cancelled"] = len(out["cells"])
+    elif scope.kind == "all":
+        out["evidence"] = "the kernel's: this state root's cgroup tree (no journal to read)"
+        out["root"] = reaper.kill_root(backend, grace)
+        out["cancelled"] = out["root"]["processes"]
+    else:
+        out["note"] = "without a readable journal only --all can act (every process under this state root's cgroups)"
+    out["duration"] = round(time.monotonic() - t0, 6)
+    return out
 
 
 def _conclude(state, journal, keys: list[tuple[str, str]]) -> dict:

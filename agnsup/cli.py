@@ -5,6 +5,7 @@ Contract: ../shared/spec/cli.md (docs/cli.md in this repository).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -20,14 +21,67 @@ def _fail(e: AgnsupError):
 
 
 class _Group(click.Group):
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:  # a caller that handles click's exceptions itself (tests)
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("agnsup: interrupted", err=True)
+            sys.exit(130)
+        except click.exceptions.UsageError as e:
+            # one line, as every refusal (click's own form is four)
+            where = f" {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else ""
+            click.echo(f"agnsup{where}: {e.format_message()} (agnsup{where} --help)", err=True)
+            sys.exit(125)
+        except click.exceptions.Abort:
+            click.echo("agnsup: aborted", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.ClickException as e:
+            click.echo(f"agnsup: {e.format_message()}", err=True)
+            sys.exit(125)
+        sys.exit(rv if isinstance(rv, int) else 0)  # standalone_mode=False hands back ctx.exit's code
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except AgnsupError as e:
             _fail(e)
-        except click.exceptions.UsageError as e:
-            e.exit_code = 125
-            raise
+        except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
+            from .errors import StateError
+            _fail(StateError(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"))
+
+
+class _CommandLine(click.Command):
+    """A command that ends in a command line (run, spawn, check): before the first
+    word that is not an option, or before `--`, an option the command does not know
+    is an error, not the command (`run --agent-idd x -- true` must not run
+    `--agent-idd`); after it, everything is the command."""
+
+    def parse_args(self, ctx, args):
+        takes_value, known = set(), set()
+        for p in self.params:
+            if isinstance(p, click.Option):
+                names = p.opts + p.secondary_opts
+                known.update(names)
+                if not p.is_flag and not p.count:
+                    takes_value.update(p.opts)
+        known.update(ctx.help_option_names)
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--" or not a.startswith("-") or a == "-":
+                break
+            name = a.partition("=")[0]
+            if name not in known:
+                import difflib
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                ctx.fail(f"no such option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+                         + "; a command that starts with '-' goes after --")
+            i += 2 if name in takes_value and "=" not in a else 1
+        return super().parse_args(ctx, args)
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
@@ -69,7 +123,8 @@ def _cell_options(f):
     return f
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @_cell_options
 @click.pass_obj
 def run(obj, command, **options):
@@ -92,12 +147,14 @@ def _journal(obj):
     from .state import StateRoot
     st = StateRoot(obj["state_dir"])
     if not st.exists():
+        from .journal import preflight
+        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "no receipts"
         return None
     return st.journal()
 
 
 @main.command()
-@click.option("--run", "run_id", default=None, help="Only this run.")
+@click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
 @click.option("--all", "show_all", is_flag=True, help="Include ended cells.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of cells.")
 @click.pass_obj
@@ -115,21 +172,31 @@ def ps(obj, run_id, show_all, as_json):
 
 
 @main.command()
-@click.option("--run", "run_id", default=None, help="Only this run.")
-@click.option("--cell", "cell_id", default=None, help="Only this cell.")
+@click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
+@click.option("--cell", "--cell-id", "cell_id", default=None, help="Only this cell.")
 @click.option("--recovery", is_flag=True, help="Recovery receipts (written by the janitor).")
+@click.option("--refused", is_flag=True, help="Calls that started nothing: denied by governance, or the "
+                                             "command not found / not executable.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of receipts.")
 @click.pass_obj
-def receipts(obj, run_id, cell_id, recovery, as_json):
+def receipts(obj, run_id, cell_id, recovery, refused, as_json):
     """Receipts of ended cells (or of recoveries) as JSON objects."""
     j = _journal(obj)
+    if refused:
+        items = [r for r in (j.refusals(run_id) if j else []) if cell_id is None or r["cell_id"] == cell_id]
+        click.echo(json.dumps(items, indent=2, sort_keys=True) if as_json else
+                   "\n".join(f"{r['run_id']}: {r['kind']}: {' '.join(r.get('argv') or [])[:60]}: "
+                             f"{r.get('error') or (r.get('decision') or {}).get('rule')}" for r in items)
+                   or "no refused calls")
+        return
     items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
     if as_json:
         click.echo(json.dumps(items, indent=2, sort_keys=True))
         return
     for r in items:
         if r.get("kind") == "cell":
-            click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']} ({r['reason']}) "
+            why = f" ({r['reason']})" if r["reason"] != r["state"] else ""  # not "exited (exited)"
+            click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']}{why} "
                        f"exit={r['exit_code']} {' '.join(r['argv'])[:60]}")
             if r.get("network"):
                 from .egress.summary import lines
@@ -154,7 +221,8 @@ def doctor(obj, as_json):
     sys.exit(0 if r["ok"] else 1)
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @click.option("--role", default="executor", show_default=True, help="Role policy to judge under.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Worktree (default: cwd).")
 @click.option("--batch", "batch", type=click.File("rb"), default=None,
@@ -216,9 +284,11 @@ def tool_schema():
 
 
 @main.command()
-@click.option("--cell", "cell_id", default=None, metavar="C", help="Cancel this cell (with --run R if ambiguous).")
-@click.option("--run", "run_id", default=None, metavar="R", help="Cancel this run (with --agent: that agent).")
-@click.option("--agent", "agent_id", default=None, metavar="A", help="Cancel this agent of --run R.")
+@click.option("--cell", "--cell-id", "cell_id", default=None, metavar="C",
+              help="Cancel this cell (with --run R if ambiguous).")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="Cancel this run (with --agent: that agent).")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A", help="Cancel this agent of --run R.")
 @click.option("--all", "everything", is_flag=True, help="Kill switch: every live cell under the state root.")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Seconds between SIGTERM and the kill (default: the role's limits.grace).")
@@ -234,24 +304,40 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
     Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
     """
     from . import cancel as cancelmod
-    state = _state(obj)
-    j = state.journal()
+    from .errors import StateError
     try:
-        scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
-    finally:
-        j.close()
-    result = cancelmod.cancel(state, scope, grace)
+        state = _state(obj)
+        j = state.journal()
+    except StateError as e:
+        from .errors import NoPermission
+        if not everything or isinstance(e, NoPermission):  # another user's root: nothing of ours to kill
+            raise
+        # the kill switch works from whatever evidence survives (a damaged or lost journal)
+        from .state import StateRoot
+        result = cancelmod.cancel_unjournaled(StateRoot(obj["state_dir"]), cancelmod.Scope("all"), grace, e)
+    else:
+        try:
+            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+        finally:
+            j.close()
+        result = cancelmod.cancel(state, scope, grace)
     if as_json:
         click.echo(json.dumps(result, indent=2))
-        return
-    click.echo(f"cancelled {result['cancelled']} cell(s) of {result['scope']}")
-    for c in result["cells"]:
-        click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
-                   + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+    else:
+        click.echo(f"cancelled {result['cancelled']} {'process(es)' if 'root' in result else 'cell(s)'} "
+                   f"of {result['scope']}")
+        for c in result["cells"]:
+            click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
+                       + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+    if result.get("journaled") is False:
+        what = result.get("note") or result.get("root", {}).get("note") or ""
+        _fail(StateError(f"cancel {'killed' if result['cancelled'] else 'found'} {result['cancelled']} "
+                         f"{'process(es)' if 'root' in result else 'cell(s)'}"
+                         f"{' (' + what + ')' if what else ''} but could not journal it: {result['not_journaled']}"))
 
 
 @main.command()
-@click.option("--run", "run_id", required=True, metavar="R", help="The run to clean up.")
+@click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The run to clean up.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"cleaned": N, "items": [...]}.')
 @click.pass_obj
 def cleanup(obj, run_id, as_json):
@@ -263,7 +349,8 @@ def cleanup(obj, run_id, as_json):
     try:
         result, err = cancelmod.cleanup(_state(obj), run_id), None
     except CellsStillRunning as e:
-        result, err = e.details["result"], e
+        from .errors import as_value
+        result, err = {**e.details["result"], **as_value(e)}, e
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -290,7 +377,8 @@ def serve(obj, socket_path):
     sys.exit(serve_main(obj["state_dir"], socket_path))
 
 
-@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                                 "allow_interspersed_args": False})
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
               help="The serve controller's socket (default: <state>/agnsup.sock).")
 @click.option("--follow", is_flag=True, default=False,
@@ -318,6 +406,8 @@ def _state(obj):
     from .state import StateRoot
     st = StateRoot(obj["state_dir"])
     if not st.exists():
+        from .journal import preflight
+        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
         raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
     return st
 
@@ -361,3 +451,81 @@ def janitor(obj, as_json):
     from .state import StateRoot
     report = run_janitor(StateRoot(obj["state_dir"]))
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))
+    if report.get("journaled") is False:
+        from .errors import StateError
+        _fail(StateError(f"janitor worked from the kernel's evidence but could not journal it: {report['journal']}"))
+
+
+@main.group(cls=_Group)
+def journal():
+    """Check or repair the journal (a damaged file, or one that lost its history)."""
+
+
+@journal.command("check")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.pass_obj
+def journal_check(obj, as_json):
+    """Say what is wrong with the journal and what the disk still holds: its file,
+    SQLite's integrity check, cells on disk it does not know. Exit 0 when nothing
+    is wrong, 1 when something is (then: agnsup journal repair)."""
+    from .repair import check
+    from .state import StateRoot
+    r = check(StateRoot(obj["state_dir"]))
+    if as_json:
+        click.echo(json.dumps(r, indent=2, sort_keys=True))
+    else:
+        click.echo(f"journal {r['journal']}: {'ok' if r['ok'] else 'NOT OK'} ({r['cells_on_disk']} cell(s) on disk)")
+        for p in r["problems"]:
+            click.echo(f"  {p}")
+    sys.exit(0 if r["ok"] else 1)
+
+
+@journal.command("repair")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.pass_obj
+def journal_repair(obj, as_json):
+    """Move a damaged journal (or one that lost its history) aside into
+    <state>/quarantine/, never deleting it, and rebuild the journal from the cell
+    receipts on disk. Refused (exit 1) while processes still run under the state
+    root's cgroups: agnsup cancel --all first."""
+    from .repair import repair
+    from .state import StateRoot
+    r = repair(StateRoot(obj["state_dir"]).ensure())
+    if as_json:
+        click.echo(json.dumps(r, indent=2, sort_keys=True))
+        return
+    for q in r["quarantined"]:
+        click.echo(f"kept aside: {q}")
+    click.echo(f"imported {len(r['imported'])} cell receipt(s) from disk")
+    for sk in r["skipped"]:
+        click.echo(f"  {sk['cell']}: {sk['why']}")
+
+
+def _set_state_dir(ctx, _param, value):
+    if value is not None:
+        ctx.obj["state_dir"] = value
+
+
+def _json_errors(callback):
+    """With --json, a refusal is JSON on stdout too ({"error", "error_type", "exit_code"}),
+    besides its one line on stderr: a script that parses stdout never gets nothing."""
+    import functools
+
+    @functools.wraps(callback)
+    def wrapped(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except AgnsupError as e:
+            if kwargs.get("as_json"):
+                from .errors import as_value
+                click.echo(json.dumps(as_value(e), indent=2))
+            raise
+    return wrapped
+
+
+# cli.md: `--state-dir` is also accepted after the command name
+for _cmd in main.commands.values():
+    if any(p.name == "as_json" for p in _cmd.params):
+        _cmd.callback = _json_errors(_cmd.callback)
+    _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
+                                       callback=_set_state_dir, help="State root (as before the command)."))

@@ -175,9 +175,10 @@ def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], li
     return clones, places, homes, expose
 
 
-def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> ExecutionPlan:
+def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_roots: tuple = ()) -> ExecutionPlan:
     """The plan for `spec` under `policy` (policy.Frozen). Pure: `host` is what this
-    host offers ({protection: None or why not}, linux/host.protections())."""
+    host offers ({protection: None or why not}, linux/host.protections());
+    `other_roots`: the host's other state roots (StateRoot.other_roots), hidden too."""
     fs = policy.filesystem
     wt = spec.workdir
     state_real = os.path.realpath(state_root)
@@ -208,7 +209,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     ops.extend(places)
     # Masks go last so they also cover a deny path or the state root that
     # happens to lie inside the re-attached worktree (or a re-exposed path).
-    masked = [p for p in deny if os.path.lexists(p)] + [state_real]
+    masked = [p for p in deny if os.path.lexists(p)] + [state_real] + \
+        [p for p in other_roots if p != state_real and not _under(state_real, p) and not _under(wt, p)
+         and os.path.lexists(p)]
     ops.extend(("mask", p) for p in masked)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits

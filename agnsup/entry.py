@@ -48,7 +48,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         if not a.startswith("-") or a == "-":
             break
         name, eq, value = a.partition("=")
-        if name not in options:
+        if name not in options and name != "--state-dir":
             return None
         if not eq:
             if i + 1 >= len(argv):
@@ -56,6 +56,11 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             value, i = argv[i + 1], i + 2
         else:
             i += 1
+        if name == "--state-dir":  # cli.md: also accepted after the command name
+            if value == "":
+                return None
+            state_dir = value
+            continue
         key, kind = options[name]
         if kind in ("pos", "nonneg"):
             try:
@@ -94,6 +99,9 @@ def main() -> None:
     except AgnsupError as e:
         sys.stderr.write(f"agnsup: {e.message}\n")
         sys.exit(exit_code(e))
+    except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
+        sys.stderr.write(f"agnsup: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}\n")
+        sys.exit(125)
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

@@ -4,11 +4,16 @@
     ├── UsageError              125  a bad option, id or argument
     ├── PolicyError             125  a malformed policy file or an unknown role
     ├── StateError              125  the state root or journal is unusable
+    │   ├── JournalDamaged      125  the journal is corrupt or lost its history: nothing
+    │   │                            is written into it (agnsup journal check / repair)
+    │   └── NoPermission        125  the state root is another user's (permission denied)
     ├── SetupError              125  a cell could not be built (names the failed step)
     ├── NoServer                125  no serve controller listens on the socket
     ├── LockTimeout              75  the worktree lock was not free in time (EX_TEMPFAIL)
-    ├── UnknownId                 1  an id the journal never saw
-    ├── RunNotActive              1  the run was cancelled, or the cell id is taken
+    ├── UnknownId                 1  an id the journal never saw (cancel, cleanup, wait)
+    ├── RunNotActive            125  a start refused: the run was cancelled, or the cell
+    │                                id is taken (125, not 1: `run` must not look like
+    │                                a command that exited 1)
     ├── AmbiguousId               1  a cell id that names cells in several runs
     ├── CellsStillRunning         1  cleanup of a run whose cells still run
     ├── CancelledBeforeStart    143  cancelled between intent and exec (what a cell
@@ -46,6 +51,14 @@ class PolicyError(AgnsupError):
 
 
 class StateError(AgnsupError):
+    pass
+
+
+class JournalDamaged(StateError):
+    pass
+
+
+class NoPermission(StateError):
     pass
 
 
@@ -94,7 +107,7 @@ class NotFound(AgnsupError):
 
 
 EXIT_CODES: dict[type, int] = {
-    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 1, AmbiguousId: 1, CellsStillRunning: 1,
+    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
     CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
 }
 

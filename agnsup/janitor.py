@@ -93,7 +93,11 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
     state = state_root if isinstance(state_root, StateRoot) else StateRoot(str(state_root))
     state.ensure()
     own = journal is None
-    j = state.journal() if own else journal
+    from .errors import JournalDamaged
+    try:
+        j = state.journal() if own else journal
+    except JournalDamaged as e:
+        return _without_journal(state, e, backend)
     lock_path = os.path.join(state.path, "janitor.lock")
     fd = locks.acquire(lock_path, True, LOCK_TIMEOUT, "janitor", f"janitor pid {os.getpid()}")
     try:
@@ -102,6 +106,45 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
         locks.release(lock_path, fd)
         if own:
             j.close()
+
+
+def _without_journal(state, error, backend=None) -> dict:
+    """Recovery when the journal is damaged or lost its history (issue 12 item 3):
+    from the evidence that survives. The controllers' liveness locks say whether
+    any controller lives; when none does, every process under this state root's
+    own cgroup tree belongs to a dead controller's cell and is killed; when one
+    lives, its cells cannot be told from the dead ones' without the journal, and
+    nothing is touched. The recovery receipt is a file only (nothing is journaled)."""
+    from . import backend as backends, reaper, receipts
+    backend = backend or backends.choose(state.path)
+    cdir = os.path.join(state.path, "controllers")
+    try:
+        held = [n[:-5] for n in sorted(os.listdir(cdir)) if n.endswith(".lock")
+                and not locks.is_free(os.path.join(cdir, n))]
+    except OSError:
+        held = []
+    report = {"recovered": [], "killed": [], "skipped": [], "receipt": None, "controllers": [],
+              "journal": error.message, "journaled": False}
+    if held:
+        report["skipped"].append({"cell_id": "*", "reason": f"controller(s) {', '.join(held)} still live: without "
+                                                            "the journal their cells cannot be told apart; nothing killed"})
+        return report
+    root = reaper.kill_root(backend, 0.0)
+    report["root"] = root
+    if root["processes"]:
+        import uuid
+        jid = "j-" + uuid.uuid4().hex[:8]
+        path = os.path.join(state.path, "recovery", jid + ".json")
+        rec = {"kind": "recovery", "version": 1, "janitor": jid, "pid": os.getpid(), "boot_id": proc.boot_id(),
+               "at": time.time(), "journal": error.message, "journaled": False,
+               "evidence": "no controller lock held: every process under the state root's cgroup tree was a dead "
+                           "controller's", "root": root}
+        try:
+            receipts.write(path, rec)
+            report["receipt"] = {"path": path}
+        except OSError as e:
+            report["skipped"].append({"cell_id": "*", "reason": f"recovery receipt not written: {e.strerror}"})
+    return report
 
 
 class _Cell:
@@ -285,12 +328,32 @@ class _Janitor:
                 c.entry["final_state"] = "recovered"
                 c.entry["duration"] = round(now - t0, 6)
                 c.entry["reason"] = _reason(c)
-            self.j.conclude_recovered([
+            from . import receipts
+            concluded = [
                 {"run_id": c.row["run_id"], "cell_id": c.row["cell_id"], "controller": c.cid, "entry": c.entry,
                  "reason": c.entry["reason"],
                  "receipt": {"kind": "recovery", "version": 1, "janitor": self.id, "boot_id": self.boot,
-                             "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path}}
-                for c in done_cells], self.id, now, self.receipt_path)
+                             "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path},
+                 # every cell that started has a cell receipt too (issue 12 item 4)
+                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry, self._chain(c.row), self.id,
+                                                            self.receipt_path, now)}
+                for c in done_cells]
+            self.j.conclude_recovered(concluded, self.id, now, self.receipt_path)
+            for c in concluded:  # and on disk, where no receipt is (one on disk is never overwritten)
+                path = os.path.join(self.state.cell_dir(c["run_id"], c["cell_id"]), "receipt.json")
+                if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
+                    try:
+                        receipts.write(path, c["cell_receipt"])
+                    except OSError:
+                        pass  # the journal holds it
+
+    def _chain(self, row) -> list[dict]:
+        """The stages as the cell's events journaled them."""
+        out = []
+        for e in self.j.events(row["run_id"], row["cell_id"]):
+            if e["kind"].startswith("stage.") and e["data"]:
+                out.append(json.loads(e["data"]))
+        return out
 
 
 def _reason(c: _Cell) -> str:
@@ -325,7 +388,11 @@ def _identity_note(backend, pid, pidfd_ino, starttime) -> str | None:
 
 
 def format_text(report: dict) -> str:
-    if not report["controllers"]:
+    if report.get("journaled") is False:
+        root = report.get("root") or {}
+        lines = [f"without the journal: killed {root.get('processes', 0)} process(es) under this state root's "
+                 f"cgroups ({root.get('kill') or 'nothing to kill'}){'; ' + root['note'] if root.get('note') else ''}"]
+    elif not report["controllers"]:
         lines = ["nothing to recover"]
     else:
         lines = [f"controller {c['id']}: dead ({c['why_dead']}){'' if c['ended'] else '; not finished'}"

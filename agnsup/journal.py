@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - an interpreter without the private name
     import sqlite3
 
-from .errors import CancelledBeforeStart, RunNotActive, StateError
+from .errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateError
 
 TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 TERMINAL_RUN = ("cancelled", "finished", "recovered")
@@ -60,9 +60,13 @@ def _migrations() -> list[tuple[int, str]]:
 
 
 class Journal:
-    def __init__(self, path: str):
+    def __init__(self, path: str, check: bool = True):
+        """`check`: refuse a damaged journal or one that lost its history (preflight);
+        only `agnsup journal repair` opens the new journal it rebuilds without it."""
         self.path = path
         self.lock = None  # a threading.RLock when one connection serves many threads (serve)
+        if check:
+            preflight(path)
         try:
             self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
             self.db.row_factory = sqlite3.Row
@@ -75,6 +79,8 @@ class Journal:
             self.db.execute("PRAGMA wal_autocheckpoint = 256")
             version = self.db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
+            if _corrupt(e):
+                raise self._damaged(str(e)) from None
             raise StateError(f"journal {path} is unusable: {e}") from None
         if mode != "wal":
             raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
@@ -119,6 +125,8 @@ class Journal:
                 except sqlite3.Error:
                     pass
                 if isinstance(e, sqlite3.Error):
+                    if _corrupt(e):
+                        raise self._damaged(str(e)) from None
                     raise StateError(f"journal {self.path}: cannot write: {e}") from None
                 raise
         finally:
@@ -140,7 +148,22 @@ class Journal:
             with self.lock:
                 return self.db.execute(sql, args).fetchall()
         except sqlite3.Error as e:
+            if _corrupt(e):
+                raise self._damaged(str(e)) from None
             raise StateError(f"journal {self.path}: cannot read: {e}") from None
+
+    def _damaged(self, why: str) -> JournalDamaged:
+        """SQLite found the file corrupt: mark it, so that no later command writes into it."""
+        try:
+            self.db.close()
+        except (sqlite3.Error, AttributeError):
+            pass
+        try:
+            with open(self.path + DAMAGED_MARK, "x") as f:
+                f.write(why + "\n")
+        except OSError:
+            pass  # already marked, or a read-only state root: preflight still finds most of it
+        return damaged(self.path, why)
 
     # -- events and controllers -------------------------------------------
     def event(self, db, kind: str, run_id=None, cell_id=None, **data) -> None:
@@ -286,6 +309,17 @@ class Journal:
         """A denied call starts nothing, but the journal remembers it was asked."""
         self.add_event("denied", run_id, cell_id, **data)
 
+    def record_refused(self, run_id: str, cell_id: str | None, **data) -> None:
+        """A start refused before a cell existed (not found, not executable): an event too."""
+        self.add_event("refused", run_id, cell_id, **data)
+
+    def refusals(self, run_id: str | None = None) -> list[dict]:
+        """The denied and refused calls, oldest first."""
+        where, args = ("AND run_id=?", (run_id,)) if run_id else ("", ())
+        return [{"kind": k, "run_id": r, "cell_id": c, "t": t, **json.loads(d or "{}")} for k, r, c, t, d in self._all(
+            f"SELECT kind, run_id, cell_id, t, data FROM events WHERE kind IN ('denied','refused') {where} "
+            "ORDER BY id", args)]
+
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
                    (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))
@@ -371,6 +405,8 @@ class Journal:
                     entry["run_state"] = "recovered" if cur.rowcount else \
                         db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
                 self._add_receipt(db, "recovery", run_id, c["cell_id"], c["receipt"])
+                if c.get("cell_receipt") is not None:
+                    self._add_receipt(db, "cell", run_id, c["cell_id"], c["cell_receipt"])
 
     def end_controllers(self, ids: list[str], janitor: str) -> None:
         with self.tx() as db:
@@ -429,7 +465,46 @@ class Journal:
                 args.append(val)
         if where:
             q += " WHERE " + " AND ".join(where)
-        return [json.loads(r[0]) for r in self._all(q + " ORDER BY id", tuple(args))]
+        try:
+            return [json.loads(r[0]) for r in self._all(q + " ORDER BY id", tuple(args))]
+        except ValueError as e:  # a row SQLite returns whole but whose bytes were overwritten
+            raise self._damaged(f"a receipt row is not JSON: {e}") from None
+
+    # -- check and repair (agnsup/repair.py) ------------------------------------
+    def integrity(self) -> list[str]:
+        """PRAGMA integrity_check: ["ok"], or what SQLite found wrong (reads the whole file)."""
+        return [r[0] for r in self._all("PRAGMA integrity_check(20)")]
+
+    def known_cells(self) -> set[tuple[str, str]]:
+        return {(r[0], r[1]) for r in self._all("SELECT run_id, cell_id FROM cells")}
+
+    def import_cell(self, receipt: dict, receipt_path: str) -> None:
+        """A cell receipt found on disk into a rebuilt journal: its run, its controller
+        (ended), its terminal row, the receipt and an event `repair.imported`."""
+        run_id, cell_id, t = receipt["run_id"], receipt["cell_id"], receipt.get("ended_at") or time.time()
+        started = receipt.get("started_at") or t
+        pids = receipt.get("pids") or {}
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO runs(run_id, state, created_at, ended_at) VALUES (?, ?, ?, ?)",
+                       (run_id, "recovered" if receipt.get("state") == "recovered" else "finished", started, t))
+            cid = receipt.get("controller") or "unknown"
+            db.execute("INSERT OR IGNORE INTO controllers(id, kind, pid, starttime, boot_id, lock_path, started_at, "
+                       "ended_at) VALUES (?, 'repaired', 0, 0, ?, '', ?, ?)", (cid, receipt.get("boot_id") or "", started, t))
+            db.execute(
+                "INSERT INTO cells(run_id, cell_id, agent_id, role, state, token, controller_id, boot_id, cgroup, "
+                "cgroup_ino, argv, exe, worktree, pid, starttime, pgid, created_at, started_at, ended_at, exit_code, "
+                "signal, reason, cancel_reason, receipt_path) "
+                "VALUES (?,?,?,?,?,'',?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, cell_id, receipt.get("agent_id") or "default", receipt.get("role") or "", receipt["state"],
+                 cid, receipt.get("boot_id") or "", json.dumps(receipt.get("cgroup")), receipt.get("cgroup_inode"),
+                 json.dumps(receipt.get("argv") or []), receipt.get("exe"), receipt.get("workdir"), pids.get("leader"),
+                 pids.get("starttime"), pids.get("pgid"), started, started, t, receipt.get("exit_code"),
+                 receipt.get("signal"), receipt.get("reason"), receipt.get("cancel_reason"), receipt_path))
+            self._add_receipt(db, "cell", run_id, cell_id, receipt)
+            self.event(db, "repair.imported", run_id, cell_id, receipt=receipt_path)
+
+    def add_repair(self, report: dict) -> None:
+        self.add_event("repair", **report)
 
     def query_plan(self, sql: str) -> str:
         """EXPLAIN QUERY PLAN of one of this module's queries (tests: the indexes serve them)."""
@@ -445,6 +520,88 @@ def _latest() -> int:
     except OSError:
         return max(n for n, _ in _migrations())
     return max(int(n[:4]) for n in names if n.endswith(".sql") and n[:4].isdigit())
+
+
+# -- a journal that is damaged or lost its history (issue 12 items 2, 3) -----------
+DAMAGED_MARK = ".damaged"  # next to journal.db: why agnsup refuses to write into it
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _corrupt(e: Exception) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+        return True
+    # garbage where text was: the pages parse, their bytes do not
+    return any(m in str(e) for m in ("malformed", "not a database", "Could not decode to UTF-8"))
+
+
+def damaged(path: str, why: str) -> JournalDamaged:
+    return JournalDamaged(f"journal {path} is unusable: damaged ({why}); agnsup writes nothing into it. "
+                          "`agnsup journal repair` keeps it aside and rebuilds the journal from the receipts on disk "
+                          "(`agnsup journal check` says what is there); `agnsup cancel --all` still kills")
+
+
+def cells_on_disk(state_root: str) -> list[tuple[str, str]]:
+    """(run_id, cell_id) of every cell directory under <state>/cells: what the journal must know."""
+    out = []
+    top = os.path.join(state_root, "cells")
+    try:
+        runs = sorted(os.listdir(top))
+    except OSError:
+        return out
+    for run in runs:
+        try:
+            out += [(run, c) for c in sorted(os.listdir(os.path.join(top, run)))]
+        except OSError:
+            continue
+    return out
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def preflight(path: str) -> None:
+    """Refuse a journal that is damaged or that lost its history, before SQLite
+    opens (and would happily write into) it. Cheap enough for every start: one
+    stat and the 100-byte header; the cell directories are listed only when the
+    journal is empty or missing. Corruption deeper in the file shows when SQLite
+    reads it (Journal._damaged marks it then) and in `agnsup journal check`."""
+    try:
+        with open(path + DAMAGED_MARK) as f:
+            raise damaged(path, f.read().strip() or "marked damaged")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise StateError(f"journal {path}{DAMAGED_MARK}: cannot read: {e.strerror}") from None
+    size, wal = _size(path), _size(path + "-wal")
+    if not size:
+        if not wal:
+            lost = cells_on_disk(os.path.dirname(path))
+            if lost:
+                raise JournalDamaged(
+                    f"journal {path} lost its history: it is {'missing' if size is None else 'empty'} but "
+                    f"{len(lost)} cell(s) are on disk under cells/ (e.g. {lost[0][0]}/{lost[0][1]}); agnsup writes "
+                    "nothing into it and reuses no id. `agnsup journal repair` rebuilds it from the receipts on disk "
+                    "(`agnsup journal check` says what is there)")
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError as e:
+        raise StateError(f"journal {path} is unusable: {e.strerror}") from None
+    if not head.startswith(b"SQLite format 3\0"):
+        raise damaged(path, "not an SQLite database: its header is gone")
+    if len(head) == 100 and not wal:
+        page = int.from_bytes(head[16:18], "big")
+        page = 65536 if page == 1 else page
+        pages = int.from_bytes(head[28:32], "big")
+        # the header's page count holds when its version-valid-for number matches the change counter
+        if head[92:96] == head[24:28] and pages * page > size:
+            raise damaged(path, f"truncated: {size} bytes where its header counts {pages * page}")
 
 
 def open_journal(state_root: str) -> Journal:

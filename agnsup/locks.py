@@ -88,6 +88,8 @@ def release(path: str, fd: int) -> bool:
         unlinked = True
     except (BlockingIOError, FileNotFoundError):
         pass
+    except OSError:
+        pass  # a read-only or full state root: the lock is dropped (close) all the same; the file stays
     finally:
         os.close(fd)
     return unlinked

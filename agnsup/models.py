@@ -174,8 +174,10 @@ class NetworkSection(_Strict):
 
 
 class LimitsSection(_Strict):
-    memory_max: int | None = Field(None, description="Memory limit of the cell's cgroup ('2G', bytes); none if unset.")
-    pids_max: int | None = Field(None, description="Most processes and threads the cell may hold at once.")
+    memory_max: int | None = Field(None, description="Memory limit of the cell's cgroup ('2G', bytes, at least 1); "
+                                   "none if unset.")
+    pids_max: int | None = Field(None, description="Most processes and threads the cell may hold at once "
+                                 "(1-4194304); none if unset.")
     cpu_weight: int | None = Field(None, ge=1, le=10000, description="CPU share against the other cells when the "
                                    "CPU is contended (1-10000, 100 = an even share): v2 cpu.weight, v1 cpu.shares.")
     cpu_max: float | None = Field(None, gt=0, description="Most CPUs the cell may use at once (1.5 = one and a half "
@@ -183,13 +185,34 @@ class LimitsSection(_Strict):
     output_max: int | None = Field(None, ge=0, description="Most bytes the cell may write to the controller, stdout "
                                    "and stderr together ('16M', bytes); past it the cell is killed and the receipt "
                                    "says output_limit. Unset: the cell writes the controller's stdio directly.")
-    timeout: float | None = Field(None, description="Default wall-clock limit in seconds (--timeout overrides).")
+    timeout: float | None = Field(None, description="Default wall-clock limit in seconds, > 0 (--timeout "
+                                  "overrides); none if unset.")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")
 
     @field_validator("memory_max", "output_max", mode="before")
     @classmethod
     def _size(cls, v):
         return parse_size(v)
+
+    # A value the kernel would refuse, or one that would not be applied (0 reads as
+    # "no limit" further down) while the receipt said it was, is refused here, naming
+    # the file and key (policy.validate), not at cell setup as "[Errno 22]".
+    @field_validator("memory_max", "pids_max")
+    @classmethod
+    def _at_least_one(cls, v, info):
+        if v is None:
+            return v
+        top = 4194304 if info.field_name == "pids_max" else 2 ** 63 - 1  # PID_MAX_LIMIT; the kernel's page counter
+        if isinstance(v, bool) or not 1 <= v <= top:
+            raise ValueError(f"must be between 1 and {top}, not {v!r} (leave the key out for no limit)")
+        return v
+
+    @field_validator("timeout")
+    @classmethod
+    def _positive(cls, v):
+        if v is not None and (isinstance(v, bool) or not 0 < v < float("inf")):
+            raise ValueError(f"must be a number of seconds > 0, not {v!r} (leave the key out for no timeout)")
+        return v
 
 
 PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities")

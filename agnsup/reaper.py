@@ -294,15 +294,15 @@ class Tree:
         self.backend, self.target, self.leader_fd = backend, target, leader_fd
         self.exclude = (target.leader["pid"],) if target.leader else ()
 
-    def term(self) -> None:
+    def term(self, sig: int = signal.SIGTERM) -> None:
         from .linux import pidfd
         if self.target.has_tree:
-            self.backend.signal(self.target.place, signal.SIGTERM)
+            self.backend.signal(self.target.place, sig)
             return
-        pidfd.send(self.leader_fd, signal.SIGTERM)
+        pidfd.send(self.leader_fd, sig)
         job = _Job(self.backend, self.target, thorough=False)
         job.signal(self.backend, job.find(self.backend, self.backend.snapshot(self.exclude), False, self.exclude),
-                   signal.SIGTERM)
+                   sig)
 
     def oom_kills(self) -> int | None:
         return self.backend.oom_kills(self.target.place) if self.target.has_tree else None
@@ -334,6 +334,34 @@ def signal_group(leader_fd: int, sig: int) -> bool:
             raise
     from .linux import pidfd
     return pidfd.send(leader_fd, sig)
+# -- without a journal (issue 12 item 3: the kill switch works from what survives) ----
+def live_under_root(backend) -> list[int]:
+    """The pids under this state root's own cgroup root: every cell's, whoever started it."""
+    root = backend.root()
+    return backend.members(root) if root is not None else []
+
+
+def kill_root(backend, grace: float) -> dict:
+    """The kill switch when the journal cannot say which cells live: every process
+    under this state root's own cgroup root (agnsup made that tree: all of it is
+    cells) gets SIGTERM, then after `grace` the tree's kill, then it is verified
+    empty. Without cgroups there is no such evidence: nothing is touched, and the
+    result says so."""
+    root = backend.root()
+    if root is None:
+        if backend.trees:  # cgroups here, but no tree under this state root: no cell lives
+            return {"processes": 0, "kill": None, "empty": True, "note": ""}
+        return {"processes": 0, "kill": None, "empty": None,
+                "note": "no cgroups on this host (ENV_BLOCKED: cgroup): without the journal no process can be "
+                        "proven a cell's"}
+    before = backend.members(root)
+    if not before:
+        return {"processes": 0, "kill": None, "empty": True, "note": ""}
+    backend.signal(root, signal.SIGTERM)
+    backend.wait_empty(root, grace)
+    method = backend.kill(root) if backend.populated(root) else None
+    empty = backend.wait_empty(root, 10.0)
+    return {"processes": len(before), "kill": method, "empty": empty, "note": ""}
 
 
 # -- release --------------------------------------------------------------------
@@ -517,7 +545,10 @@ def release_lock_file(path: str | None) -> dict | None:
                 return None  # already unlinked and recreated by someone else: not ours
         except FileNotFoundError:
             return None
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except OSError as e:  # read-only state root: the lock is free, its file stays
+            return {"kind": "lock", "path": path, "left": f"not removed: {e.strerror}"}
         return {"kind": "lock", "path": path}
     finally:
         os.close(fd)

@@ -44,17 +44,60 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
+    raw = argv_bytes(spec.argv)
+    if raw is not None:
+        r["argv_b64"] = raw
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
         r["output"]["redaction"] = receipt_section(plan.redact, spec.env, plan.cell_dir, MAX_RETURNED_OUTPUT)
+    r["limits"]["not_in_force"] = not_in_force(r["limits"])
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error
     r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
     return r
+
+
+def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recovery_path: str, now: float) -> dict:
+    """The cell receipt of a cell the janitor recovered (its controller died first):
+    what the journal holds of it (the chain as each stage journaled it, ids, argv,
+    the leader), state `recovered`, and what the janitor killed and spared and why,
+    with a pointer to the recovery receipt. Never built from constants: a field the
+    journal did not hold is None."""
+    argv = json.loads(row["argv"]) if row["argv"] else []
+    r = {"kind": "cell", "version": RECEIPT_VERSION, "run_id": row["run_id"], "agent_id": row["agent_id"],
+         "cell_id": row["cell_id"], "role": row["role"], "controller": row["controller_id"],
+         "boot_id": row["boot_id"], "chain": chain, "argv": argv, "exe": row["exe"], "workdir": row["worktree"],
+         "cgroup": entry.get("cgroup"), "cgroup_inode": row["cgroup_ino"],
+         "pids": {"leader": row["pid"], "pgid": row["pgid"], "starttime": row["starttime"],
+                  "pidfd_ino": row["pidfd_ino"]},
+         "started_at": row["started_at"], "ended_at": now, "state": "recovered", "reason": entry.get("reason"),
+         "exit_code": None, "exit_status": None, "signal": None, "cancel_reason": row["cancel_reason"],
+         "state_before": entry.get("state_before"),
+         "recovery": {"janitor": janitor, "receipt": recovery_path, "killed": entry.get("killed", []),
+                      "spared": entry.get("spared", []), "released": entry.get("released", []),
+                      "notes": entry.get("notes", [])}}
+    raw = argv_bytes(argv)
+    if raw is not None:
+        r["argv_b64"] = raw
+    r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
+    return r
+
+
+def argv_bytes(argv: list[str]) -> list[str] | None:
+    """argv as base64 of the exact bytes, when some argument is not UTF-8: `argv`
+    then holds surrogate escapes (\\udcff) that only Python maps back, and a
+    receipt must let any reader recover what ran. None when argv is all UTF-8."""
+    import base64
+    try:
+        for a in argv:
+            a.encode()
+        return None
+    except UnicodeEncodeError:
+        return [base64.b64encode(os.fsencode(a)).decode() for a in argv]
 
 
 def redacted_env(spec) -> dict[str, str]:
@@ -74,6 +117,16 @@ def write(path: str, receipt: dict, compact: bool = False) -> None:
                 json.dumps(receipt, indent=2, sort_keys=True))
         f.write("\n")
     os.replace(tmp, path)
+
+
+_RESOURCE = {"memory_max": "memory", "pids_max": "pids", "cpu_weight": "cpu", "cpu_max": "cpu"}
+
+
+def not_in_force(limits: dict) -> list[str]:
+    """The role's limits no hierarchy holds on this host (a receipt never reports a
+    limit as if it were applied): the keys whose resource is not in `applied`."""
+    applied = limits.get("applied") or {}
+    return sorted(k for k, res in _RESOURCE.items() if limits.get(k) is not None and res not in applied)
 
 
 def limits_hit(usage: dict, output: dict) -> list[str]:

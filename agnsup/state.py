@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import StateError, UsageError
+from .errors import NoPermission, StateError, UsageError
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -24,6 +24,16 @@ def default_root() -> str:
         return "/var/lib/agnsup"
     xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(xdg, "agnsup")
+
+
+def registry_dir() -> str:
+    """Where agnsup notes every state root it used on this host (one symlink per root),
+    so that each cell can be kept from all of them, not only from its own: sticky and
+    world-writable like /var/tmp, so every user's roots are hidden from every cell."""
+    return os.environ.get("AGNSUP_ROOTS_REGISTRY") or "/var/tmp/agnsup-roots"
+
+
+DEFAULT_ROOTS = ("/var/lib/agnsup",)  # hidden whenever they exist, registered or not
 
 
 def check_id(kind: str, value: str) -> str:
@@ -41,18 +51,93 @@ class StateRoot:
 
     def ensure(self) -> "StateRoot":
         """Create the layout (mode 0700); a clear StateError if we cannot."""
+        repo = _worktree_above(self.path)
+        if repo is not None:
+            raise StateError(f"state root {self.path} is inside the worktree {repo}: a command run there (git clean "
+                             "-fdx, rm -rf) would take the journal and the receipts with it; use a state root "
+                             "outside any worktree (--state-dir)")
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             for sub in ("controllers", "cells", "locks"):
                 os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
         except OSError as e:
-            raise StateError(f"state root {self.path} is unusable: {e.strerror}") from None
+            raise self.unusable(e) from None
         if not os.access(self.path, os.W_OK):
             raise StateError(f"state root {self.path} is not writable")
+        self.register()
         return self
 
+    def register(self) -> None:
+        """Note this root in the host's registry (registry_dir); best effort, one lstat when known."""
+        from .digest import sha256
+        reg = registry_dir()
+        entry = os.path.join(reg, sha256(self.path.encode()).hexdigest()[:24])
+        if os.path.lexists(entry):
+            return
+        try:
+            if not os.path.isdir(reg):
+                os.makedirs(reg, exist_ok=True)
+                os.chmod(reg, 0o1777)  # anyone adds their roots; the sticky bit keeps each user's own
+            os.symlink(self.path, entry)
+        except OSError:
+            pass  # a read-only /var/tmp: this root is hidden from its own cells all the same
+
+    def other_roots(self) -> list[str]:
+        """Every other state root known on this host that still holds a journal (a cell
+        sees none of them); entries whose root is gone are dropped."""
+        out = []
+        reg = registry_dir()
+        try:
+            names = os.listdir(reg)
+        except OSError:
+            names = []
+        for n in names:
+            entry = os.path.join(reg, n)
+            try:
+                target = os.readlink(entry)
+            except OSError:
+                continue
+            if not os.path.exists(os.path.join(target, "journal.db")):
+                if not os.path.exists(target):
+                    try:
+                        os.unlink(entry)
+                    except OSError:
+                        pass
+                continue
+            out.append(target)
+        out += [p for p in DEFAULT_ROOTS if os.path.isdir(p)]
+        own = os.path.realpath(self.path)
+        return sorted({os.path.realpath(p) for p in out} - {own})
+
+    def unusable(self, e: OSError) -> StateError:
+        """What is wrong with the state root, in words (not "File exists")."""
+        import errno
+        path = e.filename or self.path
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            # it, or a directory on its way, is something else than a directory
+            bad = next((p for p in _ancestors(path) if os.path.lexists(p) and not os.path.isdir(p)), path)
+            return StateError(f"state root {self.path} is unusable: {bad} is not a directory "
+                              f"(it is a {_kind(bad)}); give another --state-dir or move it away")
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return NoPermission(f"state root {self.path}: permission denied on {path}{_owner(path)}; "
+                              "use a state root of your own (--state-dir) or run as its owner")
+        if e.errno == errno.EROFS:
+            return StateError(f"state root {self.path} is on a read-only file system ({path})")
+        return StateError(f"state root {self.path} is unusable: {path}: {e.strerror}")
+
     def exists(self) -> bool:
-        return os.path.exists(os.path.join(self.path, "journal.db"))
+        """Whether a journal is there; a state root we may not look into is an error,
+        not "nothing was ever run" (another user's, root's /var/lib/agnsup)."""
+        try:
+            os.stat(os.path.join(self.path, "journal.db"))
+            return True
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError as e:
+            raise self.unusable(e) from None
+        except PermissionError as e:
+            e.filename = self.path
+            raise self.unusable(e) from None
 
     def journal(self):
         from .journal import open_journal
@@ -66,3 +151,49 @@ class StateRoot:
 
     def worktree_lock(self, digest: str) -> str:
         return os.path.join(self.path, "locks", digest + ".lock")
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` and the directories above it, the top one first."""
+    out = []
+    p = os.path.abspath(path)
+    while True:
+        out.append(p)
+        up = os.path.dirname(p)
+        if up == p:
+            return out[::-1]
+        p = up
+
+
+def _kind(path: str) -> str:
+    import stat
+    try:
+        m = os.lstat(path).st_mode
+    except OSError:
+        return "missing entry"
+    return ("symbolic link" if stat.S_ISLNK(m) else "regular file" if stat.S_ISREG(m) else
+            "socket" if stat.S_ISSOCK(m) else "fifo" if stat.S_ISFIFO(m) else "device" if
+            stat.S_ISCHR(m) or stat.S_ISBLK(m) else "file")
+
+
+def _owner(path: str) -> str:
+    """ " (owned by uid N, mode 0700)" of the nearest part of `path` we can stat."""
+    for p in reversed(_ancestors(path)):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        return f" ({p} is owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}; you are uid {os.geteuid()})"
+    return ""
+
+
+def _worktree_above(path: str) -> str | None:
+    """The nearest directory at or above `path` that is a git worktree (has .git), if any."""
+    p = os.path.abspath(path)
+    while True:
+        if os.path.lexists(os.path.join(p, ".git")):
+            return p
+        up = os.path.dirname(p)
+        if up == p:
+            return None
+        p = up

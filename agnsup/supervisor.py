@@ -82,14 +82,16 @@ class Outcome(Record):
     leftover: list | None = None  # pids still in the cell after the leader ended
 
     @classmethod
-    def of(cls, reason: str, status: int | None, sig: int | None, **more) -> "Outcome":
+    def of(cls, reason: str, status: int | None, sig: int | None, stop_signal: int = signal.SIGTERM,
+           **more) -> "Outcome":
         """The one place a cell's exit status and terminal state are decided (cli.md):
         the command's own status; 128+N when signal N ended it; 124 for a timeout; a
-        cancelled cell that exited by itself after SIGTERM still ends 128+SIGTERM."""
+        cancelled cell that exited by itself after the stop signal (SIGTERM; SIGINT
+        for a Ctrl-C to `agnsup run`) still ends 128+that signal."""
         if reason == "timeout":
             code, state = 124, "timeout"
         elif reason == "cancelled":
-            code, state = (128 + sig if sig is not None else 128 + signal.SIGTERM), "cancelled"
+            code, state = 128 + (sig if sig is not None else stop_signal), "cancelled"
         else:
             code = status if status is not None else 128 + sig
             # a broken limit (output_limit, oom) is a kill by the supervisor
@@ -411,9 +413,31 @@ def _child_error(plan, report: bytes) -> Exception:
     if step == "exec":
         exe = plan.spec.exe
         if code == errno.ENOENT:
+            interp = _interpreter(exe)
+            if interp is not None:  # the file is there: its #! interpreter is not (in the cell's view)
+                return NotFound(f"{plan.spec.argv[0]}: its interpreter {interp} (the #! line of {exe}) "
+                                "was not found", step=step)
             return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+    if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
+        # what is needed, not only what failed (issue 12 item 11)
+        return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
+                          f"CAP_SYS_ADMIN, which uid {os.geteuid()} lacks here; run agnsup as root (sudo), or see "
+                          "`agnsup doctor` and docs/hosts.md for unprivileged hosts", step=step, errno=code)
     return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
+
+
+def _interpreter(exe: str) -> str | None:
+    """The interpreter a script's #! line names, if `exe` is one."""
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return words[0].decode(errors="replace") if words else None
 
 
 _JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
@@ -507,16 +531,19 @@ class Waiter:
         self.reason: str | None = None      # why we stopped it (first reason wins), None: it ended by itself
         self.cancel_reason: str | None = None
         self.term_sent_at: float | None = None
+        self.stop_signal: int = signal.SIGTERM  # what the tree got first
         self.kill_method: str | None = None
 
-    def request_stop(self, reason: str, cancel_reason: str | None = None) -> None:
-        """SIGTERM the whole tree now; SIGKILL it when the grace period ends. First reason wins."""
+    def request_stop(self, reason: str, cancel_reason: str | None = None, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` (SIGTERM) to the whole tree now; SIGKILL it when the grace period
+        ends. First reason wins."""
         if self.reason is None:
             self.reason = reason
             self.cancel_reason = cancel_reason
         if self.term_sent_at is None:
             self.term_sent_at = time.monotonic()
-            self.tree.term()
+            self.stop_signal = sig
+            self.tree.term(sig)
             crashpoints.hit("cancel_grace")
 
     def stop_now(self, reason: str) -> None:

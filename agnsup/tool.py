@@ -13,7 +13,7 @@ import os
 import sys
 import signal
 
-from .errors import AgnsupError, UsageError, as_value
+from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 
@@ -69,7 +69,14 @@ def prepare(state, journal, request: CellRequest):
 
     trace = [broker.stage("public_tool", tool="run_process", entry=request.entry)]
     pol = policy.load(request.role, state.path)
-    spec = specmod.build(request, pol)
+    try:
+        spec = specmod.build(request, pol)
+    except (NotFound, NotExecutable) as e:
+        # nothing starts, but the journal remembers it was asked (as for a denial)
+        journal.record_refused(request.run_id, request.cell_id, argv=request.argv, error=e.message,
+                               error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
+                               entry=request.entry)
+        raise
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
                                         spec.workdir, state.path)
@@ -78,7 +85,7 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    plan = compiler.compile_plan(spec, pol, state.path, host.protections())
+    plan = compiler.compile_plan(spec, pol, state.path, host.protections(), tuple(state.other_roots()))
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
     return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,
@@ -116,7 +123,9 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
                 if n == signal.SIGWINCH:
                     user_tty.follow_size()
                     continue
-                waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller (pid {os.getpid()})")
+                # the cell gets the signal the controller got (as timeout(1) does): Ctrl-C ends it 130
+                waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller "
+                                    f"(pid {os.getpid()})", sig=n)
 
         if caught:
             on_wake()
@@ -195,7 +204,11 @@ def handle_tool_call(name: str, arguments, **context) -> dict:
                 "exit_code": 125}
     try:
         args = _tool_arguments(arguments)
-        return run_process(args.pop("argv", None), **args, **context)
+        pinned = sorted(k for k in set(args) & set(context) if args[k] != context[k])
+        if pinned:  # the runtime's keywords are its decisions, not defaults the model may change
+            raise UsageError(f"{', '.join(pinned)}: set by the runtime for this call; the model may not change it")
+        args.update(context)
+        return run_process(args.pop("argv", None), **args)
     except AgnsupError as e:
         return as_value(e)
 

@@ -17,6 +17,11 @@ from agnsup import backend
 from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
+# The tests' state roots are noted in a registry of their own, not the host's (state.registry_dir).
+if "AGNSUP_ROOTS_REGISTRY" not in os.environ:
+    import atexit
+    os.environ["AGNSUP_ROOTS_REGISTRY"] = os.path.join("/tmp", f"agnsup-test-roots-{os.getpid()}")
+    atexit.register(shutil.rmtree, os.environ["AGNSUP_ROOTS_REGISTRY"], True)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -22,7 +22,7 @@ LAYERS = [  # top to bottom
     ("tool and service", ["agnsup.service", "agnsup.tool"]),
     ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
                 "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor",
-                "agnsup.netpolicy"]),
+                "agnsup.netpolicy", "agnsup.repair"]),
     ("broker", ["agnsup.broker"]),
     ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.output",
                                "agnsup.locks", "agnsup.egress"]),

@@ -61,7 +61,7 @@ def test_cancel_of_an_agent_stops_its_trees_and_nothing_else_and_cancel_of_the_r
         assert gone(infos["B1"])
         assert starter.exit_code("R2", "B1") in (128 + signal.SIGTERM, 128 + signal.SIGKILL)
         assert agnsup.json("cancel", "--run", "R2", "--json")["cancelled"] == 0
-        refused = agnsup("run", "--run-id", "R2", "--workdir", wts["B1"], "--", "true", check=1)
+        refused = agnsup("run", "--run-id", "R2", "--workdir", wts["B1"], "--", "true", check=125)
         assert "cancelled" in refused.err and refused.err.count("\n") == 1
 
         first = agnsup.json("cleanup", "--run", "R2", "--json")

@@ -13,10 +13,11 @@ CASES = [
     ["--state-dir", "/x", "run", "--cell", "c1", "--run-id", "r", "--agent", "a", "--", "--help"],
     ["run", "--lock-timeout", "0", "--receipt", "/tmp/r.json", "--workdir", "/w", "sh", "-c", "echo --role"],
     ["run", "--", "--", "x"],
+    ["--state-dir", "/x", "run", "--state-dir=/y", "--cell", "c1", "--", "true"],
 ]
 FALLBACK = [
     ["run", "--help"], ["run"], ["run", "--timeout", "0", "--", "x"], ["run", "--timeout", "abc", "--", "x"],
-    ["run", "--bogus", "x"], ["ps"], ["--state-dir"], ["run", "--role"], ["run", "--timeout", "nan", "--", "x"],
+    ["run", "--bogus", "x"], ["run", "--agent-idd", "x", "--", "true"], ["ps"], ["--state-dir"], ["run", "--role"], ["run", "--timeout", "nan", "--", "x"],
 ]
 
 

@@ -25,6 +25,41 @@ def test_the_state_root_cannot_be_read_from_a_cell(agnsup, worktree):
     assert "journal.db" not in cp.out
 
 
+def test_other_state_roots_on_the_host_cannot_be_read_from_a_cell(agnsup, worktree, tmp_path):
+    """Issue 12 item 14: every state root agnsup knows on this host is hidden from a cell,
+    not only the cell's own (a registry notes each root agnsup used)."""
+    import shutil
+    import tempfile
+    from agnsup import backend
+    from agnsup.state import StateRoot
+    top = tempfile.mkdtemp(prefix="agnsup-test-", dir="/var/tmp")  # not under /tmp: a cell has its own /tmp
+    other = os.path.join(top, "state")
+    try:
+        agnsup("run", "--state-dir", other, "--workdir", worktree, "--", "true", check=0)
+        assert other in StateRoot(agnsup.state).other_roots()
+        probe = ("import os, sys\nfor p in sys.argv[1:]:\n try: print(p, os.listdir(p))\n"
+                 " except OSError as e: print(p, e.strerror)")
+        roots = [other] + [p for p in ("/var/lib/agnsup",) if os.path.isdir(p)]
+        cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", probe, *roots, check=0)
+        assert f"{other} []" in cp.out or f"{other} Permission denied" in cp.out, cp.out
+        assert "journal.db" not in cp.out and "controllers" not in cp.out, cp.out
+    finally:
+        leaked = backend.choose(other).purge()
+        shutil.rmtree(top, ignore_errors=True)
+    assert not leaked, leaked
+
+
+def test_a_state_root_inside_a_worktree_is_refused(agnsup, worktree, tmp_path):
+    """Issue 12 item 14: a state root inside a git worktree is refused before anything is made
+    (a `git clean -fdx` there would take the journal and every receipt)."""
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    state = repo / "build" / "state"
+    cp = agnsup("run", "--state-dir", str(state), "--workdir", worktree, "--", "true", check=125)
+    assert f"is inside the worktree {repo}" in cp.err and cp.err.count("\n") == 1
+    assert not state.exists()
+
+
 # Kernel probes are written in Python so that the text gate (which would refuse
 # `echo x > /etc/...` up front) lets them through: these tests are about what
 # the kernel stops.

@@ -112,6 +112,17 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         assert full["controllers"][0]["id"] == row["controller"] and full["duration"] >= 0
         assert "liveness lock" in full["controllers"][0]["why_dead"]
 
+        # Issue 12 item 4: a recovered cell has a cell receipt too: the chain as journaled, what the
+        # janitor killed and why, a pointer to the recovery receipt; in the journal and on disk
+        (own,) = agnsup.json("receipts", "--run", "default", "--cell", "a1", "--json")
+        assert own["state"] == "recovered" and own["reason"] and own["exit_code"] is None
+        assert [st["stage"] for st in own["chain"]][:4] == ["public_tool", "spec_builder", "governance",
+                                                           "policy_compiler"]
+        assert own["recovery"]["receipt"] == rep["receipt"]["path"] and own["controller"] == row["controller"]
+        assert {k["pid"] for k in own["recovery"]["killed"]} >= {pid for pid, _ in tree_pids(info)}
+        with open(os.path.join(agnsup.state, "cells", "default", "a1", "receipt.json")) as f:
+            assert json.load(f) == own
+
         # idempotent: the second janitor does nothing
         rep2 = agnsup.json("janitor", "--json")
         assert rep2["recovered"] == [] and rep2["killed"] == [] and rep2["receipt"] is None

@@ -91,6 +91,23 @@ def test_sigterm_to_the_controller_cancels_the_cell(agnsup, worktree, policy_dir
     assert r["state"] == "cancelled" and "SIGTERM" in r["cancel_reason"]
 
 
+def test_ctrl_c_to_the_controller_reaches_the_cell_as_sigint_and_exits_130(agnsup, worktree, policy_dir):
+    """Issue 12 item 15: Ctrl-C (SIGINT) to `agnsup run` exits 130 (128+SIGINT, as shells and
+    timeout(1) users expect), not 143; the cell gets SIGINT, also when it handles it itself."""
+    write_role(policy_dir, "quick", limits__grace="0.5")
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", "int", "--",
+                     "sh", "-c", "trap 'echo got-int; exit 3' INT; echo up; sleep 1000 & wait",
+                     env={"AGNSUP_POLICY_DIR": str(policy_dir)}, stdout=-1)
+    assert p.stdout.readline().strip() == b"up"
+    p.send_signal(signal.SIGINT)
+    assert p.wait(20) == 128 + signal.SIGINT
+    # the trap ran (twice when the SIGINT caught the `&` child between its fork and its exec)
+    assert set(p.stdout.read().split()) == {b"got-int"}
+    p.stdout.close()
+    r = _assert_cell_gone(agnsup, "int")
+    assert r["state"] == "cancelled" and r["exit_code"] == 130 and "SIGINT" in r["cancel_reason"]
+
+
 def test_the_receipt_shows_the_whole_chain_in_order(agnsup, worktree):
     agnsup("run", "--workdir", worktree, "--cell", "chain", "--", "true", check=0)
     r = _receipt(agnsup, "chain")

@@ -85,6 +85,10 @@ class Backend:
         """agnsup's own directory per hierarchy for this state root (doctor, receipts)."""
         return {}
 
+    def root(self) -> "Place | None":
+        """This state root's own cgroup root, every cell below it (None: no cgroups here)."""
+        return None
+
     def purge(self) -> list[str]:
         """Kill whatever is left under this state root's own cgroup root and remove it
         (a private root of the self-test or of a test, at its end). Returns what was there."""

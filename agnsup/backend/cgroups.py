@@ -146,6 +146,10 @@ class CgroupBackend(Backend):
     def roots(self) -> dict:
         return self.base.as_dict()
 
+    def root(self) -> Place | None:
+        present = {h: p for h, p in self.base.paths.items() if os.path.isdir(p)}
+        return Place(node=cgroup.Node(present)) if present else None
+
     def purge(self) -> list[str]:
         found = []
         for h, p in self.base.paths.items():

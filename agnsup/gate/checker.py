@@ -127,7 +127,7 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
     assert final is not None
     reason = final.reason
     if final.allowed:
-        reason = f"allowed: {tool_name} is in the {zone} zone and role '{ctx.role}' ({ctx.mode}) permits it."
+        reason = f"{tool_name} is in the {zone} zone and role '{ctx.role}' ({ctx.mode}) permits it."
         if flags:
             reason = reason[:-1] + f" (flagged: {', '.join(flags)})."
     evidence = final.evidence or ("" if final.allowed else _evidence(args, tool_name))

@@ -298,6 +298,8 @@ def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict)
             if os.path.basename(path) in _OPTIONAL:
                 continue
             raise
+        except OSError as e:  # name what was refused, not only "[Errno 22]"
+            raise OSError(e.errno, f"the {resource} limit: writing {value} to {path}: {e.strerror}") from None
         d = os.path.dirname(path)
         applied[resource] = ("v2:" if d == paths.get("v2") else "v1:") + d
     return applied

@@ -108,8 +108,8 @@ def _hide(path: str, points: tuple) -> None:
 def _mask(path: str) -> None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return  # nothing there, or nothing this cell's uid could reach anyway
     if stat_mod.S_ISDIR(st.st_mode):
         lsys.mount("tmpfs", path, "tmpfs", lsys.MS_RDONLY | lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC,
                    "size=4k,mode=000")

@@ -1,0 +1,118 @@
+"""`agnsup journal check` and `agnsup journal repair`: a journal that is damaged or lost its history.
+
+The journal refuses itself when it is damaged (journal.preflight, and
+Journal._damaged when SQLite meets a corrupt page) or when it lost its
+history (empty or missing while cells are on disk). Then nothing writes into
+it, and these two commands say what is there and rebuild it:
+
+- check: the file (header, size, the damage mark), SQLite's integrity check
+  when the file opens, and the cells on disk the journal does not know.
+- repair: refuses while processes still run under this state root's cgroup
+  root (`agnsup cancel --all` kills them from the kernel's evidence first);
+  moves a damaged or lost journal aside into <state>/quarantine/ (never
+  deleted), opens a new one and imports every cell receipt on disk it does not
+  know; a cell directory without a receipt is listed, and its id stays taken
+  (broker: a cell directory on disk is never reused). Receipt files are only
+  read, never rewritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .errors import CellsStillRunning, JournalDamaged, StateError
+
+
+def _journal_path(state) -> str:
+    return os.path.join(state.path, "journal.db")
+
+
+def _receipt(state, run_id: str, cell_id: str) -> tuple[str, dict | None, str | None]:
+    """(path, receipt or None, why not)."""
+    path = os.path.join(state.cell_dir(run_id, cell_id), "receipt.json")
+    try:
+        with open(path) as f:
+            r = json.load(f)
+    except FileNotFoundError:
+        return path, None, "no receipt"
+    except (OSError, ValueError) as e:
+        return path, None, f"unreadable receipt: {e}"
+    if not isinstance(r, dict) or r.get("kind") != "cell" or (r.get("run_id"), r.get("cell_id")) != (run_id, cell_id):
+        return path, None, "not this cell's receipt"
+    return path, r, None
+
+
+def check(state) -> dict:
+    """What is wrong with the journal, and what the disk still holds. `ok`: nothing is."""
+    from . import journal as jmod
+    path = _journal_path(state)
+    on_disk = jmod.cells_on_disk(state.path)
+    out = {"journal": path, "size": jmod._size(path), "wal_size": jmod._size(path + "-wal"),
+           "cells_on_disk": len(on_disk), "problems": [], "unknown_cells": []}
+    try:
+        j = jmod.Journal(path)
+    except StateError as e:
+        out["problems"].append(e.message)
+        out["unknown_cells"] = [f"{r}/{c}" for r, c in on_disk]
+        out["ok"] = False
+        return out
+    try:
+        found = j.integrity()
+        if found != ["ok"]:
+            out["problems"].append(f"integrity check: {'; '.join(found)}")
+        known = j.known_cells()
+        out["unknown_cells"] = [f"{r}/{c}" for r, c in on_disk if (r, c) not in known]
+        if out["unknown_cells"]:
+            out["problems"].append(f"{len(out['unknown_cells'])} cell(s) on disk the journal does not know "
+                                   f"(e.g. {out['unknown_cells'][0]}): it lost history")
+    except JournalDamaged as e:
+        out["problems"].append(e.message)
+    finally:
+        j.close()
+    out["ok"] = not out["problems"]
+    return out
+
+
+def repair(state, backend=None) -> dict:
+    """Quarantine a damaged/lost journal and rebuild it from the receipts on disk."""
+    from . import backend as backends, journal as jmod, reaper
+    backend = backend or backends.choose(state.path)
+    live = reaper.live_under_root(backend)
+    if live:
+        raise CellsStillRunning(f"{len(live)} process(es) still run under this state root's cgroups "
+                                f"({', '.join(map(str, live[:5]))}{'...' if len(live) > 5 else ''}): "
+                                "`agnsup cancel --all` kills them first, then repair", result={})
+    report = check(state)
+    path = report["journal"]
+    moved = []
+    bad_file = any("damaged" in p or "lost its history" in p or "integrity check" in p for p in report["problems"])
+    if bad_file:
+        qdir = os.path.join(state.path, "quarantine")
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for suffix in ("", "-wal", "-shm", jmod.DAMAGED_MARK):
+            src = path + suffix
+            if os.path.lexists(src):
+                dst = os.path.join(qdir, f"journal-{stamp}.db{suffix}")
+                os.rename(src, dst)
+                moved.append(dst)
+    j = jmod.Journal(path, check=False)
+    imported, skipped = [], []
+    try:
+        known = j.known_cells()
+        for run_id, cell_id in jmod.cells_on_disk(state.path):
+            if (run_id, cell_id) in known:
+                continue
+            rpath, r, why = _receipt(state, run_id, cell_id)
+            if r is None:
+                skipped.append({"cell": f"{run_id}/{cell_id}", "why": why + ": not imported; its id stays taken"})
+                continue
+            j.import_cell(r, rpath)
+            imported.append(f"{run_id}/{cell_id}")
+        out = {"quarantined": moved, "imported": imported, "skipped": skipped,
+               "problems_before": report["problems"]}
+        j.add_repair({k: v for k, v in out.items() if k != "problems_before"} | {"problems": report["problems"]})
+    finally:
+        j.close()
+    return out

@@ -151,9 +151,9 @@ class Controller:
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture)
-        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
+        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
         cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
+                                     f"worktree {spec.worktree}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
         try:
             self._intent(cell, prepared.admit)
         except BaseException as e:
@@ -226,7 +226,7 @@ class Controller:
         self.journal.begin_cell({
             "run_id": spec.run_id, "cell_id": spec.cell_id, "agent_id": spec.agent_id, "role": spec.role,
             "token": spec.token, "controller_id": self.id, "boot_id": cell.boot_id,
-            "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.workdir,
+            "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.worktree,
             "lock_path": cell.lock_path, "argv": json.dumps(spec.argv), "exe": spec.exe, "created_at": time.time(),
             "grace": plan.grace, "on_controller_death": spec.on_controller_death,
             "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller)
@@ -235,6 +235,7 @@ class Controller:
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        _make_links(plan.tmpdir, plan.tmp_links)
         if plan.uid is not None:  # process.user: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
@@ -400,3 +401,12 @@ def _cell_pty(like: int) -> tuple[int, int]:
     except OSError:
         pass
     return master, slave
+
+
+
+def _make_links(tmpdir: str, links) -> None:
+    """The symlinks the plan puts in the cell's /tmp (the @runtime directory)."""
+    for rel, target in links:
+        path = os.path.join(tmpdir, rel)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.symlink(target, path)

@@ -44,6 +44,7 @@ class ExecutionPlan(Record):
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
     egress: dict | None = None             # allowlist/internal: the role's network table (for the receipt)
     egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
+    tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime's commands
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -146,7 +147,7 @@ def runtime_paths(policy) -> list[str]:
     return [os.path.realpath(p) for p in paths]
 
 
-def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], list[str]]:
+def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, list[str], list[str]]:
     """(clones, placements, hidden, exposed) for filesystem.home: hides first,
     then attaches; compile_plan sorts them outermost first with the /tmp and
     worktree attaches."""
@@ -160,7 +161,7 @@ def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], li
                 [("attach", h, k) for h, k in zip(homes, keys)], [], [])
     if not homes:
         return [], [], [], []
-    wanted = runtime_paths(policy) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
+    wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
     expose = _outermost(p for p in wanted
                         if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
                         and not _under(p, wt) and not _under(p, "/tmp"))
@@ -179,7 +180,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     """The plan for `spec` under `policy` (policy.Frozen). Pure: `host` is what this
     host offers ({protection: None or why not}, linux/host.protections())."""
     fs = policy.filesystem
-    wt = spec.workdir
+    wt = spec.worktree or spec.workdir
     state_real = os.path.realpath(state_root)
     if wt == state_real or wt.startswith(state_real + "/"):
         raise UsageError(f"workdir {wt} is inside the state root {state_real}, which cells never see")
@@ -187,10 +188,10 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
     deny = [os.path.realpath(_expand(p, home)) for p in fs.deny]
-    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt)
+    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt, spec.interpreter)
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
-    tmp_rt = _outermost(p for p in runtime_paths(policy)
+    tmp_rt = _outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
                         if _under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not _under(p, wt))
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
@@ -224,7 +225,17 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance), **conf)
+        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
+        tmp_links=_runtime_links(spec), **conf)
+
+
+def _runtime_links(spec: CellSpec) -> list[tuple]:
+    """@runtime in the cell is spec.RUNTIME_BIN, a directory in its /tmp linking agnsup's own commands."""
+    from .spec import CELL_TMP, RUNTIME_BIN, RUNTIME_COMMANDS, runtime_host_dir
+    if RUNTIME_BIN not in spec.env.get("PATH", "").split(":"):
+        return []
+    rel = os.path.relpath(RUNTIME_BIN, CELL_TMP)
+    return [(os.path.join(rel, c), os.path.join(runtime_host_dir(), c)) for c in RUNTIME_COMMANDS]
 
 
 # Network modes that give the cell a namespace of its own with only lo up; allowlist

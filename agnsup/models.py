@@ -43,8 +43,10 @@ class RoleSection(_Strict):
 
 
 class EnvSection(_Strict):
-    path: list[str] = Field(description="PATH inside the cell, in order. '@runtime' stands for the directory "
-                            "of the interpreter running agnsup. Never taken from the host.")
+    path: list[str] = Field(description="PATH inside the cell, in order. '@venv' stands for the bin directory of "
+                            "the worktree's own virtual environment (.venv or venv holding pyvenv.cfg; left out when "
+                            "there is none; VIRTUAL_ENV is then set to it), '@runtime' for a directory holding only "
+                            "agnsup's own commands (never its interpreter). Never taken from the host.")
     passthrough: list[str] = Field(default_factory=list, alias="pass",
                                    description="Host variables copied into the cell. Never PATH; never a "
                                    "secret-looking key (those need an explicit --env per call).")
@@ -54,7 +56,7 @@ class EnvSection(_Strict):
     @classmethod
     def _absolute(cls, v: list[str]) -> list[str]:
         for d in v:
-            if d != "@runtime" and not d.startswith("/"):
+            if d not in ("@runtime", "@venv") and not d.startswith("/"):
                 raise ValueError(f"{d!r} is not an absolute directory")
             if ":" in d:
                 raise ValueError(f"{d!r} holds ':'")

@@ -68,7 +68,7 @@ def prepare(state, journal, request: CellRequest):
     spec = specmod.build(request, pol)
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
-                                        spec.workdir, state.path)
+                                        spec.worktree, state.path)
     trace.append(broker.stage("governance", allowed=decision.allowed, rule=decision.rule))
     if not decision.allowed:
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,

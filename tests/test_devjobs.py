@@ -1,0 +1,92 @@
+"""Everyday developer jobs in a cell (issue 13), on real projects made here:
+venvs and interpreters, the project root as worktree, the home's tool
+configuration, failing fast without network, persistent caches."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from devproject import make_project, make_venv
+
+AGNSUP_VENV_BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture
+def project(tmp_path):
+    return make_project(str(tmp_path / "proj"))
+
+
+@pytest.fixture
+def outside_tmp():
+    """A directory outside /tmp (a cell's /tmp is its own): for a home the cell must not see."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="agnsup-test-", dir="/var/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# -- interpreters and venvs ------------------------------------------------
+
+def test_the_worktree_venv_is_on_path_and_runs_pytest(agnsup, project):
+    cp = agnsup("run", "--", "pytest", "-q", cwd=project, check=0)
+    assert "1 passed" in cp.out
+    cp = agnsup("run", "--", "python", "-c", "import os, sys; print(sys.prefix); print(os.environ['VIRTUAL_ENV'])",
+                cwd=project, check=0)
+    assert cp.out.split() == [os.path.join(project, ".venv")] * 2
+
+
+def test_agnsup_never_lends_the_cell_its_interpreter(agnsup, worktree):
+    """No venv in the worktree: `python` is not agnsup's, and @runtime holds agnsup alone."""
+    probe = ('p=$(command -v python); echo "python=$p"; echo "PATH=$PATH"; '
+             'for d in $(echo "$PATH" | tr : " "); do ls "$d" 2>/dev/null | sed "s|^|$d/|"; done | '
+             'grep -c "^/tmp/.agnsup/bin/"; command -v agnsup')
+    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c", probe, check=0)
+    lines = cp.out.splitlines()
+    assert not lines[0].startswith(f"python={AGNSUP_VENV_BIN}"), lines[0]
+    assert AGNSUP_VENV_BIN not in lines[1]
+    assert lines[2] == "1" and lines[3] == "/tmp/.agnsup/bin/agnsup"
+    # pip resolves to the system's, and agnsup's venv cannot be written through python -m pip either
+    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c", f"touch {sys.prefix}/x 2>&1; echo $?", check=0)
+    assert cp.out.strip().splitlines()[-1] != "0"
+
+
+def test_the_host_virtual_env_and_path_never_reach_the_cell(agnsup, project, tmp_path):
+    other = str(tmp_path / "other-venv")
+    make_venv(other)
+    env = {"VIRTUAL_ENV": other, "PATH": os.path.join(other, "bin") + ":" + os.environ["PATH"]}
+    cp = agnsup("run", "--", "python", "-c", "import os, sys; print(sys.prefix, os.environ['VIRTUAL_ENV'])",
+                cwd=project, env=env, check=0)
+    assert cp.out.split() == [os.path.join(project, ".venv")] * 2
+    os.makedirs(tmp_path / "plain")
+    cp = agnsup("run", "--workdir", str(tmp_path / "plain"), "--", "sh", "-c", "echo ${VIRTUAL_ENV-unset}",
+                env=env, check=0)
+    assert cp.out.strip() == "unset"
+
+
+def test_a_venv_whose_interpreter_is_in_the_hidden_home_runs(agnsup, outside_tmp):
+    """pyenv/uv/conda: the venv's python links into the home; pyvenv.cfg names that prefix,
+    which comes back read-only, and nothing else of the home does."""
+    home = os.path.join(outside_tmp, "home")
+    os.makedirs(home)
+    prefix = os.path.join(home, ".pyenv-like", "3.x")
+    os.makedirs(os.path.dirname(prefix))
+    os.symlink(os.path.realpath(sys.base_prefix), prefix)
+    with open(os.path.join(home, ".secret-token"), "w") as f:
+        f.write("must-stay-hidden\n")
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    proj = make_project(os.path.join(outside_tmp, "work", "proj"), venv=False)
+    make_venv(os.path.join(proj, ".venv"), python=os.path.join(prefix, "bin", ver))
+    with open(os.path.join(proj, ".venv", "pyvenv.cfg")) as f:
+        assert f"home = {prefix}/bin" in f.read()  # what the venv itself recorded
+    probe = ("import os, sys; print(sys.version_info[0]); "
+             f"print(os.path.exists({os.path.join(home, '.secret-token')!r})); "
+             f"open({os.path.join(prefix, 'probe-write')!r}, 'w')")
+    cp = agnsup("run", "--", "python", "-c", probe, cwd=os.path.join(proj, "tests"), env={"HOME": home})
+    assert cp.out.splitlines()[:2] == ["3", "False"], cp.err
+    assert "Read-only file system" in cp.err
+    receipt = agnsup.json("receipts", "--json")[-1]
+    assert prefix in receipt["isolation"]["home_exposed"]

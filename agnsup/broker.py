@@ -153,7 +153,8 @@ class Controller:
                     trail=prepared.trail, trace=prepared.trace, capture=capture)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
         cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                     f"worktree {spec.worktree}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
+                                     f"worktree {spec.worktree}", f"cell {spec.cell_id} of run {spec.run_id}", notify,
+                                     tree=spec.worktree)
         try:
             self._intent(cell, prepared.admit)
         except BaseException as e:

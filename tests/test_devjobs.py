@@ -90,3 +90,63 @@ def test_a_venv_whose_interpreter_is_in_the_hidden_home_runs(agnsup, outside_tmp
     assert "Read-only file system" in cp.err
     receipt = agnsup.json("receipts", "--json")[-1]
     assert prefix in receipt["isolation"]["home_exposed"]
+
+
+# -- the worktree is the project root ---------------------------------------
+
+def test_from_a_subdirectory_the_worktree_is_the_repository_root(agnsup, project):
+    sub = os.path.join(project, "tests")
+    cp = agnsup("run", "--", "sh", "-c", "pwd; touch ../at-root && echo wrote; ../.venv/bin/python -m pytest -q",
+                cwd=sub, check=0)
+    assert cp.out.splitlines()[:2] == [sub, "wrote"] and "1 passed" in cp.out
+    assert os.path.exists(os.path.join(project, "at-root"))
+    r = agnsup.json("receipts", "--json")[-1]
+    assert (r["workdir"], r["worktree"]) == (sub, project)
+
+
+def test_the_root_is_never_climbed_to_a_home(agnsup, outside_tmp):
+    """A dotfiles repository in the home does not make the whole home the worktree."""
+    home = os.path.join(outside_tmp, "home")
+    make_project(home, venv=False)  # ~/.git
+    wt = os.path.join(home, "scratch")
+    os.makedirs(wt)
+    cp = agnsup("run", "--", "sh", "-c", "touch ../x 2>/dev/null && echo wrote-home; touch y && echo ok",
+                cwd=wt, env={"HOME": home}, check=0)
+    assert cp.out.split() == ["ok"]
+    assert agnsup.json("receipts", "--json")[-1]["worktree"] == wt
+
+
+def test_overlapping_worktrees_are_one_lock(agnsup, tmp_path):
+    """No marker anywhere: top/ and top/sub are two worktrees, but they share files."""
+    top = tmp_path / "top"
+    (top / "sub").mkdir(parents=True)
+    holder = agnsup.popen("run", "--workdir", str(top), "--", "sh", "-c", "echo held; read x",
+                          stdin=-1, stdout=-1, stderr=-1)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        cp = agnsup("run", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        assert cp.returncode == 75, cp.err
+        assert f"overlapping {top}" in cp.err
+        cp = agnsup("run", "--role", "readonly", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        assert cp.returncode == 75, cp.err  # a reader waits for a writer of an enclosing tree too
+        os.makedirs(tmp_path / "beside")
+        agnsup("run", "--workdir", str(tmp_path / "beside"), "--lock-timeout", "0.3", "--", "true", check=0)
+    finally:
+        holder.communicate(b"\n", timeout=30)
+    assert holder.returncode == 0
+    agnsup("run", "--workdir", str(top / "sub"), "--lock-timeout", "5", "--", "true", check=0)
+
+
+def test_two_readers_of_overlapping_trees_share(agnsup, tmp_path):
+    top = tmp_path / "top"
+    (top / "sub").mkdir(parents=True)
+    reader = agnsup.popen("run", "--role", "readonly", "--workdir", str(top), "--", "sh", "-c", "echo held; read x",
+                          stdin=-1, stdout=-1, stderr=-1)
+    try:
+        assert reader.stdout.readline() == b"held\n"
+        agnsup("run", "--role", "readonly", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true",
+               check=0)
+        cp = agnsup("run", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        assert cp.returncode == 75, cp.err
+    finally:
+        reader.communicate(b"\n", timeout=30)

@@ -236,7 +236,7 @@ class Controller:
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
-        _make_links(plan.tmpdir, plan.tmp_links)
+        _make_home_files(plan)
         if plan.uid is not None:  # process.user: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
@@ -405,9 +405,32 @@ def _cell_pty(like: int) -> tuple[int, int]:
 
 
 
-def _make_links(tmpdir: str, links) -> None:
-    """The symlinks the plan puts in the cell's /tmp (the @runtime directory)."""
-    for rel, target in links:
-        path = os.path.join(tmpdir, rel)
-        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+
+def _make_home_files(plan) -> None:
+    """What the plan puts in the cell's /tmp: @runtime's links, the HOME's tool configuration
+    (owned by the cell's uid when process.user sets one, like the HOME itself)."""
+    made = []
+    for rel, target in plan.tmp_links:
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, path)
         os.symlink(target, path)
+    for rel, text in plan.tmp_files:
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, path)
+        with open(path, "x") as f:
+            f.write(text)
+        made.append(path)
+    if plan.uid is not None:
+        for path in made:
+            os.lchown(path, plan.uid, plan.gid)
+
+
+def _parents(tmpdir: str, path: str) -> list[str]:
+    """Make the missing directories between tmpdir and path (mode 0755); the ones made."""
+    made, d = [], os.path.dirname(path)
+    while d != tmpdir and not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(made):
+        os.mkdir(d, 0o755)
+    return made

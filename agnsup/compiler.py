@@ -44,7 +44,9 @@ class ExecutionPlan(Record):
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
     egress: dict | None = None             # allowlist/internal: the role's network table (for the receipt)
     egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
-    tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime's commands
+    tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime, home_allow in HOME
+    tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
+    home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -76,6 +78,7 @@ class ExecutionPlan(Record):
             "on_controller_death": self.on_controller_death(),
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
+            "home_config": self.home_config,
         }
 
 
@@ -211,6 +214,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     # happens to lie inside the re-attached worktree (or a re-exposed path).
     masked = [p for p in deny if os.path.lexists(p)] + [state_real]
     ops.extend(("mask", p) for p in masked)
+    home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
     conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
@@ -226,7 +230,35 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
-        tmp_links=_runtime_links(spec), **conf)
+        tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files, home_config=home_config, **conf)
+
+
+def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, dict]:
+    """(links, files, report) that put tool configuration where tools look: the cell's
+    HOME. home_allow paths inside the user's home appear there too, as links to where
+    the cell sees them (their real paths); toolconfig writes the filtered files."""
+    from . import toolconfig
+    from .spec import CELL_HOME, CELL_TMP
+    cell_home = os.path.relpath(CELL_HOME, CELL_TMP)
+    links, linked = [], set()
+    for p in fs.home_allow:
+        full = _expand(p, home)
+        if _under(full, home) and full != home and os.path.exists(full):
+            rel = os.path.relpath(full, home)
+            links.append((os.path.join(cell_home, rel), os.path.realpath(full)))
+            linked.add(rel)
+    include = next((os.path.realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
+                                                                                                   "config"))
+                    if r in linked), None)
+    files, report = toolconfig.home_files(fs.home_config, home, wt, include)
+    files = [(os.path.join(cell_home, rel), text) for rel, text in files]
+    # the generated .gitconfig includes a linked one; for the others the user's own file wins
+    links = [(rel, t) for rel, t in links if not rel.endswith(os.sep + ".gitconfig") or not include
+             or "git" not in fs.home_config]
+    files = [(rel, text) for rel, text in files if rel not in {r for r, _ in links}]
+    if spec.tool_env_dropped:
+        report["env"] = {"taken": [], "dropped": [f"{k} (holds credentials)" for k in spec.tool_env_dropped]}
+    return links, files, report
 
 
 def _runtime_links(spec: CellSpec) -> list[tuple]:

@@ -91,6 +91,12 @@ class FilesystemSection(_Strict):
                                   "read (files or directories, '~/...' or absolute), re-exposed read-only at "
                                   "their real paths; deny paths stay hidden even here.")
 
+    home_config: list[Literal["git", "pip", "npm"]] = Field(
+        default_factory=lambda: ["git", "pip", "npm"], description="Tool configuration of the user's home the "
+        "cell's HOME gets, filtered (agnsup/toolconfig.py): git's user.name/email (and safe.directory = the "
+        "worktree), pip's index and install keys, npm's registry lines, and the PIP_*/NPM_CONFIG_REGISTRY "
+        "variables of those keys; never a key that holds credentials or a URL with a user or password in it.")
+
     @field_validator("home_allow")
     @classmethod
     def _home_paths(cls, v: list[str]) -> list[str]:

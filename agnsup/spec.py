@@ -48,6 +48,7 @@ class CellSpec(Record):
     worktree: str = ""             # the writable, locked tree: workdir's enclosing project root
     venv: str | None = None        # the worktree's venv that @venv named, if any
     interpreter: list = Factory(list)  # what that venv's pyvenv.cfg names outside it (re-exposed read-only)
+    tool_env_dropped: list = Factory(list)  # toolconfig.ENV_KEYS left out for holding credentials
 
 
 def new_cell_id() -> str:
@@ -86,6 +87,10 @@ def build(call, policy) -> CellSpec:
     for k in policy.env.passthrough:
         if k in host_env:
             put(k, host_env[k], "host")
+    from .toolconfig import host_env as tool_env
+    tool_vars, tool_dropped = tool_env(policy.filesystem.home_config, host_env)
+    for k, v in tool_vars.items():
+        put(k, v, "host")
     if policy.network.mode in ("allowlist", "internal"):  # the only way out: the controller's proxy (egress/)
         from .egress import proxy_env
         for k, v in proxy_env(policy.network.proxy_port).items():
@@ -107,7 +112,8 @@ def build(call, policy) -> CellSpec:
                     cell_id=cell_id, workdir=workdir, timeout=call.timeout, lock_timeout=call.lock_timeout,
                     env=env, env_sources=src, token=token,
                     on_controller_death=call.on_controller_death or policy.process.on_controller_death,
-                    worktree=worktree, venv=venv, interpreter=venv_interpreter(venv) if venv else [])
+                    worktree=worktree, venv=venv, interpreter=venv_interpreter(venv) if venv else [],
+                    tool_env_dropped=tool_dropped)
 
 
 def expand_path(entries, venv: str | None) -> list[str]:

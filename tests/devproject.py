@@ -60,3 +60,23 @@ def write_identity(home: str, name="Dev Eloper", email="dev@example.org") -> str
     with open(path, "w") as f:
         f.write(f"[user]\n\tname = {name}\n\temail = {email}\n")
     return path
+
+
+def make_wheel_index(root: str, name="agnsupdemo", version="1.0") -> str:
+    """A local directory index (root/simple/NAME/ holding one pure wheel, PEP 503 pages);
+    returns its file:// URL for pip's index-url."""
+    import zipfile
+    pkg = os.path.join(root, "simple", name)
+    os.makedirs(pkg)
+    whl = f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(os.path.join(pkg, whl), "w") as z:
+        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    with open(os.path.join(pkg, "index.html"), "w") as f:
+        f.write(f'<html><body><a href="{whl}">{whl}</a></body></html>\n')
+    with open(os.path.join(root, "simple", "index.html"), "w") as f:
+        f.write(f'<html><body><a href="{name}/">{name}</a></body></html>\n')
+    return "file://" + os.path.join(root, "simple")

@@ -150,3 +150,77 @@ def test_two_readers_of_overlapping_trees_share(agnsup, tmp_path):
         assert cp.returncode == 75, cp.err
     finally:
         reader.communicate(b"\n", timeout=30)
+
+
+# -- the home's tool configuration ------------------------------------------
+
+@pytest.fixture
+def dev_home(outside_tmp):
+    """A home outside /tmp with a git identity, hidden from cells as any home is."""
+    from devproject import write_identity
+    home = os.path.join(outside_tmp, "home")
+    write_identity(home)
+    with open(os.path.join(home, ".gitconfig"), "a") as f:
+        f.write("[alias]\n\tst = status\n[credential]\n\thelper = store\n")
+    return home
+
+
+def test_git_commit_uses_the_identity_of_the_home(agnsup, dev_home, outside_tmp):
+    proj = make_project(os.path.join(outside_tmp, "proj"), venv=False)
+    cp = agnsup("run", "--", "sh", "-c", "git add -A && git commit -qm first && git log --format='%an <%ae>' && "
+                "git config --get alias.st; git config --get credential.helper; echo end",
+                cwd=os.path.join(proj, "tests"), env={"HOME": dev_home}, check=0)
+    # identity only: the alias and the credential helper stay in the hidden home
+    assert cp.out.split("\n")[:2] == ["Dev Eloper <dev@example.org>", "end"], cp.out + cp.err
+    r = agnsup.json("receipts", "--json")[-1]
+    assert r["isolation"]["home_config"]["git"]["taken"] == ["user.name", "user.email", "safe.directory"]
+
+
+def test_home_allow_gitconfig_is_where_git_looks(agnsup, dev_home, outside_tmp, policy_dir):
+    from conftest import write_role
+    write_role(policy_dir, "gitall", filesystem__home_allow='["~/.gitconfig"]')
+    proj = make_project(os.path.join(outside_tmp, "proj"), venv=False)
+    cp = agnsup("run", "--role", "gitall", "--", "git", "config", "--get", "alias.st", cwd=proj,
+                env={"HOME": dev_home, "AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)
+    assert cp.out.strip() == "status"
+
+
+def test_a_repository_owned_by_another_uid_is_not_dubious_in_its_cell(agnsup, dev_home, outside_tmp):
+    proj = make_project(os.path.join(outside_tmp, "proj"), venv=False)
+    for d, dirs, files in os.walk(proj):
+        for n in [d] + [os.path.join(d, x) for x in dirs + files]:
+            os.lchown(n, 65534, 65534)
+    from devproject import GIT
+    import subprocess
+    bare = subprocess.run([GIT, "status", "--short"], cwd=proj, capture_output=True, text=True,
+                          env={"HOME": dev_home, "PATH": "/usr/bin:/bin"})
+    assert "dubious ownership" in bare.stderr  # the control: git refuses it outside a cell
+    cp = agnsup("run", "--", "git", "status", "--short", cwd=proj, env={"HOME": dev_home})
+    assert cp.returncode == 0 and "dubious" not in cp.err, cp.err
+
+
+def test_pip_uses_the_users_index_and_never_its_credentials(agnsup, dev_home, outside_tmp, project):
+    from devproject import make_wheel_index
+    index = make_wheel_index(os.path.join(outside_tmp, "index"))
+    os.makedirs(os.path.join(dev_home, ".config", "pip"))
+    with open(os.path.join(dev_home, ".config", "pip", "pip.conf"), "w") as f:
+        f.write(f"[global]\nindex-url = {index}\nextra-index-url = https://bob:s3cr3t-pip@pypi.corp.example/simple\n"
+                "client-cert = /home/bob/cert.pem\n")
+    with open(os.path.join(dev_home, ".npmrc"), "w") as f:
+        f.write("registry=https://npm.corp.example/\n//npm.corp.example/:_authToken=s3cr3t-npm\n")
+    env = {"HOME": dev_home, "PIP_TRUSTED_HOST": "pypi.corp.example",
+           "PIP_EXTRA_INDEX_URL": "https://bob:s3cr3t-env@pypi.corp.example/simple"}
+    cp = agnsup("run", "--", "sh", "-c", "cat ~/.config/pip/pip.conf ~/.npmrc; env | grep -E '^(PIP|NPM)' | sort; "
+                "python3 -m pip download -q --no-deps --no-cache-dir -d /tmp/dl agnsupdemo && ls /tmp/dl",
+                cwd=project, env=env)
+    assert cp.returncode == 0, cp.err
+    assert "s3cr3t" not in cp.out + cp.err
+    assert f"index-url = {index}" in cp.out and "registry=https://npm.corp.example/" in cp.out
+    assert "PIP_TRUSTED_HOST=pypi.corp.example" in cp.out
+    assert cp.out.rstrip().endswith("agnsupdemo-1.0-py3-none-any.whl")
+    conf = agnsup.json("receipts", "--json")[-1]["isolation"]["home_config"]
+    assert "global.extra-index-url (holds credentials)" in conf["pip"]["dropped"]
+    assert "global.client-cert" in conf["pip"]["dropped"]
+    assert conf["npm"] == {"taken": ["registry"], "dropped": ["//npm.corp.example/:..."]}
+    assert conf["env"]["dropped"] == ["PIP_EXTRA_INDEX_URL (holds credentials)"]
+    assert "s3cr3t" not in json.dumps(agnsup.json("receipts", "--json"))

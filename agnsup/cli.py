@@ -85,6 +85,8 @@ def run(obj, command, **options):
     from .tool import run_process
     result = run_process(list(command), **options, state_dir=obj["state_dir"], capture=False, entry="cli",
                          forward_signals=True)
+    if result.get("network_hint"):
+        click.echo(result["network_hint"], err=True)
     sys.exit(result["exit_code"])
 
 

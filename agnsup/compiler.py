@@ -199,6 +199,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
+    offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
+    home_clones += offline_clones
+    home_places += offline_places
     # Clones first, while their mounts are still read-write and nothing covers them.
     ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
@@ -230,7 +233,47 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
-        tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files, home_config=home_config, **conf)
+        tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
+        **conf)
+
+
+# Name services that ask the network; a cell without network keeps the others (files, myhostname, ...).
+NETWORK_NSS = ("dns", "resolve", "mdns", "mdns4", "mdns6", "mdns_minimal", "mdns4_minimal", "mdns6_minimal",
+               "wins", "nis", "nisplus", "ldap", "sss")
+
+
+def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]:
+    """deny/loopback: name resolution fails at once, with "not found" rather than "try
+    again" (which pip and npm retry for 10-70 s): the cell's /etc/nsswitch.conf looks
+    hosts up in files only, and its /etc/resolv.conf names no server. (files, clones,
+    attaches); the files are written in the cell's /tmp and bound read-only over the
+    host's (their real paths: /etc/resolv.conf is often a symlink into /run)."""
+    if policy.network.mode not in ("deny", "loopback"):
+        return [], [], []
+    why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
+    texts = {"resolv.conf": why + "options timeout:1 attempts:1\n"}
+    try:
+        with open("/etc/nsswitch.conf", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = None
+    if lines is not None:
+        for i, line in enumerate(lines):
+            key, colon, rest = line.partition(":")
+            if colon and key.strip() == "hosts":
+                kept = [w for w in rest.split() if w.split("[")[0] not in NETWORK_NSS and not w.startswith("[")]
+                lines[i] = "hosts: " + " ".join(kept or ["files"])
+        texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
+    files, clones, places = [], [], []
+    for name, text in texts.items():
+        target = os.path.realpath(os.path.join("/etc", name))
+        if not os.path.isfile(target) or _under(target, "/tmp"):
+            continue
+        rel = os.path.join(".agnsup", "etc", name)
+        files.append((rel, text))
+        clones.append(("clone", os.path.join(tmpdir, rel), f"offline-{name}", True))
+        places.append(("attach", target, f"offline-{name}"))
+    return files, clones, places
 
 
 def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, dict]:

@@ -94,6 +94,8 @@ def main() -> None:
     except AgnsupError as e:
         sys.stderr.write(f"agnsup: {e.message}\n")
         sys.exit(exit_code(e))
+    if result.get("network_hint"):
+        sys.stderr.write(result["network_hint"] + "\n")
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

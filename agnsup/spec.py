@@ -29,6 +29,9 @@ RUNTIME_COMMANDS = ("agnsup",)
 ROOT_MARKERS = (".git", ".hg", ".agnsup-worktree")
 # @venv: the project's own virtual environment, looked for in the worktree only.
 VENV_DIRS = (".venv", "venv")
+# A cell without network (deny, loopback): package managers give up at once instead of
+# retrying a resolution that cannot succeed (npm 70 s, pip 10-40 s); --env overrides them.
+OFFLINE_ENV = {"PIP_RETRIES": "0", "npm_config_fetch_retries": "0", "CARGO_NET_RETRY": "0"}
 
 
 class CellSpec(Record):
@@ -84,6 +87,9 @@ def build(call, policy) -> CellSpec:
     put("AGNSUP_AGENT_ID", agent_id, "agnsup")
     put("AGNSUP_CELL_ID", cell_id, "agnsup")
     put(TOKEN_VAR, token, "agnsup")
+    if policy.network.mode in ("deny", "loopback"):
+        for k, v in OFFLINE_ENV.items():
+            put(k, v, "agnsup")
     for k in policy.env.passthrough:
         if k in host_env:
             put(k, host_env[k], "host")

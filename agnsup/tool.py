@@ -128,6 +128,9 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     result = {"run_id": receipt["run_id"], "agent_id": receipt["agent_id"], "cell_id": receipt["cell_id"],
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
+    hint = network_hint(receipt)
+    if hint:
+        result["network_hint"] = hint
     if capture:
         # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
         from .redact import for_receipt
@@ -141,6 +144,18 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
             result[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace"))
             result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
     return result
+
+
+def network_hint(receipt: dict) -> str:
+    """One line for a cell that failed without network: which role or key would give it one.
+    (A failure need not be the network's: the line says what was missing, not that it mattered.)"""
+    mode = (receipt.get("isolation") or {}).get("network")
+    if receipt.get("state") != "exited" or not receipt.get("exit_code") or mode not in ("deny", "loopback"):
+        return ""
+    # the packaged roles that reach out: networked (the host's network), proxied (through the proxy)
+    return (f"agnsup: the cell ran without network: role {receipt.get('role')} has network.mode = \"{mode}\"; "
+            "--role networked (the host's network) or --role proxied (public destinations through a proxy) "
+            "allows it, or network.mode in the role")
 
 
 def handle_tool_call(name: str, arguments, **context) -> dict:

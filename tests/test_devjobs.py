@@ -224,3 +224,38 @@ def test_pip_uses_the_users_index_and_never_its_credentials(agnsup, dev_home, ou
     assert conf["npm"] == {"taken": ["registry"], "dropped": ["//npm.corp.example/:..."]}
     assert conf["env"]["dropped"] == ["PIP_EXTRA_INDEX_URL (holds credentials)"]
     assert "s3cr3t" not in json.dumps(agnsup.json("receipts", "--json"))
+
+
+# -- without network: fail fast and say why -------------------------------------
+
+RESOLVE = ("import socket, sys\n"
+           "for name in sys.argv[1:]:\n"
+           "    try:\n"
+           "        print(name, socket.getaddrinfo(name, 80)[0][4][0])\n"
+           "    except socket.gaierror as e:\n"
+           "        print(name, 'error', e.errno == socket.EAI_NONAME)\n")
+
+
+def test_a_cell_without_network_finds_no_name_at_once(agnsup, worktree):
+    """"Not found", not "try again" (what pip and npm retry for 10-70 s); /etc/hosts still works."""
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", RESOLVE, "pypi.org", "localhost", check=0)
+    assert cp.out.splitlines() == ["pypi.org error True", "localhost 127.0.0.1"]
+    cp = agnsup("run", "--workdir", worktree, "--", "sh", "-c",
+                "head -1 /etc/resolv.conf; grep -c nameserver /etc/resolv.conf; grep '^hosts:' /etc/nsswitch.conf; "
+                "echo $PIP_RETRIES $npm_config_fetch_retries $CARGO_NET_RETRY")
+    assert cp.out.splitlines() == ['# agnsup: role executor has no network (network.mode = "deny")', "0",
+                                   "hosts: files", "0 0 0"]
+
+
+def test_a_failed_cell_without_network_says_which_role_allows_it(agnsup, worktree):
+    cp = agnsup("run", "--workdir", worktree, "--", "python3", "-m", "pip", "download", "--no-cache-dir",
+                "--no-deps", "-d", "/tmp/dl", "--index-url", "https://pypi.invalid.example/simple",
+                "--find-links", "/nonexistent", "no-such-package-agnsup")
+    assert cp.returncode != 0
+    last = cp.err.strip().splitlines()[-1]
+    assert last.startswith("agnsup: the cell ran without network: role executor has network.mode = \"deny\"")
+    assert "--role networked" in last
+    ok = agnsup("run", "--workdir", worktree, "--", "true", check=0)
+    assert "without network" not in ok.err
+    networked = agnsup("run", "--role", "networked", "--workdir", worktree, "--", "sh", "-c", "exit 3")
+    assert networked.returncode == 3 and "without network" not in networked.err

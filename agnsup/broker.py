@@ -66,6 +66,7 @@ class Cell(Record):
     pump: object = None          # output.Pump when the role caps output
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
+    waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -146,25 +147,62 @@ class Controller:
                 self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, prepared: Prepared, capture: bool = False, notify=None) -> Cell:
+    def start(self, prepared: Prepared, capture: bool = False, notify=None, queue: bool = False) -> Cell:
+        """Lock the worktree, journal the intent, start the cell. `queue`: when the lock
+        is held, journal the cell as `waiting` and return it at once (cell.waiting);
+        `resume` then waits for the lock and starts it."""
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
-        cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                     f"worktree {spec.worktree}", f"cell {spec.cell_id} of run {spec.run_id}", notify,
-                                     tree=spec.worktree)
+        if queue:
+            cell.lock_fd = locks.try_acquire(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
+                                             tree=spec.worktree)
+            cell.waiting = cell.lock_fd is None
+        else:
+            cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
+                                         f"worktree {spec.worktree}", self._owner(spec), notify, tree=spec.worktree)
         try:
-            self._intent(cell, prepared.admit)
+            self._intent(cell, prepared.admit, "waiting" if cell.waiting else "starting")
         except BaseException as e:
-            locks.release(cell.lock_path, cell.lock_fd)
+            if cell.lock_fd is not None:
+                locks.release(cell.lock_path, cell.lock_fd)
             if isinstance(e, Denied):  # a run quota, judged in the intent transaction (rolled back)
                 self.journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=e.details["decision"],
                                            trail=cell.trail + e.details["trail"],
                                            chain=[s["stage"] for s in cell.trace])
             raise
         crashpoints.hit("after_intent")
+        return cell if cell.waiting else self._launch(cell)
+
+    @staticmethod
+    def _owner(spec) -> str:
+        return f"cell {spec.cell_id} of run {spec.run_id}"
+
+    def resume(self, cell: Cell) -> Cell:
+        """A waiting cell: wait for its worktree lock (up to its lock_timeout; a cancel
+        recorded meanwhile wins), then start it like any other."""
+        spec = cell.spec
+
+        def cancelled():
+            why = self.journal.cancel_reason(spec.run_id, spec.cell_id)
+            if why:
+                raise CancelledBeforeStart(f"cell {spec.cell_id} of run {spec.run_id} was {why} before it started")
+        try:
+            cell.lock_fd = locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", spec.lock_timeout,
+                                         f"worktree {spec.worktree}", self._owner(spec), False, tree=spec.worktree,
+                                         poll=cancelled)
+            cancelled()
+            self.journal.mark_starting(spec.run_id, spec.cell_id)
+        except AgnsupError as e:
+            self.fail(cell, e)
+            raise
+        cell.waiting = False
+        return self._launch(cell)
+
+    def _launch(self, cell: Cell) -> Cell:
+        plan, spec = cell.plan, cell.spec
         try:
             self._make_place(cell)
             crashpoints.hit("after_cgroup")
@@ -215,7 +253,7 @@ class Controller:
                 cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
             cell.egress = None
 
-    def _intent(self, cell: Cell, admit) -> None:
+    def _intent(self, cell: Cell, admit, state: str = "starting") -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
         cell.place = self.backend.place(spec.run_id, spec.agent_id, spec.cell_id, plan.limits)
@@ -230,7 +268,7 @@ class Controller:
             "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.worktree,
             "lock_path": cell.lock_path, "argv": json.dumps(spec.argv), "exe": spec.exe, "created_at": time.time(),
             "grace": plan.grace, "on_controller_death": spec.on_controller_death,
-            "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller)
+            "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller, state)
         self._registered = True
 
     def _make_place(self, cell: Cell) -> None:

@@ -114,22 +114,33 @@ def _try_tree(path: str, mode: int, tree: str) -> tuple[int | None, str]:
         os.close(mutex)
 
 
-def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None,
-            tree: str | None = None) -> int:
-    """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
-    so in one line: on stderr, or through `notify(line)` (serve tells its client).
-    With `tree` (a worktree lock), a holder of an overlapping tree's lock in the
-    same directory is in the way too (repo/ and repo/sub are one lock)."""
+def _attempt(path: str, exclusive: bool, tree: str | None) -> tuple[int | None, str]:
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    return (_try(path, mode), path) if tree is None else _try_tree(path, mode, tree)
 
-    def attempt():
-        return (_try(path, mode), path) if tree is None else _try_tree(path, mode, tree)
 
-    fd, in_way = attempt()
+def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None) -> int | None:
+    """The lock if it is free now, else None (spawn queues the cell instead of waiting)."""
+    fd, _ = _attempt(path, exclusive, tree)
+    if fd is not None and exclusive:
+        _own(fd, owner, tree)
+    return fd
+
+
+def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None,
+            tree: str | None = None, poll=None) -> int:
+    """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
+    so in one line: on stderr, or through `notify(line)` (serve tells its client;
+    False: say nothing). With `tree` (a worktree lock), a holder of an overlapping
+    tree's lock in the same directory is in the way too (repo/ and repo/sub are one
+    lock). `poll()` is called between attempts and may raise to give up."""
+    fd, in_way = _attempt(path, exclusive, tree)
     if fd is None:
         also = "" if in_way == path else f", overlapping {_tree_of(in_way)}"
         line = f"agnsup: waiting for the {what} lock (held by {holder(in_way)}{also})"
-        if notify is not None:
+        if notify is False:
+            pass
+        elif notify is not None:
             notify(line)
         else:
             print(line, file=sys.stderr, flush=True)
@@ -139,17 +150,23 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
             if deadline is not None and time.monotonic() >= deadline:
                 raise LockTimeout(f"the {what} lock is held by {holder(in_way)}; gave up after {timeout:g} s "
                                   "(--lock-timeout)")
+            if poll is not None:
+                poll()
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-            fd, in_way = attempt()
+            fd, in_way = _attempt(path, exclusive, tree)
     if exclusive:
-        # Write, then cut to length: truncating to 0 first would make ext4
-        # flush the file on close (auto_da_alloc, ~4 ms a lock) for a file
-        # that is unlinked right after anyway.
-        data = ((tree + "\n") if tree else "").encode() + owner.encode()
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        _own(fd, owner, tree)
     return fd
+
+
+def _own(fd: int, owner: str, tree: str | None) -> None:
+    """Say who holds an exclusive lock. Write, then cut to length: truncating to 0
+    first would make ext4 flush the file on close (auto_da_alloc, ~4 ms a lock) for
+    a file that is unlinked right after anyway."""
+    data = ((tree + "\n") if tree else "").encode() + owner.encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 def release(path: str, fd: int) -> bool:

@@ -17,6 +17,7 @@ controller recovers its cells like any other controller's.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from .errors import UnknownId
@@ -88,19 +89,27 @@ class Supervisor:
 
     # -- start ------------------------------------------------------------
     def spawn(self, argv: list[str], *, notify=None, **options) -> dict:
-        """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup}.
+        """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup, state}.
         `options` are request.CellRequest's (role, run_id, agent_id, cell_id, workdir,
         timeout, lock_timeout, env, host_env, capture, receipt_file, entry), all checked
-        before anything is created. Raises AgnsupError (denied, not found, lock
-        timeout...) like run_process. A held worktree lock is waited for;
-        `notify(line)` hears about it (default: stderr)."""
+        before anything is created. Raises AgnsupError (denied, not found...) like
+        run_process. When another cell holds the worktree lock the cell is queued:
+        state "waiting", pid None; its thread waits for the lock (up to lock_timeout)
+        and starts it, and `wait` gives its result as for any cell; `notify(line)`
+        hears that it was queued (default: stderr)."""
         from .request import CellRequest
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
-        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify)
+        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,
+                              queue=True)
+        if cell.waiting:
+            from .locks import holder
+            line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
+                    f"(held by {holder(cell.lock_path)})")
+            notify(line) if notify is not None else print(line, file=sys.stderr, flush=True)
         r = _Running(cell, request)
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
@@ -108,11 +117,14 @@ class Supervisor:
         t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         t.start()
         return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
-                "pid": cell.identity["pid"], "cgroup": cell.place.dir, "controller": self.ctl.id}
+                "pid": cell.identity.get("pid"), "cgroup": cell.place.dir, "controller": self.ctl.id,
+                "state": "waiting" if cell.waiting else "running"}
 
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
         try:
+            if r.cell.waiting:
+                self.ctl.resume(r.cell)
             receipt = self.ctl.finish(r.cell, self.ctl.waiter(r.cell).wait())
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
@@ -140,15 +152,7 @@ class Supervisor:
         return r.result
 
     def _ended(self, run_id: str, cell_id: str) -> dict:
-        from .tool import ended
-        row = self.ctl.journal.cell(run_id, cell_id)
-        if row is None:
-            raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
-        recs = self.ctl.journal.receipts("cell", run_id, cell_id)
-        if not recs:
-            return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
-                    "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
-        return ended(recs[-1], self.state.cell_dir(run_id, cell_id), capture=False)
+        return journal_result(self.state, self.ctl.journal, run_id, cell_id)
 
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
@@ -187,3 +191,47 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def journal_result(state, journal, run_id: str, cell_id: str) -> dict:
+    """A cell's result as the journal knows it: from its receipt once it has one."""
+    from .tool import ended
+    row = journal.cell(run_id, cell_id)
+    if row is None:
+        raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+    recs = journal.receipts("cell", run_id, cell_id)
+    if not recs:
+        return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
+                "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
+    return ended(recs[-1], state.cell_dir(run_id, cell_id), capture=False)
+
+
+def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, timeout: float | None = None) -> dict:
+    """`agnsup wait`: from any process, until the cell ended (whichever controller runs
+    it, a queued one included); its result. WaitTimeout when `timeout` passes first."""
+    import time
+    from . import cancel, janitor
+    from .errors import WaitTimeout
+    from .journal import TERMINAL_CELL
+    from .state import StateRoot
+    state = StateRoot(state_dir)
+    if not state.exists():
+        raise UnknownId(f"no cell {cell_id!r}: the state root {state.path} has no journal")
+    journal = state.journal()
+    try:
+        scope = cancel.resolve(journal, cell_id, run_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay, checked = 0.02, time.monotonic()
+        while True:
+            st = journal.cell_state(scope.run_id, cell_id)
+            if st in TERMINAL_CELL and journal.receipts("cell", scope.run_id, cell_id):
+                return journal_result(state, journal, scope.run_id, cell_id)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"cell {cell_id} of run {scope.run_id} is still {st} after {timeout:g} s")
+            if time.monotonic() - checked > 2.0:  # its controller may have died: the janitor concludes the cell
+                janitor.on_start(state, journal)
+                checked = time.monotonic()
+            time.sleep(delay)  # another process ends the cell: the journal is all we share with it
+            delay = min(delay * 1.5, 0.25)
+    finally:
+        journal.close()

@@ -275,6 +275,10 @@ class Controller:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
         _make_home_files(plan)
+        for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
+            os.makedirs(host_dir, mode=0o700, exist_ok=True)
+            if plan.uid is not None:
+                os.chown(host_dir, plan.uid, plan.gid)
         if plan.uid is not None:  # process.user: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
@@ -452,6 +456,9 @@ def _make_home_files(plan) -> None:
         path = os.path.join(plan.tmpdir, rel)
         made += _parents(plan.tmpdir, path)
         os.symlink(target, path)
+    for _, _, rel in plan.caches:  # the caches' mount points, the cell's own like its HOME
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, os.path.join(path, "."))
     for rel, text in plan.tmp_files:
         path = os.path.join(plan.tmpdir, rel)
         made += _parents(plan.tmpdir, path)

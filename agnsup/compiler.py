@@ -47,6 +47,8 @@ class ExecutionPlan(Record):
     tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime, home_allow in HOME
     tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
+    caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
+                                            # the cell's /tmp dir): filesystem.cache
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -79,6 +81,7 @@ class ExecutionPlan(Record):
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
             "home_config": self.home_config,
+            "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
         }
 
 
@@ -202,6 +205,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
     home_clones += offline_clones
     home_places += offline_places
+    caches = cache_dirs(fs, spec, state_root)
+    home_clones += [("clone", h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
+    home_places += [("attach", c, f"cache{i}") for i, (_, c, _) in enumerate(caches)]
     # Clones first, while their mounts are still read-write and nothing covers them.
     ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
@@ -220,7 +226,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
-    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host, [h for h, _, _ in caches])
     proxied = policy.network.mode in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
@@ -234,7 +240,31 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict) -> Executi
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        **conf)
+        caches=caches, **conf)
+
+
+# Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).
+CACHE_PATHS = {"pip": (".cache/pip",), "npm": (".npm",), "cargo": (".cargo/registry", ".cargo/git")}
+
+
+def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]]:
+    """filesystem.cache: [(host dir, path in the cell, that path relative to the cell's
+    /tmp: its mount point, made by the broker)]. The host dirs live under the
+    state root (masked in every cell), so the cache is writable through its own mount
+    and nowhere else; the broker creates them."""
+    if fs.cache == "none":
+        return []
+    from .locks import worktree_key
+    from .spec import CELL_HOME, CELL_TMP
+    scope = f"worktree-{worktree_key(spec.worktree or spec.workdir)}" if fs.cache == "worktree" \
+        else f"role-{spec.role}"
+    base = os.path.join(state_root, "caches", scope)
+    out = []
+    for tool in fs.cache_tools:
+        for rel in CACHE_PATHS[tool]:
+            cell = os.path.join(CELL_HOME, rel)
+            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, os.path.relpath(cell, CELL_TMP)))
+    return out
 
 
 # Name services that ask the network; a cell without network keeps the others (files, myhostname, ...).
@@ -319,7 +349,8 @@ NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # The /dev/null class: devices every program may open for writing.
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]
-def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict) -> dict:
+def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict,
+                 cache_writable=()) -> dict:
     from .linux.sys import CAP_NAMES
     iso, proc_ = policy.isolation, policy.process
     wanted = {"seccomp": iso.seccomp, "landlock": iso.landlock, "no_new_privs": iso.no_new_privs,
@@ -347,7 +378,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
                                       if not allowed)
     if wanted["landlock"] and not host["landlock"]:
         writable = [tmpdir] + ([wt] if worktree_rw else [])
-        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable]
+        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable] + list(cache_writable)
         out["landlock_writable"] = writable + WRITABLE_DEVICES
         out["landlock_abi"] = host["_abi"]
     uid = gid = None

@@ -97,6 +97,14 @@ class FilesystemSection(_Strict):
         "worktree), pip's index and install keys, npm's registry lines, and the PIP_*/NPM_CONFIG_REGISTRY "
         "variables of those keys; never a key that holds credentials or a URL with a user or password in it.")
 
+    cache: Literal["none", "worktree", "role"] = Field(
+        "none", description="Persistent package caches under the state root (<state>/caches/), mounted writable "
+        "where the tools look in the cell's HOME and writable nowhere else: 'worktree' one per worktree (cells of "
+        "one project share it), 'role' one per role, 'none' caches die with the cell.")
+    cache_tools: list[Literal["pip", "npm", "cargo"]] = Field(
+        default_factory=lambda: ["pip", "npm", "cargo"], description="The caches filesystem.cache keeps: pip "
+        "(~/.cache/pip), npm (~/.npm), cargo (~/.cargo/registry and ~/.cargo/git).")
+
     @field_validator("home_allow")
     @classmethod
     def _home_paths(cls, v: list[str]) -> list[str]:

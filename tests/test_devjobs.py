@@ -259,3 +259,34 @@ def test_a_failed_cell_without_network_says_which_role_allows_it(agnsup, worktre
     assert "without network" not in ok.err
     networked = agnsup("run", "--role", "networked", "--workdir", worktree, "--", "sh", "-c", "exit 3")
     assert networked.returncode == 3 and "without network" not in networked.err
+
+
+# -- persistent package caches ---------------------------------------------------
+
+def test_package_caches_persist_per_worktree_and_are_writable_only_there(agnsup, project, tmp_path):
+    put = ("python3 -m pip cache dir; npm config get cache; "
+           "echo one > ~/.cache/pip/marker; echo two > ~/.npm/marker; echo three > ~/.cargo/registry/marker")
+    cp = agnsup("run", "--", "sh", "-c", put, cwd=project, check=0)
+    assert cp.out.splitlines() == ["/tmp/home/.cache/pip", "/tmp/home/.npm"]
+    caches = agnsup.json("receipts", "--json")[-1]["isolation"]["caches"]
+    host = {c["cell"]: c["host"] for c in caches}
+    assert set(host) == {"/tmp/home/.cache/pip", "/tmp/home/.npm", "/tmp/home/.cargo/registry",
+                         "/tmp/home/.cargo/git"}
+    assert all(h.startswith(os.path.join(agnsup.state, "caches", "worktree-")) for h in host.values())
+    with open(os.path.join(host["/tmp/home/.cache/pip"], "marker")) as f:
+        assert f.read() == "one\n"
+    # the next cell of the project (from a subdirectory) finds them; the state root itself stays masked
+    escape = os.path.join(agnsup.state, "caches", "escape")
+    cp = agnsup("run", "--env", f"ESCAPE={escape}", "--", "sh", "-c",  # $ESCAPE: the kernel judges, not the gate
+                'cat ~/.cache/pip/marker ~/.npm/marker ~/.cargo/registry/marker; touch "$ESCAPE" 2>/dev/null || '
+                'echo masked', cwd=os.path.join(project, "tests"), check=0)
+    assert cp.out.split() == ["one", "two", "three", "masked"] and not os.path.exists(escape)
+    # another worktree has caches of its own; the readonly role keeps none
+    other = tmp_path / "other"
+    other.mkdir()
+    cp = agnsup("run", "--workdir", str(other), "--", "sh", "-c", "cat ~/.cache/pip/marker 2>&1 || echo none",
+                check=0)
+    assert cp.out.strip().endswith("none")
+    cp = agnsup("run", "--role", "readonly", "--", "sh", "-c", "cat ~/.cache/pip/marker 2>&1 || echo none",
+                cwd=project, check=0)
+    assert cp.out.strip().endswith("none")

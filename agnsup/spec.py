@@ -49,7 +49,7 @@ class CellSpec(Record):
     token: str
     on_controller_death: str = "kill"   # kill | keep: the request's, else the role's
     worktree: str = ""             # the writable, locked tree: workdir's enclosing project root
-    venv: str | None = None        # the worktree's venv that @venv named, if any
+    venv: str | None = None        # the worktree's venv (.venv or venv), if any: what @venv names
     interpreter: list = Factory(list)  # what that venv's pyvenv.cfg names outside it (re-exposed read-only)
     tool_env_dropped: list = Factory(list)  # toolconfig.ENV_KEYS left out for holding credentials
 
@@ -68,7 +68,7 @@ def build(call, policy) -> CellSpec:
     if not os.path.isdir(workdir):
         raise UsageError(f"workdir {workdir} is not a directory")
     worktree = project_root(workdir)
-    venv = find_venv(worktree) if "@venv" in policy.env.path else None
+    venv = find_venv(worktree)  # its interpreter is re-exposed even when the role's PATH leaves it out
     token = os.urandom(16).hex()
 
     env: dict[str, str] = {}
@@ -78,7 +78,7 @@ def build(call, policy) -> CellSpec:
         env[k], src[k] = v, s
 
     put("PATH", ":".join(expand_path(policy.env.path, venv)), "policy")
-    if venv is not None:
+    if venv is not None and "@venv" in policy.env.path:
         put("VIRTUAL_ENV", venv, "agnsup")
     put("HOME", CELL_HOME, "agnsup")
     put("TMPDIR", CELL_TMP, "agnsup")

@@ -72,6 +72,7 @@ class Cell(Record):
     controlling_tty: bool = False  # agnsup run at a terminal: the cell's pty is its controlling terminal
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
+    waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -153,25 +154,63 @@ class Controller:
 
     # -- start ------------------------------------------------------------
     def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
-              pty: dict | None = None, stream: bool = False) -> Cell:
+              pty: dict | None = None, stream: bool = False, queue: bool = False) -> Cell:
+        """Lock the worktree, journal the intent, start the cell. `queue`: when the lock
+        is held, journal the cell as `waiting` and return it at once (cell.waiting);
+        `resume` then waits for the lock and starts it."""
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
                     stdin=stdin, pty=pty, stream=stream or pty is not None)
-        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
-        cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                     f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
+        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
+        if queue:
+            cell.lock_fd = locks.try_acquire(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
+                                             tree=spec.worktree)
+            cell.waiting = cell.lock_fd is None
+        else:
+            cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
+                                         f"worktree {spec.worktree}", self._owner(spec), notify, tree=spec.worktree)
         try:
-            self._intent(cell, prepared.admit)
+            self._intent(cell, prepared.admit, "waiting" if cell.waiting else "starting")
         except BaseException as e:
-            locks.release(cell.lock_path, cell.lock_fd)
+            if cell.lock_fd is not None:
+                locks.release(cell.lock_path, cell.lock_fd)
             if isinstance(e, Denied):  # a run quota, judged in the intent transaction (rolled back)
                 self.journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=e.details["decision"],
                                            trail=cell.trail + e.details["trail"],
                                            chain=[s["stage"] for s in cell.trace])
             raise
         crashpoints.hit("after_intent")
+        return cell if cell.waiting else self._launch(cell)
+
+    @staticmethod
+    def _owner(spec) -> str:
+        return f"cell {spec.cell_id} of run {spec.run_id}"
+
+    def resume(self, cell: Cell) -> Cell:
+        """A waiting cell: wait for its worktree lock (up to its lock_timeout; a cancel
+        recorded meanwhile wins), then start it like any other."""
+        spec = cell.spec
+
+        def cancelled():
+            why = self.journal.cancel_reason(spec.run_id, spec.cell_id)
+            if why:
+                raise CancelledBeforeStart(f"cell {spec.cell_id} of run {spec.run_id} was {why} before it started")
+        try:
+            cell.lock_fd = locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", spec.lock_timeout,
+                                         f"worktree {spec.worktree}", self._owner(spec), False, tree=spec.worktree,
+                                         poll=cancelled)
+            cancelled()
+            self.journal.mark_starting(spec.run_id, spec.cell_id)
+        except AgnsupError as e:
+            self.fail(cell, e)
+            raise
+        cell.waiting = False
+        return self._launch(cell)
+
+    def _launch(self, cell: Cell) -> Cell:
+        plan, spec = cell.plan, cell.spec
         try:
             self._make_place(cell)
             crashpoints.hit("after_cgroup")
@@ -223,7 +262,7 @@ class Controller:
                 cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
             cell.egress = None
 
-    def _intent(self, cell: Cell, admit) -> None:
+    def _intent(self, cell: Cell, admit, state: str = "starting") -> None:
         spec, plan = cell.spec, cell.plan
         cell.trace.append(stage("broker", controller=self.id, token_set=True, lock=cell.lock_path))
         if os.path.lexists(plan.cell_dir):
@@ -239,15 +278,20 @@ class Controller:
         self.journal.begin_cell({
             "run_id": spec.run_id, "cell_id": spec.cell_id, "agent_id": spec.agent_id, "role": spec.role,
             "token": spec.token, "controller_id": self.id, "boot_id": cell.boot_id,
-            "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.workdir,
+            "cgroup": json.dumps(cell.place.paths()), "tmpdir": plan.tmpdir, "worktree": spec.worktree,
             "lock_path": cell.lock_path, "argv": json.dumps(spec.argv), "exe": spec.exe, "created_at": time.time(),
             "grace": plan.grace, "on_controller_death": spec.on_controller_death,
-            "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller)
+            "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller, state)
         self._registered = True
 
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
+        _make_home_files(plan)
+        for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
+            os.makedirs(host_dir, mode=0o700, exist_ok=True)
+            if plan.uid is not None:
+                os.chown(host_dir, plan.uid, plan.gid)
         if plan.uid is not None:  # process.user: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
@@ -538,3 +582,36 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
             raise
     return master, slave
 
+
+
+def _make_home_files(plan) -> None:
+    """What the plan puts in the cell's /tmp: @runtime's links, the HOME's tool configuration
+    (owned by the cell's uid when process.user sets one, like the HOME itself)."""
+    made = []
+    for rel, target in plan.tmp_links:
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, path)
+        os.symlink(target, path)
+    for _, _, rel in plan.caches:  # the caches' mount points, the cell's own like its HOME
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, os.path.join(path, "."))
+    for rel, text in plan.tmp_files:
+        path = os.path.join(plan.tmpdir, rel)
+        made += _parents(plan.tmpdir, path)
+        with open(path, "x") as f:
+            f.write(text)
+        made.append(path)
+    if plan.uid is not None:
+        for path in made:
+            os.lchown(path, plan.uid, plan.gid)
+
+
+def _parents(tmpdir: str, path: str) -> list[str]:
+    """Make the missing directories between tmpdir and path (mode 0755); the ones made."""
+    made, d = [], os.path.dirname(path)
+    while d != tmpdir and not os.path.isdir(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(made):
+        os.mkdir(d, 0o755)
+    return made

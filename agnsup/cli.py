@@ -140,6 +140,8 @@ def run(obj, command, **options):
     from .tool import run_process
     result = run_process(list(command), **options, state_dir=obj["state_dir"], capture=False, entry="cli",
                          forward_signals=True)
+    if result.get("network_hint"):
+        click.echo(result["network_hint"], err=True)
     sys.exit(result["exit_code"])
 
 
@@ -337,6 +339,29 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
 
 
 @main.command()
+@click.argument("cell_id", metavar="CELL")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R", help="The cell's run (if the id is ambiguous).")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Give up after SECONDS (exit 75); default: wait as long as the cell runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result (exit_code, state, reason, receipt) as JSON.")
+@click.pass_obj
+def wait(obj, cell_id, run_id, timeout, as_json):
+    """Wait until CELL ended (a spawned cell, queued or running, or any other) and
+    exit with its exit status (for a cell that never ran, the code of why: 75 lock
+    timeout, 143 cancelled before it started; 125 when none was recorded). Works
+    from any process that can open the state root.
+
+    Example: agnsup wait c-1a2b3c4d --json
+    """
+    from .service import wait_cell
+    result = wait_cell(obj["state_dir"], cell_id, run_id, timeout)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    code = result.get("exit_code")
+    sys.exit(125 if code is None else code)
+
+
+@main.command()
 @click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The run to clean up.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"cleaned": N, "items": [...]}.')
 @click.pass_obj
@@ -388,9 +413,11 @@ def serve(obj, socket_path):
 def spawn(obj, socket_path, follow, command, **options):
     """Ask the serve controller to start CMD as a cell; return at once.
 
-    Prints {"cell_id", "run_id", "agent_id", "pid", "cgroup"} as JSON. The
-    cell's output is captured under the state root; `agnsup receipts --cell C`
-    shows how it ended. Exit status as for run when the cell cannot start.
+    Prints {"cell_id", "run_id", "agent_id", "pid", "cgroup", "state"} as JSON;
+    state "waiting" (pid null) when another cell holds the worktree lock: the
+    cell is queued and starts when the lock is free. The cell's output is
+    captured under the state root; `agnsup wait CELL` waits for it and exits
+    with its status. Exit status as for run when the cell cannot start.
     With --follow: the handle goes to stderr, the cell's output to stdout and
     stderr as it comes, ^C to the cell's process group; exit status the cell's.
     """

@@ -44,6 +44,11 @@ class ExecutionPlan(Record):
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
     egress: dict | None = None             # allowlist/internal: the role's network table (for the receipt)
     egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
+    tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime, home_allow in HOME
+    tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
+    home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
+    caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
+                                            # the cell's /tmp dir): filesystem.cache
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -75,6 +80,8 @@ class ExecutionPlan(Record):
             "on_controller_death": self.on_controller_death(),
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
+            "home_config": self.home_config,
+            "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
         }
 
 
@@ -146,7 +153,7 @@ def runtime_paths(policy) -> list[str]:
     return [os.path.realpath(p) for p in paths]
 
 
-def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], list[str]]:
+def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, list[str], list[str]]:
     """(clones, placements, hidden, exposed) for filesystem.home: hides first,
     then attaches; compile_plan sorts them outermost first with the /tmp and
     worktree attaches."""
@@ -160,7 +167,7 @@ def _home_ops(fs, policy, home: str, wt: str) -> tuple[list, list, list[str], li
                 [("attach", h, k) for h, k in zip(homes, keys)], [], [])
     if not homes:
         return [], [], [], []
-    wanted = runtime_paths(policy) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
+    wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
     expose = _outermost(p for p in wanted
                         if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
                         and not _under(p, wt) and not _under(p, "/tmp"))
@@ -180,7 +187,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     host offers ({protection: None or why not}, linux/host.protections());
     `other_roots`: the host's other state roots (StateRoot.other_roots), hidden too."""
     fs = policy.filesystem
-    wt = spec.workdir
+    wt = spec.worktree or spec.workdir
     state_real = os.path.realpath(state_root)
     if wt == state_real or wt.startswith(state_real + "/"):
         raise UsageError(f"workdir {wt} is inside the state root {state_real}, which cells never see")
@@ -188,14 +195,20 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
     deny = [os.path.realpath(_expand(p, home)) for p in fs.deny]
-    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt)
+    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt, spec.interpreter)
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
-    tmp_rt = _outermost(p for p in runtime_paths(policy)
+    tmp_rt = _outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
                         if _under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not _under(p, wt))
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
+    offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
+    home_clones += offline_clones
+    home_places += offline_places
+    caches = cache_dirs(fs, spec, state_root)
+    home_clones += [("clone", h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
+    home_places += [("attach", c, f"cache{i}") for i, (_, c, _) in enumerate(caches)]
     # Clones first, while their mounts are still read-write and nothing covers them.
     ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
@@ -213,9 +226,10 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         [p for p in other_roots if p != state_real and not _under(state_real, p) and not _under(wt, p)
          and os.path.lexists(p)]
     ops.extend(("mask", p) for p in masked)
+    home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
-    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host)
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host, [h for h, _, _ in caches])
     proxied = policy.network.mode in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
@@ -227,7 +241,109 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance), **conf)
+        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
+        tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
+        caches=caches, **conf)
+
+
+# Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).
+CACHE_PATHS = {"pip": (".cache/pip",), "npm": (".npm",), "cargo": (".cargo/registry", ".cargo/git")}
+
+
+def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]]:
+    """filesystem.cache: [(host dir, path in the cell, that path relative to the cell's
+    /tmp: its mount point, made by the broker)]. The host dirs live under the
+    state root (masked in every cell), so the cache is writable through its own mount
+    and nowhere else; the broker creates them."""
+    if fs.cache == "none":
+        return []
+    from .locks import worktree_key
+    from .spec import CELL_HOME, CELL_TMP
+    scope = f"worktree-{worktree_key(spec.worktree or spec.workdir)}" if fs.cache == "worktree" \
+        else f"role-{spec.role}"
+    base = os.path.join(state_root, "caches", scope)
+    out = []
+    for tool in fs.cache_tools:
+        for rel in CACHE_PATHS[tool]:
+            cell = os.path.join(CELL_HOME, rel)
+            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, os.path.relpath(cell, CELL_TMP)))
+    return out
+
+
+# Name services that ask the network; a cell without network keeps the others (files, myhostname, ...).
+NETWORK_NSS = ("dns", "resolve", "mdns", "mdns4", "mdns6", "mdns_minimal", "mdns4_minimal", "mdns6_minimal",
+               "wins", "nis", "nisplus", "ldap", "sss")
+
+
+def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]:
+    """deny/loopback: name resolution fails at once, with "not found" rather than "try
+    again" (which pip and npm retry for 10-70 s): the cell's /etc/nsswitch.conf looks
+    hosts up in files only, and its /etc/resolv.conf names no server. (files, clones,
+    attaches); the files are written in the cell's /tmp and bound read-only over the
+    host's (their real paths: /etc/resolv.conf is often a symlink into /run)."""
+    if policy.network.mode not in ("deny", "loopback"):
+        return [], [], []
+    why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
+    texts = {"resolv.conf": why + "options timeout:1 attempts:1\n"}
+    try:
+        with open("/etc/nsswitch.conf", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = None
+    if lines is not None:
+        for i, line in enumerate(lines):
+            key, colon, rest = line.partition(":")
+            if colon and key.strip() == "hosts":
+                kept = [w for w in rest.split() if w.split("[")[0] not in NETWORK_NSS and not w.startswith("[")]
+                lines[i] = "hosts: " + " ".join(kept or ["files"])
+        texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
+    files, clones, places = [], [], []
+    for name, text in texts.items():
+        target = os.path.realpath(os.path.join("/etc", name))
+        if not os.path.isfile(target) or _under(target, "/tmp"):
+            continue
+        rel = os.path.join(".agnsup", "etc", name)
+        files.append((rel, text))
+        clones.append(("clone", os.path.join(tmpdir, rel), f"offline-{name}", True))
+        places.append(("attach", target, f"offline-{name}"))
+    return files, clones, places
+
+
+def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, dict]:
+    """(links, files, report) that put tool configuration where tools look: the cell's
+    HOME. home_allow paths inside the user's home appear there too, as links to where
+    the cell sees them (their real paths); toolconfig writes the filtered files."""
+    from . import toolconfig
+    from .spec import CELL_HOME, CELL_TMP
+    cell_home = os.path.relpath(CELL_HOME, CELL_TMP)
+    links, linked = [], set()
+    for p in fs.home_allow:
+        full = _expand(p, home)
+        if _under(full, home) and full != home and os.path.exists(full):
+            rel = os.path.relpath(full, home)
+            links.append((os.path.join(cell_home, rel), os.path.realpath(full)))
+            linked.add(rel)
+    include = next((os.path.realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
+                                                                                                   "config"))
+                    if r in linked), None)
+    files, report = toolconfig.home_files(fs.home_config, home, wt, include)
+    files = [(os.path.join(cell_home, rel), text) for rel, text in files]
+    # the generated .gitconfig includes a linked one; for the others the user's own file wins
+    links = [(rel, t) for rel, t in links if not rel.endswith(os.sep + ".gitconfig") or not include
+             or "git" not in fs.home_config]
+    files = [(rel, text) for rel, text in files if rel not in {r for r, _ in links}]
+    if spec.tool_env_dropped:
+        report["env"] = {"taken": [], "dropped": [f"{k} (holds credentials)" for k in spec.tool_env_dropped]}
+    return links, files, report
+
+
+def _runtime_links(spec: CellSpec) -> list[tuple]:
+    """@runtime in the cell is spec.RUNTIME_BIN, a directory in its /tmp linking agnsup's own commands."""
+    from .spec import CELL_TMP, RUNTIME_BIN, RUNTIME_COMMANDS, runtime_host_dir
+    if RUNTIME_BIN not in spec.env.get("PATH", "").split(":"):
+        return []
+    rel = os.path.relpath(RUNTIME_BIN, CELL_TMP)
+    return [(os.path.join(rel, c), os.path.join(runtime_host_dir(), c)) for c in RUNTIME_COMMANDS]
 
 
 # Network modes that give the cell a namespace of its own with only lo up; allowlist
@@ -236,7 +352,8 @@ NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # The /dev/null class: devices every program may open for writing.
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
                     "/dev/ptmx", "/dev/pts"]
-def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict) -> dict:
+def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict,
+                 cache_writable=()) -> dict:
     from .linux.sys import CAP_NAMES
     iso, proc_ = policy.isolation, policy.process
     wanted = {"seccomp": iso.seccomp, "landlock": iso.landlock, "no_new_privs": iso.no_new_privs,
@@ -264,7 +381,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
                                       if not allowed)
     if wanted["landlock"] and not host["landlock"]:
         writable = [tmpdir] + ([wt] if worktree_rw else [])
-        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable]
+        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable] + list(cache_writable)
         out["landlock_writable"] = writable + WRITABLE_DEVICES
         out["landlock_abi"] = host["_abi"]
     uid = gid = None

@@ -102,6 +102,8 @@ def main() -> None:
     except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
         sys.stderr.write(f"agnsup: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}\n")
         sys.exit(125)
+    if result.get("network_hint"):
+        sys.stderr.write(result["network_hint"] + "\n")
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

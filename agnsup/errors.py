@@ -90,6 +90,10 @@ class CellsStillRunning(AgnsupError):
     pass
 
 
+class WaitTimeout(AgnsupError):
+    """`agnsup wait --timeout`: the cell had not ended yet."""
+
+
 class CancelledBeforeStart(AgnsupError):
     pass
 
@@ -107,7 +111,7 @@ class NotFound(AgnsupError):
 
 
 EXIT_CODES: dict[type, int] = {
-    AgnsupError: 125, LockTimeout: 75, UnknownId: 1, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
+    AgnsupError: 125, LockTimeout: 75, WaitTimeout: 75, UnknownId: 1, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
     CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
 }
 

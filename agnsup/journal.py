@@ -10,7 +10,7 @@ database by a later writer's automatic checkpoint.
 
 The state machine lives here and is checked on every change:
 
-    cell:  starting -> running -> one of TERMINAL_CELL;  starting -> TERMINAL_CELL
+    cell:  [waiting ->] starting -> running -> one of TERMINAL_CELL;  waiting | starting -> TERMINAL_CELL
            (a terminal cell never changes again)
     run:   active -> cancelled | finished | recovered
            finished | recovered -> active  (a new cell reopens the run: event `run.reopened`)
@@ -39,7 +39,10 @@ from .errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateErr
 
 TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 TERMINAL_RUN = ("cancelled", "finished", "recovered")
-CELL_FLOW = {"starting": ("running", *TERMINAL_CELL), "running": TERMINAL_CELL}
+# waiting: spawn queued the cell behind a held worktree lock (nothing of it exists but
+# this row; a dead controller's waiting cell is the janitor's like a starting one).
+CELL_FLOW = {"waiting": ("starting", *TERMINAL_CELL), "starting": ("running", *TERMINAL_CELL),
+             "running": TERMINAL_CELL}
 RUN_FLOW = {"active": TERMINAL_RUN, "finished": ("active",), "recovered": ("active",), "cancelled": ()}
 
 _TERMINAL_SQL = ",".join(f"'{s}'" for s in TERMINAL_CELL)
@@ -199,13 +202,15 @@ class Journal:
         return self._one("SELECT * FROM controllers WHERE id=?", (cid,))
 
     # -- a cell's life ------------------------------------------------------
-    def begin_cell(self, row: dict, trace: list, admit=None, controller: dict | None = None) -> None:
+    def begin_cell(self, row: dict, trace: list, admit=None, controller: dict | None = None,
+                   state: str = "starting") -> None:
         """The intent: the cell row (state `starting`) and its stage events, in one
         transaction. The run is created, reopened (finished or recovered before:
         event `run.reopened`) or refused (cancelled: RunNotActive); a cell id is
         never reused in a run. `admit(usage)` judges run quotas with counts taken
         inside this transaction (race-free) and raises to refuse; `controller`: a
-        one-cell controller's own row, registered in the same transaction."""
+        one-cell controller's own row, registered in the same transaction. `state`
+        "waiting": queued behind a held worktree lock (mark_starting once it is taken)."""
         run_id, cell_id = row["run_id"], row["cell_id"]
         with self.tx() as db:
             if controller is not None:
@@ -224,10 +229,16 @@ class Journal:
             if admit is not None:
                 admit(self._quota_usage(db, run_id, row["agent_id"], row["created_at"]))
             cols = ", ".join(row)
-            db.execute(f"INSERT INTO cells({cols}, state) VALUES ({', '.join(':' + k for k in row)}, 'starting')",
-                       row)
+            db.execute(f"INSERT INTO cells({cols}, state) VALUES ({', '.join(':' + k for k in row)}, :state)",
+                       {**row, "state": state})
             for st in trace:
                 self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
+            self.event(db, "state." + state, run_id, cell_id)
+
+    def mark_starting(self, run_id: str, cell_id: str) -> None:
+        """A waiting cell took its worktree lock."""
+        with self.tx() as db:
+            self._move_cell(db, run_id, cell_id, "starting")
             self.event(db, "state.starting", run_id, cell_id)
 
     def _quota_usage(self, db, run_id: str, agent_id: str, now: float) -> tuple[int, int, int, float | None]:

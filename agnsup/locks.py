@@ -44,19 +44,103 @@ def _try(path: str, mode: int) -> int | None:
 def holder(path: str) -> str:
     try:
         with open(path) as f:
-            return f.read().strip() or "another cell"
+            text = f.read().strip()
     except OSError:
         return "another cell"
+    # a worktree lock holds "TREE\nOWNER" (the owner only while held exclusively)
+    lines = text.splitlines()
+    return (lines[-1] if lines and not lines[-1].startswith("/") else "") or "another cell"
 
 
-def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None) -> int:
-    """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
-    so in one line: on stderr, or through `notify(line)` (serve tells its client)."""
+def _tree_of(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return None
+    return first if first.startswith("/") else None
+
+
+def overlaps(a: str, b: str) -> bool:
+    """The same tree, or one inside the other: repo/ and repo/sub share files."""
+    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
+
+
+def _clash(path: str, tree: str, exclusive: bool) -> str | None:
+    """Another worktree lock in this directory on an overlapping tree, held in a mode
+    that conflicts with ours (any holder when we write; a writer when we read)."""
+    lockdir = os.path.dirname(path)
+    probe = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    for name in os.listdir(lockdir):
+        other = os.path.join(lockdir, name)
+        if not name.endswith(".lock") or other == path:
+            continue
+        t = _tree_of(other)
+        if t is None or not overlaps(t, tree):
+            continue
+        try:
+            fd = os.open(other, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, probe | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return other
+        finally:
+            os.close(fd)
+    return None
+
+
+def _try_tree(path: str, mode: int, tree: str) -> tuple[int | None, str]:
+    """One attempt at a worktree lock: (fd or None, the lock file that is in the way).
+    Taking ours and looking for overlapping holders happen under one mutex, so two
+    cells on repo/ and repo/sub can never both pass."""
+    mutex = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # flock on the directory
+    try:
+        fcntl.flock(mutex, fcntl.LOCK_EX)
+        fd = _try(path, mode)
+        if fd is None:
+            return None, path
+        data = (tree + "\n").encode()  # what _clash reads; shared holders all write the same bytes
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        clash = _clash(path, tree, mode == fcntl.LOCK_EX)
+        if clash is not None:
+            os.close(fd)
+            return None, clash
+        return fd, ""
+    finally:
+        os.close(mutex)
+
+
+def _attempt(path: str, exclusive: bool, tree: str | None) -> tuple[int | None, str]:
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    fd = _try(path, mode)
+    return (_try(path, mode), path) if tree is None else _try_tree(path, mode, tree)
+
+
+def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None) -> int | None:
+    """The lock if it is free now, else None (spawn queues the cell instead of waiting)."""
+    fd, _ = _attempt(path, exclusive, tree)
+    if fd is not None and exclusive:
+        _own(fd, owner, tree)
+    return fd
+
+
+def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None,
+            tree: str | None = None, poll=None) -> int:
+    """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
+    so in one line: on stderr, or through `notify(line)` (serve tells its client;
+    False: say nothing). With `tree` (a worktree lock), a holder of an overlapping
+    tree's lock in the same directory is in the way too (repo/ and repo/sub are one
+    lock). `poll()` is called between attempts and may raise to give up."""
+    fd, in_way = _attempt(path, exclusive, tree)
     if fd is None:
-        line = f"agnsup: waiting for the {what} lock (held by {holder(path)})"
-        if notify is not None:
+        also = "" if in_way == path else f", overlapping {_tree_of(in_way)}"
+        line = f"agnsup: waiting for the {what} lock (held by {holder(in_way)}{also})"
+        if notify is False:
+            pass
+        elif notify is not None:
             notify(line)
         else:
             print(line, file=sys.stderr, flush=True)
@@ -64,19 +148,25 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
         delay = 0.01
         while fd is None:
             if deadline is not None and time.monotonic() >= deadline:
-                raise LockTimeout(f"the {what} lock is held by {holder(path)}; gave up after {timeout:g} s "
+                raise LockTimeout(f"the {what} lock is held by {holder(in_way)}; gave up after {timeout:g} s "
                                   "(--lock-timeout)")
+            if poll is not None:
+                poll()
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-            fd = _try(path, mode)
+            fd, in_way = _attempt(path, exclusive, tree)
     if exclusive:
-        # Write, then cut to length: truncating to 0 first would make ext4
-        # flush the file on close (auto_da_alloc, ~4 ms a lock) for a file
-        # that is unlinked right after anyway.
-        data = owner.encode()
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        _own(fd, owner, tree)
     return fd
+
+
+def _own(fd: int, owner: str, tree: str | None) -> None:
+    """Say who holds an exclusive lock. Write, then cut to length: truncating to 0
+    first would make ext4 flush the file on close (auto_da_alloc, ~4 ms a lock) for
+    a file that is unlinked right after anyway."""
+    data = ((tree + "\n") if tree else "").encode() + owner.encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 def release(path: str, fd: int) -> bool:

@@ -43,8 +43,10 @@ class RoleSection(_Strict):
 
 
 class EnvSection(_Strict):
-    path: list[str] = Field(description="PATH inside the cell, in order. '@runtime' stands for the directory "
-                            "of the interpreter running agnsup. Never taken from the host.")
+    path: list[str] = Field(description="PATH inside the cell, in order. '@venv' stands for the bin directory of "
+                            "the worktree's own virtual environment (.venv or venv holding pyvenv.cfg; left out when "
+                            "there is none; VIRTUAL_ENV is then set to it), '@runtime' for a directory holding only "
+                            "agnsup's own commands (never its interpreter). Never taken from the host.")
     passthrough: list[str] = Field(default_factory=list, alias="pass",
                                    description="Host variables copied into the cell. Never PATH; never a "
                                    "secret-looking key (those need an explicit --env per call).")
@@ -54,7 +56,7 @@ class EnvSection(_Strict):
     @classmethod
     def _absolute(cls, v: list[str]) -> list[str]:
         for d in v:
-            if d != "@runtime" and not d.startswith("/"):
+            if d not in ("@runtime", "@venv") and not d.startswith("/"):
                 raise ValueError(f"{d!r} is not an absolute directory")
             if ":" in d:
                 raise ValueError(f"{d!r} holds ':'")
@@ -88,6 +90,20 @@ class FilesystemSection(_Strict):
     home_allow: list[str] = Field(default_factory=list, description="Paths inside the hidden home the cell may "
                                   "read (files or directories, '~/...' or absolute), re-exposed read-only at "
                                   "their real paths; deny paths stay hidden even here.")
+
+    home_config: list[Literal["git", "pip", "npm"]] = Field(
+        default_factory=lambda: ["git", "pip", "npm"], description="Tool configuration of the user's home the "
+        "cell's HOME gets, filtered (agnsup/toolconfig.py): git's user.name/email (and safe.directory = the "
+        "worktree), pip's index and install keys, npm's registry lines, and the PIP_*/NPM_CONFIG_REGISTRY "
+        "variables of those keys; never a key that holds credentials or a URL with a user or password in it.")
+
+    cache: Literal["none", "worktree", "role"] = Field(
+        "none", description="Persistent package caches under the state root (<state>/caches/), mounted writable "
+        "where the tools look in the cell's HOME and writable nowhere else: 'worktree' one per worktree (cells of "
+        "one project share it), 'role' one per role, 'none' caches die with the cell.")
+    cache_tools: list[Literal["pip", "npm", "cargo"]] = Field(
+        default_factory=lambda: ["pip", "npm", "cargo"], description="The caches filesystem.cache keeps: pip "
+        "(~/.cache/pip), npm (~/.npm), cargo (~/.cargo/registry and ~/.cargo/git).")
 
     @field_validator("home_allow")
     @classmethod

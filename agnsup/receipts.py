@@ -23,7 +23,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "controller": cell.controller_id, "boot_id": cell.boot_id,
         "governance": {"decision": cell.decision, "trail": cell.trail},
         "chain": cell.trace,
-        "argv": spec.argv, "exe": spec.exe, "workdir": spec.workdir,
+        "argv": spec.argv, "exe": spec.exe, "workdir": spec.workdir, "worktree": spec.worktree, "venv": spec.venv,
         "env_keys": sorted(spec.env), "env": redacted_env(spec), "env_sources": spec.env_sources,
         "cgroup": cell.place.paths() or None if cell.place else None,
         "cgroup_inode": cell.place.inode if cell.place else None,

@@ -66,8 +66,9 @@ class CellRequest(Record):
     run_id: str = Opt("default", "str", "--run-id", "--run", help="Run this cell belongs to.")
     agent_id: str = Opt("default", "str", "--agent", "--agent-id", help="Agent this cell belongs to.")
     cell_id: str | None = Opt(None, "optstr", "--cell", "--cell-id", help="Cell id (default: generated, c-XXXXXXXX).")
-    workdir: str | None = Opt(None, "optstr", "--workdir", help="Worktree the command runs in (default: the "
-                              "current directory).", schema={"type": "string",
+    workdir: str | None = Opt(None, "optstr", "--workdir", help="Directory the command runs in (default: the "
+                              "current directory); the worktree is its enclosing project root (.git, .hg or "
+                              ".agnsup-worktree), else the directory itself.", schema={"type": "string",
                                                              "description": "Worktree directory the command runs in."})
     timeout: float | None = Opt(None, "pos", "--timeout", metavar="SECONDS", help="Stop the cell after SECONDS "
                                 "(SIGTERM, grace, SIGKILL); exit 124.",

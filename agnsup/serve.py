@@ -6,7 +6,8 @@ request object per line, one response object per line, in order, on one
 connection. Every request has "op":
 
     ping                                  -> {"ok": true, "controller": ..., "pid": ...}
-    spawn  {argv, role, run_id, ...}      -> {"ok": true, cell_id, run_id, agent_id, pid, cgroup}
+    spawn  {argv, role, run_id, ...}      -> {"ok": true, cell_id, run_id, agent_id, pid, cgroup, state}
+                                             (state "waiting", pid null: queued behind a held worktree lock)
     run    {same as spawn}                -> {"ok": true, ...result of run_process}
     wait   {run_id, cell_id, timeout}     -> {"ok": true, ...result} (or "pending": true)
     cancel {cell_id|run_id|agent_id|all, grace} -> {"ok": true, cancelled, cells}

@@ -17,6 +17,7 @@ controller recovers its cells like any other controller's.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from .errors import UnknownId, UsageError
@@ -25,16 +26,24 @@ SIGNALS = {"INT": 2, "TERM": 15, "KILL": 9}  # what Supervisor.signal sends (sig
 
 
 class _Running:
-    def __init__(self, cell, request, waiter):
-        self.cell, self.request, self.waiter = cell, request, waiter
+    def __init__(self, cell, request):
+        self.cell, self.request = cell, request
+        self.waiter = None
+        self.started = threading.Event()  # its process exists (a queued cell: once it got its lock), or it never will
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: BaseException | None = None
         # Our own pidfd of the leader, for group signals: the broker's copy is closed when the
         # leader is reaped. `lock` orders signal() against the end of the wait.
         self.lock = threading.Lock()
-        self.group_fd: int | None = os.dup(cell.child.pidfd)
+        self.group_fd: int | None = None
         self.leader_gone = False
+
+    def attach(self, waiter) -> None:
+        with self.lock:
+            self.waiter = waiter
+            self.group_fd = os.dup(self.cell.child.pidfd)
+        self.started.set()
 
 
 class _Forker:
@@ -95,15 +104,18 @@ class Supervisor:
 
     # -- start ------------------------------------------------------------
     def spawn(self, argv: list[str], *, notify=None, **options) -> dict:
-        """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup}.
+        """Start a cell and return at once: {cell_id, run_id, agent_id, pid, cgroup, state}.
         `options` are request.CellRequest's (role, run_id, agent_id, cell_id, workdir,
         timeout, lock_timeout, env, host_env, capture, receipt_file, entry), all checked
-        before anything is created. Raises AgnsupError (denied, not found, lock
-        timeout...) like run_process. A held worktree lock is waited for;
-        `notify(line)` hears about it (default: stderr).
+        before anything is created. Raises AgnsupError (denied, not found...) like
+        run_process. When another cell holds the worktree lock the cell is queued:
+        state "waiting", pid None; its thread waits for the lock (up to lock_timeout)
+        and starts it, and `wait` gives its result as for any cell; `notify(line)`
+        hears that it was queued (default: stderr).
 
         Live I/O: `stdin=True` (write_stdin), `pty={"cols", "rows"}` (resize; output
-        is the stream "tty"), `stream=True` (read_output); stream and pty capture."""
+        is the stream "tty"), `stream=True` (read_output); stream and pty capture.
+        On a queued cell they wait until it started (signal: a queued cell is cancelled)."""
         from .request import CellRequest
         from .tool import prepare
         if self.closed:
@@ -111,19 +123,30 @@ class Supervisor:
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
         cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,
-                              stdin=request.stdin, pty=request.pty, stream=request.stream)
-        r = _Running(cell, request, self.ctl.waiter(cell))
+                              stdin=request.stdin, pty=request.pty, stream=request.stream, queue=True)
+        r = _Running(cell, request)
+        if cell.waiting:
+            from .locks import holder
+            line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
+                    f"(held by {holder(cell.lock_path)})")
+            notify(line) if notify is not None else print(line, file=sys.stderr, flush=True)
+        else:
+            r.attach(self.ctl.waiter(cell))
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
         t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         t.start()
         return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
-                "pid": cell.identity["pid"], "cgroup": cell.place.dir, "controller": self.ctl.id}
+                "pid": cell.identity.get("pid"), "cgroup": cell.place.dir, "controller": self.ctl.id,
+                "state": "waiting" if cell.waiting else "running"}
 
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
         try:
+            if r.cell.waiting:
+                self.ctl.resume(r.cell)
+                r.attach(self.ctl.waiter(r.cell))
             r.waiter.wait()
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
@@ -138,6 +161,7 @@ class Supervisor:
                 if r.group_fd is not None:
                     os.close(r.group_fd)
                     r.group_fd = None
+            r.started.set()
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:
@@ -160,15 +184,7 @@ class Supervisor:
         return r.result
 
     def _ended(self, run_id: str, cell_id: str) -> dict:
-        from .tool import ended
-        row = self.ctl.journal.cell(run_id, cell_id)
-        if row is None:
-            raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
-        recs = self.ctl.journal.receipts("cell", run_id, cell_id)
-        if not recs:
-            return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
-                    "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
-        return ended(recs[-1], self.state.cell_dir(run_id, cell_id), capture=False)
+        return journal_result(self.state, self.ctl.journal, run_id, cell_id)
 
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
@@ -208,7 +224,11 @@ class Supervisor:
             raise UsageError(f"timeout: must be a number of seconds >= 0, not {timeout!r}")
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise UsageError(f"max_bytes: must be an integer > 0, not {max_bytes!r}")
+        if not r.started.wait(timeout):  # queued behind a held worktree lock: nothing yet
+            return {"chunks": [], "next": since, "ended": False}
         tape = r.cell.pump.tape if r.cell.pump is not None else None
+        if tape is None and r.error is not None and r.cell.child is None:
+            raise r.error  # it never started (lock timeout, cancelled while queued)
         if tape is None:
             raise UsageError(f"cell {cell_id!r} was not spawned with stream or pty: no live output to read "
                              "(its captured files are under its cell directory)")
@@ -220,6 +240,7 @@ class Supervisor:
         r = self._running(run_id, cell_id)
         if not isinstance(data, (bytes, bytearray)):
             raise UsageError(f"data: must be bytes, not {type(data).__name__}")
+        r.started.wait()
         if r.cell.input is None:
             raise UsageError(f"cell {cell_id!r} was not spawned with stdin: its fd 0 is /dev/null")
         try:
@@ -236,18 +257,24 @@ class Supervisor:
             raise UsageError(f"sig: must be one of {', '.join(SIGNALS)}, not {sig!r}")
         from . import reaper
         with r.lock:
-            if r.leader_gone:
-                return
+            if r.leader_gone or (r.waiter is None and r.started.is_set()):
+                return  # it ended, or never started
             self.ctl.journal.add_event("signal", run_id, cell_id, signal=sig, by=f"supervisor {self.ctl.id}")
-            if sig == "KILL":
+            queued = r.waiter is None
+            if queued:
+                pass  # cancelled below, outside the lock
+            elif sig == "KILL":
                 r.waiter.stop_now("killed")
             else:
                 reaper.signal_group(r.group_fd, SIGNALS[sig])
+        if queued:  # waiting for its worktree lock: it never starts
+            self.cancel(cell_id=cell_id, run_id=run_id)
 
     def resize(self, run_id: str, cell_id: str, cols: int, rows: int) -> None:
         """Set a pty cell's terminal size; the kernel sends SIGWINCH to its foreground group."""
         from .request import KINDS
         r = self._running(run_id, cell_id)
+        r.started.wait()
         if r.cell.terminal is None:
             raise UsageError(f"cell {cell_id!r} has no terminal (spawn it with pty)")
         if not KINDS["pty"][0]({"cols": cols, "rows": rows}):
@@ -280,3 +307,47 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def journal_result(state, journal, run_id: str, cell_id: str) -> dict:
+    """A cell's result as the journal knows it: from its receipt once it has one."""
+    from .tool import ended
+    row = journal.cell(run_id, cell_id)
+    if row is None:
+        raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+    recs = journal.receipts("cell", run_id, cell_id)
+    if not recs:
+        return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
+                "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
+    return ended(recs[-1], state.cell_dir(run_id, cell_id), capture=False)
+
+
+def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, timeout: float | None = None) -> dict:
+    """`agnsup wait`: from any process, until the cell ended (whichever controller runs
+    it, a queued one included); its result. WaitTimeout when `timeout` passes first."""
+    import time
+    from . import cancel, janitor
+    from .errors import WaitTimeout
+    from .journal import TERMINAL_CELL
+    from .state import StateRoot
+    state = StateRoot(state_dir)
+    if not state.exists():
+        raise UnknownId(f"no cell {cell_id!r}: the state root {state.path} has no journal")
+    journal = state.journal()
+    try:
+        scope = cancel.resolve(journal, cell_id, run_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay, checked = 0.02, time.monotonic()
+        while True:
+            st = journal.cell_state(scope.run_id, cell_id)
+            if st in TERMINAL_CELL and journal.receipts("cell", scope.run_id, cell_id):
+                return journal_result(state, journal, scope.run_id, cell_id)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"cell {cell_id} of run {scope.run_id} is still {st} after {timeout:g} s")
+            if time.monotonic() - checked > 2.0:  # its controller may have died: the janitor concludes the cell
+                janitor.on_start(state, journal)
+                checked = time.monotonic()
+            time.sleep(delay)  # another process ends the cell: the journal is all we share with it
+            delay = min(delay * 1.5, 0.25)
+    finally:
+        journal.close()

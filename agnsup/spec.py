@@ -15,11 +15,23 @@ import sys
 
 from .errors import NotFound, NotExecutable, UsageError
 from .linux.session import TOKEN_VAR  # the janitor reads the same name from /proc
-from .record import Record
+from .record import Factory, Record
 from .state import check_id
 
 IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR)
 CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"
+# @runtime: agnsup's own commands only, never its interpreter (a `python` or `pip` from
+# agnsup's venv would shadow the user's). The broker links them into the cell's /tmp.
+RUNTIME_BIN = "/tmp/.agnsup/bin"
+RUNTIME_COMMANDS = ("agnsup",)
+# What makes a directory the root of a project: the worktree of a cell started anywhere
+# below it (docs/isolation.md "The worktree"). `.agnsup-worktree` marks one without a VCS.
+ROOT_MARKERS = (".git", ".hg", ".agnsup-worktree")
+# @venv: the project's own virtual environment, looked for in the worktree only.
+VENV_DIRS = (".venv", "venv")
+# A cell without network (deny, loopback): package managers give up at once instead of
+# retrying a resolution that cannot succeed (npm 70 s, pip 10-40 s); --env overrides them.
+OFFLINE_ENV = {"PIP_RETRIES": "0", "npm_config_fetch_retries": "0", "CARGO_NET_RETRY": "0"}
 
 
 class CellSpec(Record):
@@ -29,13 +41,17 @@ class CellSpec(Record):
     run_id: str
     agent_id: str
     cell_id: str
-    workdir: str
+    workdir: str                   # where the command starts (its cwd)
     timeout: float | None
     lock_timeout: float | None
     env: dict[str, str]
     env_sources: dict[str, str]    # key -> policy | agnsup | host | call
     token: str
     on_controller_death: str = "kill"   # kill | keep: the request's, else the role's
+    worktree: str = ""             # the writable, locked tree: workdir's enclosing project root
+    venv: str | None = None        # the worktree's venv (.venv or venv), if any: what @venv names
+    interpreter: list = Factory(list)  # what that venv's pyvenv.cfg names outside it (re-exposed read-only)
+    tool_env_dropped: list = Factory(list)  # toolconfig.ENV_KEYS left out for holding credentials
 
 
 def new_cell_id() -> str:
@@ -51,6 +67,8 @@ def build(call, policy) -> CellSpec:
     workdir = os.path.realpath(call.workdir or os.getcwd())
     if not os.path.isdir(workdir):
         raise UsageError(f"workdir {workdir} is not a directory")
+    worktree = project_root(workdir)
+    venv = find_venv(worktree)  # its interpreter is re-exposed even when the role's PATH leaves it out
     token = os.urandom(16).hex()
 
     env: dict[str, str] = {}
@@ -59,8 +77,9 @@ def build(call, policy) -> CellSpec:
     def put(k, v, s):
         env[k], src[k] = v, s
 
-    runtime = os.path.dirname(sys.executable)
-    put("PATH", ":".join(runtime if d == "@runtime" else d for d in policy.env.path), "policy")
+    put("PATH", ":".join(expand_path(policy.env.path, venv)), "policy")
+    if venv is not None and "@venv" in policy.env.path:
+        put("VIRTUAL_ENV", venv, "agnsup")
     put("HOME", CELL_HOME, "agnsup")
     put("TMPDIR", CELL_TMP, "agnsup")
     put("LANG", policy.env.lang, "policy")
@@ -68,9 +87,16 @@ def build(call, policy) -> CellSpec:
     put("AGNSUP_AGENT_ID", agent_id, "agnsup")
     put("AGNSUP_CELL_ID", cell_id, "agnsup")
     put(TOKEN_VAR, token, "agnsup")
+    if policy.network.mode in ("deny", "loopback"):
+        for k, v in OFFLINE_ENV.items():
+            put(k, v, "agnsup")
     for k in policy.env.passthrough:
         if k in host_env:
             put(k, host_env[k], "host")
+    from .toolconfig import host_env as tool_env
+    tool_vars, tool_dropped = tool_env(policy.filesystem.home_config, host_env)
+    for k, v in tool_vars.items():
+        put(k, v, "host")
     if policy.network.mode in ("allowlist", "internal"):  # the only way out: the controller's proxy (egress/)
         from .egress import proxy_env
         for k, v in proxy_env(policy.network.proxy_port).items():
@@ -91,7 +117,84 @@ def build(call, policy) -> CellSpec:
     return CellSpec(argv=list(call.argv), exe=exe, role=call.role, run_id=run_id, agent_id=agent_id,
                     cell_id=cell_id, workdir=workdir, timeout=call.timeout, lock_timeout=call.lock_timeout,
                     env=env, env_sources=src, token=token,
-                    on_controller_death=call.on_controller_death or policy.process.on_controller_death)
+                    on_controller_death=call.on_controller_death or policy.process.on_controller_death,
+                    worktree=worktree, venv=venv, interpreter=venv_interpreter(venv) if venv else [],
+                    tool_env_dropped=tool_dropped)
+
+
+def expand_path(entries, venv: str | None) -> list[str]:
+    """env.path with its placeholders: @venv is the worktree venv's bin (dropped when
+    there is none), @runtime the directory of agnsup's own commands."""
+    out = []
+    for d in entries:
+        if d == "@venv":
+            if venv is not None:
+                out.append(os.path.join(venv, "bin"))
+        elif d == "@runtime":
+            out.append(RUNTIME_BIN)
+        else:
+            out.append(d)
+    return out
+
+
+def runtime_host_dir() -> str:
+    """Where agnsup's own commands live on the host (the @runtime links point there)."""
+    return os.path.dirname(sys.executable)
+
+
+def project_root(workdir: str) -> str:
+    """The worktree of a cell started in `workdir`: the nearest enclosing directory
+    holding a ROOT_MARKERS entry, else workdir itself. Never climbs to "/" or to a
+    directory that is or holds an invoking user's home (a dotfiles repository in the
+    home must not make the whole home the writable worktree)."""
+    try:
+        from .compiler import invoking_homes
+        homes = invoking_homes()
+    except Exception:  # noqa: BLE001 - compile_plan reports a bad home; here it only stops the climb
+        homes = []
+    d = workdir
+    while True:
+        if any(os.path.lexists(os.path.join(d, m)) for m in ROOT_MARKERS):
+            if d == workdir:
+                return d
+            if d == "/" or any(h == d or h.startswith(d.rstrip("/") + "/") for h in homes):
+                return workdir
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return workdir
+        d = parent
+
+
+def find_venv(worktree: str) -> str | None:
+    for name in VENV_DIRS:
+        d = os.path.join(worktree, name)
+        if os.path.isfile(os.path.join(d, "pyvenv.cfg")) and os.path.isdir(os.path.join(d, "bin")):
+            return d
+    return None
+
+
+def venv_interpreter(venv: str) -> list[str]:
+    """The interpreter prefixes a venv's pyvenv.cfg names (home, executable,
+    base-executable): the venv's python is a symlink into one of them, often inside
+    the hidden home (pyenv, uv, conda), so the compiler re-exposes them read-only."""
+    found = []
+    try:
+        with open(os.path.join(venv, "pyvenv.cfg"), errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        key, eq, value = line.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not eq or not value.startswith("/") or key not in ("home", "executable", "base-executable"):
+            continue
+        d = value if key == "home" else os.path.dirname(value)
+        prefix = os.path.dirname(d) if os.path.basename(d) == "bin" else d
+        for p in (prefix, os.path.realpath(prefix)):
+            if p not in found and p != "/":
+                found.append(p)
+    return found
 
 
 def resolve(cmd: str, path: str, cwd: str) -> str:
@@ -106,6 +209,10 @@ def resolve(cmd: str, path: str, cwd: str) -> str:
     found_noexec = None
     for d in path.split(":"):
         if not d:
+            continue
+        if d == RUNTIME_BIN:  # linked into the cell's /tmp by the broker
+            if cmd in RUNTIME_COMMANDS and os.access(os.path.join(runtime_host_dir(), cmd), os.X_OK):
+                return os.path.join(d, cmd)
             continue
         full = os.path.join(d, cmd)
         if os.path.isfile(full):

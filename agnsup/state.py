@@ -4,6 +4,7 @@
     <state>/controllers/<id>.lock       flock held by a live controller instance
     <state>/cells/<run>/<cell>/         temp dir (tmp/), receipt.json
     <state>/locks/<digest>.lock         worktree isolation locks
+    <state>/caches/<scope>/             persistent package caches (filesystem.cache)
     <state>/cache/                      validated policies
     <state>/agnsup.sock                 the serve controller's socket
 """

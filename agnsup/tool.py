@@ -79,7 +79,7 @@ def prepare(state, journal, request: CellRequest):
         raise
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
-                                        spec.workdir, state.path)
+                                        spec.worktree, state.path)
     trace.append(broker.stage("governance", allowed=decision.allowed, rule=decision.rule))
     if not decision.allowed:
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
@@ -178,6 +178,9 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     result = {"run_id": receipt["run_id"], "agent_id": receipt["agent_id"], "cell_id": receipt["cell_id"],
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
+    hint = network_hint(receipt)
+    if hint:
+        result["network_hint"] = hint
     if capture:
         # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
         from .redact import for_receipt
@@ -191,6 +194,18 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
             result[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace"))
             result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
     return result
+
+
+def network_hint(receipt: dict) -> str:
+    """One line for a cell that failed without network: which role or key would give it one.
+    (A failure need not be the network's: the line says what was missing, not that it mattered.)"""
+    mode = (receipt.get("isolation") or {}).get("network")
+    if receipt.get("state") != "exited" or not receipt.get("exit_code") or mode not in ("deny", "loopback"):
+        return ""
+    # the packaged roles that reach out: networked (the host's network), proxied (through the proxy)
+    return (f"agnsup: the cell ran without network: role {receipt.get('role')} has network.mode = \"{mode}\"; "
+            "--role networked (the host's network) or --role proxied (public destinations through a proxy) "
+            "allows it, or network.mode in the role")
 
 
 def handle_tool_call(name: str, arguments, **context) -> dict:

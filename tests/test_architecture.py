@@ -21,7 +21,7 @@ LAYERS = [  # top to bottom
     ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.doctor", "agnsup.selftest"]),
     ("tool and service", ["agnsup.service", "agnsup.tool"]),
     ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
-                "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor",
+                "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",
                 "agnsup.netpolicy", "agnsup.repair"]),
     ("broker", ["agnsup.broker"]),
     ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.output",

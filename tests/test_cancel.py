@@ -218,13 +218,19 @@ def test_through_serve_and_the_api_a_held_worktree_makes_a_cell_wait_or_time_out
         info = starter.start("R", "A", "L1", worktree, stubborn_argv(worktree, "L1"), role="executor")
         wait_beats(info["heartbeats"][:1])
         t0 = time.monotonic()
+        # spawn returns at once with the cell queued; its lock timeout runs out in the background
         if how == "serve":
-            cp = agnsup("spawn", "--cell", "L2", "--lock-timeout", "1", "--workdir", worktree, "--", "true", check=75)
+            cp = agnsup("spawn", "--cell", "L2", "--lock-timeout", "1", "--workdir", worktree, "--", "true", check=0)
+            assert json.loads(cp.out)["state"] == "waiting"
             assert "waiting for the worktree" in cp.err and "L1" in cp.err.splitlines()[-1]
+            w = agnsup("wait", "L2", "--json", check=75)
+            assert json.loads(w.out)["reason"] == "LockTimeout"
         else:
             from agnsup.errors import LockTimeout
+            h = starter.sup.spawn(["true"], cell_id="L2", lock_timeout=1, workdir=worktree, notify=lambda _: None)
+            assert h["state"] == "waiting"
             with pytest.raises(LockTimeout, match="L1"):
-                starter.sup.spawn(["true"], cell_id="L2", lock_timeout=1, workdir=worktree, notify=lambda _: None)
+                starter.sup.wait(h["run_id"], "L2")
         assert time.monotonic() - t0 >= 0.9
         # cancel through the same front door, then the worktree is free again
         if how == "serve":

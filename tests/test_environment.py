@@ -43,8 +43,14 @@ def test_the_cells_environ_is_exactly_the_declared_set(agnsup, worktree, tmp_pat
     receipt = json.loads(agnsup("receipts", "--cell", "envcheck", "--json", check=0).out)[0]
     # /proc/self/environ is what sh was given, exactly the receipt's declared keys
     assert sorted(env) == receipt["env_keys"]
+    # plus the pip/npm index settings of the host's environment (toolconfig.ENV_KEYS, without credentials)
+    from agnsup import toolconfig
+    # and, without network, the package managers' no-retry settings (spec.OFFLINE_ENV)
+    from agnsup.spec import OFFLINE_ENV
+    tool_keys = toolconfig.host_env(toolconfig.TOOLS, os.environ)[0]
     assert set(env) == {"PATH", "HOME", "TMPDIR", "LANG", "TERM", "AGNSUP_RUN_ID", "AGNSUP_AGENT_ID",
-                        "AGNSUP_CELL_ID", "AGNSUP_CELL_TOKEN", "EXTRA"}
+                        "AGNSUP_CELL_ID", "AGNSUP_CELL_TOKEN", "EXTRA", *tool_keys, *OFFLINE_ENV}
+    assert all(env[k] == v for k, v in tool_keys.items())
     for value in host.values():
         if value not in ("C.UTF-8", "xterm"):
             assert value not in raw.decode()

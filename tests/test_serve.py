@@ -96,3 +96,61 @@ def test_sigterm_to_serve_cancels_its_running_cells_and_removes_the_socket(agnsu
         assert "shutting down" in agnsup.json("receipts", "--cell", "long", "--json")[0]["cancel_reason"]
     finally:
         s.close()
+
+
+def _holder(agnsup, worktree, cell):
+    """Spawn a cell that holds the worktree lock until the test writes a line into its FIFO."""
+    gate = os.path.join(worktree, f"gate-{cell}")
+    os.mkfifo(gate)
+    out = agnsup.json("spawn", "--cell", cell, "--workdir", worktree, "--", "sh", "-c", f"read x < {gate}")
+    assert out["state"] == "running" and out["pid"]
+    return gate
+
+
+def _release(gate):
+    try:  # non-blocking: a holder that already died (with its controller) reads nothing
+        fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    os.write(fd, b"go\n")
+    os.close(fd)
+
+
+def test_spawn_queues_behind_a_held_worktree_lock_and_wait_gives_its_exit_status(agnsup, tmp_path, worktree):
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        gate = _holder(agnsup, worktree, "h1")
+        cp = agnsup("spawn", "--cell", "q1", "--workdir", worktree, "--", "sh", "-c", "exit 7", check=0)
+        out = json.loads(cp.out)
+        assert (out["state"], out["pid"]) == ("waiting", None)
+        assert "waiting for the worktree" in cp.err and "held by cell h1" in cp.err
+        states = {r["cell_id"]: r["state"] for r in agnsup.json("ps", "--json")}
+        assert states == {"h1": "running", "q1": "waiting"}
+        pending = agnsup("wait", "q1", "--timeout", "0.2")
+        assert pending.returncode == 75 and "still waiting" in pending.err
+        _release(gate)
+        done = agnsup("wait", "q1", "--json")
+        assert done.returncode == 7 and json.loads(done.out)["state"] == "exited"
+        agnsup("wait", "h1", check=0)
+        assert agnsup("wait", "nope").returncode == 1
+    finally:
+        s.close()
+
+
+def test_a_waiting_cell_can_be_cancelled_and_the_janitor_knows_it(agnsup, tmp_path, worktree):
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        gate = _holder(agnsup, worktree, "h2")
+        assert agnsup.json("spawn", "--cell", "q2", "--workdir", worktree, "--", "true")["state"] == "waiting"
+        res = agnsup.json("cancel", "--cell", "q2", "--json")
+        assert res["cells"][0]["state"] == "cancelled"
+        assert agnsup("wait", "q2").returncode != 0
+        assert agnsup.json("spawn", "--cell", "q3", "--workdir", worktree, "--", "true")["state"] == "waiting"
+    finally:
+        s.server.send_signal(signal.SIGKILL)  # q3 is still queued: its controller dies with it
+        s.server.wait()
+        _release(gate)
+    report = agnsup.json("janitor", "--json")
+    assert "q3" in report["recovered"]
+    assert agnsup.json("ps", "--all", "--json")[-1]["state"] != "waiting"
+    s.close()

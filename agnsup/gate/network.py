@@ -295,7 +295,43 @@ def network_kind(ex: Exec) -> str:
         return "tls"
     if p in ("aws", "gsutil", "gcloud", "az", "azcopy", "rclone") and _upload(ex):
         return "upload"
+    if _fetches(ex):
+        return "fetch"
     return ""
+
+
+_PKG_FETCH = {"npm": ("install", "i", "ci", "add", "update", "up", "upgrade"), "pnpm": ("install", "i", "add",
+              "update", "up"), "yarn": ("", "install", "add", "upgrade"),
+              "cargo": ("fetch", "install", "update", "search", "publish"), "go": ("get", "mod", "install")}
+_GIT_REMOTE = LazyRe(r"^(?:https?|ssh|git|ftps?)://|^[^/\s@]+@[^/\s:]+:")
+
+
+def _fetches(ex: Exec) -> bool:
+    """A package manager or git about to download (pip install, npm install, git clone
+    https://..., cargo fetch): network use the tool's name alone does not show."""
+    p, args = ex.prog, list(ex.args)
+    if p.startswith("python") and args[:2] == ["-m", "pip"]:
+        p, args = "pip", args[2:]
+    elif p == "uv" and args[:1] == ["pip"]:
+        p, args = "pip", args[1:]
+    words = [a for a in args if not a.startswith("-")]
+    sub = words[0] if words else ""
+    if p == "pip" or (p.startswith("pip3") and p[4:].replace(".", "").isdigit()):
+        if sub not in ("install", "download", "wheel") or "--no-index" in args:
+            return False
+        if any(a in ("-r", "--requirement", "-c", "--constraint") or a.startswith(("--requirement=", "-r"))
+               for a in args):
+            return True
+        operands = words[1:]
+        return not operands or not all(o.startswith((".", "/", "~")) or o.endswith((".whl", ".tar.gz", ".zip"))
+                                       for o in operands)
+    if p in _PKG_FETCH:
+        if "--offline" in args or "--path" in args or (p == "go" and sub == "mod" and words[1:2] != ["download"]):
+            return False
+        return sub in _PKG_FETCH[p]
+    if p == "git" and sub in ("clone", "fetch", "pull", "push", "ls-remote"):
+        return any(_GIT_REMOTE.match(w) for w in words[1:])
+    return False
 
 
 def _positionals(args: list[str], with_value: frozenset[str], dests: frozenset[str]) -> tuple[list[str], list[str]]:
@@ -410,7 +446,8 @@ def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
 
 
 _WHAT = {"client": "reaches the network", "dns": "looks names up over the network (DNS)",
-         "tls": "opens a TLS connection", "tunnel": "opens a tunnel", "upload": "uploads to cloud storage"}
+         "tls": "opens a TLS connection", "tunnel": "opens a tunnel", "upload": "uploads to cloud storage",
+         "fetch": "downloads packages or repositories over the network"}
 
 
 def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding | None, list[dict], tuple[str, ...]]:

@@ -45,6 +45,14 @@ DEMOTED = [
     ("an ssh behind sudo under network deny", "sudo ssh build-host uptime", "network.command"),
     ("an rsync to a remote host under network deny", "rsync -a ./dist/ user@host:/srv/", "network.command"),
     ("a /dev/tcp redirection under network deny", "echo hi > /dev/tcp/10.0.0.1/80", "network.dev_tcp"),
+    ("a pip install under network deny", "pip install requests", "network.command"),
+    ("a python -m pip install -r under network deny", "python3 -m pip install -r requirements.txt",
+     "network.command"),
+    ("an npm install under network deny", "npm install is-odd", "network.command"),
+    ("a git clone of an https URL under network deny", "git clone https://github.com/org/repo", "network.command"),
+    ("a git fetch from an scp-style remote under network deny", "git fetch git@github.com:org/repo.git",
+     "network.command"),
+    ("a cargo fetch under network deny", "cargo fetch", "network.command"),
     ("a write under /usr with a read-only root", "echo x > /usr/local/share/x.txt", "sandbox.path_escape"),
     ("an rsync into /dest with a read-only root", "rsync -a /src/ /dest/", "sandbox.path_escape"),
     ("a removal in the host's /var/tmp with a read-only root", "rm -rf /var/tmp/build", "sandbox.path_escape"),
@@ -66,6 +74,15 @@ def test_a_kernel_backed_refusal_is_a_flag_under_open_with_its_rule_and_reason(w
     entry = next(t for t in trail if t["rule"] == flag)
     assert entry["allowed"] and entry["flagged"][0]["rule"] == flag
     assert d.to_dict()["flagged"][0]["rule"] == flag
+
+
+@pytest.mark.parametrize("command", ["pip install -e .", "pip install ./dist/x-1.0-py3-none-any.whl",
+                                     "pip download --no-index -d wheels x", "npm ci --offline", "git clone ../other",
+                                     "git commit -m x", "git fetch origin", "cargo build --offline",
+                                     "cargo install --path ."])
+def test_local_package_and_git_jobs_are_no_network_use(command):
+    d = judge_shell(command, ctx_of("executor", kernel_enforced="deny"))
+    assert d.allowed and "network.kernel_enforced" not in d.flags, d
 
 
 @pytest.mark.parametrize("what,command,rule", DEMOTED, ids=[d[0] for d in DEMOTED])
@@ -207,7 +224,8 @@ def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     state = str(tmp_path / "state")
     os.makedirs(state)
     spec = types.SimpleNamespace(workdir=str(tmp_path), run_id="r", cell_id="c", timeout=None, role=role,
-                                 on_controller_death="kill")
+                                 on_controller_death="kill", worktree=str(tmp_path), interpreter=[],
+                                 tool_env_dropped=[], env={})
     from agnsup.linux.host import protections
     plan = compiler.compile_plan(spec, pol, state, protections())
     k = governance.kernel_of(pol, state)

@@ -150,6 +150,14 @@ class Supervisor:
                     "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
         return ended(recs[-1], self.state.cell_dir(run_id, cell_id), capture=False)
 
+    def receipt(self, run_id: str, cell_id: str) -> dict | None:
+        """The cell's receipt from the journal (the last one: a recovered cell has the
+        janitor's), or None while it runs. UnknownId for a cell the journal never saw."""
+        if self.ctl.journal.cell(run_id, cell_id) is None:
+            raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+        recs = self.ctl.journal.receipts("cell", run_id, cell_id)
+        return recs[-1] if recs else None
+
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
         from . import cancel as cancelmod

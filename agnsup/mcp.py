@@ -1,0 +1,355 @@
+"""`agnsup mcp`: a Model Context Protocol server, one more front door over service.Supervisor.
+
+A coding agent (Claude Code, Codex, Cursor, Gemini CLI, ...) starts `agnsup mcp`
+as an MCP server (stdio) and calls its tools. Every tool that runs something
+asks the one Supervisor for a cell, so the command gets what `agnsup run` gives
+it (policy, cgroup, namespaces, an environment from nothing, journal, receipt)
+and this module starts no process of its own. Built on the official `mcp` SDK's
+low-level Server (an optional extra, `agnsup[mcp]`; imported only by this
+command), so the tools' JSON schemas are ours, generated from request.py.
+
+Who decides what:
+
+    run id    one per MCP session: --run-id, else mcp-XXXXXXXX (a new one each start)
+    agent id  the MCP client's name (its initialize request), or --agent; a call may
+              name its own (sub-agents sharing one connection)
+    role      --role, fixed for the whole session: no tool takes one
+    workdir   --workdir (default: the current directory); a call's workdir must lie
+              inside it (a relative one is taken from it)
+
+A refusal (governance denied, not found, a bad argument, an unknown id) is a
+tool result with isError set and the error as errors.as_value gives it, a
+denial's rule, reason and hint at the top; the protocol itself never fails for
+it. The end of the session (stdin closed, the client gone, SIGTERM/SIGINT/SIGHUP)
+cancels every cell the session started and waits for their receipts; a
+cancelled tools/call request cancels the cell it waits for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+
+from .errors import AgnsupError, UsageError, as_value
+from .request import tool_schema
+
+# Seconds between the progress notifications of a call that waits for a cell
+# (run_process, run_shell, wait); the first one comes as soon as the cell runs.
+PROGRESS_INTERVAL = 1.0
+# Options of a cell request the front door sets itself (role: the server's command
+# line) or that make no sense for a call that waits for the end (stdin, pty, stream).
+_SERVER_OWNED = ("role",)
+_SPAWN_ONLY = ("stdin", "pty", "stream")
+
+_AGENT = {"type": "string", "description": "Agent id of this call's cell within the session (default: the MCP "
+                                           "client's name); cancel can stop one agent's cells."}
+_CELL = {"type": "string", "description": "A cell id of this session (from spawn, ps or a result)."}
+
+
+def _cell_tool(name: str, description: str, exclude: tuple[str, ...] = ()) -> dict:
+    """A tool taking a cell request: the schema of request.tool_schema, less what the server owns."""
+    s = tool_schema(name, description, exclude=_SERVER_OWNED + exclude)
+    s["parameters"]["properties"]["agent_id"] = _AGENT
+    return s
+
+
+def _shell_tool(name: str, description: str) -> dict:
+    s = _cell_tool(name, description, _SPAWN_ONLY)
+    props = s["parameters"]["properties"]
+    del props["argv"]
+    s["parameters"]["properties"] = {"command": {"type": "string", "minLength": 1, "description":
+                                                 "One shell command line, run by sh -c and judged as shell text."},
+                                     **props}
+    s["parameters"]["required"] = ["command"]
+    return s
+
+
+def _plain_tool(name: str, description: str, props: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": props, "required": list(required),
+                           "additionalProperties": False}}
+
+
+_RAN = ("Returns exit_code, state (exited, failed, timeout, cancelled, killed), reason, stdout, stderr "
+        "(the first 64 KiB each; *_truncated says when there was more), cell_id and the receipt's path. A "
+        "command's own non-zero exit is a result, not an error; a refusal (denied: rule, reason, hint) is a "
+        "tool error. Long calls send progress notifications.")
+SCHEMAS = {s["name"]: s for s in (
+    _cell_tool("run_process", "Run one command (an argv list, no shell) as a supervised, isolated cell of this "
+               "session and wait for it. The command gets an environment built from nothing, a private /tmp and "
+               "the server's role's filesystem, network and resource limits. " + _RAN, _SPAWN_ONLY),
+    _shell_tool("run_shell", "Run one shell command line (pipes, redirections, &&) with sh -c as a supervised, "
+                "isolated cell of this session and wait for it; the governance gate judges the whole line as "
+                "shell text. " + _RAN),
+    _cell_tool("spawn", "Start one command (an argv list) as a cell of this session and return at once with its "
+               "cell_id and pid; then use wait, ps, receipt or cancel with that cell_id."),
+    _plain_tool("wait", "Wait for a cell of this session to end and return its result (as run_process does); "
+                "with timeout, {pending: true} when it still runs then. Sends progress notifications.",
+                {"cell_id": _CELL, "timeout": {"type": "number", "minimum": 0, "description":
+                                               "Seconds to wait at most (default: until it ends)."}}, ("cell_id",)),
+    _plain_tool("cancel", "Stop cells of this session: one cell (cell_id), one agent's cells (agent_id), or every "
+                "live cell (run: true; the session then refuses new cells). SIGTERM, a grace period, then SIGKILL "
+                "of the whole tree, daemons included. Returns cancelled (a count) and the cells.",
+                {"cell_id": _CELL, "agent_id": _AGENT,
+                 "run": {"type": "boolean", "description": "Cancel the whole session's run."},
+                 "grace": {"type": "number", "minimum": 0,
+                           "description": "Seconds between SIGTERM and SIGKILL (default: the role's)."}}),
+    _plain_tool("ps", "The cells of this session: cell_id, agent_id, state, exit_code, argv, pid, ... (live ones; "
+                "all: true for ended ones too).",
+                {"all": {"type": "boolean", "description": "Include ended cells."}}),
+    _plain_tool("receipt", "The receipt of an ended cell of this session: what ran, under which policy and "
+                "isolation, how it ended, its resource usage and the decision that let it run.",
+                {"cell_id": _CELL}, ("cell_id",)),
+)}
+READ_ONLY = {"wait", "ps", "receipt"}
+
+
+# -- argument checks ------------------------------------------------------------
+_JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
+               "array": (list,), "object": (dict,)}
+
+
+def check_arguments(name: str, arguments) -> dict:
+    """The call's arguments against the tool's schema (keys and JSON types): a
+    UsageError naming the argument. Values' ranges are CellRequest.make's to check."""
+    schema = SCHEMAS.get(name)
+    if schema is None:
+        raise UsageError(f"unknown tool {name!r} (known: {', '.join(SCHEMAS)})")
+    args = {} if arguments is None else arguments
+    if not isinstance(args, dict):
+        raise UsageError(f"arguments must be an object, not {type(args).__name__}")
+    props = schema["parameters"]["properties"]
+    extra = sorted(set(args) - set(props))
+    if extra:
+        raise UsageError(f"{name}: unknown argument(s) {', '.join(extra)} (known: {', '.join(props)})")
+    for key in schema["parameters"]["required"]:
+        if key not in args:
+            raise UsageError(f"{name}: {key} is required ({props[key]['description']})")
+    for key, value in args.items():
+        want = props[key].get("type")
+        ok = value is None or want is None or (isinstance(value, _JSON_TYPES[want])
+                                               and not (isinstance(value, bool) and want in ("number", "integer")))
+        if not ok:
+            raise UsageError(f"{name}: {key} must be a{'n' if want[0] in 'aeio' else ''} {want}, not {value!r}")
+    return dict(args)
+
+
+def agent_name(client_name: str | None) -> str:
+    """An agent id (state.check_id's alphabet) from an MCP client's name: "Claude Code" -> claude-code."""
+    allowed = set("abcdefghijklmnopqrstuvwxyz0123456789._-")
+    name = "".join(c if c in allowed else "-" for c in (client_name or "").strip().lower())
+    name = name.lstrip("._-")[:64].rstrip("-")
+    return name or "mcp-client"
+
+
+# -- the session ----------------------------------------------------------------
+class Session:
+    """One MCP session: its run, role and workdir, over one Supervisor."""
+
+    def __init__(self, sup, run_id: str, role: str, workdir: str, agent_id: str | None = None):
+        self.sup, self.run_id, self.role, self.workdir, self.agent_id = sup, run_id, role, workdir, agent_id
+
+    def _workdir(self, given: str | None) -> str:
+        if given is None:
+            return self.workdir
+        path = os.path.realpath(os.path.join(self.workdir, given))
+        if path != self.workdir and not path.startswith(self.workdir.rstrip("/") + "/"):
+            raise UsageError(f"workdir: {given!r} is outside this server's workdir {self.workdir}")
+        return path
+
+    def spawn(self, argv, args: dict, client: str | None, shell: bool = False, notify=None) -> dict:
+        """A cell of this session (blocking: the caller runs it in a thread)."""
+        opts = dict(args)
+        opts["agent_id"] = opts.pop("agent_id", None) or self.agent_id or agent_name(client)
+        opts["workdir"] = self._workdir(opts.get("workdir"))
+        return self.sup.spawn(argv, run_id=self.run_id, role=self.role, entry="mcp", capture=True, shell=shell,
+                              notify=notify, **opts)
+
+    def cancel(self, cell_id=None, agent_id=None, run: bool = False, grace=None) -> dict:
+        if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
+            raise UsageError("cancel: give exactly one of cell_id, agent_id or run: true")
+        if grace is not None and (isinstance(grace, bool) or grace < 0):
+            raise UsageError(f"cancel: grace must be a number of seconds >= 0, not {grace!r}")
+        if run and not self.sup.list(self.run_id, include_ended=True):
+            return {"cancelled": 0, "cells": []}  # nothing ran yet: the run is not in the journal
+        return self.sup.cancel(cell_id=cell_id, run_id=self.run_id, agent_id=agent_id, grace=grace)
+
+    def cells(self, include_ended: bool) -> list[dict]:
+        return self.sup.list(self.run_id, include_ended)
+
+    def receipt(self, cell_id: str) -> dict:
+        rec = self.sup.receipt(self.run_id, cell_id)
+        return rec if rec is not None else {"cell_id": cell_id, "pending": True}
+
+
+# -- the MCP server ---------------------------------------------------------------
+def build_server(session: Session):
+    """The SDK's low-level Server with our tools (imports the `mcp` extra)."""
+    import anyio
+    import mcp_types as types
+    from mcp.server import Server
+    from anyio import to_thread
+
+    def result(value, error: bool = False):
+        return types.CallToolResult(content=[types.TextContent(text=json.dumps(value, default=str))],
+                                    structured_content=value if isinstance(value, dict) else {"items": value},
+                                    is_error=error)
+
+    def refusal(e: AgnsupError):
+        value = as_value(e)
+        d = value.get("decision")
+        if d:  # a denial: its rule, reason and hint where a model looks first
+            value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
+        return result(value, error=True)
+
+    def client_name(ctx) -> str | None:
+        params = ctx.session.client_params
+        info = getattr(params, "client_info", None)
+        return getattr(info, "name", None)
+
+    async def progress(ctx, done: float, message: str) -> None:
+        try:
+            await ctx.session.report_progress(done, None, message)
+        except Exception:  # noqa: BLE001 - progress is best effort; the result is what counts
+            pass
+
+    async def wait_for(ctx, cell_id: str, timeout: float | None, cancel_on_abort: bool):
+        """The cell's result, sending progress while it runs; {pending} after `timeout`.
+        If the request is cancelled (the client gave up, or went away) and this call
+        started the cell, the cell is cancelled too."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        try:
+            while True:
+                step = PROGRESS_INTERVAL if deadline is None else max(0.0, min(PROGRESS_INTERVAL,
+                                                                              deadline - time.monotonic()))
+                res = await to_thread.run_sync(session.sup.wait, session.run_id, cell_id, step,
+                                               abandon_on_cancel=True)
+                if res is not None:
+                    return res
+                elapsed = time.monotonic() - start
+                if deadline is not None and time.monotonic() >= deadline:
+                    return {"cell_id": cell_id, "run_id": session.run_id, "pending": True}
+                await progress(ctx, elapsed, f"cell {cell_id} running for {elapsed:.0f} s")
+        except anyio.get_cancelled_exc_class():
+            if cancel_on_abort:
+                with anyio.CancelScope(shield=True):
+                    await to_thread.run_sync(lambda: session.sup.cancel(cell_id=cell_id, run_id=session.run_id))
+            raise
+
+    async def start(ctx, argv, args, shell=False) -> dict:
+        name = client_name(ctx)
+
+        def notify(line: str) -> None:  # a worktree lock wait, from the spawning thread
+            anyio.from_thread.run(progress, ctx, 0, line)
+        h = await to_thread.run_sync(lambda: session.spawn(argv, args, name, shell=shell, notify=notify))
+        await progress(ctx, 0, f"cell {h['cell_id']} started (pid {h['pid']})")
+        return h
+
+    async def run_process(ctx, args):
+        h = await start(ctx, args.pop("argv"), args)
+        return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
+
+    async def run_shell(ctx, args):
+        h = await start(ctx, ["sh", "-c", args.pop("command")], args, shell=True)
+        return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
+
+    async def spawn(ctx, args):
+        return await start(ctx, args.pop("argv"), args)
+
+    async def wait(ctx, args):
+        timeout = args.get("timeout")
+        if timeout is not None and timeout < 0:
+            raise UsageError(f"wait: timeout must be >= 0, not {timeout!r}")
+        return await wait_for(ctx, args["cell_id"], timeout, cancel_on_abort=False)
+
+    async def cancel(ctx, args):
+        return await to_thread.run_sync(lambda: session.cancel(args.get("cell_id"), args.get("agent_id"),
+                                                               bool(args.get("run")), args.get("grace")))
+
+    async def ps(ctx, args):
+        return {"run_id": session.run_id,
+                "cells": await to_thread.run_sync(session.cells, bool(args.get("all")))}
+
+    async def receipt(ctx, args):
+        return await to_thread.run_sync(session.receipt, args["cell_id"])
+
+    handlers = {"run_process": run_process, "run_shell": run_shell, "spawn": spawn, "wait": wait,
+                "cancel": cancel, "ps": ps, "receipt": receipt}
+    assert set(handlers) == set(SCHEMAS)
+
+    async def on_list_tools(ctx, params):
+        return types.ListToolsResult(tools=[
+            types.Tool(name=n, description=s["description"], input_schema=s["parameters"],
+                       annotations=types.ToolAnnotations(read_only_hint=n in READ_ONLY,
+                                                         destructive_hint=n not in READ_ONLY))
+            for n, s in SCHEMAS.items()])
+
+    async def on_call_tool(ctx, params):
+        try:
+            args = check_arguments(params.name, params.arguments)
+            return result(await handlers[params.name](ctx, args))
+        except AgnsupError as e:
+            return refusal(e)
+
+    from . import __version__
+    return Server("agnsup", version=__version__,
+                  instructions=f"Every command runs as an isolated, supervised agnsup cell under role "
+                               f"{session.role!r} in {session.workdir} (run {session.run_id}).",
+                  on_list_tools=on_list_tools, on_call_tool=on_call_tool)
+
+
+async def _until_signalled(scope) -> None:
+    import anyio
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _serve_stdio(server) -> None:
+    import anyio
+    from mcp.server.stdio import stdio_server
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_until_signalled, tg.cancel_scope)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        tg.cancel_scope.cancel()  # the client closed the session
+
+
+def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | None,
+         agent_id: str | None) -> int:
+    """`agnsup mcp`: serve one MCP session on stdio until the client closes it."""
+    try:
+        import anyio
+        import mcp.server  # noqa: F401 - the extra is there
+    except ImportError as e:
+        raise UsageError(f"agnsup mcp needs the mcp extra: pip install 'agnsup[mcp]' ({e})") from None
+    from . import policy
+    from .service import Supervisor
+    from .state import StateRoot, check_id
+    run_id = check_id("run", run_id) if run_id else f"mcp-{secrets.token_hex(4)}"
+    if agent_id:
+        check_id("agent", agent_id)
+    workdir = os.path.realpath(workdir or os.getcwd())
+    if not os.path.isdir(workdir):
+        raise UsageError(f"--workdir {workdir}: not a directory")
+    policy.load(role, StateRoot(state_dir).path)  # an unknown role fails now, not at the first call
+    sup = Supervisor(state_dir, kind="mcp")
+    try:
+        session = Session(sup, run_id, role, workdir, agent_id)
+        print(json.dumps({"ready": True, "transport": "stdio", "run_id": run_id, "role": role,
+                          "workdir": workdir, "controller": sup.controller_id, "pid": os.getpid()}),
+              file=sys.stderr, flush=True)
+        anyio.run(_serve_stdio, build_server(session))
+    finally:
+        # The session is over: cancel its live cells and wait for their receipts. A
+        # client that closed stdin may send SIGTERM a moment later (the SDK's stdio
+        # client does after 2 s); that must not cut this short and orphan the cells.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        sup.close()
+    return 0

@@ -1,0 +1,155 @@
+"""`agnsup mcp` driven by the official MCP SDK's own client over stdio: the tools
+it lists, a command run, a denial, a timeout, a cancel from a second call, a
+client that goes away mid-call, and bad arguments."""
+import json
+import os
+import sys
+from contextlib import asynccontextmanager
+
+import pytest
+
+anyio = pytest.importorskip("anyio")
+mcp = pytest.importorskip("mcp")
+from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
+import mcp_types as types  # noqa: E402
+
+from scenario import alive, wait_for  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
+
+
+@asynccontextmanager
+async def session(state, worktree, *args, client="Test Client", errlog=None):
+    params = StdioServerParameters(command=BIN, args=["--state-dir", state, "mcp", "--workdir", worktree, *args],
+                                   env={"AGNSUP_STATE_DIR": state})
+    with open(errlog or os.devnull, "w") as err:
+        async with stdio_client(params, errlog=err) as (read, write):
+            async with ClientSession(read, write, client_info=types.Implementation(name=client, version="1")) as s:
+                await s.initialize()
+                yield s
+
+
+def value(res) -> dict:
+    """A tool result's JSON (the text content; structured content says the same)."""
+    v = json.loads(res.content[0].text)
+    assert res.structured_content == (v if isinstance(v, dict) else {"items": v})
+    return v
+
+
+async def cells(s, all_=False) -> list[dict]:
+    return value(await s.call_tool("ps", {"all": all_}))["cells"]
+
+
+def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, worktree):
+    async def main():
+        async with session(state, worktree, "--run-id", "r1") as s:
+            tools = {t.name: t for t in (await s.list_tools()).tools}
+            assert set(tools) == {"run_process", "run_shell", "spawn", "wait", "cancel", "ps", "receipt"}
+            props = tools["run_process"].input_schema["properties"]
+            assert "argv" in props and "timeout" in props and "role" not in props  # the role is the server's
+            assert tools["ps"].annotations.read_only_hint and not tools["run_shell"].annotations.read_only_hint
+
+            notes = []
+
+            async def on_progress(progress, total, message):
+                notes.append(message)
+            res = await s.call_tool("run_process", {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]},
+                                    progress_callback=on_progress)
+            v = value(res)
+            assert not res.is_error and v["exit_code"] == 3 and v["state"] == "exited"
+            assert (v["stdout"], v["stderr"]) == ("out\n", "err\n")
+            assert (v["run_id"], v["agent_id"]) == ("r1", "test-client")  # the session's run, the client's name
+            assert any(v["cell_id"] in n and "started" in n for n in notes), notes
+            assert value(await s.call_tool("receipt", {"cell_id": v["cell_id"]}))["exit_code"] == 3
+
+            v = value(await s.call_tool("run_shell", {"command": "echo a | tr a b > f && cat f"}))
+            assert v["stdout"] == "b\n"
+            chain = value(await s.call_tool("receipt", {"cell_id": v["cell_id"]}))["chain"]
+            assert (chain[0]["tool"], chain[0]["entry"]) == ("run_shell", "mcp")  # judged as the shell line 
+            with open(os.path.join(worktree, "f")) as f:
+                assert f.read() == "b\n"
+
+            res = await s.call_tool("run_shell", {"command": "rm -rf /"})
+            v = value(res)
+            assert res.is_error and v["error_type"] == "Denied" and v["exit_code"] == 126
+            assert v["rule"].startswith("hardline.") and v["reason"] and "hint" in v
+
+            v = value(await s.call_tool("run_process", {"argv": ["sleep", "30"], "timeout": 0.5}))
+            assert (v["state"], v["exit_code"]) == ("timeout", 124)
+
+            for name, args, says in (
+                    ("run_process", {"argv": "ls"}, "argv must be an array"),
+                    ("run_process", {}, "argv is required"),
+                    ("run_process", {"argv": ["ls"], "role": "networked"}, "unknown argument(s) role"),
+                    ("run_process", {"argv": ["ls"], "timeout": -1}, "timeout: must be a number of seconds > 0"),
+                    ("run_process", {"argv": ["ls"], "workdir": "/"}, "outside this server's workdir"),
+                    ("run_process", {"argv": ["no-such-command-x"]}, "not found"),
+                    ("wait", {"cell_id": "c-nothere"}, "no cell 'c-nothere'"),
+                    ("cancel", {}, "exactly one of"),
+                    ("teleport", {}, "unknown tool 'teleport'")):
+                res = await s.call_tool(name, args)
+                v = value(res)
+                assert res.is_error and says in v["error"] and "Traceback" not in v["error"], (name, args, v)
+                assert "\n" not in v["error"]
+            assert await cells(s) == []
+    anyio.run(main)
+
+
+def test_a_second_call_cancels_a_running_cell_and_spawn_wait_ps_agree(state, worktree):
+    async def main():
+        async with session(state, worktree, "--run-id", "r2") as s:
+            results = []
+
+            async def long_call():
+                results.append(value(await s.call_tool("run_process", {"argv": ["sleep", "300"]})))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(long_call)
+                with anyio.fail_after(60):
+                    while not (running := [c for c in await cells(s) if c["state"] == "running"]):
+                        await anyio.sleep(0.05)
+                v = value(await s.call_tool("cancel", {"cell_id": running[0]["cell_id"]}))
+                assert v["cancelled"] == 1
+            assert results[0]["state"] == "cancelled" and results[0]["cell_id"] == running[0]["cell_id"]
+
+            h = value(await s.call_tool("spawn", {"argv": ["sh", "-c", "sleep 0.2; echo done"],
+                                                  "agent_id": "helper"}))
+            assert h["agent_id"] == "helper" and h["pid"] > 0
+            v = value(await s.call_tool("wait", {"cell_id": h["cell_id"]}))
+            assert v["exit_code"] == 0 and v["stdout"] == "done\n"
+            assert {c["cell_id"] for c in await cells(s, all_=True)} == {running[0]["cell_id"], h["cell_id"]}
+
+            h = value(await s.call_tool("spawn", {"argv": ["sleep", "300"]}))
+            assert value(await s.call_tool("wait", {"cell_id": h["cell_id"], "timeout": 0.1}))["pending"] is True
+            assert value(await s.call_tool("cancel", {"run": True}))["cancelled"] == 1
+            res = await s.call_tool("run_process", {"argv": ["true"]})
+            assert res.is_error and value(res)["error_type"] == "RunNotActive"
+    anyio.run(main)
+
+
+def test_a_client_that_goes_away_mid_call_leaves_nothing_running(agnsup, state, worktree, tmp_path):
+    errlog = str(tmp_path / "mcp.err")
+    seen = {}
+
+    async def main():
+        async with session(state, worktree, "--run-id", "r3", errlog=errlog) as s:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.call_tool, "run_shell", {"command": "sleep 300 & sleep 300; wait"})
+                with anyio.fail_after(60):
+                    while not (running := [c for c in await cells(s) if c["state"] == "running"]):
+                        await anyio.sleep(0.05)
+                seen.update(running[0])
+                tg.cancel_scope.cancel()  # leave the call pending, then the session: stdin closes
+    anyio.run(main)
+    with open(errlog) as f:
+        ready = json.loads(f.readline())
+    wait_for(lambda: not os.path.exists(f"/proc/{ready['pid']}"), what="the mcp server to exit")
+    assert not alive(seen["pid"], seen["starttime"])
+    [receipt] = agnsup.json("receipts", "--run", "r3", "--json")  # written by the server itself
+    assert receipt["state"] == "cancelled" and receipt["cell_id"] == seen["cell_id"]
+    assert agnsup.json("ps", "--json") == []  # and the state fixture checks no cgroup or process is left
+
+
+def test_an_unknown_role_or_a_missing_workdir_fails_before_serving(agnsup, worktree):
+    assert "unknown role 'nope'" in agnsup("mcp", "--role", "nope", "--workdir", worktree, check=125).err
+    assert "not a directory" in agnsup("mcp", "--workdir", os.path.join(worktree, "nope"), check=125).err
+    assert "invalid run id" in agnsup("mcp", "--run-id", "../x", "--workdir", worktree, check=125).err

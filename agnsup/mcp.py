@@ -39,6 +39,8 @@ from .request import tool_schema
 # Seconds between the progress notifications of a call that waits for a cell
 # (run_process, run_shell, wait); the first one comes as soon as the cell runs.
 PROGRESS_INTERVAL = 1.0
+READ_TIMEOUT = 5.0  # read_output's default wait: long enough for a slow line, short enough to poll
+ENDED_WAIT = 2.0  # how long read_output waits, once the output ended, for the cell's result
 # Options of a cell request the front door sets itself (role: the server's command
 # line) or that make no sense for a call that waits for the end (stdin, pty, stream).
 _SERVER_OWNED = ("role",)
@@ -53,6 +55,21 @@ def _cell_tool(name: str, description: str, exclude: tuple[str, ...] = ()) -> di
     """A tool taking a cell request: the schema of request.tool_schema, less what the server owns."""
     s = tool_schema(name, description, exclude=_SERVER_OWNED + exclude)
     s["parameters"]["properties"]["agent_id"] = _AGENT
+    return s
+
+
+def _spawn_tool(name: str, description: str) -> dict:
+    """spawn: a cell request with live I/O. Every spawned cell streams (read_output works on
+    each); stdin and pty are the model's to ask for, described by request.py's help."""
+    from .request import CellRequest
+    s = _cell_tool(name, description, _SPAWN_ONLY)
+    opts = CellRequest.options()
+    s["parameters"]["properties"].update(
+        stdin={"type": "boolean", "description": opts["stdin"].help + " Default false."},
+        pty={"type": "object", "description": opts["pty"].help,
+             "properties": {"cols": {"type": "integer", "minimum": 1, "maximum": 65535},
+                            "rows": {"type": "integer", "minimum": 1, "maximum": 65535}},
+             "required": ["cols", "rows"], "additionalProperties": False})
     return s
 
 
@@ -84,8 +101,29 @@ SCHEMAS = {s["name"]: s for s in (
     _shell_tool("run_shell", "Run one shell command line (pipes, redirections, &&) with sh -c as a supervised, "
                 "isolated cell of this session and wait for it; the governance gate judges the whole line as "
                 "shell text. " + _RAN),
-    _cell_tool("spawn", "Start one command (an argv list) as a cell of this session and return at once with its "
-               "cell_id and pid; then use wait, ps, receipt or cancel with that cell_id."),
+    _spawn_tool("spawn", "Start one command (an argv list) as a cell of this session and return at once with "
+                "its cell_id and pid; then read_output, write_stdin (with stdin: true), signal, wait, receipt or "
+                "cancel with that cell_id. For servers, watchers, interactive programs and long builds."),
+    _plain_tool("read_output", "Read a spawned cell's output incrementally: the chunks from seq `since` on, in "
+                "order, as text (stream stdout, stderr, or tty for a pty cell); call again with since = next. "
+                "Waits up to timeout seconds for output; ended: true once all output was read and the cell's "
+                "streams closed (then exit_code and state say how it ended).",
+                {"cell_id": _CELL,
+                 "since": {"type": "integer", "minimum": 0, "description": "First chunk to return (default 0)."},
+                 "timeout": {"type": "number", "minimum": 0, "description":
+                             f"Seconds to wait for a chunk (default {READ_TIMEOUT:g}; 0: do not wait)."},
+                 "max_bytes": {"type": "integer", "minimum": 1, "description":
+                               "Return at most this many bytes (but always one chunk, up to 64 KiB)."}},
+                ("cell_id",)),
+    _plain_tool("write_stdin", "Write text to the stdin of a cell spawned with stdin: true (waits while it does "
+                "not read); eof: true closes it afterwards (on a pty: ^D).",
+                {"cell_id": _CELL, "text": {"type": "string", "description": "What to write (UTF-8)."},
+                 "eof": {"type": "boolean", "description": "Close stdin after writing (default false)."}},
+                ("cell_id",)),
+    _plain_tool("signal", "Send a spawned cell INT or TERM (to its process group, like ^C in a terminal) or KILL "
+                "(the whole tree, daemons included; the cell ends killed).",
+                {"cell_id": _CELL, "sig": {"type": "string", "enum": ["INT", "TERM", "KILL"]}},
+                ("cell_id", "sig")),
     _plain_tool("wait", "Wait for a cell of this session to end and return its result (as run_process does); "
                 "with timeout, {pending: true} when it still runs then. Sends progress notifications.",
                 {"cell_id": _CELL, "timeout": {"type": "number", "minimum": 0, "description":
@@ -104,7 +142,7 @@ SCHEMAS = {s["name"]: s for s in (
                 "isolation, how it ended, its resource usage and the decision that let it run.",
                 {"cell_id": _CELL}, ("cell_id",)),
 )}
-READ_ONLY = {"wait", "ps", "receipt"}
+READ_ONLY = {"wait", "ps", "receipt", "read_output"}
 
 
 # -- argument checks ------------------------------------------------------------
@@ -258,7 +296,35 @@ def build_server(session: Session):
         return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
 
     async def spawn(ctx, args):
-        return await start(ctx, args.pop("argv"), args)
+        return await start(ctx, args.pop("argv"), {**args, "stream": True})
+
+    async def read_output(ctx, args):
+        cell_id = args["cell_id"]
+        timeout = args.get("timeout", READ_TIMEOUT)
+
+        def read():
+            out = session.sup.read_output(session.run_id, cell_id, args.get("since", 0), timeout,
+                                          args.get("max_bytes"))
+            redact = session.sup.redactor(session.run_id, cell_id)
+            # A chunk can end inside a UTF-8 sequence: those bytes come back as U+FFFD.
+            out["chunks"] = [{"seq": c["seq"], "stream": c["stream"],
+                              "text": redact(c["data"].decode(errors="replace"))} for c in out["chunks"]]
+            if out["ended"]:  # the receipt follows the streams' end closely (unless the cell closed them early)
+                res = session.sup.wait(session.run_id, cell_id, ENDED_WAIT)
+                if res is not None:
+                    out.update(exit_code=res["exit_code"], state=res["state"])
+            return out
+        return await to_thread.run_sync(read, abandon_on_cancel=True)
+
+    async def write_stdin(ctx, args):
+        data = args.get("text", "").encode()
+        await to_thread.run_sync(lambda: session.sup.write_stdin(session.run_id, args["cell_id"], data,
+                                                                 bool(args.get("eof"))), abandon_on_cancel=True)
+        return {"cell_id": args["cell_id"], "written": len(data), "eof": bool(args.get("eof"))}
+
+    async def signal_(ctx, args):
+        await to_thread.run_sync(session.sup.signal, session.run_id, args["cell_id"], args["sig"])
+        return {"cell_id": args["cell_id"], "sent": args["sig"]}
 
     async def wait(ctx, args):
         timeout = args.get("timeout")
@@ -278,6 +344,7 @@ def build_server(session: Session):
         return await to_thread.run_sync(session.receipt, args["cell_id"])
 
     handlers = {"run_process": run_process, "run_shell": run_shell, "spawn": spawn, "wait": wait,
+                "read_output": read_output, "write_stdin": write_stdin, "signal": signal_,
                 "cancel": cancel, "ps": ps, "receipt": receipt}
     assert set(handlers) == set(SCHEMAS)
 

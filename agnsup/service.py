@@ -178,6 +178,16 @@ class Supervisor:
         recs = self.ctl.journal.receipts("cell", run_id, cell_id)
         return recs[-1] if recs else None
 
+    def redactor(self, run_id: str, cell_id: str):
+        """text -> text: the role's output redaction (governance.redact) for live output
+        of a cell this supervisor started, as tool.ended applies it to returned output."""
+        from .redact import Redactor, host_secrets
+        r = self._running(run_id, cell_id)
+        cfg = r.cell.plan.redact
+        if not cfg:
+            return lambda text: text
+        return Redactor(cfg["rules"], cfg["patterns"], host_secrets(os.environ, r.cell.spec.env))
+
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
         from . import cancel as cancelmod

@@ -44,7 +44,8 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
     async def main():
         async with session(state, worktree, "--run-id", "r1") as s:
             tools = {t.name: t for t in (await s.list_tools()).tools}
-            assert set(tools) == {"run_process", "run_shell", "spawn", "wait", "cancel", "ps", "receipt"}
+            assert set(tools) == {"run_process", "run_shell", "spawn", "read_output", "write_stdin", "signal",
+                                  "wait", "cancel", "ps", "receipt"}
             props = tools["run_process"].input_schema["properties"]
             assert "argv" in props and "timeout" in props and "role" not in props  # the role is the server's
             assert tools["ps"].annotations.read_only_hint and not tools["run_shell"].annotations.read_only_hint
@@ -123,6 +124,48 @@ def test_a_second_call_cancels_a_running_cell_and_spawn_wait_ps_agree(state, wor
             assert value(await s.call_tool("cancel", {"run": True}))["cancelled"] == 1
             res = await s.call_tool("run_process", {"argv": ["true"]})
             assert res.is_error and value(res)["error_type"] == "RunNotActive"
+    anyio.run(main)
+
+
+async def read_all(s, cell_id) -> tuple[dict, list[dict]]:
+    """read_output until ended: (the last answer, every chunk in order)."""
+    chunks, since = [], 0
+    with anyio.fail_after(60):
+        while True:
+            v = value(await s.call_tool("read_output", {"cell_id": cell_id, "since": since}))
+            chunks += v["chunks"]
+            assert [c["seq"] for c in chunks] == list(range(len(chunks)))  # incremental, nothing twice
+            since = v["next"]
+            if v["ended"]:
+                return v, chunks
+
+
+def test_live_io_stdin_then_incremental_output_a_pty_and_a_signal(state, worktree):
+    async def main():
+        async with session(state, worktree) as s:
+            h = value(await s.call_tool("spawn", {"argv": ["sh", "-c", "echo ready; read x; echo got $x; "
+                                                          "echo oops >&2; exit 4"], "stdin": True}))
+            first = value(await s.call_tool("read_output", {"cell_id": h["cell_id"], "timeout": 30}))
+            assert first["chunks"][0] == {"seq": 0, "stream": "stdout", "text": "ready\n"}
+            v = value(await s.call_tool("write_stdin", {"cell_id": h["cell_id"], "text": "hi\n", "eof": True}))
+            assert v["written"] == 3
+            last, chunks = await read_all(s, h["cell_id"])
+            assert "".join(c["text"] for c in chunks if c["stream"] == "stdout") == "ready\ngot hi\n"
+            assert [c["text"] for c in chunks if c["stream"] == "stderr"] == ["oops\n"]
+            assert (last["exit_code"], last["state"]) == (4, "exited")
+            res = await s.call_tool("write_stdin", {"cell_id": h["cell_id"], "text": "late"})
+            assert res.is_error and value(res)["error_type"] == "UsageError"
+
+            h = value(await s.call_tool("spawn", {"argv": ["stty", "size"], "pty": {"cols": 91, "rows": 7}}))
+            _, chunks = await read_all(s, h["cell_id"])
+            assert {c["stream"] for c in chunks} == {"tty"} and "".join(c["text"] for c in chunks) == "7 91\r\n"
+
+            h = value(await s.call_tool("spawn", {"argv": ["sleep", "300"]}))
+            assert value(await s.call_tool("signal", {"cell_id": h["cell_id"], "sig": "INT"}))["sent"] == "INT"
+            v = value(await s.call_tool("wait", {"cell_id": h["cell_id"]}))
+            assert (v["state"], v["exit_code"]) == ("killed", 130)
+            res = await s.call_tool("signal", {"cell_id": h["cell_id"], "sig": "HUP"})
+            assert res.is_error and "HUP" in value(res)["error"]
     anyio.run(main)
 
 

@@ -19,9 +19,9 @@ BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
 
 
 @asynccontextmanager
-async def session(state, worktree, *args, client="Test Client", errlog=None):
+async def session(state, worktree, *args, client="Test Client", errlog=None, env=None):
     params = StdioServerParameters(command=BIN, args=["--state-dir", state, "mcp", "--workdir", worktree, *args],
-                                   env={"AGNSUP_STATE_DIR": state})
+                                   env={"AGNSUP_STATE_DIR": state, **(env or {})})
     with open(errlog or os.devnull, "w") as err:
         async with stdio_client(params, errlog=err) as (read, write):
             async with ClientSession(read, write, client_info=types.Implementation(name=client, version="1")) as s:
@@ -166,6 +166,20 @@ def test_live_io_stdin_then_incremental_output_a_pty_and_a_signal(state, worktre
             assert (v["state"], v["exit_code"]) == ("killed", 130)
             res = await s.call_tool("signal", {"cell_id": h["cell_id"], "sig": "HUP"})
             assert res.is_error and "HUP" in value(res)["error"]
+    anyio.run(main)
+
+
+def test_a_redacting_role_redacts_live_output_as_it_redacts_results(state, worktree, policy_dir):
+    from conftest import write_role
+    write_role(policy_dir, "redacting", governance__redact='["key_formats"]')
+    token = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+
+    async def main():
+        async with session(state, worktree, "--role", "redacting", env={"AGNSUP_POLICY_DIR": str(policy_dir)}) as s:
+            assert token not in value(await s.call_tool("run_process", {"argv": ["echo", token]}))["stdout"]
+            h = value(await s.call_tool("spawn", {"argv": ["echo", "token", token]}))
+            _, chunks = await read_all(s, h["cell_id"])
+            assert "".join(c["text"] for c in chunks) == "token [REDACTED:redact.github_token]\n"
     anyio.run(main)
 
 

@@ -299,8 +299,11 @@ def serve(obj, socket_path):
               help="Run id of the session's cells (default: mcp-XXXXXXXX, new each start).")
 @click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
               help="Agent id of the cells (default: the MCP client's name).")
+@click.option("--http", "http", default=None, metavar="HOST:PORT|unix:PATH",
+              help="Streamable HTTP instead of stdio: a loopback port (a bearer token guards it) or a Unix "
+                   "socket (mode 0600).")
 @click.pass_obj
-def mcp(obj, role, workdir, run_id, agent_id):
+def mcp(obj, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, wait, cancel, ps, receipt. Every call
@@ -309,7 +312,7 @@ def mcp(obj, role, workdir, run_id, agent_id):
     client closes the session (or on SIGTERM/SIGINT), its cells are cancelled.
     """
     from .mcp import main as mcp_main
-    sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id))
+    sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -387,9 +387,102 @@ async def _serve_stdio(server) -> None:
         tg.cancel_scope.cancel()  # the client closed the session
 
 
+def parse_listen(addr: str) -> tuple[str, str | int]:
+    """--http ADDR -> ("unix", path) or (host, port): a Unix socket, or a loopback port
+    (anything else would offer this user's cells to the network)."""
+    if addr.startswith("unix:"):
+        path = addr[len("unix:"):]
+        if not path:
+            raise UsageError("--http unix:PATH: the socket path is missing")
+        return "unix", os.path.abspath(path)
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--http {addr!r}: give HOST:PORT (a loopback address) or unix:PATH")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise UsageError(f"--http {addr!r}: only a loopback address (127.0.0.1, ::1, localhost) or unix:PATH; "
+                         "a wider address would offer this user's cells to the network")
+    return host, int(port)
+
+
+def _listener(where: tuple[str, str | int]):
+    import socket
+    if where[0] == "unix":
+        from .serve import listen_unix
+        return listen_unix(where[1], "agnsup mcp")
+    host, port = where
+    family = socket.AF_INET6 if host == "::1" else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1" if host == "localhost" else host, port))
+    except OSError as e:
+        s.close()
+        raise UsageError(f"--http {host}:{port}: cannot listen: {e.strerror}") from None
+    s.listen(64)
+    return s
+
+
+def _bearer(app, token: str):
+    """The ASGI app behind a bearer token: a loopback port is open to every local user."""
+    import hmac
+    want = f"Bearer {token}".encode()
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""),
+                                                               want):
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"text/plain"), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": b"agnsup mcp: missing or wrong bearer token\n"})
+            return
+        await app(scope, receive, send)
+    return guarded
+
+
+async def _serve_http(server, listener, token: str | None, ready: dict) -> None:
+    """Streamable HTTP on `listener` until SIGTERM/SIGINT/SIGHUP; then the caller ends the cells."""
+    import contextlib
+    import socket
+    import anyio
+    import uvicorn
+    from mcp.server.transport_security import TransportSecuritySettings
+    unix = listener.family == socket.AF_UNIX
+    # DNS rebinding protection for a TCP port (a browser page could reach it); a Unix
+    # socket is out of a browser's reach, and its clients send any Host.
+    security = (TransportSecuritySettings(enable_dns_rebinding_protection=False) if unix else None)
+    app = server.streamable_http_app(host="127.0.0.1", transport_security=security)
+    if token:
+        app = _bearer(app, token)
+
+    class Web(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours: uvicorn would re-raise the signal before the cells are cancelled
+            yield
+
+    web = Web(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+
+    async def stop_on_signal():
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for _ in signals:
+                web.should_exit = True
+                return
+
+    async def announce():
+        while not web.started:
+            await anyio.sleep(0.01)
+        print(json.dumps(ready), flush=True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_on_signal)
+        tg.start_soon(announce)
+        await web.serve(sockets=[listener])
+        tg.cancel_scope.cancel()
+
+
 def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | None,
-         agent_id: str | None) -> int:
-    """`agnsup mcp`: serve one MCP session on stdio until the client closes it."""
+         agent_id: str | None, http: str | None = None) -> int:
+    """`agnsup mcp`: serve one MCP session on stdio until the client closes it, or
+    (--http) streamable HTTP on a Unix socket or loopback port until signalled."""
     try:
         import anyio
         import mcp.server  # noqa: F401 - the extra is there
@@ -404,14 +497,29 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
     workdir = os.path.realpath(workdir or os.getcwd())
     if not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir}: not a directory")
+    where = parse_listen(http) if http else None
     policy.load(role, StateRoot(state_dir).path)  # an unknown role fails now, not at the first call
+    listener = _listener(where) if where else None
     sup = Supervisor(state_dir, kind="mcp")
     try:
         session = Session(sup, run_id, role, workdir, agent_id)
-        print(json.dumps({"ready": True, "transport": "stdio", "run_id": run_id, "role": role,
-                          "workdir": workdir, "controller": sup.controller_id, "pid": os.getpid()}),
-              file=sys.stderr, flush=True)
-        anyio.run(_serve_stdio, build_server(session))
+        ready = {"ready": True, "transport": "http" if where else "stdio", "run_id": run_id, "role": role,
+                 "workdir": workdir, "controller": sup.controller_id, "pid": os.getpid()}
+        if where is None:
+            print(json.dumps(ready), file=sys.stderr, flush=True)  # stdout is the protocol
+            anyio.run(_serve_stdio, build_server(session))
+        else:
+            token = None
+            if where[0] == "unix":
+                ready.update(socket=where[1], url="http://localhost/mcp")
+            else:
+                # Every local user can reach a loopback port: the token is the key to this user's cells.
+                token = os.environ.get("AGNSUP_MCP_TOKEN") or secrets.token_urlsafe(24)
+                port = listener.getsockname()[1]
+                host = f"[{where[0]}]" if ":" in where[0] else where[0]
+                ready.update(url=f"http://{host}:{port}/mcp",
+                             **({} if os.environ.get("AGNSUP_MCP_TOKEN") else {"token": token}))
+            anyio.run(_serve_http, build_server(session), listener, token, ready)
     finally:
         # The session is over: cancel its live cells and wait for their receipts. A
         # client that closed stdin may send SIGTERM a moment later (the SDK's stdio
@@ -419,4 +527,8 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         sup.close()
+        if listener is not None:
+            listener.close()
+            if where[0] == "unix" and os.path.lexists(where[1]):
+                os.unlink(where[1])
     return 0

@@ -210,3 +210,44 @@ def test_an_unknown_role_or_a_missing_workdir_fails_before_serving(agnsup, workt
     assert "unknown role 'nope'" in agnsup("mcp", "--role", "nope", "--workdir", worktree, check=125).err
     assert "not a directory" in agnsup("mcp", "--workdir", os.path.join(worktree, "nope"), check=125).err
     assert "invalid run id" in agnsup("mcp", "--run-id", "../x", "--workdir", worktree, check=125).err
+    assert "only a loopback address" in agnsup("mcp", "--http", "0.0.0.0:8765", "--workdir", worktree,
+                                               check=125).err
+
+
+def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket_is_private(agnsup, state,
+                                                                                          worktree, tmp_path):
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+    sock = str(tmp_path / "mcp.sock")
+
+    async def call(url, client, tool, args):
+        async with client, streamable_http_client(url, http_client=client) as (read, write):
+            async with ClientSession(read, write) as s:
+                await s.initialize()
+                return value(await s.call_tool(tool, args))
+
+    servers = [agnsup.popen("mcp", "--workdir", worktree, "--run-id", "web", "--http", where, stdout=-1)
+               for where in ("127.0.0.1:0", f"unix:{sock}")]
+    try:
+        tcp, unix = (json.loads(p.stdout.readline()) for p in servers)
+        assert unix["socket"] == sock and oct(os.stat(sock).st_mode & 0o777) == "0o600"
+
+        async def main():
+            v = await call(tcp["url"], httpx2.AsyncClient(headers={"Authorization": f"Bearer {tcp['token']}"}),
+                           "run_process", {"argv": ["echo", "over tcp"]})
+            assert v["stdout"] == "over tcp\n" and v["run_id"] == "web"
+            async with httpx2.AsyncClient() as anonymous:
+                assert (await anonymous.post(tcp["url"], json={})).status_code == 401
+            v = await call(unix["url"], httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock)),
+                           "spawn", {"argv": ["sleep", "300"]})
+            return v
+        spawned = anyio.run(main)
+    finally:
+        for p in servers:
+            p.terminate()  # SIGTERM: the server cancels its live cells, then exits 0
+        codes = [p.wait(60) for p in servers]
+        for p in servers:
+            p.stdout.close()
+    assert codes == [0, 0] and not os.path.exists(sock)
+    receipts = {r["cell_id"]: r for r in agnsup.json("receipts", "--run", "web", "--json")}
+    assert receipts[spawned["cell_id"]]["state"] == "cancelled"

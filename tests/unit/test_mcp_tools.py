@@ -3,7 +3,7 @@ argument checks that name the argument, agent ids from client names."""
 import pytest
 
 from agnsup.errors import UsageError
-from agnsup.mcp import SCHEMAS, agent_name, check_arguments
+from agnsup.mcp import SCHEMAS, agent_name, check_arguments, parse_listen
 from agnsup.request import CellRequest
 
 
@@ -41,3 +41,13 @@ def test_a_shell_request_must_be_a_shell_line():
                                            ("", "mcp-client"), ("../..", "mcp-client"), ("é" * 80, "mcp-client")])
 def test_agent_ids_come_from_client_names_in_the_id_alphabet(client, agent):
     assert agent_name(client) == agent
+
+
+def test_http_listens_on_loopback_or_a_unix_socket_only():
+    assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_listen("[::1]:8765") == ("::1", 8765)
+    assert parse_listen("unix:/run/a.sock") == ("unix", "/run/a.sock")
+    for bad, says in (("0.0.0.0:80", "only a loopback"), ("10.0.0.1:80", "only a loopback"),
+                      ("localhost", "HOST:PORT"), ("127.0.0.1:99999", "HOST:PORT"), ("unix:", "path is missing")):
+        with pytest.raises(UsageError, match=says):
+            parse_listen(bad)

@@ -274,25 +274,38 @@ def build_server(session: Session):
                 await progress(ctx, elapsed, f"cell {cell_id} running for {elapsed:.0f} s")
         except anyio.get_cancelled_exc_class():
             if cancel_on_abort:
-                with anyio.CancelScope(shield=True):
-                    await to_thread.run_sync(lambda: session.sup.cancel(cell_id=cell_id, run_id=session.run_id))
+                await cancel_cell(cell_id)
             raise
 
-    async def start(ctx, argv, args, shell=False) -> dict:
+    async def cancel_cell(cell_id: str) -> None:
+        with anyio.CancelScope(shield=True):
+            await to_thread.run_sync(lambda: session.sup.cancel(cell_id=cell_id, run_id=session.run_id))
+
+    async def start(ctx, argv, args, shell=False, cancel_on_abort=False) -> dict:
         name = client_name(ctx)
+        started: list[dict] = []  # the handle, even if the request is cancelled while the spawn runs
 
         def notify(line: str) -> None:  # a worktree lock wait, from the spawning thread
             anyio.from_thread.run(progress, ctx, 0, line)
-        h = await to_thread.run_sync(lambda: session.spawn(argv, args, name, shell=shell, notify=notify))
-        await progress(ctx, 0, f"cell {h['cell_id']} started (pid {h['pid']})")
-        return h
+
+        def spawn_cell() -> dict:
+            started.append(session.spawn(argv, args, name, shell=shell, notify=notify))
+            return started[0]
+        try:
+            h = await to_thread.run_sync(spawn_cell)
+            await progress(ctx, 0, f"cell {h['cell_id']} started (pid {h['pid']})")
+            return h
+        except anyio.get_cancelled_exc_class():
+            if cancel_on_abort and started:
+                await cancel_cell(started[0]["cell_id"])
+            raise
 
     async def run_process(ctx, args):
-        h = await start(ctx, args.pop("argv"), args)
+        h = await start(ctx, args.pop("argv"), args, cancel_on_abort=True)
         return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
 
     async def run_shell(ctx, args):
-        h = await start(ctx, ["sh", "-c", args.pop("command")], args, shell=True)
+        h = await start(ctx, ["sh", "-c", args.pop("command")], args, shell=True, cancel_on_abort=True)
         return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
 
     async def spawn(ctx, args):
@@ -361,6 +374,10 @@ def build_server(session: Session):
             return result(await handlers[params.name](ctx, args))
         except AgnsupError as e:
             return refusal(e)
+        except Exception as e:  # noqa: BLE001 - a bug of ours: one line to the model, the traceback to stderr
+            import traceback
+            traceback.print_exc(file=sys.stderr)
+            return refusal(AgnsupError(f"agnsup mcp: {params.name} failed: {type(e).__name__}: {e}"))
 
     from . import __version__
     return Server("agnsup", version=__version__,

@@ -69,6 +69,7 @@ class Cell(Record):
     pump: object = None          # output.Pump when the role caps output or the cell is live
     input: object = None         # output.Input: the supervisor's end of the cell's fd 0
     terminal: object = None      # output.Input on the pty's master (pty cells)
+    controlling_tty: bool = False  # agnsup run at a terminal: the cell's pty is its controlling terminal
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
 
@@ -177,7 +178,7 @@ class Controller:
             stdio, cell.pump = self._stdio(cell)
             try:
                 cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
-                                              ctty=cell.pty is not None)
+                                              ctty=cell.pty is not None or cell.controlling_tty)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -303,11 +304,19 @@ class Controller:
                 if cap is None and not cell.stream:
                     child[1], child[2] = dst[1], dst[2]
                     return tuple(child), None
-            elif cap is None:
-                return (tuple(child) if cell.stdin else None), None
             else:
+                # At a terminal the cell gets a pty of its own as stdin and controlling
+                # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
+                cell.controlling_tty = not cell.stdin and os.isatty(0)
+                if cap is None and not cell.controlling_tty:
+                    return (tuple(child) if cell.stdin else None), None
                 dst = {1: 1, 2: 2}
-            pump = self._pump(cell, cap, child, dst, owned)  # fills in the cell's ends
+            # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
+            # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
+            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n)]
+            if len(direct) == 2 and not cell.controlling_tty:
+                return (tuple(child) if cell.stdin else None), None
+            pump = self._pump(cell, cap, child, dst, owned, direct)  # fills in the cell's ends
             return tuple(child), pump
         except BaseException:
             if cell.input is not None:
@@ -321,7 +330,7 @@ class Controller:
                 os.close(fd)
             raise
 
-    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list) -> object:
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list) -> object:
         """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
         from .output import Pump, Tape
         tape = None
@@ -330,15 +339,16 @@ class Controller:
             tape = Tape({"stdout": os.path.join(d, "stdout"), "stderr": os.path.join(d, "stderr"),
                          "tty": os.path.join(d, "stdout")})
         ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
-        pump = Pump(cap, "pty" if ttys or cell.pty else "pipe", tape)
+        pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
+        pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
         try:
-            return self._fill_pump(cell, pump, ttys, child, dst, owned)
+            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct)
         except BaseException:
             pump.close()
             raise
 
     @staticmethod
-    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list) -> object:
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list) -> object:
         from .output import Input
         if cell.pty is not None:
             # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
@@ -353,14 +363,29 @@ class Controller:
             os.close(dst[2])
             owned.remove(dst[2])
             return pump
-        if ttys:
+        if cell.controlling_tty:
+            from .output import UserTerminal
+            master, slave = _cell_pty(0, raw_output=False, suspend=False)
+            child[0] = slave
+            for n in ttys:
+                child[n] = slave
+            owned.append(slave)
+            pump.add("tty", master, ttys[0] if ttys else 0)  # fd 0 of a terminal is open read-write
+            pump.add("stdin", os.dup(0), os.dup(master), own_dst=True, counted=False, nonblock=False)
+            pump.terminal = UserTerminal(0, os.dup(master))
+        elif ttys:
             master, slave = _cell_pty(ttys[0])
             for n in ttys:
                 child[n] = slave
             owned.append(slave)
             pump.add("tty", master, ttys[0])
+        if not cell.capture and not ttys and not direct and _same_file(1, 2):
+            r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
+            child[1] = child[2] = w
+            owned.append(w)
+            pump.add("stdout", r, 1)
         for n, name in ((1, "stdout"), (2, "stderr")):
-            if child[n] is None:
+            if child[n] is None and n not in direct:
                 r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
                 child[n] = w
                 owned.append(w)
@@ -451,18 +476,44 @@ class Controller:
         return receipt
 
 
-def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True) -> tuple[int, int]:
+def _users_own(fd: int) -> bool:
+    """The controller's `fd` is a regular file, /dev/null or a pipe: handed to the cell as it is."""
+    import stat
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        return True
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
+
+
+def _same_file(a: int, b: int) -> bool:
+    try:
+        x, y = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True,
+              suspend: bool = True) -> tuple[int, int]:
     """A pty for the cell, sized like the controller's terminal `like` or `size` ({"cols", "rows"}).
 
     `raw_output`: output post-processing off (no ONLCR) so bytes reach the real
     terminal unchanged, and it does its own processing there. A pty that is the
-    cell's whole terminal (request `pty`) keeps a terminal's defaults."""
+    cell's whole terminal (request `pty`) keeps a terminal's defaults.
+    `suspend=False`: no ^Z (VSUSP): nothing above the cell does job control, so a
+    stopped cell would hang the user's raw terminal."""
     import fcntl
     import termios
     master, slave = os.openpty()
-    if raw_output:
+    if raw_output or not suspend:
         attrs = termios.tcgetattr(slave)
-        attrs[1] &= ~termios.OPOST
+        if raw_output:
+            attrs[1] &= ~termios.OPOST
+        if not suspend:
+            attrs[6][termios.VSUSP] = b"\0"  # _POSIX_VDISABLE on Linux
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
     try:
         if size is not None:

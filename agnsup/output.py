@@ -42,6 +42,7 @@ class Stream:
 
     def __init__(self, name: str, src: int, dst: int, own_dst: bool):
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
+        self.counted = True     # against the cap: what the cell writes, not what the user types
         self.pending = b""
         self.eof = False
         self.bytes = 0          # delivered to the destination's queue (never past the cap)
@@ -58,20 +59,31 @@ class Pump:
     def __init__(self, cap: int | None, via: str, tape: "Tape | None" = None):
         self.cap, self.via = cap, via  # via: pipe | pty
         self.tape = tape        # a live cell: what read_output serves
+        self.direct: list[str] = []  # streams the cell writes to the user's own file/pipe (not pumped)
+        self.terminal: "UserTerminal | None" = None  # agnsup run at a terminal: its modes, its size
+        self.draining = False
         self.streams: list[Stream] = []
         self.total = 0          # bytes the cell wrote that we read (up to cap + 1)
         self.overflowed = False
         self.incomplete = False
 
-    def add(self, name: str, src: int, dst: int, own_dst: bool = False) -> None:
-        os.set_blocking(src, False)
-        self.streams.append(Stream(name, src, dst, own_dst))
+    def add(self, name: str, src: int, dst: int, own_dst: bool = False, counted: bool = True,
+            nonblock: bool = True) -> None:
+        """`nonblock=False`: src shares its open file with someone else (the user's terminal),
+        whose O_NONBLOCK we must not change; it is read only after POLLIN."""
+        if nonblock:
+            os.set_blocking(src, False)
+        s = Stream(name, src, dst, own_dst)
+        s.counted = counted
+        self.streams.append(s)
 
     # -- the poll loop's view ---------------------------------------------
     def interest(self) -> dict[int, int]:
         """{fd: poll mask} this pump wants now."""
         want: dict[int, int] = {}
         for s in self.streams:
+            if not s.counted and self.draining:
+                continue  # the cell is gone: what the user types now has nowhere to go
             if s.pending:
                 if s.gate:
                     want[s.dst] = want.get(s.dst, 0) | select.POLLOUT
@@ -103,6 +115,10 @@ class Pump:
             data = b""
         if not data:
             self._close_src(s)
+            return
+        if not s.counted:
+            if s.broken is None:
+                s.pending = data
             return
         if self.overflowed:
             return  # past the cap: read to let the writer die, deliver nothing
@@ -138,7 +154,7 @@ class Pump:
         if not s.eof:
             s.eof = True
             os.close(s.src)
-        if self.tape is not None and all(x.eof and not x.pending for x in self.streams):
+        if self.tape is not None and all(x.eof and not x.pending for x in self.streams if x.counted):
             self.tape.close()  # every writer is gone: nothing more will come
 
     # -- after the cell ended ---------------------------------------------
@@ -148,6 +164,7 @@ class Pump:
         Called after the cell's tree is dead, so EOF comes at once; without a
         cgroup a stray writer could hold a pipe open, hence the deadline."""
         import time
+        self.draining = True
         deadline = time.monotonic() + timeout
         p = select.poll()
         while True:
@@ -167,6 +184,8 @@ class Pump:
                 self.handle(fd, mask)
 
     def close(self) -> None:
+        if self.terminal is not None:
+            self.terminal.restore()
         if self.tape is not None:
             self.tape.close()
         for s in self.streams:
@@ -179,7 +198,7 @@ class Pump:
                 s.own_dst = False
 
     def info(self) -> dict:
-        out = {"via": self.via, "limit": self.cap, "bytes": sum(s.bytes for s in self.streams),
+        out = {"via": self.via, "limit": self.cap, "bytes": sum(s.bytes for s in self.streams if s.counted),
                "exceeded": self.overflowed}
         for s in self.streams:
             out[s.name + "_bytes"] = s.bytes
@@ -187,7 +206,44 @@ class Pump:
                 out[s.name + "_broken"] = s.broken
         if self.incomplete:
             out["incomplete"] = True
+        if self.direct:
+            out["direct"] = self.direct
         return out
+
+
+class UserTerminal:
+    """The terminal `agnsup run` was started from, while a cell uses a pty of its own through it:
+    raw mode here (every key goes to the cell's pty, whose line discipline does the rest),
+    its size copied to the cell's pty, its modes restored however the cell ends."""
+
+    def __init__(self, fd: int, cell_master: int):
+        import termios
+        import tty
+        self.fd, self.master = fd, cell_master
+        self.saved = termios.tcgetattr(fd)
+        tty.setraw(fd, termios.TCSANOW)
+
+    def follow_size(self) -> None:
+        """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
+        import fcntl
+        import termios
+        if self.master is None:
+            return
+        try:
+            fcntl.ioctl(self.master, termios.TIOCSWINSZ, fcntl.ioctl(self.fd, termios.TIOCGWINSZ, b"\0" * 8))
+        except OSError:
+            pass
+
+    def restore(self) -> None:
+        import termios
+        if self.saved is not None:
+            try:
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            except OSError:
+                pass  # the terminal went away (hangup): nothing to restore
+            self.saved = None
+            os.close(self.master)
+            self.master = None
 
 
 class Tape:

@@ -10,6 +10,7 @@ function calling, is generated from that type.
 from __future__ import annotations
 
 import os
+import sys
 import signal
 
 from .errors import AgnsupError, UsageError, as_value
@@ -93,9 +94,15 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[sig] = signal.signal(sig, lambda n, _f: caught.append(n))
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    cell = None
     try:
         cell = ctl.start(prepared, capture=request.capture)
         waiter = ctl.waiter(cell, wake_r)
+        user_tty = cell.pump.terminal if cell.pump is not None else None
+        if forward_signals and user_tty is not None:
+            # the user's terminal changes size: so does the cell's pty (the kernel sends it SIGWINCH)
+            old[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, lambda n, _f: caught.append(n))
+            user_tty.follow_size()  # a resize before the handler was in place
 
         def on_wake():
             try:
@@ -105,12 +112,19 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
                 pass
             while caught:
                 n = caught.pop(0)
+                if n == signal.SIGWINCH:
+                    user_tty.follow_size()
+                    continue
                 waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller (pid {os.getpid()})")
 
         if caught:
             on_wake()
         receipt = ctl.finish(cell, waiter.wait(on_wake))
+        if request.entry == "cli":
+            _say_why_stopped(receipt, cell.plan)
     finally:
+        if cell is not None and cell.pump is not None and cell.pump.terminal is not None:
+            cell.pump.terminal.restore()  # every exit path gives the user their terminal back
         if forward_signals:
             signal.set_wakeup_fd(old_wake)
             for sig, h in old.items():
@@ -118,6 +132,23 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
             os.close(wake_r)
             os.close(wake_w)
     return ended(receipt, cell.plan.cell_dir, request)
+
+
+# A limit that stopped the cell: the key a user would look up, and where its value is.
+_STOPPED_BY = {"output_limit": ("limits.output_max", lambda plan: plan.limits.get("output_max"), " bytes"),
+               "oom": ("limits.memory_max", lambda plan: plan.limits.get("memory_max"), " bytes"),
+               "timeout": ("timeout", lambda plan: plan.timeout, " s")}
+
+
+def _say_why_stopped(receipt: dict, plan) -> None:
+    """The CLI's one stderr line when agnsup stopped the cell for a limit: reason, key, value
+    (a killed cell must not look like a crash or an OOM of the command's own)."""
+    why = _STOPPED_BY.get(receipt.get("reason"))
+    if why is None:
+        return
+    key, value, unit = why
+    sys.stderr.write(f"agnsup: cell {receipt['cell_id']} stopped: {receipt['reason']} ({key} = {value(plan)}{unit})\n")
+    sys.stderr.flush()
 
 
 def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:

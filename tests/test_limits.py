@@ -192,17 +192,78 @@ def test_the_wall_clock_limit_ends_a_cell_with_exit_124(agnsup, worktree, tmp_pa
 FLOOD = "import sys\nwhile True:\n    sys.stdout.buffer.write(b'z' * 65536)\n"
 
 
+def _through_a_socket(agnsup, *args, merged=False, timeout=180):
+    """`agnsup run ARGS` with stdout (and stderr, or with `merged` the same socket) on a
+    socket: a destination the pump serves and caps (a file or pipe is handed over as it is)."""
+    import socket
+    ours, theirs = socket.socketpair()
+    err_ours, err_theirs = socket.socketpair() if not merged else (None, theirs)
+    got = {"out": bytearray(), "err": bytearray()}
+
+    def drain(sock, key):
+        while True:
+            b = sock.recv(65536)
+            if not b:
+                return
+            got[key] += b
+    threads = [threading.Thread(target=drain, args=(ours, "out"))]
+    if err_ours is not None:
+        threads.append(threading.Thread(target=drain, args=(err_ours, "err")))
+    for t in threads:
+        t.start()
+    p = agnsup.popen("run", *args, stdout=theirs.fileno(), stderr=err_theirs.fileno(), stdin=subprocess.DEVNULL)
+    theirs.close()
+    if err_ours is not None:
+        err_theirs.close()
+    code = p.wait(timeout=timeout)
+    for t in threads:
+        t.join(timeout)
+    ours.close()
+    if err_ours is not None:
+        err_ours.close()
+    return code, bytes(got["out"]), bytes(got["err"])
+
+
 def test_an_output_flood_is_stopped_at_the_cap_in_passthrough_mode(agnsup, tight, worktree, tmp_path):
     rfile = tmp_path / "receipt.json"
-    cp = agnsup("run", "--role", tight, "--receipt", str(rfile), "--workdir", worktree, "--timeout", "120",
-                "--", "python3", "-c", FLOOD, timeout=180)
-    assert cp.returncode == 137, cp.err
-    assert len(cp.stdout) == 1 << 20 and set(cp.stdout) == {ord("z")}
+    code, out, err = _through_a_socket(agnsup, "--role", tight, "--receipt", str(rfile), "--workdir", worktree,
+                                       "--timeout", "120", "--", "python3", "-c", FLOOD)
+    assert code == 137, err
+    assert len(out) == 1 << 20 and set(out) == {ord("z")}
     r = receipt_of(rfile)
     assert (r["reason"], r["state"]) == ("output_limit", "killed")
+    assert err.decode() == f"agnsup: cell {r['cell_id']} stopped: output_limit (limits.output_max = 1048576 bytes)\n"
     out = r["output"]
     assert out["mode"] == "passthrough" and out["via"] == "pipe"
     assert out["exceeded"] and out["bytes"] == out["limit"] == 1 << 20 and "output" in r["limits_hit"]
+
+
+def test_a_file_or_pipe_the_user_gave_is_the_cells_own_descriptor_with_no_cap(agnsup, tight, worktree, tmp_path):
+    # agnsup run -- seq 1 5000000 > out.txt: a 1M cap does not apply to the user's own file
+    rfile = tmp_path / "receipt.json"
+    out = tmp_path / "out.txt"
+    prog = "import os, sys\nprint(os.fstat(1).st_ino, flush=True)\nsys.stdout.write('z' * (2 << 20))\n"
+    with open(out, "wb") as f:
+        p = agnsup.popen("run", "--role", tight, "--receipt", str(rfile), "--workdir", worktree, "--",
+                         "python3", "-c", prog, stdout=f, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    first, rest = out.read_bytes().split(b"\n", 1)
+    assert int(first) == os.stat(out).st_ino and len(rest) == 2 << 20  # the very file, all of it
+    r = receipt_of(rfile)
+    assert r["output"]["via"] == "direct" and r["reason"] == "exited"
+    # 2>&1 into one pipe: one descriptor, so the order holds
+    cp = subprocess.run([os.path.join(os.path.dirname(__import__("sys").executable), "agnsup"), "run",
+                         "--role", tight, "--workdir", worktree, "--", "sh", "-c", "echo o1; echo e1 >&2; echo o2"],
+                        env=agnsup.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        timeout=60)
+    assert cp.stdout == b"o1\ne1\no2\n"
+
+
+def test_one_socket_for_stdout_and_stderr_is_one_pumped_pipe_in_order(agnsup, tight, worktree):
+    code, out, _ = _through_a_socket(agnsup, "--role", tight, "--workdir", worktree, "--",
+                                     "sh", "-c", "echo o1; echo e1 >&2; echo o2; echo e2 >&2", merged=True)
+    assert code == 0 and out == b"o1\ne1\no2\ne2\n"
 
 
 def test_an_output_flood_is_stopped_at_the_cap_in_capture_mode(state, tight, policy_dir, worktree, monkeypatch):
@@ -237,9 +298,10 @@ def _payload(tmp_path, seed: int):
 
 def test_output_under_the_cap_arrives_byte_exact_in_passthrough_mode(agnsup, tight, tmp_path):
     wt, prog, out, err = _payload(tmp_path, 1)
-    cp = agnsup("run", "--role", tight, "--workdir", wt, "--", "python3", "-c", prog, check=0)
-    assert hashlib.sha256(cp.stdout).digest() == hashlib.sha256(out).digest() and len(cp.stdout) == len(out)
-    assert cp.stderr == err
+    code, got_out, got_err = _through_a_socket(agnsup, "--role", tight, "--workdir", wt, "--", "python3", "-c", prog)
+    assert code == 0
+    assert hashlib.sha256(got_out).digest() == hashlib.sha256(out).digest() and len(got_out) == len(out)
+    assert got_err == err
 
 
 def test_output_under_the_cap_arrives_byte_exact_in_capture_mode(state, tight, policy_dir, tmp_path, monkeypatch):
@@ -299,8 +361,10 @@ def test_a_terminal_on_the_controller_side_becomes_a_pty_of_the_cells_own(agnsup
     os.close(master)
     assert p.wait(timeout=60) == 137
     assert got.startswith(b"tty True True True\n")
-    assert len(got) == 1 << 20  # the cap holds on a terminal too, and bytes pass unchanged (no \r added)
     r = receipt_of(rfile)
+    said = f"agnsup: cell {r['cell_id']} stopped: output_limit (limits.output_max = 1048576 bytes)\n".encode()
+    assert got.endswith(said)  # the controller's own stderr is the same terminal
+    assert len(got) - len(said) == 1 << 20  # the cap holds on a terminal too, and bytes pass unchanged (no \r)
     assert r["output"]["via"] == "pty" and r["reason"] == "output_limit"
 
 

@@ -1,6 +1,7 @@
 """Live I/O of a cell through the in-process Supervisor (issue 17 §1, docs/streaming.md):
 read_output in order, stdin with EOF, INT/TERM to the group, KILL of the whole tree,
 a pty with its size and SIGWINCH, and the output cap over a streamed cell."""
+import json
 import os
 
 import pytest
@@ -191,3 +192,43 @@ def test_live_io_refuses_clearly(sup, worktree):
     sup.wait(h["run_id"], h["cell_id"], 30)
     with pytest.raises(UsageError, match="pty: must be"):
         sup.spawn(["true"], workdir=worktree, pty={"cols": 0, "rows": 24})
+
+
+def test_serve_ops_carry_live_io_and_spawn_follow_prints_the_output(agnsup, tmp_path, worktree):
+    import base64
+
+    from scenario import STARTERS
+
+    from agnsup.serve import Client
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        with Client(s.ready["socket"]) as c:
+            h = c.call("spawn", argv=["sh", "-c", "read x; echo got-$x; read y; echo $y >&2"], workdir=worktree,
+                       stdin=True, stream=True)
+            ids = {"run_id": h["run_id"], "cell_id": h["cell_id"]}
+            c.call("stdin", **ids, data_b64=base64.b64encode(b"one\n").decode())
+            c.call("stdin", **ids, data_b64=base64.b64encode(b"two\n").decode(), eof=True)
+            chunks, since = [], 0
+            while True:
+                out = c.call("output", **ids, since=since, timeout=10)
+                chunks += out["chunks"]
+                since = out["next"]
+                if out["ended"]:
+                    break
+            got = {(ch["stream"], base64.b64decode(ch["data_b64"])) for ch in chunks}
+            assert got == {("stdout", b"got-one\n"), ("stderr", b"two\n")}
+            assert c.call("wait", **ids, timeout=30)["exit_code"] == 0
+            for op, args, fragment in (("stdin", {"data_b64": "!!"}, "bad request"),
+                                       ("resize", {"cols": 80, "rows": 24}, "has no terminal"),
+                                       ("signal", {"sig": "STOP"}, "must be one of")):
+                c.file.write(json.dumps({"op": op, **ids, **args}).encode() + b"\n")
+                c.file.flush()
+                resp = json.loads(c.file.readline())
+                assert resp["ok"] is False and resp["exit_code"] == 125 and fragment in resp["error"], resp
+        cp = agnsup("spawn", "--follow", "--workdir", worktree, "--", "sh", "-c", "echo o1; echo e1 >&2; exit 3",
+                    check=3)
+        assert cp.out == "o1\n"
+        handle, rest = cp.err.split("\n", 1)
+        assert json.loads(handle)["cell_id"].startswith("c-") and rest == "e1\n"
+    finally:
+        s.close()

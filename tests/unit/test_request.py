@@ -17,7 +17,7 @@ def test_the_cli_and_its_fast_parser_take_exactly_the_request_options():
     from agnsup import cli
     flagged = {k for k, o in CellRequest.options().items() if o.flags}
     for command in ("run", "spawn"):
-        params = {p.name for p in cli.main.commands[command].params} - {"command", "socket_path"}
+        params = {p.name for p in cli.main.commands[command].params} - {"command", "socket_path", "follow"}
         assert params == flagged, command
     flags, defaults = entry._run_options()
     assert set(defaults) == flagged and {k for k, _ in flags.values()} == flagged

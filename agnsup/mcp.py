@@ -10,7 +10,8 @@ command), so the tools' JSON schemas are ours, generated from request.py.
 
 Who decides what:
 
-    run id    one per MCP session: --run-id, else mcp-XXXXXXXX (a new one each start)
+    run id    one per MCP session: --run-id, else mcp-XXXXXXXX (a new one per stdio server, or
+              per streamable HTTP session)
     agent id  the MCP client's name (its initialize request), or --agent; a call may
               name its own (sub-agents sharing one connection)
     role      --role, fixed for the whole session: no tool takes one
@@ -20,9 +21,10 @@ Who decides what:
 A refusal (governance denied, not found, a bad argument, an unknown id) is a
 tool result with isError set and the error as errors.as_value gives it, a
 denial's rule, reason and hint at the top; the protocol itself never fails for
-it. The end of the session (stdin closed, the client gone, SIGTERM/SIGINT/SIGHUP)
-cancels every cell the session started and waits for their receipts; a
-cancelled tools/call request cancels the cell it waits for.
+it. The end of the session (stdin closed, the client gone, an HTTP DELETE of the
+session, SIGTERM/SIGINT/SIGHUP) cancels every cell the session started (at the
+server's end: and waits for their receipts); a cancelled tools/call request
+cancels the cell it waits for.
 """
 from __future__ import annotations
 
@@ -189,6 +191,7 @@ class Session:
 
     def __init__(self, sup, run_id: str, role: str, workdir: str, agent_id: str | None = None):
         self.sup, self.run_id, self.role, self.workdir, self.agent_id = sup, run_id, role, workdir, agent_id
+        self.started: list[str] = []  # the cells this session started: its end cancels the live ones
 
     def _workdir(self, given: str | None) -> str:
         if given is None:
@@ -203,8 +206,10 @@ class Session:
         opts = dict(args)
         opts["agent_id"] = opts.pop("agent_id", None) or self.agent_id or agent_name(client)
         opts["workdir"] = self._workdir(opts.get("workdir"))
-        return self.sup.spawn(argv, run_id=self.run_id, role=self.role, entry="mcp", capture=True, shell=shell,
-                              notify=notify, **opts)
+        h = self.sup.spawn(argv, run_id=self.run_id, role=self.role, entry="mcp", capture=True, shell=shell,
+                           notify=notify, **opts)
+        self.started.append(h["cell_id"])
+        return h
 
     def cancel(self, cell_id=None, agent_id=None, run: bool = False, grace=None) -> dict:
         if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
@@ -222,9 +227,45 @@ class Session:
         rec = self.sup.receipt(self.run_id, cell_id)
         return rec if rec is not None else {"cell_id": cell_id, "pending": True}
 
+    def end(self) -> None:
+        """The session is over: cancel the cells it started that still run."""
+        for cell_id in self.started:
+            if self.sup.wait(self.run_id, cell_id, 0) is None:
+                self.sup.cancel(cell_id=cell_id, run_id=self.run_id)
+
+
+class Sessions:
+    """The sessions of one server. stdio has one; streamable HTTP has one per
+    Mcp-Session-Id, each with a run of its own unless --run-id names one for all."""
+
+    def __init__(self, sup, role: str, workdir: str, run_id: str | None, agent_id: str | None):
+        import threading
+        self.sup, self.role, self.workdir, self.agent_id = sup, role, workdir, agent_id
+        self.run_id = run_id  # None: a new mcp-XXXXXXXX per session
+        self._by_id: dict[str | None, Session] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str | None) -> Session:
+        with self._lock:
+            s = self._by_id.get(session_id)
+            if s is None:
+                s = self._by_id[session_id] = Session(self.sup, self.run_id or new_run_id(), self.role,
+                                                      self.workdir, self.agent_id)
+            return s
+
+    def end(self, session_id: str | None) -> None:
+        with self._lock:
+            s = self._by_id.pop(session_id, None)
+        if s is not None:
+            s.end()
+
+
+def new_run_id() -> str:
+    return f"mcp-{secrets.token_hex(4)}"
+
 
 # -- the MCP server ---------------------------------------------------------------
-def build_server(session: Session):
+def build_server(sessions: Sessions):
     """The SDK's low-level Server with our tools (imports the `mcp` extra)."""
     import anyio
     import mcp_types as types
@@ -243,6 +284,11 @@ def build_server(session: Session):
             value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
         return result(value, error=True)
 
+    def of(ctx) -> Session:
+        """The call's session: streamable HTTP names it in a header of each request."""
+        headers = getattr(ctx.request, "headers", None)
+        return sessions.get(headers.get("mcp-session-id") if headers is not None else None)
+
     def client_name(ctx) -> str | None:
         params = ctx.session.client_params
         info = getattr(params, "client_info", None)
@@ -258,6 +304,7 @@ def build_server(session: Session):
         """The cell's result, sending progress while it runs; {pending} after `timeout`.
         If the request is cancelled (the client gave up, or went away) and this call
         started the cell, the cell is cancelled too."""
+        session = of(ctx)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         try:
@@ -274,15 +321,15 @@ def build_server(session: Session):
                 await progress(ctx, elapsed, f"cell {cell_id} running for {elapsed:.0f} s")
         except anyio.get_cancelled_exc_class():
             if cancel_on_abort:
-                await cancel_cell(cell_id)
+                await cancel_cell(session, cell_id)
             raise
 
-    async def cancel_cell(cell_id: str) -> None:
+    async def cancel_cell(session: Session, cell_id: str) -> None:
         with anyio.CancelScope(shield=True):
             await to_thread.run_sync(lambda: session.sup.cancel(cell_id=cell_id, run_id=session.run_id))
 
     async def start(ctx, argv, args, shell=False, cancel_on_abort=False) -> dict:
-        name = client_name(ctx)
+        name, session = client_name(ctx), of(ctx)
         started: list[dict] = []  # the handle, even if the request is cancelled while the spawn runs
 
         def notify(line: str) -> None:  # a worktree lock wait, from the spawning thread
@@ -297,7 +344,7 @@ def build_server(session: Session):
             return h
         except anyio.get_cancelled_exc_class():
             if cancel_on_abort and started:
-                await cancel_cell(started[0]["cell_id"])
+                await cancel_cell(session, started[0]["cell_id"])
             raise
 
     async def run_process(ctx, args):
@@ -312,7 +359,7 @@ def build_server(session: Session):
         return await start(ctx, args.pop("argv"), {**args, "stream": True})
 
     async def read_output(ctx, args):
-        cell_id = args["cell_id"]
+        cell_id, session = args["cell_id"], of(ctx)
         timeout = args.get("timeout", READ_TIMEOUT)
 
         def read():
@@ -330,12 +377,13 @@ def build_server(session: Session):
         return await to_thread.run_sync(read, abandon_on_cancel=True)
 
     async def write_stdin(ctx, args):
-        data = args.get("text", "").encode()
+        data, session = args.get("text", "").encode(), of(ctx)
         await to_thread.run_sync(lambda: session.sup.write_stdin(session.run_id, args["cell_id"], data,
                                                                  bool(args.get("eof"))), abandon_on_cancel=True)
         return {"cell_id": args["cell_id"], "written": len(data), "eof": bool(args.get("eof"))}
 
     async def signal_(ctx, args):
+        session = of(ctx)
         await to_thread.run_sync(session.sup.signal, session.run_id, args["cell_id"], args["sig"])
         return {"cell_id": args["cell_id"], "sent": args["sig"]}
 
@@ -346,15 +394,17 @@ def build_server(session: Session):
         return await wait_for(ctx, args["cell_id"], timeout, cancel_on_abort=False)
 
     async def cancel(ctx, args):
+        session = of(ctx)
         return await to_thread.run_sync(lambda: session.cancel(args.get("cell_id"), args.get("agent_id"),
                                                                bool(args.get("run")), args.get("grace")))
 
     async def ps(ctx, args):
+        session = of(ctx)
         return {"run_id": session.run_id,
                 "cells": await to_thread.run_sync(session.cells, bool(args.get("all")))}
 
     async def receipt(ctx, args):
-        return await to_thread.run_sync(session.receipt, args["cell_id"])
+        return await to_thread.run_sync(of(ctx).receipt, args["cell_id"])
 
     handlers = {"run_process": run_process, "run_shell": run_shell, "spawn": spawn, "wait": wait,
                 "read_output": read_output, "write_stdin": write_stdin, "signal": signal_,
@@ -382,7 +432,7 @@ def build_server(session: Session):
     from . import __version__
     return Server("agnsup", version=__version__,
                   instructions=f"Every command runs as an isolated, supervised agnsup cell under role "
-                               f"{session.role!r} in {session.workdir} (run {session.run_id}).",
+                               f"{sessions.role!r} in {sessions.workdir}.",
                   on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
 
@@ -456,7 +506,21 @@ def _bearer(app, token: str):
     return guarded
 
 
-async def _serve_http(server, listener, token: str | None, ready: dict) -> None:
+def _ending_sessions(app, sessions: Sessions):
+    """The ASGI app, and a client's DELETE of its session (the end the protocol gives it)
+    cancels the cells that session started, as the end of a stdio session does."""
+    from anyio import to_thread
+
+    async def app_(scope, receive, send):
+        await app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "DELETE":
+            sid = dict(scope["headers"]).get(b"mcp-session-id")
+            if sid:
+                await to_thread.run_sync(sessions.end, sid.decode(errors="replace"))
+    return app_
+
+
+async def _serve_http(sessions: Sessions, listener, token: str | None, ready: dict) -> None:
     """Streamable HTTP on `listener` until SIGTERM/SIGINT/SIGHUP; then the caller ends the cells."""
     import contextlib
     import socket
@@ -467,7 +531,8 @@ async def _serve_http(server, listener, token: str | None, ready: dict) -> None:
     # DNS rebinding protection for a TCP port (a browser page could reach it); a Unix
     # socket is out of a browser's reach, and its clients send any Host.
     security = (TransportSecuritySettings(enable_dns_rebinding_protection=False) if unix else None)
-    app = server.streamable_http_app(host="127.0.0.1", transport_security=security)
+    app = _ending_sessions(build_server(sessions).streamable_http_app(host="127.0.0.1", transport_security=security),
+                           sessions)
     if token:
         app = _bearer(app, token)
 
@@ -500,15 +565,12 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
          agent_id: str | None, http: str | None = None) -> int:
     """`agnsup mcp`: serve one MCP session on stdio until the client closes it, or
     (--http) streamable HTTP on a Unix socket or loopback port until signalled."""
-    try:
-        import anyio
-        import mcp.server  # noqa: F401 - the extra is there
-    except ImportError as e:
-        raise UsageError(f"agnsup mcp needs the mcp extra: pip install 'agnsup[mcp]' ({e})") from None
+    import importlib.util
     from . import policy
     from .service import Supervisor
     from .state import StateRoot, check_id
-    run_id = check_id("run", run_id) if run_id else f"mcp-{secrets.token_hex(4)}"
+    if run_id:
+        check_id("run", run_id)
     if agent_id:
         check_id("agent", agent_id)
     workdir = os.path.realpath(workdir or os.getcwd())
@@ -516,15 +578,20 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
         raise UsageError(f"--workdir {workdir}: not a directory")
     where = parse_listen(http) if http else None
     policy.load(role, StateRoot(state_dir).path)  # an unknown role fails now, not at the first call
+    if importlib.util.find_spec("mcp") is None:
+        raise UsageError("agnsup mcp needs the mcp extra: pip install 'agnsup[mcp]'")
+    import anyio
     listener = _listener(where) if where else None
     sup = Supervisor(state_dir, kind="mcp")
     try:
-        session = Session(sup, run_id, role, workdir, agent_id)
-        ready = {"ready": True, "transport": "http" if where else "stdio", "run_id": run_id, "role": role,
+        # stdio is one session: its run is --run-id or a new one; over HTTP, without
+        # --run-id, each session gets a run of its own (ready says run_id null).
+        sessions = Sessions(sup, role, workdir, run_id or (None if where else new_run_id()), agent_id)
+        ready = {"ready": True, "transport": "http" if where else "stdio", "run_id": sessions.run_id, "role": role,
                  "workdir": workdir, "controller": sup.controller_id, "pid": os.getpid()}
         if where is None:
             print(json.dumps(ready), file=sys.stderr, flush=True)  # stdout is the protocol
-            anyio.run(_serve_stdio, build_server(session))
+            anyio.run(_serve_stdio, build_server(sessions))
         else:
             token = None
             if where[0] == "unix":
@@ -536,7 +603,7 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
                 host = f"[{where[0]}]" if ":" in where[0] else where[0]
                 ready.update(url=f"http://{host}:{port}/mcp",
                              **({} if os.environ.get("AGNSUP_MCP_TOKEN") else {"token": token}))
-            anyio.run(_serve_http, build_server(session), listener, token, ready)
+            anyio.run(_serve_http, sessions, listener, token, ready)
     finally:
         # The session is over: cancel its live cells and wait for their receipts. A
         # client that closed stdin may send SIGTERM a moment later (the SDK's stdio

@@ -233,24 +233,37 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
         async with client, streamable_http_client(url, http_client=client) as (read, write):
             async with ClientSession(read, write) as s:
                 await s.initialize()
-                return value(await s.call_tool(tool, args))
+                return value(await s.call_tool(tool, args))  # then the client DELETEs its session
 
-    servers = [agnsup.popen("mcp", "--workdir", worktree, "--run-id", "web", "--http", where, stdout=-1)
-               for where in ("127.0.0.1:0", f"unix:{sock}")]
+    servers = [agnsup.popen("mcp", "--workdir", worktree, "--http", "127.0.0.1:0", stdout=-1),
+               agnsup.popen("mcp", "--workdir", worktree, "--run-id", "web", "--http", f"unix:{sock}", stdout=-1)]
     try:
         tcp, unix = (json.loads(p.stdout.readline()) for p in servers)
         assert unix["socket"] == sock and oct(os.stat(sock).st_mode & 0o777) == "0o600"
+        assert (tcp["run_id"], unix["run_id"]) == (None, "web")
 
         async def main():
-            v = await call(tcp["url"], httpx2.AsyncClient(headers={"Authorization": f"Bearer {tcp['token']}"}),
-                           "run_process", {"argv": ["echo", "over tcp"]})
-            assert v["stdout"] == "over tcp\n" and v["run_id"] == "web"
+            authorized = {"Authorization": f"Bearer {tcp['token']}"}
+            runs = {(await call(tcp["url"], httpx2.AsyncClient(headers=authorized), "run_process",
+                                {"argv": ["echo", "over tcp"]}))["run_id"] for _ in range(2)}
+            assert len(runs) == 2 and all(r.startswith("mcp-") for r in runs)  # a run per HTTP session
             async with httpx2.AsyncClient() as anonymous:
                 assert (await anonymous.post(tcp["url"], json={})).status_code == 401
-            v = await call(unix["url"], httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock)),
-                           "spawn", {"argv": ["sleep", "300"]})
-            return v
-        spawned = anyio.run(main)
+            over_unix = lambda: httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock))  # noqa: E731
+            ended = await call(unix["url"], over_unix(), "spawn", {"argv": ["sleep", "300"]})
+            kept = None
+            async with over_unix() as client:
+                async with streamable_http_client(unix["url"], http_client=client, terminate_on_close=False) as rw:
+                    async with ClientSession(*rw) as s:
+                        await s.initialize()
+                        kept = value(await s.call_tool("spawn", {"argv": ["sleep", "300"]}))
+            return ended, kept
+        ended, kept = anyio.run(main)
+        # The session that ended (DELETE) took its cell with it; the other one's still runs.
+        wait_for(lambda: any(r["cell_id"] == ended["cell_id"] for r in agnsup.json("receipts", "--run", "web",
+                                                                                  "--json")),
+                 what="the ended session's cell to be cancelled")
+        assert [c["cell_id"] for c in agnsup.json("ps", "--run", "web", "--json")] == [kept["cell_id"]]
     finally:
         for p in servers:
             p.terminate()  # SIGTERM: the server cancels its live cells, then exits 0
@@ -259,4 +272,4 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
             p.stdout.close()
     assert codes == [0, 0] and not os.path.exists(sock)
     receipts = {r["cell_id"]: r for r in agnsup.json("receipts", "--run", "web", "--json")}
-    assert receipts[spawned["cell_id"]]["state"] == "cancelled"
+    assert receipts[ended["cell_id"]]["state"] == receipts[kept["cell_id"]]["state"] == "cancelled"

@@ -296,7 +296,8 @@ def serve(obj, socket_path):
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Worktree the cells run in; a call's workdir must lie inside it (default: cwd).")
 @click.option("--run-id", "--run", "run_id", default=None, metavar="R",
-              help="Run id of the session's cells (default: mcp-XXXXXXXX, new each start).")
+              help="Run id of the session's cells (default: mcp-XXXXXXXX, new each start; over HTTP, "
+                   "new each session).")
 @click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
               help="Agent id of the cells (default: the MCP client's name).")
 @click.option("--http", "http", default=None, metavar="HOST:PORT|unix:PATH",
@@ -306,10 +307,12 @@ def serve(obj, socket_path):
 def mcp(obj, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
-    Tools: run_process, run_shell, spawn, wait, cancel, ps, receipt. Every call
-    that runs something is a cell of this session's run under --role. Prints one
-    JSON line {"ready": true, "run_id": ...} on stderr once it serves. When the
-    client closes the session (or on SIGTERM/SIGINT), its cells are cancelled.
+    Tools: run_process, run_shell, spawn, read_output, write_stdin, signal,
+    wait, cancel, ps, receipt. Every call that runs something is a cell of this
+    session's run under --role. Prints one JSON line {"ready": true, "run_id":
+    ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
+    When the client ends the session (or on SIGTERM/SIGINT), its cells are
+    cancelled.
     """
     from .mcp import main as mcp_main
     sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))

@@ -81,7 +81,7 @@ class Cell(Record):
                              lock_path=self.lock_path, lock_fd=self.lock_fd)
 
     def output_info(self) -> dict:
-        from .digest import sha256
+        from .digest import file_sha256
         out = {"mode": "captured" if self.capture else "passthrough"}
         out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
         if not self.capture:
@@ -90,8 +90,8 @@ class Cell(Record):
             p = os.path.join(self.plan.cell_dir, name)
             try:
                 with open(p, "rb") as f:
-                    data = f.read()
-                out[name] = {"bytes": len(data), "sha256": sha256(data).hexdigest(), "path": p}
+                    size, digest = file_sha256(f)
+                out[name] = {"bytes": size, "sha256": digest, "path": p}
             except OSError:
                 out[name] = None
         return out

@@ -32,27 +32,79 @@ import select
 import stat
 
 PIPE_BUF = 4096
-READ_SIZE = 65536
+READ_SIZE = 262144      # one read of a full pipe, mostly
+PIPE_SIZE = 1 << 20     # the cell's pipes (F_SETPIPE_SZ; the default unprivileged maximum)
+SPLICE_SIZE = 1 << 20
+SPLICE_ROUNDS = 8       # splices per wake-up before the loop looks at its other fds again
+SPLICE_F_NONBLOCK = 2   # fcntl.h
+READ_ROUNDS = 16        # reads gathered into one write (a pty gives 4 KiB a read)
 CHUNK_MAX = 65536       # a Tape chunk never grows past this when entries are merged
 STREAMS = ("stdout", "stderr", "tty")
 
 
 class Stream:
-    """One source the cell writes (a pipe or pty master) and where it goes."""
+    """One source the cell writes (a pipe or pty master) and where it goes.
+
+    How it is written (`kind`): "file" (regular: takes any size at once), "nonblock"
+    (a pipe or terminal, through our own O_NONBLOCK open file of it, or one that is
+    non-blocking already: partial writes, EAGAIN, then POLLOUT), "socket" (send with
+    MSG_DONTWAIT), "gated" (anything else: one PIPE_BUF write per POLLOUT, which the
+    kernel takes whole). A pipe into a file or pipe is spliced: no copy through us."""
 
     def __init__(self, name: str, src: int, dst: int, own_dst: bool):
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
         self.counted = True     # against the cap: what the cell writes, not what the user types
+        self.nonblock = True    # src is ours and O_NONBLOCK: it may be read until EAGAIN
         self.pending = b""
         self.eof = False
         self.bytes = 0          # delivered to the destination's queue (never past the cap)
         self.broken: str | None = None  # why the destination stopped taking bytes
+        self.kind, self.out, self.own_out = _destination(dst)
+        self.sock = None
+        if self.kind == "socket":
+            import socket
+            self.sock = socket.socket(fileno=os.dup(dst))
+        self.splice = _is_fifo(src) and (self.kind == "file" or (self.kind == "nonblock" and _is_fifo(self.out)))
+        self.blocked = False    # splice: the destination is full, waiting for POLLOUT
+
+    def close_out(self) -> None:
+        if self.own_out:
+            os.close(self.out)
+            self.own_out = False
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _is_fifo(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _destination(fd: int) -> tuple[str, int, bool]:
+    """(kind, the fd to write, whether that fd is ours to close) for destination `fd`."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return "gated", fd, False
+    if stat.S_ISREG(st.st_mode):
+        return "file", fd, False
+    if not os.get_blocking(fd):
+        return "nonblock", fd, False  # ours already (a pty master)
+    if stat.S_ISSOCK(st.st_mode):
+        return "socket", fd, False
+    # A pipe or terminal we share with the user: O_NONBLOCK on their open file would
+    # change it for them too, so we open one of our own. Not major 5 (/dev/tty,
+    # /dev/console, /dev/ptmx: reopening those names another terminal, or a new one).
+    if stat.S_ISFIFO(st.st_mode) or (stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) != 5):
         try:
-            regular = stat.S_ISREG(os.fstat(dst).st_mode)
+            own = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError:
-            regular = False
-        self.chunk = READ_SIZE if regular else PIPE_BUF
-        self.gate = not regular  # regular files are always "ready": no POLLOUT round trip
+            return "gated", fd, False
+        return "nonblock", own, True
+    return "gated", fd, False
 
 
 class Pump:
@@ -73,8 +125,14 @@ class Pump:
         whose O_NONBLOCK we must not change; it is read only after POLLIN."""
         if nonblock:
             os.set_blocking(src, False)
+            if _is_fifo(src):
+                import fcntl
+                try:
+                    fcntl.fcntl(src, fcntl.F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups per byte
+                except OSError:
+                    pass  # above /proc/sys/fs/pipe-max-size for this user: the default
         s = Stream(name, src, dst, own_dst)
-        s.counted = counted
+        s.counted, s.nonblock = counted, nonblock
         self.streams.append(s)
 
     # -- the poll loop's view ---------------------------------------------
@@ -84,41 +142,61 @@ class Pump:
         for s in self.streams:
             if not s.counted and self.draining:
                 continue  # the cell is gone: what the user types now has nowhere to go
-            if s.pending:
-                if s.gate:
-                    want[s.dst] = want.get(s.dst, 0) | select.POLLOUT
+            if s.pending or s.blocked:
+                if s.kind != "file":
+                    want[s.out] = want.get(s.out, 0) | select.POLLOUT
             elif not s.eof:
-                want[s.src] = select.POLLIN
+                want[s.src] = want.get(s.src, 0) | select.POLLIN
         return want
-
-    def owns(self, fd: int) -> bool:
-        return any(fd in (s.src, s.dst) for s in self.streams)
 
     def handle(self, fd: int, mask: int) -> None:
         """Move bytes for every stream `fd` belongs to."""
         for s in self.streams:
-            if s.pending and fd == s.dst and mask & (select.POLLOUT | select.POLLERR | select.POLLHUP):
-                self._flush(s)
-            elif not s.pending and not s.eof and fd == s.src:
-                self._read(s)
-                if s.pending and not s.gate:
+            if (s.pending or s.blocked) and fd == s.out and mask & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+                if s.blocked:
+                    s.blocked = False
+                    self._splice(s)
+                else:
                     self._flush(s)
+            elif not s.pending and not s.blocked and not s.eof and fd == s.src:
+                if s.splice:
+                    self._splice(s)
+                    continue
+                self._read(s)
+                if s.pending and s.kind != "gated":
+                    self._flush(s)  # never blocks: a file, or a non-blocking write
 
     def _read(self, s: Stream) -> None:
-        try:
-            data = os.read(s.src, READ_SIZE)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            if e.errno != errno.EIO:  # EIO: a pty master whose slave is closed everywhere
-                raise
-            data = b""
-        if not data:
+        # A pty hands out at most 4 KiB per read: gather a few reads into one write
+        # (fewer polls and writes per byte); a blocking source is read once per POLLIN.
+        parts: list[bytes] = []
+        size, ended = 0, False
+        for _ in range(READ_ROUNDS if s.nonblock else 1):
+            try:
+                b = os.read(s.src, READ_SIZE)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno != errno.EIO:  # EIO: a pty master whose slave is closed everywhere
+                    raise
+                b = b""
+            if not b:
+                ended = True
+                break
+            parts.append(b)
+            size += len(b)
+            if size >= READ_SIZE:
+                break
+        if parts:
+            self._take(s, parts[0] if len(parts) == 1 else b"".join(parts))
+        if ended:
             self._close_src(s)
-            return
+
+    def _take(self, s: Stream, data: bytes) -> None:
+        """Bytes read from the cell: what of them goes on (the cap), as `s.pending`."""
         if not s.counted:
             if s.broken is None:
-                s.pending = data
+                s.pending = memoryview(data)
             return
         if self.overflowed:
             return  # past the cap: read to let the writer die, deliver nothing
@@ -128,27 +206,68 @@ class Pump:
             data = data[:room]
             self.overflowed = True
         if s.broken is None:
-            s.pending = data
+            s.pending = memoryview(data)
+
+    def _splice(self, s: Stream) -> None:
+        """Pipe to file or pipe in the kernel, up to the cap; a few rounds, then back to the loop."""
+        # With another stream of the cell open, one READ_SIZE a turn: the cap is shared, and
+        # what the other stream wrote first must not lose its place to a 1 MiB splice.
+        alone = not any(x is not s and x.counted and not x.eof for x in self.streams)
+        for _ in range(SPLICE_ROUNDS if alone else 1):
+            count = SPLICE_SIZE if alone else READ_SIZE
+            if s.counted and self.cap is not None:
+                if self.overflowed or self.cap <= self.total:
+                    self._read(s)  # at the cap: a byte more is the overflow; or EOF
+                    return
+                count = min(count, self.cap - self.total)
+            try:
+                n = os.splice(s.src, s.out, count, flags=SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                # our pipe is empty, or the destination (a pipe) is full: then wait for POLLOUT
+                s.blocked = s.kind != "file" and _unread(s.src) > 0
+                return
+            except OSError as e:
+                if e.errno == errno.EINVAL and s.bytes == 0:
+                    s.splice = False  # this pair cannot splice (an O_APPEND file...): copy instead
+                    return
+                self._broken(s, e)
+                return
+            if n == 0:
+                self._close_src(s)
+                return
+            if s.counted:
+                self.total += n
+            if self.tape is not None:
+                self.tape.add(s.name, s.bytes, n)
+            s.bytes += n
 
     def _flush(self, s: Stream) -> None:
         while s.pending:
             try:
-                n = os.write(s.dst, s.pending[:s.chunk])
+                if s.kind == "socket":
+                    import socket
+                    n = s.sock.send(s.pending, socket.MSG_DONTWAIT)
+                else:
+                    n = os.write(s.out, s.pending[:PIPE_BUF] if s.kind == "gated" else s.pending)
             except BlockingIOError:
                 return
             except OSError as e:
-                # EPIPE: nobody reads the controller's stdout any more. Hand that on
-                # to the cell: close its pipe so its next write fails the same way.
-                s.broken = errno.errorcode.get(e.errno, str(e.errno))
-                s.pending = b""
-                self._close_src(s)
+                self._broken(s, e)
                 return
             if self.tape is not None:
                 self.tape.add(s.name, s.bytes, n)  # written to the captured file: now readable
             s.bytes += n
             s.pending = s.pending[n:]
-            if s.gate:
+            if s.kind == "gated":
                 return  # one PIPE_BUF write per POLLOUT: never block the loop
+
+    def _broken(self, s: Stream, e: OSError) -> None:
+        # EPIPE: nobody reads the controller's stdout any more. Hand that on
+        # to the cell: close its pipe so its next write fails the same way.
+        s.broken = errno.errorcode.get(e.errno, str(e.errno))
+        s.pending = b""
+        s.blocked = False
+        self._close_src(s)
 
     def _close_src(self, s: Stream) -> None:
         if not s.eof:
@@ -190,6 +309,7 @@ class Pump:
             self.tape.close()
         for s in self.streams:
             self._close_src(s)
+            s.close_out()
             if s.own_dst:
                 try:
                     os.close(s.dst)
@@ -209,6 +329,17 @@ class Pump:
         if self.direct:
             out["direct"] = self.direct
         return out
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe `fd` (FIONREAD)."""
+    import fcntl
+    import struct
+    import termios
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 class UserTerminal:
@@ -268,13 +399,16 @@ class Tape:
         k = STREAMS.index(stream)
         with self.cond:
             last = len(self.kind) - 1
-            if last >= self.handed and self.kind[last] == k and self.offset[last] + self.length[last] == offset \
-                    and self.length[last] + n <= CHUNK_MAX:
-                self.length[last] += n
-            else:
+            if last >= self.handed and self.kind[last] == k and self.offset[last] + self.length[last] == offset:
+                grow = min(n, CHUNK_MAX - self.length[last])
+                self.length[last] += grow
+                offset, n = offset + grow, n - grow
+            while n > 0:  # a splice moves up to 1 MiB: chunks stay at most CHUNK_MAX
+                piece = min(n, CHUNK_MAX)
                 self.kind.append(k)
                 self.offset.append(offset)
-                self.length.append(n)
+                self.length.append(piece)
+                offset, n = offset + piece, n - piece
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -305,6 +439,9 @@ class Tape:
                 if stream not in fds:
                     fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
                 chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
+        except OSError as e:
+            from .errors import StateError
+            raise StateError(f"the captured output is gone ({self.files.get(stream)}: {e.strerror})") from None
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -319,23 +319,25 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
         ids = {"run_id": h["run_id"], "cell_id": h["cell_id"]}
         sinks = {"stdout": sys.stdout.buffer, "tty": sys.stdout.buffer, "stderr": sys.stderr.buffer}
         since = 0
-        while True:
-            try:
+
+        def on_interrupt(_n, _f):
+            # runs between two steps of the loop below (the read it interrupted resumes,
+            # PEP 475): the signal goes on a connection of its own
+            with Client(path) as side:
+                side.call("signal", **ids, sig="INT")
+        old = signal.signal(signal.SIGINT, on_interrupt)
+        try:
+            while True:
                 out = c.call("output", **ids, since=since, timeout=1.0)
-            except KeyboardInterrupt:
-                # the connection may hold half an answer: the signal goes on a new one
-                with Client(path) as side:
-                    side.call("signal", **ids, sig="INT")
-                c.close()
-                c = Client(path)
-                continue
-            for chunk in out["chunks"]:
-                sink = sinks[chunk["stream"]]
-                sink.write(base64.b64decode(chunk["data_b64"]))
-                sink.flush()
-            since = out["next"]
-            if out["ended"]:
-                break
-        res = c.call("wait", **ids)
+                for chunk in out["chunks"]:
+                    sink = sinks[chunk["stream"]]
+                    sink.write(base64.b64decode(chunk["data_b64"]))
+                    sink.flush()
+                since = out["next"]
+                if out["ended"]:
+                    break
+            res = c.call("wait", **ids)
+        finally:
+            signal.signal(signal.SIGINT, old)
         c.close()
         return res["exit_code"]

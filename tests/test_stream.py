@@ -168,8 +168,11 @@ def test_the_output_cap_still_stops_a_streamed_cell_and_the_file_holds_what_was_
         sup, worktree, policy_dir, monkeypatch, state):
     write_role(policy_dir, "capped", limits__output_max='"64K"')
     monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
-    h = sup.spawn(["sh", "-c", "echo start >&2; yes"], role="capped", workdir=worktree, stream=True)
+    h = sup.spawn(["sh", "-c", "echo start >&2; read go; yes"], role="capped", workdir=worktree, stream=True,
+                  stdin=True)
     r = Reader(sup, h)
+    r.until(b"start\n")  # stderr counts against the cap too: in before the flood
+    sup.write_stdin(h["run_id"], h["cell_id"], b"go\n")
     res = sup.wait(h["run_id"], h["cell_id"], 30)
     data = r.to_end()
     assert res["reason"] == "output_limit" and len(data) == 64 * 1024
@@ -230,5 +233,25 @@ def test_serve_ops_carry_live_io_and_spawn_follow_prints_the_output(agnsup, tmp_
         assert cp.out == "o1\n"
         handle, rest = cp.err.split("\n", 1)
         assert json.loads(handle)["cell_id"].startswith("c-") and rest == "e1\n"
+    finally:
+        s.close()
+
+
+def test_spawn_follow_sends_ctrl_c_to_the_cell_and_exits_with_its_status(agnsup, tmp_path, worktree):
+    import signal
+    import subprocess
+
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        p = agnsup.popen("spawn", "--follow", "--workdir", worktree, "--", "sh", "-c",
+                         f"trap 'echo interrupted; exit 4' INT; echo ready; {LOOP}",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        assert p.stdout.readline() == b"ready\n"
+        p.send_signal(signal.SIGINT)  # as ^C at the client's terminal would
+        assert p.stdout.readline() == b"interrupted\n"
+        assert p.wait(60) == 4
+        p.stdout.close()
+        p.stderr.close()
     finally:
         s.close()

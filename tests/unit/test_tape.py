@@ -35,3 +35,10 @@ def test_max_bytes_returns_at_least_one_chunk_and_merging_stops_at_the_chunk_lim
 def test_a_read_waits_only_as_long_as_asked(tmp_path):
     t = _tape(tmp_path)
     assert t.read(0, timeout=0.01) == {"chunks": [], "next": 0, "ended": False}
+
+
+def test_a_large_write_becomes_chunks_of_at_most_the_chunk_limit(tmp_path):
+    t = _tape(tmp_path, b"y" * (3 * CHUNK_MAX + 5))
+    t.add("stdout", 0, 3 * CHUNK_MAX + 5)  # one splice of ~200 KiB
+    out = t.read(0, timeout=0)
+    assert [len(c["data"]) for c in out["chunks"]] == [CHUNK_MAX] * 3 + [5]

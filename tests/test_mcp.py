@@ -75,8 +75,11 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
             assert res.is_error and v["error_type"] == "Denied" and v["exit_code"] == 126
             assert v["rule"].startswith("hardline.") and v["reason"] and "hint" in v
 
-            v = value(await s.call_tool("run_process", {"argv": ["sleep", "30"], "timeout": 0.5}))
+            notes.clear()
+            v = value(await s.call_tool("run_process", {"argv": ["sleep", "30"], "timeout": 1.5},
+                                        progress_callback=on_progress))
             assert (v["state"], v["exit_code"]) == ("timeout", 124)
+            assert any("running for" in n for n in notes), notes  # a long call says it is still going
 
             for name, args, says in (
                     ("run_process", {"argv": "ls"}, "argv must be an array"),

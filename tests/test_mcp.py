@@ -63,6 +63,10 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
             assert any(v["cell_id"] in n and "started" in n for n in notes), notes
             assert value(await s.call_tool("receipt", {"cell_id": v["cell_id"]}))["exit_code"] == 3
 
+            # The cell holds none of the server's descriptors: above all not the protocol's pipes.
+            v = value(await s.call_tool("run_process", {"argv": ["ls", "/proc/self/fd"]}))
+            assert v["stdout"].split() == ["0", "1", "2", "3"]  # 3: ls's own directory
+
             v = value(await s.call_tool("run_shell", {"command": "echo a | tr a b > f && cat f"}))
             assert v["stdout"] == "b\n"
             chain = value(await s.call_tool("receipt", {"cell_id": v["cell_id"]}))["chain"]

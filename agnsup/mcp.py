@@ -122,6 +122,9 @@ SCHEMAS = {s["name"]: s for s in (
                 {"cell_id": _CELL, "text": {"type": "string", "description": "What to write (UTF-8)."},
                  "eof": {"type": "boolean", "description": "Close stdin after writing (default false)."}},
                 ("cell_id",)),
+    _plain_tool("resize", "Set the terminal size of a cell spawned with pty (it gets SIGWINCH).",
+                {"cell_id": _CELL, "cols": {"type": "integer", "minimum": 1, "maximum": 65535},
+                 "rows": {"type": "integer", "minimum": 1, "maximum": 65535}}, ("cell_id", "cols", "rows")),
     _plain_tool("signal", "Send a spawned cell INT or TERM (to its process group, like ^C in a terminal) or KILL "
                 "(the whole tree, daemons included; the cell ends killed).",
                 {"cell_id": _CELL, "sig": {"type": "string", "enum": ["INT", "TERM", "KILL"]}},
@@ -387,6 +390,11 @@ def build_server(sessions: Sessions):
         await to_thread.run_sync(session.sup.signal, session.run_id, args["cell_id"], args["sig"])
         return {"cell_id": args["cell_id"], "sent": args["sig"]}
 
+    async def resize(ctx, args):
+        session = of(ctx)
+        await to_thread.run_sync(session.sup.resize, session.run_id, args["cell_id"], args["cols"], args["rows"])
+        return {"cell_id": args["cell_id"], "cols": args["cols"], "rows": args["rows"]}
+
     async def wait(ctx, args):
         timeout = args.get("timeout")
         if timeout is not None and timeout < 0:
@@ -407,7 +415,7 @@ def build_server(sessions: Sessions):
         return await to_thread.run_sync(of(ctx).receipt, args["cell_id"])
 
     handlers = {"run_process": run_process, "run_shell": run_shell, "spawn": spawn, "wait": wait,
-                "read_output": read_output, "write_stdin": write_stdin, "signal": signal_,
+                "read_output": read_output, "write_stdin": write_stdin, "resize": resize, "signal": signal_,
                 "cancel": cancel, "ps": ps, "receipt": receipt}
     assert set(handlers) == set(SCHEMAS)
 

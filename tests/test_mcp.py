@@ -44,8 +44,8 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
     async def main():
         async with session(state, worktree, "--run-id", "r1") as s:
             tools = {t.name: t for t in (await s.list_tools()).tools}
-            assert set(tools) == {"run_process", "run_shell", "spawn", "read_output", "write_stdin", "signal",
-                                  "wait", "cancel", "ps", "receipt"}
+            assert set(tools) == {"run_process", "run_shell", "spawn", "read_output", "write_stdin", "resize",
+                                  "signal", "wait", "cancel", "ps", "receipt"}
             props = tools["run_process"].input_schema["properties"]
             assert "argv" in props and "timeout" in props and "role" not in props  # the role is the server's
             assert tools["ps"].annotations.read_only_hint and not tools["run_shell"].annotations.read_only_hint
@@ -175,9 +175,14 @@ def test_live_io_stdin_then_incremental_output_a_pty_and_a_signal(state, worktre
             res = await s.call_tool("write_stdin", {"cell_id": h["cell_id"], "text": "late"})
             assert res.is_error and value(res)["error_type"] == "UsageError"
 
-            h = value(await s.call_tool("spawn", {"argv": ["stty", "size"], "pty": {"cols": 91, "rows": 7}}))
+            h = value(await s.call_tool("spawn", {"argv": ["sh", "-c", "stty size; read x; stty size"],
+                                                  "pty": {"cols": 91, "rows": 7}, "stdin": True}))
+            assert value(await s.call_tool("read_output", {"cell_id": h["cell_id"], "timeout": 30}))["chunks"]
+            assert value(await s.call_tool("resize", {"cell_id": h["cell_id"], "cols": 100, "rows": 30}))
+            await s.call_tool("write_stdin", {"cell_id": h["cell_id"], "text": "\n"})
             _, chunks = await read_all(s, h["cell_id"])
-            assert {c["stream"] for c in chunks} == {"tty"} and "".join(c["text"] for c in chunks) == "7 91\r\n"
+            assert {c["stream"] for c in chunks} == {"tty"}
+            assert "".join(c["text"] for c in chunks) == "7 91\r\n\r\n30 100\r\n"  # the middle: the echoed line
 
             h = value(await s.call_tool("spawn", {"argv": ["sleep", "300"]}))
             assert value(await s.call_tool("signal", {"cell_id": h["cell_id"], "sig": "INT"}))["sent"] == "INT"

@@ -402,6 +402,34 @@ def serve(obj, socket_path):
     sys.exit(serve_main(obj["state_dir"], socket_path))
 
 
+@main.command()
+@click.option("--role", default="executor", show_default=True,
+              help="Role policy of every cell of the session (the model cannot change it).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Worktree the cells run in; a call's workdir must lie inside it (default: cwd).")
+@click.option("--run-id", "--run", "run_id", default=None, metavar="R",
+              help="Run id of the session's cells (default: mcp-XXXXXXXX, new each start; over HTTP, "
+                   "new each session).")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
+              help="Agent id of the cells (default: the MCP client's name).")
+@click.option("--http", "http", default=None, metavar="HOST:PORT|unix:PATH",
+              help="Streamable HTTP instead of stdio: a loopback port (a bearer token guards it) or a Unix "
+                   "socket (mode 0600).")
+@click.pass_obj
+def mcp(obj, role, workdir, run_id, agent_id, http):
+    """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
+
+    Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
+    signal, wait, cancel, ps, receipt. Every call that runs something is a cell of this
+    session's run under --role. Prints one JSON line {"ready": true, "run_id":
+    ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
+    When the client ends the session (or on SIGTERM/SIGINT), its cells are
+    cancelled.
+    """
+    from .mcp import main as mcp_main
+    sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))
+
+
 @main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
                                                  "allow_interspersed_args": False})
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,

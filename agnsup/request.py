@@ -99,6 +99,9 @@ class CellRequest(Record):
     stream: bool = Opt(False, "bool", help="Keep the ordered output chunks for read_output (besides the "
                        "captured files).")
     entry: str = Opt("api", "str")
+    # argv is ["sh", "-c", LINE] made by a front door from one shell command line
+    # (MCP run_shell): the gate judges LINE as shell text, as tool run_shell.
+    shell: bool = Opt(False, "bool")
 
     @classmethod
     def options(cls) -> dict[str, Opt]:
@@ -122,6 +125,8 @@ class CellRequest(Record):
                 continue
             if not accepts(value):
                 raise UsageError(f"{name}: must be {what}, not {value!r}")
+        if options.get("shell") and (len(argv) != 3 or argv[1] != "-c"):
+            raise UsageError("shell: argv must be [SHELL, \"-c\", LINE]")
         env = options.get("env")
         if isinstance(env, dict):
             options["env"] = [f"{k}={v}" for k, v in env.items()]
@@ -137,11 +142,13 @@ class CellRequest(Record):
         return self.stream or self.pty is not None
 
 
-def tool_schema(name: str, description: str) -> dict:
-    """The JSON schema of a tool that takes a cell request: argv plus every option a model may set."""
+def tool_schema(name: str, description: str, exclude: tuple[str, ...] = ()) -> dict:
+    """The JSON schema of a tool that takes a cell request: argv plus every option a model may set
+    (but those in `exclude`: options the front door fixes itself, e.g. the MCP server's role)."""
     props = {"argv": {"type": "array", "items": {"type": "string"}, "minItems": 1,
                       "description": "The command and its arguments; no shell is involved."}}
-    props.update({k: o.schema for k, o in CellRequest.options().items() if o.schema is not None})
+    props.update({k: o.schema for k, o in CellRequest.options().items()
+                  if o.schema is not None and k not in exclude})
     return {"name": name, "description": description,
             "parameters": {"type": "object", "properties": props, "required": ["argv"],
                            "additionalProperties": False}}

@@ -71,6 +71,31 @@ def _connect(path: str, timeout: float | None = 5.0) -> socket.socket:
             os.close(fd)
 
 
+def listen_unix(path: str, what: str) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0600 from birth (whoever can connect can
+    start cells as this user); a dead server's socket file is replaced, a live one's is
+    a UsageError naming `what` listens there."""
+    if os.path.lexists(path):
+        try:
+            _connect(path, 1.0).close()
+        except OSError:
+            os.unlink(path)  # a dead server's socket
+        else:
+            raise UsageError(f"another {what} already listens at {path}")
+    addr, fd = _address(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)  # the socket file is born 0600
+    try:
+        s.bind(addr)
+    finally:
+        os.umask(old)
+        if fd is not None:
+            os.close(fd)
+    os.chmod(path, 0o600)
+    s.listen(64)
+    return s
+
+
 # -- client --------------------------------------------------------------------
 class Client:
     """One connection to a serve controller."""
@@ -123,26 +148,11 @@ class Server:
         self.stop = threading.Event()
 
     def _bind(self) -> socket.socket:
-        if os.path.lexists(self.path):
-            try:
-                _connect(self.path, 1.0).close()
-            except OSError:
-                os.unlink(self.path)  # a dead server's socket
-            else:
-                self.sup.close()
-                raise UsageError(f"another serve controller already listens at {self.path}")
-        addr, fd = _address(self.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)  # the socket file is born 0600
         try:
-            s.bind(addr)
-        finally:
-            os.umask(old)
-            if fd is not None:
-                os.close(fd)
-        os.chmod(self.path, 0o600)
-        s.listen(64)
-        return s
+            return listen_unix(self.path, "serve controller")
+        except UsageError:
+            self.sup.close()
+            raise
 
     def serve_forever(self) -> int:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

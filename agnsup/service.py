@@ -186,6 +186,24 @@ class Supervisor:
     def _ended(self, run_id: str, cell_id: str) -> dict:
         return journal_result(self.state, self.ctl.journal, run_id, cell_id)
 
+    def receipt(self, run_id: str, cell_id: str) -> dict | None:
+        """The cell's receipt from the journal (the last one: a recovered cell has the
+        janitor's), or None while it runs. UnknownId for a cell the journal never saw."""
+        if self.ctl.journal.cell(run_id, cell_id) is None:
+            raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+        recs = self.ctl.journal.receipts("cell", run_id, cell_id)
+        return recs[-1] if recs else None
+
+    def redactor(self, run_id: str, cell_id: str):
+        """text -> text: the role's output redaction (governance.redact) for live output
+        of a cell this supervisor started, as tool.ended applies it to returned output."""
+        from .redact import Redactor, host_secrets
+        r = self._running(run_id, cell_id)
+        cfg = r.cell.plan.redact
+        if not cfg:
+            return lambda text: text
+        return Redactor(cfg["rules"], cfg["patterns"], host_secrets(os.environ, r.cell.spec.env))
+
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
         from . import cancel as cancelmod

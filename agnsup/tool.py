@@ -67,7 +67,9 @@ def prepare(state, journal, request: CellRequest):
     from . import broker, compiler, governance, policy, spec as specmod
     from .linux import host
 
-    trace = [broker.stage("public_tool", tool="run_process", entry=request.entry)]
+    # A shell request (request.shell: argv is ["sh", "-c", LINE]) is judged as the shell line it is.
+    tool, call = ("run_shell", {"command": request.argv[2]}) if request.shell else ("run_process", {})
+    trace = [broker.stage("public_tool", tool=tool, entry=request.entry)]
     pol = policy.load(request.role, state.path)
     try:
         spec = specmod.build(request, pol)
@@ -78,7 +80,7 @@ def prepare(state, journal, request: CellRequest):
                                entry=request.entry)
         raise
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
-    decision, trail = governance.decide("run_process", {"argv": spec.argv, "cwd": spec.workdir}, pol,
+    decision, trail = governance.decide(tool, {**(call or {"argv": spec.argv}), "cwd": spec.workdir}, pol,
                                         spec.worktree, state.path)
     trace.append(broker.stage("governance", allowed=decision.allowed, rule=decision.rule))
     if not decision.allowed:

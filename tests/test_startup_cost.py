@@ -18,7 +18,7 @@ import pytest
 HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", "dis", "shutil", "tree_sitter",
          "tree_sitter_bash", "pyroute2", "psutil", "secrets", "random", "hmac", "typing", "tomllib",
          "importlib.resources", "importlib.metadata", "socket", "tempfile", "bz2", "lzma", "datetime",
-         "sqlite3.dbapi2")
+         "sqlite3.dbapi2", "mcp", "mcp_types", "anyio", "starlette", "uvicorn")
 
 # The console script's own entry point, under -X importtime: every module the
 # interpreter imports is listed on stderr as it happens (the CLI leaves with
@@ -42,7 +42,7 @@ def test_run_true_imports_nothing_heavy(state, worktree, tmp_path, role):
     _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")  # warms the policy cache
     mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")
     assert "agnsup.supervisor" in mods and "agnsup.journal" in mods  # it did run the cell path
-    heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter"))
+    heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
     assert heavy == [], f"the run path imported {heavy}"
 
 

@@ -18,7 +18,8 @@ FORBIDDEN_CALLS = {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "
                    "execle", "execlp", "execlpe"}
 
 LAYERS = [  # top to bottom
-    ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.doctor", "agnsup.selftest"]),
+    ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.doctor", "agnsup.selftest",
+                     "agnsup.sandboxd"]),
     ("tool and service", ["agnsup.service", "agnsup.tool"]),
     ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
                 "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor",

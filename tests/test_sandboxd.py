@@ -1,0 +1,276 @@
+"""`agnsup sandboxd` driven by agent-sandbox's own Python client (k8s-agent-sandbox): its
+generated ProcessService stubs, its sandboxd command executor and filesystem client
+pointed at a local server. Every process is a cell; every file call is journaled."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from conftest import write_role
+from scenario import alive, wait_for
+
+grpc = pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
+pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
+
+from k8s_agent_sandbox.commands._process_stubs import process_pb2 as pb, process_pb2_grpc as pb_grpc  # noqa: E402
+
+
+class Server:
+    """One `agnsup sandboxd` on free loopback ports; `.ready` is its ready line."""
+
+    def __init__(self, agnsup, tmp_path, worktree, *args, env=None):
+        self.err_path = tmp_path / f"sandboxd-{os.urandom(3).hex()}.err"
+        with open(self.err_path, "wb") as err:
+            self.proc = agnsup.popen("sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0", "--workdir",
+                                     worktree, *args, env=env, stdout=subprocess.PIPE, stderr=err)
+        line = self.proc.stdout.readline()
+        assert line, self.err_path.read_text()
+        self.ready = json.loads(line)
+        self.channel = grpc.insecure_channel(self.ready["grpc"])
+        self.stub = pb_grpc.ProcessServiceStub(self.channel)
+        self.rest = "http://" + self.ready["rest"]
+
+    def client(self):
+        """The client package's own sandboxd command executor and filesystem client, aimed at this server."""
+        from k8s_agent_sandbox.commands.command_executor import CommandExecutor
+        from k8s_agent_sandbox.connector import SandboxConnector
+        from k8s_agent_sandbox.files.filesystem import Filesystem
+        from k8s_agent_sandbox.models import SandboxdInClusterConnectionConfig
+        grpc_port = int(self.ready["grpc"].rpartition(":")[2])
+        rest_port = int(self.ready["rest"].rpartition(":")[2])
+        config = SandboxdInClusterConnectionConfig(mode="in-cluster-pod-ip", grpc_port=grpc_port, rest_port=rest_port)
+        conn = SandboxConnector("local", "default", config, k8s_helper=None, get_pod_ip=lambda: "127.0.0.1")
+        return conn, CommandExecutor(conn, None, "test"), Filesystem(conn, None, "test")
+
+    def close(self):
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def server(agnsup, tmp_path, worktree):
+    s = Server(agnsup, tmp_path, worktree)
+    yield s
+    s.close()
+    assert s.proc.returncode == 0, s.err_path.read_text()
+
+
+def _journal(state):
+    from agnsup.state import StateRoot
+    return StateRoot(state).journal()
+
+
+def test_the_descriptor_is_the_proto_and_the_wire_is_agent_sandboxs():
+    """agnsup's process.proto compiles to the descriptor it ships, and that descriptor
+    has the standard's package, messages, field names, numbers, types, enum and rpcs."""
+    pytest.importorskip("grpc_tools", reason="ENV_BLOCKED: grpcio-tools is not installed (the test extra)")
+    from google.protobuf import descriptor_pb2
+
+    from agnsup.sandboxd import _descriptor, proto
+    here = os.path.join(os.path.dirname(proto.__file__), "process.proto")
+    assert proto.compile_proto(here) == _descriptor.FILE, "stale: run scripts/gen_sandboxd_descriptor"
+    ours = descriptor_pb2.FileDescriptorProto.FromString(_descriptor.FILE)
+    theirs = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(theirs)
+    for d in (ours, theirs):
+        d.ClearField("options")
+        d.ClearField("source_code_info")
+    assert ours == theirs
+    m = proto.messages()
+    assert m.Signal == {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGINT": 2, "SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15}
+    wire = pb.StartRequest(config=pb.ProcessConfig(command=["a", "b"], env_vars={"K": "V"}, cwd="sub"),
+                           pty=pb.PTY(cols=80, rows=24)).SerializeToString()
+    assert m.StartRequest.FromString(wire).SerializeToString(deterministic=True) == wire
+
+
+def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(server, agnsup, worktree):
+    conn, commands, _ = server.client()
+    try:
+        r = commands.run("echo out; echo err >&2; exit 3", env={"GREETING": "hi"})
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        r = commands.run('echo "$GREETING $AGNSUP_CELL_ID $PWD"', env={"GREETING": "hi"})
+        assert r.exit_code == 0 and r.stdout == f"hi proc-2 {worktree}\n"
+    finally:
+        conn.close()
+    # The standard's stub: the cell's ids and receipt come back as trailing metadata.
+    resp, call = server.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])))
+    md = dict(call.trailing_metadata())
+    assert resp.exit_code == 0 and md["agnsup-cell-id"] == "proc-3" and md["agnsup-state"] == "exited"
+    with open(md["agnsup-receipt"]) as f:
+        receipt = json.load(f)
+    assert receipt["run_id"] == "sandboxd" and receipt["chain"][0]["entry"] == "sandboxd"
+    cells = {c["cell_id"]: c for c in agnsup.json("ps", "--all", "--json")}
+    assert set(cells) == {"proc-1", "proc-2", "proc-3"}
+    assert cells["proc-1"]["controller"] == server.ready["controller"] and cells["proc-1"]["exit_code"] == 3
+
+
+def test_a_denied_command_is_permission_denied_with_the_rule_and_journaled(server, agnsup, state):
+    conn, commands, _ = server.client()
+    try:
+        with pytest.raises(RuntimeError, match="PERMISSION_DENIED.*hardline.rm_root"):
+            commands.run("rm -rf /")
+    finally:
+        conn.close()
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Execute(pb.ExecuteRequest(config=pb.ProcessConfig(command=["no-such-cmd"])))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "not found on the cell's PATH" in e.value.details()
+    assert dict(e.value.trailing_metadata())["agnsup-exit-code"] == "127"
+    for bad, code in ((pb.ProcessConfig(), grpc.StatusCode.INVALID_ARGUMENT),
+                      (pb.ProcessConfig(command=["true"], cwd="../.."), grpc.StatusCode.PERMISSION_DENIED)):
+        with pytest.raises(grpc.RpcError) as e:
+            server.stub.Execute(pb.ExecuteRequest(config=bad))
+        assert e.value.code() == code and e.value.details()
+    j = _journal(state)
+    try:
+        denied = [ev for c in ("proc-1",) for ev in j.events("sandboxd", c) if ev["kind"] == "denied"]
+    finally:
+        j.close()
+    assert denied and json.loads(denied[0]["data"])["decision"]["rule"] == "hardline.rm_root"
+    assert agnsup.json("ps", "--all", "--json") == []  # nothing started
+
+
+def test_a_file_written_is_read_back_listed_and_deleted_and_each_call_journaled(server, state, worktree):
+    conn, _, files = server.client()
+    try:
+        files.write("src/notes.txt", b"hello\x00world")
+        assert files.read("src/notes.txt") == b"hello\x00world"
+        with open(os.path.join(worktree, "src", "notes.txt"), "rb") as f:
+            assert f.read() == b"hello\x00world"
+        (entry,) = files.list("src")
+        assert (entry.name, entry.size, entry.type, entry.mode) == ("notes.txt", 11, "file", "0644")
+        assert files.exists("src/notes.txt") and not files.exists("src/absent")
+        from k8s_agent_sandbox.exceptions import SandboxRequestError
+        with pytest.raises(SandboxRequestError) as e:
+            files.delete("src")
+        assert e.value.status_code == 409
+        files.delete("src", recursive=True)
+        assert not os.path.exists(os.path.join(worktree, "src"))
+    finally:
+        conn.close()
+    j = _journal(state)
+    try:
+        ops = [(o["op"], o["path"], o["status"]) for o in j.file_ops("sandboxd")]
+    finally:
+        j.close()
+    assert ops == [("write", "src/notes.txt", 204), ("read", "src/notes.txt", 200), ("read", "src", 200),
+                   ("stat", "src/notes.txt", 200), ("stat", "src/absent", 404), ("delete", "src", 409),
+                   ("delete", "src", 204)]
+
+
+def test_a_path_outside_the_worktree_is_refused_however_it_is_spelled(server, state, worktree, tmp_path):
+    import requests
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    os.symlink(str(tmp_path), os.path.join(worktree, "link"))
+    conn, _, files = server.client()
+    try:
+        from k8s_agent_sandbox.exceptions import SandboxRequestError
+        for path in ("../outside.txt", "link/outside.txt", "sub/../../outside.txt"):
+            with pytest.raises(SandboxRequestError) as e:
+                files.read(path, allow_unsafe_paths=True)
+            assert e.value.status_code == 403, path
+            assert e.value.response.json()["code"] == "PERMISSION_DENIED"
+        with pytest.raises(SandboxRequestError) as e:
+            files.write("link/new.txt", b"x", allow_unsafe_paths=True)
+        assert e.value.status_code == 403 and not (tmp_path / "new.txt").exists()
+    finally:
+        conn.close()
+    # An absolute path is the worktree's (as the standard's server reads it), never the host's.
+    r = requests.get(server.rest + "/v1/files/%2Fetc%2Fpasswd")
+    assert r.status_code == 404 and r.json()["code"] == "NOT_FOUND"
+    assert requests.get(server.rest + "/v1/health").json()["status"] == "ok"
+    assert requests.get(server.rest + "/v1/agnsup").json()["worktree"] == worktree
+    j = _journal(state)
+    try:
+        refused = [o for o in j.file_ops("sandboxd") if o["status"] == 403]
+    finally:
+        j.close()
+    assert len(refused) == 4 and all(o["rule"] == "sandboxd.path_escape" for o in refused)
+
+
+def test_a_readonly_role_reads_files_but_the_gate_refuses_writes(agnsup, tmp_path, worktree):
+    import requests
+    with open(os.path.join(worktree, "a.txt"), "w") as f:
+        f.write("A")
+    s = Server(agnsup, tmp_path, worktree, "--role", "readonly")
+    try:
+        assert requests.get(s.rest + "/v1/files/a.txt").content == b"A"
+        r = requests.put(s.rest + "/v1/files/a.txt", data=b"B")
+        assert r.status_code == 403 and r.json()["rule"].startswith(("zone.", "sandbox."))
+        assert requests.delete(s.rest + "/v1/files/a.txt").status_code == 403
+    finally:
+        s.close()
+    with open(os.path.join(worktree, "a.txt")) as f:
+        assert f.read() == "A"
+
+
+def test_a_sigkilled_server_leaves_its_cells_to_the_janitor_of_its_next_start(agnsup, tmp_path, worktree, state,
+                                                                               policy_dir):
+    """Cells outlive the server (role keeps them); the restarted server's janitor kills the
+    whole tree, a setsid daemon included, and records them recovered."""
+    write_role(policy_dir, "lasting", process__on_controller_death='"keep"')
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    s = Server(agnsup, tmp_path, worktree, "--role", "lasting", env=env)
+    futures = []
+    try:
+        argv = ["sh", "-c", "setsid sleep 301 & sleep 300"]
+        futures = [s.stub.Execute.future(pb.ExecuteRequest(config=pb.ProcessConfig(command=argv))) for _ in range(2)]
+        # Two cells of one worktree take turns on its lock: the first runs, the second waits for it.
+        cell = wait_for(lambda: [c for c in agnsup.json("ps", "--json") if c["state"] == "running"], 60,
+                        "a running cell")[0]
+        if "v2" not in (cell["cgroup"] or {}):
+            pytest.skip("ENV_BLOCKED: cgroup (no cgroup2 tree to read the cell's members from)")
+        cg = os.path.join(cell["cgroup"]["v2"], "cgroup.procs")
+        procs = wait_for(lambda: _members(cell) if len(_members(cell)) >= 3 else None, 30, "the tree's 3 processes")
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(30)
+        assert all(alive(*p) for p in procs), "the role keeps cells alive after their controller"
+    finally:
+        for f in futures:
+            f.cancel()
+        s.close()
+    s2 = Server(agnsup, tmp_path, worktree, "--role", "lasting", env=env)
+    try:
+        assert not any(alive(*p) for p in procs)
+        rows = {c["cell_id"]: c["state"] for c in agnsup.json("ps", "--all", "--json")}
+        assert rows[cell["cell_id"]] == "recovered", rows
+        assert not os.path.exists(cg)
+        _, call = s2.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])))
+        # The numbering goes on after the journal's highest proc-N: an old process id names no new process.
+        assert int(dict(call.trailing_metadata())["agnsup-cell-id"][5:]) > max(int(c[5:]) for c in rows)
+    finally:
+        s2.close()
+
+
+def _members(cell: dict) -> list[tuple[int, int]]:
+    from agnsup.linux import proc
+    path = os.path.join(cell["cgroup"]["v2"], "cgroup.procs")
+    try:
+        with open(path) as f:
+            pids = [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+    out = []
+    for pid in pids:
+        st = proc.stat(pid)
+        if st is not None:
+            out.append((pid, st.starttime))
+    return out
+
+
+def test_bad_addresses_and_workdirs_are_one_line_and_exit_125(agnsup, tmp_path, worktree, server):
+    taken = server.ready["rest"]
+    for args, words in ((("--grpc", "localhost:http"), "--grpc 'localhost:http': expected HOST:PORT"),
+                        (("--rest", "127.0.0.1:70000"), "port 0-65535"),
+                        (("--workdir", str(tmp_path / "absent")), "is not a directory"),
+                        (("--rest", taken, "--grpc", "127.0.0.1:0"), "cannot listen there"),
+                        (("--role", "nope"), "unknown role 'nope'")):
+        cp = agnsup("sandboxd", "--workdir", worktree, *args, check=125)
+        assert words in cp.err and cp.err.count("\n") == 1, cp.err

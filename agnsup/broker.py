@@ -63,7 +63,12 @@ class Cell(Record):
     lock_path: str | None = None
     child: object = None
     capture: bool = False
-    pump: object = None          # output.Pump when the role caps output
+    stdin: bool = False          # fd 0 is a pipe (or the pty) the supervisor writes: `input`
+    pty: dict | None = None      # {"cols", "rows"}: fds 0-2 and the controlling terminal are a pty
+    stream: bool = False         # the pump keeps a Tape for read_output (implied by pty)
+    pump: object = None          # output.Pump when the role caps output or the cell is live
+    input: object = None         # output.Input: the supervisor's end of the cell's fd 0
+    terminal: object = None      # output.Input on the pty's master (pty cells)
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
 
@@ -146,11 +151,13 @@ class Controller:
                 self.journal.close()
 
     # -- start ------------------------------------------------------------
-    def start(self, prepared: Prepared, capture: bool = False, notify=None) -> Cell:
+    def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
+              pty: dict | None = None, stream: bool = False) -> Cell:
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
-                    trail=prepared.trail, trace=prepared.trace, capture=capture)
+                    trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
+                    stdin=stdin, pty=pty, stream=stream or pty is not None)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.workdir))
         cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
                                      f"worktree {spec.workdir}", f"cell {spec.cell_id} of run {spec.run_id}", notify)
@@ -169,7 +176,8 @@ class Controller:
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = self._stdio(cell)
             try:
-                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker)
+                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
+                                              ctty=cell.pty is not None)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -269,41 +277,97 @@ class Controller:
         controller's stdio (run) or the log files (capture). With a cap it
         writes pipes the supervisor pumps, counting bytes; a terminal on the
         controller's side becomes a pty of the cell's own, so isatty() still
-        holds for the command but it never holds the user's terminal for output."""
+        holds for the command but it never holds the user's terminal for output.
+        A live cell (stream, pty) is always pumped into its log files, keeping a
+        Tape; `stdin` makes fd 0 a pipe whose write end is `cell.input`."""
+        from .output import Input
         cap = cell.plan.limits.get("output_max")
-        stdin = None
-        if cell.capture:
-            d = cell.plan.cell_dir
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600), 2: os.open(os.path.join(d, "stderr"), flags, 0o600)}
-            if cap is None:
-                return (stdin, dst[1], dst[2]), None
-        elif cap is None:
-            return None, None
-        else:
-            dst = {1: 1, 2: 2}
-        from .output import Pump
-        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
-        pump = Pump(cap, "pty" if ttys else "pipe")
-        child = [stdin, None, None]
+        child: list = [None, None, None]
+        owned: list[int] = []  # closed here if anything fails
         try:
-            if ttys:
-                master, slave = _cell_pty(ttys[0])
-                for n in ttys:
-                    child[n] = slave
-                pump.add("tty", master, ttys[0])
-            for n, name in ((1, "stdout"), (2, "stderr")):
-                if child[n] is None:
-                    r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
-                    child[n] = w
-                    pump.add(name, r, dst[n], own_dst=cell.capture)
+            if cell.stdin and cell.pty is None:
+                r, w = os.pipe()
+                owned += (r, w)
+                child[0] = r
+                cell.input = Input(w, tty=False)
+            elif cell.capture:
+                child[0] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                owned.append(child[0])
+            if cell.capture:
+                d = cell.plan.cell_dir
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600)}
+                owned.append(dst[1])
+                dst[2] = os.open(os.path.join(d, "stderr"), flags, 0o600)
+                owned.append(dst[2])
+                if cap is None and not cell.stream:
+                    child[1], child[2] = dst[1], dst[2]
+                    return tuple(child), None
+            elif cap is None:
+                return (tuple(child) if cell.stdin else None), None
+            else:
+                dst = {1: 1, 2: 2}
+            pump = self._pump(cell, cap, child, dst, owned)  # fills in the cell's ends
+            return tuple(child), pump
         except BaseException:
-            pump.close()
-            for fd in {fd for fd in child if fd is not None}:
+            if cell.input is not None:
+                if cell.input.fd in owned:
+                    owned.remove(cell.input.fd)
+                cell.input.close()
+            if cell.terminal is not None:
+                cell.terminal.close()
+            cell.input = cell.terminal = None
+            for fd in owned:
                 os.close(fd)
             raise
-        return tuple(child), pump
+
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list) -> object:
+        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
+        from .output import Pump, Tape
+        tape = None
+        if cell.stream:
+            d = cell.plan.cell_dir
+            tape = Tape({"stdout": os.path.join(d, "stdout"), "stderr": os.path.join(d, "stderr"),
+                         "tty": os.path.join(d, "stdout")})
+        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
+        pump = Pump(cap, "pty" if ttys or cell.pty else "pipe", tape)
+        try:
+            return self._fill_pump(cell, pump, ttys, child, dst, owned)
+        except BaseException:
+            pump.close()
+            raise
+
+    @staticmethod
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list) -> object:
+        from .output import Input
+        if cell.pty is not None:
+            # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
+            master, slave = _cell_pty(None, cell.pty, raw_output=False)
+            child[0] = child[1] = child[2] = slave
+            owned.append(slave)
+            pump.add("tty", master, dst[1], own_dst=True)
+            owned.remove(dst[1])
+            cell.terminal = Input(os.dup(master), tty=True)  # resize; and write_stdin with `stdin`
+            if cell.stdin:
+                cell.input = cell.terminal
+            os.close(dst[2])
+            owned.remove(dst[2])
+            return pump
+        if ttys:
+            master, slave = _cell_pty(ttys[0])
+            for n in ttys:
+                child[n] = slave
+            owned.append(slave)
+            pump.add("tty", master, ttys[0])
+        for n, name in ((1, "stdout"), (2, "stderr")):
+            if child[n] is None:
+                r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
+                child[n] = w
+                owned.append(w)
+                pump.add(name, r, dst[n], own_dst=cell.capture)
+                if cell.capture:
+                    owned.remove(dst[n])
+        return pump
 
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
@@ -357,6 +421,9 @@ class Controller:
 
     def _close_fds(self, cell: Cell) -> None:
         self._stop_egress(cell)
+        for end in (cell.input, cell.terminal):
+            if end is not None:
+                end.close()
         if cell.pump is not None:
             cell.pump.close()
         if cell.place is not None and cell.place.oom_fd is not None:
@@ -384,19 +451,29 @@ class Controller:
         return receipt
 
 
-def _cell_pty(like: int) -> tuple[int, int]:
-    """A pty for the cell's output, sized like the controller's terminal `like`.
+def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True) -> tuple[int, int]:
+    """A pty for the cell, sized like the controller's terminal `like` or `size` ({"cols", "rows"}).
 
-    Output post-processing is off (no ONLCR) so bytes reach the real terminal
-    unchanged, and it does its own processing there."""
+    `raw_output`: output post-processing off (no ONLCR) so bytes reach the real
+    terminal unchanged, and it does its own processing there. A pty that is the
+    cell's whole terminal (request `pty`) keeps a terminal's defaults."""
     import fcntl
     import termios
     master, slave = os.openpty()
-    attrs = termios.tcgetattr(slave)
-    attrs[1] &= ~termios.OPOST
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    if raw_output:
+        attrs = termios.tcgetattr(slave)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
     try:
-        fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
+        if size is not None:
+            from .output import set_winsize
+            set_winsize(master, size["cols"], size["rows"])
+        else:
+            fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
     except OSError:
-        pass
+        if size is not None:
+            os.close(master)
+            os.close(slave)
+            raise
     return master, slave
+

@@ -317,16 +317,22 @@ def sandboxd(obj, **options):
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
               help="The serve controller's socket (default: <state>/agnsup.sock).")
+@click.option("--follow", is_flag=True, default=False,
+              help="Print the cell's output as it comes and exit with its exit status.")
 @_cell_options
 @click.pass_obj
-def spawn(obj, socket_path, command, **options):
+def spawn(obj, socket_path, follow, command, **options):
     """Ask the serve controller to start CMD as a cell; return at once.
 
     Prints {"cell_id", "run_id", "agent_id", "pid", "cgroup"} as JSON. The
     cell's output is captured under the state root; `agnsup receipts --cell C`
     shows how it ended. Exit status as for run when the cell cannot start.
+    With --follow: the handle goes to stderr, the cell's output to stdout and
+    stderr as it comes, ^C to the cell's process group; exit status the cell's.
     """
-    from .serve import main_spawn
+    from .serve import main_follow, main_spawn
+    if follow:
+        sys.exit(main_follow(obj["state_dir"], socket_path, list(command), options))
     click.echo(json.dumps(main_spawn(obj["state_dir"], socket_path, list(command), options)))
 
 

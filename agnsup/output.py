@@ -13,6 +13,16 @@ first and writes at most PIPE_BUF bytes to a pipe or terminal, which the
 kernel accepts whole once POLLOUT is reported. Regular files take any size.
 If the destination's reader went away (EPIPE), the cell's own pipe is closed
 so the cell gets EPIPE/SIGPIPE on its next write, as it would have directly.
+
+A live cell (request `stream` or `pty`) is always pumped, into its captured
+files, and its pump keeps a Tape: the order of what it read, as (stream,
+offset, length) entries over those files, which read_output serves. The data
+itself is read back from the files (page cache), so the memory a chatty cell
+costs is the index alone, and no chunk is ever lost to a ring: a reader that
+comes late still gets everything from seq 0. Entries nobody has been handed
+yet are merged (same stream, up to CHUNK_MAX), so the index grows with what
+readers ask for, not with the cell's write calls. Input holds what the
+supervisor writes to the cell's fd 0 (write_stdin).
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ import stat
 
 PIPE_BUF = 4096
 READ_SIZE = 65536
+CHUNK_MAX = 65536       # a Tape chunk never grows past this when entries are merged
+STREAMS = ("stdout", "stderr", "tty")
 
 
 class Stream:
@@ -43,8 +55,9 @@ class Stream:
 
 
 class Pump:
-    def __init__(self, cap: int | None, via: str):
+    def __init__(self, cap: int | None, via: str, tape: "Tape | None" = None):
         self.cap, self.via = cap, via  # via: pipe | pty
+        self.tape = tape        # a live cell: what read_output serves
         self.streams: list[Stream] = []
         self.total = 0          # bytes the cell wrote that we read (up to cap + 1)
         self.overflowed = False
@@ -114,6 +127,8 @@ class Pump:
                 s.pending = b""
                 self._close_src(s)
                 return
+            if self.tape is not None:
+                self.tape.add(s.name, s.bytes, n)  # written to the captured file: now readable
             s.bytes += n
             s.pending = s.pending[n:]
             if s.gate:
@@ -123,6 +138,8 @@ class Pump:
         if not s.eof:
             s.eof = True
             os.close(s.src)
+        if self.tape is not None and all(x.eof and not x.pending for x in self.streams):
+            self.tape.close()  # every writer is gone: nothing more will come
 
     # -- after the cell ended ---------------------------------------------
     def drain(self, timeout: float) -> None:
@@ -150,6 +167,8 @@ class Pump:
                 self.handle(fd, mask)
 
     def close(self) -> None:
+        if self.tape is not None:
+            self.tape.close()
         for s in self.streams:
             self._close_src(s)
             if s.own_dst:
@@ -169,3 +188,142 @@ class Pump:
         if self.incomplete:
             out["incomplete"] = True
         return out
+
+
+class Tape:
+    """The order of a live cell's output: (stream, offset, length) over its captured files.
+
+    Appended by the pump (the cell's supervising thread), read by any thread
+    (Supervisor.read_output). seq is the entry's index; entries are never
+    dropped, so `since` may be anything from 0."""
+
+    def __init__(self, files: dict[str, str]):
+        import threading
+        from array import array
+        self.files = files                  # stream name -> captured file it is written to
+        self.cond = threading.Condition()
+        self.kind = bytearray()             # STREAMS index per entry
+        self.offset = array("q")
+        self.length = array("q")
+        self.handed = 0                     # entries below this were given to a reader: never merged again
+        self.closed = False
+
+    def add(self, stream: str, offset: int, n: int) -> None:
+        k = STREAMS.index(stream)
+        with self.cond:
+            last = len(self.kind) - 1
+            if last >= self.handed and self.kind[last] == k and self.offset[last] + self.length[last] == offset \
+                    and self.length[last] + n <= CHUNK_MAX:
+                self.length[last] += n
+            else:
+                self.kind.append(k)
+                self.offset.append(offset)
+                self.length.append(n)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def read(self, since: int = 0, timeout: float | None = None, max_bytes: int | None = None) -> dict:
+        """Chunks with seq >= since, waiting up to `timeout` (None: forever) for one.
+
+        At least one chunk comes back when there is one, even past max_bytes
+        (a chunk is at most CHUNK_MAX bytes). `ended`: the cell's output
+        streams are closed and this read reached the end."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.closed or len(self.kind) > since, timeout)
+            total = len(self.kind)
+            end, budget = since, 0
+            while end < total and (max_bytes is None or end == since or budget + self.length[end] <= max_bytes):
+                budget += self.length[end]
+                end += 1
+            self.handed = max(self.handed, end)
+            entries = [(i, STREAMS[self.kind[i]], self.offset[i], self.length[i]) for i in range(since, end)]
+            ended = self.closed and end >= total
+        chunks = []
+        fds: dict[str, int] = {}
+        try:
+            for seq, stream, off, n in entries:
+                if stream not in fds:
+                    fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
+                chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return {"chunks": chunks, "next": max(end, since), "ended": ended}
+
+
+class Input:
+    """The supervisor's end of a cell's fd 0: a pipe's write end, or a pty master (a dup of it,
+    so the pump closing its own copy never leaves this one pointing at a reused fd number).
+
+    Writers take turns (`turn`); the fd itself is used and closed only under
+    `fd_lock`, held for one non-blocking call at a time, so close() and resize()
+    never wait for a writer the cell does not read from."""
+
+    EOT = b"\x04"  # a pty's default VEOF: at the start of a line, read() returns 0 (termios(3))
+
+    def __init__(self, fd: int, tty: bool):
+        import threading
+        self.fd: int | None = fd
+        self.tty = tty
+        self.turn = threading.Lock()
+        self.fd_lock = threading.Lock()
+        self.eof = False
+        os.set_blocking(fd, False)
+
+    def write(self, data: bytes, eof: bool = False) -> None:
+        """All of `data` (waiting while the cell does not read), then EOF if asked.
+        Raises BrokenPipeError once the cell's end is closed or the cell ended."""
+        with self.turn:
+            if self.eof:
+                raise BrokenPipeError(errno.EPIPE, "stdin was already closed (eof)")
+            view = memoryview(data + (self.EOT if eof and self.tty else b""))
+            while True:
+                with self.fd_lock:
+                    if self.fd is None:
+                        raise BrokenPipeError(errno.EPIPE, "the cell ended")
+                    try:
+                        n = os.write(self.fd, view) if view else 0
+                    except BlockingIOError:
+                        n = None
+                    except OSError as e:
+                        if e.errno == errno.EIO:  # a pty whose cell side is closed everywhere
+                            raise BrokenPipeError(errno.EPIPE, "the cell's terminal is closed") from None
+                        raise
+                    if n is not None:
+                        view = view[n:]
+                    if not view:
+                        if eof and not self.tty:
+                            self.eof = True
+                            self._close()
+                        return
+                    fd = self.fd
+                p = select.poll()
+                p.register(fd, select.POLLOUT)
+                p.poll(200)  # bounded: a close() meanwhile is seen on the next turn
+
+    def resize(self, cols: int, rows: int) -> None:
+        with self.fd_lock:
+            if self.fd is None:
+                raise BrokenPipeError(errno.EPIPE, "the cell ended")
+            set_winsize(self.fd, cols, rows)
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        with self.fd_lock:
+            self._close()
+
+
+def set_winsize(fd: int, cols: int, rows: int) -> None:
+    """TIOCSWINSZ: the kernel sends SIGWINCH to the terminal's foreground process group."""
+    import fcntl
+    import struct
+    import termios
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

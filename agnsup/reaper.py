@@ -27,6 +27,7 @@ gone is skipped, never an error.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -313,6 +314,26 @@ class Tree:
         pidfd.send(self.leader_fd, signal.SIGKILL)
         stop(self.backend, [self.target], exclude=self.exclude)
         return EVIDENCE_KILL
+
+
+PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h, Linux 6.9+
+
+
+def signal_group(leader_fd: int, sig: int) -> bool:
+    """`sig` to the process group of the process behind `leader_fd`, as a terminal would
+    (a cell's leader leads its session and group). The pidfd pins the group's struct
+    pid, so this never reaches another group that reused the number; False when no
+    member is left. Before Linux 6.9: the leader alone."""
+    try:
+        signal.pidfd_send_signal(leader_fd, sig, None, PIDFD_SIGNAL_PROCESS_GROUP)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    from .linux import pidfd
+    return pidfd.send(leader_fd, sig)
 
 
 # -- release --------------------------------------------------------------------

@@ -47,7 +47,14 @@ KINDS = {
                                                                  for k, x in v.items())), "an object of strings"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "death": (lambda v: v is None or v in ("kill", "keep"), '"kill" or "keep"'),
+    "pty": (lambda v: v is None or (isinstance(v, dict) and set(v) == {"cols", "rows"}
+                                    and all(_size(x) for x in v.values())),
+            'null or {"cols": N, "rows": N} with N from 1 to 65535'),
 }
+
+
+def _size(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536
 
 
 class CellRequest(Record):
@@ -82,6 +89,14 @@ class CellRequest(Record):
     # client's), whether output is captured, and which front door asked.
     host_env: dict | None = Opt(None, "dict")
     capture: bool = Opt(True, "bool")
+    # Live I/O (Supervisor.read_output/write_stdin/resize, serve's output/stdin/resize ops).
+    # stream and pty imply capture: the captured files stay the record.
+    stdin: bool = Opt(False, "bool", help="The cell's fd 0 is a pipe the supervisor writes (write_stdin) "
+                      "instead of /dev/null.")
+    pty: dict | None = Opt(None, "pty", help='{"cols": N, "rows": N}: the cell\'s fds 0-2 and controlling '
+                           'terminal are a pty; its output is the stream "tty".')
+    stream: bool = Opt(False, "bool", help="Keep the ordered output chunks for read_output (besides the "
+                       "captured files).")
     entry: str = Opt("api", "str")
 
     @classmethod
@@ -111,7 +126,14 @@ class CellRequest(Record):
             options["env"] = [f"{k}={v}" for k, v in env.items()]
         elif isinstance(env, tuple):
             options["env"] = list(env)
+        if options.get("stream") or options.get("pty") is not None:
+            options["capture"] = True  # a live cell's output is always captured: the files are the record
         return cls(argv=list(argv), **options)
+
+    @property
+    def live(self) -> bool:
+        """Its output is streamed (read_output)."""
+        return self.stream or self.pty is not None
 
 
 def tool_schema(name: str, description: str) -> dict:

@@ -12,7 +12,15 @@ connection. Every request has "op":
     cancel {cell_id|run_id|agent_id|all, grace} -> {"ok": true, cancelled, cells}
     cleanup {run_id}                      -> {"ok": true, cleaned, items}
     ps     {run_id, all}                  -> {"ok": true, cells: [...]}
+    output {run_id, cell_id, since, timeout, max_bytes}
+                                          -> {"ok": true, chunks: [{seq, stream, data_b64}], next, ended}
+    stdin  {run_id, cell_id, data_b64, eof} -> {"ok": true}
+    signal {run_id, cell_id, sig}         -> {"ok": true}   (sig: INT | TERM | KILL)
+    resize {run_id, cell_id, cols, rows}  -> {"ok": true}
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
+
+Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
+"stream"; bytes travel as base64 in "data_b64".
 
 Errors: {"ok": false, "error": one line, "exit_code": the CLI's exit code}.
 Before a response may come {"note": line} lines (e.g. waiting for a worktree
@@ -20,6 +28,7 @@ lock); the client prints them on stderr.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -232,6 +241,26 @@ class Server:
     def op_ps(self, req: dict, note) -> dict:
         return {"cells": self.sup.list(req.get("run_id"), bool(req.get("all")))}
 
+    def op_output(self, req: dict, note) -> dict:
+        out = self.sup.read_output(req["run_id"], req["cell_id"], req.get("since", 0), req.get("timeout"),
+                                   req.get("max_bytes"))
+        out["chunks"] = [{"seq": c["seq"], "stream": c["stream"], "data_b64": base64.b64encode(c["data"]).decode()}
+                         for c in out["chunks"]]
+        return out
+
+    def op_stdin(self, req: dict, note) -> dict:
+        data = base64.b64decode(req.get("data_b64") or "", validate=True)  # binascii.Error is a ValueError
+        self.sup.write_stdin(req["run_id"], req["cell_id"], data, bool(req.get("eof")))
+        return {}
+
+    def op_signal(self, req: dict, note) -> dict:
+        self.sup.signal(req["run_id"], req["cell_id"], req["sig"])
+        return {}
+
+    def op_resize(self, req: dict, note) -> dict:
+        self.sup.resize(req["run_id"], req["cell_id"], req["cols"], req["rows"])
+        return {}
+
     def op_shutdown(self, req: dict, note) -> dict:
         self.stop.set()
         os.kill(os.getpid(), signal.SIGTERM)  # wakes the accept loop
@@ -266,3 +295,37 @@ def main_spawn(state_dir: str | None, socket_path: str | None, argv: list[str], 
     path = socket_path or default_socket(StateRoot(state_dir).path)
     with Client(path) as c:
         return c.call("spawn", **spawn_request(argv, options))
+
+
+def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str], options: dict) -> int:
+    """`agnsup spawn --follow`: spawn a streamed cell, print its output as it comes (stdout and
+    tty to stdout, stderr to stderr), return its exit code. The handle goes to stderr as one
+    JSON line. ^C (SIGINT here) is sent on to the cell's process group; the cell decides."""
+    from .state import StateRoot
+    path = socket_path or default_socket(StateRoot(state_dir).path)
+    with Client(path) as c:
+        h = c.call("spawn", **spawn_request(argv, {**options, "stream": True}))
+        print(json.dumps(h), file=sys.stderr, flush=True)
+        ids = {"run_id": h["run_id"], "cell_id": h["cell_id"]}
+        sinks = {"stdout": sys.stdout.buffer, "tty": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+        since = 0
+        while True:
+            try:
+                out = c.call("output", **ids, since=since, timeout=1.0)
+            except KeyboardInterrupt:
+                # the connection may hold half an answer: the signal goes on a new one
+                with Client(path) as side:
+                    side.call("signal", **ids, sig="INT")
+                c.close()
+                c = Client(path)
+                continue
+            for chunk in out["chunks"]:
+                sink = sinks[chunk["stream"]]
+                sink.write(base64.b64decode(chunk["data_b64"]))
+                sink.flush()
+            since = out["next"]
+            if out["ended"]:
+                break
+        res = c.call("wait", **ids)
+        c.close()
+        return res["exit_code"]

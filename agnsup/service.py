@@ -19,15 +19,22 @@ from __future__ import annotations
 import os
 import threading
 
-from .errors import UnknownId
+from .errors import UnknownId, UsageError
+
+SIGNALS = {"INT": 2, "TERM": 15, "KILL": 9}  # what Supervisor.signal sends (signal(7) numbers)
 
 
 class _Running:
-    def __init__(self, cell, request):
-        self.cell, self.request = cell, request
+    def __init__(self, cell, request, waiter):
+        self.cell, self.request, self.waiter = cell, request, waiter
         self.done = threading.Event()
         self.result: dict | None = None
         self.error: BaseException | None = None
+        # Our own pidfd of the leader, for group signals: the broker's copy is closed when the
+        # leader is reaped. `lock` orders signal() against the end of the wait.
+        self.lock = threading.Lock()
+        self.group_fd: int | None = os.dup(cell.child.pidfd)
+        self.leader_gone = False
 
 
 class _Forker:
@@ -93,15 +100,19 @@ class Supervisor:
         timeout, lock_timeout, env, host_env, capture, receipt_file, entry), all checked
         before anything is created. Raises AgnsupError (denied, not found, lock
         timeout...) like run_process. A held worktree lock is waited for;
-        `notify(line)` hears about it (default: stderr)."""
+        `notify(line)` hears about it (default: stderr).
+
+        Live I/O: `stdin=True` (write_stdin), `pty={"cols", "rows"}` (resize; output
+        is the stream "tty"), `stream=True` (read_output); stream and pty capture."""
         from .request import CellRequest
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
-        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify)
-        r = _Running(cell, request)
+        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,
+                              stdin=request.stdin, pty=request.pty, stream=request.stream)
+        r = _Running(cell, request, self.ctl.waiter(cell))
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
@@ -113,11 +124,20 @@ class Supervisor:
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
         try:
-            receipt = self.ctl.finish(r.cell, self.ctl.waiter(r.cell).wait())
+            r.waiter.wait()
+            with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
+                r.leader_gone = True
+                os.close(r.group_fd)
+                r.group_fd = None
+            receipt = self.ctl.finish(r.cell, r.waiter)
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
         finally:
+            with r.lock:
+                if r.group_fd is not None:
+                    os.close(r.group_fd)
+                    r.group_fd = None
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:
@@ -163,6 +183,79 @@ class Supervisor:
     def list(self, run_id: str | None = None, include_ended: bool = False) -> list[dict]:
         from .cells import listing
         return listing(self.state, run_id, include_ended)
+
+    # -- live I/O (request options stdin, pty, stream) ------------------------
+    def _running(self, run_id: str, cell_id: str) -> _Running:
+        with self._guard:
+            r = self._cells.get((run_id, cell_id))
+        if r is None:
+            if self.ctl.journal.cell(run_id, cell_id) is None:
+                raise UnknownId(f"no cell {cell_id!r} in run {run_id!r} in the journal")
+            raise UnknownId(f"cell {cell_id!r} of run {run_id!r} was not started by this supervisor: "
+                            "no live I/O (its captured output is under its cell directory)")
+        return r
+
+    def read_output(self, run_id: str, cell_id: str, since: int = 0, timeout: float | None = None,
+                    max_bytes: int | None = None) -> dict:
+        """{"chunks": [{"seq", "stream", "data"}], "next", "ended"} of a cell spawned with
+        `stream` or `pty`: chunks with seq >= since, in the order the pump read them,
+        waiting up to `timeout` seconds (None: until one comes or the output ends).
+        Every chunk since seq 0 stays readable (output.Tape: served from the captured files)."""
+        r = self._running(run_id, cell_id)
+        if not isinstance(since, int) or isinstance(since, bool) or since < 0:
+            raise UsageError(f"since: must be an integer >= 0, not {since!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise UsageError(f"timeout: must be a number of seconds >= 0, not {timeout!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise UsageError(f"max_bytes: must be an integer > 0, not {max_bytes!r}")
+        tape = r.cell.pump.tape if r.cell.pump is not None else None
+        if tape is None:
+            raise UsageError(f"cell {cell_id!r} was not spawned with stream or pty: no live output to read "
+                             "(its captured files are under its cell directory)")
+        return tape.read(since, timeout, max_bytes)
+
+    def write_stdin(self, run_id: str, cell_id: str, data: bytes, eof: bool = False) -> None:
+        """Write all of `data` to the cell's fd 0 (waiting while it does not read), then
+        close it if `eof` (a pty: its EOF character, ^D). The cell must have `stdin`."""
+        r = self._running(run_id, cell_id)
+        if not isinstance(data, (bytes, bytearray)):
+            raise UsageError(f"data: must be bytes, not {type(data).__name__}")
+        if r.cell.input is None:
+            raise UsageError(f"cell {cell_id!r} was not spawned with stdin: its fd 0 is /dev/null")
+        try:
+            r.cell.input.write(bytes(data), bool(eof))
+        except BrokenPipeError as e:
+            raise UsageError(f"cell {cell_id!r}: cannot write its stdin: {e.strerror}") from None
+
+    def signal(self, run_id: str, cell_id: str, sig: str) -> None:
+        """INT or TERM to the cell's process group (as a terminal's ^C would); KILL stops the
+        whole tree through its cgroup (setsid daemons too) and the cell ends "killed".
+        A cell that already ended: nothing to do. Journaled as a "signal" event."""
+        r = self._running(run_id, cell_id)
+        if sig not in SIGNALS:
+            raise UsageError(f"sig: must be one of {', '.join(SIGNALS)}, not {sig!r}")
+        from . import reaper
+        with r.lock:
+            if r.leader_gone:
+                return
+            self.ctl.journal.add_event("signal", run_id, cell_id, signal=sig, by=f"supervisor {self.ctl.id}")
+            if sig == "KILL":
+                r.waiter.stop_now("killed")
+            else:
+                reaper.signal_group(r.group_fd, SIGNALS[sig])
+
+    def resize(self, run_id: str, cell_id: str, cols: int, rows: int) -> None:
+        """Set a pty cell's terminal size; the kernel sends SIGWINCH to its foreground group."""
+        from .request import KINDS
+        r = self._running(run_id, cell_id)
+        if r.cell.terminal is None:
+            raise UsageError(f"cell {cell_id!r} has no terminal (spawn it with pty)")
+        if not KINDS["pty"][0]({"cols": cols, "rows": rows}):
+            raise UsageError(f"resize: cols and rows must be integers from 1 to 65535, not {cols!r}x{rows!r}")
+        try:
+            r.cell.terminal.resize(cols, rows)
+        except BrokenPipeError:
+            return  # it ended meanwhile: no terminal left to size
 
     # -- end ---------------------------------------------------------------
     def close(self, grace: float | None = None) -> None:

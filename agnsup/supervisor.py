@@ -117,7 +117,7 @@ class _Step:
 
 
 def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
-           status_w: int | None, controller: int, born: bool = False) -> None:
+           status_w: int | None, controller: int, born: bool = False, ctty=None) -> None:
     """Runs in the forked child; never returns."""
     at = _Step()
     try:
@@ -134,6 +134,9 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                         conf.egress.child_fd() if conf.egress else None})
         at.name = "setsid"
         os.setsid()
+        if ctty is not None:
+            at.name = "controlling_terminal"
+            ctty()  # fd 0 (a pty) becomes the session's terminal; its foreground group is ours
         at.name = "cgroup"
         if place.node is not None and not born:  # born in its cgroup: the controller moves it into the rest
             backend.attach(place, 0)
@@ -179,6 +182,13 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             os.write(err_w, f"{step}\0{code}\0{msg}".encode(errors="replace"))
         finally:
             os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
+
+
+def _take_terminal():
+    """TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing."""
+    import fcntl
+    import termios
+    return lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 def _close_all_but(keep: set) -> None:
@@ -249,14 +259,16 @@ def _prepare(plan) -> _Confinement:
     return conf
 
 
-def spawn(plan, backend, place, stdio: tuple | None = None, forker=None) -> Child:
+def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
     command run with `release(plan, child)`, or never with `abandon(child)`.
     `forker(fn)`: run the fork in a thread that lives as long as the controller
     (service.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
-    the cell exits (prctl(2)), and a serve request's thread ends with its connection."""
+    the cell exits (prctl(2)), and a serve request's thread ends with its connection.
+    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY)."""
+    take_terminal = _take_terminal() if ctty else None
     try:
         conf = _prepare(plan)
     except OSError as e:
@@ -283,7 +295,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None) -> Chil
             os.close(err_r)
             if status_r is not None:
                 os.close(status_r)
-            _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born)
+            _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born, take_terminal)
         return pid, fd, born
 
     try:

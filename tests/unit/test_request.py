@@ -17,7 +17,7 @@ def test_the_cli_and_its_fast_parser_take_exactly_the_request_options():
     from agnsup import cli
     flagged = {k for k, o in CellRequest.options().items() if o.flags}
     for command in ("run", "spawn"):
-        params = {p.name for p in cli.main.commands[command].params} - {"command", "socket_path"}
+        params = {p.name for p in cli.main.commands[command].params} - {"command", "socket_path", "follow"}
         assert params == flagged, command
     flags, defaults = entry._run_options()
     assert set(defaults) == flagged and {k for k, _ in flags.values()} == flagged
@@ -41,11 +41,22 @@ def test_the_serve_protocol_takes_the_request_options():
     (["true"], {"env": {"A": 1}}, "env: must be an object of strings"),
     (["true"], {"role": ""}, "role: must be a non-empty string"),
     (["true"], {"color": "red"}, "unknown option(s): color"),
+    (["true"], {"pty": {"cols": 80}}, 'pty: must be null or {"cols": N, "rows": N}'),
+    (["true"], {"pty": {"cols": 80, "rows": 0}}, "pty: must be"),
+    (["true"], {"pty": {"cols": True, "rows": 24}}, "pty: must be"),
+    (["true"], {"stdin": "yes"}, "stdin: must be true or false"),
 ])
 def test_a_bad_option_is_one_clear_error_naming_it(argv, options, fragment):
     with pytest.raises(UsageError) as e:
         CellRequest.make(argv, **options)
     assert fragment in e.value.message
+
+
+def test_stream_and_pty_imply_capture():
+    assert CellRequest.make(["true"], capture=False, stream=True).capture is True
+    r = CellRequest.make(["true"], capture=False, pty={"cols": 80, "rows": 24})
+    assert r.capture is True and r.live
+    assert not CellRequest.make(["true"], capture=False, stdin=True).capture
 
 
 def test_none_means_the_default_and_an_env_object_becomes_key_value_items():

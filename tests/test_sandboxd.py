@@ -211,6 +211,95 @@ def test_a_readonly_role_reads_files_but_the_gate_refuses_writes(agnsup, tmp_pat
         assert f.read() == "A"
 
 
+def _start(server, argv, **kw):
+    """A Start stream: (the call, its events iterator, the init's process id, the cell id)."""
+    call = server.stub.Start(pb.StartRequest(config=pb.ProcessConfig(command=argv), **kw), timeout=120)
+    events = iter(call)
+    first = next(events)
+    assert first.WhichOneof("event") == "init" and first.init.process_id > 0
+    cell = dict(call.initial_metadata())["agnsup-cell-id"]
+    assert cell == f"proc-{first.init.process_id}"
+    return call, events, first.init.process_id, cell
+
+
+def _rest_of(events) -> tuple[bytes, bytes, int]:
+    out, err, code = b"", b"", None
+    for ev in events:
+        kind = ev.WhichOneof("event")
+        assert code is None, "nothing comes after the exit event"
+        if kind == "stdout":
+            out += ev.stdout
+        elif kind == "stderr":
+            err += ev.stderr
+        elif kind == "exit":
+            code = ev.exit.exit_code
+    return out, err, code
+
+
+def test_start_streams_output_live_and_takes_stdin_then_eof(server):
+    call, events, pid, cell = _start(server, ["sh", "-c", "echo ready; read line; echo got:$line; echo oops >&2; "
+                                              "cat; echo after-eof"])
+    ev = next(events)  # output arrives while the process waits for its stdin: live, not at the end
+    assert ev.WhichOneof("event") == "stdout" and ev.stdout == b"ready\n"
+    server.stub.WriteStdin(pb.WriteStdinRequest(process_id=pid, input=b"hello\n"))
+    server.stub.WriteStdin(pb.WriteStdinRequest(process_id=pid, input=b"more\n"))
+    from google.protobuf import empty_pb2
+    server.stub.WriteStdin(pb.WriteStdinRequest(process_id=pid, eof=empty_pb2.Empty()))
+    out, err, code = _rest_of(events)
+    assert (out, err, code) == (b"got:hello\nmore\nafter-eof\n", b"oops\n", 0)
+    assert dict(call.trailing_metadata())["agnsup-state"] == "exited"
+    with pytest.raises(grpc.RpcError) as e:  # it ended: its process id names nothing now
+        server.stub.WriteStdin(pb.WriteStdinRequest(process_id=pid, input=b"late"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_start_with_a_pty_gives_a_terminal_of_that_size_and_resizes_it(server):
+    _call, events, pid, _cell = _start(server, ["sh", "-c", "stty size; read x; stty size"], pty=pb.PTY(cols=80, rows=24))
+    ev = next(events)
+    assert ev.stdout.strip() == b"24 80"
+    server.stub.ResizeTTY(pb.ResizeTTYRequest(process_id=pid, cols=132, rows=50))
+    server.stub.WriteStdin(pb.WriteStdinRequest(process_id=pid, input=b"\n"))
+    out, _err, code = _rest_of(events)
+    assert code == 0 and out.replace(b"\r", b"").strip().endswith(b"50 132")
+    _call, events, pid, _cell = _start(server, ["sh", "-c", "read x"])
+    with pytest.raises(grpc.RpcError) as e:  # no pty
+        server.stub.ResizeTTY(pb.ResizeTTYRequest(process_id=pid, cols=10, rows=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.SendSignal(pb.SendSignalRequest(process_id=pid, signal=pb.SIGNAL_UNSPECIFIED))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    server.stub.SendSignal(pb.SendSignalRequest(process_id=pid, signal=pb.SIGNAL_SIGKILL))
+    assert _rest_of(events)[2] == 137
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.SendSignal(pb.SendSignalRequest(process_id=4242, signal=pb.SIGNAL_SIGTERM))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("sig,argv,code", [
+    ("SIGNAL_SIGTERM", ["sh", "-c", "setsid sleep 301 & exec sleep 300"], 143),
+    ("SIGNAL_SIGKILL", ["sh", "-c", "trap '' TERM INT; setsid sleep 301 & sleep 300; sleep 302"], 137)])
+def test_send_signal_stops_the_tree_and_the_setsid_daemon_it_left(server, agnsup, sig, argv, code):
+    _call, events, pid, cell = _start(server, argv)
+    row = wait_for(lambda: [c for c in agnsup.json("ps", "--json") if c["cell_id"] == cell and c["state"] == "running"],
+                   60, "the running cell")[0]
+    if "v2" not in (row["cgroup"] or {}):
+        pytest.skip("ENV_BLOCKED: cgroup (no cgroup2 tree to read the cell's members from)")
+    procs = wait_for(lambda: [m for m in _members(row) if b"sleep\x00301" in _cmdline(m[0])] and _members(row), 30,
+                     "the setsid daemon in the cell")
+    server.stub.SendSignal(pb.SendSignalRequest(process_id=pid, signal=pb.Signal.Value(sig)))
+    assert _rest_of(events)[2] == code
+    assert not any(alive(*p) for p in procs), "a process of the tree outlived SendSignal"
+    assert not os.path.exists(row["cgroup"]["v2"])
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_a_sigkilled_server_leaves_its_cells_to_the_janitor_of_its_next_start(agnsup, tmp_path, worktree, state,
                                                                                policy_dir):
     """Cells outlive the server (role keeps them); the restarted server's janitor kills the

@@ -5,7 +5,8 @@ N is cell `proc-N` of the run the call came with (`--run-id`, default
 "sandboxd"; gRPC metadata `agnsup-run-id` may name another). N counts up for
 the state root's life: a restarted server goes on after the highest `proc-N`
 the journal has, so an id from before a restart never names a new process.
-Execute takes a number too (its cell is `proc-N`) but never hands it out.
+Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
+SendSignal and ResizeTTY find the processes of this server's running Start calls.
 
 The role is the server's (`--role`), never the client's. agnsup's answers
 beyond the standard messages travel as metadata: trailing `agnsup-run-id`,
@@ -27,6 +28,7 @@ CELL_PREFIX = "proc-"
 _CELL_RE = re.compile(r"^proc-(\d+)$")
 MAX_PROCESS_ID = 2**31 - 1  # int32 on the wire
 NO_DEADLINE = 10 * 365 * 86400.0
+STREAM_POLL = 5.0  # seconds a Start stream waits for output before it checks the client is still there
 
 
 def status_of(e: AgnsupError):
@@ -160,17 +162,84 @@ class ProcessService:
         receipts.MAX_RETURNED_OUTPUT each); the whole capture stays under the cell's directory."""
         p = self._spawn(request.config, context)
         res = self._ended(p, context)
-        return self.pb.ExecuteResponse(exit_code=res["exit_code"] if res["exit_code"] is not None else -1,
+        return self.pb.ExecuteResponse(exit_code=_exit_code(res),
                                        stdout=res.get("stdout", "").encode(), stderr=res.get("stderr", "").encode())
 
     def Start(self, request, context):
-        self._abort(context, UsageError("Start needs the streaming core (not in this build)"))
+        """Run with live output: init{process_id}, stdout/stderr chunks in the order the cell wrote
+        them (a pty's stream "tty" comes as stdout), exit{exit_code}. fd 0 is a pipe for WriteStdin,
+        or the pty. The client ending the stream (cancel, deadline, disconnect) cancels the cell."""
+        pb = self.pb
+        if request.HasField("pty"):
+            # The standard's server keeps its default size for a zero; the cell's pty needs one.
+            live = {"stdin": True, "pty": {"cols": request.pty.cols or 80, "rows": request.pty.rows or 24}}
+        else:
+            live = {"stdin": True, "stream": True}
+        p = self._spawn(request.config, context, **live)
+        with self._guard:
+            self.procs[p.process_id] = p  # before the init event: a WriteStdin right after it finds the process
+        try:
+            context.send_initial_metadata([("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id)])
+            yield pb.StartResponse(init=pb.InitEvent(process_id=p.process_id))
+            since = 0
+            while True:
+                out = self.sup.read_output(p.run_id, p.cell_id, since, timeout=STREAM_POLL)
+                for c in out["chunks"]:
+                    yield pb.StartResponse(stderr=c["data"]) if c["stream"] == "stderr" \
+                        else pb.StartResponse(stdout=c["data"])
+                since = out["next"]
+                if out["ended"] or not context.is_active():
+                    break
+            res = self._ended(p, context)
+            yield pb.StartResponse(exit=pb.ExitEvent(exit_code=_exit_code(res)))
+        finally:
+            with self._guard:
+                self.procs.pop(p.process_id, None)
+
+    def _process(self, process_id: int, context) -> Process:
+        with self._guard:
+            p = self.procs.get(process_id)
+        if p is None:
+            self._abort(context, UnknownId(f"process {process_id} not found (not started by this server's Start, "
+                                           "or it has ended)"))
+        return p
+
+    def _live(self, context, fn, *args) -> None:
+        """A call on a running cell; the Supervisor's UsageError (no stdin, no pty, already ended) is the
+        standard's FAILED_PRECONDITION."""
+        import grpc
+        try:
+            fn(*args)
+        except UsageError as e:
+            context.set_trailing_metadata([("agnsup-error-type", "UsageError"), ("agnsup-exit-code", "125")])
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.message)
+        except AgnsupError as e:
+            self._abort(context, e)
 
     def WriteStdin(self, request, context):
-        self._abort(context, UsageError("WriteStdin needs the streaming core (not in this build)"))
+        p = self._process(request.process_id, context)
+        if request.WhichOneof("payload") == "eof":
+            self._live(context, self.sup.write_stdin, p.run_id, p.cell_id, b"", True)
+        elif request.input:
+            self._live(context, self.sup.write_stdin, p.run_id, p.cell_id, request.input)
+        return self.pb.WriteStdinResponse()
 
     def SendSignal(self, request, context):
-        self._abort(context, UsageError("SendSignal needs the streaming core (not in this build)"))
+        """SIGINT and SIGTERM reach the cell's process group, as the standard says; SIGKILL kills the
+        cell's whole tree through its cgroup (setsid daemons too). When the command's leader ends, by
+        a signal or not, whatever it left in its cgroup is killed with it: no daemon outlives it."""
+        sig = {2: "INT", 15: "TERM", 9: "KILL"}.get(request.signal)
+        if sig is None:
+            self._invalid(context, f"signal {request.signal}: must be SIGNAL_SIGINT, SIGNAL_SIGTERM or SIGNAL_SIGKILL")
+        p = self._process(request.process_id, context)
+        self._live(context, self.sup.signal, p.run_id, p.cell_id, sig)
+        return self.pb.SendSignalResponse()
 
     def ResizeTTY(self, request, context):
-        self._abort(context, UsageError("ResizeTTY needs the streaming core (not in this build)"))
+        p = self._process(request.process_id, context)
+        self._live(context, self.sup.resize, p.run_id, p.cell_id, request.cols, request.rows)
+        return self.pb.ResizeTTYResponse()
+
+
+def _exit_code(res: dict) -> int:
+    return res["exit_code"] if res["exit_code"] is not None else -1

@@ -275,6 +275,16 @@ def test_start_with_a_pty_gives_a_terminal_of_that_size_and_resizes_it(server):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_client_that_goes_away_mid_start_takes_its_process_with_it(server, agnsup):
+    call, _events, _pid, cell = _start(server, ["sh", "-c", "setsid sleep 301 & exec sleep 300"])
+    wait_for(lambda: any(c["cell_id"] == cell and c["state"] == "running" for c in agnsup.json("ps", "--json")), 60,
+             "the running cell")
+    call.cancel()
+    row = wait_for(lambda: [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell
+                            and c["state"] not in ("starting", "running")], 60, "the cell to end")[0]
+    assert row["state"] == "cancelled", row
+
+
 @pytest.mark.parametrize("sig,argv,code", [
     ("SIGNAL_SIGTERM", ["sh", "-c", "setsid sleep 301 & exec sleep 300"], 143),
     ("SIGNAL_SIGKILL", ["sh", "-c", "trap '' TERM INT; setsid sleep 301 & sleep 300; sleep 302"], 137)])

@@ -70,8 +70,9 @@ class Sandboxd:
         self.stop = threading.Event()
         self.grpc = None
         self.rest = None
+        self.files = None
         try:
-            files = Files(self.sup, role=role, workdir=self.workdir, run_id=run_id)  # the role checked here
+            self.files = Files(self.sup, role=role, workdir=self.workdir, run_id=run_id)  # the role checked here
             self.process = ProcessService(self.sup, role=role, workdir=self.workdir, run_id=run_id, agent_id=agent_id)
             from concurrent.futures import ThreadPoolExecutor
             # A Start stream holds its worker for the process's life: room for many at once.
@@ -90,7 +91,7 @@ class Sandboxd:
             except OSError as e:
                 raise UsageError(f"--rest {_join(*rest_at)}: cannot listen there ({e.strerror or e})") from None
             self.rest_addr = _join(rest_at[0], self.rest.server_address[1])
-            self.app = RestApp(files, self.about(role, run_id, agent_id))
+            self.app = RestApp(self.files, self.about(role, run_id, agent_id))
             self.rest.RequestHandlerClass.app = self.app
         except BaseException:
             self._close_listeners()
@@ -108,6 +109,9 @@ class Sandboxd:
             self.rest.server_close()
         if self.grpc is not None:
             self.grpc.stop(None)
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
     def serve_forever(self) -> int:
         handlers = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -11,7 +11,9 @@
 {path} is relative to the sandbox's worktree (a leading "/" or the worktree's
 own absolute prefix is dropped, as the standard's server does), percent-decoded
 whole (clients send "/" as %2F). It is resolved with symlinks and refused (403
-PERMISSION_DENIED) unless it stays inside the worktree; then the gate judges
+PERMISSION_DENIED) unless it stays inside the worktree (and every open is
+openat2 RESOLVE_BENEATH of the worktree's fd, so no symlink swapped in after the
+check leads elsewhere); then the gate judges
 it as the file tool it is (read_file, list_dir, write_file, delete_file) under
 the server's role: deny paths, the worktree's writability, the role's mode (a
 readonly role cannot PUT or DELETE). Every call, allowed or refused, is one
@@ -21,13 +23,14 @@ Errors: {"code", "message"} (+ "rule", "hint" for a gate denial).
 from __future__ import annotations
 
 import datetime
+import errno
 import http.server
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 import time
 import urllib.parse
 
@@ -51,6 +54,42 @@ class Files:
         from .. import policy
         self.sup, self.role, self.workdir, self.run_id = sup, role, workdir, run_id
         self.policy = policy.load(role, sup.state.path)
+        # Every open goes through this fd with openat2(RESOLVE_BENEATH): the realpath check in
+        # resolve() explains a refusal, the kernel enforces it at the open itself, so a symlink
+        # swapped in between the two cannot lead the server (root, outside every cell) elsewhere.
+        self.root_fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self.root_fd)
+
+    def open(self, rel: str, flags: int, mode: int = 0) -> int:
+        """An fd for `rel`, resolved by the kernel beneath the worktree (EXDEV: it left it)."""
+        from ..linux import sys as lsys
+        try:
+            return lsys.openat2(self.root_fd, rel, flags, mode, lsys.RESOLVE_BENEATH | lsys.RESOLVE_NO_MAGICLINKS)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.ELOOP):
+                raise Refused(403, "PERMISSION_DENIED", f"{rel!r} resolves outside the sandbox's worktree "
+                              f"{self.workdir}", rule="sandboxd.path_escape") from None
+            raise
+
+    def parent(self, rel: str, create: bool) -> tuple[int, str]:
+        """(an O_PATH fd of rel's directory, beneath the worktree; rel's last name). With `create`
+        the missing directories are made one by one, each opened beneath before the next."""
+        head, name = os.path.split(rel)
+        parts = [p for p in head.split("/") if p not in ("", ".")]
+        for i in range(1, len(parts) + 1 if create else 0):
+            try:
+                os.close(self.open("/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY))
+            except FileNotFoundError:
+                up = self.open("/".join(parts[:i - 1]) or ".", os.O_PATH | os.O_DIRECTORY)
+                try:
+                    os.mkdir(parts[i - 1], 0o755, dir_fd=up)
+                except FileExistsError:
+                    pass
+                finally:
+                    os.close(up)
+        return self.open("/".join(parts) or ".", os.O_PATH | os.O_DIRECTORY), name
 
     def resolve(self, raw: str) -> tuple[str, str]:
         """(the sandbox-relative path as given, the resolved absolute path inside the worktree)."""
@@ -62,7 +101,8 @@ class Files:
             rel = "."
         elif rel.startswith(root.rstrip("/") + "/"):
             rel = rel[len(root.rstrip("/")) + 1:]
-        resolved = os.path.realpath(os.path.join(root, rel.lstrip("/")))
+        rel = rel.lstrip("/") or "."  # an absolute path is the sandbox's, as the standard's server reads it
+        resolved = os.path.realpath(os.path.join(root, rel))
         if resolved != root and not resolved.startswith(root.rstrip("/") + "/"):
             raise Refused(403, "PERMISSION_DENIED", f"{raw!r} resolves to {resolved}, outside the sandbox's worktree "
                           f"{root}: path traversal outside the sandbox root is forbidden", rule="sandboxd.path_escape")
@@ -80,9 +120,9 @@ class Files:
         self.sup.ctl.journal.record_file_op(self.run_id, op, path=raw, status=status, role=self.role, **data)
 
 
-def _entry(dirpath: str, name: str) -> dict | None:
+def _entry(dir_fd: int, name: str) -> dict | None:
     try:
-        st = os.lstat(os.path.join(dirpath, name))
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None  # gone between listing and stat
     kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
@@ -91,11 +131,11 @@ def _entry(dirpath: str, name: str) -> dict | None:
             .isoformat().replace("+00:00", "Z")}
 
 
-def write_atomically(target: str, body, length: int, mode: int) -> int:
-    """Write `length` bytes of `body` to a temp file beside `target`, then rename it over `target`."""
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".sandboxd-")
+def write_atomically(dir_fd: int, name: str, body, length: int, mode: int) -> int:
+    """Write `length` bytes of `body` to a new temp file in `dir_fd`, then rename it over `name`
+    (a symlink named `name` is replaced, never followed)."""
+    tmp = f".sandboxd-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     done = 0
     try:
         with os.fdopen(fd, "wb") as f:
@@ -106,10 +146,10 @@ def write_atomically(target: str, body, length: int, mode: int) -> int:
                 f.write(chunk)
                 done += len(chunk)
             os.fchmod(f.fileno(), mode)
-        os.rename(tmp, target)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         raise
@@ -218,21 +258,29 @@ class RestApp:
         reply[1](head)
 
     def _read(self, h: Handler, rel: str, path: str, query: dict, data: dict):
+        fs = self.files
         try:
-            st = os.stat(path)
+            # O_NONBLOCK: opening a FIFO must not hang the call (refused below); no effect on files
+            fd = fs.open(rel, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
-            self.files.judge("read_file", path)  # a deny path is refused as one, present or not
+            fs.judge("read_file", path)  # a deny path is refused as one, present or not
             raise Refused(404, "NOT_FOUND", f"{rel}: path does not exist within the sandbox") from None
-        if stat.S_ISDIR(st.st_mode):
-            self.files.judge("list_dir", path)
-            entries = [e for n in sorted(os.listdir(path)) if (e := _entry(path, n)) is not None]
-            data.update(type="directory", entries=len(entries))
-            return 200, lambda head: h._json(200, {"path": rel, "entries": entries}, head)
-        self.files.judge("read_file", path)
-        f = open(path, "rb", buffering=0)
-        size = os.fstat(f.fileno()).st_size
-        data.update(type="file", bytes=size)
-        return 200, lambda head: _send_file(h, f, size, head)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                fs.judge("list_dir", path)
+                entries = [e for n in sorted(os.listdir(fd)) if (e := _entry(fd, n)) is not None]
+                data.update(type="directory", entries=len(entries))
+                return 200, lambda head: h._json(200, {"path": rel, "entries": entries}, head)
+            if not stat.S_ISREG(st.st_mode):
+                raise Refused(400, "INVALID_ARGUMENT", f"{rel}: not a regular file or a directory")
+            fs.judge("read_file", path)
+        except BaseException:
+            os.close(fd)
+            raise
+        f = os.fdopen(fd, "rb", buffering=0)
+        data.update(type="file", bytes=st.st_size)
+        return 200, lambda head: _send_file(h, f, st.st_size, head)
 
     _stat = _read  # HEAD: the same answer without its body
 
@@ -240,7 +288,7 @@ class RestApp:
         mode = (query.get("mode") or ["0644"])[-1]
         if not MODE_RE.match(mode):
             raise Refused(400, "INVALID_ARGUMENT", f"mode {mode!r}: must be octal permission bits like 0644")
-        if path == self.files.workdir or os.path.isdir(path):
+        if rel == "." or os.path.isdir(path):
             raise Refused(400, "INVALID_ARGUMENT", f"{rel}: target path is a directory")
         if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
             raise Refused(411, "INVALID_ARGUMENT", "send the body with a Content-Length (chunked uploads are not "
@@ -253,27 +301,45 @@ class RestApp:
             raise Refused(415, "INVALID_ARGUMENT", "multipart uploads are not supported: send the raw bytes "
                           "(application/octet-stream)")
         self.files.judge("write_file", path)
-        data.update(bytes=write_atomically(path, h.rfile, length, int(mode, 8)), mode=mode)
+        dir_fd, name = self.files.parent(rel, create=True)
+        try:
+            data.update(bytes=write_atomically(dir_fd, name, h.rfile, length, int(mode, 8)), mode=mode)
+        except IsADirectoryError:
+            raise Refused(400, "INVALID_ARGUMENT", f"{rel}: target path is a directory") from None
+        finally:
+            os.close(dir_fd)
         return 204, lambda head: h._send(204)
 
     def _delete(self, h: Handler, rel: str, path: str, query: dict, data: dict):
         recursive = (query.get("recursive") or ["false"])[-1].lower() in ("true", "1")
-        if path == self.files.workdir:
+        if rel == ".":
             raise Refused(403, "PERMISSION_DENIED", "the sandbox's worktree itself cannot be deleted")
-        if not os.path.lexists(path):
-            raise Refused(404, "NOT_FOUND", f"{rel}: path does not exist within the sandbox")
-        self.files.judge("delete_file", path)
-        if os.path.isdir(path) and not os.path.islink(path):
-            if os.listdir(path) and not recursive:
-                raise Refused(409, "CONFLICT", f"{rel}: directory not empty (use ?recursive=true)")
-            if recursive:
-                shutil.rmtree(path)
+        try:
+            dir_fd, name = self.files.parent(rel, create=False)
+        except FileNotFoundError:
+            raise Refused(404, "NOT_FOUND", f"{rel}: path does not exist within the sandbox") from None
+        try:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise Refused(404, "NOT_FOUND", f"{rel}: path does not exist within the sandbox") from None
+            self.files.judge("delete_file", path)
+            if stat.S_ISDIR(st.st_mode):
+                if recursive:
+                    shutil.rmtree(name, dir_fd=dir_fd)
+                else:
+                    try:
+                        os.rmdir(name, dir_fd=dir_fd)
+                    except OSError as e:
+                        if e.errno != errno.ENOTEMPTY:
+                            raise
+                        raise Refused(409, "CONFLICT", f"{rel}: directory not empty (use ?recursive=true)") from None
+                data.update(type="directory", recursive=recursive)
             else:
-                os.rmdir(path)
-            data.update(type="directory", recursive=recursive)
-        else:
-            os.unlink(path)
-            data.update(type="file")
+                os.unlink(name, dir_fd=dir_fd)  # a symlink itself, never what it names
+                data.update(type="file")
+        finally:
+            os.close(dir_fd)
         return 204, lambda head: h._send(204)
 
 

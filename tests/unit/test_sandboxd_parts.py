@@ -35,3 +35,30 @@ def test_rest_paths_are_the_worktrees_and_never_leave_it(tmp_path):
     with pytest.raises(Refused) as e:
         files.resolve("a\0b")
     assert e.value.status == 400
+
+
+def test_the_kernel_keeps_every_open_beneath_the_worktree_whatever_resolve_saw(tmp_path):
+    """The race resolve() cannot see: a name swapped for a symlink after the check. The open
+    itself (openat2 RESOLVE_BENEATH) refuses it, for reads and for a write's directories."""
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (tmp_path / "secret").write_text("s")
+    os.symlink(str(tmp_path / "secret"), wt / "swapped")
+    os.symlink(str(tmp_path), wt / "dir-swapped")
+    os.symlink("../secret", wt / "relative")
+    files = Files.__new__(Files)
+    files.workdir = str(wt)
+    files.root_fd = os.open(str(wt), os.O_PATH | os.O_DIRECTORY)
+    try:
+        for name in ("swapped", "relative", "dir-swapped/secret", "../secret"):
+            with pytest.raises(Refused) as e:
+                files.open(name, os.O_RDONLY)
+            assert e.value.status == 403 and e.value.extra["rule"] == "sandboxd.path_escape"
+        with pytest.raises(Refused):
+            files.parent("dir-swapped/new.txt", create=True)
+        assert not (tmp_path / "new.txt").exists()
+        fd, name = files.parent("a/b/c.txt", create=True)
+        os.close(fd)
+        assert name == "c.txt" and (wt / "a" / "b").is_dir()
+    finally:
+        files.close()

@@ -310,6 +310,32 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def test_the_roles_deny_paths_hold_inside_the_worktree_for_every_file_call(agnsup, tmp_path, worktree, policy_dir,
+                                                                           state):
+    import requests
+    os.makedirs(os.path.join(worktree, "private"))
+    with open(os.path.join(worktree, "private", "key"), "w") as f:
+        f.write("k")
+    write_role(policy_dir, "guarded", filesystem__deny=f'["~/.ssh", "{worktree}/private"]')
+    s = Server(agnsup, tmp_path, worktree, "--role", "guarded", env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    try:
+        for method, path in (("GET", "private/key"), ("GET", "private"), ("PUT", "private/new"),
+                             ("DELETE", "private/key"), ("HEAD", "private/absent")):
+            r = requests.request(method, s.rest + "/v1/files/" + path.replace("/", "%2F"), data=b"x")
+            assert r.status_code == 403, (method, path, r.status_code)
+            if method != "HEAD":
+                assert r.json()["rule"] == "sandbox.deny_path"
+        assert requests.get(s.rest + "/v1/files/").json()["entries"][0]["name"] == "private"
+    finally:
+        s.close()
+    assert os.listdir(os.path.join(worktree, "private")) == ["key"]
+    j = _journal(state)
+    try:
+        assert [o["rule"] for o in j.file_ops("sandboxd") if o["status"] == 403] == ["sandbox.deny_path"] * 5
+    finally:
+        j.close()
+
+
 def test_a_sigkilled_server_leaves_its_cells_to_the_janitor_of_its_next_start(agnsup, tmp_path, worktree, state,
                                                                                policy_dir):
     """Cells outlive the server (role keeps them); the restarted server's janitor kills the

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -399,3 +400,25 @@ def test_bad_addresses_and_workdirs_are_one_line_and_exit_125(agnsup, tmp_path, 
                         (("--role", "nope"), "unknown role 'nope'")):
         cp = agnsup("sandboxd", "--workdir", worktree, *args, check=125)
         assert words in cp.err and cp.err.count("\n") == 1, cp.err
+
+
+def test_sigterm_ends_the_server_and_cancels_its_live_processes(agnsup, tmp_path, worktree):
+    s = Server(agnsup, tmp_path, worktree)
+    try:
+        _call, events, _pid, cell = _start(s, ["sh", "-c", "setsid sleep 301 & exec sleep 300"])
+        wait_for(lambda: any(c["cell_id"] == cell and c["state"] == "running" for c in agnsup.json("ps", "--json")),
+                 60, "the running cell")
+        s.proc.terminate()
+        assert _rest_of(events)[2] == 143  # cancelled (TERM), and the stream still got its exit event
+        assert s.proc.wait(60) == 0, s.err_path.read_text()
+    finally:
+        s.close()
+    (row,) = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == cell]
+    assert row["state"] == "cancelled" and not os.path.exists(row["cgroup"].get("v2", "/nonexistent"))
+
+
+def test_without_the_k8s_extra_sandboxd_says_what_to_install(agnsup, worktree):
+    code = ("import sys; sys.modules['grpc'] = None; from agnsup.cli import main; "
+            f"main(['sandboxd', '--workdir', {worktree!r}])")
+    cp = subprocess.run([sys.executable, "-c", code], env=agnsup.env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 125 and cp.stderr == "agnsup: agnsup sandboxd needs the k8s extra: pip install 'agnsup[k8s]'\n"

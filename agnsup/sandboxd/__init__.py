@@ -22,6 +22,7 @@ from ..errors import UsageError
 
 DEFAULT_GRPC = "127.0.0.1:9090"
 DEFAULT_REST = "127.0.0.1:8080"
+SHUTDOWN_GRACE = 30.0  # seconds in-flight calls get to end after SIGTERM (their cells are cancelled meanwhile)
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -131,14 +132,16 @@ class Sandboxd:
         return 0
 
     def shutdown(self) -> None:
-        """Health says 503, the listeners stop taking calls, this server's cells are cancelled, then it ends."""
+        """Health says 503 and the listeners take no new calls; this server's cells are cancelled
+        (TERM, the role's grace, the kill), so each Start stream still gets its exit event; then it ends."""
         self.app.stopping = True
+        self.rest.shutdown()
+        streams_done = self.grpc.stop(SHUTDOWN_GRACE)  # in-flight calls get this long to finish
         try:
-            self.rest.shutdown()
-            self.grpc.stop(2.0)
-            self._close_listeners()
-        finally:
             self.sup.close()
+        finally:
+            streams_done.wait(SHUTDOWN_GRACE)
+            self._close_listeners()
 
 
 def main(state_dir: str | None, **options) -> int:

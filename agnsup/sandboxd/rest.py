@@ -39,6 +39,7 @@ METADATA_PREFIX = "SANDBOX_"
 # The standard's server withholds these markers from /v1/metadata even under the prefix.
 SENSITIVE_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CRED", "KEY", "AUTH", "BEARER", "PRIVATE", "CERT")
 CHUNK = 1 << 16
+MULTIPART_MAX = 64 << 20
 
 
 class Refused(Exception):
@@ -297,13 +298,14 @@ class RestApp:
             length = int(h.headers.get("Content-Length") or "")
         except ValueError:
             raise Refused(411, "INVALID_ARGUMENT", "a PUT needs a Content-Length") from None
-        if (h.headers.get("Content-Type") or "").split(";")[0].strip().lower() == "multipart/form-data":
-            raise Refused(415, "INVALID_ARGUMENT", "multipart uploads are not supported: send the raw bytes "
-                          "(application/octet-stream)")
+        body = h.rfile
+        ctype = h.headers.get("Content-Type") or ""
+        if ctype.split(";")[0].strip().lower() == "multipart/form-data":
+            body, length = _file_part(ctype, h.rfile, length)
         self.files.judge("write_file", path)
         dir_fd, name = self.files.parent(rel, create=True)
         try:
-            data.update(bytes=write_atomically(dir_fd, name, h.rfile, length, int(mode, 8)), mode=mode)
+            data.update(bytes=write_atomically(dir_fd, name, body, length, int(mode, 8)), mode=mode)
         except IsADirectoryError:
             raise Refused(400, "INVALID_ARGUMENT", f"{rel}: target path is a directory") from None
         finally:
@@ -341,6 +343,25 @@ class RestApp:
         finally:
             os.close(dir_fd)
         return 204, lambda head: h._send(204)
+
+
+def _file_part(ctype: str, rfile, length: int):
+    """The `file` part of a multipart/form-data body (the standard accepts one besides raw bytes):
+    parsed in memory, so bounded by MULTIPART_MAX; raw bytes stream to disk at any size."""
+    if length > MULTIPART_MAX:
+        raise Refused(413, "INVALID_ARGUMENT", f"a multipart upload is at most {MULTIPART_MAX} bytes: send larger "
+                      "files as raw bytes (application/octet-stream)")
+    import email.parser
+    import email.policy
+    import io
+    raw = rfile.read(length)
+    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + ctype.encode("latin-1") + b"\r\n\r\n" + raw)
+    for part in msg.iter_parts() if msg.is_multipart() else ():
+        if part.get_param("name", header="content-disposition") == "file":
+            content = part.get_payload(decode=True) or b""
+            return io.BytesIO(content), len(content)
+    raise Refused(400, "INVALID_ARGUMENT", "a multipart upload needs a part named 'file'")
 
 
 def _send_file(h: Handler, f, size: int, head: bool) -> None:

@@ -130,10 +130,12 @@ def test_a_denied_command_is_permission_denied_with_the_rule_and_journaled(serve
         assert e.value.code() == code and e.value.details()
     j = _journal(state)
     try:
-        denied = [ev for c in ("proc-1",) for ev in j.events("sandboxd", c) if ev["kind"] == "denied"]
+        denied = [ev for ev in j.events("sandboxd", "proc-1") if ev["kind"] == "denied"]
+        escape = [ev for ev in j.events("sandboxd", "proc-3") if ev["kind"] == "denied"]
     finally:
         j.close()
     assert denied and json.loads(denied[0]["data"])["decision"]["rule"] == "hardline.rm_root"
+    assert escape and json.loads(escape[0]["data"])["decision"]["rule"] == "sandboxd.cwd_escape"
     assert agnsup.json("ps", "--all", "--json") == []  # nothing started
 
 

@@ -97,8 +97,9 @@ class ProcessService:
         md = dict(context.invocation_metadata() or ())
         return md.get("agnsup-run-id") or self.run_id, md.get("agnsup-agent-id") or self.agent_id
 
-    def _cwd(self, config, context) -> str:
-        """The cell's worktree: the server's, or `cwd` inside it (relative to it, or absolute under it)."""
+    def _cwd(self, config, context, run_id: str, cell_id: str) -> str:
+        """The cell's worktree: the server's, or `cwd` inside it (relative to it, or absolute under it).
+        A cwd outside is refused like a gate denial: journaled (event `denied`), nothing started."""
         if not config.HasField("cwd") or config.cwd in ("", "."):
             return self.workdir
         p = config.cwd
@@ -106,8 +107,11 @@ class ProcessService:
             p = os.path.relpath(p, self.workdir)
         resolved = os.path.realpath(os.path.join(self.workdir, p.lstrip("/")))
         if resolved != self.workdir and not resolved.startswith(self.workdir.rstrip("/") + "/"):
-            self._abort(context, Denied(f"cwd {config.cwd!r} resolves to {resolved}, outside the sandbox's worktree "
-                                        f"{self.workdir}", decision={"rule": "sandboxd.cwd_escape"}))
+            reason = f"cwd {config.cwd!r} resolves to {resolved}, outside the sandbox's worktree {self.workdir}"
+            decision = {"allowed": False, "rule": "sandboxd.cwd_escape", "reason": reason, "check": "sandboxd"}
+            self.sup.ctl.journal.record_denied(run_id, cell_id, argv=list(config.command), decision=decision,
+                                               trail=[], chain=["sandboxd"])
+            self._abort(context, Denied(f"denied by sandboxd.cwd_escape: {reason}", decision=decision))
         return resolved
 
     def _number(self) -> int:
@@ -124,8 +128,8 @@ class ProcessService:
         if not argv:
             self._invalid(context, "config.command is required (the argv: program and arguments; no shell)")
         run_id, agent_id = self._ids(context)
-        workdir = self._cwd(config, context)
         n = self._number()
+        workdir = self._cwd(config, context, run_id, f"{CELL_PREFIX}{n}")
         remaining = context.time_remaining()  # the client's deadline, if it set one, bounds the cell
         if remaining is not None and remaining > NO_DEADLINE:
             remaining = None  # grpc reports "no deadline" as a remaining time of about 2**63 ns

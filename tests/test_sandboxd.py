@@ -204,12 +204,16 @@ def test_a_path_outside_the_worktree_is_refused_however_it_is_spelled(server, st
     assert len(refused) == 4 and all(o["rule"] == "sandboxd.path_escape" for o in refused)
 
 
-def test_a_readonly_role_reads_files_but_the_gate_refuses_writes(agnsup, tmp_path, worktree):
+def test_a_readonly_role_reads_files_but_the_gate_refuses_writes_and_metadata_hides_credentials(agnsup, tmp_path, worktree):
     import requests
     with open(os.path.join(worktree, "a.txt"), "w") as f:
         f.write("A")
-    s = Server(agnsup, tmp_path, worktree, "--role", "readonly")
+    s = Server(agnsup, tmp_path, worktree, "--role", "readonly",
+               env={"SANDBOX_ID": "sb-1", "SANDBOX_API_TOKEN": "t", "SANDBOX_DB_PASSWORD": "p", "OTHER": "x"})
     try:
+        # /v1/metadata: the orchestrator's SANDBOX_* values, never one that looks like a credential
+        assert requests.get(s.rest + "/v1/metadata").json() == {"env": {"SANDBOX_ID": "sb-1"}}
+        assert requests.get(s.rest + "/v1/agnsup").json()["role"] == "readonly"
         assert requests.get(s.rest + "/v1/files/a.txt").content == b"A"
         r = requests.put(s.rest + "/v1/files/a.txt", data=b"B")
         assert r.status_code == 403 and r.json()["rule"].startswith(("zone.", "sandbox."))

@@ -107,9 +107,27 @@ def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(s
     with open(md["agnsup-receipt"]) as f:
         receipt = json.load(f)
     assert receipt["run_id"] == "sandboxd" and receipt["chain"][0]["entry"] == "sandboxd"
+    resp, call = server.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(
+        command=["sh", "-c", "head -c 70000 /dev/zero | tr '\\0' x"])))
+    md = dict(call.trailing_metadata())
+    assert len(resp.stdout) == 64 * 1024 and md["agnsup-stdout-truncated"] == "true"
+    assert "agnsup-stderr-truncated" not in md
     cells = {c["cell_id"]: c for c in agnsup.json("ps", "--all", "--json")}
-    assert set(cells) == {"proc-1", "proc-2", "proc-3"}
+    assert set(cells) == {"proc-1", "proc-2", "proc-3", "proc-4"}
     assert cells["proc-1"]["controller"] == server.ready["controller"] and cells["proc-1"]["exit_code"] == 3
+
+
+def test_the_clients_deadline_bounds_the_cell_and_reads_as_timed_out(server, agnsup):
+    conn, commands, _ = server.client()
+    try:
+        r = commands.run("setsid sleep 301 & sleep 300", command_timeout=1.5)
+    finally:
+        conn.close()
+    assert r.timed_out and r.exit_code == 124
+    row = wait_for(lambda: [c for c in agnsup.json("ps", "--all", "--json") if c["state"] not in ("starting", "running")],
+                   60, "the cell to end")[0]
+    assert row["state"] in ("timeout", "cancelled"), row
+    assert not os.path.exists(row["cgroup"].get("v2", "/nonexistent"))
 
 
 def test_a_denied_command_is_permission_denied_with_the_rule_and_journaled(server, agnsup, state):

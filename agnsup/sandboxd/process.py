@@ -152,12 +152,14 @@ class ProcessService:
         context.add_callback(gone)
         return p
 
-    def _ended(self, p: Process, context) -> dict:
+    def _ended(self, p: Process, context, output: bool = False) -> dict:
         res = self.sup.wait(p.run_id, p.cell_id)
         p.done.set()
-        context.set_trailing_metadata([("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id),
-                                       ("agnsup-state", str(res["state"])), ("agnsup-reason", str(res["reason"])),
-                                       ("agnsup-receipt", str(res["receipt"]))])
+        md = [("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id), ("agnsup-state", str(res["state"])),
+              ("agnsup-reason", str(res["reason"])), ("agnsup-receipt", str(res["receipt"]))]
+        if output:  # Execute's output is what run_process returns: say when it was cut
+            md += [(f"agnsup-{k}-truncated", "true") for k in ("stdout", "stderr") if res.get(f"{k}_truncated")]
+        context.set_trailing_metadata(md)
         return res
 
     # -- the rpcs ------------------------------------------------------------
@@ -165,7 +167,7 @@ class ProcessService:
         """Run to completion. stdout/stderr: what run_process returns (redacted as the role says, at most
         receipts.MAX_RETURNED_OUTPUT each); the whole capture stays under the cell's directory."""
         p = self._spawn(request.config, context)
-        res = self._ended(p, context)
+        res = self._ended(p, context, output=True)
         return self.pb.ExecuteResponse(exit_code=_exit_code(res),
                                        stdout=res.get("stdout", "").encode(), stderr=res.get("stderr", "").encode())
 

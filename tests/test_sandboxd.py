@@ -91,6 +91,17 @@ def test_the_descriptor_is_the_proto_and_the_wire_is_agent_sandboxs():
     assert m.StartRequest.FromString(wire).SerializeToString(deterministic=True) == wire
 
 
+def test_server_reflection_describes_the_service_as_grpcurl_would_ask(server):
+    pytest.importorskip("grpc_reflection", reason="ENV_BLOCKED: grpcio-reflection is not installed (the k8s extra)")
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    db = ProtoReflectionDescriptorDatabase(server.channel)
+    assert "process.v1.ProcessService" in set(db.get_services())
+    svc = descriptor_pool.DescriptorPool(db).FindServiceByName("process.v1.ProcessService")
+    assert [m.name for m in svc.methods] == ["Start", "Execute", "WriteStdin", "SendSignal", "ResizeTTY"]
+    assert svc.methods_by_name["Start"].output_type.fields_by_name["exit"].number == 4
+
+
 def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(server, agnsup, worktree):
     conn, commands, _ = server.client()
     try:

@@ -44,6 +44,19 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _enable_reflection(server) -> bool:
+    """gRPC server reflection, as the standard's server registers it (so `grpcurl` needs no .proto),
+    answered from agnsup's own descriptor pool. grpcio-reflection is in the k8s extra; without it
+    the service is simply not offered."""
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        return False
+    from . import proto
+    reflection.enable_server_reflection((proto.SERVICE, reflection.SERVICE_NAME), server, pool=proto.messages().pool)
+    return True
+
+
 class Sandboxd:
     def __init__(self, state_dir: str | None, *, grpc_addr: str = DEFAULT_GRPC, rest_addr: str = DEFAULT_REST,
                  role: str = "executor", workdir: str | None = None, run_id: str = "sandboxd",
@@ -79,6 +92,7 @@ class Sandboxd:
             # A Start stream holds its worker for the process's life: room for many at once.
             self.grpc = grpc.server(ThreadPoolExecutor(max_workers=64, thread_name_prefix="sandboxd-grpc"),
                                     handlers=[self.process.handler()])
+            self.reflection = _enable_reflection(self.grpc)
             try:
                 port = self.grpc.add_insecure_port(_join(*grpc_at))
             except RuntimeError:

@@ -123,7 +123,13 @@ def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(s
     md = dict(call.trailing_metadata())
     assert len(resp.stdout) == 64 * 1024 and md["agnsup-stdout-truncated"] == "true"
     assert "agnsup-stderr-truncated" not in md
-    cells = {c["cell_id"]: c for c in agnsup.json("ps", "--all", "--json")}
+    _, call = server.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])),
+                                            metadata=[("agnsup-run-id", "other"), ("agnsup-agent-id", "me"),
+                                                      ("agnsup-role", "networked")])
+    assert dict(call.trailing_metadata())["agnsup-run-id"] == "other"
+    (other,) = [c for c in agnsup.json("ps", "--all", "--json") if c["run_id"] == "other"]
+    assert (other["cell_id"], other["agent_id"], other["role"]) == ("proc-5", "me", "executor")  # never the client's role
+    cells = {c["cell_id"]: c for c in agnsup.json("ps", "--all", "--run", "sandboxd", "--json")}
     assert set(cells) == {"proc-1", "proc-2", "proc-3", "proc-4"}
     assert cells["proc-1"]["controller"] == server.ready["controller"] and cells["proc-1"]["exit_code"] == 3
 

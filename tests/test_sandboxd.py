@@ -226,6 +226,10 @@ def test_a_path_outside_the_worktree_is_refused_however_it_is_spelled(server, st
     with open(os.path.join(worktree, "up.bin"), "rb") as f:
         assert f.read() == b"\x00multi\r\npart" and oct(os.fstat(f.fileno()).st_mode & 0o777) == "0o600"
     assert requests.put(server.rest + "/v1/files/up.bin", files={"other": b"x"}).status_code == 400
+    # a file where a directory should be: absent for a read or delete, a bad target for a write
+    assert requests.get(server.rest + "/v1/files/up.bin%2Fx").status_code == 404
+    assert requests.delete(server.rest + "/v1/files/up.bin%2Fx").status_code == 404
+    assert requests.put(server.rest + "/v1/files/up.bin%2Fx%2Fy", data=b"z").status_code == 400
     # An absolute path is the worktree's (as the standard's server reads it), never the host's.
     r = requests.get(server.rest + "/v1/files/%2Fetc%2Fpasswd")
     assert r.status_code == 404 and r.json()["code"] == "NOT_FOUND"

@@ -248,8 +248,7 @@ class RestApp:
             reply = getattr(self, "_" + op)(h, rel, path, query, data)
         except (Refused, OSError) as e:
             if isinstance(e, OSError):
-                status = 403 if isinstance(e, PermissionError) else 500
-                e = Refused(status, "PERMISSION_DENIED" if status == 403 else "INTERNAL", f"{raw}: {e.strerror or e}")
+                e = _refusal_of(e, raw, op)
             data.update(code=e.code, **({"rule": e.extra["rule"]} if e.extra.get("rule") else {}))
             self.files.record(op, raw, e.status, **data)
             if method == "PUT":
@@ -343,6 +342,19 @@ class RestApp:
         finally:
             os.close(dir_fd)
         return 204, lambda head: h._send(204)
+
+
+def _refusal_of(e: OSError, raw: str, op: str) -> Refused:
+    """The answer for what the kernel said: a file standing where a directory should be is a
+    missing path (a write: a bad one), EACCES/EPERM is 403, the rest is the server's failure."""
+    what = f"{raw}: {e.strerror or e}"
+    if isinstance(e, NotADirectoryError) or (isinstance(e, FileExistsError) and op == "write"):
+        return Refused(400, "INVALID_ARGUMENT", what) if op == "write" else Refused(404, "NOT_FOUND", what)
+    if isinstance(e, FileNotFoundError):
+        return Refused(404, "NOT_FOUND", what)
+    if isinstance(e, PermissionError):
+        return Refused(403, "PERMISSION_DENIED", what)
+    return Refused(500, "INTERNAL", what)
 
 
 def _file_part(ctype: str, rfile, length: int):

@@ -472,3 +472,18 @@ def test_without_the_k8s_extra_sandboxd_says_what_to_install(agnsup, worktree):
             f"main(['sandboxd', '--workdir', {worktree!r}])")
     cp = subprocess.run([sys.executable, "-c", code], env=agnsup.env, capture_output=True, text=True, timeout=60)
     assert cp.returncode == 125 and cp.stderr == "agnsup: agnsup sandboxd needs the k8s extra: pip install 'agnsup[k8s]'\n"
+
+
+def test_the_image_entrypoint_without_a_writable_cgroup2_runs_cells_without_cgroups(agnsup, tmp_path):
+    """deploy/entrypoint.sh's fallback (an unprivileged pod): it says so, names what is lost through
+    doctor, and execs the command with AGNSUP_CGROUP_LAYOUT=none."""
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        pytest.skip("ENV_BLOCKED: a cgroup2 mount at /sys/fs/cgroup (the entrypoint would move itself into a "
+                    "leaf of the host's root cgroup: a pod's own cgroup namespace only)")
+    from conftest import REPO
+    env = {**agnsup.env, "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"}
+    env.pop("AGNSUP_CGROUP_LAYOUT", None)
+    cp = subprocess.run(["sh", os.path.join(REPO, "deploy", "entrypoint.sh"), "sh", "-c", "echo $AGNSUP_CGROUP_LAYOUT"],
+                        env=env, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0 and cp.stdout == "none\n", cp.stderr
+    assert "cells run without cgroups" in cp.stderr and "ENV_BLOCKED: cgroup" in cp.stderr

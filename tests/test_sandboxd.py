@@ -338,6 +338,7 @@ def test_a_client_that_goes_away_mid_start_takes_its_process_with_it(server, agn
 
 
 @pytest.mark.parametrize("sig,argv,code", [
+    ("SIGNAL_SIGINT", ["sh", "-c", "setsid sleep 301 & exec sleep 300"], 130),
     ("SIGNAL_SIGTERM", ["sh", "-c", "setsid sleep 301 & exec sleep 300"], 143),
     ("SIGNAL_SIGKILL", ["sh", "-c", "trap '' TERM INT; setsid sleep 301 & sleep 300; sleep 302"], 137)])
 def test_send_signal_stops_the_tree_and_the_setsid_daemon_it_left(server, agnsup, sig, argv, code):

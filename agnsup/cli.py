@@ -430,6 +430,30 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))
 
 
+@main.command()
+@click.option("--grpc", "grpc_addr", default="127.0.0.1:9090", show_default=True, metavar="HOST:PORT",
+              help="Where process.v1.ProcessService listens (port 0: a free one).")
+@click.option("--rest", "rest_addr", default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
+              help="Where the REST API (/v1/health, /v1/metadata, /v1/files) listens.")
+@click.option("--role", default="executor", show_default=True, help="Role policy of every process and file call.")
+@click.option("--workdir", default=None, metavar="DIR", help="The sandbox's worktree: file paths and cwd are "
+              "confined to it (default: the current directory).")
+@click.option("--run-id", default="sandboxd", show_default=True, help="Run the cells belong to.")
+@click.option("--agent", "agent_id", default="sandboxd", show_default=True, help="Agent the cells belong to.")
+@click.pass_obj
+def sandboxd(obj, **options):
+    """The agent-sandbox runtime API (sandboxd, KEP-539.2) over agnsup cells.
+
+    gRPC process.v1.ProcessService and the REST filesystem API; every process
+    is a cell of --role. Prints one JSON line {"ready": true, "grpc": ...,
+    "rest": ..., "controller": ...} once it accepts calls. SIGTERM or SIGINT:
+    its cells are cancelled, then it exits. Needs `pip install 'agnsup[k8s]'`.
+    See docs/sandboxd.md.
+    """
+    from .sandboxd import main as sandboxd_main
+    sys.exit(sandboxd_main(obj["state_dir"], **options))
+
+
 @main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
                                                  "allow_interspersed_args": False})
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,

@@ -330,6 +330,14 @@ class Journal:
         return [{"kind": k, "run_id": r, "cell_id": c, "t": t, **json.loads(d or "{}")} for k, r, c, t, d in self._all(
             f"SELECT kind, run_id, cell_id, t, data FROM events WHERE kind IN ('denied','refused') {where} "
             "ORDER BY id", args)]
+    def record_file_op(self, run_id: str, op: str, **data) -> None:
+        """One call of sandboxd's filesystem API (read, stat, write, delete), allowed or refused."""
+        self.add_event(f"file.{op}", run_id, None, **data)
+
+    def file_ops(self, run_id: str) -> list[dict]:
+        rows = self._all("SELECT t, kind, data FROM events WHERE run_id=? AND cell_id IS NULL AND kind LIKE 'file.%' "
+                         "ORDER BY id", (run_id,))
+        return [{"t": r["t"], "op": r["kind"][len("file."):], **json.loads(r["data"] or "{}")} for r in rows]
 
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",

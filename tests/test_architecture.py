@@ -19,7 +19,7 @@ FORBIDDEN_CALLS = {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "
 
 LAYERS = [  # top to bottom
     ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.mcp", "agnsup.doctor",
-                     "agnsup.selftest"]),
+                     "agnsup.selftest", "agnsup.sandboxd"]),
     ("tool and service", ["agnsup.service", "agnsup.tool"]),
     ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
                 "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",

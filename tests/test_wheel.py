@@ -15,6 +15,7 @@ def test_the_installed_wheel_runs_doctor_and_a_cell_outside_the_source_tree(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert "agnsup/policies/executor.toml" in names and "agnsup/migrations/0001_init.sql" in names
     assert "agnsup/selftest/stubborn-tree" in names  # `agnsup selftest` runs it in cells
+    assert "agnsup/sandboxd/process.proto" in names and "agnsup/sandboxd/_descriptor.py" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(wheel)], check=True, timeout=600,

@@ -52,6 +52,11 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
+# openat2(2) resolve flags, <linux/openat2.h>
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+
+_SYS_OPENAT2 = 437
 _SYS_OPEN_TREE = 428
 _SYS_MOVE_MOUNT = 429
 _SYS_MOUNT_SETATTR = 442
@@ -70,6 +75,18 @@ def _check(ret: int, what: str, path: str | None = None) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}", path)
     return ret
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2): with RESOLVE_BENEATH the kernel refuses (EXDEV) any resolution, `..` or
+    symlink, that leaves `dfd`, atomically with the open (no check-then-open race)."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    return _check(_syscall(_SYS_OPENAT2, ctypes.c_int(dfd), os.fsencode(path), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how))), "openat2", path)
 
 
 def unshare(flags: int) -> None:

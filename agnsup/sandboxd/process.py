@@ -1,0 +1,251 @@
+"""process.v1.ProcessService over agnsup.service.Supervisor: every process is a cell.
+
+A process id (int32, the standard's) names one cell of this server: process id
+N is cell `proc-N` of the run the call came with (`--run-id`, default
+"sandboxd"; gRPC metadata `agnsup-run-id` may name another). N counts up for
+the state root's life: a restarted server goes on after the highest `proc-N`
+the journal has, so an id from before a restart never names a new process.
+Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
+SendSignal and ResizeTTY find the processes of this server's running Start calls.
+
+The role is the server's (`--role`), never the client's. agnsup's answers
+beyond the standard messages travel as metadata: trailing `agnsup-run-id`,
+`agnsup-cell-id`, `agnsup-state`, `agnsup-reason`, `agnsup-receipt` (and on
+Start, the same ids as initial metadata); on a refusal `agnsup-error-type`,
+`agnsup-exit-code` (agnsup's CLI exit code) and `agnsup-rule`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from ..errors import (AgnsupError, CancelledBeforeStart, Denied, LockTimeout, NotExecutable, NotFound, PolicyError,
+                      RunNotActive, UnknownId, UsageError, exit_code)
+from . import proto
+
+CELL_PREFIX = "proc-"
+_CELL_RE = re.compile(r"^proc-(\d+)$")
+MAX_PROCESS_ID = 2**31 - 1  # int32 on the wire
+NO_DEADLINE = 10 * 365 * 86400.0
+STREAM_POLL = 5.0  # seconds a Start stream waits for output before it checks the client is still there
+
+
+def status_of(e: AgnsupError):
+    """The gRPC status code an agnsup refusal maps to (docs/sandboxd.md "Errors")."""
+    import grpc
+    for cls, code in ((Denied, grpc.StatusCode.PERMISSION_DENIED), (NotExecutable, grpc.StatusCode.PERMISSION_DENIED),
+                      (NotFound, grpc.StatusCode.NOT_FOUND), (UnknownId, grpc.StatusCode.NOT_FOUND),
+                      (LockTimeout, grpc.StatusCode.UNAVAILABLE), (CancelledBeforeStart, grpc.StatusCode.CANCELLED),
+                      (RunNotActive, grpc.StatusCode.FAILED_PRECONDITION),
+                      (UsageError, grpc.StatusCode.INVALID_ARGUMENT), (PolicyError, grpc.StatusCode.FAILED_PRECONDITION)):
+        if isinstance(e, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class Process:
+    """What this server knows of one started process: its cell, and whether it is done."""
+
+    def __init__(self, process_id: int, run_id: str, cell_id: str):
+        self.process_id, self.run_id, self.cell_id = process_id, run_id, cell_id
+        self.done = threading.Event()
+
+
+class ProcessService:
+    def __init__(self, sup, *, role: str, workdir: str, run_id: str, agent_id: str):
+        self.sup, self.role, self.workdir = sup, role, workdir
+        self.run_id, self.agent_id = run_id, agent_id
+        self.pb = proto.messages()
+        self._guard = threading.Lock()
+        self._next = 1 + max((int(m.group(1)) for c in sup.list(include_ended=True)
+                              if (m := _CELL_RE.match(c["cell_id"]))), default=0)
+        self.procs: dict[int, Process] = {}
+
+    # -- the gRPC plumbing ---------------------------------------------------
+    def handler(self):
+        """One generic handler for process.v1.ProcessService (no generated code)."""
+        import grpc
+        pb = self.pb
+
+        def unary(fn, req, resp):
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                       response_serializer=resp.SerializeToString)
+        methods = {
+            "Execute": unary(self.Execute, pb.ExecuteRequest, pb.ExecuteResponse),
+            "WriteStdin": unary(self.WriteStdin, pb.WriteStdinRequest, pb.WriteStdinResponse),
+            "SendSignal": unary(self.SendSignal, pb.SendSignalRequest, pb.SendSignalResponse),
+            "ResizeTTY": unary(self.ResizeTTY, pb.ResizeTTYRequest, pb.ResizeTTYResponse),
+            "Start": grpc.unary_stream_rpc_method_handler(self.Start, request_deserializer=pb.StartRequest.FromString,
+                                                          response_serializer=pb.StartResponse.SerializeToString),
+        }
+        return grpc.method_handlers_generic_handler(proto.SERVICE, methods)
+
+    def _abort(self, context, e: AgnsupError):
+        md = [("agnsup-error-type", type(e).__name__), ("agnsup-exit-code", str(exit_code(e)))]
+        decision = e.details.get("decision") or {}
+        if decision.get("rule"):
+            md.append(("agnsup-rule", str(decision["rule"])))
+        context.set_trailing_metadata(md)
+        context.abort(status_of(e), e.message)
+
+    def _invalid(self, context, message: str):
+        self._abort(context, UsageError(message))
+
+    # -- requests -> cells ---------------------------------------------------
+    def _ids(self, context) -> tuple[str, str]:
+        md = dict(context.invocation_metadata() or ())
+        return md.get("agnsup-run-id") or self.run_id, md.get("agnsup-agent-id") or self.agent_id
+
+    def _cwd(self, config, context, run_id: str, cell_id: str) -> str:
+        """The cell's worktree: the server's, or `cwd` inside it (relative to it, or absolute under it).
+        A cwd outside is refused like a gate denial: journaled (event `denied`), nothing started."""
+        if not config.HasField("cwd") or config.cwd in ("", "."):
+            return self.workdir
+        p = config.cwd
+        if os.path.isabs(p) and (p == self.workdir or p.startswith(self.workdir.rstrip("/") + "/")):
+            p = os.path.relpath(p, self.workdir)
+        resolved = os.path.realpath(os.path.join(self.workdir, p.lstrip("/")))
+        if resolved != self.workdir and not resolved.startswith(self.workdir.rstrip("/") + "/"):
+            reason = f"cwd {config.cwd!r} resolves to {resolved}, outside the sandbox's worktree {self.workdir}"
+            decision = {"allowed": False, "rule": "sandboxd.cwd_escape", "reason": reason, "check": "sandboxd"}
+            self.sup.ctl.journal.record_denied(run_id, cell_id, argv=list(config.command), decision=decision,
+                                               trail=[], chain=["sandboxd"])
+            self._abort(context, Denied(f"denied by sandboxd.cwd_escape: {reason}", decision=decision))
+        return resolved
+
+    def _number(self) -> int:
+        with self._guard:
+            n = self._next
+            if n > MAX_PROCESS_ID:
+                raise AgnsupError("process ids are exhausted (int32); use a new state root or --run-id")
+            self._next += 1
+            return n
+
+    def _spawn(self, config, context, **extra) -> Process:
+        """A cell for `config` (checked by CellRequest like every front door's), or the call aborted."""
+        argv = list(config.command)
+        if not argv:
+            self._invalid(context, "config.command is required (the argv: program and arguments; no shell)")
+        run_id, agent_id = self._ids(context)
+        n = self._number()
+        workdir = self._cwd(config, context, run_id, f"{CELL_PREFIX}{n}")
+        remaining = context.time_remaining()  # the client's deadline, if it set one, bounds the cell
+        if remaining is not None and remaining > NO_DEADLINE:
+            remaining = None  # grpc reports "no deadline" as a remaining time of about 2**63 ns
+        options = dict(role=self.role, run_id=run_id, agent_id=agent_id, cell_id=f"{CELL_PREFIX}{n}",
+                       workdir=workdir, env=dict(config.env_vars), entry="sandboxd", notify=lambda _line: None)
+        if remaining is not None:
+            options.update(timeout=max(remaining, 0.001), lock_timeout=max(remaining, 0))
+        try:
+            h = self.sup.spawn(argv, **options, **extra)
+        except AgnsupError as e:
+            self._abort(context, e)
+        p = Process(n, h["run_id"], h["cell_id"])
+
+        def gone():  # the client went away (cancel, deadline, disconnect): so does its process
+            if not p.done.is_set():
+                try:
+                    self.sup.cancel(cell_id=p.cell_id, run_id=p.run_id)
+                except AgnsupError:
+                    pass
+        context.add_callback(gone)
+        return p
+
+    def _ended(self, p: Process, context, output: bool = False) -> dict:
+        res = self.sup.wait(p.run_id, p.cell_id)
+        p.done.set()
+        md = [("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id), ("agnsup-state", str(res["state"])),
+              ("agnsup-reason", str(res["reason"])), ("agnsup-receipt", str(res["receipt"]))]
+        if output:  # Execute's output is what run_process returns: say when it was cut
+            md += [(f"agnsup-{k}-truncated", "true") for k in ("stdout", "stderr") if res.get(f"{k}_truncated")]
+        context.set_trailing_metadata(md)
+        return res
+
+    # -- the rpcs ------------------------------------------------------------
+    def Execute(self, request, context):
+        """Run to completion. stdout/stderr: what run_process returns (redacted as the role says, at most
+        receipts.MAX_RETURNED_OUTPUT each); the whole capture stays under the cell's directory."""
+        p = self._spawn(request.config, context)
+        res = self._ended(p, context, output=True)
+        return self.pb.ExecuteResponse(exit_code=_exit_code(res),
+                                       stdout=res.get("stdout", "").encode(), stderr=res.get("stderr", "").encode())
+
+    def Start(self, request, context):
+        """Run with live output: init{process_id}, stdout/stderr chunks in the order the cell wrote
+        them (a pty's stream "tty" comes as stdout), exit{exit_code}. fd 0 is a pipe for WriteStdin,
+        or the pty. The client ending the stream (cancel, deadline, disconnect) cancels the cell."""
+        pb = self.pb
+        if request.HasField("pty"):
+            # The standard's server keeps its default size for a zero; the cell's pty needs one.
+            live = {"stdin": True, "pty": {"cols": request.pty.cols or 80, "rows": request.pty.rows or 24}}
+        else:
+            live = {"stdin": True, "stream": True}
+        p = self._spawn(request.config, context, **live)
+        with self._guard:
+            self.procs[p.process_id] = p  # before the init event: a WriteStdin right after it finds the process
+        try:
+            context.send_initial_metadata([("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id)])
+            yield pb.StartResponse(init=pb.InitEvent(process_id=p.process_id))
+            since = 0
+            while True:
+                out = self.sup.read_output(p.run_id, p.cell_id, since, timeout=STREAM_POLL)
+                for c in out["chunks"]:
+                    yield pb.StartResponse(stderr=c["data"]) if c["stream"] == "stderr" \
+                        else pb.StartResponse(stdout=c["data"])
+                since = out["next"]
+                if out["ended"] or not context.is_active():
+                    break
+            res = self._ended(p, context)
+            yield pb.StartResponse(exit=pb.ExitEvent(exit_code=_exit_code(res)))
+        finally:
+            with self._guard:
+                self.procs.pop(p.process_id, None)
+
+    def _process(self, process_id: int, context) -> Process:
+        with self._guard:
+            p = self.procs.get(process_id)
+        if p is None:
+            self._abort(context, UnknownId(f"process {process_id} not found (not started by this server's Start, "
+                                           "or it has ended)"))
+        return p
+
+    def _live(self, context, fn, *args) -> None:
+        """A call on a running cell; the Supervisor's UsageError (no stdin, no pty, already ended) is the
+        standard's FAILED_PRECONDITION."""
+        import grpc
+        try:
+            fn(*args)
+        except UsageError as e:
+            context.set_trailing_metadata([("agnsup-error-type", "UsageError"), ("agnsup-exit-code", "125")])
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.message)
+        except AgnsupError as e:
+            self._abort(context, e)
+
+    def WriteStdin(self, request, context):
+        p = self._process(request.process_id, context)
+        if request.WhichOneof("payload") == "eof":
+            self._live(context, self.sup.write_stdin, p.run_id, p.cell_id, b"", True)
+        elif request.input:
+            self._live(context, self.sup.write_stdin, p.run_id, p.cell_id, request.input)
+        return self.pb.WriteStdinResponse()
+
+    def SendSignal(self, request, context):
+        """SIGINT and SIGTERM reach the cell's process group, as the standard says; SIGKILL kills the
+        cell's whole tree through its cgroup (setsid daemons too). When the command's leader ends, by
+        a signal or not, whatever it left in its cgroup is killed with it: no daemon outlives it."""
+        sig = {2: "INT", 15: "TERM", 9: "KILL"}.get(request.signal)
+        if sig is None:
+            self._invalid(context, f"signal {request.signal}: must be SIGNAL_SIGINT, SIGNAL_SIGTERM or SIGNAL_SIGKILL")
+        p = self._process(request.process_id, context)
+        self._live(context, self.sup.signal, p.run_id, p.cell_id, sig)
+        return self.pb.SendSignalResponse()
+
+    def ResizeTTY(self, request, context):
+        p = self._process(request.process_id, context)
+        self._live(context, self.sup.resize, p.run_id, p.cell_id, request.cols, request.rows)
+        return self.pb.ResizeTTYResponse()
+
+
+def _exit_code(res: dict) -> int:
+    return res["exit_code"] if res["exit_code"] is not None else -1

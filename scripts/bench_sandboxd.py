@@ -1,0 +1,84 @@
+"""Per-cell latency of sandboxd's Execute of `true` against `agnsup serve`'s run, interleaved (run by scripts/bench).
+
+    bench_sandboxd.py AGNSUP_BIN [--cells 300]
+
+One `agnsup serve` and one `agnsup sandboxd` on one state root and worktree;
+every round runs one cell through each, in turn (serve's `run` over its
+socket, sandboxd's gRPC Execute), so both see the same moments of this shared
+machine; plus a plain fork/exec of /bin/true. Medians and p25 in ms.
+Needs root (cgroups) and the k8s extra in AGNSUP_BIN's environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def main(argv: list[str]) -> None:
+    agnsup = argv[0]
+    ncells = int(argv[argv.index("--cells") + 1]) if "--cells" in argv else 300
+    import grpc
+
+    from agnsup.sandboxd import proto
+    from agnsup.serve import Client
+    pb = proto.messages()
+    state = tempfile.mkdtemp(prefix="agnsup-bench-sandboxd.", dir="/var/tmp")
+    wt = tempfile.mkdtemp(prefix="agnsup-bench-sandboxd-wt.", dir="/var/tmp")
+    env = {**os.environ, "AGNSUP_STATE_DIR": state}
+    procs = []
+    try:
+        serve = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        procs.append(serve)
+        sock = json.loads(serve.stdout.readline())["socket"]
+        sbx = subprocess.Popen([agnsup, "sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0", "--workdir", wt],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        procs.append(sbx)
+        ready = json.loads(sbx.stdout.readline())
+        channel = grpc.insecure_channel(ready["grpc"])
+        execute = channel.unary_unary(f"/{proto.SERVICE}/Execute", request_serializer=pb.ExecuteRequest.SerializeToString,
+                                      response_deserializer=pb.ExecuteResponse.FromString)
+        request = pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"]))
+        times: dict[str, list[float]] = {"agnsup serve (run op)": [], "agnsup sandboxd (Execute)": [],
+                                         "fork/exec /bin/true": []}
+        with Client(sock) as c:
+            c.call("run", argv=["true"], workdir=wt, run_id="warm")
+            assert execute(request).exit_code == 0
+            for _ in range(ncells):
+                t0 = time.perf_counter()
+                r = c.call("run", argv=["true"], workdir=wt, run_id="bench-serve")
+                times["agnsup serve (run op)"].append(time.perf_counter() - t0)
+                assert r["exit_code"] == 0, r
+                t0 = time.perf_counter()
+                resp = execute(request)
+                times["agnsup sandboxd (Execute)"].append(time.perf_counter() - t0)
+                assert resp.exit_code == 0
+                t0 = time.perf_counter()
+                subprocess.run(["/bin/true"], check=True)
+                times["fork/exec /bin/true"].append(time.perf_counter() - t0)
+        channel.close()
+        base = statistics.median(times["agnsup serve (run op)"])
+        print(f"{'per cell, ' + str(ncells) + ' interleaved rounds':34} {'median ms':>10} {'p25 ms':>8} "
+              f"{'x serve':>8}")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{name:34} {med * 1000:10.2f} {statistics.quantiles(ts, n=4)[0] * 1000:8.2f} {med / base:8.2f}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(60)
+            p.stdout.close()
+        subprocess.run([agnsup, "cancel", "--all", "--grace", "0"], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(wt, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -39,6 +39,7 @@ class ExecutionPlan(Record):
     redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
     dies_with_controller: str = ""         # how on_controller_death = kill is in force: "namespace" | "leader" | ""
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
+    require_limits: bool = False           # isolation.require "limits": refuse a cell whose limits are not in force
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
@@ -247,7 +248,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
         raise SetupError(f"role {spec.role} asks for a PID namespace: {host['pid_namespace']}", step="pid_namespace")
     root = host["_root"]
     out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
-                 "no_new_privs": bool(wanted["no_new_privs"])}
+                 "no_new_privs": bool(wanted["no_new_privs"]), "require_limits": "limits" in iso.require}
     if spec.on_controller_death == "kill":
         # the kernel's dead-man switch: a PID namespace dies with its init, and the init
         # with the controller (PR_SET_PDEATHSIG); without PID namespaces, the leader only

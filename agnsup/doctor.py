@@ -60,18 +60,12 @@ def report(state_root: str) -> dict:
     from .linux.host import protections
     ll = protections()["_abi"] or None
     hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}
-    limits_via = {}
-    for ctrl in ("memory", "pids"):
-        if ctrl in layout.v2_controllers:
-            limits_via[ctrl] = "v2"
-        elif ctrl in layout.v1:
-            limits_via[ctrl] = "v1"
-        else:
-            limits_via[ctrl] = None
+    support = chosen.limit_support()
     use = {
         "backend": type(chosen).__name__,
         "tracking_and_kill": chosen.describe(kernel_at_least(5, 14)),
-        "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
+        "limits": {c: f"cgroup {'v1' if c in chosen.roots() else 'v2'}" if why is None else f"NOT IN FORCE: {why}; fix: {chosen.limit_fix(c)}"
+                   for c, why in support.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",
         "network_deny": "network namespace with loopback only" if ns["network"]["available"]
@@ -85,6 +79,7 @@ def report(state_root: str) -> dict:
     conf = confinement()
     use["confinement"] = ", ".join(k for k, v in conf.items() if v["available"]) + " (as each role asks)"
     without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
+    without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     return {
         "euid": os.geteuid(),
         "cgroup": {"layout": layout.kind, "hierarchies": hierarchies, "v2_controllers": list(layout.v2_controllers),

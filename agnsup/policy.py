@@ -26,8 +26,9 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "8"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
-#                     6: network lists; 7: git, redaction, destinations; 8: process.on_controller_death
+CACHE_VERSION = "9"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
+#                     6: network lists; 7: git, redaction, destinations; 8: process.on_controller_death;
+#                     9: isolation.require "limits"
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny or protect): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny", "governance.redact")

@@ -44,6 +44,7 @@ class Place(Record):
     node: object = None                  # linux.cgroup.Node (hierarchy -> directory), None: no tree
     inode: int | None = None             # inode of the primary directory, once created
     limits: dict = Factory(dict)         # resource -> "v2:<dir>" | "v1:<dir>": what is in force
+    missing: dict = Factory(dict)        # resource -> why not: asked for, not in force
     oom_fd: int | None = None            # v1: an eventfd the OOM killer signals
 
     @property
@@ -74,6 +75,32 @@ class Backend:
 
     def usage(self, place: Place) -> dict:
         return {}
+
+    def limit_fix(self, controller: str) -> str:
+        """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+            return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
+        return "run agnsup as root, or in a cgroup2 subtree delegated to it (AGNSUP_CGROUP_BASE)"
+
+    def limit_support(self) -> dict[str, str | None]:
+        """{memory|pids|cpu: None when a cell's limit on it would be in force, else why not} (doctor)."""
+        return {c: "no cgroup tree here" for c in ("memory", "pids", "cpu")}
+
+    def limit_gaps(self, place: Place, limits: dict) -> list[str]:
+        """Each limit `limits` asks for that `place` does not have in force, with why and the fix:
+        no limit is ever reported that is not in force (receipt not_in_force, isolation.require)."""
+        from ..linux.cgroup import wanted_controllers
+        support = None
+        out = []
+        for c in wanted_controllers(limits):
+            if c in place.limits:
+                continue
+            why = place.missing.get(c)
+            if why is None:
+                support = self.limit_support() if support is None else support
+                why = support.get(c) or "not applied"
+            out.append(f"limit {c}: {why}; fix: {self.limit_fix(c)}")
+        return out
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         """How this backend tracks and kills a cell's tree (agnsup doctor)."""

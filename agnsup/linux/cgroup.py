@@ -175,31 +175,39 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> list[str]:
-    """Enable `wanted` controllers down our own v2 directories; return those in force."""
+def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Enable `wanted` controllers down our own v2 directories: (those in force, {controller: why not}).
+
+    A controller our first directory does not list in cgroup.controllers was not handed down to it
+    by its parent, which is not ours to write (systemd's, or the host's root): named, never faked."""
     enabled = list(wanted)
+    why: dict[str, str] = {}
     for d in dirs:
         try:
             avail = _read(os.path.join(d, "cgroup.controllers")).split()
-        except OSError:
-            return []
+        except OSError as e:
+            return [], {c: f"{d}/cgroup.controllers: {e.strerror}" for c in wanted}
+        for c in enabled:
+            if c not in avail:
+                why[c] = (f"the cgroup2 controller {c!r} is not enabled for {d} (not in its cgroup.controllers: "
+                          f"{os.path.dirname(d)}/cgroup.subtree_control lacks +{c})")
         enabled = [c for c in enabled if c in avail]
         if not enabled:
-            return []
+            return [], why
         try:
             current = _read(os.path.join(d, "cgroup.subtree_control")).split()
             todo = [c for c in enabled if c not in current]
             if todo:
                 _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
-        except OSError:
-            return []
-    return enabled
+        except OSError as e:
+            return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
+    return enabled, why
 
 
 def create_cell(base: Node, cell: Node, limits: dict) -> dict:
     """mkdir the run/agent/cell directories of `cell` (a cell_node of `base`) and apply the limits.
 
-    Returns {"inode": primary dir inode, "limits": {what: where},
+    Returns {"inode": primary dir inode, "limits": {what: where}, "missing": {what: why not},
     "oom_fd": an eventfd that becomes readable when the v1 OOM killer acts in
     the cell, or None}. A directory that already exists for the cell is an
     error: a cell id is never reused within a run, and a recreated directory
@@ -216,22 +224,29 @@ def create_cell(base: Node, cell: Node, limits: dict) -> dict:
         else:
             raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
     v2 = cell.paths.get("v2")
-    wanted = tuple(c for c, keys in V2_LIMIT_CONTROLLERS.items() if any(limits.get(k) for k in keys))
+    wanted = tuple(wanted_controllers(limits))
     v2_ctrl: list[str] = []
+    why: dict[str, str] = {}
     if v2 and wanted:
         chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
-        v2_ctrl = _enable_v2_controllers(chain, wanted)
+        v2_ctrl, why = _enable_v2_controllers(chain, wanted)
     applied = apply_limits(cell.paths, v2_ctrl, limits)
+    missing = {c: why.get(c, f"no cgroup hierarchy here holds {c} limits") for c in wanted if c not in applied}
     oom_fd = None
     if "memory" in applied and applied["memory"].startswith("v1:"):
         oom_fd = _v1_oom_eventfd(cell.paths["memory"])
     prim = cell.primary
     ino = os.stat(prim[1]).st_ino if prim else None
-    return {"inode": ino, "limits": applied, "oom_fd": oom_fd}
+    return {"inode": ino, "limits": applied, "missing": missing, "oom_fd": oom_fd}
 
 
 # Which v2 controller each limit key needs.
 V2_LIMIT_CONTROLLERS = {"memory": ("memory_max",), "pids": ("pids_max",), "cpu": ("cpu_weight", "cpu_max")}
+
+
+def wanted_controllers(limits: dict) -> list[str]:
+    """The controllers the limits a role sets need (memory, pids, cpu), in that order."""
+    return [c for c, keys in V2_LIMIT_CONTROLLERS.items() if any(limits.get(k) for k in keys)]
 CPU_PERIOD_US = 100_000
 
 

@@ -111,6 +111,7 @@ class Controller:
             self.journal.register_controller(self._row())
             self._registered = True
         self.backend = backend if backend is not None else backends.choose(state.path)
+        self.backend.enter(supervisor.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
 
     def _take_lock(self) -> None:

@@ -30,7 +30,7 @@ def confinement() -> dict:
     checks = {
         "seccomp": lambda: (lsys.set_no_new_privs(), seccomp.build(("ptrace", "mount")).load()),
         "landlock": lambda: (lsys.set_no_new_privs(), landlock.build(["/dev/null"], host["_abi"]).restrict_self()),
-        "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID),
+        "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID | _IN_USERNS),
     }
     for name, fn in checks.items():
         if out[name]["available"]:
@@ -40,8 +40,12 @@ def confinement() -> dict:
     return out
 
 
+# A normal user's cell namespaces live in a user namespace of its own (supervisor.py): probe them there.
+_IN_USERNS = 0 if os.geteuid() == 0 else lsys.CLONE_NEWUSER
+
+
 def _ns(flag: int):
-    return lambda: lsys.unshare(flag)
+    return lambda: lsys.unshare(flag | (_IN_USERNS if flag != lsys.CLONE_NEWUSER else 0))
 
 
 def report(state_root: str) -> dict:
@@ -56,7 +60,7 @@ def report(state_root: str) -> dict:
         ok, err = supervisor.probe(_ns(flag))
         ns[name] = {"available": ok, **({"error": err} if err else {})}
     mount_api_ok, mount_api_err = supervisor.probe(
-        lambda: (lsys.unshare(lsys.CLONE_NEWNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
+        lambda: (lsys.unshare(lsys.CLONE_NEWNS | _IN_USERNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
     from .linux.host import protections
     ll = protections()["_abi"] or None
     hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}

@@ -4,6 +4,12 @@
 nobody above a backend branches on the layout:
 
     Cgroup2     pure v2: tracking, cgroup.kill and every limit in v2    (backend/cgroups.py)
+    SystemdScope  pure v2 under systemd, as root: the same, inside agnsup's own unit with
+                Delegate=yes, never beside systemd's slices              (backend/systemd.py)
+    SystemdUserScope  a normal user with a systemd user manager: a scope of each controller's own
+                with Delegate=yes, asked of that manager                 (backend/systemd.py)
+    Delegated   a normal user's delegated cgroup2 subtree (AGNSUP_CGROUP_BASE): the same verbs, what
+                the subtree was not given named per limit                  (backend/delegated.py)
     Hybrid      v2 tracks and kills (cgroup.kill); memory, pids, cpu limits in v1 (these machines)
     Cgroup1     v1 only: the freezer makes a tree kill atomic
     Untracked   no writable hierarchy (or AGNSUP_CGROUP_LAYOUT=none): no tree of its own;
@@ -14,6 +20,7 @@ The verbs (a `Place` is one cell's, agent's or run's place: a cgroup
 backend's is a set of directories; an untracked backend's places have none,
 and only `place`, `from_journal` and `usage` are asked of it):
 
+    enter(run_helper)                           this process becomes a controller here (systemd: into the unit)
     place(run, agent, cell, limits) -> Place    where the cell will live (nothing created yet)
     create(place, limits) -> Place              make it and apply the limits (inode, what is in force)
     from_journal(paths, inode) -> (Place|None, note, bystanders)   only if provably the cell's
@@ -65,6 +72,11 @@ class Backend:
     tracking = "session+token"  # receipt isolation.tracking
     trees = False               # does a cell get a tree of its own (a cgroup)?
     env_blocked: tuple[str, ...] = ("ENV_BLOCKED: cgroup",)
+
+    def enter(self, run_helper) -> None:
+        """Make this process a controller of cells here (once, before its first cell). Only the
+        systemd backend moves it (into agnsup's own unit); `run_helper(argv, timeout)` ->
+        (rc, stdout, stderr) is the supervisor's, the only spawner."""
 
     def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
         return Place()
@@ -164,7 +176,20 @@ def choose(state_root: str, mountinfo: str | None = None) -> Backend:
     """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked)."""
     from ..linux import cgroup
     layout = cgroup.detect_layout(mountinfo)
+    if layout.kind == "none" and os.geteuid() != 0 and mountinfo is None and \
+            os.environ.get("AGNSUP_CGROUP_LAYOUT") != "none" and not os.environ.get("AGNSUP_CGROUP_BASE"):
+        from . import systemd
+        user_layout = systemd.user_layout()
+        if user_layout is not None:  # a user manager to ask for a delegated scope
+            return systemd.SystemdUserScope(user_layout, state_root)
     if layout.kind == "none":
         return Untracked()
+    if layout.v2 and os.geteuid() != 0 and os.environ.get("AGNSUP_CGROUP_BASE") and mountinfo is None:
+        from .delegated import Delegated  # a normal user's delegated subtree
+        return Delegated(layout, state_root)
+    if layout.kind == "v2" and os.geteuid() == 0 and not os.environ.get("AGNSUP_CGROUP_BASE") and mountinfo is None:
+        from . import systemd
+        if systemd.booted():  # systemd owns the tree: agnsup's cells go in a unit of its own
+            return systemd.SystemdScope(layout, state_root)
     from .cgroups import for_layout
     return for_layout(layout, state_root)

@@ -66,7 +66,8 @@ def parse_mountinfo(mountinfo: str) -> tuple[str | None, dict[str, str]]:
 def detect_layout(mountinfo: str | None = None) -> Layout:
     """The host's layout; AGNSUP_CGROUP_LAYOUT=none runs without cgroups even
     where they are writable (cells are then tracked by session + token)."""
-    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if mountinfo is None else ""
+    live = mountinfo is None  # this host (not a test's mountinfo text): the environment counts
+    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if live else ""
     if forced == "none":
         return Layout("none", None)
     if forced:
@@ -83,7 +84,7 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
                 v2_ctrl = tuple(f.read().split())
         except OSError:
             v2 = None
-    if v2 is not None and not os.access(v2, os.W_OK):
+    if v2 is not None and not os.access(v2, os.W_OK) and not _delegated_base(v2, live):
         v2 = None
     v1 = {c: m for c, m in v1.items() if os.access(m, os.W_OK)}
     if v2 and not v1:
@@ -95,6 +96,13 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
     else:
         kind = "none"
     return Layout(kind, v2, v1, v2_ctrl)
+
+
+def _delegated_base(v2: str, live: bool) -> bool:
+    """A normal user cannot write the cgroup2 mount point, but AGNSUP_CGROUP_BASE may name a subtree
+    delegated to it (backend/delegated.py checks the delegation itself, and names what is wrong)."""
+    base = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/") if live else ""
+    return bool(base) and os.path.isdir(os.path.join(v2, base))
 
 
 def root_name(state_root: str) -> str:
@@ -202,6 +210,19 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
         except OSError as e:
             return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
     return enabled, why
+
+
+def enable_for_children(directory: str, wanted: tuple[str, ...]) -> list[str]:
+    """In a delegated directory (ours by delegation: systemd's Delegate=yes, or root's chown), enable
+    for its children those of `wanted` it has itself; returns them. A refused write (EBUSY: a process
+    is left in the directory itself) enables nothing: each cell's missing limit is then named."""
+    try:
+        have = [c for c in wanted if c in _read(os.path.join(directory, "cgroup.controllers")).split()]
+        if have:
+            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
+    except OSError:
+        return []
+    return have
 
 
 def create_cell(base: Node, cell: Node, limits: dict) -> dict:

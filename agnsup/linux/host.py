@@ -24,8 +24,16 @@ def protections() -> dict:
             "landlock": None if abi >= 1 else "no Landlock in this kernel (or it is disabled)",
             "landlock_scopes": None if abi >= 6 else f"Landlock ABI {abi} < 6 has no signal/socket scopes",
             "no_new_privs": None,
-            "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
+            # a normal user's cell: in the user namespace it is born with (supervisor.py, clone3)
+            "pid_namespace": None if root else _userns_pid(),
             "capabilities": None,  # a root cell drops them; any other uid has none to drop
             "_abi": abi, "_root": root, "_cap_last": cap_last_cap(),
         })
     return _cache
+
+
+def _userns_pid() -> str | None:
+    """Why a normal user's cell cannot have a PID namespace here (None: it can, in a user namespace)."""
+    from . import userns
+    blocked = userns.blocked_by_sysctl()
+    return f"no user namespace for a normal user: {blocked[0]}" if blocked else None

@@ -291,11 +291,13 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None) -> Chil
         pid, fd = _clone_into_cgroup(path, flags) if path is not None else (None, None)
         born = pid is not None  # born in v2; the controller moves it into the other hierarchies
         if pid is None and userns_pid:
-            pid, fd = _clone_into_cgroup(None, flags)  # born in our cgroup: the child joins its own
-            if pid is None:
-                raise OSError(errno.EPERM, "a normal user's cell gets a PID namespace only through clone3 from a "
-                              "single-threaded controller (agnsup run); set isolation.pid_namespace = false and "
-                              "process.on_controller_death = \"keep\" for this one")
+            if len(os.listdir("/proc/self/task")) != 1:
+                raise OSError(errno.EINVAL, "a normal user's cell gets a PID namespace only through clone3 from "
+                              "a single-threaded controller (agnsup run); for this one set "
+                              "isolation.pid_namespace = false and process.on_controller_death = \"keep\"")
+            # born in our cgroup (the child joins its own); EPERM here: no user namespace for us
+            pid, fd = lsys.clone3_into_cgroup(None, flags)
+            fd = fd if pid else None
         elif pid is None:
             pid = _fork_into_new_pid_namespace() if plan.pid_namespace else os.fork()
         if pid == 0:
@@ -318,6 +320,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None) -> Chil
             conf.ruleset.close()
         if conf.egress:
             conf.egress.close()
+        if conf.ids is not None and e.errno in _USERNS_REFUSED:
+            raise _userns_refused(e.strerror or str(e), e.errno) from None
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
                          errno=e.errno) from None
     os.close(barrier_r)
@@ -422,12 +426,7 @@ def _child_error(plan, report: bytes) -> Exception:
             return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
     if step == "user_namespace":
-        blocked = userns.blocked_by_sysctl()
-        fix = "; ".join(blocked) if blocked else ("something refuses unprivileged user namespaces here (an LSM "
-                                                 "or a seccomp filter; a container needs its runtime's userns "
-                                                 "support); or run agnsup as root")
-        return SetupError(f"cell setup failed at step 'user_namespace': {msg}: a normal user gets mount and "
-                          f"network namespaces only inside a user namespace; fix: {fix}", step=step, errno=code)
+        return _userns_refused(msg, code)
     return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
 
 
@@ -439,6 +438,22 @@ _JOIN_FORK = "fork, cgroup.procs by the child"
 # no cgroup2 delegation): fork and write cgroup.procs instead.
 _CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP, errno.EBUSY,
                        errno.EACCES)
+
+
+# errnos of a refused user namespace (user_namespaces(7), clone(2)): a sysctl, an LSM, a seccomp
+# filter (EPERM), user.max_user_namespaces reached (ENOSPC; EUSERS before 4.9), or no clone3 at all
+_USERNS_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EUSERS, errno.ENOSYS)
+
+
+def _userns_refused(msg: str, code: int | None) -> SetupError:
+    """The one line for a normal user whose cells cannot have a user namespace here, with the fix."""
+    blocked = userns.blocked_by_sysctl()
+    fix = "; ".join(blocked) if blocked else ("something refuses unprivileged user namespaces here (an LSM such "
+                                             "as AppArmor, or a seccomp filter: a container needs its runtime's "
+                                             "user-namespace support); or run agnsup as root")
+    return SetupError(f"cell setup failed at step 'user_namespace': {msg}: a normal user's cell gets its mount, "
+                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}",
+                      step="user_namespace", errno=code)
 
 
 def _clone_into_cgroup(path: str | None, flags: int) -> tuple[int | None, int | None]:

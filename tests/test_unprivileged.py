@@ -73,6 +73,7 @@ class User:
                                                                     "cgroup.threads"))):
             os.chown(p, self.uid, self.gid)
         self.agnsup = os.path.join(venv, "bin", "agnsup")
+        self.python = os.path.join(venv, "bin", "python")
         self.env = {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "PATH": "/usr/bin:/bin",
                     "LANG": "C.UTF-8", "AGNSUP_CGROUP_BASE": self.base}
 
@@ -84,12 +85,12 @@ class User:
         os.setgid(self.gid)
         os.setuid(self.uid)
 
-    def popen(self, *args, **kw) -> subprocess.Popen:
-        return subprocess.Popen([self.agnsup, *args], env=self.env, cwd=self.home, preexec_fn=self._enter,
-                                stdin=subprocess.DEVNULL, **kw)
+    def popen(self, *args, launcher=(), env=None, **kw) -> subprocess.Popen:
+        return subprocess.Popen([*launcher, self.agnsup, *args], env=env if env is not None else self.env,
+                                cwd=self.home, preexec_fn=self._enter, stdin=subprocess.DEVNULL, **kw)
 
-    def __call__(self, *args, timeout=120) -> subprocess.CompletedProcess:
-        p = self.popen(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __call__(self, *args, timeout=120, launcher=(), env=None) -> subprocess.CompletedProcess:
+        p = self.popen(*args, launcher=launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = p.communicate(timeout=timeout)
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
@@ -197,6 +198,47 @@ def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     wait_for(lambda: user.left() == [], what="nothing left in the user's subtree")
     rec = user.json("receipts", "--recovery", "--json")
     assert any("k2" in json.dumps(x) for x in rec), rec
+
+
+def test_without_a_delegated_subtree_cells_still_run_and_each_missing_limit_names_the_fix(user):
+    env = {k: v for k, v in user.env.items() if k != "AGNSUP_CGROUP_BASE"}
+    cp = user("run", "--", "sh", "-c", "id -u", env=env)
+    assert cp.returncode == 0 and cp.stdout.strip() == str(user.uid), cp.stderr
+    r = next(x for x in user.json("receipts", "--json") if x["argv"] == ["sh", "-c", "id -u"])
+    iso = r["isolation"]
+    assert iso["env_blocked"] == ["ENV_BLOCKED: cgroup"] and iso["tracking"] == "session+token"
+    assert iso["user_namespace"] and iso["mount_namespace"] and iso["seccomp"] and iso["landlock"]
+    gaps = [m for m in iso["not_in_force"] if m.startswith("limit ")]
+    assert gaps and all("fix: a cgroup2 subtree delegated to this user" in m for m in gaps), gaps
+
+
+# A host that refuses a normal user's namespaces, as Ubuntu 24.04's AppArmor restriction or a
+# container's seccomp profile does: unshare(2) (272) and clone3(2) (435) answer EPERM. The launcher
+# installs that filter (classic BPF) and execs agnsup.
+NO_USERNS_LAUNCHER = r'''
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class F(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+class P(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(F))]
+prog = (F * 6)(F(0x20, 0, 0, 0), F(0x15, 0, 1, 272), F(0x06, 0, 0, 0x50001), F(0x15, 0, 1, 435),
+               F(0x06, 0, 0, 0x50001), F(0x06, 0, 0, 0x7FFF0000))
+fp = P(6, ctypes.cast(prog, ctypes.POINTER(F)))
+assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fp), 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+'''
+
+
+def test_without_user_namespaces_run_refuses_in_one_line_naming_what_is_missing_and_the_fix(user):
+    launcher = (user.python, "-c", NO_USERNS_LAUNCHER)
+    cp = user("run", "--", "true", launcher=launcher)
+    assert cp.returncode == 125, cp.stderr
+    assert cp.stderr.count("\n") == 1 and cp.stderr.startswith("agnsup: cell setup failed at step 'user_namespace': ")
+    assert "only inside a user namespace of its own; fix: " in cp.stderr
+    doc = json.loads(user("doctor", "--json", launcher=launcher).stdout)
+    assert doc["namespaces"]["user"]["available"] is False and doc["ok"] is False
+    assert user.left() == []
 
 
 def test_the_isolation_selftest_passes_as_a_normal_user(user):

@@ -69,6 +69,7 @@ class Backend:
     """What every backend has; the tree verbs are the cgroup backends' (backend/cgroups.py)
     and are called only for a Place with a node. This base is the Untracked backend's whole."""
     kind = "none"               # receipt isolation.cgroup_layout
+    why = ""                    # what chose this backend here (choose(); agnsup doctor)
     tracking = "session+token"  # receipt isolation.tracking
     trees = False               # does a cell get a tree of its own (a cgroup)?
     env_blocked: tuple[str, ...] = ("ENV_BLOCKED: cgroup",)
@@ -92,7 +93,16 @@ class Backend:
         """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
         if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
             return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
-        return "run agnsup as root, or in a cgroup2 subtree delegated to it (AGNSUP_CGROUP_BASE)"
+        if os.geteuid() != 0 and os.path.isdir("/run/systemd/system"):
+            import pwd
+            user = pwd.getpwuid(os.geteuid()).pw_name
+            return (f"a systemd user manager for {user} (log in, or as root: loginctl enable-linger {user}); "
+                    "agnsup then asks it for a scope with Delegate=yes")
+        if os.geteuid() != 0:
+            return ("a cgroup2 subtree delegated to this user: as root, mkdir it under the cgroup2 mount, chown it "
+                    "and its cgroup.procs, cgroup.subtree_control, cgroup.threads, start agnsup inside it, and "
+                    "name it in AGNSUP_CGROUP_BASE")
+        return "a writable cgroup hierarchy (mount cgroup2), or a subtree delegated to agnsup (AGNSUP_CGROUP_BASE)"
 
     def limit_support(self) -> dict[str, str | None]:
         """{memory|pids|cpu: None when a cell's limit on it would be in force, else why not} (doctor)."""
@@ -173,23 +183,40 @@ class Untracked(Backend):
 
 
 def choose(state_root: str, mountinfo: str | None = None) -> Backend:
-    """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked)."""
+    """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked); its `why`
+    says what decided it (agnsup doctor)."""
+    b, why = _choose(state_root, mountinfo)
+    b.why = why
+    return b
+
+
+def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     from ..linux import cgroup
     layout = cgroup.detect_layout(mountinfo)
-    if layout.kind == "none" and os.geteuid() != 0 and mountinfo is None and \
-            os.environ.get("AGNSUP_CGROUP_LAYOUT") != "none" and not os.environ.get("AGNSUP_CGROUP_BASE"):
+    live = mountinfo is None
+    root = os.geteuid() == 0
+    base = os.environ.get("AGNSUP_CGROUP_BASE") if live else None
+    if layout.kind == "none" and not root and live and os.environ.get("AGNSUP_CGROUP_LAYOUT") != "none" \
+            and not base:
         from . import systemd
         user_layout = systemd.user_layout()
-        if user_layout is not None:  # a user manager to ask for a delegated scope
-            return systemd.SystemdUserScope(user_layout, state_root)
+        if user_layout is not None:
+            return systemd.SystemdUserScope(user_layout, state_root), \
+                "a normal user with a running systemd user manager: it gives each controller a scope with Delegate=yes"
     if layout.kind == "none":
-        return Untracked()
-    if layout.v2 and os.geteuid() != 0 and os.environ.get("AGNSUP_CGROUP_BASE") and mountinfo is None:
-        from .delegated import Delegated  # a normal user's delegated subtree
-        return Delegated(layout, state_root)
-    if layout.kind == "v2" and os.geteuid() == 0 and not os.environ.get("AGNSUP_CGROUP_BASE") and mountinfo is None:
+        if live and os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+            return Untracked(), "AGNSUP_CGROUP_LAYOUT=none"
+        return Untracked(), ("no cgroup hierarchy is writable here" + ("" if root else
+                             ", none is delegated to this user (AGNSUP_CGROUP_BASE) and no systemd user manager runs"))
+    if layout.v2 and not root and base:
+        from .delegated import Delegated
+        return Delegated(layout, state_root), f"a normal user; AGNSUP_CGROUP_BASE={base} names its delegated subtree"
+    if layout.kind == "v2" and root and not base and live:
         from . import systemd
-        if systemd.booted():  # systemd owns the tree: agnsup's cells go in a unit of its own
-            return systemd.SystemdScope(layout, state_root)
+        if systemd.booted():
+            return systemd.SystemdScope(layout, state_root), \
+                "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
     from .cgroups import for_layout
-    return for_layout(layout, state_root)
+    why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
+           "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
+    return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")

@@ -31,8 +31,7 @@ class Delegated(Cgroup2):
         super().__init__(layout, state_root)
         self.name = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/")
         self.top = os.path.join(layout.v2, self.name)
-        rel = delegation.own_cgroup()
-        self.own = os.path.join(layout.v2, rel.lstrip("/")) if rel is not None else None
+        self.own = delegation.own_dir(layout.v2)
         self.problems = delegation.check(self.top, inside=self.own)
         self.entered = False
 
@@ -55,7 +54,7 @@ class Delegated(Cgroup2):
         if self.problems:
             from ..errors import SetupError
             raise SetupError(self.not_delegated(), step="cgroup")
-        handed = [c for c in CONTROLLERS if c in _words(os.path.join(self.top, "cgroup.controllers"))]
+        handed = [c for c in CONTROLLERS if c in delegation.controllers(self.top)[0]]
         if handed and self.own == self.top:
             leaf = os.path.join(self.top, f"ctl-{os.getpid()}")
             os.makedirs(leaf, exist_ok=True)
@@ -65,7 +64,7 @@ class Delegated(Cgroup2):
         self.entered = True
 
     def limit_support(self) -> dict[str, str | None]:
-        have = _words(os.path.join(self.top, "cgroup.controllers"))
+        have = delegation.controllers(self.top)[0]
         out: dict[str, str | None] = {}
         for c in CONTROLLERS:
             if c in have:
@@ -83,10 +82,3 @@ class Delegated(Cgroup2):
         return (f"the delegating side enables +{controller} in {os.path.dirname(self.top)}/cgroup.subtree_control "
                 f"(systemd: Delegate={' '.join(CONTROLLERS)})")
 
-
-def _words(path: str) -> list[str]:
-    try:
-        with open(path) as f:
-            return f.read().split()
-    except OSError:
-        return []

@@ -25,7 +25,7 @@ import os
 import time
 
 from .cgroups import Cgroup2
-from ..linux import cgroup
+from ..linux import cgroup, delegation
 
 BUSCTL = "/usr/bin/busctl"
 SYSTEM_BUS = "/run/dbus/system_bus_socket"  # (systemd's private socket refuses a scope's PIDs from busctl: EBADR)
@@ -64,6 +64,8 @@ class SystemdScope(Cgroup2):
         self.unit = self._unit_name(state_root)
         own = _own_dir(layout)
         home = _delegated_unit_of(own, layout.v2) if own else None
+        if own and os.path.basename(own).startswith("ctl-") and os.path.basename(os.path.dirname(own)) == self.unit:
+            home = os.path.dirname(own)  # this process entered our unit before (another Controller of it)
         # a shipped unit with Delegate=yes (or our scope, already entered): its own directory
         self.scope_dir = home or self._default_dir()
         self.entered = home is not None and os.path.basename(own).startswith("ctl-")
@@ -92,16 +94,16 @@ class SystemdScope(Cgroup2):
                 f"enable {controller.capitalize()}Accounting= for its slice, or Delegate={' '.join(CONTROLLERS)}")
 
     def limit_support(self) -> dict[str, str | None]:
-        """What the scope gets from systemd (its cgroup.controllers); before it exists, what
-        system.slice hands down, which is what systemd gives a new unit with Delegate=yes."""
-        d = self.scope_dir if os.path.isdir(self.scope_dir) else os.path.dirname(self.scope_dir)
-        name = "cgroup.controllers" if d == self.scope_dir else "cgroup.subtree_control"
-        try:
-            with open(os.path.join(d, name)) as f:
-                have = f.read().split()
-        except OSError:
-            have = []
-        return {c: None if c in have else f"the cgroup2 controller {c!r} is not in {d}/{name}" for c in CONTROLLERS}
+        """What the scope gets from systemd (its cgroup.controllers); before it exists, what systemd
+        gives a new unit with Delegate=yes: every controller its manager has (_manager_controllers)."""
+        if os.path.isdir(self.scope_dir):
+            where, have = f"{self.scope_dir}/cgroup.controllers", delegation.controllers(self.scope_dir)[0]
+        else:
+            where, have = self._manager_controllers()
+        return {c: None if c in have else f"the cgroup2 controller {c!r} is not in {where}" for c in CONTROLLERS}
+
+    def _manager_controllers(self) -> tuple[str, list[str]]:
+        return f"{self.layout.v2}/cgroup.controllers", list(self.layout.v2_controllers)
 
     def enter(self, run_helper) -> None:
         """Make this process a controller in agnsup's unit: move it to `<scope>/ctl-<pid>` (asking
@@ -128,7 +130,7 @@ class SystemdScope(Cgroup2):
         from ..errors import SetupError
         argv = self._start_argv()
         rc, out, err = run_helper(argv, max(1.0, deadline - time.monotonic()), self.helper_env())
-        if rc != 0 and "already exists" not in err:  # a concurrent controller made it: join that one
+        if rc != 0 and "already exists" not in err and "already loaded" not in err:  # a concurrent one's: join
             raise SetupError(f"systemd did not give agnsup a unit of its own ({' '.join(argv[:1])} "
                              f"StartTransientUnit {self.unit}: {err.strip() or out.strip() or rc}); "
                              "run agnsup in a unit with Delegate=yes (deploy/agnsup-serve.service)",
@@ -175,9 +177,7 @@ def _under(path: str, top: str) -> bool:
 
 
 def _own_dir(layout) -> str | None:
-    from ..linux import delegation
-    rel = delegation.own_cgroup()
-    return os.path.join(layout.v2, rel.lstrip("/")) if rel is not None else None
+    return delegation.own_dir(layout.v2)
 
 
 def _delegated_unit_of(own: str, mount: str) -> str | None:
@@ -229,6 +229,10 @@ class SystemdUserScope(SystemdScope):
                                  f"{ENTER_TIMEOUT:.0f} s", step="cgroup")
             time.sleep(0.01)
 
+    def _manager_controllers(self) -> tuple[str, list[str]]:
+        manager = os.path.join(self.layout.v2, "user.slice", f"user-{os.getuid()}.slice", f"user@{os.getuid()}.service")
+        return f"{manager}/cgroup.controllers", delegation.controllers(manager)[0]
+
     def limit_fix(self, controller: str) -> str:
         return (f"systemd's user manager did not delegate {controller}: as root, "
                 f"systemctl set-property user@{os.getuid()}.service Delegate={' '.join(CONTROLLERS)}")
@@ -254,3 +258,4 @@ def user_layout():
     except OSError:
         return None
     return cgroup.Layout("v2", v2, {}, ctrl)
+

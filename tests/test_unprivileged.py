@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from agnsup.linux import cgroup
+from conftest import seccomp_launcher
 from scenario import wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,21 +214,8 @@ def test_without_a_delegated_subtree_cells_still_run_and_each_missing_limit_name
 
 
 # A host that refuses a normal user's namespaces, as Ubuntu 24.04's AppArmor restriction or a
-# container's seccomp profile does: unshare(2) (272) and clone3(2) (435) answer EPERM. The launcher
-# installs that filter (classic BPF) and execs agnsup.
-NO_USERNS_LAUNCHER = r'''
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-class F(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-class P(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(F))]
-prog = (F * 6)(F(0x20, 0, 0, 0), F(0x15, 0, 1, 272), F(0x06, 0, 0, 0x50001), F(0x15, 0, 1, 435),
-               F(0x06, 0, 0, 0x50001), F(0x06, 0, 0, 0x7FFF0000))
-fp = P(6, ctypes.cast(prog, ctypes.POINTER(F)))
-assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fp), 0, 0) == 0
-os.execv(sys.argv[1], sys.argv[1:])
-'''
+# container's seccomp profile does: unshare(2) (272) and clone3(2) (435) answer EPERM.
+NO_USERNS_LAUNCHER = seccomp_launcher({272: 1, 435: 1})  # unshare, clone3: EPERM
 
 
 def test_without_user_namespaces_run_refuses_in_one_line_naming_what_is_missing_and_the_fix(user):

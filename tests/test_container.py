@@ -33,17 +33,15 @@ def container(tmp_path):
     state = str(tmp_path / "state")
 
     def run(*args, timeout=120):
-        def enter():  # as a container runtime does: the container's processes start in its cgroup
-            with open(os.path.join(top, "cgroup.procs"), "w") as f:
-                f.write("0")
-        # a fresh cgroup2 mount over /sys/fs/cgroup: the container sees only its own cgroup tree
-        script = ('umount -R /sys/fs/cgroup && mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup && '
-                  'exec "$@"')
-        argv = [UNSHARE, "--cgroup", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, "sh",
-                "/bin/sh", ENTRYPOINT, AGNSUP, *args]
+        # as a container runtime does: the container's processes start in its cgroup, and a fresh
+        # cgroup2 mount over /sys/fs/cgroup shows the container only its own tree
+        enter = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+        mount = 'umount -R /sys/fs/cgroup && mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup && exec "$@"'
+        argv = ["/bin/sh", "-c", enter, top, UNSHARE, "--cgroup", "--mount", "--propagation", "private", "--",
+                "/bin/sh", "-c", mount, "sh", "/bin/sh", ENTRYPOINT, AGNSUP, *args]
         env = {**os.environ, "AGNSUP_STATE_DIR": state}
         env.pop("AGNSUP_CGROUP_BASE", None)
-        return subprocess.run(argv, env=env, preexec_fn=enter, capture_output=True, text=True, timeout=timeout,
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
 
     try:

@@ -4,7 +4,7 @@ The test plays systemd's part, as root: it makes a user, a directory under the c
 and its cgroup.procs, cgroup.subtree_control and cgroup.threads to the user (cgroup-v2.rst, Delegation),
 and starts each of the user's processes inside it (a process cannot move itself in from outside). The
 user runs agnsup from a venv of the system's /usr/bin/python3 (this machine's default interpreter
-lives under root's private home), with AGNSUP_CGROUP_BASE naming the subtree and no state dir given:
+lives under root's private home) that shares this run's packages, with AGNSUP_CGROUP_BASE naming the subtree and no state dir given:
 the state root is $XDG_STATE_HOME/agnsup. Cells get a user namespace of their own with mount and network
 namespaces inside, Landlock and seccomp; cancel and the janitor work; user and subtree are removed after.
 """
@@ -36,21 +36,32 @@ def _read(path: str) -> str:
 
 
 def _venv() -> str:
-    """A venv of /usr/bin/python3 with this checkout installed, kept across runs until pyproject changes."""
+    """A venv of /usr/bin/python3 that sees this test run's packages (agnsup from this checkout, its
+    dependencies): the same minor version shares their wheels, so a .pth adds this venv's site-packages
+    (no index needed; a guest or CI runner may have none). Kept across runs."""
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"ENV_BLOCKED: {SYSTEM_PYTHON} (a system interpreter the test user can run)")
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        stamp = hashlib.sha256(REPO.encode() + f.read()).hexdigest()[:12]
+    cp = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                        capture_output=True, text=True, timeout=60)
+    mine = "%d.%d" % sys.version_info[:2]
+    if cp.stdout.strip() != mine:
+        pytest.skip(f"ENV_BLOCKED: {SYSTEM_PYTHON} is Python {cp.stdout.strip() or '?'}, this run's is {mine} "
+                    "(the test user's venv shares this run's packages)")
+    sites = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    stamp = hashlib.sha256("\n".join([REPO, sys.prefix, *sites]).encode()).hexdigest()[:12]
     venv = f"/var/tmp/agnsup-test-user-venv-{stamp}"
     if not os.path.exists(os.path.join(venv, ".ready")):
         shutil.rmtree(venv, ignore_errors=True)
-        for argv in ([SYSTEM_PYTHON, "-m", "venv", venv],
-                     [f"{venv}/bin/pip", "install", "-q", "--disable-pip-version-check", "-e", REPO]):
-            cp = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-            if cp.returncode != 0:
-                shutil.rmtree(venv, ignore_errors=True)
-                pytest.skip(f"ENV_BLOCKED: a venv of {SYSTEM_PYTHON} ({' '.join(argv[:3])}: "
-                            f"{(cp.stderr.strip().splitlines() or ['?'])[-1]})")
+        cp = subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], capture_output=True, text=True,
+                            timeout=300)
+        if cp.returncode != 0:
+            pytest.skip(f"ENV_BLOCKED: a venv of {SYSTEM_PYTHON} ({(cp.stderr.strip().splitlines() or ['?'])[-1]})")
+        with open(os.path.join(venv, "lib", f"python{mine}", "site-packages", "agnsup-test-run.pth"), "w") as f:
+            f.write("".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
+        script = os.path.join(venv, "bin", "agnsup")
+        with open(script, "w") as f:
+            f.write(f"#!{venv}/bin/python\nimport sys\nfrom agnsup.entry import main\nsys.exit(main())\n")
+        os.chmod(script, 0o755)
         open(os.path.join(venv, ".ready"), "w").close()
     return venv
 

@@ -118,6 +118,7 @@ class Controller:
             self.journal.register_controller(self._row())
             self._registered = True
         self.backend = backend if backend is not None else backends.choose(state.path)
+        self.backend.enter(supervisor.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
 
     def _take_lock(self) -> None:
@@ -297,6 +298,11 @@ class Controller:
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
+        # no limit is reported that is not in force: each missing one is named, or refused
+        gaps = backend.limit_gaps(cell.place, plan.limits)
+        if gaps and plan.require_limits:
+            raise SetupError(f"role {spec.role} requires limits, which are not in force here: {'; '.join(gaps)}",
+                             step="require")
         cell.isolation = {
             "cgroup_layout": backend.kind, "tracking": backend.tracking, "env_blocked": list(backend.env_blocked),
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
@@ -306,6 +312,7 @@ class Controller:
             "limits": cell.place.limits,
             **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
         }
+        cell.isolation["not_in_force"] = [*cell.isolation["not_in_force"], *gaps]
         st = stage("backend", layout=backend.kind, cgroup=cell.place.paths(), cgroup_inode=cell.place.inode,
                    isolation=cell.isolation)
         cell.trace.append(st)

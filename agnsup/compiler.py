@@ -36,9 +36,11 @@ class ExecutionPlan(Record):
     uid: int | None = None                 # run the cell as this uid/gid
     gid: int | None = None
     pid_namespace: bool = False
+    user_namespace: bool = False           # not root: the cell's namespaces live in a user namespace of its own
     redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
     dies_with_controller: str = ""         # how on_controller_death = kill is in force: "namespace" | "leader" | ""
     not_in_force: list[str] = Factory(list)  # wanted by the role, missing on this host
+    require_limits: bool = False           # isolation.require "limits": refuse a cell whose limits are not in force
     home: str = "hidden"                   # filesystem.home
     home_hidden: list[str] = Factory(list)   # homes under an empty read-only tmpfs
     home_exposed: list[str] = Factory(list)  # re-exposed read-only inside them
@@ -77,6 +79,7 @@ class ExecutionPlan(Record):
             "capabilities_kept": None if self.cap_keep is None else [CAP_NAMES[c] for c in self.cap_keep],
             "uid": self.uid, "gid": self.gid,
             "pid_namespace": self.pid_namespace,
+            "user_namespace": self.user_namespace,
             "on_controller_death": self.on_controller_death(),
             "not_in_force": self.not_in_force,
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
@@ -367,7 +370,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
         raise SetupError(f"role {spec.role} asks for a PID namespace: {host['pid_namespace']}", step="pid_namespace")
     root = host["_root"]
     out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
-                 "no_new_privs": bool(wanted["no_new_privs"])}
+                 "no_new_privs": bool(wanted["no_new_privs"]), "require_limits": "limits" in iso.require}
     if spec.on_controller_death == "kill":
         # the kernel's dead-man switch: a PID namespace dies with its init, and the init
         # with the controller (PR_SET_PDEATHSIG); without PID namespaces, the leader only
@@ -396,7 +399,10 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
         out["cap_keep"] = keep
         out["drop_caps"] = [c for c in range(host["_cap_last"] + 1) if c not in keep]
     else:
-        out["drop_caps"] = []
+        # the capabilities a user namespace gives the child (for its mounts) leave the bounding set
+        # too; the command, not root in there, has none after execve (capabilities(7))
+        out["user_namespace"] = True
+        out["drop_caps"] = list(range(host["_cap_last"] + 1))
     return out
 
 

@@ -30,7 +30,7 @@ def confinement() -> dict:
     checks = {
         "seccomp": lambda: (lsys.set_no_new_privs(), seccomp.build(("ptrace", "mount")).load()),
         "landlock": lambda: (lsys.set_no_new_privs(), landlock.build(["/dev/null"], host["_abi"]).restrict_self()),
-        "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID),
+        "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID | _IN_USERNS),
     }
     for name, fn in checks.items():
         if out[name]["available"]:
@@ -40,14 +40,19 @@ def confinement() -> dict:
     return out
 
 
+# A normal user's cell namespaces live in a user namespace of its own (supervisor.py): probe them there.
+_IN_USERNS = 0 if os.geteuid() == 0 else lsys.CLONE_NEWUSER
+
+
 def _ns(flag: int):
-    return lambda: lsys.unshare(flag)
+    return lambda: lsys.unshare(flag | (_IN_USERNS if flag != lsys.CLONE_NEWUSER else 0))
 
 
 def report(state_root: str) -> dict:
     from . import backend as backends
-    layout = cgroup.detect_layout()
     chosen = backends.choose(state_root)
+    # the layout the chosen backend uses (a normal user's systemd scope has one the mount point does not)
+    layout = getattr(chosen, "layout", None) or cgroup.detect_layout()
     # cgroup.kill exists only in non-root cgroups, from Linux 5.14 on
     v2_kill = bool(layout.v2) and kernel_at_least(5, 14)
     ns = {}
@@ -56,22 +61,16 @@ def report(state_root: str) -> dict:
         ok, err = supervisor.probe(_ns(flag))
         ns[name] = {"available": ok, **({"error": err} if err else {})}
     mount_api_ok, mount_api_err = supervisor.probe(
-        lambda: (lsys.unshare(lsys.CLONE_NEWNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
+        lambda: (lsys.unshare(lsys.CLONE_NEWNS | _IN_USERNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
     from .linux.host import protections
     ll = protections()["_abi"] or None
     hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}
-    limits_via = {}
-    for ctrl in ("memory", "pids"):
-        if ctrl in layout.v2_controllers:
-            limits_via[ctrl] = "v2"
-        elif ctrl in layout.v1:
-            limits_via[ctrl] = "v1"
-        else:
-            limits_via[ctrl] = None
+    support = chosen.limit_support()
     use = {
         "backend": type(chosen).__name__,
         "tracking_and_kill": chosen.describe(kernel_at_least(5, 14)),
-        "limits": {k: (f"cgroup {v}" if v else "not enforced (no controller)") for k, v in limits_via.items()},
+        "limits": {c: f"cgroup {'v1' if c in chosen.roots() else 'v2'}" if why is None else f"NOT IN FORCE: {why}; fix: {chosen.limit_fix(c)}"
+                   for c, why in support.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",
         "network_deny": "network namespace with loopback only" if ns["network"]["available"]
@@ -85,6 +84,7 @@ def report(state_root: str) -> dict:
     conf = confinement()
     use["confinement"] = ", ".join(k for k, v in conf.items() if v["available"]) + " (as each role asks)"
     without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
+    without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     return {
         "euid": os.geteuid(),
         "cgroup": {"layout": layout.kind, "hierarchies": hierarchies, "v2_controllers": list(layout.v2_controllers),
@@ -98,11 +98,71 @@ def report(state_root: str) -> dict:
         "will_use": use,
         "does_without": without,
         "ok": ns["mount"]["available"] and mount_api_ok,
+        "host": host_report(chosen, layout, ns, mount_api_ok, conf, support),
     }
 
 
+def _userns_fix() -> str:
+    from .linux import userns
+    return "; ".join(userns.blocked_by_sysctl()) or ("let this user create user namespaces (an LSM such as AppArmor, "
+                                                    "or a seccomp filter, refuses them here)")
+
+
+def container() -> str | None:
+    """"cgroup namespace" when this process sees a cgroup namespace of its own (a container made with
+    --cgroupns=private or `unshare -C`): the root of its cgroup2 mount is not the hierarchy's real root,
+    which alone has no cgroup.freeze and cgroup.kill."""
+    with open("/proc/self/mountinfo") as f:
+        v2 = cgroup.parse_mountinfo(f.read())[0]
+    if v2 and (os.path.exists(os.path.join(v2, "cgroup.freeze")) or os.path.exists(os.path.join(v2, "cgroup.kill"))):
+        return "cgroup namespace"
+    return None
+
+
+def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, support: dict) -> dict:
+    """The host kind, the backend chosen and why, and each guarantee: "in force", or "NOT IN FORCE: why;
+    fix: the exact fix" (docs/hosts.md, section 4)."""
+    root = os.geteuid() == 0
+    from .backend import systemd
+    kind = ["root" if root else "normal user", {"v2": "pure cgroup v2", "hybrid": "hybrid cgroups",
+                                                 "v1": "cgroup v1", "none": "no writable cgroup"}[layout.kind]]
+    kind.append("systemd" if systemd.booted() else "no systemd")
+    ctr = container()
+    if ctr:
+        kind.append(f"container ({ctr})")
+    g: dict[str, str] = {}
+
+    def put(name: str, ok: bool, why: str = "", fix: str = "") -> None:
+        g[name] = "in force" if ok else f"NOT IN FORCE: {why}; fix: {fix}"
+
+    put("cgroup_tree", chosen.trees, "no cgroup of the cell's own: tracked by session + token, no atomic tree kill",
+        chosen.limit_fix("memory"))
+    for c, why in support.items():
+        put(f"limit_{c}", why is None, why or "", chosen.limit_fix(c))
+    userns_needed = not root
+    if userns_needed:
+        put("user_namespace", ns["user"]["available"], f"unshare(CLONE_NEWUSER): {ns['user'].get('error', '')}",
+            _userns_fix())
+    put("mount_namespace", ns["mount"]["available"] and mount_api_ok,
+        f"{ns['mount'].get('error', '') or 'the new mount API'}: cells cannot start",
+        _userns_fix() if userns_needed else "a kernel with the new mount API (5.12+) and CAP_SYS_ADMIN")
+    put("network_namespace", ns["network"]["available"], ns["network"].get("error", ""),
+        _userns_fix() if userns_needed else "CAP_SYS_ADMIN")
+    for name in ("pid_namespace", "seccomp", "landlock", "landlock_scopes", "no_new_privs"):
+        v = conf[name]
+        put(name, v["available"], v.get("why_not", ""), {"landlock": "a kernel with Landlock (5.13+, lsm=landlock)",
+                                                         "landlock_scopes": "Linux 6.12+ (Landlock ABI 6)",
+                                                         "seccomp": "a kernel with seccomp filters"}.get(
+            name, "agnsup run (single-threaded) or root" if name == "pid_namespace" else "-"))
+    return {"kind": ", ".join(kind), "backend": type(chosen).__name__, "why": getattr(chosen, "why", ""),
+            "container": ctr, "guarantees": g}
+
+
 def format_text(r: dict) -> str:
-    lines = [f"cgroup layout:   {r['cgroup']['layout']}"]
+    h = r["host"]
+    lines = [f"host:            {h['kind']}", f"backend:         {h['backend']} ({h['why']})", "guarantees:"]
+    lines += [f"  {k:18} {v}" for k, v in h["guarantees"].items()]
+    lines.append(f"cgroup layout:   {r['cgroup']['layout']}")
     for h, m in r["cgroup"]["hierarchies"].items():
         lines.append(f"  {h:14} {m or '-'}")
     lines.append(f"  cgroup.kill    {'yes' if r['cgroup']['cgroup_kill'] else 'no'}")

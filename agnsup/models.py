@@ -231,7 +231,8 @@ class LimitsSection(_Strict):
         return v
 
 
-PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities")
+# "limits": every limit the role sets (memory_max, pids_max, cpu_weight, cpu_max) is in force here
+PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities", "limits")
 
 
 class IsolationSection(_Strict):
@@ -290,7 +291,8 @@ class IsolationSection(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         needs = {"seccomp": self.seccomp, "landlock": self.landlock, "landlock_scopes": self.landlock,
-                 "no_new_privs": self.no_new_privs, "pid_namespace": self.pid_namespace, "capabilities": True}
+                 "no_new_privs": self.no_new_privs, "pid_namespace": self.pid_namespace, "capabilities": True,
+                 "limits": True}
         for p in self.require:
             if not needs[p]:
                 key = "landlock" if p == "landlock_scopes" else p

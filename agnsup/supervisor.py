@@ -10,6 +10,7 @@ spawn() forks one child and runs the cell recipe in it, in order:
     new session and process group (setsid)
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
+    not root: unshare a user namespace and map our own uid and gid to themselves in it
     unshare the mount (and, unless the role has the host's network, network) namespace
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
@@ -51,7 +52,7 @@ from .errors import CancelledBeforeStart, NotExecutable, NotFound, SetupError, e
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import landlock, mounts, netns, pidfd, pidinit, proc, seccomp
+from .linux import landlock, mounts, netns, pidfd, pidinit, proc, seccomp, userns
 from .linux import sys as lsys
 from .record import Record
 
@@ -111,6 +112,7 @@ class _Confinement(Record):
     """Built in the controller before fork; used by the child."""
     ruleset: object = None   # landlock.Ruleset
     filter: object = None    # seccomp.Filter
+    ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
 
 
@@ -119,8 +121,9 @@ class _Step:
 
 
 def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None, conf: _Confinement,
-           status_w: int | None, controller: int, born: bool = False, ctty=None) -> None:
-    """Runs in the forked child; never returns."""
+           status_w: int | None, controller: int, born: bool = False, ctty=None, in_userns: bool = False) -> None:
+    """Runs in the forked child; never returns. `ctty`: makes fd 0 the controlling terminal;
+    `in_userns`: born in a user namespace of its own."""
     at = _Step()
     try:
         if plan.dies_with_controller:
@@ -147,6 +150,15 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                     signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if conf.ids is not None:
+            # not root: mount and network namespaces only inside a user namespace of our own, whose
+            # maps we write ourselves (one id each, as `unshare -r` does; no newuidmap needed)
+            if not in_userns:
+                at.name = "user_namespace"
+                lsys.unshare(lsys.CLONE_NEWUSER)
+            at.name = "id_maps"
+            uid, gid = conf.ids
+            userns.write_id_maps("self", uid, gid, uid, gid)
         at.name = "unshare"
         lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         at.name = "mounts"
@@ -255,6 +267,8 @@ def _prepare(plan) -> _Confinement:
         conf.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
         conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+    if plan.user_namespace:
+        conf.ids = (os.getuid(), os.getgid())
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])
@@ -284,20 +298,30 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     born = False
 
     def fork() -> tuple[int, int | None, bool]:
-        pid, fd = _clone_into_cgroup(backend.clone_dir(place) if place.node else None, plan.pid_namespace)
-        if pid is not None:
-            # born in v2; the controller moves it into the other hierarchies
-            # below, while the child builds its namespaces
-            born = True
-        else:
-            born = False
+        path = backend.clone_dir(place) if place.node else None
+        # a normal user's PID namespace: only a user namespace of its own, made in the same clone3,
+        # lets it have one (the controller cannot unshare(CLONE_NEWPID) for it)
+        userns_pid = conf.ids is not None and plan.pid_namespace
+        flags = (lsys.CLONE_NEWPID if plan.pid_namespace else 0) | (lsys.CLONE_NEWUSER if userns_pid else 0)
+        pid, fd = _clone_into_cgroup(path, flags) if path is not None else (None, None)
+        born = pid is not None  # born in v2; the controller moves it into the other hierarchies
+        if pid is None and userns_pid:
+            if len(os.listdir("/proc/self/task")) != 1:
+                raise OSError(errno.EINVAL, "a normal user's cell gets a PID namespace only through clone3 from "
+                              "a single-threaded controller (agnsup run); for this one set "
+                              "isolation.pid_namespace = false and process.on_controller_death = \"keep\"")
+            # born in our cgroup (the child joins its own); EPERM here: no user namespace for us
+            pid, fd = lsys.clone3_into_cgroup(None, flags)
+            fd = fd if pid else None
+        elif pid is None:
             pid = _fork_into_new_pid_namespace() if plan.pid_namespace else os.fork()
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
             if status_r is not None:
                 os.close(status_r)
-            _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born, take_terminal)
+            _child(plan, backend, place, barrier_r, err_w, stdio, conf, status_w, controller, born, take_terminal,
+                   userns_pid)
         return pid, fd, born
 
     try:
@@ -312,6 +336,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             conf.ruleset.close()
         if conf.egress:
             conf.egress.close()
+        if conf.ids is not None and e.errno in _USERNS_REFUSED:
+            raise _userns_refused(e.strerror or str(e), e.errno) from None
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
                          errno=e.errno) from None
     os.close(barrier_r)
@@ -419,6 +445,8 @@ def _child_error(plan, report: bytes) -> Exception:
                                 "was not found", step=step)
             return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+    if step == "user_namespace":
+        return _userns_refused(msg, code)
     if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
         # what is needed, not only what failed (issue 12 item 11)
         return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
@@ -450,22 +478,39 @@ _CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, err
                        errno.EACCES)
 
 
-def _clone_into_cgroup(path: str | None, new_pid_namespace: bool) -> tuple[int | None, int | None]:
-    """(pid, pidfd) of a child born in the cgroup2 directory `path`, (0, None)
-    in that child, or (None, None) when clone3 cannot be used here and the
-    caller must fork. Only for a single-threaded controller: the raw clone3
+# errnos of a refused user namespace (user_namespaces(7), clone(2)): a sysctl, an LSM, a seccomp
+# filter (EPERM), user.max_user_namespaces reached (ENOSPC; EUSERS before 4.9), or no clone3 at all
+_USERNS_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EUSERS, errno.ENOSYS)
+
+
+def _userns_refused(msg: str, code: int | None) -> SetupError:
+    """The one line for a normal user whose cells cannot have a user namespace here, with the fix."""
+    blocked = userns.blocked_by_sysctl()
+    fix = "; ".join(blocked) if blocked else ("something refuses unprivileged user namespaces here (an LSM such "
+                                             "as AppArmor, or a seccomp filter: a container needs its runtime's "
+                                             "user-namespace support); or run agnsup as root")
+    return SetupError(f"cell setup failed at step 'user_namespace': {msg}: a normal user's cell gets its mount, "
+                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}",
+                      step="user_namespace", errno=code)
+
+
+def _clone_into_cgroup(path: str | None, flags: int) -> tuple[int | None, int | None]:
+    """(pid, pidfd) of a child born in the cgroup2 directory `path` (None: in ours) with the
+    namespaces `flags` asks for, (0, None) in that child, or (None, None) when clone3 cannot be used
+    here and the caller must fork. Only for a single-threaded controller: the raw clone3
     skips glibc's fork handlers (linux/sys.py)."""
-    if path is None or len(os.listdir("/proc/self/task")) != 1:
+    if len(os.listdir("/proc/self/task")) != 1:
         return None, None
-    cgfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    cgfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if path is not None else None
     try:
-        pid, pidfd = lsys.clone3_into_cgroup(cgfd, lsys.CLONE_NEWPID if new_pid_namespace else 0)
+        pid, pidfd = lsys.clone3_into_cgroup(cgfd, flags)
     except OSError as e:
-        os.close(cgfd)
         if e.errno in _CLONE3_UNAVAILABLE:
             return None, None
         raise
-    os.close(cgfd)
+    finally:
+        if cgfd is not None:
+            os.close(cgfd)
     return pid, (pidfd if pid else None)
 
 
@@ -653,3 +698,18 @@ def probe(fn) -> tuple[bool, str]:
     err = _read_all(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0, err.decode(errors="replace")
+
+
+def run_helper(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
+    """Run one host helper by absolute path (never through PATH), with only the environment `env`
+    (default: LC_ALL=C) and no stdin: (exit status, stdout, stderr). For the backends' one-time set-up (busctl: agnsup's
+    systemd unit), never for a cell."""
+    import subprocess
+    if not os.path.isabs(argv[0]):
+        raise ValueError(f"helper {argv[0]!r} is not an absolute path")
+    try:
+        cp = subprocess.run(argv, env=env if env is not None else {"LC_ALL": "C"}, stdin=subprocess.DEVNULL, capture_output=True,
+                            timeout=timeout, text=True)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, "", str(e)
+    return cp.returncode, cp.stdout, cp.stderr

@@ -1,28 +1,32 @@
 #!/bin/sh
-# agnsup sandboxd's container entrypoint: give agnsup a cgroup tree it can use, say
-# what the host gives (agnsup doctor), then exec the command (agnsup sandboxd ...).
+# agnsup's container entrypoint (docs/hosts.md "Containers", docs/sandboxd.md): `entrypoint.sh agnsup
+# sandboxd ...`, `... agnsup serve` or any command. It gives agnsup a cgroup tree it can use, says what
+# the container gives (agnsup doctor, on stderr), then execs the command.
 #
-# With a writable cgroup2 mount (a privileged pod: the container's own cgroup
-# namespace, mounted read-write), this process first moves itself into a leaf of
-# its own, /sys/fs/cgroup/sandboxd: cgroup v2 lets a cgroup enable controllers for
-# its children (memory, pids, cpu limits of the cells) only while no process sits
-# in it ("no internal processes", Documentation/admin-guide/cgroup-v2.rst), and the
-# container's processes start in its root. agnsup then makes its own subtree,
-# /sys/fs/cgroup/agnsup-<digest>, beside that leaf.
-#
-# With a read-only one (an unprivileged pod), agnsup runs without cgroups
-# (AGNSUP_CGROUP_LAYOUT=none): doctor names what is lost.
+# With its own cgroup namespace the container's init sits in the root of its cgroup tree, and a cgroup
+# with processes in it cannot enable controllers for its children ("no internal processes",
+# Documentation/admin-guide/cgroup-v2.rst): this shell moves to a leaf of its own first
+# (/sys/fs/cgroup/init), then enables what the container was given, so cells get memory, pids and cpu
+# limits; agnsup makes its own subtree beside that leaf. What it was not given, doctor and every
+# receipt name. Without a writable cgroup2 mount (an unprivileged pod), cells run without cgroups
+# (AGNSUP_CGROUP_LAYOUT=none: session + token tracking) and doctor names what is lost.
 set -eu
-CG=/sys/fs/cgroup
-if [ -f "$CG/cgroup.controllers" ] && [ -w "$CG/cgroup.procs" ]; then
-  mkdir -p "$CG/sandboxd"
-  echo $$ > "$CG/sandboxd/cgroup.procs"
-  for c in $(cat "$CG/cgroup.controllers"); do
-    case "$c" in memory|pids|cpu) echo "+$c" > "$CG/cgroup.subtree_control" 2>/dev/null || true ;; esac
+cg=/sys/fs/cgroup
+if [ "$(stat -f -c %T "$cg" 2>/dev/null)" = cgroup2fs ] && [ ! -w "$cg/cgroup.procs" ] && [ "$(id -u)" = 0 ]; then
+  mount -o remount,rw "$cg" 2>/dev/null || true   # Docker's read-only mount of the container's own tree
+fi
+if [ "$(stat -f -c %T "$cg" 2>/dev/null)" = cgroup2fs ] && [ -w "$cg/cgroup.procs" ]; then
+  mkdir -p "$cg/init"
+  echo $$ > "$cg/init/cgroup.procs"
+  want=""
+  for c in memory pids cpu; do
+    case " $(cat "$cg/cgroup.controllers") " in *" $c "*) want="$want +$c";; esac
   done
+  [ -z "$want" ] || echo "$want" > "$cg/cgroup.subtree_control" || true
 elif [ -z "${AGNSUP_CGROUP_LAYOUT:-}" ]; then
-  echo "agnsup-entrypoint: $CG is not a writable cgroup2 mount: cells run without cgroups" \
-       "(no limits, no atomic tree kill; run the pod privileged to get them)" >&2
+  echo "agnsup-entrypoint: $cg is not a writable cgroup2 mount: cells run without cgroups" \
+       "(no limits, no atomic tree kill; give the container its own cgroup namespace and a writable" \
+       "cgroup2, or run the pod privileged: docs/hosts.md)" >&2
   export AGNSUP_CGROUP_LAYOUT=none
 fi
 agnsup doctor >&2 || true

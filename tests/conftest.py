@@ -49,6 +49,26 @@ class Agnsup:
         return json.loads(cp.out)
 
 
+def seccomp_launcher(refuse: dict[int, int]) -> str:
+    """Python source that installs a seccomp filter answering each system call number in `refuse` with
+    its errno (classic BPF: load nr; nr == N ? ERRNO(e) : next; ...; allow), then execs argv[1:]: a host
+    that refuses a kernel feature, as a container's seccomp profile or an LSM does."""
+    rules = "".join(f"F(0x15, 0, 1, {nr}), F(0x06, 0, 0, 0x50000 | {err}), " for nr, err in refuse.items())
+    n = 2 + 2 * len(refuse)
+    return f'''
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class F(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+class P(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(F))]
+prog = (F * {n})(F(0x20, 0, 0, 0), {rules}F(0x06, 0, 0, 0x7FFF0000))
+fp = P({n}, ctypes.cast(prog, ctypes.POINTER(F)))
+assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fp), 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+'''
+
+
 def _cleanup_cgroups(state: str) -> list[str]:
     """Kill and remove this state root's cgroup tree; return what was there."""
     return backend.choose(state).purge()

@@ -22,7 +22,7 @@ import pytest
 from agnsup.linux import proc
 from agnsup.selftest.probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, STATE_ROOT,
                                     TTY_INJECTION, WRITE_ESCAPE)
-from conftest import REPO, Agnsup, write_role
+from conftest import REPO, Agnsup, seccomp_launcher, write_role
 
 NOBODY = 65534
 
@@ -470,18 +470,7 @@ def test_cancel_and_timeout_still_kill_everything_in_a_pid_namespace(pidns):
 # A host without Landlock, as a container whose seccomp profile predates Landlock
 # presents one: landlock_create_ruleset answers ENOSYS. The launcher installs
 # that filter (classic BPF: load nr; nr == 444 ? ENOSYS : allow) and execs agnsup.
-NO_LANDLOCK_LAUNCHER = r'''
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-class F(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-class P(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(F))]
-prog = (F * 4)(F(0x20, 0, 0, 0), F(0x15, 0, 1, 444), F(0x06, 0, 0, 0x50000 | 38), F(0x06, 0, 0, 0x7FFF0000))
-fp = P(4, ctypes.cast(prog, ctypes.POINTER(F)))
-assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fp), 0, 0) == 0
-os.execv(sys.argv[1], sys.argv[1:])
-'''
+NO_LANDLOCK_LAUNCHER = seccomp_launcher({444: 38})  # landlock_create_ruleset: ENOSYS
 
 
 def _without_landlock(a: Agnsup, *args, **kw):

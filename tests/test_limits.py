@@ -455,9 +455,25 @@ def test_v2_controllers_are_enabled_down_our_own_directories_only(tmp_path):
         d = _fake(tmp_path, name, ("cgroup.subtree_control",))
         (tmp_path / name / "cgroup.controllers").write_text("cpu memory pids io\n")
         chain.append(d)
-    assert cgroup._enable_v2_controllers(chain, ("memory", "cpu", "hugetlb")) == ["memory", "cpu"]
+    enabled, why = cgroup._enable_v2_controllers(chain, ("memory", "cpu", "hugetlb"))
+    assert enabled == ["memory", "cpu"]
+    assert list(why) == ["hugetlb"] and f"{tmp_path}/cgroup.subtree_control lacks +hugetlb" in why["hugetlb"]
     for d in chain:
         assert _read(os.path.join(d, "cgroup.subtree_control")) == "+memory +cpu"
+
+
+def test_a_controller_the_parent_does_not_hand_down_is_named_missing_never_enabled(tmp_path):
+    """Under systemd as root the root cgroup hands agnsup only memory and pids: cpu must not pass."""
+    chain = []
+    for name in ("base", "run", "agent"):
+        d = _fake(tmp_path, name, ("cgroup.subtree_control",))
+        (tmp_path / name / "cgroup.controllers").write_text("memory pids\n")
+        chain.append(d)
+    enabled, why = cgroup._enable_v2_controllers(chain, ("pids", "cpu"))
+    assert enabled == ["pids"] and list(why) == ["cpu"]
+    assert why["cpu"] == (f"the cgroup2 controller 'cpu' is not enabled for {chain[0]} (not in its cgroup.controllers: "
+                          f"{tmp_path}/cgroup.subtree_control lacks +cpu)")
+    assert _read(os.path.join(chain[0], "cgroup.subtree_control")) == "+pids"
 
 
 def test_usage_counters_are_read_per_file_and_name_the_limit_they_bear_on(tmp_path):

@@ -4,6 +4,12 @@
 nobody above a backend branches on the layout:
 
     Cgroup2     pure v2: tracking, cgroup.kill and every limit in v2    (backend/cgroups.py)
+    SystemdScope  pure v2 under systemd, as root: the same, inside agnsup's own unit with
+                Delegate=yes, never beside systemd's slices              (backend/systemd.py)
+    SystemdUserScope  a normal user with a systemd user manager: a scope of each controller's own
+                with Delegate=yes, asked of that manager                 (backend/systemd.py)
+    Delegated   a normal user's delegated cgroup2 subtree (AGNSUP_CGROUP_BASE): the same verbs, what
+                the subtree was not given named per limit                  (backend/delegated.py)
     Hybrid      v2 tracks and kills (cgroup.kill); memory, pids, cpu limits in v1 (these machines)
     Cgroup1     v1 only: the freezer makes a tree kill atomic
     Untracked   no writable hierarchy (or AGNSUP_CGROUP_LAYOUT=none): no tree of its own;
@@ -14,6 +20,7 @@ The verbs (a `Place` is one cell's, agent's or run's place: a cgroup
 backend's is a set of directories; an untracked backend's places have none,
 and only `place`, `from_journal` and `usage` are asked of it):
 
+    enter(run_helper)                           this process becomes a controller here (systemd: into the unit)
     place(run, agent, cell, limits) -> Place    where the cell will live (nothing created yet)
     create(place, limits) -> Place              make it and apply the limits (inode, what is in force)
     from_journal(paths, inode) -> (Place|None, note, bystanders)   only if provably the cell's
@@ -44,6 +51,7 @@ class Place(Record):
     node: object = None                  # linux.cgroup.Node (hierarchy -> directory), None: no tree
     inode: int | None = None             # inode of the primary directory, once created
     limits: dict = Factory(dict)         # resource -> "v2:<dir>" | "v1:<dir>": what is in force
+    missing: dict = Factory(dict)        # resource -> why not: asked for, not in force
     oom_fd: int | None = None            # v1: an eventfd the OOM killer signals
 
     @property
@@ -61,9 +69,15 @@ class Backend:
     """What every backend has; the tree verbs are the cgroup backends' (backend/cgroups.py)
     and are called only for a Place with a node. This base is the Untracked backend's whole."""
     kind = "none"               # receipt isolation.cgroup_layout
+    why = ""                    # what chose this backend here (choose(); agnsup doctor)
     tracking = "session+token"  # receipt isolation.tracking
     trees = False               # does a cell get a tree of its own (a cgroup)?
     env_blocked: tuple[str, ...] = ("ENV_BLOCKED: cgroup",)
+
+    def enter(self, run_helper) -> None:
+        """Make this process a controller of cells here (once, before its first cell). Only the
+        systemd backend moves it (into agnsup's own unit); `run_helper(argv, timeout)` ->
+        (rc, stdout, stderr) is the supervisor's, the only spawner."""
 
     def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
         return Place()
@@ -74,6 +88,41 @@ class Backend:
 
     def usage(self, place: Place) -> dict:
         return {}
+
+    def limit_fix(self, controller: str) -> str:
+        """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+            return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
+        if os.geteuid() != 0 and os.path.isdir("/run/systemd/system"):
+            import pwd
+            user = pwd.getpwuid(os.geteuid()).pw_name
+            return (f"a systemd user manager for {user} (log in, or as root: loginctl enable-linger {user}); "
+                    "agnsup then asks it for a scope with Delegate=yes")
+        if os.geteuid() != 0:
+            return ("a cgroup2 subtree delegated to this user: as root, mkdir it under the cgroup2 mount, chown it "
+                    "and its cgroup.procs, cgroup.subtree_control, cgroup.threads, start agnsup inside it, and "
+                    "name it in AGNSUP_CGROUP_BASE")
+        return "a writable cgroup hierarchy (mount cgroup2), or a subtree delegated to agnsup (AGNSUP_CGROUP_BASE)"
+
+    def limit_support(self) -> dict[str, str | None]:
+        """{memory|pids|cpu: None when a cell's limit on it would be in force, else why not} (doctor)."""
+        return {c: "no cgroup tree here" for c in ("memory", "pids", "cpu")}
+
+    def limit_gaps(self, place: Place, limits: dict) -> list[str]:
+        """Each limit `limits` asks for that `place` does not have in force, with why and the fix:
+        no limit is ever reported that is not in force (receipt not_in_force, isolation.require)."""
+        from ..linux.cgroup import wanted_controllers
+        support = None
+        out = []
+        for c in wanted_controllers(limits):
+            if c in place.limits:
+                continue
+            why = place.missing.get(c)
+            if why is None:
+                support = self.limit_support() if support is None else support
+                why = support.get(c) or "not applied"
+            out.append(f"limit {c}: {why}; fix: {self.limit_fix(c)}")
+        return out
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         """How this backend tracks and kills a cell's tree (agnsup doctor)."""
@@ -138,10 +187,40 @@ class Untracked(Backend):
 
 
 def choose(state_root: str, mountinfo: str | None = None) -> Backend:
-    """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked)."""
+    """The backend for this host and state root (AGNSUP_CGROUP_LAYOUT=none: Untracked); its `why`
+    says what decided it (agnsup doctor)."""
+    b, why = _choose(state_root, mountinfo)
+    b.why = why
+    return b
+
+
+def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     from ..linux import cgroup
     layout = cgroup.detect_layout(mountinfo)
+    live = mountinfo is None
+    root = os.geteuid() == 0
+    base = os.environ.get("AGNSUP_CGROUP_BASE") if live else None
+    if layout.kind == "none" and not root and live and os.environ.get("AGNSUP_CGROUP_LAYOUT") != "none" \
+            and not base:
+        from . import systemd
+        user_layout = systemd.user_layout()
+        if user_layout is not None:
+            return systemd.SystemdUserScope(user_layout, state_root), \
+                "a normal user with a running systemd user manager: it gives each controller a scope with Delegate=yes"
     if layout.kind == "none":
-        return Untracked()
+        if live and os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+            return Untracked(), "AGNSUP_CGROUP_LAYOUT=none"
+        return Untracked(), ("no cgroup hierarchy is writable here" + ("" if root else
+                             ", none is delegated to this user (AGNSUP_CGROUP_BASE) and no systemd user manager runs"))
+    if layout.v2 and not root and base:
+        from .delegated import Delegated
+        return Delegated(layout, state_root), f"a normal user; AGNSUP_CGROUP_BASE={base} names its delegated subtree"
+    if layout.kind == "v2" and root and not base and live:
+        from . import systemd
+        if systemd.booted():
+            return systemd.SystemdScope(layout, state_root), \
+                "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
     from .cgroups import for_layout
-    return for_layout(layout, state_root)
+    why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
+           "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
+    return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")

@@ -38,7 +38,38 @@ class CgroupBackend(Backend):
 
     def create(self, place: Place, limits: dict) -> Place:
         made = cgroup.create_cell(self.base, place.node, limits)
-        return Place(node=place.node, inode=made["inode"], limits=made["limits"], oom_fd=made["oom_fd"])
+        return Place(node=place.node, inode=made["inode"], limits=made["limits"], missing=made["missing"],
+                     oom_fd=made["oom_fd"])
+
+    def limit_fix(self, controller: str) -> str:
+        v2 = self.base.paths.get("v2")
+        if v2 is None:
+            return f"mount the v1 {controller} hierarchy writable for agnsup"
+        return (f"echo +{controller} > {os.path.dirname(v2)}/cgroup.subtree_control (as its owner), "
+                "or run agnsup in a systemd unit with Delegate=yes")
+
+    def limit_support(self) -> dict[str, str | None]:
+        """Where each limit would go: a v1 hierarchy of agnsup's own, or the v2 controllers the
+        parent of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
+        out: dict[str, str | None] = {}
+        v2 = self.base.paths.get("v2")
+        handed: list[str] = []
+        if v2:
+            parent = os.path.dirname(v2)
+            try:
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    handed = f.read().split()
+            except OSError:
+                handed = []
+        for c in ("memory", "pids", "cpu"):
+            if c in self.base.paths or c in handed:
+                out[c] = None
+            elif v2:
+                out[c] = (f"the cgroup2 controller {c!r} is not enabled for agnsup's directory "
+                          f"({os.path.dirname(v2)}/cgroup.subtree_control lacks +{c})")
+            else:
+                out[c] = f"no {c} hierarchy is writable here"
+        return out
 
     def from_journal(self, paths: dict | None, inode: int | None) -> tuple[Place | None, str, list[int]]:
         """The journaled place if its directory is provably the cell's: (place or None,

@@ -66,7 +66,8 @@ def parse_mountinfo(mountinfo: str) -> tuple[str | None, dict[str, str]]:
 def detect_layout(mountinfo: str | None = None) -> Layout:
     """The host's layout; AGNSUP_CGROUP_LAYOUT=none runs without cgroups even
     where they are writable (cells are then tracked by session + token)."""
-    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if mountinfo is None else ""
+    live = mountinfo is None  # this host (not a test's mountinfo text): the environment counts
+    forced = os.environ.get("AGNSUP_CGROUP_LAYOUT", "") if live else ""
     if forced == "none":
         return Layout("none", None)
     if forced:
@@ -83,7 +84,7 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
                 v2_ctrl = tuple(f.read().split())
         except OSError:
             v2 = None
-    if v2 is not None and not os.access(v2, os.W_OK):
+    if v2 is not None and not os.access(v2, os.W_OK) and not _delegated_base(v2, live):
         v2 = None
     v1 = {c: m for c, m in v1.items() if os.access(m, os.W_OK)}
     if v2 and not v1:
@@ -95,6 +96,13 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
     else:
         kind = "none"
     return Layout(kind, v2, v1, v2_ctrl)
+
+
+def _delegated_base(v2: str, live: bool) -> bool:
+    """A normal user cannot write the cgroup2 mount point, but AGNSUP_CGROUP_BASE may name a subtree
+    delegated to it (backend/delegated.py checks the delegation itself, and names what is wrong)."""
+    base = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/") if live else ""
+    return bool(base) and os.path.isdir(os.path.join(v2, base))
 
 
 def root_name(state_root: str) -> str:
@@ -175,31 +183,52 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> list[str]:
-    """Enable `wanted` controllers down our own v2 directories; return those in force."""
+def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Enable `wanted` controllers down our own v2 directories: (those in force, {controller: why not}).
+
+    A controller our first directory does not list in cgroup.controllers was not handed down to it
+    by its parent, which is not ours to write (systemd's, or the host's root): named, never faked."""
     enabled = list(wanted)
+    why: dict[str, str] = {}
     for d in dirs:
         try:
             avail = _read(os.path.join(d, "cgroup.controllers")).split()
-        except OSError:
-            return []
+        except OSError as e:
+            return [], {c: f"{d}/cgroup.controllers: {e.strerror}" for c in wanted}
+        for c in enabled:
+            if c not in avail:
+                why[c] = (f"the cgroup2 controller {c!r} is not enabled for {d} (not in its cgroup.controllers: "
+                          f"{os.path.dirname(d)}/cgroup.subtree_control lacks +{c})")
         enabled = [c for c in enabled if c in avail]
         if not enabled:
-            return []
+            return [], why
         try:
             current = _read(os.path.join(d, "cgroup.subtree_control")).split()
             todo = [c for c in enabled if c not in current]
             if todo:
                 _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
-        except OSError:
-            return []
-    return enabled
+        except OSError as e:
+            return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
+    return enabled, why
+
+
+def enable_for_children(directory: str, wanted: tuple[str, ...]) -> list[str]:
+    """In a delegated directory (ours by delegation: systemd's Delegate=yes, or root's chown), enable
+    for its children those of `wanted` it has itself; returns them. A refused write (EBUSY: a process
+    is left in the directory itself) enables nothing: each cell's missing limit is then named."""
+    try:
+        have = [c for c in wanted if c in _read(os.path.join(directory, "cgroup.controllers")).split()]
+        if have:
+            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
+    except OSError:
+        return []
+    return have
 
 
 def create_cell(base: Node, cell: Node, limits: dict) -> dict:
     """mkdir the run/agent/cell directories of `cell` (a cell_node of `base`) and apply the limits.
 
-    Returns {"inode": primary dir inode, "limits": {what: where},
+    Returns {"inode": primary dir inode, "limits": {what: where}, "missing": {what: why not},
     "oom_fd": an eventfd that becomes readable when the v1 OOM killer acts in
     the cell, or None}. A directory that already exists for the cell is an
     error: a cell id is never reused within a run, and a recreated directory
@@ -216,22 +245,29 @@ def create_cell(base: Node, cell: Node, limits: dict) -> dict:
         else:
             raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
     v2 = cell.paths.get("v2")
-    wanted = tuple(c for c, keys in V2_LIMIT_CONTROLLERS.items() if any(limits.get(k) for k in keys))
+    wanted = tuple(wanted_controllers(limits))
     v2_ctrl: list[str] = []
+    why: dict[str, str] = {}
     if v2 and wanted:
         chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
-        v2_ctrl = _enable_v2_controllers(chain, wanted)
+        v2_ctrl, why = _enable_v2_controllers(chain, wanted)
     applied = apply_limits(cell.paths, v2_ctrl, limits)
+    missing = {c: why.get(c, f"no cgroup hierarchy here holds {c} limits") for c in wanted if c not in applied}
     oom_fd = None
     if "memory" in applied and applied["memory"].startswith("v1:"):
         oom_fd = _v1_oom_eventfd(cell.paths["memory"])
     prim = cell.primary
     ino = os.stat(prim[1]).st_ino if prim else None
-    return {"inode": ino, "limits": applied, "oom_fd": oom_fd}
+    return {"inode": ino, "limits": applied, "missing": missing, "oom_fd": oom_fd}
 
 
 # Which v2 controller each limit key needs.
 V2_LIMIT_CONTROLLERS = {"memory": ("memory_max",), "pids": ("pids_max",), "cpu": ("cpu_weight", "cpu_max")}
+
+
+def wanted_controllers(limits: dict) -> list[str]:
+    """The controllers the limits a role sets need (memory, pids, cpu), in that order."""
+    return [c for c, keys in V2_LIMIT_CONTROLLERS.items() if any(limits.get(k) for k in keys)]
 CPU_PERIOD_US = 100_000
 
 

@@ -1,4 +1,4 @@
-"""Is this cgroup2 directory delegated to us? (issue 14, phase B; a prototype, not used yet).
+"""Is this cgroup2 directory delegated to us? (backend/delegated.py, backend/systemd.py).
 
 cgroup-v2.rst, "Delegation Containment": a subtree is delegated to a user by chowning its directory and
 its cgroup.procs, cgroup.threads and cgroup.subtree_control files (what systemd does for a unit with
@@ -26,6 +26,12 @@ def own_cgroup(proc_self_cgroup: str | None = None) -> str | None:
         if line.startswith("0::"):
             return line[3:]
     return None
+
+
+def own_dir(mount: str) -> str | None:
+    """This process's cgroup2 directory under the cgroup2 mount `mount`, or None on a v1-only host."""
+    rel = own_cgroup()
+    return os.path.join(mount, rel.lstrip("/")) if rel is not None else None
 
 
 def check(directory: str, uid: int | None = None, inside: str | None = None) -> list[str]:

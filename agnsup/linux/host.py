@@ -24,8 +24,24 @@ def protections() -> dict:
             "landlock": None if abi >= 1 else "no Landlock in this kernel (or it is disabled)",
             "landlock_scopes": None if abi >= 6 else f"Landlock ABI {abi} < 6 has no signal/socket scopes",
             "no_new_privs": None,
-            "pid_namespace": None if root else "a PID namespace needs agnsup to run as root",
+            "pid_namespace": None,  # root; a normal user's: asked again at each call (below)
             "capabilities": None,  # a root cell drops them; any other uid has none to drop
             "_abi": abi, "_root": root, "_cap_last": cap_last_cap(),
         })
-    return _cache
+    if _cache["_root"]:
+        return _cache
+    return {**_cache, "pid_namespace": _userns_pid()}
+
+
+def _userns_pid() -> str | None:
+    """Why a normal user's cell cannot have a PID namespace now (None: it can). It is born in a user
+    namespace of its own and PID 1 of a new PID namespace by one clone3 (supervisor.py), which only a
+    single-threaded controller may call: not serve, not a threaded API caller."""
+    from . import userns
+    blocked = userns.blocked_by_sysctl()
+    if blocked:
+        return f"no user namespace for a normal user: {blocked[0]}"
+    if len(os.listdir("/proc/self/task")) != 1:
+        return ("a normal user's cell gets a PID namespace only from a single-threaded controller "
+                "(agnsup run), not from serve or a threaded caller")
+    return None

@@ -221,22 +221,24 @@ for _name in ("PyOS_BeforeFork", "PyOS_AfterFork_Parent", "PyOS_AfterFork_Child"
     getattr(_pyapi, _name).restype = None
 
 
-def clone3_into_cgroup(cgroup_fd: int, flags: int = 0) -> tuple[int, int]:
+def clone3_into_cgroup(cgroup_fd: int | None, flags: int = 0) -> tuple[int, int]:
     """fork(), the child born inside the cgroup2 directory open as `cgroup_fd`.
 
     Returns (pid, pidfd) in the parent and (0, -1) in the child. Moving a
     process in by writing cgroup.procs takes cgroup_threadgroup_rwsem for
     writing, which waits for an RCU grace period when the lock was idle (6-16
     ms on this kernel); CLONE_INTO_CGROUP takes only its read side. `flags`
-    may add namespaces (CLONE_NEWPID). Python has no clone3, so this is the
+    may add namespaces (CLONE_NEWPID; with CLONE_NEWUSER a normal user's child is PID 1 of a PID
+    namespace its own user namespace owns). Python has no clone3, so this is the
     raw system call with what os.fork does around fork(): PyOS_BeforeFork,
     then PyOS_AfterFork_Child or _Parent. It bypasses glibc's fork(), whose
     handlers keep malloc's locks consistent for a child of a threaded
     process: call it only from a single-threaded process (the supervisor
     checks). Only the supervisor calls this (tests/test_architecture.py)."""
     pidfd = ctypes.c_int(-1)
-    args = _CloneArgs(flags=flags | CLONE_INTO_CGROUP | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd),
-                      exit_signal=_SIGCHLD, cgroup=cgroup_fd)
+    into = CLONE_INTO_CGROUP if cgroup_fd is not None else 0  # None: born in the caller's cgroup
+    args = _CloneArgs(flags=flags | into | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd),
+                      exit_signal=_SIGCHLD, cgroup=cgroup_fd or 0)
     _pyapi.PyOS_BeforeFork()
     ret = _pyapi.syscall(ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if ret == 0:

@@ -1,4 +1,4 @@
-"""User namespaces for the cells of an unprivileged caller (issue 14, phase B; a prototype, not used yet).
+"""User namespaces for the cells of an unprivileged caller (issue 14 phase B: supervisor.py).
 
 A normal user gets mount and network namespaces only inside a user namespace of its own
 (user_namespaces(7)): the cell's child calls unshare(CLONE_NEWUSER) first, then someone writes its

@@ -81,6 +81,15 @@ def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, bloc
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     t0 = time.monotonic()
+    # Under systemd the run's controllers live in agnsup's own unit for this state root; they run in a
+    # PID namespace with its own /proc, where systemd cannot name them: the harness enters the unit
+    # first, so they are born in it (a no-op on every other host kind).
+    from .. import backend, supervisor
+    from ..errors import AgnsupError
+    try:
+        backend.choose(state).enter(supervisor.run_helper)
+    except AgnsupError:
+        pass  # the scenario's first controller meets the same refusal, and its result says so
     argv = [sys.executable, "-m", "agnsup.selftest.scenario", cfg_path, out_path]
     p = procs.start((prefix or []) + argv, stdout=-1, stderr=-1, env=dict(os.environ), cwd=work)
     rc, out, err = communicate(p, RUN_TIMEOUT)

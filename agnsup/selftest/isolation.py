@@ -158,6 +158,13 @@ def _gate(name: str, status: str, evidence: str) -> dict:
     return {"gate": name, "status": status, "evidence": evidence.strip()[:2000]}
 
 
+def _limits_refused(name: str, res: dict, controller: str) -> dict | None:
+    """ENV_BLOCKED when the cell was refused because its limits cannot be in force here."""
+    if "requires limits, which are not in force here" in str(res.get("error", "")):
+        return _gate(name, f"ENV_BLOCKED: {controller} controller", res["error"])
+    return None
+
+
 def _judge(name: str, res: dict, what: str) -> dict:
     """PASS when the probe says refused (0), FAIL when it worked (77) or broke."""
     if "error" in res:
@@ -203,7 +210,10 @@ class Harness:
         with open(find("executor")) as f:
             base = f.read()
         self.role_errors: dict[str, str] = {}
-        for name, limits, extra in (("selftest", {}, {}), ("selftest-limits", LIMITS, {}),
+        # selftest-limits requires its limits: where the host cannot hold them the hog and the bomb never
+        # run unbounded on it (the refusal is the gate's ENV_BLOCKED evidence)
+        for name, limits, extra in (("selftest", {}, {}), ("selftest-limits", LIMITS, {"require": '["limits"]'}),
+                                    ("selftest-output", {"output_max": LIMITS["output_max"]}, {}),
                                     ("selftest-pidns", {}, {"pid_namespace": "true"})):
             src = base.replace('name = "executor"', f'name = "{name}"')
             for key, value in limits.items():
@@ -468,7 +478,7 @@ def _usage(res: dict) -> dict:
 def gate_oom(h: Harness) -> dict:
     res = h.probe(MEMORY_HOG, role="selftest-limits", timeout=120)
     if "error" in res:
-        return _judge("OOM_OUTSIDE_CELL", res, "")
+        return _limits_refused("OOM_OUTSIDE_CELL", res, "memory") or _judge("OOM_OUTSIDE_CELL", res, "")
     r = res["receipt_data"]
     if "memory" not in r["limits"]["applied"]:
         return _gate("OOM_OUTSIDE_CELL", "ENV_BLOCKED: memory controller", "no writable memory cgroup for the cell")
@@ -514,7 +524,7 @@ def gate_fork_bomb(h: Harness) -> dict:
         done.set()
         t.join(30)
     if "error" in res:
-        return _judge("FORK_BOMB_OUTSIDE_CELL", res, "")
+        return _limits_refused("FORK_BOMB_OUTSIDE_CELL", res, "pids") or _judge("FORK_BOMB_OUTSIDE_CELL", res, "")
     r = res["receipt_data"]
     if "pids" not in r["limits"]["applied"]:
         return _gate("FORK_BOMB_OUTSIDE_CELL", "ENV_BLOCKED: pids controller", "no writable pids cgroup for the cell")
@@ -536,7 +546,7 @@ def gate_output_limit(h: Harness) -> dict:
     try:
         sys.stdout.flush()
         os.dup2(out.fileno(), 1)
-        res = h.probe(P_FLOOD, marker, role="selftest-limits", timeout=120)
+        res = h.probe(P_FLOOD, marker, role="selftest-output", timeout=120)
     finally:
         os.dup2(saved, 1)
         os.close(saved)

@@ -87,6 +87,8 @@ class Journal:
             raise StateError(f"journal {path} is unusable: {e}") from None
         if mode != "wal":
             raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
+        self._file = _file_id(path)
+        _CONNECTED[self._file] = _CONNECTED.get(self._file, 0) + 1
         if version == 0 or version < _latest():
             self._migrate()
 
@@ -138,6 +140,9 @@ class Journal:
 
     def close(self) -> None:
         self.db.close()
+        n = _CONNECTED.pop(getattr(self, "_file", None), 0) - 1
+        if n > 0:
+            _CONNECTED[self._file] = n
 
     def _one(self, sql: str, args: tuple = ()):
         rows = self._all(sql, args)
@@ -158,7 +163,7 @@ class Journal:
     def _damaged(self, why: str) -> JournalDamaged:
         """SQLite found the file corrupt: mark it, so that no later command writes into it."""
         try:
-            self.db.close()
+            self.close()
         except (sqlite3.Error, AttributeError):
             pass
         try:
@@ -583,6 +588,21 @@ def _size(path: str) -> int | None:
         return None
 
 
+# Journal files this process holds an SQLite connection to, by (st_dev, st_ino), counted.
+# Closing *any* descriptor of a file drops every POSIX lock the process holds on it, SQLite's
+# own included (fcntl(2); sqlite.org/howtocorrupt.html 2.2): preflight must not open and
+# close such a file behind the connection's back, so it leaves the header to that connection.
+_CONNECTED: dict[tuple[int, int], int] = {}
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def preflight(path: str) -> None:
     """Refuse a journal that is damaged or that lost its history, before SQLite
     opens (and would happily write into) it. Cheap enough for every start: one
@@ -607,6 +627,8 @@ def preflight(path: str) -> None:
                     "nothing into it and reuses no id. `agnsup journal repair` rebuilds it from the receipts on disk "
                     "(`agnsup journal check` says what is there)")
         return
+    if _CONNECTED and _file_id(path) in _CONNECTED:
+        return  # checked when this process first connected; its connection holds locks on the file
     try:
         with open(path, "rb") as f:
             head = f.read(100)

@@ -330,8 +330,8 @@ def _as_nobody(*args, cwd=None):
 
 
 def test_unprivileged_use_says_what_is_needed_and_permission_denied_is_said_as_such(recorded, tmp_path):
-    """Issue 12 item 11: as a normal user, `run` says what a cell needs (was: "step 'unshare':
-    Operation not permitted"); pointed at root's state root, ps/receipts/cancel --all say
+    """Issue 12 item 11: as a normal user, `run` works (was: "step 'unshare': Operation not
+    permitted"; issue 14 gives the cell a user namespace); pointed at root's state root, ps/receipts/cancel --all say
     permission denied (were: "no live cells", "nothing was ever run")."""
     import shutil
     import subprocess
@@ -349,9 +349,9 @@ def test_unprivileged_use_says_what_is_needed_and_permission_denied_is_said_as_s
     try:
         os.chown(own, 65534, 65534)
         cp = _as_nobody("--state-dir", own + "/state", "run", "--workdir", own, "--", "true", cwd=own)
-        assert cp.returncode == 125, cp.err
-        line = _one_line(cp)
-        assert "needs CAP_SYS_ADMIN" in line and "run agnsup as root" in line, line
+        # this host gives a normal user a user namespace: the cell runs in one of its own (issue 14);
+        # where the host refuses it, the one line naming the fix is tests/test_unprivileged.py's
+        assert cp.returncode == 0, cp.err
     finally:
         leaked = backend.choose(own + "/state").purge()
         shutil.rmtree(own, ignore_errors=True)

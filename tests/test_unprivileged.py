@@ -141,7 +141,12 @@ def test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree(user, tmp_p
     wt = os.path.join(user.home, "wt")
     os.makedirs(wt)
     os.chown(wt, user.uid, user.gid)
-    probe = ("cat /proc/self/cgroup; id -u; ls -A ~ | wc -l; set -- /proc/[0-9]*; echo pids $#; "
+    secret = os.path.join(user.home, ".secret-token")  # what the hidden home must not show
+    with open(secret, "w") as f:
+        f.write("s3cret\n")
+    os.chown(secret, user.uid, user.gid)
+    probe = (f"cat /proc/self/cgroup; id -u; test -e {secret} && echo HOME-SEEN; set -- /proc/[0-9]*; "
+             "echo pids $#; "
              f"echo $$ > {user.dir}/cgroup.procs 2>/dev/null && echo LEFT-ITS-CELL; "
              "echo made > made")
     cp = user("run", "--workdir", wt, "--", "sh", "-c", probe)
@@ -150,7 +155,7 @@ def test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree(user, tmp_p
     v2_line = next(line for line in lines if line.startswith("0::"))
     assert v2_line.startswith(f"0::/{user.base}/agnsup-") and "/run-default/agent-default/cell-" in v2_line
     assert str(user.uid) in lines  # mapped to itself in the cell's user namespace
-    assert "0" in lines             # its home is hidden (an empty tmpfs)
+    assert "HOME-SEEN" not in lines  # its home is hidden (an empty tmpfs but for the worktree)
     assert "pids 2" in lines, lines  # its own PID namespace: its init and the shell, nothing of the user's
 
     assert "LEFT-ITS-CELL" not in cp.stdout  # /sys/fs/cgroup is read-only in the cell

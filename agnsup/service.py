@@ -138,6 +138,8 @@ class Supervisor:
                 if r.group_fd is not None:
                     os.close(r.group_fd)
                     r.group_fd = None
+            if r.cell.pump is not None and r.cell.pump.tape is not None:
+                r.cell.pump.tape.close()  # however finish went: no reader waits for more
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:

@@ -139,7 +139,10 @@ class Supervisor:
                     os.close(r.group_fd)
                     r.group_fd = None
             if r.cell.pump is not None and r.cell.pump.tape is not None:
-                r.cell.pump.tape.close()  # however finish went: no reader waits for more
+                r.cell.pump.tape.close()  # however finish went: no reader waits for more,
+            for end in (r.cell.input, r.cell.terminal):
+                if end is not None:
+                    end.close()           # and no writer for room
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:

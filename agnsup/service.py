@@ -161,6 +161,11 @@ class Supervisor:
                 if r.group_fd is not None:
                     os.close(r.group_fd)
                     r.group_fd = None
+            if r.cell.pump is not None and r.cell.pump.tape is not None:
+                r.cell.pump.tape.close()  # however finish went: no reader waits for more,
+            for end in (r.cell.input, r.cell.terminal):
+                if end is not None:
+                    end.close()           # and no writer for room
             r.started.set()
             r.done.set()
 

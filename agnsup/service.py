@@ -78,6 +78,8 @@ class Supervisor:
         self._forker = _Forker()
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker)
         self.ctl.journal.lock = threading.RLock()
+        from . import repair
+        repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._guard = threading.Lock()
         self.closed = False
@@ -112,12 +114,19 @@ class Supervisor:
 
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
+        key = (r.cell.spec.run_id, r.cell.spec.cell_id)
         try:
             receipt = self.ctl.finish(r.cell, self.ctl.waiter(r.cell).wait())
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
         finally:
+            r.cell = r.request = None  # an ended cell leaves memory (issue 12 item 17)
+            if r.error is None:
+                with self._guard:
+                    # a waiter that already holds `r` gets r.result; a later one reads the
+                    # journal and the output files (_ended): the same result
+                    self._cells.pop(key, None)
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:
@@ -148,7 +157,9 @@ class Supervisor:
         if not recs:
             return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
                     "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
-        return ended(recs[-1], self.state.cell_dir(run_id, cell_id), capture=False)
+        d = self.state.cell_dir(run_id, cell_id)
+        # captured output is in the cell directory: a result asked for later still carries it
+        return ended(recs[-1], d, capture=os.path.exists(os.path.join(d, "stdout")))
 
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:

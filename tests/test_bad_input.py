@@ -332,7 +332,9 @@ def _as_nobody(*args, cwd=None):
     code = (f"import site, sys; site.addsitedir({site!r}); from agnsup.entry import main; "
             "sys.argv[0] = 'agnsup'; main()")
     cp = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
-                         "PATH=/usr/bin:/bin", "HOME=/nonexistent", "/usr/bin/python3", "-c", code, *args],
+                         "PATH=/usr/bin:/bin", "HOME=/nonexistent",
+                         f"AGNSUP_ROOTS_REGISTRY={os.environ['AGNSUP_ROOTS_REGISTRY']}",  # not the host's
+                         "/usr/bin/python3", "-c", code, *args],
                         capture_output=True, cwd=cwd, timeout=60, stdin=subprocess.DEVNULL)
     cp.out, cp.err = cp.stdout.decode(errors="replace"), cp.stderr.decode(errors="replace")
     return cp

@@ -93,20 +93,7 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
             return cancel_unjournaled(state, scope, grace, e, journal=j, backend=backend)
         if grace is None:
             grace = max((r["grace"] if r["grace"] is not None else DEFAULT_GRACE for r in rows), default=0.0)
-        cells, targets = [], []
-        for r in rows:
-            c = {"run_id": r["run_id"], "agent_id": r["agent_id"], "cell_id": r["cell_id"], "state": r["state"],
-                 "notes": [], "kill": None, "empty": True, "signalled": 0}
-            t, note, _ = reaper.from_row(backend, r)
-            if note:
-                c["notes"].append(note)
-            if t.has_tree or (not backend.trees and t.leader):
-                if not backend.trees:
-                    c["notes"].append("no cgroup (ENV_BLOCKED: cgroup): found by session + token + start time")
-                targets.append((c, t))
-            elif not t.leader:
-                c["notes"].append("no process yet: the cell stops at its identity commit")
-            cells.append(c)
+        cells, targets = _targets(backend, rows)
         scope_place = backend.scope(scope.run_id, scope.agent_id) \
             if backend.trees and scope.kind in ("agent", "run") else None
         done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place)
@@ -121,6 +108,26 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
         j.close()
     return {"cancelled": len(cells), "cells": cells, "scope": scope.label(), "reason": reason, "grace": grace,
             "duration": round(time.monotonic() - t0, 6)}
+
+
+def _targets(backend, rows) -> tuple[list[dict], list]:
+    """The result entry of each live cell row, and (entry, reaper target) for those with processes."""
+    from . import reaper
+    cells, targets = [], []
+    for r in rows:
+        c = {"run_id": r["run_id"], "agent_id": r["agent_id"], "cell_id": r["cell_id"], "state": r["state"],
+             "notes": [], "kill": None, "empty": True, "signalled": 0}
+        t, note, _ = reaper.from_row(backend, r)
+        if note:
+            c["notes"].append(note)
+        if t.has_tree or (not backend.trees and t.leader):
+            if not backend.trees:
+                c["notes"].append("no cgroup (ENV_BLOCKED: cgroup): found by session + token + start time")
+            targets.append((c, t))
+        elif not t.leader:
+            c["notes"].append("no process yet: the cell stops at its identity commit")
+        cells.append(c)
+    return cells, targets
 
 
 def cancel_unjournaled(state, scope: Scope, grace: float | None, error, journal=None, backend=None) -> dict:
@@ -142,16 +149,7 @@ def cancel_unjournaled(state, scope: Scope, grace: float | None, error, journal=
         except AgnsupError:
             rows = None
     if rows is not None:
-        targets = []
-        for r in rows:
-            c = {"run_id": r["run_id"], "agent_id": r["agent_id"], "cell_id": r["cell_id"], "state": r["state"],
-                 "notes": [], "kill": None, "empty": True, "signalled": 0}
-            t, note, _ = reaper.from_row(backend, r)
-            if note:
-                c["notes"].append(note)
-            if t.has_tree or (not backend.trees and t.leader):
-                targets.append((c, t))
-            out["cells"].append(c)
+        out["cells"], targets = _targets(backend, rows)
         for (c, _), r in zip(targets, reaper.stop(backend, [t for _, t in targets], term=True, grace=grace)):
             c.update(signalled=r.signalled, kill=r.kill_note(), empty=r.empty)
         out["cancelled"] = len(out["cells"])

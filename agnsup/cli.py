@@ -580,6 +580,27 @@ def journal_repair(obj, as_json):
         click.echo(f"  {sk['cell']}: {sk['why']}")
 
 
+@journal.command("prune")
+@click.option("--before", "before", required=True, metavar="WHEN",
+              help="Ended cells that ended before WHEN: an age (30d, 12h, 90m) or a UTC date (2026-11-01).")
+@click.option("--json", "as_json", is_flag=True, help="The counts as JSON.")
+@click.pass_obj
+def journal_prune(obj, before, as_json):
+    """Remove ended cells from the journal (rows, events, receipts; a small row per
+    cell keeps its id taken) and give the space back. Their receipt files stay on
+    disk under cells/ (written there first if missing). Live cells and cancelled
+    runs are never pruned. Default bound without this command: ended cells older
+    than AGNSUP_JOURNAL_RETENTION_DAYS (30; 0 keeps all), applied once a day at a
+    controller's start."""
+    from .repair import parse_before, prune
+    out = prune(_state(obj), parse_before(before), compact=True)
+    if as_json:
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        click.echo(f"pruned {out['cells']} ended cell(s), {out['events']} event(s), {out['receipts']} receipt "
+                   f"row(s); receipt files kept on disk ({len(out['archived'])} written there first)")
+
+
 def _set_state_dir(ctx, _param, value):
     if value is not None:
         ctx.obj["state_dir"] = value

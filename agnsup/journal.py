@@ -229,7 +229,8 @@ class Journal:
             elif run["state"] != "active":
                 self._move_run(db, run_id, run["state"], "active", ended_at=None)
                 self.event(db, "run.reopened", run_id, cell_id, was=run["state"])
-            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone():
+            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=? UNION ALL "
+                          "SELECT 1 FROM pruned WHERE run_id=? AND cell_id=?", (run_id, cell_id) * 2).fetchone():
                 raise RunNotActive(f"cell {cell_id!r} already exists in run {run_id!r}; cell ids are never reused")
             if admit is not None:
                 admit(self._quota_usage(db, run_id, row["agent_id"], row["created_at"]))
@@ -500,7 +501,54 @@ class Journal:
         return [r[0] for r in self._all("PRAGMA integrity_check(20)")]
 
     def known_cells(self) -> set[tuple[str, str]]:
-        return {(r[0], r[1]) for r in self._all("SELECT run_id, cell_id FROM cells")}
+        """Every cell the journal holds or pruned."""
+        return {(r[0], r[1]) for r in self._all("SELECT run_id, cell_id FROM cells UNION "
+                                                 "SELECT run_id, cell_id FROM pruned")}
+
+    # -- retention -------------------------------------------------------------
+    def prunable(self, before: float) -> list:
+        """Ended cells that ended before `before`, with their newest cell receipt."""
+        return self._all(
+            f"SELECT c.run_id, c.cell_id, c.ended_at, c.receipt_path, (SELECT data FROM receipts r WHERE "
+            f"r.kind='cell' AND r.run_id=c.run_id AND r.cell_id=c.cell_id ORDER BY r.id DESC LIMIT 1) AS receipt "
+            f"FROM cells c WHERE c.state IN ({_TERMINAL_SQL}) AND c.ended_at < ? ORDER BY c.ended_at", (before,))
+
+    def prune(self, cells: list[tuple[str, str, float | None, str | None]], before: float) -> dict:
+        """Remove these ended cells' rows, events, receipts and connections (a `pruned` row
+        each stays), then the calls that started nothing, ended controllers and
+        finished runs left empty, all older than `before`. A cancelled run's row stays:
+        it refuses new cells forever. One transaction."""
+        now = time.time()
+        out = {"cells": 0, "events": 0, "receipts": 0, "controllers": 0, "runs": 0}
+        with self.tx() as db:
+            for run_id, cell_id, ended_at, path in cells:
+                db.execute("INSERT OR REPLACE INTO pruned(run_id, cell_id, ended_at, receipt_path, pruned_at) "
+                           "VALUES (?,?,?,?,?)", (run_id, cell_id, ended_at, path, now))
+                out["events"] += db.execute("DELETE FROM events WHERE run_id=? AND cell_id=?",
+                                            (run_id, cell_id)).rowcount
+                out["receipts"] += db.execute("DELETE FROM receipts WHERE run_id=? AND cell_id=?",
+                                              (run_id, cell_id)).rowcount
+                db.execute("DELETE FROM connections WHERE run_id=? AND cell_id=?", (run_id, cell_id))
+                out["cells"] += db.execute("DELETE FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).rowcount
+            out["events"] += db.execute("DELETE FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN "
+                                        "('denied', 'refused'))", (before,)).rowcount
+            out["controllers"] = db.execute(
+                "DELETE FROM controllers WHERE ended_at IS NOT NULL AND ended_at < ? AND NOT EXISTS "
+                "(SELECT 1 FROM cells c WHERE c.controller_id = controllers.id)", (before,)).rowcount
+            out["runs"] = db.execute(
+                "DELETE FROM runs WHERE state IN ('finished', 'recovered') AND NOT EXISTS "
+                "(SELECT 1 FROM cells c WHERE c.run_id = runs.run_id)").rowcount
+            self.event(db, "journal.pruned", before=before, **out)
+        return out
+
+    def compact(self) -> None:
+        """Give the freed pages back to the file system (VACUUM, then a WAL checkpoint)."""
+        try:
+            with self.lock if self.lock is not None else _nolock():
+                self.db.execute("VACUUM")
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as e:
+            raise StateError(f"journal {self.path}: cannot compact: {e}") from None
 
     def import_cell(self, receipt: dict, receipt_path: str) -> None:
         """A cell receipt found on disk into a rebuilt journal: its run, its controller
@@ -544,6 +592,11 @@ def _latest() -> int:
     except OSError:
         return max(n for n, _ in _migrations())
     return max(int(n[:4]) for n in names if n.endswith(".sql") and n[:4].isdigit())
+
+
+@contextmanager
+def _nolock():
+    yield
 
 
 # -- a journal that is damaged or lost its history (issue 12 items 2, 3) -----------

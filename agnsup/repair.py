@@ -116,3 +116,93 @@ def repair(state, backend=None) -> dict:
     finally:
         j.close()
     return out
+
+
+# -- retention (issue 12 item 17) ---------------------------------------------------
+DEFAULT_RETENTION_DAYS = 30.0  # ended cells older than this leave the journal (their receipt files stay)
+PRUNE_EVERY = 86400.0          # the default bound is applied at most once a day, at a controller's start
+
+
+def retention_days() -> float:
+    """AGNSUP_JOURNAL_RETENTION_DAYS (0: keep every cell in the journal forever)."""
+    raw = os.environ.get("AGNSUP_JOURNAL_RETENTION_DAYS")
+    if raw is None or raw == "":
+        return DEFAULT_RETENTION_DAYS
+    try:
+        days = float(raw)
+    except ValueError:
+        days = -1.0
+    if not days >= 0:
+        from .errors import UsageError
+        raise UsageError(f"AGNSUP_JOURNAL_RETENTION_DAYS: must be a number of days >= 0, not {raw!r}")
+    return days
+
+
+def parse_before(text: str, now: float | None = None) -> float:
+    """A cut-off: an age (`30d`, `12h`, `90m`, `45s`) or a UTC date (`2026-11-01`, `2026-11-01T12:00`)."""
+    import calendar
+    from .errors import UsageError
+    now = time.time() if now is None else now
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    t = text.strip()
+    if t and t[-1] in units:
+        try:
+            n = float(t[:-1])
+        except ValueError:
+            n = -1.0
+        if n >= 0:
+            return now - n * units[t[-1]]
+    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
+        try:
+            return float(calendar.timegm(time.strptime(t.removesuffix("Z"), fmt)))
+        except ValueError:
+            continue
+    raise UsageError(f"--before: {text!r} is neither an age (30d, 12h, 90m, 45s) nor a UTC date "
+                     "(2026-11-01, 2026-11-01T12:00)")
+
+
+def prune(state, before: float, journal=None, compact: bool = False) -> dict:
+    """Ended cells that ended before `before` leave the journal; each one's receipt is on
+    disk first (written there from the journal if its file is missing: `archived`),
+    and a `pruned` row keeps its id taken."""
+    from . import receipts
+    j = journal if journal is not None else state.journal()
+    try:
+        rows, archived = j.prunable(before), []
+        keys = []
+        for r in rows:
+            path = r["receipt_path"] or os.path.join(state.cell_dir(r["run_id"], r["cell_id"]), "receipt.json")
+            if not os.path.exists(path) and r["receipt"]:
+                receipts.write(path, json.loads(r["receipt"]))  # never lost: on disk before it leaves
+                archived.append(path)
+            keys.append((r["run_id"], r["cell_id"], r["ended_at"], path))
+        out = {"before": before, **j.prune(keys, before), "archived": archived}
+        if compact:
+            j.compact()
+        return out
+    finally:
+        if journal is None:
+            j.close()
+
+
+def maybe_prune(state, journal) -> dict | None:
+    """The default bound, at a controller's start: one stat when it ran within the day."""
+    days = retention_days()
+    if not days:
+        return None
+    stamp = os.path.join(state.path, "cache", "pruned-at")
+    try:
+        if time.time() - os.stat(stamp).st_mtime < PRUNE_EVERY:
+            return None
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        out = prune(state, time.time() - days * 86400, journal)
+        os.makedirs(os.path.dirname(stamp), mode=0o700, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(json.dumps(out) + "\n")
+        return out
+    except (StateError, OSError):
+        return None  # a full or read-only state root: the controller's own start says so

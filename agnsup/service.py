@@ -94,6 +94,8 @@ class Supervisor:
         self._forker = _Forker()
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker)
         self.ctl.journal.lock = threading.RLock()
+        from . import repair
+        repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._guard = threading.Lock()
         self.closed = False
@@ -143,6 +145,7 @@ class Supervisor:
 
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
+        key = (r.cell.spec.run_id, r.cell.spec.cell_id)
         try:
             if r.cell.waiting:
                 self.ctl.resume(r.cell)
@@ -161,12 +164,20 @@ class Supervisor:
                 if r.group_fd is not None:
                     os.close(r.group_fd)
                     r.group_fd = None
-            if r.cell.pump is not None and r.cell.pump.tape is not None:
+            live_io = r.cell.pump is not None and r.cell.pump.tape is not None
+            if live_io:
                 r.cell.pump.tape.close()  # however finish went: no reader waits for more,
             for end in (r.cell.input, r.cell.terminal):
                 if end is not None:
                     end.close()           # and no writer for room
             r.started.set()
+            if not live_io:  # (a live-I/O cell's output stays readable through read_output)
+                r.cell = r.request = None  # an ended cell leaves memory (issue 12 item 17)
+                if r.error is None:
+                    with self._guard:
+                        # a waiter that already holds `r` gets r.result; a later one reads the
+                        # journal and the output files (_ended): the same result
+                        self._cells.pop(key, None)
             r.done.set()
 
     def run(self, argv: list[str], **options) -> dict:
@@ -342,7 +353,9 @@ def journal_result(state, journal, run_id: str, cell_id: str) -> dict:
     if not recs:
         return {"run_id": run_id, "cell_id": cell_id, "agent_id": row["agent_id"], "state": row["state"],
                 "exit_code": row["exit_code"], "reason": row["reason"], "receipt": None}
-    return ended(recs[-1], state.cell_dir(run_id, cell_id), capture=False)
+    d = state.cell_dir(run_id, cell_id)
+    # captured output is in the cell directory: a result asked for later still carries it
+    return ended(recs[-1], d, capture=os.path.exists(os.path.join(d, "stdout")))
 
 
 def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, timeout: float | None = None) -> dict:

@@ -33,7 +33,7 @@ def run_process(argv: list[str], *, state_dir: str | None = None, forward_signal
     stdout/stderr when captured). `exit_after`: the caller ends the process with
     os._exit right after a result (the CLI): the journal connection is left to
     the exit (broker.Controller.close)."""
-    from . import broker, janitor
+    from . import broker, janitor, repair
     from .state import StateRoot
 
     options.setdefault("entry", "tool")
@@ -46,6 +46,7 @@ def run_process(argv: list[str], *, state_dir: str | None = None, forward_signal
     journal = state.journal()
     try:
         janitor.on_start(state, journal)  # crash recovery first: one query when nothing to do
+        repair.maybe_prune(state, journal)  # the journal's default retention bound: one stat most days
         prepared = prepare(state, journal, request)
         ctl = broker.Controller(state, kind="run", journal=journal, one_cell=True)
     except BaseException:

@@ -446,8 +446,6 @@ def _cell_pty(like: int) -> tuple[int, int]:
     return master, slave
 
 
-
-
 def _make_home_files(plan) -> None:
     """What the plan puts in the cell's /tmp: @runtime's links, the HOME's tool configuration
     (owned by the cell's uid when process.user sets one, like the HOME itself)."""

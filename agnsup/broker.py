@@ -590,7 +590,6 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
     return master, slave
 
 
-
 def _make_home_files(plan) -> None:
     """What the plan puts in the cell's /tmp: @runtime's links, the HOME's tool configuration
     (owned by the cell's uid when process.user sets one, like the HOME itself)."""

@@ -329,7 +329,12 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     include = next((os.path.realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
                                                                                                    "config"))
                     if r in linked), None)
-    files, report = toolconfig.home_files(fs.home_config, home, wt, include)
+    allowed = [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
+
+    def shown(path: str) -> bool:  # what of the home the cell sees: its worktree, home_allow, all of it (ro)
+        real = os.path.realpath(path)
+        return fs.home != "hidden" or _under(real, wt) or any(_under(real, a) for a in allowed)
+    files, report = toolconfig.home_files(fs.home_config, home, wt, include, shown)
     files = [(os.path.join(cell_home, rel), text) for rel, text in files]
     # the generated .gitconfig includes a linked one; for the others the user's own file wins
     links = [(rel, t) for rel, t in links if not rel.endswith(os.sep + ".gitconfig") or not include

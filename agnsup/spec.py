@@ -177,7 +177,10 @@ def find_venv(worktree: str) -> str | None:
 def venv_interpreter(venv: str) -> list[str]:
     """The interpreter prefixes a venv's pyvenv.cfg names (home, executable,
     base-executable): the venv's python is a symlink into one of them, often inside
-    the hidden home (pyenv, uv, conda), so the compiler re-exposes them read-only."""
+    the hidden home (pyenv, uv, conda), so the compiler re-exposes them read-only.
+    pyvenv.cfg lies in the worktree, which an earlier cell may have written: only a
+    directory holding a Python standard library (lib/python3.*/os.py) counts, so it
+    can name an interpreter tree but never, say, ~/.config/gh."""
     found = []
     try:
         with open(os.path.join(venv, "pyvenv.cfg"), errors="replace") as f:
@@ -192,9 +195,17 @@ def venv_interpreter(venv: str) -> list[str]:
         d = value if key == "home" else os.path.dirname(value)
         prefix = os.path.dirname(d) if os.path.basename(d) == "bin" else d
         for p in (prefix, os.path.realpath(prefix)):
-            if p not in found and p != "/":
+            if p not in found and p != "/" and _has_stdlib(p):
                 found.append(p)
     return found
+
+
+def _has_stdlib(prefix: str) -> bool:
+    try:
+        names = os.listdir(os.path.join(prefix, "lib"))
+    except OSError:
+        return False
+    return any(n.startswith("python3") and os.path.isfile(os.path.join(prefix, "lib", n, "os.py")) for n in names)
 
 
 def resolve(cmd: str, path: str, cwd: str) -> str:

@@ -95,7 +95,18 @@ def git_file(home: str, worktree: str, include: str | None) -> tuple[str, list[s
     return "\n".join(lines) + "\n", taken, []
 
 
-def pip_file(home: str) -> tuple[str | None, list[str], list[str]]:
+def _hidden_paths(value: str, home: str, shown) -> bool:
+    """A value naming a file in the hidden home (find-links = ~/wheels, cert = ~/ca.pem):
+    the cell could not read it, so the key would only break the tool."""
+    for word in value.split():
+        path = os.path.expanduser(word) if word.startswith("~") else word.removeprefix("file://")
+        if path.startswith(home.rstrip("/") + "/") and not shown(path):
+            return True
+    return False
+
+
+def pip_file(home: str, shown=lambda path: False) -> tuple[str | None, list[str], list[str]]:
+    """`shown(path)`: whether the cell sees that path of the home (filesystem.home_allow)."""
     kept: dict[str, list[tuple[str, str]]] = {}
     taken, dropped = [], []
     for path in (os.path.join(home, ".pip", "pip.conf"), os.path.join(home, ".config", "pip", "pip.conf")):
@@ -105,6 +116,8 @@ def pip_file(home: str) -> tuple[str | None, list[str], list[str]]:
                 dropped.append(what)
             elif holds_credentials(value):
                 dropped.append(f"{what} (holds credentials)")
+            elif _hidden_paths(value, home, shown):
+                dropped.append(f"{what} (names a path in the hidden home; list it in filesystem.home_allow)")
             else:
                 kept.setdefault(section, [])
                 kept[section] = [(k, v) for k, v in kept[section] if k != key] + [(key, value)]
@@ -127,7 +140,7 @@ def npm_file(home: str) -> tuple[str | None, list[str], list[str]]:
     return ("\n".join(lines) + "\n" if lines else None), taken, dropped
 
 
-def home_files(tools, home: str, worktree: str, git_include: str | None = None):
+def home_files(tools, home: str, worktree: str, git_include: str | None = None, shown=lambda path: False):
     """([(path under the cell's HOME, text)], {tool: {"taken": [...], "dropped": [...]}})."""
     files, report = [], {}
     for tool in tools:
@@ -135,7 +148,7 @@ def home_files(tools, home: str, worktree: str, git_include: str | None = None):
             text, taken, dropped = git_file(home, worktree, git_include)
             rel = ".gitconfig"
         elif tool == "pip":
-            text, taken, dropped = pip_file(home)
+            text, taken, dropped = pip_file(home, shown)
             rel = os.path.join(".config", "pip", "pip.conf")
         else:
             text, taken, dropped = npm_file(home)

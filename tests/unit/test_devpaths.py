@@ -21,19 +21,36 @@ def test_the_project_root_is_the_nearest_marker_and_never_a_home(tmp_path, monke
     assert spec.project_root(str(repo)) == str(repo)  # started in the home itself: the user chose it
 
 
-def test_a_venv_names_its_interpreter_prefixes(tmp_path):
-    venv = tmp_path / ".venv"
+def _prefix(root, *parts):
+    """A directory that looks like a Python installation: lib/python3.X/os.py."""
+    p = root.joinpath(*parts)
+    (p / "lib" / "python3.12").mkdir(parents=True)
+    (p / "lib" / "python3.12" / "os.py").write_text("")
+    return str(p)
+
+
+def test_a_venv_names_its_interpreter_prefixes_and_nothing_else(tmp_path):
+    pyenv = _prefix(tmp_path, "home", ".pyenv", "versions", "3.12.1")
+    uv = _prefix(tmp_path, "opt", "uv", "python")
+    secrets = tmp_path / "home" / ".config" / "gh"
+    (secrets / "bin").mkdir(parents=True)
+    wt = tmp_path / "wt"
+    venv = wt / ".venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "pyvenv.cfg").write_text("home = /home/u/.pyenv/versions/3.12.1/bin\ninclude-system-site-packages = "
-                                     "false\nexecutable = /home/u/.pyenv/versions/3.12.1/bin/python3.12\n"
-                                     "base-executable = /opt/uv/python/bin/python3\nprompt = x\n")
-    assert spec.find_venv(str(tmp_path)) == str(venv)
-    assert spec.venv_interpreter(str(venv)) == ["/home/u/.pyenv/versions/3.12.1", "/opt/uv/python"]
-    assert spec.expand_path(["@venv", "/usr/bin", "@runtime"], str(venv)) == \
-        [str(venv / "bin"), "/usr/bin", spec.RUNTIME_BIN]
+    (venv / "pyvenv.cfg").write_text(f"home = {pyenv}/bin\ninclude-system-site-packages = false\n"
+                                     f"executable = {pyenv}/bin/python3.12\nbase-executable = {uv}/bin/python3\n"
+                                     "prompt = x\n")
+    assert spec.find_venv(str(wt)) == str(venv)
+    assert spec.venv_interpreter(str(venv)) == [pyenv, uv]
+    # a pyvenv.cfg an earlier cell wrote cannot name a home directory that is no Python
+    (venv / "pyvenv.cfg").write_text(f"home = {secrets}/bin\n")
+    assert spec.venv_interpreter(str(venv)) == []
+    venv = str(venv)
+    assert spec.expand_path(["@venv", "/usr/bin", "@runtime"], venv) == \
+        [os.path.join(venv, "bin"), "/usr/bin", spec.RUNTIME_BIN]
     assert spec.expand_path(["@venv", "/usr/bin"], None) == ["/usr/bin"]
-    os.remove(venv / "pyvenv.cfg")
-    assert spec.find_venv(str(tmp_path)) is None
+    os.remove(os.path.join(venv, "pyvenv.cfg"))
+    assert spec.find_venv(str(wt)) is None
 
 
 def test_trees_overlap_when_one_holds_the_other():

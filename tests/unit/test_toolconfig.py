@@ -36,3 +36,14 @@ def test_env_keys_pass_only_for_listed_tools_and_without_credentials():
            "PIP_CERT_PASSWORD": "x"}
     assert toolconfig.host_env(("pip",), env) == ({"PIP_INDEX_URL": "https://h/"}, ["PIP_EXTRA_INDEX_URL"])
     assert toolconfig.host_env((), env) == ({}, [])
+
+
+def test_pip_drops_a_path_in_the_hidden_home_unless_the_cell_sees_it(tmp_path):
+    (tmp_path / ".config" / "pip").mkdir(parents=True)
+    (tmp_path / ".config" / "pip" / "pip.conf").write_text(
+        f"[global]\nfind-links = {tmp_path}/wheels\ncert = /etc/ssl/certs/ca-certificates.crt\n")
+    text, taken, dropped = toolconfig.pip_file(str(tmp_path))
+    assert text == "[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n"
+    assert dropped == ["global.find-links (names a path in the hidden home; list it in filesystem.home_allow)"]
+    text, _, dropped = toolconfig.pip_file(str(tmp_path), shown=lambda p: p.startswith(f"{tmp_path}/wheels"))
+    assert f"find-links = {tmp_path}/wheels" in text and not dropped

@@ -43,6 +43,7 @@ from .request import tool_schema
 PROGRESS_INTERVAL = 1.0
 READ_TIMEOUT = 5.0  # read_output's default wait: long enough for a slow line, short enough to poll
 ENDED_WAIT = 2.0  # how long read_output waits, once the output ended, for the cell's result
+CLIENT_GONE = "agnsup.client_gone"  # ASGI scope key: an event set when an HTTP client hung up on a call
 # Options of a cell request the front door sets itself (role: the server's command
 # line) or that make no sense for a call that waits for the end (stdin, pty, stream).
 _SERVER_OWNED = ("role",)
@@ -308,10 +309,15 @@ def build_server(sessions: Sessions):
         If the request is cancelled (the client gave up, or went away) and this call
         started the cell, the cell is cancelled too."""
         session = of(ctx)
+        gone = getattr(ctx.request, "scope", {}).get(CLIENT_GONE)  # HTTP only
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         try:
             while True:
+                if gone is not None and gone.is_set():  # nobody will read the result: end as if cancelled
+                    if cancel_on_abort:
+                        await cancel_cell(session, cell_id)
+                    return {"cell_id": cell_id, "run_id": session.run_id, "client_gone": True}
                 step = PROGRESS_INTERVAL if deadline is None else max(0.0, min(PROGRESS_INTERVAL,
                                                                               deadline - time.monotonic()))
                 res = await to_thread.run_sync(session.sup.wait, session.run_id, cell_id, step,
@@ -515,11 +521,24 @@ def _bearer(app, token: str):
 
 
 def _ending_sessions(app, sessions: Sessions):
-    """The ASGI app, and a client's DELETE of its session (the end the protocol gives it)
-    cancels the cells that session started, as the end of a stdio session does."""
+    """The ASGI app, plus the ends a stdio session has by itself: a client's DELETE of
+    its session cancels the cells that session started, and a client that hangs up on
+    a call's response stream is marked in the request's scope (CLIENT_GONE: an event
+    the waiting call watches), so the call's cell is cancelled as on stdio."""
+    import anyio
     from anyio import to_thread
 
     async def app_(scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            gone = scope[CLIENT_GONE] = anyio.Event()
+
+            async def receive_():  # the SSE response listens for the disconnect; we hear it too
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone.set()
+                return msg
+            await app(scope, receive_, send)
+            return
         await app(scope, receive, send)
         if scope["type"] == "http" and scope["method"] == "DELETE":
             sid = dict(scope["headers"]).get(b"mcp-session-id")

@@ -3,6 +3,7 @@ it lists, a command run, a denial, a timeout, a cancel from a second call, a
 client that goes away mid-call, and bad arguments."""
 import json
 import os
+import subprocess
 import sys
 from contextlib import asynccontextmanager
 
@@ -238,6 +239,20 @@ def test_an_unknown_role_or_a_missing_workdir_fails_before_serving(agnsup, workt
                                                check=125).err
 
 
+VANISHING_CLIENT = """
+import sys, anyio, httpx2
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+async def main():
+    async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sys.argv[1])) as client:
+        async with streamable_http_client(sys.argv[2], http_client=client) as rw:
+            async with ClientSession(*rw) as s:
+                await s.initialize()
+                await s.call_tool("run_process", {"argv": ["sleep", "301"]})
+anyio.run(main)
+"""
+
+
 def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket_is_private(agnsup, state,
                                                                                           worktree, tmp_path):
     import httpx2
@@ -274,11 +289,9 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
                         kept = value(await s.call_tool("spawn", {"argv": ["sleep", "300"]}))
             return ended, kept
         ended, kept = anyio.run(main)
-        # The session that ended (DELETE) took its cell with it; the other one's still runs.
-        wait_for(lambda: any(r["cell_id"] == ended["cell_id"] for r in agnsup.json("receipts", "--run", "web",
-                                                                                  "--json")),
+        # The session that ended (DELETE) took its cell with it; the one still open keeps its own.
+        wait_for(lambda: [c["cell_id"] for c in agnsup.json("ps", "--run", "web", "--json")] == [kept["cell_id"]],
                  what="the ended session's cell to be cancelled")
-        assert [c["cell_id"] for c in agnsup.json("ps", "--run", "web", "--json")] == [kept["cell_id"]]
     finally:
         for p in servers:
             p.terminate()  # SIGTERM: the server cancels its live cells, then exits 0
@@ -288,3 +301,24 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
     assert codes == [0, 0] and not os.path.exists(sock)
     receipts = {r["cell_id"]: r for r in agnsup.json("receipts", "--run", "web", "--json")}
     assert receipts[ended["cell_id"]]["state"] == receipts[kept["cell_id"]]["state"] == "cancelled"
+
+
+def test_an_http_client_that_dies_mid_call_has_its_cell_cancelled(agnsup, worktree, tmp_path):
+    """No DELETE, no cancel notification: the server hears the call's response stream hang up."""
+    sock = str(tmp_path / "mcp.sock")
+    server = agnsup.popen("mcp", "--workdir", worktree, "--run-id", "gone", "--http", f"unix:{sock}", stdout=-1)
+    try:
+        ready = json.loads(server.stdout.readline())
+        client = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, sock, ready["url"]])
+        try:
+            wait_for(lambda: agnsup.json("ps", "--run", "gone", "--json"), what="the dying client's cell to run")
+        finally:
+            client.kill()
+            client.wait()
+        wait_for(lambda: agnsup.json("receipts", "--run", "gone", "--json"), what="the cell to be cancelled")
+        [receipt] = agnsup.json("receipts", "--run", "gone", "--json")
+        assert receipt["state"] == "cancelled" and agnsup.json("ps", "--run", "gone", "--json") == []
+    finally:
+        server.terminate()
+        assert server.wait(60) == 0
+        server.stdout.close()

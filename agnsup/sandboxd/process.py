@@ -128,7 +128,10 @@ class ProcessService:
         if not argv:
             self._invalid(context, "config.command is required (the argv: program and arguments; no shell)")
         run_id, agent_id = self._ids(context)
-        n = self._number()
+        try:
+            n = self._number()
+        except AgnsupError as e:
+            self._abort(context, e)
         workdir = self._cwd(config, context, run_id, f"{CELL_PREFIX}{n}")
         remaining = context.time_remaining()  # the client's deadline, if it set one, bounds the cell
         if remaining is not None and remaining > NO_DEADLINE:
@@ -149,7 +152,8 @@ class ProcessService:
                     self.sup.cancel(cell_id=p.cell_id, run_id=p.run_id)
                 except AgnsupError:
                     pass
-        context.add_callback(gone)
+        if not context.add_callback(gone):
+            gone()  # it went away while the cell was starting: the callback would never come
         return p
 
     def _ended(self, p: Process, context, output: bool = False) -> dict:

@@ -180,6 +180,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._send(status, json.dumps(obj).encode(), "application/json", head)
 
     def _error(self, e: Refused, head: bool = False) -> None:
+        if self.command in ("PUT", "POST"):
+            self.close_connection = True  # an unread body would be taken for the next request on this connection
         self._json(e.status, {"code": e.code, "message": e.message, **{k: v for k, v in e.extra.items() if v}}, head)
 
     def _route(self, method: str) -> None:
@@ -251,8 +253,6 @@ class RestApp:
                 e = _refusal_of(e, raw, op)
             data.update(code=e.code, **({"rule": e.extra["rule"]} if e.extra.get("rule") else {}))
             self.files.record(op, raw, e.status, **data)
-            if method == "PUT":
-                h.close_connection = True  # an unread body would be taken for the next request on this connection
             return h._error(e, head)
         self.files.record(op, raw, reply[0], **data)
         reply[1](head)

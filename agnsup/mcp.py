@@ -374,10 +374,9 @@ def build_server(sessions: Sessions):
         def read():
             out = session.sup.read_output(session.run_id, cell_id, args.get("since", 0), timeout,
                                           args.get("max_bytes"))
-            redact = session.sup.redactor(session.run_id, cell_id)
-            # A chunk can end inside a UTF-8 sequence: those bytes come back as U+FFFD.
-            out["chunks"] = [{"seq": c["seq"], "stream": c["stream"],
-                              "text": redact(c["data"].decode(errors="replace"))} for c in out["chunks"]]
+            # redacted by the Supervisor; a chunk can end inside a UTF-8 sequence: those bytes come back as U+FFFD
+            out["chunks"] = [{"seq": c["seq"], "stream": c["stream"], "text": c["data"].decode(errors="replace")}
+                             for c in out["chunks"]]
             if out["ended"]:  # the receipt follows the streams' end closely (unless the cell closed them early)
                 res = session.sup.wait(session.run_id, cell_id, ENDED_WAIT)
                 if res is not None:

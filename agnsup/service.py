@@ -250,7 +250,9 @@ class Supervisor:
         """{"chunks": [{"seq", "stream", "data"}], "next", "ended"} of a cell spawned with
         `stream` or `pty`: chunks with seq >= since, in the order the pump read them,
         waiting up to `timeout` seconds (None: until one comes or the output ends).
-        Every chunk since seq 0 stays readable (output.Tape: served from the captured files)."""
+        Every chunk since seq 0 stays readable (output.Tape: served from the captured files).
+        A role with output redaction gets it applied chunk by chunk (a secret split across two
+        chunks can pass)."""
         r = self._running(run_id, cell_id)
         if not isinstance(since, int) or isinstance(since, bool) or since < 0:
             raise UsageError(f"since: must be an integer >= 0, not {since!r}")
@@ -266,7 +268,12 @@ class Supervisor:
         if tape is None:
             raise UsageError(f"cell {cell_id!r} was not spawned with stream or pty: no live output to read "
                              "(its captured files are under its cell directory)")
-        return tape.read(since, timeout, max_bytes)
+        out = tape.read(since, timeout, max_bytes)
+        if r.cell.plan.redact:  # the role's output redaction, as on returned output (per chunk)
+            redact = self.redactor(run_id, cell_id)
+            for c in out["chunks"]:
+                c["data"] = redact(c["data"].decode(errors="surrogateescape")).encode(errors="surrogateescape")
+        return out
 
     def write_stdin(self, run_id: str, cell_id: str, data: bytes, eof: bool = False) -> None:
         """Write all of `data` to the cell's fd 0 (waiting while it does not read), then

@@ -267,3 +267,17 @@ def test_run_process_runs_a_cell_under_a_pty_and_refuses_stdin(state, worktree):
     assert res["exit_code"] == 0 and res["stdout"] == "20 90\r\n"
     with pytest.raises(UsageError, match="nobody could write its stdin"):
         run_process(["cat"], state_dir=state, workdir=worktree, stdin=True)
+
+
+def test_a_redacting_role_redacts_live_output_for_every_client(state, worktree, policy_dir, monkeypatch):
+    """read_output (and so serve's output op, agnsup mcp and sandboxd's Start) applies the role's
+    output redaction, as returned output gets it: the captured file keeps what the cell wrote."""
+    write_role(policy_dir, "redacting", governance__redact='["key_formats"]')
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
+    token = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+    with Supervisor(state) as sup:
+        h = sup.spawn(["echo", "token", token], role="redacting", workdir=worktree, stream=True)
+        r = Reader(sup, h)
+        wait_for(lambda: r.read(timeout=1)["ended"], what="the end of its output")
+        assert r.data() == b"token [REDACTED:redact.github_token]\n"
+        assert sup.wait(h["run_id"], h["cell_id"], 30)["exit_code"] == 0

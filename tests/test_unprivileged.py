@@ -90,8 +90,12 @@ class User:
                     "LANG": "C.UTF-8", "AGNSUP_CGROUP_BASE": self.base}
 
     def _enter(self):
-        """In the child, as root still: into the delegated subtree (as systemd starts a unit), then drop."""
-        with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
+        """In the child, as root still: into a leaf of its own in the delegated subtree (as systemd starts
+        each unit in a cgroup of its own: once agnsup enabled controllers for the subtree's children, no
+        process may join the subtree's top, "no internal processes"), then drop to the user."""
+        leaf = os.path.join(self.dir, f"job-{os.getpid()}")
+        os.mkdir(leaf)
+        with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
             f.write("0")
         os.setgroups([])
         os.setgid(self.gid)

@@ -176,6 +176,30 @@ def test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree(user, tmp_p
     assert user.left() == []
 
 
+THREADED_CALLER = r'''
+import json, threading, time
+from agnsup.tool import run_process
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a threaded caller, as serve is
+r = run_process(["sh", "-c", "set -- /proc/[0-9]*; echo pids $#"], capture=True)
+with open(r["receipt"]) as f:
+    iso = json.load(f)["isolation"]
+print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"]}))
+'''
+
+
+def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
+    """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
+    throwaway child of its own, with CLONE_PARENT (supervisor.py)."""
+    p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.home,
+                         preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["pid_namespace"] is True and r["stdout"].strip() == "pids 2", r
+    assert user.left() == []
+
+
 def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     wt = os.path.join(user.home, "wt2")
     os.makedirs(wt)

@@ -306,13 +306,12 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         pid, fd = _clone_into_cgroup(path, flags) if path is not None else (None, None)
         born = pid is not None  # born in v2; the controller moves it into the other hierarchies
         if pid is None and userns_pid:
-            if len(os.listdir("/proc/self/task")) != 1:
-                raise OSError(errno.EINVAL, "a normal user's cell gets a PID namespace only through clone3 from "
-                              "a single-threaded controller (agnsup run); for this one set "
-                              "isolation.pid_namespace = false and process.on_controller_death = \"keep\"")
             # born in our cgroup (the child joins its own); EPERM here: no user namespace for us
-            pid, fd = lsys.clone3_into_cgroup(None, flags)
-            fd = fd if pid else None
+            if len(os.listdir("/proc/self/task")) == 1:
+                pid, fd = lsys.clone3_into_cgroup(None, flags)
+                fd = fd if pid else None
+            else:
+                pid, fd = _clone3_from_a_forked_child(flags), None
         elif pid is None:
             pid = _fork_into_new_pid_namespace() if plan.pid_namespace else os.fork()
         if pid == 0:
@@ -512,6 +511,38 @@ def _clone_into_cgroup(path: str | None, flags: int) -> tuple[int | None, int | 
         if cgfd is not None:
             os.close(cgfd)
     return pid, (pidfd if pid else None)
+
+
+def _clone3_from_a_forked_child(flags: int) -> int:
+    """clone3(flags | CLONE_PARENT) from a throwaway child of ours, for a threaded controller (serve):
+    the raw clone3 is safe only in a single-threaded process, and fork() makes one. CLONE_PARENT makes
+    the new process our child, as if we had cloned it (we wait for it, its exit signal is ours, its
+    PR_SET_PDEATHSIG follows our forking thread); the throwaway child writes its pid back and exits.
+    Returns the pid here and 0 in the new process; raises the clone3 error here."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(r)
+        try:
+            # exit_signal 0: with CLONE_PARENT the kernel takes ours (SIGCHLD), and refuses any other
+            pid, _ = lsys.clone3_into_cgroup(None, flags | lsys.CLONE_PARENT, exit_signal=0)
+        except OSError as e:
+            os.write(w, f"-{e.errno}".encode())
+            os._exit(1)
+        if pid == 0:
+            os.close(w)
+            return 0
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    try:
+        answer = _read_all(r)  # closes r
+    finally:
+        os.waitpid(middle, 0)
+    n = int(answer or -errno.ECHILD)
+    if n < 0:
+        raise OSError(-n, f"clone3: {os.strerror(-n)}")
+    return n
 
 
 def _fork_into_new_pid_namespace() -> int:

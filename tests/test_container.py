@@ -32,12 +32,19 @@ def container(tmp_path):
     os.mkdir(top)
     state = str(tmp_path / "state")
 
+    made = []
+
     def run(*args, timeout=120):
-        # as a container runtime does: the container's processes start in its cgroup, and a fresh
-        # cgroup2 mount over /sys/fs/cgroup shows the container only its own tree
+        # a container of its own per call, as a runtime makes one: its processes start in its cgroup (a
+        # cgroup whose controllers are enabled for its children, as the entrypoint does, takes no
+        # process: "no internal processes"), and a fresh cgroup2 mount over /sys/fs/cgroup shows it
+        # only its own tree
+        ctr = os.path.join(top, f"c{len(made)}")
+        os.mkdir(ctr)
+        made.append(ctr)
         enter = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
         mount = 'umount -R /sys/fs/cgroup && mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup && exec "$@"'
-        argv = ["/bin/sh", "-c", enter, top, UNSHARE, "--cgroup", "--mount", "--propagation", "private", "--",
+        argv = ["/bin/sh", "-c", enter, ctr, UNSHARE, "--cgroup", "--mount", "--propagation", "private", "--",
                 "/bin/sh", "-c", mount, "sh", "/bin/sh", ENTRYPOINT, AGNSUP, *args]
         env = {**os.environ, "AGNSUP_STATE_DIR": state}
         env.pop("AGNSUP_CGROUP_BASE", None)
@@ -45,7 +52,7 @@ def container(tmp_path):
                               stdin=subprocess.DEVNULL)
 
     try:
-        yield top, run
+        yield made, run
     finally:
         if cgroup.procs(top):
             cgroup.write_kill(top)  # the container's cgroup, the test's own
@@ -55,7 +62,7 @@ def container(tmp_path):
 
 
 def test_agnsup_in_a_container_with_its_own_cgroup_namespace_uses_it_and_doctor_says_so(container, tmp_path):
-    top, run = container
+    made, run = container
     doc = run("doctor", "--json")
     assert doc.returncode == 0, doc.stderr
     r = json.loads(doc.stdout)
@@ -66,14 +73,14 @@ def test_agnsup_in_a_container_with_its_own_cgroup_namespace_uses_it_and_doctor_
     wt.mkdir()
     cp = run("run", "--workdir", str(wt), "--", "cat", "/proc/self/cgroup")
     assert cp.returncode == 0, cp.stderr
-    # the cell's cgroup as the container names it (relative to its own root) ...
+    # the cell's cgroup as the container names it (relative to its own root, so inside it) ...
     line = cp.stdout.strip().splitlines()[-1]
     assert line.startswith("0::/agnsup-") and "/run-default/agent-default/cell-" in line, cp.stdout
     # ... and where it really is: inside the container's cgroup, never beside it
-    rel = line[3:]
-    assert not os.path.exists(os.path.join(top, rel.lstrip("/")))  # removed at the cell's end
-    assert os.path.isdir(os.path.join(top, "init"))  # the entrypoint's leaf
-    with open(os.path.join(top, "cgroup.controllers")) as f:
+    ctr = made[-1]
+    assert not os.path.exists(os.path.join(ctr, line[3:].lstrip("/")))  # removed at the cell's end
+    assert os.path.isdir(os.path.join(ctr, "init"))  # the entrypoint's leaf
+    with open(os.path.join(ctr, "cgroup.controllers")) as f:
         handed = set(f.read().split()) & {"memory", "pids", "cpu"}
     for c in ("memory", "pids", "cpu"):
         assert (r["host"]["guarantees"][f"limit_{c}"] == "in force") == (c in handed), r["host"]["guarantees"]

@@ -90,8 +90,12 @@ class User:
                     "LANG": "C.UTF-8", "AGNSUP_CGROUP_BASE": self.base}
 
     def _enter(self):
-        """In the child, as root still: into the delegated subtree (as systemd starts a unit), then drop."""
-        with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
+        """In the child, as root still: into a leaf of its own in the delegated subtree (as systemd starts
+        each unit in a cgroup of its own: once agnsup enabled controllers for the subtree's children, no
+        process may join the subtree's top, "no internal processes"), then drop to the user."""
+        leaf = os.path.join(self.dir, f"job-{os.getpid()}")
+        os.mkdir(leaf)
+        with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
             f.write("0")
         os.setgroups([])
         os.setgid(self.gid)
@@ -174,6 +178,30 @@ def test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree(user, tmp_p
     for c in ("memory", "pids"):  # the executor role sets memory_max and pids_max
         named = [m for m in iso["not_in_force"] if m.startswith(f"limit {c}:")]
         assert (c in r["limits"]["applied"]) == (c in handed) and bool(named) == (c not in handed), (c, iso)
+    assert user.left() == []
+
+
+THREADED_CALLER = r'''
+import json, threading, time
+from agnsup.tool import run_process
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a threaded caller, as serve is
+r = run_process(["sh", "-c", "set -- /proc/[0-9]*; echo pids $#"], capture=True)
+with open(r["receipt"]) as f:
+    iso = json.load(f)["isolation"]
+print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"]}))
+'''
+
+
+def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
+    """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
+    throwaway child of its own, with CLONE_PARENT (supervisor.py)."""
+    p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.home,
+                         preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["pid_namespace"] is True and r["stdout"].strip() == "pids 2", r
     assert user.left() == []
 
 

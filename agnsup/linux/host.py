@@ -34,14 +34,8 @@ def protections() -> dict:
 
 
 def _userns_pid() -> str | None:
-    """Why a normal user's cell cannot have a PID namespace now (None: it can). It is born in a user
-    namespace of its own and PID 1 of a new PID namespace by one clone3 (supervisor.py), which only a
-    single-threaded controller may call: not serve, not a threaded API caller."""
+    """Why a normal user's cell cannot have a PID namespace here (None: it can). It is born in a user
+    namespace of its own and PID 1 of a new PID namespace by one clone3 (supervisor.py)."""
     from . import userns
     blocked = userns.blocked_by_sysctl()
-    if blocked:
-        return f"no user namespace for a normal user: {blocked[0]}"
-    if len(os.listdir("/proc/self/task")) != 1:
-        return ("a normal user's cell gets a PID namespace only from a single-threaded controller "
-                "(agnsup run), not from serve or a threaded caller")
-    return None
+    return f"no user namespace for a normal user: {blocked[0]}" if blocked else None

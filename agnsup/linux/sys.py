@@ -203,6 +203,7 @@ def setns(fd: int, nstype: int) -> None:
 # clone3(2), <linux/sched.h>
 _SYS_CLONE3 = 435
 CLONE_PIDFD = 0x1000
+CLONE_PARENT = 0x00008000  # the new child's parent is the caller's parent
 CLONE_INTO_CGROUP = 0x200000000
 _SIGCHLD = 17
 
@@ -221,7 +222,7 @@ for _name in ("PyOS_BeforeFork", "PyOS_AfterFork_Parent", "PyOS_AfterFork_Child"
     getattr(_pyapi, _name).restype = None
 
 
-def clone3_into_cgroup(cgroup_fd: int | None, flags: int = 0) -> tuple[int, int]:
+def clone3_into_cgroup(cgroup_fd: int | None, flags: int = 0, exit_signal: int | None = None) -> tuple[int, int]:
     """fork(), the child born inside the cgroup2 directory open as `cgroup_fd`.
 
     Returns (pid, pidfd) in the parent and (0, -1) in the child. Moving a
@@ -238,7 +239,7 @@ def clone3_into_cgroup(cgroup_fd: int | None, flags: int = 0) -> tuple[int, int]
     pidfd = ctypes.c_int(-1)
     into = CLONE_INTO_CGROUP if cgroup_fd is not None else 0  # None: born in the caller's cgroup
     args = _CloneArgs(flags=flags | into | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd),
-                      exit_signal=_SIGCHLD, cgroup=cgroup_fd or 0)
+                      exit_signal=_SIGCHLD if exit_signal is None else exit_signal, cgroup=cgroup_fd or 0)
     _pyapi.PyOS_BeforeFork()
     ret = _pyapi.syscall(ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if ret == 0:

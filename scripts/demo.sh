@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install agnsup into .venv and run one demo cell (the README's first command).
-# Needs root on this kind of host (cgroups and namespaces); see README "Unprivileged use".
+# As root here; a normal user with user namespaces (and a delegated cgroup for limits) works too: README "Host support".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -96,6 +96,11 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+def _in_private_dir(path: str) -> bool:
+    """Under a directory every cell gets a fresh one of (its /tmp, its /dev/shm)."""
+    return _under(path, "/tmp") or _under(path, "/dev/shm")
+
+
 def _outermost(paths) -> list[str]:
     out: list[str] = []
     for p in sorted(set(paths), key=len):
@@ -225,9 +230,12 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     ops.extend(places)
     # Masks go last so they also cover a deny path or the state root that
     # happens to lie inside the re-attached worktree (or a re-exposed path).
+    # Another root under /tmp or /dev/shm is out of sight already (the cell's are its own) unless
+    # something re-attached there shows it: no mount for it (a test session has thousands).
+    shown_again = [wt, *tmp_rt]
     masked = [p for p in deny if os.path.lexists(p)] + [state_real] + \
         [p for p in other_roots if p != state_real and not _under(state_real, p) and not _under(wt, p)
-         and os.path.lexists(p)]
+         and not (_in_private_dir(p) and not any(_under(p, s) for s in shown_again)) and os.path.lexists(p)]
     ops.extend(("mask", p) for p in masked)
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here

@@ -98,3 +98,22 @@ def test_without_pid_namespaces_kill_covers_the_leader_only_and_says_so(tmp_path
 def test_keep_adds_no_namespace_and_no_parent_death_signal(tmp_path):
     p = plan(tmp_path, on_controller_death="keep")
     assert not p.pid_namespace and p.dies_with_controller == "" and p.on_controller_death()["mode"] == "keep"
+
+
+def test_other_state_roots_are_masked_unless_the_cells_private_tmp_hides_them_already(tmp_path):
+    """Every other state root is hidden (issue 12 item 14), but one under /tmp outside what the
+    cell sees again there costs no mount: a test session registers thousands of those."""
+    import tempfile
+    wt = tmp_path / "wt"
+    in_tmp, in_wt = tmp_path / "other-state", wt / "sub" / "state"
+    in_wt.mkdir(parents=True)
+    in_tmp.mkdir()
+    in_var = tempfile.mkdtemp(prefix="agnsup-unit-", dir="/var/tmp")
+    try:
+        s = spec.build(CellRequest.make(["true"], workdir=str(wt), role="executor"), policy.load("executor"))
+        roots = tuple(os.path.realpath(p) for p in (in_tmp, in_wt, in_var))
+        p = compiler.compile_plan(s, policy.load("executor"), str(tmp_path / "state"), HOST, other_roots=roots)
+        masks = {op[1] for op in p.mount_ops if op[0] == "mask"}
+        assert {roots[1], roots[2]} <= masks and roots[0] not in masks
+    finally:
+        os.rmdir(in_var)

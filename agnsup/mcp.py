@@ -342,7 +342,10 @@ def build_server(sessions: Sessions):
         started: list[dict] = []  # the handle, even if the request is cancelled while the spawn runs
 
         def notify(line: str) -> None:  # a worktree lock wait, from the spawning thread
-            anyio.from_thread.run(progress, ctx, 0, line)
+            try:
+                anyio.from_thread.run(progress, ctx, 0, line)
+            except BaseException:  # noqa: BLE001 - a request cancelled meanwhile: the cell is in `started`
+                pass
 
         def spawn_cell() -> dict:
             started.append(session.spawn(argv, args, name, shell=shell, notify=notify))

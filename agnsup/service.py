@@ -127,18 +127,22 @@ class Supervisor:
         cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,
                               stdin=request.stdin, pty=request.pty, stream=request.stream, queue=True)
         r = _Running(cell, request)
-        if cell.waiting:
-            from .locks import holder
-            line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
-                    f"(held by {holder(cell.lock_path)})")
-            notify(line) if notify is not None else print(line, file=sys.stderr, flush=True)
-        else:
+        if not cell.waiting:
             r.attach(self.ctl.waiter(cell))
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
         t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         t.start()
+        if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
+            from .locks import holder
+            line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
+                    f"(held by {holder(cell.lock_path)})")
+            try:
+                notify(line) if notify is not None else print(line, file=sys.stderr, flush=True)
+            except BaseException as e:  # noqa: BLE001 - the caller's news channel (an MCP request cancelled
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):  # meanwhile raises here); the cell is queued
+                    raise
         return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
                 "pid": cell.identity.get("pid"), "cgroup": cell.place.dir, "controller": self.ctl.id,
                 "state": "waiting" if cell.waiting else "running"}

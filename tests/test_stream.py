@@ -281,3 +281,21 @@ def test_a_redacting_role_redacts_live_output_for_every_client(state, worktree, 
         wait_for(lambda: r.read(timeout=1)["ended"], what="the end of its output")
         assert r.data() == b"token [REDACTED:redact.github_token]\n"
         assert sup.wait(h["run_id"], h["cell_id"], 30)["exit_code"] == 0
+
+
+def test_a_notify_that_raises_cannot_orphan_a_queued_cell(sup, worktree):
+    """A queued cell is supervised before its caller hears that it waits: an MCP request cancelled
+    at that moment made notify raise, and the cell's row stayed `waiting` with nobody to start or
+    end it."""
+    first = sup.spawn(["sleep", "300"], workdir=worktree)
+
+    def gone(line):
+        raise RuntimeError("the client went away")
+    h = sup.spawn(["true"], workdir=worktree, notify=gone)
+    assert h["state"] == "waiting"
+    sup.cancel(cell_id=h["cell_id"], run_id=h["run_id"])
+    sup.cancel(cell_id=first["cell_id"], run_id=first["run_id"], grace=0)
+    from agnsup.errors import CancelledBeforeStart
+    with pytest.raises(CancelledBeforeStart):  # it never started: its thread ended it
+        sup.wait(h["run_id"], h["cell_id"], 30)
+    assert sup.wait(first["run_id"], first["cell_id"], 30)["state"] == "cancelled"

@@ -29,6 +29,19 @@ def wait_for(cond, timeout: float = 60.0, what: str = "condition"):
         time.sleep(0.05)
 
 
+def stop_server(p: subprocess.Popen, timeout: float = 60.0) -> int | None:
+    """SIGTERM a server the test started and wait for it; one that does not end in time is
+    SIGKILLed (None), so that nothing it runs outlives the test and its state root's teardown."""
+    if p.poll() is None:
+        p.terminate()
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+
+
 def wait_beats(paths, n: int = 5, timeout: float = 30.0) -> None:
     wait_for(lambda: all(lines(p) >= n for p in paths), timeout, f"{n} heartbeats in {paths}")
 

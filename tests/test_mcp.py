@@ -14,7 +14,7 @@ mcp = pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
 import mcp_types as types  # noqa: E402
 
-from scenario import alive, wait_for  # noqa: E402
+from scenario import alive, stop_server, wait_for  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
 
@@ -293,9 +293,7 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
         wait_for(lambda: [c["cell_id"] for c in agnsup.json("ps", "--run", "web", "--json")] == [kept["cell_id"]],
                  what="the ended session's cell to be cancelled")
     finally:
-        for p in servers:
-            p.terminate()  # SIGTERM: the server cancels its live cells, then exits 0
-        codes = [p.wait(60) for p in servers]
+        codes = [stop_server(p) for p in servers]  # SIGTERM: the server cancels its live cells, then exits 0
         for p in servers:
             p.stdout.close()
     assert codes == [0, 0] and not os.path.exists(sock)
@@ -319,6 +317,5 @@ def test_an_http_client_that_dies_mid_call_has_its_cell_cancelled(agnsup, worktr
         [receipt] = agnsup.json("receipts", "--run", "gone", "--json")
         assert receipt["state"] == "cancelled" and agnsup.json("ps", "--run", "gone", "--json") == []
     finally:
-        server.terminate()
-        assert server.wait(60) == 0
+        assert stop_server(server) == 0
         server.stdout.close()

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import write_role
-from scenario import alive, wait_for
+from scenario import alive, stop_server, wait_for
 
 grpc = pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
 pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
@@ -49,9 +49,7 @@ class Server:
 
     def close(self):
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
+        stop_server(self.proc)
         self.proc.stdout.close()
 
 

@@ -128,6 +128,10 @@ class Journal:
                     raise StateError(f"journal {self.path}: cannot write: {e}") from None
                 raise
 
+    def _within(self, db):
+        """The caller's transaction `db`, or one of its own."""
+        return self.tx() if db is None else nullcontext(db)
+
     def close(self) -> None:
         self.db.close()
         n = _CONNECTED.pop(getattr(self, "_file", None), 0) - 1
@@ -173,19 +177,13 @@ class Journal:
 
     def register_controller(self, row: dict, db=None) -> None:
         """The controller instance's row, in its own transaction or in the caller's `db`."""
-        if db is None:
-            with self.tx() as db:
-                self.register_controller(row, db)
-            return
-        db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
-                   " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
+        with self._within(db) as db:
+            db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
+                       " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
 
     def end_controller(self, cid: str, db=None) -> None:
-        if db is None:
-            with self.tx() as db:
-                self.end_controller(cid, db)
-            return
-        db.execute("UPDATE controllers SET ended_at=? WHERE id=? AND ended_at IS NULL", (time.time(), cid))
+        with self._within(db) as db:
+            db.execute("UPDATE controllers SET ended_at=? WHERE id=? AND ended_at IS NULL", (time.time(), cid))
 
     def open_controllers(self) -> list:
         """(id, boot_id, lock_path) of every controller not ended or with a live cell."""

@@ -168,7 +168,6 @@ def _conclude(state, journal, keys: list[tuple[str, str]]) -> dict:
     controllers that died meanwhile. Returns {(run, cell): final state}."""
     from . import janitor
     deadline = time.monotonic() + CONCLUDE_TIMEOUT
-    states: dict = {}
     ran_janitor = False
     while True:
         states = {k: journal.cell_state(*k) for k in keys}

@@ -349,19 +349,15 @@ class _Janitor:
 
     def _chain(self, row) -> list[dict]:
         """The stages as the cell's events journaled them."""
-        out = []
-        for e in self.j.events(row["run_id"], row["cell_id"]):
-            if e["kind"].startswith("stage.") and e["data"]:
-                out.append(json.loads(e["data"]))
-        return out
+        return [json.loads(e["data"]) for e in self.j.events(row["run_id"], row["cell_id"])
+                if e["kind"].startswith("stage.") and e["data"]]
 
 
 def _reason(c: _Cell) -> str:
     """`controller_died` when the cell's tree died with its controller (on_controller_death
     = kill through a PID namespace: the kernel ended it, nothing was left to kill), else
     `recovered`."""
-    keys = c.row.keys()
-    dies = c.row["dies_with_controller"] if "dies_with_controller" in keys else None
+    dies = c.row["dies_with_controller"] if "dies_with_controller" in c.row.keys() else None
     if dies == "namespace" and c.signals and not c.entry["killed"]:
         c.entry["notes"].append("its processes ended with their controller: the PID namespace's init had "
                                 "PR_SET_PDEATHSIG(SIGKILL) (on_controller_death = kill); nothing was left to kill")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 try:
     # The C module itself (same connect, Row and errors): the sqlite3 package
@@ -54,12 +54,8 @@ OPEN_SQL = ("SELECT id, boot_id, lock_path FROM controllers WHERE ended_at IS NU
 
 def _migrations() -> list[tuple[int, str]]:
     from importlib.resources import files
-    out = []
-    for entry in files("agnsup.migrations").iterdir():
-        name = entry.name
-        if name.endswith(".sql") and name[:4].isdigit():
-            out.append((int(name[:4]), entry.read_text().replace("@TERMINAL_CELL@", _TERMINAL_SQL)))
-    return sorted(out)
+    return sorted((int(e.name[:4]), e.read_text().replace("@TERMINAL_CELL@", _TERMINAL_SQL))
+                  for e in files("agnsup.migrations").iterdir() if e.name.endswith(".sql") and e.name[:4].isdigit())
 
 
 class Journal:
@@ -110,10 +106,7 @@ class Journal:
         """One write transaction. `crash_point` names a test-only crash point
         fired after the statements ran and before COMMIT (crashpoints.py).
         An SQLite error inside it rolls back and becomes a StateError."""
-        lock = self.lock
-        if lock is not None:
-            lock.acquire()
-        try:
+        with self.lock or nullcontext():
             try:
                 self.db.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as e:
@@ -134,9 +127,10 @@ class Journal:
                         raise self._damaged(str(e)) from None
                     raise StateError(f"journal {self.path}: cannot write: {e}") from None
                 raise
-        finally:
-            if lock is not None:
-                lock.release()
+
+    def _within(self, db):
+        """The caller's transaction `db`, or one of its own."""
+        return self.tx() if db is None else nullcontext(db)
 
     def close(self) -> None:
         self.db.close()
@@ -151,9 +145,7 @@ class Journal:
     def _all(self, sql: str, args: tuple = ()) -> list:
         """A read (under the lock when threads share the connection); SQLite errors become StateError."""
         try:
-            if self.lock is None:
-                return self.db.execute(sql, args).fetchall()
-            with self.lock:
+            with self.lock or nullcontext():
                 return self.db.execute(sql, args).fetchall()
         except sqlite3.Error as e:
             if _corrupt(e):
@@ -185,19 +177,13 @@ class Journal:
 
     def register_controller(self, row: dict, db=None) -> None:
         """The controller instance's row, in its own transaction or in the caller's `db`."""
-        if db is None:
-            with self.tx() as db:
-                self.register_controller(row, db)
-            return
-        db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
-                   " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
+        with self._within(db) as db:
+            db.execute("INSERT INTO controllers(id, kind, pid, pidfd_ino, starttime, boot_id, lock_path, started_at)"
+                       " VALUES (:id, :kind, :pid, :pidfd_ino, :starttime, :boot_id, :lock_path, :started_at)", row)
 
     def end_controller(self, cid: str, db=None) -> None:
-        if db is None:
-            with self.tx() as db:
-                self.end_controller(cid, db)
-            return
-        db.execute("UPDATE controllers SET ended_at=? WHERE id=? AND ended_at IS NULL", (time.time(), cid))
+        with self._within(db) as db:
+            db.execute("UPDATE controllers SET ended_at=? WHERE id=? AND ended_at IS NULL", (time.time(), cid))
 
     def open_controllers(self) -> list:
         """(id, boot_id, lock_path) of every controller not ended or with a live cell."""
@@ -416,8 +402,7 @@ class Journal:
         with self.tx() as db:
             for c in cells:
                 self._move_cell(db, c["run_id"], c["cell_id"], "recovered", reason=c.get("reason", "recovered"),
-                                ended_at=now,
-                                receipt_path=receipt_path)
+                                ended_at=now, receipt_path=receipt_path)
                 self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor, controller=c["controller"])
             for c in cells:
                 run_id, entry = c["run_id"], c["entry"]
@@ -461,10 +446,8 @@ class Journal:
     def cells(self, run_id: str | None = None, live_only: bool = False, scope: tuple | None = None) -> list:
         """Cells (with their run's state as run_state), oldest first: of one run, live
         ones only, or of a cancel scope (kind, run_id, agent_id, cell_id)."""
-        q, args, where = "SELECT c.*, r.state AS run_state FROM cells c JOIN runs r USING (run_id)", [], []
-        if run_id:
-            where.append("c.run_id=?")
-            args.append(run_id)
+        q = "SELECT c.*, r.state AS run_state FROM cells c JOIN runs r USING (run_id)"
+        where, args = (["c.run_id=?"], [run_id]) if run_id else ([], [])
         if live_only:
             where.append("c." + LIVE_CELL)
         if scope is not None:
@@ -483,15 +466,10 @@ class Journal:
                                            (run_id, cell_id))]
 
     def receipts(self, kind: str | None = None, run_id: str | None = None, cell_id: str | None = None) -> list[dict]:
-        q, args, where = "SELECT data FROM receipts", [], []
-        for col, val in (("kind", kind), ("run_id", run_id), ("cell_id", cell_id)):
-            if val:
-                where.append(f"{col}=?")
-                args.append(val)
-        if where:
-            q += " WHERE " + " AND ".join(where)
+        where = [(f"{col}=?", val) for col, val in (("kind", kind), ("run_id", run_id), ("cell_id", cell_id)) if val]
+        q = "SELECT data FROM receipts" + (" WHERE " + " AND ".join(w for w, _ in where) if where else "")
         try:
-            return [json.loads(r[0]) for r in self._all(q + " ORDER BY id", tuple(args))]
+            return [json.loads(r[0]) for r in self._all(q + " ORDER BY id", tuple(v for _, v in where))]
         except ValueError as e:  # a row SQLite returns whole but whose bytes were overwritten
             raise self._damaged(f"a receipt row is not JSON: {e}") from None
 
@@ -524,12 +502,10 @@ class Journal:
             for run_id, cell_id, ended_at, path in cells:
                 db.execute("INSERT OR REPLACE INTO pruned(run_id, cell_id, ended_at, receipt_path, pruned_at) "
                            "VALUES (?,?,?,?,?)", (run_id, cell_id, ended_at, path, now))
-                out["events"] += db.execute("DELETE FROM events WHERE run_id=? AND cell_id=?",
-                                            (run_id, cell_id)).rowcount
-                out["receipts"] += db.execute("DELETE FROM receipts WHERE run_id=? AND cell_id=?",
-                                              (run_id, cell_id)).rowcount
-                db.execute("DELETE FROM connections WHERE run_id=? AND cell_id=?", (run_id, cell_id))
-                out["cells"] += db.execute("DELETE FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).rowcount
+                for table in ("events", "receipts", "connections", "cells"):  # the counts leave connections out
+                    gone = db.execute(f"DELETE FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id)).rowcount
+                    if table in out:
+                        out[table] += gone
             out["events"] += db.execute("DELETE FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN "
                                         "('denied', 'refused'))", (before,)).rowcount
             out["controllers"] = db.execute(
@@ -544,7 +520,7 @@ class Journal:
     def compact(self) -> None:
         """Give the freed pages back to the file system (VACUUM, then a WAL checkpoint)."""
         try:
-            with self.lock if self.lock is not None else _nolock():
+            with self.lock or nullcontext():
                 self.db.execute("VACUUM")
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as e:
@@ -592,11 +568,6 @@ def _latest() -> int:
     except OSError:
         return max(n for n, _ in _migrations())
     return max(int(n[:4]) for n in names if n.endswith(".sql") and n[:4].isdigit())
-
-
-@contextmanager
-def _nolock():
-    yield
 
 
 # -- a journal that is damaged or lost its history (issue 12 items 2, 3) -----------

@@ -133,13 +133,6 @@ def limits_hit(usage: dict, output: dict) -> list[str]:
     """Which limits the cell ran into, from the kernel's own counters (and the pump's):
     memory (the OOM killer acted), pids (a fork was refused at pids.max), cpu (the
     quota throttled it), output (it wrote past output_max)."""
-    hit = []
-    if usage.get("oom_kills"):
-        hit.append("memory")
-    if usage.get("pids_max_events"):
-        hit.append("pids")
-    if usage.get("cpu_nr_throttled"):
-        hit.append("cpu")
-    if output.get("exceeded"):
-        hit.append("output")
-    return hit
+    seen = {"memory": usage.get("oom_kills"), "pids": usage.get("pids_max_events"),
+            "cpu": usage.get("cpu_nr_throttled"), "output": output.get("exceeded")}
+    return [limit for limit, counter in seen.items() if counter]

@@ -24,10 +24,6 @@ import time
 from .errors import CellsStillRunning, JournalDamaged, StateError
 
 
-def _journal_path(state) -> str:
-    return os.path.join(state.path, "journal.db")
-
-
 def _receipt(state, run_id: str, cell_id: str) -> tuple[str, dict | None, str | None]:
     """(path, receipt or None, why not)."""
     path = os.path.join(state.cell_dir(run_id, cell_id), "receipt.json")
@@ -46,7 +42,7 @@ def _receipt(state, run_id: str, cell_id: str) -> tuple[str, dict | None, str | 
 def check(state) -> dict:
     """What is wrong with the journal, and what the disk still holds. `ok`: nothing is."""
     from . import journal as jmod
-    path = _journal_path(state)
+    path = os.path.join(state.path, "journal.db")
     on_disk = jmod.cells_on_disk(state.path)
     out = {"journal": path, "size": jmod._size(path), "wal_size": jmod._size(path + "-wal"),
            "cells_on_disk": len(on_disk), "problems": [], "unknown_cells": []}
@@ -55,8 +51,7 @@ def check(state) -> dict:
     except StateError as e:
         out["problems"].append(e.message)
         out["unknown_cells"] = [f"{r}/{c}" for r, c in on_disk]
-        out["ok"] = False
-        return out
+        return out | {"ok": False}
     try:
         found = j.integrity()
         if found != ["ok"]:
@@ -86,17 +81,15 @@ def repair(state, backend=None) -> dict:
     report = check(state)
     path = report["journal"]
     moved = []
-    bad_file = any("damaged" in p or "lost its history" in p or "integrity check" in p for p in report["problems"])
-    if bad_file:
+    if any("damaged" in p or "lost its history" in p or "integrity check" in p for p in report["problems"]):
         qdir = os.path.join(state.path, "quarantine")
         os.makedirs(qdir, mode=0o700, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for suffix in ("", "-wal", "-shm", jmod.DAMAGED_MARK):
             src = path + suffix
             if os.path.lexists(src):
-                dst = os.path.join(qdir, f"journal-{stamp}.db{suffix}")
-                os.rename(src, dst)
-                moved.append(dst)
+                moved.append(os.path.join(qdir, f"journal-{stamp}.db{suffix}"))
+                os.rename(src, moved[-1])
     j = jmod.Journal(path, check=False)
     imported, skipped = [], []
     try:
@@ -168,9 +161,8 @@ def prune(state, before: float, journal=None, compact: bool = False) -> dict:
     from . import receipts
     j = journal if journal is not None else state.journal()
     try:
-        rows, archived = j.prunable(before), []
-        keys = []
-        for r in rows:
+        archived, keys = [], []
+        for r in j.prunable(before):
             path = r["receipt_path"] or os.path.join(state.cell_dir(r["run_id"], r["cell_id"]), "receipt.json")
             if not os.path.exists(path) and r["receipt"]:
                 receipts.write(path, json.loads(r["receipt"]))  # never lost: on disk before it leaves

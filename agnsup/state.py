@@ -190,11 +190,4 @@ def _owner(path: str) -> str:
 
 def _worktree_above(path: str) -> str | None:
     """The nearest directory at or above `path` that is a git worktree (has .git), if any."""
-    p = os.path.abspath(path)
-    while True:
-        if os.path.lexists(os.path.join(p, ".git")):
-            return p
-        up = os.path.dirname(p)
-        if up == p:
-            return None
-        p = up
+    return next((p for p in reversed(_ancestors(path)) if os.path.lexists(os.path.join(p, ".git"))), None)

@@ -217,10 +217,9 @@ def handle_tool_call(name: str, arguments, **context) -> dict:
     `arguments`: the model's arguments, as an object or as the JSON text models
     usually send; checked against RUN_PROCESS_SCHEMA's properties. `context`:
     run_process keywords the runtime (not the model) sets (state_dir, run_id, ...)."""
-    if name != "run_process":
-        return {"error": f"unknown tool {name!r} (known: run_process)", "error_type": "UsageError",
-                "exit_code": 125}
     try:
+        if name != "run_process":  # as_value gives it error_type UsageError, exit_code 125
+            raise UsageError(f"unknown tool {name!r} (known: run_process)")
         args = _tool_arguments(arguments)
         pinned = sorted(k for k in set(args) & set(context) if args[k] != context[k])
         if pinned:  # the runtime's keywords are its decisions, not defaults the model may change

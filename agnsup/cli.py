@@ -84,6 +84,11 @@ class _CommandLine(click.Command):
         return super().parse_args(ctx, args)
 
 
+# run, spawn, check: the command line after the options is the command's own, unparsed
+_COMMAND_LINE = {"cls": _CommandLine, "context_settings": {**CONTEXT, "ignore_unknown_options": True,
+                                                           "allow_interspersed_args": False}}
+
+
 @click.group(cls=_Group, context_settings=CONTEXT)
 @click.option("--state-dir", envvar="AGNSUP_STATE_DIR", metavar="DIR",
               help="State root (journal, locks, receipts). Default /var/lib/agnsup for root, "
@@ -123,8 +128,7 @@ def _cell_options(f):
     return f
 
 
-@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
-                                                 "allow_interspersed_args": False})
+@main.command(**_COMMAND_LINE)
 @_cell_options
 @click.pass_obj
 def run(obj, command, **options):
@@ -146,13 +150,12 @@ def run(obj, command, **options):
 
 
 def _journal(obj):
-    from .state import StateRoot
-    st = StateRoot(obj["state_dir"])
-    if not st.exists():
-        from .journal import preflight
-        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "no receipts"
+    """The journal of the state root; None when nothing was ever run with it (no receipts)."""
+    from .errors import UnknownId
+    try:
+        return _state(obj).journal()
+    except UnknownId:
         return None
-    return st.journal()
 
 
 @main.command()
@@ -223,8 +226,7 @@ def doctor(obj, as_json):
     sys.exit(0 if r["ok"] else 1)
 
 
-@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
-                                                 "allow_interspersed_args": False})
+@main.command(**_COMMAND_LINE)
 @click.option("--role", default="executor", show_default=True, help="Role policy to judge under.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Worktree (default: cwd).")
 @click.option("--batch", "batch", type=click.File("rb"), default=None,
@@ -454,8 +456,7 @@ def sandboxd(obj, **options):
     sys.exit(sandboxd_main(obj["state_dir"], **options))
 
 
-@main.command(cls=_CommandLine, context_settings={**CONTEXT, "ignore_unknown_options": True,
-                                                 "allow_interspersed_args": False})
+@main.command(**_COMMAND_LINE)
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
               help="The serve controller's socket (default: <state>/agnsup.sock).")
 @click.option("--follow", is_flag=True, default=False,

@@ -26,11 +26,54 @@ def parse_size(v) -> int | None:
     return int(m.group(1)) * 1024 ** "_KMGT".index((m.group(2) or "_").upper())
 
 
-def _known(v: list[str], known: tuple[str, ...], what: str) -> list[str]:
-    for name in v:
-        if name not in known:
-            raise ValueError(f"unknown {what} {name!r} (known: {', '.join(known)})")
-    return v
+def _each(why_bad):
+    """A list field's validator: why_bad(item) says what is wrong with one item, or None; the list is kept."""
+    def validate(cls, v: list[str]) -> list[str]:
+        for item in v:
+            if (why := why_bad(item)) is not None:
+                raise ValueError(why)
+        return v
+    return classmethod(validate)
+
+
+def _known(known: tuple[str, ...], what: str):
+    return _each(lambda name: None if name in known else f"unknown {what} {name!r} (known: {', '.join(known)})")
+
+
+def _cell_dir(d: str) -> str | None:
+    if d not in ("@runtime", "@venv") and not d.startswith("/"):
+        return f"{d!r} is not an absolute directory"
+    return f"{d!r} holds ':'" if ":" in d else None
+
+
+def _passable(k: str) -> str | None:
+    if not ENV_KEY.match(k):
+        return f"{k!r} is not a variable name"
+    if k == "PATH":
+        return "a role can never pass PATH: the cell's PATH comes from env.path"
+    return f"{k} looks like a secret; pass it per call with --env {k}" if looks_secret(k) else None
+
+
+def _home_path(p: str) -> str | None:
+    if not (p.startswith("/") or p.startswith("~/")):
+        return f"{p!r} is not a path inside the home ('~/...' or absolute)"
+    return f"{p!r} holds '..'" if ".." in p.split("/") else None
+
+
+def _net_entry(e: str) -> None:
+    from .netpolicy import parse_entry
+    parse_entry(e)  # raises ValueError naming what is wrong
+
+
+def _internal_entry(entry: str) -> str | None:
+    import ipaddress
+    if entry in INTERNAL_CATEGORIES:
+        return None
+    try:
+        ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return f"{entry!r} is neither a category ({', '.join(INTERNAL_CATEGORIES)}) nor an address or network"
+    return None
 
 
 class _Strict(BaseModel):
@@ -52,27 +95,8 @@ class EnvSection(_Strict):
                                    "secret-looking key (those need an explicit --env per call).")
     lang: str = Field("C.UTF-8", description="LANG inside the cell.")
 
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: list[str]) -> list[str]:
-        for d in v:
-            if d not in ("@runtime", "@venv") and not d.startswith("/"):
-                raise ValueError(f"{d!r} is not an absolute directory")
-            if ":" in d:
-                raise ValueError(f"{d!r} holds ':'")
-        return v
-
-    @field_validator("passthrough")
-    @classmethod
-    def _no_path_no_secrets(cls, v: list[str]) -> list[str]:
-        for k in v:
-            if not ENV_KEY.match(k):
-                raise ValueError(f"{k!r} is not a variable name")
-            if k == "PATH":
-                raise ValueError("a role can never pass PATH: the cell's PATH comes from env.path")
-            if looks_secret(k):
-                raise ValueError(f"{k} looks like a secret; pass it per call with --env {k}")
-        return v
+    _absolute = field_validator("path")(_each(_cell_dir))
+    _no_path_no_secrets = field_validator("passthrough")(_each(_passable))
 
 
 class FilesystemSection(_Strict):
@@ -105,15 +129,7 @@ class FilesystemSection(_Strict):
         default_factory=lambda: ["pip", "npm", "cargo"], description="The caches filesystem.cache keeps: pip "
         "(~/.cache/pip), npm (~/.npm), cargo (~/.cargo/registry and ~/.cargo/git).")
 
-    @field_validator("home_allow")
-    @classmethod
-    def _home_paths(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if not (p.startswith("/") or p.startswith("~/")):
-                raise ValueError(f"{p!r} is not a path inside the home ('~/...' or absolute)")
-            if ".." in p.split("/"):
-                raise ValueError(f"{p!r} holds '..'")
-        return v
+    _home_paths = field_validator("home_allow")(_each(_home_path))
 
     @model_validator(mode="after")
     def _allow_needs_hidden(self):
@@ -155,13 +171,7 @@ class NetworkSection(_Strict):
     tunnels: Literal["deny", "allow"] = Field("deny", description="With mode host: 'deny' refuses tunnels (ngrok, "
                                               "cloudflared, chisel, frpc, ssh -R/-D, ...), 'allow' runs them.")
 
-    @field_validator("allow", "deny")
-    @classmethod
-    def _entries(cls, v: list[str]) -> list[str]:
-        from .netpolicy import parse_entry
-        for e in v:
-            parse_entry(e)
-        return v
+    _entries = field_validator("allow", "deny")(_each(_net_entry))
 
     @model_validator(mode="after")
     def _lists_need_proxy(self):
@@ -174,19 +184,7 @@ class NetworkSection(_Strict):
                 raise ValueError(f"network.allow_private applies to mode 'allowlist', not {self.mode!r}")
         return self
 
-    @field_validator("allow_internal")
-    @classmethod
-    def _internal(cls, v: list[str]) -> list[str]:
-        import ipaddress
-        for entry in v:
-            if entry in INTERNAL_CATEGORIES:
-                continue
-            try:
-                ipaddress.ip_network(entry, strict=False)
-            except ValueError:
-                raise ValueError(f"{entry!r} is neither a category ({', '.join(INTERNAL_CATEGORIES)}) nor an "
-                                 "address or network") from None
-        return v
+    _internal = field_validator("allow_internal")(_each(_internal_entry))
 
 
 class LimitsSection(_Strict):
@@ -272,21 +270,10 @@ class IsolationSection(_Strict):
             out.append(name)
         return out
 
-    @field_validator("writable")
-    @classmethod
-    def _absolute_paths(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if not (p.startswith("/") or p == "~" or p.startswith("~/")):
-                raise ValueError(f"{p!r} is not an absolute path")
-        return v
-
-    @field_validator("require")
-    @classmethod
-    def _known_protections(cls, v: list[str]) -> list[str]:
-        for p in v:
-            if p not in PROTECTIONS:
-                raise ValueError(f"{p!r} is not a protection (one of: {', '.join(PROTECTIONS)})")
-        return v
+    _absolute_paths = field_validator("writable")(_each(
+        lambda p: None if p.startswith("/") or p == "~" or p.startswith("~/") else f"{p!r} is not an absolute path"))
+    _known_protections = field_validator("require")(_each(
+        lambda p: None if p in PROTECTIONS else f"{p!r} is not a protection (one of: {', '.join(PROTECTIONS)})"))
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -356,15 +343,8 @@ class GovernanceSection(_Strict):
     deny_commands: list[str] = Field(default_factory=list, description="Programs this role may never start.")
     yellow_allow: list[str] = Field(default_factory=list, description="Side-effect tools a locked role allows.")
 
-    @field_validator("git_allow")
-    @classmethod
-    def _git(cls, v: list[str]) -> list[str]:
-        return _known(v, GIT_RULES + ("*",), "git rule")
-
-    @field_validator("redact")
-    @classmethod
-    def _redact(cls, v: list[str]) -> list[str]:
-        return _known(v, REDACT_SETS, "redaction rule set")
+    _git = field_validator("git_allow")(_known(GIT_RULES + ("*",), "git rule"))
+    _redact = field_validator("redact")(_known(REDACT_SETS, "redaction rule set"))
 
     @field_validator("redact_patterns")
     @classmethod

@@ -137,16 +137,12 @@ def base_node(layout: Layout, state_root: str) -> Node:
     base = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/")
     paths = {}
     if layout.v2:
-        paths["v2"] = os.path.join(layout.v2, base, name) if base else os.path.join(layout.v2, name)
-    for c in ("memory", "pids", "freezer", "cpu"):
-        if c in layout.v1:
-            # On a hybrid host the v2 tree tracks and kills; the freezer is only
-            # needed where there is no cgroup.kill.
-            if c == "freezer" and layout.v2:
-                continue
-            # cpu limits go to v2 where its cpu controller is available (pure v2 hosts)
-            if c == "cpu" and "cpu" in layout.v2_controllers:
-                continue
+        paths["v2"] = os.path.join(layout.v2, base, name)  # base "": directly under the mount
+    for c in V1_CONTROLLERS:
+        # On a hybrid host the v2 tree tracks and kills; the freezer is only needed where there
+        # is no cgroup.kill. cpu limits go to v2 where its cpu controller is available (pure v2 hosts).
+        skip = (c == "freezer" and layout.v2) or (c == "cpu" and "cpu" in layout.v2_controllers)
+        if c in layout.v1 and not skip:
             paths[c] = os.path.join(layout.v1[c], name)
     return Node(paths)
 
@@ -282,38 +278,29 @@ def limit_writes(paths: dict[str, str], v2_controllers: list[str], limits: dict)
     v2 = paths.get("v2")
     mem, pids = limits.get("memory_max"), limits.get("pids_max")
     weight, cpus = limits.get("cpu_weight"), limits.get("cpu_max")
-    if mem:
-        if v2 and "memory" in v2_controllers:
-            out.append(("memory", os.path.join(v2, "memory.max"), str(mem)))
-            # no swap beyond the limit (else the hog swaps instead of meeting the OOM killer),
-            # and the OOM killer takes the whole cell, never half a tree (cgroup-v2.rst: memory.oom.group)
-            out.append(("memory", os.path.join(v2, "memory.swap.max"), "0"))
-            out.append(("memory", os.path.join(v2, "memory.oom.group"), "1"))
-        elif "memory" in paths:
-            d = paths["memory"]
-            out.append(("memory", os.path.join(d, "memory.limit_in_bytes"), str(mem)))
-            # memory+swap may not be below memory (so written second); absent without swapaccount
-            out.append(("memory", os.path.join(d, "memory.memsw.limit_in_bytes"), str(mem)))
-    if pids:
-        if v2 and "pids" in v2_controllers:
-            out.append(("pids", os.path.join(v2, "pids.max"), str(pids)))
-        elif "pids" in paths:
-            out.append(("pids", os.path.join(paths["pids"], "pids.max"), str(pids)))
-    if weight or cpus:
-        if v2 and "cpu" in v2_controllers:
-            if weight:
-                out.append(("cpu", os.path.join(v2, "cpu.weight"), str(weight)))
-            if cpus:
-                out.append(("cpu", os.path.join(v2, "cpu.max"), f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}"))
-        elif "cpu" in paths:
-            d = paths["cpu"]
-            if weight:
-                # v1 shares default to 1024 where v2's weight defaults to 100 (the kernel's own
-                # mapping, cgroup-v2.rst "cpu.weight")
-                out.append(("cpu", os.path.join(d, "cpu.shares"), str(max(2, weight * 1024 // 100))))
-            if cpus:
-                out.append(("cpu", os.path.join(d, "cpu.cfs_period_us"), str(CPU_PERIOD_US)))
-                out.append(("cpu", os.path.join(d, "cpu.cfs_quota_us"), str(max(1000, int(cpus * CPU_PERIOD_US)))))
+    quota = cpus and max(1000, int(cpus * CPU_PERIOD_US))
+
+    def put(resource: str, *files: tuple[str, object]) -> None:
+        """Each (file, value) whose value is set, in the v2 directory when v2 has `resource`'s
+        controller enabled for us, else in that controller's v1 directory (neither: not written)."""
+        d = v2 if v2 and resource in v2_controllers else paths.get(resource)
+        out.extend((resource, os.path.join(d, f), str(v)) for f, v in files if d and v)
+
+    if mem and v2 and "memory" in v2_controllers:
+        # no swap beyond the limit (else the hog swaps instead of meeting the OOM killer),
+        # and the OOM killer takes the whole cell, never half a tree (cgroup-v2.rst: memory.oom.group)
+        put("memory", ("memory.max", mem), ("memory.swap.max", "0"), ("memory.oom.group", "1"))
+    elif mem:
+        # memory+swap may not be below memory (so written second); absent without swapaccount
+        put("memory", ("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem))
+    put("pids", ("pids.max", pids))
+    if v2 and "cpu" in v2_controllers:
+        put("cpu", ("cpu.weight", weight), ("cpu.max", cpus and f"{quota} {CPU_PERIOD_US}"))
+    else:
+        # v1 shares default to 1024 where v2's weight defaults to 100 (the kernel's own
+        # mapping, cgroup-v2.rst "cpu.weight")
+        put("cpu", ("cpu.shares", weight and max(2, weight * 1024 // 100)),
+            ("cpu.cfs_period_us", cpus and CPU_PERIOD_US), ("cpu.cfs_quota_us", quota))
     return out
 
 
@@ -364,19 +351,10 @@ def oom_kills(node: Node) -> int | None:
 
     v2 memory.events counts the subtree; v1 memory.oom_control has an oom_kill
     counter (Linux 4.13). Read before the cgroup is removed."""
-    candidates = []
-    if "v2" in node.paths:
-        candidates.append(os.path.join(node.paths["v2"], "memory.events"))
-    if "memory" in node.paths:
-        candidates.append(os.path.join(node.paths["memory"], "memory.oom_control"))
-    for path in candidates:
-        try:
-            for line in _read(path).splitlines():
-                k, _, v = line.partition(" ")
-                if k == "oom_kill":
-                    return int(v)
-        except (OSError, ValueError):
-            continue
+    for h, name in (("v2", "memory.events"), ("memory", "memory.oom_control")):
+        kills = _keyed(os.path.join(node.paths[h], name)).get("oom_kill") if h in node.paths else None
+        if kills is not None:
+            return kills
     return None
 
 
@@ -597,23 +575,14 @@ def read_usage(node: Node) -> dict:
         for k, v in _keyed(os.path.join(v2, "cpu.stat")).items():
             if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
                 out["cpu_" + k] = v
-        for name, key in (("memory.peak", "memory_peak"),):
-            v = _int(os.path.join(v2, name))
+    for h, name, key in (("v2", "memory.peak", "memory_peak"), ("v2", "pids.events", "pids_max_events"),
+                         ("memory", "memory.max_usage_in_bytes", "memory_max_usage"),
+                         ("memory", "memory.failcnt", "memory_failcnt"), ("pids", "pids.events", "pids_max_events")):
+        if h in node.paths:
+            path = os.path.join(node.paths[h], name)
+            v = _keyed(path).get("max") if name == "pids.events" else _int(path)
             if v is not None:
                 out[key] = v
-        ev = _keyed(os.path.join(v2, "pids.events"))
-        if "max" in ev:
-            out["pids_max_events"] = ev["max"]
-    if "memory" in node.paths:
-        d = node.paths["memory"]
-        for name, key in (("memory.max_usage_in_bytes", "memory_max_usage"), ("memory.failcnt", "memory_failcnt")):
-            v = _int(os.path.join(d, name))
-            if v is not None:
-                out[key] = v
-    if "pids" in node.paths:
-        ev = _keyed(os.path.join(node.paths["pids"], "pids.events"))
-        if "max" in ev:
-            out["pids_max_events"] = ev["max"]
     if "cpu" in node.paths:
         st = _keyed(os.path.join(node.paths["cpu"], "cpu.stat"))
         if "nr_throttled" in st:

@@ -1,4 +1,4 @@
-"""Cgroup primitives: layout detection, agnsup's directories, limits, membership, freeze.
+"""Cgroup primitives: layout detection, agnsup's directories, limits, membership (the kills are the backends').
 
 Hosts come in four layouts, detected at run time from /proc/self/mountinfo:
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 
 from ..digest import sha256
@@ -166,7 +165,7 @@ def cell_node(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict
     return node
 
 
-def _write(path: str, value: str) -> None:
+def write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
@@ -174,7 +173,7 @@ def _write(path: str, value: str) -> None:
         os.close(fd)
 
 
-def _read(path: str) -> str:
+def read(path: str) -> str:
     with open(path) as f:
         return f.read()
 
@@ -188,7 +187,7 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
     why: dict[str, str] = {}
     for d in dirs:
         try:
-            avail = _read(os.path.join(d, "cgroup.controllers")).split()
+            avail = read(os.path.join(d, "cgroup.controllers")).split()
         except OSError as e:
             return [], {c: f"{d}/cgroup.controllers: {e.strerror}" for c in wanted}
         for c in enabled:
@@ -199,10 +198,10 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
         if not enabled:
             return [], why
         try:
-            current = _read(os.path.join(d, "cgroup.subtree_control")).split()
+            current = read(os.path.join(d, "cgroup.subtree_control")).split()
             todo = [c for c in enabled if c not in current]
             if todo:
-                _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
+                write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
         except OSError as e:
             return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
     return enabled, why
@@ -213,9 +212,9 @@ def enable_for_children(directory: str, wanted: tuple[str, ...]) -> list[str]:
     for its children those of `wanted` it has itself; returns them. A refused write (EBUSY: a process
     is left in the directory itself) enables nothing: each cell's missing limit is then named."""
     try:
-        have = [c for c in wanted if c in _read(os.path.join(directory, "cgroup.controllers")).split()]
+        have = [c for c in wanted if c in read(os.path.join(directory, "cgroup.controllers")).split()]
         if have:
-            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
+            write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
     except OSError:
         return []
     return have
@@ -316,7 +315,7 @@ def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict)
     applied: dict[str, str] = {}
     for resource, path, value in limit_writes(paths, v2_controllers, limits):
         try:
-            _write(path, value)
+            write(path, value)
         except FileNotFoundError:
             if os.path.basename(path) in _OPTIONAL:
                 continue
@@ -337,7 +336,7 @@ def _v1_oom_eventfd(memory_dir: str) -> int | None:
     try:
         ofd = os.open(os.path.join(memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
+            write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
         finally:
             os.close(ofd)
     except OSError:
@@ -362,7 +361,7 @@ def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
     """Move process `pid` (0: the caller) into every hierarchy of `node` but those in `skip`."""
     for h, p in node.paths.items():
         if h not in skip:
-            _write(os.path.join(p, "cgroup.procs"), str(pid))
+            write(os.path.join(p, "cgroup.procs"), str(pid))
 
 
 def walk(path: str) -> list[str]:
@@ -383,7 +382,7 @@ def procs(path: str) -> list[int]:
     out: list[int] = []
     for d in walk(path):
         try:
-            out.extend(int(x) for x in _read(os.path.join(d, "cgroup.procs")).split())
+            out.extend(int(x) for x in read(os.path.join(d, "cgroup.procs")).split())
         except (FileNotFoundError, OSError):
             continue
     return out
@@ -396,7 +395,7 @@ def populated(node: Node) -> bool:
     h, path = prim
     if h == "v2":
         try:
-            for line in _read(os.path.join(path, "cgroup.events")).splitlines():
+            for line in read(os.path.join(path, "cgroup.events")).splitlines():
                 if line.startswith("populated "):
                     return line.split()[1] == "1"
         except (FileNotFoundError, OSError) as e:
@@ -408,32 +407,7 @@ def populated(node: Node) -> bool:
     return bool(procs(path))
 
 
-def signal_all(node: Node, sig: int, layout: Layout) -> int:
-    """Send `sig` to every process in the tree, each through a pidfd.
-
-    Membership is rechecked after the pidfd is open, so a pid that was reused
-    by a process outside the tree between the read and the open is skipped."""
-    from . import pidfd, proc
-    prim = node.primary
-    if prim is None:
-        return 0
-    h, path = prim
-    sent = 0
-    for pid in procs(path):
-        fd = pidfd.open(pid)
-        if fd is None:
-            continue
-        try:
-            if not _in_tree(proc.cgroup_lines(pid), h, path, layout):
-                continue
-            if pidfd.send(fd, sig):
-                sent += 1
-        finally:
-            os.close(fd)
-    return sent
-
-
-def _in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
+def in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
     if not lines:
         return False
     mount_rel = _relative(path, layout)
@@ -459,36 +433,13 @@ def write_kill(path: str) -> bool:
     (cgroup.kill, Linux 5.14). False when there is no cgroup.kill to write
     (an older kernel, or a v1 directory)."""
     try:
-        _write(os.path.join(path, "cgroup.kill"), "1")
+        write(os.path.join(path, "cgroup.kill"), "1")
     except FileNotFoundError:
         return not os.path.isdir(path)  # the directory itself is gone: nothing left to kill
     except OSError as e:
         if e.errno != errno.ENODEV:  # ENODEV: being removed under us, so empty
             raise
     return True
-
-
-FREEZE_TIMEOUT = 2.0
-
-
-def freeze_v1(path: str) -> bool:
-    """Freeze a v1 freezer cgroup and wait until the kernel reports FROZEN (not
-    FREEZING); True if it did within FREEZE_TIMEOUT. The caller thaws in any case."""
-    state = os.path.join(path, "freezer.state")
-    _write(state, "FROZEN")
-    deadline = time.monotonic() + FREEZE_TIMEOUT
-    while _read(state).strip() != "FROZEN":
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def thaw_v1(path: str) -> None:
-    try:
-        _write(os.path.join(path, "freezer.state"), "THAWED")
-    except FileNotFoundError:
-        pass
 
 
 def wait_empty(node: Node, timeout: float) -> bool:
@@ -545,7 +496,7 @@ def _keyed(path: str) -> dict[str, int]:
     """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
     out: dict[str, int] = {}
     try:
-        for line in _read(path).splitlines():
+        for line in read(path).splitlines():
             k, _, v = line.partition(" ")
             try:
                 out[k] = int(v)
@@ -558,7 +509,7 @@ def _keyed(path: str) -> dict[str, int]:
 
 def _int(path: str) -> int | None:
     try:
-        return int(_read(path))
+        return int(read(path))
     except (OSError, ValueError):
         return None
 

@@ -150,7 +150,7 @@ def _in_every_hierarchy(cgroup_text: str, receipt: dict) -> None:
     lines = cgroup_text.splitlines()
     assert receipt["cgroup"], "no cgroup on this host: ENV_BLOCKED: cgroup"
     for h, path in receipt["cgroup"].items():
-        assert cgroup._in_tree(lines, h, path, cgroup.detect_layout()), (h, path, lines)
+        assert cgroup.in_tree(lines, h, path, cgroup.detect_layout()), (h, path, lines)
 
 
 def test_a_cell_is_born_in_its_cgroup(agnsup, worktree, state):

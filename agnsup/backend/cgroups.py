@@ -4,7 +4,7 @@ agnsup owns one directory per hierarchy, `agnsup-<digest of the state root>`
 (linux/cgroup.py: base_node), and never writes a cgroup it did not create.
 The three kinds differ in how a tree dies:
 
-- Cgroup2 (pure v2) and Hybrid (v2 for tracking, v1 memory/pids/cpu for limits):
+- Cgroup2 (pure v2, or hybrid: v2 for tracking, v1 memory/pids/cpu for limits):
   one write to `cgroup.kill` (Linux 5.14); on older kernels SIGKILL every member
   until the directory is empty;
 - Cgroup1: the freezer. Freeze, wait until the kernel says FROZEN (nothing can
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from . import Backend, Place
 from ..linux import cgroup
+
+FREEZE_TIMEOUT = 2.0  # how long a v1 freezer may take to report FROZEN before we kill anyway
 
 
 class CgroupBackend(Backend):
@@ -127,7 +130,23 @@ class CgroupBackend(Backend):
         return cgroup.populated(place.node)
 
     def signal(self, place: Place, sig: int) -> int:
-        return cgroup.signal_all(place.node, sig, self.layout)
+        """Send `sig` to every process in the tree, each through a pidfd.
+
+        Membership is rechecked after the pidfd is open, so a pid that was reused
+        by a process outside the tree between the read and the open is skipped."""
+        from ..linux import pidfd, proc
+        prim = place.node.primary
+        sent = 0
+        for pid in cgroup.procs(prim[1]) if prim else ():
+            fd = pidfd.open(pid)
+            if fd is None:
+                continue
+            try:
+                if cgroup.in_tree(proc.cgroup_lines(pid), *prim, self.layout) and pidfd.send(fd, sig):
+                    sent += 1
+            finally:
+                os.close(fd)
+        return sent
 
     def kill(self, place: Place) -> str:
         path = place.dir
@@ -142,7 +161,7 @@ class CgroupBackend(Backend):
             return "cgroup.kill"
         # no cgroup.kill (Linux < 5.14): no atomic kill, repeat until a scan finds none
         for _ in range(100):
-            if cgroup.signal_all(place.node, signal.SIGKILL, self.layout) == 0:
+            if self.signal(place, signal.SIGKILL) == 0:
                 break
         return "signal-loop"
 
@@ -183,15 +202,14 @@ class CgroupBackend(Backend):
 
     def purge(self) -> list[str]:
         found = []
-        for h, p in self.base.paths.items():
-            if os.path.isdir(p):
-                dirs = [d for d in cgroup.walk(p) if d != p]
-                pids = cgroup.procs(p)
-                if dirs or pids:
-                    found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
-        present = {h: p for h, p in self.base.paths.items() if os.path.isdir(p)}
-        root = Place(node=cgroup.Node(present))
-        if present and self.populated(root):
+        root = self.root()
+        present = root.node.paths if root else {}
+        for p in present.values():
+            dirs = [d for d in cgroup.walk(p) if d != p]
+            pids = cgroup.procs(p)
+            if dirs or pids:
+                found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
+        if root and self.populated(root):
             self.kill(root)  # this state root's own cgroup root: ours
             self.wait_empty(root, 10.0)
         for p in present.values():
@@ -204,15 +222,12 @@ class CgroupBackend(Backend):
 
 
 class Cgroup2(CgroupBackend):
-    """Pure cgroup v2: tracking, cgroup.kill and every limit in one hierarchy."""
+    """cgroup v2 tracks and kills (cgroup.kill). Pure v2: every limit there too; a hybrid host
+    (v2 at /sys/fs/cgroup/unified): memory, pids and cpu limits go to their v1 hierarchies
+    (linux/cgroup.py: base_node, limit_writes). Only the receipt's `kind` tells the two apart."""
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         return "cgroup v2 cgroup.kill" if has_cgroup_kill else "cgroup v2 membership, SIGKILL each member until empty"
-
-
-class Hybrid(Cgroup2):
-    """cgroup2 (here /sys/fs/cgroup/unified) tracks and kills; memory, pids and cpu
-    limits go to their v1 hierarchies (linux/cgroup.py: base_node, limit_writes)."""
 
 
 class Cgroup1(CgroupBackend):
@@ -225,13 +240,22 @@ class Cgroup1(CgroupBackend):
     def _kill(self, place: Place, path: str) -> str:
         if "freezer" not in place.node.paths:
             return super()._kill(place, path)
-        frozen = cgroup.freeze_v1(path)
+        # freeze, and wait until the kernel reports FROZEN (not FREEZING): then nothing in the
+        # tree can fork between our read of its members and the kill
+        state = os.path.join(path, "freezer.state")
+        cgroup.write(state, "FROZEN")
+        deadline = time.monotonic() + FREEZE_TIMEOUT
+        while not (frozen := cgroup.read(state).strip() == "FROZEN") and time.monotonic() < deadline:
+            time.sleep(0.001)
         try:
-            cgroup.signal_all(place.node, signal.SIGKILL, self.layout)
+            self.signal(place, signal.SIGKILL)
         finally:
-            cgroup.thaw_v1(path)  # a frozen v1 task cannot die until thawed
+            try:
+                cgroup.write(state, "THAWED")  # a frozen v1 task cannot die until thawed
+            except FileNotFoundError:
+                pass
         return "freezer" if frozen else "freezer (never reached FROZEN: killed while freezing)"
 
 
 def for_layout(layout, state_root: str) -> CgroupBackend:
-    return {"v2": Cgroup2, "hybrid": Hybrid, "v1": Cgroup1}[layout.kind](layout, state_root)
+    return {"v2": Cgroup2, "hybrid": Cgroup2, "v1": Cgroup1}[layout.kind](layout, state_root)

@@ -1,4 +1,4 @@
-"""Cgroup primitives: layout detection, agnsup's directories, limits, membership, freeze.
+"""Cgroup primitives: layout detection, agnsup's directories, limits, membership (the kills are the backends').
 
 Hosts come in four layouts, detected at run time from /proc/self/mountinfo:
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 
 from ..digest import sha256
@@ -137,16 +136,12 @@ def base_node(layout: Layout, state_root: str) -> Node:
     base = os.environ.get("AGNSUP_CGROUP_BASE", "").strip("/")
     paths = {}
     if layout.v2:
-        paths["v2"] = os.path.join(layout.v2, base, name) if base else os.path.join(layout.v2, name)
-    for c in ("memory", "pids", "freezer", "cpu"):
-        if c in layout.v1:
-            # On a hybrid host the v2 tree tracks and kills; the freezer is only
-            # needed where there is no cgroup.kill.
-            if c == "freezer" and layout.v2:
-                continue
-            # cpu limits go to v2 where its cpu controller is available (pure v2 hosts)
-            if c == "cpu" and "cpu" in layout.v2_controllers:
-                continue
+        paths["v2"] = os.path.join(layout.v2, base, name)  # base "": directly under the mount
+    for c in V1_CONTROLLERS:
+        # On a hybrid host the v2 tree tracks and kills; the freezer is only needed where there
+        # is no cgroup.kill. cpu limits go to v2 where its cpu controller is available (pure v2 hosts).
+        skip = (c == "freezer" and layout.v2) or (c == "cpu" and "cpu" in layout.v2_controllers)
+        if c in layout.v1 and not skip:
             paths[c] = os.path.join(layout.v1[c], name)
     return Node(paths)
 
@@ -170,7 +165,7 @@ def cell_node(base: Node, run_id: str, agent_id: str, cell_id: str, limits: dict
     return node
 
 
-def _write(path: str, value: str) -> None:
+def write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
@@ -178,7 +173,7 @@ def _write(path: str, value: str) -> None:
         os.close(fd)
 
 
-def _read(path: str) -> str:
+def read(path: str) -> str:
     with open(path) as f:
         return f.read()
 
@@ -192,7 +187,7 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
     why: dict[str, str] = {}
     for d in dirs:
         try:
-            avail = _read(os.path.join(d, "cgroup.controllers")).split()
+            avail = read(os.path.join(d, "cgroup.controllers")).split()
         except OSError as e:
             return [], {c: f"{d}/cgroup.controllers: {e.strerror}" for c in wanted}
         for c in enabled:
@@ -203,10 +198,10 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
         if not enabled:
             return [], why
         try:
-            current = _read(os.path.join(d, "cgroup.subtree_control")).split()
+            current = read(os.path.join(d, "cgroup.subtree_control")).split()
             todo = [c for c in enabled if c not in current]
             if todo:
-                _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
+                write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
         except OSError as e:
             return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
     return enabled, why
@@ -217,9 +212,9 @@ def enable_for_children(directory: str, wanted: tuple[str, ...]) -> list[str]:
     for its children those of `wanted` it has itself; returns them. A refused write (EBUSY: a process
     is left in the directory itself) enables nothing: each cell's missing limit is then named."""
     try:
-        have = [c for c in wanted if c in _read(os.path.join(directory, "cgroup.controllers")).split()]
+        have = [c for c in wanted if c in read(os.path.join(directory, "cgroup.controllers")).split()]
         if have:
-            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
+            write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
     except OSError:
         return []
     return have
@@ -282,38 +277,29 @@ def limit_writes(paths: dict[str, str], v2_controllers: list[str], limits: dict)
     v2 = paths.get("v2")
     mem, pids = limits.get("memory_max"), limits.get("pids_max")
     weight, cpus = limits.get("cpu_weight"), limits.get("cpu_max")
-    if mem:
-        if v2 and "memory" in v2_controllers:
-            out.append(("memory", os.path.join(v2, "memory.max"), str(mem)))
-            # no swap beyond the limit (else the hog swaps instead of meeting the OOM killer),
-            # and the OOM killer takes the whole cell, never half a tree (cgroup-v2.rst: memory.oom.group)
-            out.append(("memory", os.path.join(v2, "memory.swap.max"), "0"))
-            out.append(("memory", os.path.join(v2, "memory.oom.group"), "1"))
-        elif "memory" in paths:
-            d = paths["memory"]
-            out.append(("memory", os.path.join(d, "memory.limit_in_bytes"), str(mem)))
-            # memory+swap may not be below memory (so written second); absent without swapaccount
-            out.append(("memory", os.path.join(d, "memory.memsw.limit_in_bytes"), str(mem)))
-    if pids:
-        if v2 and "pids" in v2_controllers:
-            out.append(("pids", os.path.join(v2, "pids.max"), str(pids)))
-        elif "pids" in paths:
-            out.append(("pids", os.path.join(paths["pids"], "pids.max"), str(pids)))
-    if weight or cpus:
-        if v2 and "cpu" in v2_controllers:
-            if weight:
-                out.append(("cpu", os.path.join(v2, "cpu.weight"), str(weight)))
-            if cpus:
-                out.append(("cpu", os.path.join(v2, "cpu.max"), f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}"))
-        elif "cpu" in paths:
-            d = paths["cpu"]
-            if weight:
-                # v1 shares default to 1024 where v2's weight defaults to 100 (the kernel's own
-                # mapping, cgroup-v2.rst "cpu.weight")
-                out.append(("cpu", os.path.join(d, "cpu.shares"), str(max(2, weight * 1024 // 100))))
-            if cpus:
-                out.append(("cpu", os.path.join(d, "cpu.cfs_period_us"), str(CPU_PERIOD_US)))
-                out.append(("cpu", os.path.join(d, "cpu.cfs_quota_us"), str(max(1000, int(cpus * CPU_PERIOD_US)))))
+    quota = cpus and max(1000, int(cpus * CPU_PERIOD_US))
+
+    def put(resource: str, *files: tuple[str, object]) -> None:
+        """Each (file, value) whose value is set, in the v2 directory when v2 has `resource`'s
+        controller enabled for us, else in that controller's v1 directory (neither: not written)."""
+        d = v2 if v2 and resource in v2_controllers else paths.get(resource)
+        out.extend((resource, os.path.join(d, f), str(v)) for f, v in files if d and v)
+
+    if mem and v2 and "memory" in v2_controllers:
+        # no swap beyond the limit (else the hog swaps instead of meeting the OOM killer),
+        # and the OOM killer takes the whole cell, never half a tree (cgroup-v2.rst: memory.oom.group)
+        put("memory", ("memory.max", mem), ("memory.swap.max", "0"), ("memory.oom.group", "1"))
+    elif mem:
+        # memory+swap may not be below memory (so written second); absent without swapaccount
+        put("memory", ("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem))
+    put("pids", ("pids.max", pids))
+    if v2 and "cpu" in v2_controllers:
+        put("cpu", ("cpu.weight", weight), ("cpu.max", cpus and f"{quota} {CPU_PERIOD_US}"))
+    else:
+        # v1 shares default to 1024 where v2's weight defaults to 100 (the kernel's own
+        # mapping, cgroup-v2.rst "cpu.weight")
+        put("cpu", ("cpu.shares", weight and max(2, weight * 1024 // 100)),
+            ("cpu.cfs_period_us", cpus and CPU_PERIOD_US), ("cpu.cfs_quota_us", quota))
     return out
 
 
@@ -329,7 +315,7 @@ def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict)
     applied: dict[str, str] = {}
     for resource, path, value in limit_writes(paths, v2_controllers, limits):
         try:
-            _write(path, value)
+            write(path, value)
         except FileNotFoundError:
             if os.path.basename(path) in _OPTIONAL:
                 continue
@@ -350,7 +336,7 @@ def _v1_oom_eventfd(memory_dir: str) -> int | None:
     try:
         ofd = os.open(os.path.join(memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
+            write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
         finally:
             os.close(ofd)
     except OSError:
@@ -364,19 +350,10 @@ def oom_kills(node: Node) -> int | None:
 
     v2 memory.events counts the subtree; v1 memory.oom_control has an oom_kill
     counter (Linux 4.13). Read before the cgroup is removed."""
-    candidates = []
-    if "v2" in node.paths:
-        candidates.append(os.path.join(node.paths["v2"], "memory.events"))
-    if "memory" in node.paths:
-        candidates.append(os.path.join(node.paths["memory"], "memory.oom_control"))
-    for path in candidates:
-        try:
-            for line in _read(path).splitlines():
-                k, _, v = line.partition(" ")
-                if k == "oom_kill":
-                    return int(v)
-        except (OSError, ValueError):
-            continue
+    for h, name in (("v2", "memory.events"), ("memory", "memory.oom_control")):
+        kills = _keyed(os.path.join(node.paths[h], name)).get("oom_kill") if h in node.paths else None
+        if kills is not None:
+            return kills
     return None
 
 
@@ -384,7 +361,7 @@ def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
     """Move process `pid` (0: the caller) into every hierarchy of `node` but those in `skip`."""
     for h, p in node.paths.items():
         if h not in skip:
-            _write(os.path.join(p, "cgroup.procs"), str(pid))
+            write(os.path.join(p, "cgroup.procs"), str(pid))
 
 
 def walk(path: str) -> list[str]:
@@ -405,7 +382,7 @@ def procs(path: str) -> list[int]:
     out: list[int] = []
     for d in walk(path):
         try:
-            out.extend(int(x) for x in _read(os.path.join(d, "cgroup.procs")).split())
+            out.extend(int(x) for x in read(os.path.join(d, "cgroup.procs")).split())
         except (FileNotFoundError, OSError):
             continue
     return out
@@ -418,7 +395,7 @@ def populated(node: Node) -> bool:
     h, path = prim
     if h == "v2":
         try:
-            for line in _read(os.path.join(path, "cgroup.events")).splitlines():
+            for line in read(os.path.join(path, "cgroup.events")).splitlines():
                 if line.startswith("populated "):
                     return line.split()[1] == "1"
         except (FileNotFoundError, OSError) as e:
@@ -430,32 +407,7 @@ def populated(node: Node) -> bool:
     return bool(procs(path))
 
 
-def signal_all(node: Node, sig: int, layout: Layout) -> int:
-    """Send `sig` to every process in the tree, each through a pidfd.
-
-    Membership is rechecked after the pidfd is open, so a pid that was reused
-    by a process outside the tree between the read and the open is skipped."""
-    from . import pidfd, proc
-    prim = node.primary
-    if prim is None:
-        return 0
-    h, path = prim
-    sent = 0
-    for pid in procs(path):
-        fd = pidfd.open(pid)
-        if fd is None:
-            continue
-        try:
-            if not _in_tree(proc.cgroup_lines(pid), h, path, layout):
-                continue
-            if pidfd.send(fd, sig):
-                sent += 1
-        finally:
-            os.close(fd)
-    return sent
-
-
-def _in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
+def in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
     if not lines:
         return False
     mount_rel = _relative(path, layout)
@@ -481,36 +433,13 @@ def write_kill(path: str) -> bool:
     (cgroup.kill, Linux 5.14). False when there is no cgroup.kill to write
     (an older kernel, or a v1 directory)."""
     try:
-        _write(os.path.join(path, "cgroup.kill"), "1")
+        write(os.path.join(path, "cgroup.kill"), "1")
     except FileNotFoundError:
         return not os.path.isdir(path)  # the directory itself is gone: nothing left to kill
     except OSError as e:
         if e.errno != errno.ENODEV:  # ENODEV: being removed under us, so empty
             raise
     return True
-
-
-FREEZE_TIMEOUT = 2.0
-
-
-def freeze_v1(path: str) -> bool:
-    """Freeze a v1 freezer cgroup and wait until the kernel reports FROZEN (not
-    FREEZING); True if it did within FREEZE_TIMEOUT. The caller thaws in any case."""
-    state = os.path.join(path, "freezer.state")
-    _write(state, "FROZEN")
-    deadline = time.monotonic() + FREEZE_TIMEOUT
-    while _read(state).strip() != "FROZEN":
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def thaw_v1(path: str) -> None:
-    try:
-        _write(os.path.join(path, "freezer.state"), "THAWED")
-    except FileNotFoundError:
-        pass
 
 
 def wait_empty(node: Node, timeout: float) -> bool:
@@ -567,7 +496,7 @@ def _keyed(path: str) -> dict[str, int]:
     """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
     out: dict[str, int] = {}
     try:
-        for line in _read(path).splitlines():
+        for line in read(path).splitlines():
             k, _, v = line.partition(" ")
             try:
                 out[k] = int(v)
@@ -580,7 +509,7 @@ def _keyed(path: str) -> dict[str, int]:
 
 def _int(path: str) -> int | None:
     try:
-        return int(_read(path))
+        return int(read(path))
     except (OSError, ValueError):
         return None
 
@@ -597,23 +526,14 @@ def read_usage(node: Node) -> dict:
         for k, v in _keyed(os.path.join(v2, "cpu.stat")).items():
             if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
                 out["cpu_" + k] = v
-        for name, key in (("memory.peak", "memory_peak"),):
-            v = _int(os.path.join(v2, name))
+    for h, name, key in (("v2", "memory.peak", "memory_peak"), ("v2", "pids.events", "pids_max_events"),
+                         ("memory", "memory.max_usage_in_bytes", "memory_max_usage"),
+                         ("memory", "memory.failcnt", "memory_failcnt"), ("pids", "pids.events", "pids_max_events")):
+        if h in node.paths:
+            path = os.path.join(node.paths[h], name)
+            v = _keyed(path).get("max") if name == "pids.events" else _int(path)
             if v is not None:
                 out[key] = v
-        ev = _keyed(os.path.join(v2, "pids.events"))
-        if "max" in ev:
-            out["pids_max_events"] = ev["max"]
-    if "memory" in node.paths:
-        d = node.paths["memory"]
-        for name, key in (("memory.max_usage_in_bytes", "memory_max_usage"), ("memory.failcnt", "memory_failcnt")):
-            v = _int(os.path.join(d, name))
-            if v is not None:
-                out[key] = v
-    if "pids" in node.paths:
-        ev = _keyed(os.path.join(node.paths["pids"], "pids.events"))
-        if "max" in ev:
-            out["pids_max_events"] = ev["max"]
     if "cpu" in node.paths:
         st = _keyed(os.path.join(node.paths["cpu"], "cpu.stat"))
         if "nr_throttled" in st:

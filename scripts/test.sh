@@ -24,5 +24,12 @@ fi
 rc=0
 .venv/bin/python -m pytest "$@" || rc=$?
 # shellcheck disable=SC2086 # V2LANE_ARGS is a list of options
-bash scripts/v2lane ${V2LANE_ARGS:-} || rc=$?
+lane=0
+bash scripts/v2lane ${V2LANE_ARGS:-} || lane=$?
+# 77: no v2guest tool on this machine: named (v2lane's ENV_BLOCKED line), not a failure of the code
+if [ "$lane" = 77 ]; then
+  echo "test.sh: ENV_BLOCKED: the pure cgroup-v2 lane did not run here (no v2guest tool); the host suite's result stands" >&2
+elif [ "$lane" != 0 ]; then
+  rc=$lane
+fi
 exit "$rc"

@@ -10,7 +10,7 @@ nobody above a backend branches on the layout:
                 with Delegate=yes, asked of that manager                 (backend/systemd.py)
     Delegated   a normal user's delegated cgroup2 subtree (AGNSUP_CGROUP_BASE): the same verbs, what
                 the subtree was not given named per limit                  (backend/delegated.py)
-    Cgroup2 on a hybrid host too: v2 tracks and kills (cgroup.kill); memory, pids, cpu limits in v1
+    Hybrid      Cgroup2 on a hybrid host: v2 tracks and kills (cgroup.kill); memory, pids, cpu limits in v1
     Cgroup1     v1 only: the freezer makes a tree kill atomic                  (backend/cgroups.py)
     Untracked   no writable hierarchy (or AGNSUP_CGROUP_LAYOUT=none): no tree of its own;
                 the reaper finds the cell's processes on session + token evidence (below)

@@ -230,6 +230,10 @@ class Cgroup2(CgroupBackend):
         return "cgroup v2 cgroup.kill" if has_cgroup_kill else "cgroup v2 membership, SIGKILL each member until empty"
 
 
+class Hybrid(Cgroup2):
+    """Cgroup2 on a hybrid host: the same code, named apart so that doctor says which host this is."""
+
+
 class Cgroup1(CgroupBackend):
     """v1 only: the freezer hierarchy tracks, and makes the kill atomic."""
 
@@ -258,4 +262,4 @@ class Cgroup1(CgroupBackend):
 
 
 def for_layout(layout, state_root: str) -> CgroupBackend:
-    return {"v2": Cgroup2, "hybrid": Cgroup2, "v1": Cgroup1}[layout.kind](layout, state_root)
+    return {"v2": Cgroup2, "hybrid": Hybrid, "v1": Cgroup1}[layout.kind](layout, state_root)

@@ -88,8 +88,9 @@ def repair(state, backend=None) -> dict:
         for suffix in ("", "-wal", "-shm", jmod.DAMAGED_MARK):
             src = path + suffix
             if os.path.lexists(src):
-                moved.append(os.path.join(qdir, f"journal-{stamp}.db{suffix}"))
-                os.rename(src, moved[-1])
+                dst = os.path.join(qdir, f"journal-{stamp}.db{suffix}")
+                os.rename(src, dst)
+                moved.append(dst)
     j = jmod.Journal(path, check=False)
     imported, skipped = [], []
     try:

@@ -224,7 +224,7 @@ class CgroupBackend(Backend):
 class Cgroup2(CgroupBackend):
     """cgroup v2 tracks and kills (cgroup.kill). Pure v2: every limit there too; a hybrid host
     (v2 at /sys/fs/cgroup/unified): memory, pids and cpu limits go to their v1 hierarchies
-    (linux/cgroup.py: base_node, limit_writes). Only the receipt's `kind` tells the two apart."""
+    (linux/cgroup.py: base_node, limit_writes); Hybrid below is this code under the hybrid host's name."""
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         return "cgroup v2 cgroup.kill" if has_cgroup_kill else "cgroup v2 membership, SIGKILL each member until empty"
@@ -247,11 +247,11 @@ class Cgroup1(CgroupBackend):
         # freeze, and wait until the kernel reports FROZEN (not FREEZING): then nothing in the
         # tree can fork between our read of its members and the kill
         state = os.path.join(path, "freezer.state")
-        cgroup.write(state, "FROZEN")
-        deadline = time.monotonic() + FREEZE_TIMEOUT
-        while not (frozen := cgroup.read(state).strip() == "FROZEN") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        try:
+        try:  # from the first write on: whatever fails, the tree is thawed again
+            cgroup.write(state, "FROZEN")
+            deadline = time.monotonic() + FREEZE_TIMEOUT
+            while not (frozen := cgroup.read(state).strip() == "FROZEN") and time.monotonic() < deadline:
+                time.sleep(0.001)
             self.signal(place, signal.SIGKILL)
         finally:
             try:

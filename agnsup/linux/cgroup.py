@@ -526,12 +526,15 @@ def read_usage(node: Node) -> dict:
         for k, v in _keyed(os.path.join(v2, "cpu.stat")).items():
             if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
                 out["cpu_" + k] = v
-    for h, name, key in (("v2", "memory.peak", "memory_peak"), ("v2", "pids.events", "pids_max_events"),
-                         ("memory", "memory.max_usage_in_bytes", "memory_max_usage"),
-                         ("memory", "memory.failcnt", "memory_failcnt"), ("pids", "pids.events", "pids_max_events")):
+    def events_max(path: str) -> int | None:
+        return _keyed(path).get("max")
+    for h, name, key, read_one in (("v2", "memory.peak", "memory_peak", _int),
+                                   ("v2", "pids.events", "pids_max_events", events_max),
+                                   ("memory", "memory.max_usage_in_bytes", "memory_max_usage", _int),
+                                   ("memory", "memory.failcnt", "memory_failcnt", _int),
+                                   ("pids", "pids.events", "pids_max_events", events_max)):
         if h in node.paths:
-            path = os.path.join(node.paths[h], name)
-            v = _keyed(path).get("max") if name == "pids.events" else _int(path)
+            v = read_one(os.path.join(node.paths[h], name))
             if v is not None:
                 out[key] = v
     if "cpu" in node.paths:

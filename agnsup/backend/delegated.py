@@ -60,7 +60,7 @@ class Delegated(Cgroup2):
             os.makedirs(leaf, exist_ok=True)
             cgroup.attach(cgroup.Node({"v2": leaf}), 0)
             self.own = leaf
-        cgroup.enable_for_children(self.top, CONTROLLERS)
+        cgroup.enable_controllers([self.top], CONTROLLERS)
         self.entered = True
 
     def limit_support(self) -> dict[str, str | None]:

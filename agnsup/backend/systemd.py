@@ -122,7 +122,7 @@ class SystemdScope(Cgroup2):
             except FileNotFoundError:  # systemd collected the empty scope as we came: ask again
                 if time.monotonic() >= deadline:
                     raise
-        cgroup.enable_for_children(self.scope_dir, CONTROLLERS)
+        cgroup.enable_controllers([self.scope_dir], CONTROLLERS)
         os.makedirs(self.base.paths["v2"], exist_ok=True)
         self.entered = True
 

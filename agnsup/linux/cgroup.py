@@ -178,11 +178,13 @@ def read(path: str) -> str:
         return f.read()
 
 
-def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+def enable_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     """Enable `wanted` controllers down our own v2 directories: (those in force, {controller: why not}).
 
-    A controller our first directory does not list in cgroup.controllers was not handed down to it
-    by its parent, which is not ours to write (systemd's, or the host's root): named, never faked."""
+    Ours: agnsup's own, or delegated to it (systemd's Delegate=yes, root's chown). A controller the
+    first directory does not list in cgroup.controllers was not handed down to it by its parent, which
+    is not ours to write (systemd's, or the host's root): named, never faked. A refused write (EBUSY:
+    a process is left in the directory itself) enables nothing: each cell's missing limit is named."""
     enabled = list(wanted)
     why: dict[str, str] = {}
     for d in dirs:
@@ -198,26 +200,12 @@ def _enable_v2_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[li
         if not enabled:
             return [], why
         try:
-            current = read(os.path.join(d, "cgroup.subtree_control")).split()
-            todo = [c for c in enabled if c not in current]
-            if todo:
-                write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in todo))
+            # written even when cgroup.subtree_control lists them: the kernel lists a controller before
+            # the children's files are visible (another cell's write in flight), and a write waits for it
+            write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in enabled))
         except OSError as e:
             return [], {**why, **{c: f"writing {d}/cgroup.subtree_control: {e.strerror}" for c in enabled}}
     return enabled, why
-
-
-def enable_for_children(directory: str, wanted: tuple[str, ...]) -> list[str]:
-    """In a delegated directory (ours by delegation: systemd's Delegate=yes, or root's chown), enable
-    for its children those of `wanted` it has itself; returns them. A refused write (EBUSY: a process
-    is left in the directory itself) enables nothing: each cell's missing limit is then named."""
-    try:
-        have = [c for c in wanted if c in read(os.path.join(directory, "cgroup.controllers")).split()]
-        if have:
-            write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in have))
-    except OSError:
-        return []
-    return have
 
 
 def create_cell(base: Node, cell: Node, limits: dict) -> dict:
@@ -245,7 +233,7 @@ def create_cell(base: Node, cell: Node, limits: dict) -> dict:
     why: dict[str, str] = {}
     if v2 and wanted:
         chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
-        v2_ctrl, why = _enable_v2_controllers(chain, wanted)
+        v2_ctrl, why = enable_controllers(chain, wanted)
     applied = apply_limits(cell.paths, v2_ctrl, limits)
     missing = {c: why.get(c, f"no cgroup hierarchy here holds {c} limits") for c in wanted if c not in applied}
     oom_fd = None

@@ -25,6 +25,8 @@ import ctypes
 import os
 import stat
 
+from .sys import _check, _syscall  # one libc binding and one errno check for every syscall
+
 _SYS_CREATE_RULESET = 444
 _SYS_ADD_RULE = 445
 _SYS_RESTRICT_SELF = 446
@@ -55,9 +57,6 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
 
 
 def abi() -> int:
@@ -68,13 +67,6 @@ def abi() -> int:
 
 def handled_writes(version: int) -> int:
     return _WRITE_V1 | (REFER if version >= 2 else 0) | (TRUNCATE if version >= 3 else 0)
-
-
-def _check(ret: int, what: str, path: str | None = None) -> int:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}", path)
-    return ret
 
 
 class Ruleset:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .errors import NoPermission, StateError, UsageError
@@ -98,14 +99,11 @@ class StateRoot:
                 target = os.readlink(entry)
             except OSError:
                 continue
-            if not os.path.exists(os.path.join(target, "journal.db")):
-                if not os.path.exists(target):
-                    try:
-                        os.unlink(entry)
-                    except OSError:
-                        pass
-                continue
-            out.append(target)
+            if os.path.exists(os.path.join(target, "journal.db")):
+                out.append(target)
+            elif not os.path.exists(target):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry)
         out += [p for p in DEFAULT_ROOTS if os.path.isdir(p)]
         own = os.path.realpath(self.path)
         return sorted({os.path.realpath(p) for p in out} - {own})

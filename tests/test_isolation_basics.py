@@ -16,6 +16,31 @@ def test_tmp_is_private_and_the_host_mount_table_is_unchanged(agnsup, worktree):
     assert _mountinfo() == before
 
 
+def test_on_shared_mounts_nothing_a_cell_mounts_reaches_the_host(tmp_path):
+    """systemd makes every mount shared: a clone of a shared mount joins its peer group, so a mount
+    made on it inside the cell (a cache under the cell's HOME in its /tmp, a mask inside the
+    worktree) would appear on the host too. Here the state root and the worktree live on a shared
+    tmpfs of the test's own; the cell mounts caches there (executor: filesystem.cache) and its
+    worktree inside its /tmp (the worktree is under the host's /tmp)."""
+    import subprocess
+    from agnsup import backend
+    from conftest import Agnsup
+    top = tmp_path / "shared"
+    top.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(top)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(top)], check=True)
+        state, wt = str(top / "state"), top / "wt"
+        wt.mkdir()
+        before = [m for m in _mountinfo() if str(top) in m]
+        Agnsup(state)("run", "--role", "executor", "--workdir", str(wt), "--", "true", check=0)
+        after = [m for m in _mountinfo() if str(top) in m]
+        assert after == before, f"the host gained {sorted(set(after) - set(before))}"
+        assert backend.choose(state).purge() == []
+    finally:
+        subprocess.run(["umount", "-R", "-l", str(top)], check=False)
+
+
 def test_the_state_root_cannot_be_read_from_a_cell(agnsup, worktree):
     agnsup("run", "--workdir", worktree, "--", "true", check=0)  # the journal exists now
     probe = ("import os, sys\nprint(os.listdir(sys.argv[1]))\n"

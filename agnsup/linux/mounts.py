@@ -8,8 +8,8 @@ failure aborts and the payload never runs).
 The recipe, in order:
   clone    detached copies (open_tree OPEN_TREE_CLONE) of what the cell
            keeps: the cell's temp dir, the worktree (read-only for roles that
-           may not write it). Taken first, while their mounts are still
-           read-write, and before /tmp is covered.
+           may not write it), each made private. Taken first, while their
+           mounts are still read-write, and before /tmp is covered.
   root     everything read-only and private, recursively, in one
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
@@ -58,8 +58,10 @@ def apply(ops: list) -> None:
             if op.kind == "clone":
                 fd = lsys.open_tree(op.path, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
                 clones[op.key] = fd
-                if op.readonly:
-                    lsys.mount_setattr(op.path, attr_set=lsys.MOUNT_ATTR_RDONLY, fd=fd)
+                # private: a clone of a shared mount (systemd's /) is a peer of the host's, and what
+                # is later mounted on it (caches, masks, a worktree under /tmp) would reach the host
+                lsys.mount_setattr(op.path, attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
+                                   propagation=lsys.MS_PRIVATE, fd=fd)
             elif op.kind == "root":
                 lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
                                    propagation=lsys.MS_PRIVATE)

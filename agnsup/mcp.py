@@ -452,11 +452,12 @@ def build_server(sessions: Sessions):
                   on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
 
-async def _until_signalled(scope) -> None:
+async def _until_signalled(stop) -> None:
+    """Call stop() at the first SIGTERM, SIGINT or SIGHUP."""
     import anyio
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for _ in signals:
-            scope.cancel()
+            stop()
             return
 
 
@@ -464,7 +465,7 @@ async def _serve_stdio(server) -> None:
     import anyio
     from mcp.server.stdio import stdio_server
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_until_signalled, tg.cancel_scope)
+        tg.start_soon(_until_signalled, tg.cancel_scope.cancel)
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
         tg.cancel_scope.cancel()  # the client closed the session
@@ -572,11 +573,8 @@ async def _serve_http(sessions: Sessions, listener, token: str | None, ready: di
 
     web = Web(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 
-    async def stop_on_signal():
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for _ in signals:
-                web.should_exit = True
-                return
+    def stop() -> None:
+        web.should_exit = True
 
     async def announce():
         while not web.started:
@@ -584,7 +582,7 @@ async def _serve_http(sessions: Sessions, listener, token: str | None, ready: di
         print(json.dumps(ready), flush=True)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_on_signal)
+        tg.start_soon(_until_signalled, stop)
         tg.start_soon(announce)
         await web.serve(sockets=[listener])
         tg.cancel_scope.cancel()

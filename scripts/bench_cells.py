@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from scratch import scratch
 
 
 def _wait(cond, timeout, what):
@@ -93,10 +93,7 @@ def main(argv: list[str]) -> None:
     agnsup = argv[0]
     nprocs = int(argv[argv.index("--procs") + 1]) if "--procs" in argv else 1000
     ncells = int(argv[argv.index("--cells") + 1]) if "--cells" in argv else 1000
-    state = tempfile.mkdtemp(prefix="agnsup-bench-cells.", dir="/var/tmp")
-    wt = tempfile.mkdtemp(prefix="agnsup-bench-cells-wt.", dir="/var/tmp")
-    env = {**os.environ, "AGNSUP_STATE_DIR": state}
-    try:
+    with scratch(agnsup, "cells") as (env, wt):
         c = bench_cancel(agnsup, env, wt, nprocs)
         print(f"cancel, grace 0: {c['processes']} processes (half setsid daemons) gone, cgroup removed, "
               f"receipt written in {c['cancel_s'] * 1000:.0f} ms ({c['kill']})")
@@ -104,11 +101,6 @@ def main(argv: list[str]) -> None:
         print(f"serve: {s['cells']} sequential cells, median {s['serve_median_ms']:.2f} ms/cell "
               f"(mean {s['serve_mean_ms']:.2f}); plain fork/exec of /bin/true {s['fork_exec_median_ms']:.2f} ms; "
               f"ratio {s['ratio']:.1f}x")
-    finally:
-        subprocess.run([agnsup, "cancel", "--all", "--grace", "0"], env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        shutil.rmtree(state, ignore_errors=True)
-        shutil.rmtree(wt, ignore_errors=True)
 
 
 if __name__ == "__main__":

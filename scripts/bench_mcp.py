@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from scratch import scratch
 
 
 def summary(xs: list[float]) -> dict:
@@ -66,15 +66,8 @@ def main() -> int:
     ap.add_argument("agnsup")
     ap.add_argument("--cells", type=int, default=200)
     a = ap.parse_args()
-    state = tempfile.mkdtemp(prefix="agnsup-bench-mcp.", dir="/var/tmp")
-    wt = tempfile.mkdtemp(prefix="agnsup-bench-mcp-wt.", dir="/var/tmp")
-    env = {**os.environ, "AGNSUP_STATE_DIR": state}
-    try:
+    with scratch(a.agnsup, "mcp") as (env, wt):
         res = anyio.run(bench, a.agnsup, env, wt, a.cells)
-    finally:
-        subprocess.run([a.agnsup, "cancel", "--all", "--grace", "0"], env=env, capture_output=True)
-        shutil.rmtree(state, ignore_errors=True)
-        shutil.rmtree(wt, ignore_errors=True)
     serve = res["serve run"]["median_ms"]
     print(f"{'per cell, interleaved':24} {'median ms':>10} {'p25':>8} {'p75':>8} {'x serve':>8}   (n={a.cells}, "
           f"load {os.getloadavg()[0]:.1f})")

@@ -12,13 +12,12 @@ Needs root (cgroups) and the k8s extra in AGNSUP_BIN's environment.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from scratch import scratch
 
 
 def main(argv: list[str]) -> None:
@@ -29,59 +28,53 @@ def main(argv: list[str]) -> None:
     from agnsup.sandboxd import proto
     from agnsup.serve import Client
     pb = proto.messages()
-    state = tempfile.mkdtemp(prefix="agnsup-bench-sandboxd.", dir="/var/tmp")
-    wt = tempfile.mkdtemp(prefix="agnsup-bench-sandboxd-wt.", dir="/var/tmp")
-    env = {**os.environ, "AGNSUP_STATE_DIR": state}
-    procs = []
-    try:
-        serve = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        procs.append(serve)
-        sock = json.loads(serve.stdout.readline())["socket"]
-        sbx = subprocess.Popen([agnsup, "sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0", "--workdir", wt],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        procs.append(sbx)
-        ready = json.loads(sbx.stdout.readline())
-        channel = grpc.insecure_channel(ready["grpc"])
-        execute = channel.unary_unary(f"/{proto.SERVICE}/Execute", request_serializer=pb.ExecuteRequest.SerializeToString,
-                                      response_deserializer=pb.ExecuteResponse.FromString)
-        request = pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"]))
-        times: dict[str, list[float]] = {"agnsup serve (run op)": [], "agnsup sandboxd (Execute)": [],
-                                         "fork/exec /bin/true": []}
-        with Client(sock) as c:
-            c.call("run", argv=["true"], workdir=wt, run_id="warm")
-            assert execute(request).exit_code == 0
-            def serve_one():
-                assert c.call("run", argv=["true"], workdir=wt, run_id="bench-serve")["exit_code"] == 0
-
-            def execute_one():
+    with scratch(agnsup, "sandboxd") as (env, wt):
+        procs = []
+        try:
+            serve = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            procs.append(serve)
+            sock = json.loads(serve.stdout.readline())["socket"]
+            sbx = subprocess.Popen([agnsup, "sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0",
+                                    "--workdir", wt], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            procs.append(sbx)
+            ready = json.loads(sbx.stdout.readline())
+            channel = grpc.insecure_channel(ready["grpc"])
+            execute = channel.unary_unary(f"/{proto.SERVICE}/Execute", request_serializer=pb.ExecuteRequest.SerializeToString,
+                                          response_deserializer=pb.ExecuteResponse.FromString)
+            request = pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"]))
+            times: dict[str, list[float]] = {"agnsup serve (run op)": [], "agnsup sandboxd (Execute)": [],
+                                             "fork/exec /bin/true": []}
+            with Client(sock) as c:
+                c.call("run", argv=["true"], workdir=wt, run_id="warm")
                 assert execute(request).exit_code == 0
+                def serve_one():
+                    assert c.call("run", argv=["true"], workdir=wt, run_id="bench-serve")["exit_code"] == 0
 
-            cases = [("agnsup serve (run op)", serve_one), ("agnsup sandboxd (Execute)", execute_one),
-                     ("fork/exec /bin/true", lambda: subprocess.run(["/bin/true"], check=True))]
-            for i in range(ncells):
-                # The order alternates: a cell's controller may still be finishing the previous one
-                # (a first-in-the-round penalty measured at 5-10 ms here), so neither is always first.
-                for name, fn in (cases if i % 2 == 0 else [cases[1], cases[0], cases[2]]):
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-        channel.close()
-        base = statistics.median(times["agnsup serve (run op)"])
-        print(f"{'per cell, ' + str(ncells) + ' interleaved rounds':34} {'median ms':>10} {'p25 ms':>8} "
-              f"{'x serve':>8}")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"{name:34} {med * 1000:10.2f} {statistics.quantiles(ts, n=4)[0] * 1000:8.2f} {med / base:8.2f}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(60)
-            p.stdout.close()
-        subprocess.run([agnsup, "cancel", "--all", "--grace", "0"], env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        shutil.rmtree(state, ignore_errors=True)
-        shutil.rmtree(wt, ignore_errors=True)
+                def execute_one():
+                    assert execute(request).exit_code == 0
+
+                cases = [("agnsup serve (run op)", serve_one), ("agnsup sandboxd (Execute)", execute_one),
+                         ("fork/exec /bin/true", lambda: subprocess.run(["/bin/true"], check=True))]
+                for i in range(ncells):
+                    # The order alternates: a cell's controller may still be finishing the previous one
+                    # (a first-in-the-round penalty measured at 5-10 ms here), so neither is always first.
+                    for name, fn in (cases if i % 2 == 0 else [cases[1], cases[0], cases[2]]):
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+            channel.close()
+            base = statistics.median(times["agnsup serve (run op)"])
+            print(f"{'per cell, ' + str(ncells) + ' interleaved rounds':34} {'median ms':>10} {'p25 ms':>8} "
+                  f"{'x serve':>8}")
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                print(f"{name:34} {med * 1000:10.2f} {statistics.quantiles(ts, n=4)[0] * 1000:8.2f} {med / base:8.2f}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(60)
+                p.stdout.close()
 
 
 if __name__ == "__main__":

@@ -72,11 +72,8 @@ def contexts() -> dict:
 
 
 def lines(corpora: Path, name: str) -> list[str]:
-    out = []
-    for raw in (corpora / name).read_text(encoding="utf-8").splitlines():
-        if raw.strip():
-            out.append(raw.replace("\\n", "\n") if "<<" in raw else raw)
-    return out
+    return [raw.replace("\\n", "\n") if "<<" in raw else raw
+            for raw in (corpora / name).read_text(encoding="utf-8").splitlines() if raw.strip()]
 
 
 def pct(a: int, b: int) -> str:

@@ -242,22 +242,18 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
             return
         if prog == "env" and len(words) > 1:
             # `env -S "a b"` splits its string into words (coreutils env(1)).
-            i = 1
-            while i < len(words):
-                w = words[i]
+            for i, w in enumerate(words[1:], 1):
                 if w in ("-S", "--split-string") and i + 1 < len(words):
-                    words = words[:1] + split_words(words[i + 1]) + words[i + 2:]
-                    literal = [True] * len(words)
-                    break
-                if w.startswith("-S") and len(w) > 2:
-                    words = words[:1] + split_words(w[2:]) + words[i + 1:]
-                    literal = [True] * len(words)
-                    break
-                if w.startswith("--split-string="):
-                    words = words[:1] + split_words(w.split("=", 1)[1]) + words[i + 1:]
-                    literal = [True] * len(words)
-                    break
-                i += 1
+                    spec, rest = words[i + 1], words[i + 2:]
+                elif w.startswith("-S") and len(w) > 2:
+                    spec, rest = w[2:], words[i + 1:]
+                elif w.startswith("--split-string="):
+                    spec, rest = w.split("=", 1)[1], words[i + 1:]
+                else:
+                    continue
+                words = words[:1] + split_words(spec) + rest
+                literal = [True] * len(words)
+                break
         if prog == "doppler" and len(words) > 2 and words[1] == "run" and "--" in words:
             k = words.index("--")
             via.append("doppler")
@@ -317,9 +313,7 @@ def _xargs_items(opts: list[str], stdin: str | None, files: dict[str, str]) -> t
     while i < len(opts):
         o = opts[i]
         val = opts[i + 1] if i + 1 < len(opts) else ""
-        if o in ("-a", "--arg-file"):
-            src, i = files.get(val), i + 1
-        elif o == "--arg-file=":
+        if o in ("-a", "--arg-file", "--arg-file="):
             src, i = files.get(val), i + 1
         elif o.startswith("--arg-file="):
             src = files.get(o.split("=", 1)[1])
@@ -398,25 +392,18 @@ def _skip_wrapper(prog: str, words: list[str]) -> int:
     while i < len(words):
         w = words[i]
         if w == "--":
-            i += 1
-            break
+            return i + 1
         if w.startswith("-") and len(w) > 1:
-            if prog in ("nice",) and w[1:].lstrip("-").isdigit():
-                i += 1
-                continue
-            if w in opts or (w.startswith("--") and w.endswith("=")):  # `--opt=<(...)`: two words in the tree
-                i += 2
-                continue
+            numeric = prog == "nice" and w[1:].lstrip("-").isdigit()  # `nice -5`: no value follows
+            # an option that takes a value; `--opt=<(...)` is two words in the tree
+            i += 2 if not numeric and (w in opts or (w.startswith("--") and w.endswith("="))) else 1
+        elif prog == "env" and "=" in w:
             i += 1
-            continue
-        if prog == "env" and "=" in w:
-            i += 1
-            continue
-        if positionals:
+        elif positionals:
             positionals -= 1
             i += 1
-            continue
-        break
+        else:
+            break
     return i
 
 
@@ -487,11 +474,7 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
             _nested_shell(stdin_code, an, depth, f"{prog} stdin")
         return
     if prog == "eval":
-        if all(lit[1:]):
-            _nested_shell(" ".join(argv[1:]), an, depth, "eval")
-        else:
-            an.dynamic.append(" ".join(argv[1:]))
-            an.flags.add("dynamic_code")
+        _nested_shell_word(" ".join(argv[1:]), all(lit[1:]), an, depth, "eval")
         return
     flags = _interp_flags(prog)
     if flags is not None:

@@ -251,10 +251,5 @@ def shell_code(ex: Exec) -> list[tuple[str, str]]:
     """(code, where) for what this git call runs through the shell: a `!` alias, or a config
     value git runs as a command (core.pager, core.sshCommand, ...)."""
     call = invocation(ex.argv)
-    out = []
-    if call.shell_alias is not None:
-        out.append((call.shell_alias, "git alias"))
-    for k, v in call.config.items():
-        if k in SHELL_CONFIG and v:
-            out.append((v, f"git -c {k}"))
-    return out
+    out = [(call.shell_alias, "git alias")] if call.shell_alias is not None else []
+    return out + [(v, f"git -c {k}") for k, v in call.config.items() if k in SHELL_CONFIG and v]

@@ -151,19 +151,9 @@ class Decision(Record, frozen=True):
     flagged: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
-        d = {
-            "allowed": self.allowed,
-            "rule": self.rule,
-            "zone": self.zone,
-            "reason": self.reason,
-            "check": self.check,
-            "hint": self.hint,
-            "flags": list(self.flags),
-        }
-        if self.pinned:
-            d["pinned"] = self.pinned
-        if self.evidence:
-            d["evidence"] = self.evidence
+        d = {k: getattr(self, k) for k in ("allowed", "rule", "zone", "reason", "check", "hint")}
+        d["flags"] = list(self.flags)
+        d.update((k, getattr(self, k)) for k in ("pinned", "evidence") if getattr(self, k))  # only when set
         if self.flagged:
             d["flagged"] = [dict(x) for x in self.flagged]
         return d

@@ -104,26 +104,16 @@ def expand(word: str, *, home: str, base: str) -> tuple[str | None, bool]:
         return None, False  # command or process substitution: known only at run time
     if w.startswith("~"):
         head, sep, rest = w.partition("/")
-        if head == "~":
-            w = home + sep + rest
-        else:
-            w = "/home/" + head[1:] + sep + rest
+        w = (home if head == "~" else "/home/" + head[1:]) + sep + rest
     while "$" in w:
         i = w.index("$")
         m = _VAR.match(w[i:])
         if not m:
             return None, False
         name = m.group(1) or m.group(3)
-        default = m.group(2)
-        if name == "HOME":
-            val = home
-        elif name in ("TMPDIR", "TMP", "TEMP"):
-            val = "/tmp"
-        elif name == "PWD":
-            val = base
-        elif default:
-            val = default
-        else:
+        # an unknown variable counts only with a non-empty default (${VAR:-/x})
+        val = {"HOME": home, "TMPDIR": "/tmp", "TMP": "/tmp", "TEMP": "/tmp", "PWD": base}.get(name, m.group(2) or None)
+        if val is None:
             return None, False
         w = w[:i] + val + w[i + m.end():]
     glob = False

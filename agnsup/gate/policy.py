@@ -25,17 +25,11 @@ BUILTINS = frozenset({":", "cd", "pushd", "popd", "echo", "printf", "test", "[",
 
 def _matches(entry: str, ex: Exec) -> bool:
     words = entry.split()
-    if not words:
+    if not words or words[0] not in (ex.prog, *ex.via):
         return False
-    names = (ex.prog,) + tuple(ex.via)
-    if words[0] not in names:
-        return False
-    if len(words) == 1:
-        return True
-    if words[0] != ex.prog:
-        return False
-    args = ex.args
-    return all(any(_word_matches(w, a) for a in args) for w in words[1:])
+    # a program alone matches it as a wrapper too; the words after it, only among its own arguments
+    return len(words) == 1 or (words[0] == ex.prog and all(any(_word_matches(w, a) for a in ex.args)
+                                                           for w in words[1:]))
 
 
 def _word_matches(w: str, a: str) -> bool:

@@ -184,7 +184,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True  # an unread body would be taken for the next request on this connection
         self._json(e.status, {"code": e.code, "message": e.message, **{k: v for k, v in e.extra.items() if v}}, head)
 
-    def _route(self, method: str) -> None:
+    def _route(self) -> None:
+        method = self.command  # the request line's method, as http.server dispatched it to do_<method>
         url = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(url.query)
         app = self.app
@@ -207,20 +208,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except Refused as e:
             self._error(e, method == "HEAD")
 
-    def do_GET(self):
-        self._route("GET")
-
-    def do_HEAD(self):
-        self._route("HEAD")
-
-    def do_PUT(self):
-        self._route("PUT")
-
-    def do_DELETE(self):
-        self._route("DELETE")
-
-    def do_POST(self):
-        self._route("POST")
+    do_GET = do_HEAD = do_PUT = do_DELETE = do_POST = _route
 
 
 class RestApp:

@@ -108,14 +108,14 @@ class Procs:
 def communicate(p, timeout: float) -> tuple[int | None, str, str]:
     try:
         out, err = p.communicate(timeout=timeout)
+        rc, note = p.returncode, ""
     except Exception as e:  # noqa: BLE001 - subprocess.TimeoutExpired, without importing subprocess here
         if type(e).__name__ != "TimeoutExpired":
             raise
         p.kill()
         out, err = p.communicate()
-        return None, (out or b"").decode(errors="replace"), (err or b"").decode(errors="replace") + \
-            f"\n[selftest: killed after {timeout} s]"
-    return p.returncode, (out or b"").decode(errors="replace"), (err or b"").decode(errors="replace")
+        rc, note = None, f"\n[selftest: killed after {timeout} s]"
+    return rc, (out or b"").decode(errors="replace"), (err or b"").decode(errors="replace") + note
 
 
 # -- identity and liveness, by pidfd ----------------------------------------
@@ -172,8 +172,8 @@ class Watch:
 def tree_watches(prefix: str, info: dict) -> list[Watch]:
     """Watches for every process a stubborn-tree reported: leader, detached, stripped."""
     out = [Watch(f"{prefix} leader", info["pid"], info["starttime"])]
-    for k, g in enumerate(info.get("detached") or []):
-        out.append(Watch(f"{prefix} detached#{k + 1}", g["pid"], g["starttime"]))
+    out += [Watch(f"{prefix} detached#{k}", g["pid"], g["starttime"])
+            for k, g in enumerate(info.get("detached") or [], 1)]
     if info.get("stripped"):
         out.append(Watch(f"{prefix} stripped", info["stripped"]["pid"], info["stripped"]["starttime"]))
     return out

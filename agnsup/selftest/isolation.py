@@ -30,9 +30,6 @@ import time
 from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, FORK_BOMB, MEMORY_HOG,
                      STATE_ROOT, TTY_INJECTION, WRITE_ESCAPE)
 
-GATES = ("HOST_ENV_LEAK", "HOME_VISIBILITY", "CREDENTIAL_VISIBILITY", "STATE_ROOT_VISIBLE", "PROJECT_ESCAPE",
-         "NETWORK_EGRESS_NONE", "CGROUP_ESCAPE", "ENVIRON_FORGE", "CONTROLLER_SIGNAL", "HOST_PROCESS_VISIBILITY",
-         "TTY_INJECTION", "MOUNT_LEAK", "OOM_OUTSIDE_CELL", "FORK_BOMB_OUTSIDE_CELL", "OUTPUT_LIMIT_BYPASS")
 
 # Small limits for the limit gates: the host must stay usable while they run.
 LIMITS = {"memory_max": '"64M"', "pids_max": "64", "output_max": '"1M"', "cpu_max": "0.5"}
@@ -158,11 +155,18 @@ def _gate(name: str, status: str, evidence: str) -> dict:
     return {"gate": name, "status": status, "evidence": evidence.strip()[:2000]}
 
 
-def _limits_refused(name: str, res: dict, controller: str) -> dict | None:
-    """ENV_BLOCKED when the cell was refused because its limits cannot be in force here."""
-    if "requires limits, which are not in force here" in str(res.get("error", "")):
-        return _gate(name, f"ENV_BLOCKED: {controller} controller", res["error"])
-    return None
+def _limited(name: str, res: dict, controller: str) -> tuple[dict | None, dict, dict]:
+    """(the gate's verdict when the probe proved nothing about the `controller` limit, else None;
+    the receipt; its usage). ENV_BLOCKED when the limit cannot be in force here."""
+    blocked = f"ENV_BLOCKED: {controller} controller"
+    if "error" in res:
+        if "requires limits, which are not in force here" in str(res["error"]):
+            return _gate(name, blocked, res["error"]), {}, {}
+        return _judge(name, res, ""), {}, {}
+    r = res["receipt_data"]
+    if controller not in r["limits"]["applied"]:
+        return _gate(name, blocked, f"no writable {controller} cgroup for the cell"), r, {}
+    return None, r, r.get("usage", {})
 
 
 def _judge(name: str, res: dict, what: str) -> dict:
@@ -471,18 +475,11 @@ def gate_mount_leak(h: Harness) -> dict:
     return _gate("MOUNT_LEAK", "PASS", f"host mount table unchanged by the cell; {inside}{note}")
 
 
-def _usage(res: dict) -> dict:
-    return res.get("receipt_data", {}).get("usage", {})
-
-
 def gate_oom(h: Harness) -> dict:
     res = h.probe(MEMORY_HOG, role="selftest-limits", timeout=120)
-    if "error" in res:
-        return _limits_refused("OOM_OUTSIDE_CELL", res, "memory") or _judge("OOM_OUTSIDE_CELL", res, "")
-    r = res["receipt_data"]
-    if "memory" not in r["limits"]["applied"]:
-        return _gate("OOM_OUTSIDE_CELL", "ENV_BLOCKED: memory controller", "no writable memory cgroup for the cell")
-    u = _usage(res)
+    verdict, r, u = _limited("OOM_OUTSIDE_CELL", res, "memory")
+    if verdict:
+        return verdict
     peak = u.get("memory_max_usage") or u.get("memory_peak") or 0
     ev = (f"reason {r['reason']}, state {r['state']}, cell oom_kills {u.get('oom_kills')}, "
           f"peak {peak} of {64 << 20}")
@@ -523,12 +520,9 @@ def gate_fork_bomb(h: Harness) -> dict:
     finally:
         done.set()
         t.join(30)
-    if "error" in res:
-        return _limits_refused("FORK_BOMB_OUTSIDE_CELL", res, "pids") or _judge("FORK_BOMB_OUTSIDE_CELL", res, "")
-    r = res["receipt_data"]
-    if "pids" not in r["limits"]["applied"]:
-        return _gate("FORK_BOMB_OUTSIDE_CELL", "ENV_BLOCKED: pids controller", "no writable pids cgroup for the cell")
-    u = _usage(res)
+    verdict, r, u = _limited("FORK_BOMB_OUTSIDE_CELL", res, "pids")
+    if verdict:
+        return verdict
     ev = (f"ended {r['reason']} after {r['duration']:.1f} s, pids_max_events {u.get('pids_max_events')}, "
           f"most processes seen {stats['most']} (limit 64), host forks meanwhile {stats['host_forks']} "
           f"(slowest {stats['slowest'] * 1000:.0f} ms)")
@@ -572,6 +566,7 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
            "CONTROLLER_SIGNAL": gate_controller_signal, "HOST_PROCESS_VISIBILITY": gate_host_processes,
            "TTY_INJECTION": gate_tty_injection, "MOUNT_LEAK": gate_mount_leak, "OOM_OUTSIDE_CELL": gate_oom,
            "FORK_BOMB_OUTSIDE_CELL": gate_fork_bomb, "OUTPUT_LIMIT_BYPASS": gate_output_limit}
+GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 
 
 def run_gates(keep: bool = False, only: list[str] | None = None, user: int | None = None) -> dict:

@@ -324,18 +324,14 @@ class Scenario:
 
         # OWNERSHIP_RECORD_MISSING: every field, and each agrees with what the kernel says
         from ..linux.proc import boot_id
-        missing = []
+        got = row or {}
         want = {"run_id": "R1", "agent_id": "A", "cell_id": "A1", "pid": pid, "starttime": info["starttime"],
                 "pgid": info["pgid"], "boot_id": boot_id()}
-        for k, val in want.items():
-            if (row or {}).get(k) != val:
-                missing.append(f"{k}={(row or {}).get(k)!r} (expected {val!r})")
-        for k in ("controller", "cgroup"):
-            if not (row or {}).get(k):
-                missing.append(f"{k} missing")
+        missing = [f"{k}={got.get(k)!r} (expected {val!r})" for k, val in want.items() if got.get(k) != val]
+        missing += [f"{k} missing" for k in ("controller", "cgroup") if not got.get(k)]
         if not self.token1 or len(self.token1) < 16:
             missing.append("ownership token missing from the journal")
-        ctl = journal_rows(self.state, "SELECT pid, boot_id FROM controllers WHERE id=?", ((row or {}).get("controller"),))
+        ctl = journal_rows(self.state, "SELECT pid, boot_id FROM controllers WHERE id=?", (got.get("controller"),))
         if not ctl or ctl[0]["pid"] != self.ctl1.pid:
             missing.append(f"controller instance row {ctl} does not name the controller pid {self.ctl1.pid}")
         self.v.check("OWNERSHIP_RECORD_MISSING", not missing, "; ".join(missing) or
@@ -557,10 +553,7 @@ class Scenario:
                      "phase3")
 
     def check_resources_r1(self, row) -> None:
-        left = []
-        for path in ((row or {}).get("cgroup") or {}).values():
-            if os.path.exists(path):
-                left.append(f"cgroup {path}")
+        left = [f"cgroup {path}" for path in ((row or {}).get("cgroup") or {}).values() if os.path.exists(path)]
         tmp = os.path.join(self.state, "cells", "R1", "A1", "tmp")
         if os.path.exists(tmp):
             left.append(f"temp dir {tmp}")
@@ -710,17 +703,13 @@ class Scenario:
 
     def check_resources_r2(self, cells: dict) -> None:
         from ..linux import cgroup
-        left = []
         base = cgroup.base_node(cgroup.detect_layout(), self.state)
         run_dirs = cgroup.scope_node(base, "R2").paths.values()
-        left += [f"cgroup {p}" for p in run_dirs if os.path.exists(p)]
-        for cell in list(cells) + ["A3", "C1"]:
-            tmp = os.path.join(self.state, "cells", "R2", cell, "tmp")
-            if os.path.exists(tmp):
-                left.append(f"temp dir {tmp}")
-        for k, r in cells.items():
-            if r["lock_path"] and not flock_free(r["lock_path"]):
-                left.append(f"worktree lock of {k} held")
+        tmps = [os.path.join(self.state, "cells", "R2", cell, "tmp") for cell in [*cells, "A3", "C1"]]
+        left = [f"cgroup {p}" for p in run_dirs if os.path.exists(p)]
+        left += [f"temp dir {tmp}" for tmp in tmps if os.path.exists(tmp)]
+        left += [f"worktree lock of {k} held" for k, r in cells.items()
+                 if r["lock_path"] and not flock_free(r["lock_path"])]
         self.v.check("RESOURCE_LEAK", not left, f"after cleanup of R2: {left}" if left else
                      "after cleanup of R2: no cgroup under run-R2, no temp dir, no lock held", "phase4")
 
@@ -744,9 +733,8 @@ class Scenario:
     def teardown(self) -> None:
         """Stop what the harness itself started (sentinel, innocent, controllers it
         still waits for); cell trees left behind are the driver's to kill by cgroup."""
-        for key in ("sentinel",):
-            for w in self.watches.get(key, []):
-                w.kill()
+        for w in self.watches.get("sentinel", []):
+            w.kill()
         if getattr(self, "innocent_watch", None) is not None:
             self.innocent_watch.kill()
         for p in self.procs.started:

@@ -194,17 +194,13 @@ class Pump:
 
     def _take(self, s: Stream, data: bytes) -> None:
         """Bytes read from the cell: what of them goes on (the cap), as `s.pending`."""
-        if not s.counted:
-            if s.broken is None:
-                s.pending = memoryview(data)
-            return
-        if self.overflowed:
-            return  # past the cap: read to let the writer die, deliver nothing
-        room = None if self.cap is None else self.cap - self.total
-        self.total += len(data)
-        if room is not None and len(data) > room:
-            data = data[:room]
-            self.overflowed = True
+        if s.counted:  # what the user types (not counted) is never capped
+            if self.overflowed:
+                return  # past the cap: read to let the writer die, deliver nothing
+            room = None if self.cap is None else self.cap - self.total
+            self.total += len(data)
+            if room is not None and len(data) > room:
+                data, self.overflowed = data[:room], True
         if s.broken is None:
             s.pending = memoryview(data)
 

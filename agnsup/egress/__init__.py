@@ -38,9 +38,7 @@ def proxy_env(port: int) -> dict[str, str]:
     http = f"http://{PROXY_HOST}:{port}"
     env = {"HTTP_PROXY": http, "HTTPS_PROXY": http, "ALL_PROXY": f"socks5h://{PROXY_HOST}:{port}",
            "NO_PROXY": "localhost,127.0.0.1"}
-    for k in list(env):
-        env[k.lower()] = env[k]
-    return env
+    return {**env, **{k.lower(): v for k, v in env.items()}}
 
 
 def serve(listener, rules, journal_path: str, run_id: str, cell_id: str):

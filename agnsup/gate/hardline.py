@@ -344,12 +344,7 @@ def _power(ex: Exec, c: _Ctx) -> Finding | None:
 
 def _command_path(args: list[str]) -> list[str]:
     """`az storage blob delete --name x` -> [storage, blob, delete]: the words before the first option."""
-    out = []
-    for a in args:
-        if a.startswith("-"):
-            break
-        out.append(a)
-    return out
+    return args[:next((i for i, a in enumerate(args) if a.startswith("-")), len(args))]
 
 
 def _dry_run(args: list[str]) -> bool:
@@ -412,7 +407,7 @@ def _cloud(ex: Exec, c: _Ctx) -> Finding | None:
     return None
 
 
-def _exhaustion(ex: Exec, c: _Ctx, an: Analysis) -> Finding | None:
+def _exhaustion(ex: Exec, c: _Ctx) -> Finding | None:
     prog, args = ex.prog, ex.args
     if prog in ("fallocate", "truncate"):
         for i, a in enumerate(args):
@@ -440,7 +435,7 @@ def _exhaustion(ex: Exec, c: _Ctx, an: Analysis) -> Finding | None:
     return None
 
 
-_EXEC_RULES = (_recursive_delete, _device_and_system_writes, _permissions, _disks, _power, _cloud)
+_EXEC_RULES = (_recursive_delete, _device_and_system_writes, _permissions, _disks, _power, _cloud, _exhaustion)
 
 
 def check(an: Analysis, *, home: str | None, worktree: str, unknown_operands: str = "flag",
@@ -460,9 +455,6 @@ def check(an: Analysis, *, home: str | None, worktree: str, unknown_operands: st
             f = rule(ex, c)
             if f is not None:
                 return f
-        f = _exhaustion(ex, c, an)
-        if f is not None:
-            return f
     if c.unknown:
         if unknown_operands == "deny":
             n = c.unknown[0]

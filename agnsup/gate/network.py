@@ -81,9 +81,7 @@ def parse_ipv4(host: str) -> str | None:
     *head, last = nums
     if any(n > 255 for n in head) or last >= 256 ** (5 - len(nums)):
         return None
-    value = last
-    for i, n in enumerate(head):
-        value += n << (8 * (3 - i))
+    value = last + sum(n << (8 * (3 - i)) for i, n in enumerate(head))
     return ".".join(str((value >> s) & 255) for s in (24, 16, 8, 0))
 
 
@@ -390,11 +388,7 @@ def destinations(ex: Exec) -> list[str]:
         pos, dest = _positionals(args, _NC_VALUE, _NC_DEST)
         out += pos[:1] + dest
     elif p == "socat":
-        for a in args:
-            m = _SOCAT_CONNECT.match(a)
-            if m:
-                host = m.group(1).rsplit(":", 1)[0] if ":" in m.group(1) else m.group(1)
-                out.append(host)
+        out += [m.group(1).rsplit(":", 1)[0] for m in map(_SOCAT_CONNECT.match, args) if m]  # host[:port]
     elif p in ("ssh", "sftp", "ftp", "lftp"):
         pos, dest = _positionals(args, _SSH_VALUE | {"-L", "-R", "-D", "-w"}, _SSH_DEST)
         out += pos[:1] + [d for x in dest for d in x.split(",")]
@@ -410,9 +404,7 @@ def destinations(ex: Exec) -> list[str]:
         host, port = "", ""
         for i, a in enumerate(args):
             nxt = args[i + 1] if i + 1 < len(args) else ""
-            if a in ("-connect", "--connect"):
-                host = nxt
-            elif a == "-host":
+            if a in ("-connect", "--connect", "-host"):
                 host = nxt
             elif a == "-proxy":
                 out.append(nxt)
@@ -513,16 +505,15 @@ def judge_host(h: str, addrs: list, ctx: GateContext, evidence: str, what: str) 
     address the role does not list in network.allow_internal, is refused."""
     if h in METADATA_HOSTS and "metadata" not in ctx.allow_internal:
         return deny("network.ssrf_metadata", f"{h} is a cloud metadata endpoint ({what}).", HINT_SSRF, evidence)
+    named = h.strip("[]")
     for a in addrs:
         why = classify_address(a)
         if why == "public" or internal_allowed(a, why, ctx.allow_internal):
             continue
         if why == "metadata":
-            named = h.strip("[]")
             which = named if named == str(a) else f"{named} ({a})"
             return deny("network.ssrf_metadata", f"{which} is a cloud metadata address ({what}).", HINT_SSRF,
                         evidence)
-        named = h.strip("[]")
         which = f"{named} is a {why} address" if named == str(a) else f"{named} is {a}, a {why} address"
         return deny("network.ssrf", f"{which} ({what}), and role '{ctx.role}' does not list it in "
                     "network.allow_internal; only public addresses may be reached.", HINT_SSRF, evidence)

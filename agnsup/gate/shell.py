@@ -103,18 +103,11 @@ def word_value(n, w: "_Walker | None" = None) -> tuple[str, bool]:
     if t == "concatenation":
         parts = [word_value(c, w) for c in n.children]
         return "".join(p for p, _ in parts), all(lit for _, lit in parts)
-    if w is not None:
-        if t in ("simple_expansion", "expansion"):
-            v = w.variable(n)
-            if v is not None:
-                return v, True
-        elif t == "command_substitution":
-            v = w.substitution(n)
-            if v is not None:
-                return v, True
-    if t in _EXPANSIONS:
-        return _text(n), False
-    return _text(n), True
+    if w is not None and t in ("simple_expansion", "expansion", "command_substitution"):
+        v = w.substitution(n) if t == "command_substitution" else w.variable(n)
+        if v is not None:
+            return v, True
+    return _text(n), t not in _EXPANSIONS
 
 
 # --- what echo / printf / cat print ------------------------------------------------
@@ -317,10 +310,8 @@ class _Walker:
 
     # -- statements ---------------------------------------------------------
     def visit(self, n, bg: bool = False, loop: int | None = None, pipe_in: str | None = None) -> None:
-        if self.nesting >= MAX_NESTING:
-            self._deeper(n)  # records why the rest is not judged
-            return
-        self.nesting += 1
+        if not self._deeper(n):
+            return  # too deep: _deeper recorded why the rest is not judged
         try:
             self._visit(n, bg, loop, pipe_in)
         finally:
@@ -468,7 +459,7 @@ class _Walker:
         elif not ex.literal[-1] or args[0] == "-":
             self.cwd = "\0unknown"
         elif args[0].startswith(("/", "~")) or self.cwd is None:
-            self.cwd = args[0] if args[0].startswith(("/", "~")) else args[0]
+            self.cwd = args[0]
         else:
             self.cwd = self.cwd.rstrip("/") + "/" + args[0]
 
@@ -484,12 +475,9 @@ class _Walker:
             self.visit(c, bg, loop)
         words = [word_value(c, self) for c in values]
         known = [v for v, lit in words if lit]
-        if values and len(known) == len(values) and len(known) <= MAX_FOR_VALUES:
-            for v in known:  # judge the body once per value
-                self.vars[name] = v
-                self.visit(body, bg, loop)
-        else:
-            self.vars[name] = None
+        # the body is judged once per value when all are known (and few), else once with the variable unknown
+        for v in known if values and len(known) == len(values) <= MAX_FOR_VALUES else [None]:
+            self.vars[name] = v
             self.visit(body, bg, loop)
 
     def function(self, n, bg, loop) -> None:

@@ -82,9 +82,7 @@ class Sandboxd:
         from .rest import Files, RestApp, server
         self.sup = Supervisor(state_dir, kind="sandboxd")
         self.stop = threading.Event()
-        self.grpc = None
-        self.rest = None
-        self.files = None
+        self.grpc = self.rest = self.files = None
         try:
             self.files = Files(self.sup, role=role, workdir=self.workdir, run_id=run_id)  # the role checked here
             self.process = ProcessService(self.sup, role=role, workdir=self.workdir, run_id=run_id, agent_id=agent_id)

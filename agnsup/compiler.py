@@ -182,10 +182,8 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, 
     keys = [f"expose{i}" for i in range(len(expose))]
     clones = [("clone", p, k, True) for p, k in zip(expose, keys)]
     targets = [(p, os.path.isdir(p)) for p in expose] + [(wt, True)]
-    places = []
-    for h in homes:
-        points = tuple((p, d) for p, d in targets if _under(p, h) and p != h)
-        places.append(("hide", h, "", True, points))
+    places = [("hide", h, "", True, tuple((p, d) for p, d in targets if _under(p, h) and p != h))
+              for h in homes]  # each home hidden, with the mount points made inside its tmpfs
     places += [("attach", p, k) for p, k in zip(expose, keys)]
     return clones, places, homes, expose
 

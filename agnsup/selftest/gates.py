@@ -74,12 +74,7 @@ class Verdicts:
         for g in self.gates:
             status, evidence = self.verdict(g)
             gates[g] = {"status": status, "evidence": evidence, "checks": self.checks[g]}
-        if self.invalid:
-            status = "INVALID"
-        elif all(v["status"] == PASS for v in gates.values()):
-            status = PASS
-        else:
-            status = FAIL
+        status = "INVALID" if self.invalid else PASS if all(v["status"] == PASS for v in gates.values()) else FAIL
         return {"status": status, "invalid": self.invalid, "gates": gates}
 
 
@@ -87,8 +82,7 @@ def format_table(run: dict, width: int = 110) -> str:
     """One run's gates as a text table an operator can paste into a bug report."""
     lines = [f"run {run['index'] + 1}  seed {run['seed']}  {run['status']}  ({run.get('seconds', 0):.1f} s)  "
              f"choices: {_choices(run.get('choices', {}))}"]
-    for why in run.get("invalid", []):
-        lines.append(f"  INVALID: {why}")
+    lines += [f"  INVALID: {why}" for why in run.get("invalid", [])]
     for g, v in run.get("gates", {}).items():
         status = v["status"]
         ev = "" if status == PASS else "  " + v["evidence"]

@@ -195,9 +195,7 @@ class Controller:
         spec = cell.spec
 
         def cancelled():
-            why = self.journal.cancel_reason(spec.run_id, spec.cell_id)
-            if why:
-                raise CancelledBeforeStart(f"cell {spec.cell_id} of run {spec.run_id} was {why} before it started")
+            self.journal.refuse_cancelled(spec.run_id, spec.cell_id)
         try:
             cell.lock_fd = locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", spec.lock_timeout,
                                          f"worktree {spec.worktree}", self._owner(spec), False, tree=spec.worktree,

@@ -288,7 +288,7 @@ class _Janitor:
 
         def journal_plans(plans) -> None:  # the plans survive us: a next janitor reports them
             self.j.add_recovery_plans([(t.run_id, t.cell_id, {"janitor": self.id, "controller": by_target[id(t)].cid,
-                                        "candidates": [_public(k) for k in cands.values()]})
+                                        "candidates": [reaper.public(k) for k in cands.values()]})
                                        for t, cands in plans if cands])
 
         done = reaper.stop(self.backend, [c.target for c in todo], thorough=True, on_plan=journal_plans)
@@ -363,10 +363,6 @@ def _reason(c: _Cell) -> str:
                                 "PR_SET_PDEATHSIG(SIGKILL) (on_controller_death = kill); nothing was left to kill")
         return "controller_died"
     return "recovered"
-
-
-def _public(k: dict) -> dict:
-    return {key: v for key, v in k.items() if key != "recheck"}
 
 
 def _spared(pid: int, reason: str) -> dict:

@@ -26,6 +26,7 @@ import json
 import os
 import time
 from contextlib import contextmanager, nullcontext
+from functools import partialmethod
 
 try:
     # The C module itself (same connect, Row and errors): the sqlite3 package
@@ -78,9 +79,7 @@ class Journal:
             self.db.execute("PRAGMA wal_autocheckpoint = 256")
             version = self.db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
-            if _corrupt(e):
-                raise self._damaged(str(e)) from None
-            raise StateError(f"journal {path} is unusable: {e}") from None
+            raise self._failed(e, f"journal {path} is unusable: {e}") from None
         if mode != "wal":
             raise StateError(f"journal {path}: cannot switch to WAL mode (got {mode})")
         self._file = _file_id(path)
@@ -123,9 +122,7 @@ class Journal:
                 except sqlite3.Error:
                     pass
                 if isinstance(e, sqlite3.Error):
-                    if _corrupt(e):
-                        raise self._damaged(str(e)) from None
-                    raise StateError(f"journal {self.path}: cannot write: {e}") from None
+                    raise self._failed(e, f"journal {self.path}: cannot write: {e}") from None
                 raise
 
     def _within(self, db):
@@ -148,9 +145,11 @@ class Journal:
             with self.lock or nullcontext():
                 return self.db.execute(sql, args).fetchall()
         except sqlite3.Error as e:
-            if _corrupt(e):
-                raise self._damaged(str(e)) from None
-            raise StateError(f"journal {self.path}: cannot read: {e}") from None
+            raise self._failed(e, f"journal {self.path}: cannot read: {e}") from None
+
+    def _failed(self, e: Exception, message: str) -> StateError:
+        """An SQLite error as agnsup's: JournalDamaged (and the file marked) when corrupt, else StateError."""
+        return self._damaged(str(e)) if _corrupt(e) else StateError(message)
 
     def _damaged(self, why: str) -> JournalDamaged:
         """SQLite found the file corrupt: mark it, so that no later command writes into it."""
@@ -227,11 +226,13 @@ class Journal:
                 self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
             self.event(db, "state." + state, run_id, cell_id)
 
-    def mark_starting(self, run_id: str, cell_id: str) -> None:
-        """A waiting cell took its worktree lock."""
+    def _mark(self, run_id: str, cell_id: str, state: str) -> None:
         with self.tx() as db:
-            self._move_cell(db, run_id, cell_id, "starting")
-            self.event(db, "state.starting", run_id, cell_id)
+            self._move_cell(db, run_id, cell_id, state)
+            self.event(db, "state." + state, run_id, cell_id)
+
+    mark_starting = partialmethod(_mark, state="starting")  # a waiting cell took its worktree lock
+    mark_running = partialmethod(_mark, state="running")
 
     def _quota_usage(self, db, run_id: str, agent_id: str, now: float) -> tuple[int, int, int, float | None]:
         """(cells in the run, live cells of the run, live cells of the agent, run age in s or None)."""
@@ -253,23 +254,21 @@ class Journal:
         wins: CancelledBeforeStart, and the command never runs. The crash point
         "journal_tx" dies inside this transaction (SQLite rolls it back)."""
         with self.tx(crash_point="journal_tx") as db:
-            why = db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
-                             (run_id, cell_id)).fetchone()[0]
-            if why:
-                raise CancelledBeforeStart(f"cell {cell_id} of run {run_id} was {why} before it started")
+            self.refuse_cancelled(run_id, cell_id)  # the same connection: it reads inside this transaction
             self._set(db, run_id, cell_id, {k: ident[k] for k in ("pid", "pidfd_ino", "starttime", "pgid")}
                       | {"started_at": ident["started_at"]})
             self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
-
-    def mark_running(self, run_id: str, cell_id: str) -> None:
-        with self.tx() as db:
-            self._move_cell(db, run_id, cell_id, "running")
-            self.event(db, "state.running", run_id, cell_id)
 
     def cancel_reason(self, run_id: str, cell_id: str) -> str | None:
         """The first cancel recorded for the cell by any process, or None."""
         row = self._one("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id))
         return row[0] if row else None
+
+    def refuse_cancelled(self, run_id: str, cell_id: str) -> None:
+        """A cancel recorded before the cell started wins: CancelledBeforeStart, and its command never runs."""
+        why = self.cancel_reason(run_id, cell_id)
+        if why:
+            raise CancelledBeforeStart(f"cell {cell_id} of run {run_id} was {why} before it started")
 
     def conclude_cell(self, receipt: dict, receipt_path: str | None, end_controller: str | None = None) -> None:
         """The cell's terminal state and its receipt, in one transaction (with
@@ -308,13 +307,10 @@ class Journal:
         db.execute(f"UPDATE runs SET state=:state{sets} WHERE run_id=:run_id AND state=:was",
                    {**fields, "state": state, "run_id": run_id, "was": was})
 
-    def record_denied(self, run_id: str, cell_id: str, **data) -> None:
-        """A denied call starts nothing, but the journal remembers it was asked."""
-        self.add_event("denied", run_id, cell_id, **data)
-
-    def record_refused(self, run_id: str, cell_id: str | None, **data) -> None:
-        """A start refused before a cell existed (not found, not executable): an event too."""
-        self.add_event("refused", run_id, cell_id, **data)
+    # (run_id, cell_id, **data): a denied call starts nothing, but the journal remembers it was
+    # asked; a start refused before a cell existed (not found, not executable) is an event too.
+    record_denied = partialmethod(add_event, "denied")
+    record_refused = partialmethod(add_event, "refused")
 
     def refusals(self, run_id: str | None = None) -> list[dict]:
         """The denied and refused calls, oldest first."""
@@ -322,6 +318,7 @@ class Journal:
         return [{"kind": k, "run_id": r, "cell_id": c, "t": t, **json.loads(d or "{}")} for k, r, c, t, d in self._all(
             f"SELECT kind, run_id, cell_id, t, data FROM events WHERE kind IN ('denied','refused') {where} "
             "ORDER BY id", args)]
+
     def record_file_op(self, run_id: str, op: str, **data) -> None:
         """One call of sandboxd's filesystem API (read, stat, write, delete), allowed or refused."""
         self.add_event(f"file.{op}", run_id, None, **data)
@@ -550,9 +547,6 @@ class Journal:
                  receipt.get("signal"), receipt.get("reason"), receipt.get("cancel_reason"), receipt_path))
             self._add_receipt(db, "cell", run_id, cell_id, receipt)
             self.event(db, "repair.imported", run_id, cell_id, receipt=receipt_path)
-
-    def add_repair(self, report: dict) -> None:
-        self.add_event("repair", **report)
 
     def query_plan(self, sql: str) -> str:
         """EXPLAIN QUERY PLAN of one of this module's queries (tests: the indexes serve them)."""

@@ -102,9 +102,7 @@ def _try_tree(path: str, mode: int, tree: str) -> tuple[int | None, str]:
         fd = _try(path, mode)
         if fd is None:
             return None, path
-        data = (tree + "\n").encode()  # what _clash reads; shared holders all write the same bytes
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        _own(fd, "", tree)  # the tree alone, what _clash reads: shared holders all write the same bytes
         clash = _clash(path, tree, mode == fcntl.LOCK_EX)
         if clash is not None:
             os.close(fd)
@@ -138,12 +136,10 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
     if fd is None:
         also = "" if in_way == path else f", overlapping {_tree_of(in_way)}"
         line = f"agnsup: waiting for the {what} lock (held by {holder(in_way)}{also})"
-        if notify is False:
-            pass
-        elif notify is not None:
-            notify(line)
-        else:
+        if notify is None:
             print(line, file=sys.stderr, flush=True)
+        elif notify is not False:
+            notify(line)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
         while fd is None:
@@ -161,9 +157,9 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
 
 
 def _own(fd: int, owner: str, tree: str | None) -> None:
-    """Say who holds an exclusive lock. Write, then cut to length: truncating to 0
-    first would make ext4 flush the file on close (auto_da_alloc, ~4 ms a lock) for
-    a file that is unlinked right after anyway."""
+    """Say who holds the lock: its tree (a worktree lock), then its owner (when exclusive).
+    Write, then cut to length: truncating to 0 first would make ext4 flush the file on
+    close (auto_da_alloc, ~4 ms a lock) for a file that is unlinked right after anyway."""
     data = ((tree + "\n") if tree else "").encode() + owner.encode()
     os.pwrite(fd, data, 0)
     os.ftruncate(fd, len(data))
@@ -176,10 +172,10 @@ def release(path: str, fd: int) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.unlink(path)
         unlinked = True
-    except (BlockingIOError, FileNotFoundError):
-        pass
     except OSError:
-        pass  # a read-only or full state root: the lock is dropped (close) all the same; the file stays
+        # held by another or already gone; or a read-only or full state root: the lock is
+        # dropped (close) all the same, the file stays
+        pass
     finally:
         os.close(fd)
     return unlinked

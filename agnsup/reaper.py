@@ -129,6 +129,11 @@ def find(backend, t: Target, snap, ev=None, thorough: bool = False, exclude: tup
     return found, spared
 
 
+def public(cand: dict) -> dict:
+    """A candidate as the receipts and the journal show it: without its recheck plan."""
+    return {k: v for k, v in cand.items() if k != "recheck"}
+
+
 class _Job:
     """One target's stop in progress: its evidence (when it counts) and its outcome."""
 
@@ -249,7 +254,7 @@ def _verify(backend, j: _Job, cands: dict, live: bool, sent: dict, verify_by: fl
         r.empty = False
         r.error = r.error or f"cell cgroup {t.place.dir} is still populated {VERIFY_TIMEOUT:g} s after the kill"
     for c in cands.values():
-        rec = {k: v for k, v in c.items() if k != "recheck"}
+        rec = public(c)
         if c["via"] == "cgroup":
             rec["method"] = r.method or "none"
         else:

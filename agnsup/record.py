@@ -60,10 +60,8 @@ class Record:
         cls._plain = {n: d for n, d in defaults.items() if not isinstance(d, Factory)}
         cls._factories = tuple((n, d.make) for n, d in defaults.items() if isinstance(d, Factory))
         cls._frozen = frozen or cls._frozen
-        if cls._frozen:
-            cls.__hash__ = Record._hash
-        else:
-            cls.__hash__ = None  # mutable and compared by value: unhashable, like a dataclass
+        # a mutable record is compared by value: unhashable, like a dataclass
+        cls.__hash__ = Record._hash if cls._frozen else None
 
     def __init__(self, *args, **kwargs) -> None:
         # Hot: the gate builds several records per judged line (agnsup check --batch): defaults

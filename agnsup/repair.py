@@ -106,7 +106,7 @@ def repair(state, backend=None) -> dict:
             imported.append(f"{run_id}/{cell_id}")
         out = {"quarantined": moved, "imported": imported, "skipped": skipped,
                "problems_before": report["problems"]}
-        j.add_repair({k: v for k, v in out.items() if k != "problems_before"} | {"problems": report["problems"]})
+        j.add_event("repair", **{k: v for k, v in out.items() if k != "problems_before"}, problems=report["problems"])
     finally:
         j.close()
     return out

@@ -61,22 +61,14 @@ def decide(limits, usage: Usage | None, role: str, run_id: str = "", agent_id: s
             return ok("quota.unjudged", "not judged without the journal (agnsup run judges them when the cell "
                       "starts): " + ", ".join(pending))
         return ok("quota.pass", "no quota set")
-    n = lim.get("max_cells_per_run")
-    if n is not None and usage.cells_in_run >= n:
-        return deny(RULES["max_cells_per_run"], f"{run} has started {usage.cells_in_run} cells and role '{role}' "
-                    f"allows {n:g} per run (quota.max_cells_per_run).", _hint("max_cells_per_run", role))
-    n = lim.get("max_concurrent_per_run")
-    if n is not None and usage.live_in_run >= n:
-        return deny(RULES["max_concurrent_per_run"], f"{run} holds {usage.live_in_run} live cells and role "
-                    f"'{role}' allows {n:g} at once (quota.max_concurrent_per_run).",
-                    _hint("max_concurrent_per_run", role))
-    n = lim.get("max_concurrent_per_agent")
-    if n is not None and usage.live_of_agent >= n:
-        return deny(RULES["max_concurrent_per_agent"], f"{agent} of {run} holds {usage.live_of_agent} live cells "
-                    f"and role '{role}' allows {n:g} at once (quota.max_concurrent_per_agent).",
-                    _hint("max_concurrent_per_agent", role))
-    n = lim.get("max_run_seconds")
-    if n is not None and usage.run_age is not None and usage.run_age >= n:
-        return deny(RULES["max_run_seconds"], f"{run} began {usage.run_age:.0f} s ago and role '{role}' allows "
-                    f"{n:g} s of wall time per run (quota.max_run_seconds).", _hint("max_run_seconds", role))
+    age = usage.run_age  # None for a new run: no wall-time limit applies yet
+    for key, held, what, per in (
+            ("max_cells_per_run", usage.cells_in_run, f"{run} has started {usage.cells_in_run} cells", "per run"),
+            ("max_concurrent_per_run", usage.live_in_run, f"{run} holds {usage.live_in_run} live cells", "at once"),
+            ("max_concurrent_per_agent", usage.live_of_agent,
+             f"{agent} of {run} holds {usage.live_of_agent} live cells", "at once"),
+            ("max_run_seconds", age, f"{run} began {age or 0:.0f} s ago", "s of wall time per run")):
+        n = lim.get(key)
+        if n is not None and held is not None and held >= n:
+            return deny(RULES[key], f"{what} and role '{role}' allows {n:g} {per} (quota.{key}).", _hint(key, role))
     return ok("quota.pass", "within the role's quotas")

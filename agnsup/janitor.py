@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+from contextlib import suppress
 
 from . import locks
 from .linux import proc
@@ -342,10 +343,8 @@ class _Janitor:
             for c in concluded:  # and on disk, where no receipt is (one on disk is never overwritten)
                 path = os.path.join(self.state.cell_dir(c["run_id"], c["cell_id"]), "receipt.json")
                 if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
-                    try:
+                    with suppress(OSError):  # the journal holds it
                         receipts.write(path, c["cell_receipt"])
-                    except OSError:
-                        pass  # the journal holds it
 
     def _chain(self, row) -> list[dict]:
         """The stages as the cell's events journaled them."""

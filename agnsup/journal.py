@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partialmethod
 
 try:
@@ -117,10 +117,8 @@ class Journal:
                     crashpoints.hit(crash_point)
                 self.db.execute("COMMIT")
             except BaseException as e:
-                try:
+                with suppress(sqlite3.Error):
                     self.db.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
                 if isinstance(e, sqlite3.Error):
                     raise self._failed(e, f"journal {self.path}: cannot write: {e}") from None
                 raise
@@ -153,15 +151,11 @@ class Journal:
 
     def _damaged(self, why: str) -> JournalDamaged:
         """SQLite found the file corrupt: mark it, so that no later command writes into it."""
-        try:
+        with suppress(sqlite3.Error, AttributeError):
             self.close()
-        except (sqlite3.Error, AttributeError):
-            pass
-        try:
+        with suppress(OSError):  # already marked, or a read-only state root: preflight still finds most of it
             with open(self.path + DAMAGED_MARK, "x") as f:
                 f.write(why + "\n")
-        except OSError:
-            pass  # already marked, or a read-only state root: preflight still finds most of it
         return damaged(self.path, why)
 
     # -- events and controllers -------------------------------------------

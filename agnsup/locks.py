@@ -71,24 +71,13 @@ def _clash(path: str, tree: str, exclusive: bool) -> str | None:
     """Another worktree lock in this directory on an overlapping tree, held in a mode
     that conflicts with ours (any holder when we write; a writer when we read)."""
     lockdir = os.path.dirname(path)
-    probe = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     for name in os.listdir(lockdir):
         other = os.path.join(lockdir, name)
         if not name.endswith(".lock") or other == path:
             continue
         t = _tree_of(other)
-        if t is None or not overlaps(t, tree):
-            continue
-        try:
-            fd = os.open(other, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, probe | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if t is not None and overlaps(t, tree) and not is_free(other, exclusive):
             return other
-        finally:
-            os.close(fd)
     return None
 
 
@@ -181,14 +170,15 @@ def release(path: str, fd: int) -> bool:
     return unlinked
 
 
-def is_free(path: str) -> bool:
-    """True when no live process holds the lock at `path` (or it does not exist)."""
+def is_free(path: str, exclusive: bool = True) -> bool:
+    """True when no live process holds the lock at `path` (or it does not exist); with
+    `exclusive` False, when none holds it exclusively (a reader may take it too)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False

@@ -32,6 +32,7 @@ import os
 import signal
 import stat
 import time
+from contextlib import suppress
 
 from . import crashpoints
 from .record import Factory, Record
@@ -353,13 +354,11 @@ def kill_root(backend, grace: float) -> dict:
     empty. Without cgroups there is no such evidence: nothing is touched, and the
     result says so."""
     root = backend.root()
-    if root is None:
-        if backend.trees:  # cgroups here, but no tree under this state root: no cell lives
-            return {"processes": 0, "kill": None, "empty": True, "note": ""}
+    if root is None and not backend.trees:
         return {"processes": 0, "kill": None, "empty": None,
                 "note": "no cgroups on this host (ENV_BLOCKED: cgroup): without the journal no process can be "
                         "proven a cell's"}
-    before = backend.members(root)
+    before = backend.members(root) if root is not None else []  # no tree under this state root: no cell lives
     if not before:
         return {"processes": 0, "kill": None, "empty": True, "note": ""}
     backend.signal(root, signal.SIGTERM)
@@ -426,10 +425,8 @@ def rmtree(path: str) -> None:
     except OSError:
         return
     if not stat.S_ISDIR(st.st_mode):
-        try:
+        with suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         return
     try:
         fd = os.open(path, _DIR_FLAGS)
@@ -439,10 +436,8 @@ def rmtree(path: str) -> None:
         _empty_dir(fd)
     finally:
         os.close(fd)
-    try:
+    with suppress(OSError):
         os.rmdir(path)
-    except OSError:
-        pass
 
 
 # Directory fds held at once below the top, whatever the depth: systemd services and the kernel's PID 1
@@ -478,20 +473,16 @@ def _drain(stack: list) -> None:
             os.close(fd)
             if parent[0] is None:
                 return  # the tree moved under the walk: what is left, the next reap removes
-            try:
+            with suppress(OSError):
                 os.rmdir(name, dir_fd=parent[0])
-            except OSError:
-                pass
             continue
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
         except OSError:
             is_dir = False
         if not is_dir:
-            try:
+            with suppress(OSError):
                 os.unlink(entry.name, dir_fd=fd)
-            except OSError:
-                pass
             continue
         try:
             sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)

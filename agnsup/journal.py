@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from functools import partialmethod
 
 try:
@@ -667,10 +667,7 @@ def peek_open_controllers(path: str) -> list | None:
     if not os.path.exists(path):
         return None
     try:
-        db = sqlite3.connect(path, timeout=30)
-        try:
+        with closing(sqlite3.connect(path, timeout=30)) as db:
             return db.execute(OPEN_SQL).fetchall()
-        finally:
-            db.close()
     except sqlite3.Error:
         return None

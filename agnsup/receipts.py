@@ -40,9 +40,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": cell.output_info(),
     }
-    raw = argv_bytes(spec.argv)
-    if raw is not None:
-        r["argv_b64"] = raw
+    r.update(argv_b64(spec.argv))
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
@@ -76,24 +74,22 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
          "recovery": {"janitor": janitor, "receipt": recovery_path, "killed": entry.get("killed", []),
                       "spared": entry.get("spared", []), "released": entry.get("released", []),
                       "notes": entry.get("notes", [])}}
-    raw = argv_bytes(argv)
-    if raw is not None:
-        r["argv_b64"] = raw
+    r.update(argv_b64(argv))
     r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
     return r
 
 
-def argv_bytes(argv: list[str]) -> list[str] | None:
-    """argv as base64 of the exact bytes, when some argument is not UTF-8: `argv`
-    then holds surrogate escapes (\\udcff) that only Python maps back, and a
-    receipt must let any reader recover what ran. None when argv is all UTF-8."""
+def argv_b64(argv: list[str]) -> dict:
+    """{"argv_b64": argv as base64 of the exact bytes} when some argument is not UTF-8:
+    `argv` then holds surrogate escapes (\\udcff) that only Python maps back, and a
+    receipt must let any reader recover what ran. {} when argv is all UTF-8."""
     import base64
     try:
         for a in argv:
             a.encode()
-        return None
+        return {}
     except UnicodeEncodeError:
-        return [base64.b64encode(os.fsencode(a)).decode() for a in argv]
+        return {"argv_b64": [base64.b64encode(os.fsencode(a)).decode() for a in argv]}
 
 
 def redacted_env(spec) -> dict[str, str]:

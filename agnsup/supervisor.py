@@ -602,7 +602,7 @@ class Waiter:
         self.child, self.tree, self.grace, self.timeout = child, tree, grace, timeout
         self.wake_fd = wake_fd
         self.pump = pump        # output.Pump: the cell's stdout/stderr, counted against the cap
-        self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (cgroup.create_cell)
+        self.oom_fd = oom_fd    # eventfd the v1 OOM killer signals (CgroupBackend.create)
         self._oom_at: float | None = None
         self.reason: str | None = None      # why we stopped it (first reason wins), None: it ended by itself
         self.cancel_reason: str | None = None

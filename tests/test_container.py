@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from agnsup.backend import Place
+from agnsup.backend.cgroups import Cgroup2
 from agnsup.linux import cgroup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +58,7 @@ def container(tmp_path):
     finally:
         if cgroup.procs(top):
             cgroup.write_kill(top)  # the container's cgroup, the test's own
-            cgroup.wait_empty(cgroup.Node({"v2": top}), 10.0)
+            Cgroup2(cgroup.detect_layout(), top).wait_empty(Place(node=cgroup.Node({"v2": top})), 10.0)
         for d in cgroup.walk(top):
             os.rmdir(d)
 

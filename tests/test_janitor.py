@@ -283,16 +283,17 @@ def test_a_recreated_cgroup_with_another_inode_is_not_killed_through(agnsup, sta
     layout = cgroup.detect_layout()
     if layout.kind == "none":
         pytest.skip("ENV_BLOCKED: no writable cgroup hierarchy")
-    base = cgroup.base_node(layout, state)
-    node = cgroup.cell_node(base, "r-fake", "default", "c-fake", {})
-    made = cgroup.create_cell(base, node, {})
+    from agnsup.backend.cgroups import for_layout
+    backend = for_layout(layout, state)
+    place = backend.create(backend.place("r-fake", "default", "c-fake", {}), {})
+    node = place.node
     p, ino, start = _innocent()
     try:
         with open(os.path.join(node.primary[1], "cgroup.procs"), "w") as fh:
             fh.write(str(p.pid))
         f = _fake_dead_cell(state, proc.boot_id(), cgroup=node.as_dict())
         db = sqlite3.connect(os.path.join(state, "journal.db"))
-        db.execute("UPDATE cells SET cgroup_ino=? WHERE cell_id=?", (made["inode"] + 7, f["cell"]))
+        db.execute("UPDATE cells SET cgroup_ino=? WHERE cell_id=?", (place.inode + 7, f["cell"]))
         db.commit()
         db.close()
         rep = agnsup.json("janitor", "--json")
@@ -302,12 +303,8 @@ def test_a_recreated_cgroup_with_another_inode_is_not_killed_through(agnsup, sta
     finally:
         p.kill()
         p.wait()
-        cgroup.wait_empty(node, 5)
-        cgroup.remove(node)
-        for path in node.paths.values():
-            for _ in range(3):
-                path = os.path.dirname(path)
-                cgroup.remove_if_empty(path)
+        backend.wait_empty(place, 5)
+        backend.remove(place)  # and the empty agent, run and base directories above it
 
 
 def test_startup_check_is_one_cheap_query_when_nothing_is_dead(agnsup, worktree, state):

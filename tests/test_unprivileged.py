@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from agnsup.backend import Place
+from agnsup.backend.cgroups import Cgroup2
 from agnsup.linux import cgroup
 from conftest import seccomp_launcher
 from scenario import wait_for
@@ -123,7 +125,7 @@ class User:
         if getattr(self, "dir", None) and os.path.isdir(self.dir):
             if cgroup.procs(self.dir):
                 cgroup.write_kill(self.dir)  # the subtree the test made: everything in it is the test's
-                cgroup.wait_empty(cgroup.Node({"v2": self.dir}), 10.0)
+                Cgroup2(cgroup.detect_layout(), self.dir).wait_empty(Place(node=cgroup.Node({"v2": self.dir})), 10.0)
             for d in cgroup.walk(self.dir):
                 os.rmdir(d)
         subprocess.run(["userdel", "-r", self.name], capture_output=True)

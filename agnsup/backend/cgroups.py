@@ -16,6 +16,7 @@ limit_writes); `create` reports only what is really in force.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ import time
 from . import Backend, Place
 from ..linux import cgroup
 
+CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu: what a limit needs
 FREEZE_TIMEOUT = 2.0  # how long a v1 freezer may take to report FROZEN before we kill anyway
 
 
@@ -40,9 +42,32 @@ class CgroupBackend(Backend):
         return Place(node=cgroup.cell_node(self.base, run_id, agent_id, cell_id, limits))
 
     def create(self, place: Place, limits: dict) -> Place:
-        made = cgroup.create_cell(self.base, place.node, limits)
-        return Place(node=place.node, inode=made["inode"], limits=made["limits"], missing=made["missing"],
-                     oom_fd=made["oom_fd"])
+        """mkdir the run/agent/cell directories of `place` and apply the limits: the Place has the
+        primary directory's inode, what is in force, what is missing and why, and an eventfd the v1
+        OOM killer signals (or None). A directory that already exists for the cell is an error: a
+        cell id is never reused within a run, and a recreated directory must not pass as ours."""
+        paths = place.node.paths
+        for p in paths.values():
+            for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
+                try:
+                    os.makedirs(os.path.dirname(p), exist_ok=True)
+                    os.mkdir(p)
+                    break
+                except FileNotFoundError:
+                    continue
+            else:
+                raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
+        v2 = paths.get("v2")
+        wanted = tuple(cgroup.wanted_controllers(limits))
+        v2_ctrl, why = [], {}
+        if v2 and wanted:
+            chain = [self.base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
+            v2_ctrl, why = cgroup.enable_controllers(chain, wanted)
+        applied = cgroup.apply_limits(paths, v2_ctrl, limits)
+        missing = {c: why.get(c, f"no cgroup hierarchy here holds {c} limits") for c in wanted if c not in applied}
+        oom_fd = _v1_oom_eventfd(paths["memory"]) if applied.get("memory", "").startswith("v1:") else None
+        return Place(node=place.node, inode=os.stat(place.dir).st_ino if place.dir else None, limits=applied,
+                     missing=missing, oom_fd=oom_fd)
 
     def limit_fix(self, controller: str) -> str:
         v2 = self.base.paths.get("v2")
@@ -54,17 +79,11 @@ class CgroupBackend(Backend):
     def limit_support(self) -> dict[str, str | None]:
         """Where each limit would go: a v1 hierarchy of agnsup's own, or the v2 controllers the
         parent of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
-        out: dict[str, str | None] = {}
+        from ..linux import delegation
         v2 = self.base.paths.get("v2")
-        handed: list[str] = []
-        if v2:
-            parent = os.path.dirname(v2)
-            try:
-                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
-                    handed = f.read().split()
-            except OSError:
-                handed = []
-        for c in ("memory", "pids", "cpu"):
+        handed = delegation.controllers(os.path.dirname(v2))[1] if v2 else []
+        out: dict[str, str | None] = {}
+        for c in CONTROLLERS:
             if c in self.base.paths or c in handed:
                 out[c] = None
             elif v2:
@@ -91,7 +110,7 @@ class CgroupBackend(Backend):
             return (Place(node=cgroup.Node(rest)) if rest else None), \
                 f"cgroup {path} does not exist (not yet made, or already removed)", []
         if inode is None:
-            if cgroup.populated(node):
+            if self.populated(Place(node=node)):
                 return None, (f"cgroup {path} has no journaled inode and is populated: membership proves nothing; "
                               "not touched"), cgroup.procs(path)
             return Place(node=node), f"cgroup {path} has no journaled inode (it was not yet recorded) and is " \
@@ -121,13 +140,30 @@ class CgroupBackend(Backend):
 
     def attach(self, place: Place, pid: int, born: bool = False) -> None:
         """Move `pid` (0: the caller) into the place; `born`: it was born in clone_dir's hierarchy."""
-        cgroup.attach(place.node, pid, ("v2",) if born else ())
+        for h, p in place.node.paths.items():
+            if not (born and h == "v2"):
+                cgroup.write(os.path.join(p, "cgroup.procs"), str(pid))
 
     def members(self, place: Place) -> list[int]:
         return cgroup.procs(place.dir) if place.dir else []
 
     def populated(self, place: Place) -> bool:
-        return cgroup.populated(place.node)
+        prim = place.node.primary
+        if prim is None:
+            return False
+        h, path = prim
+        if h == "v2":
+            try:
+                for line in cgroup.read(os.path.join(path, "cgroup.events")).splitlines():
+                    if line.startswith("populated "):
+                        return line.split()[1] == "1"
+            except (FileNotFoundError, OSError) as e:
+                # ENOENT, or ENODEV from a directory being removed under us (its
+                # controller concluded the cell while we looked): gone means empty
+                if isinstance(e, FileNotFoundError) or e.errno == errno.ENODEV:
+                    return False
+                raise
+        return bool(cgroup.procs(path))
 
     def signal(self, place: Place, sig: int) -> int:
         """Send `sig` to every process in the tree, each through a pidfd.
@@ -166,16 +202,86 @@ class CgroupBackend(Backend):
         return "signal-loop"
 
     def wait_empty(self, place: Place, timeout: float) -> bool:
-        return cgroup.wait_empty(place.node, timeout)
+        """Verified empty: zombies count as gone."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while self.populated(place) and not self._only_zombies(place):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return True
+
+    def _only_zombies(self, place: Place) -> bool:
+        from ..linux import proc
+        pids = self.members(place)
+        return bool(pids) and all(proc.is_zombie(p) for p in pids)
 
     def usage(self, place: Place) -> dict:
-        return cgroup.read_usage(place.node) if place.node is not None else {}
+        """Resource use the cgroup recorded, for the receipt (read before removal).
+
+        Each counter is read on its own: a file one kernel lacks costs that
+        counter only. Keys name the limit they bear on: oom_kills (memory),
+        pids_max_events (pids), cpu_throttled_usec / cpu_nr_throttled (cpu)."""
+        if place.node is None:
+            return {}
+        paths = place.node.paths
+        out: dict = {}
+        if "v2" in paths:
+            for k, v in _keyed(os.path.join(paths["v2"], "cpu.stat")).items():
+                if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
+                    out["cpu_" + k] = v
+        def events_max(path: str) -> int | None:
+            return _keyed(path).get("max")
+        for h, name, key, read_one in (("v2", "memory.peak", "memory_peak", _int),
+                                       ("v2", "pids.events", "pids_max_events", events_max),
+                                       ("memory", "memory.max_usage_in_bytes", "memory_max_usage", _int),
+                                       ("memory", "memory.failcnt", "memory_failcnt", _int),
+                                       ("pids", "pids.events", "pids_max_events", events_max)):
+            if h in paths:
+                v = read_one(os.path.join(paths[h], name))
+                if v is not None:
+                    out[key] = v
+        if "cpu" in paths:
+            st = _keyed(os.path.join(paths["cpu"], "cpu.stat"))
+            if "nr_throttled" in st:
+                out["cpu_nr_throttled"] = st["nr_throttled"]
+                out["cpu_throttled_usec"] = st.get("throttled_time", 0) // 1000
+        kills = self.oom_kills(place)
+        if kills is not None:
+            out["oom_kills"] = kills
+        return out
 
     def oom_kills(self, place: Place) -> int | None:
-        return cgroup.oom_kills(place.node)
+        """How many processes the OOM killer took in the cell (None: not knowable here).
+
+        v2 memory.events counts the subtree; v1 memory.oom_control has an oom_kill
+        counter (Linux 4.13). Read before the cgroup is removed."""
+        paths = place.node.paths
+        for h, name in (("v2", "memory.events"), ("memory", "memory.oom_control")):
+            kills = _keyed(os.path.join(paths[h], name)).get("oom_kill") if h in paths else None
+            if kills is not None:
+                return kills
+        return None
 
     def remove(self, place: Place) -> list[str]:
-        removed = cgroup.remove(place.node)
+        """rmdir the place's directories (and any sub-cgroups the cell made), deepest first, then the
+        empty ones above it. Returns the directories removed below `place`. Missing directories are
+        not an error: removal is idempotent."""
+        removed = []
+        for d in (d for p in place.node.paths.values() for d in cgroup.walk(p)):
+            for attempt in range(50):
+                try:
+                    os.rmdir(d)
+                    removed.append(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    # EBUSY: the last task is still leaving (exit is asynchronous)
+                    if e.errno != errno.EBUSY or attempt == 49:
+                        raise
+                    time.sleep(0.002)
         self._prune_up(place)
         return removed
 
@@ -263,3 +369,43 @@ class Cgroup1(CgroupBackend):
 
 def for_layout(layout, state_root: str) -> CgroupBackend:
     return {"v2": Cgroup2, "hybrid": Hybrid, "v1": Cgroup1}[layout.kind](layout, state_root)
+
+
+def _v1_oom_eventfd(memory_dir: str) -> int | None:
+    """An eventfd the kernel signals when the OOM killer acts in this v1 memory
+    cgroup (memory.oom_control notification, Documentation/admin-guide/cgroup-v1/memory.rst
+    section 10): v1 has no memory.oom.group, so the controller kills the rest of
+    the cell itself. None where the kernel lacks the interface."""
+    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    try:
+        ofd = os.open(os.path.join(memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cgroup.write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
+        finally:
+            os.close(ofd)
+    except OSError:
+        os.close(efd)
+        return None
+    return efd
+
+
+def _keyed(path: str) -> dict[str, int]:
+    """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        for line in cgroup.read(path).splitlines():
+            k, _, v = line.partition(" ")
+            try:
+                out[k] = int(v)
+            except ValueError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _int(path: str) -> int | None:
+    try:
+        return int(cgroup.read(path))
+    except (OSError, ValueError):
+        return None

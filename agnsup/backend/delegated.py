@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import os
 
-from .cgroups import Cgroup2
+from .cgroups import CONTROLLERS, Cgroup2
 from ..linux import cgroup, delegation
-
-CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu
 
 
 class Delegated(Cgroup2):
@@ -58,7 +56,7 @@ class Delegated(Cgroup2):
         if handed and self.own == self.top:
             leaf = os.path.join(self.top, f"ctl-{os.getpid()}")
             os.makedirs(leaf, exist_ok=True)
-            cgroup.attach(cgroup.Node({"v2": leaf}), 0)
+            cgroup.write(os.path.join(leaf, "cgroup.procs"), "0")
             self.own = leaf
         cgroup.enable_controllers([self.top], CONTROLLERS)
         self.entered = True

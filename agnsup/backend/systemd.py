@@ -24,13 +24,12 @@ from __future__ import annotations
 import os
 import time
 
-from .cgroups import Cgroup2
+from .cgroups import CONTROLLERS, Cgroup2
 from ..linux import cgroup, delegation
 
 BUSCTL = "/usr/bin/busctl"
 SYSTEM_BUS = "/run/dbus/system_bus_socket"  # (systemd's private socket refuses a scope's PIDs from busctl: EBADR)
 SLICE = "system.slice"
-CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu
 ENTER_TIMEOUT = 30.0  # the job runs in systemd; on an emulated guest a StartTransientUnit took ~1 s
 
 
@@ -157,7 +156,7 @@ class SystemdScope(Cgroup2):
             os.mkdir(leaf)
         except FileExistsError:
             pass
-        cgroup.attach(cgroup.Node({"v2": leaf}), 0)
+        cgroup.write(os.path.join(leaf, "cgroup.procs"), "0")
         for name in os.listdir(self.scope_dir):  # leaves of controllers gone (pids are not reused while we live)
             if name.startswith("ctl-") and name != f"ctl-{pid}":
                 cgroup.remove_if_empty(os.path.join(self.scope_dir, name))
@@ -206,9 +205,8 @@ class SystemdUserScope(SystemdScope):
                             "app.slice", self.unit)
 
     def helper_env(self) -> dict:
-        return {"LC_ALL": "C", **{k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")
-                                  if k in os.environ}} | ({} if "XDG_RUNTIME_DIR" in os.environ else
-                                                         {"XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"})
+        env = {"LC_ALL": "C", "XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"}  # the default, unless set
+        return env | {k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS") if k in os.environ}
 
     def _start_argv(self) -> list[str]:
         return [BUSCTL, "--user", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
@@ -252,10 +250,6 @@ def user_layout():
         v2, v1 = cgroup.parse_mountinfo(f.read())
     if v2 is None or v1:
         return None  # hybrid: the user manager delegates nothing the limits could use
-    try:
-        with open(os.path.join(v2, "cgroup.controllers")) as f:
-            ctrl = tuple(f.read().split())
-    except OSError:
-        return None
-    return cgroup.Layout("v2", v2, {}, ctrl)
+    ctrl = cgroup.controllers_of(v2)
+    return None if ctrl is None else cgroup.Layout("v2", v2, {}, ctrl)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 
 from ..digest import sha256
 from ..record import Factory, Record
@@ -76,13 +75,9 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
     v2, v1 = parse_mountinfo(mountinfo)
-    v2_ctrl: tuple[str, ...] = ()
-    if v2 is not None:
-        try:
-            with open(os.path.join(v2, "cgroup.controllers")) as f:
-                v2_ctrl = tuple(f.read().split())
-        except OSError:
-            v2 = None
+    v2_ctrl = controllers_of(v2) if v2 is not None else None
+    if v2_ctrl is None:  # no cgroup2 mount, or its root's controllers unreadable: not usable
+        v2, v2_ctrl = None, ()
     if v2 is not None and not os.access(v2, os.W_OK) and not _delegated_base(v2, live):
         v2 = None
     v1 = {c: m for c, m in v1.items() if os.access(m, os.W_OK)}
@@ -95,6 +90,14 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
     else:
         kind = "none"
     return Layout(kind, v2, v1, v2_ctrl)
+
+
+def controllers_of(directory: str) -> tuple[str, ...] | None:
+    """What `directory`'s cgroup.controllers lists (None: unreadable)."""
+    try:
+        return tuple(read(os.path.join(directory, "cgroup.controllers")).split())
+    except OSError:
+        return None
 
 
 def _delegated_base(v2: str, live: bool) -> bool:
@@ -208,42 +211,6 @@ def enable_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[s
     return enabled, why
 
 
-def create_cell(base: Node, cell: Node, limits: dict) -> dict:
-    """mkdir the run/agent/cell directories of `cell` (a cell_node of `base`) and apply the limits.
-
-    Returns {"inode": primary dir inode, "limits": {what: where}, "missing": {what: why not},
-    "oom_fd": an eventfd that becomes readable when the v1 OOM killer acts in
-    the cell, or None}. A directory that already exists for the cell is an
-    error: a cell id is never reused within a run, and a recreated directory
-    must not pass as ours.
-    """
-    for p in cell.paths.values():
-        for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
-            try:
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                os.mkdir(p)
-                break
-            except FileNotFoundError:
-                continue
-        else:
-            raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
-    v2 = cell.paths.get("v2")
-    wanted = tuple(wanted_controllers(limits))
-    v2_ctrl: list[str] = []
-    why: dict[str, str] = {}
-    if v2 and wanted:
-        chain = [base.paths["v2"], os.path.dirname(os.path.dirname(v2)), os.path.dirname(v2)]
-        v2_ctrl, why = enable_controllers(chain, wanted)
-    applied = apply_limits(cell.paths, v2_ctrl, limits)
-    missing = {c: why.get(c, f"no cgroup hierarchy here holds {c} limits") for c in wanted if c not in applied}
-    oom_fd = None
-    if "memory" in applied and applied["memory"].startswith("v1:"):
-        oom_fd = _v1_oom_eventfd(cell.paths["memory"])
-    prim = cell.primary
-    ino = os.stat(prim[1]).st_ino if prim else None
-    return {"inode": ino, "limits": applied, "missing": missing, "oom_fd": oom_fd}
-
-
 # Which v2 controller each limit key needs.
 V2_LIMIT_CONTROLLERS = {"memory": ("memory_max",), "pids": ("pids_max",), "cpu": ("cpu_weight", "cpu_max")}
 
@@ -315,43 +282,6 @@ def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict)
     return applied
 
 
-def _v1_oom_eventfd(memory_dir: str) -> int | None:
-    """An eventfd the kernel signals when the OOM killer acts in this v1 memory
-    cgroup (memory.oom_control notification, Documentation/admin-guide/cgroup-v1/memory.rst
-    section 10): v1 has no memory.oom.group, so the controller kills the rest of
-    the cell itself. None where the kernel lacks the interface."""
-    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    try:
-        ofd = os.open(os.path.join(memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            write(os.path.join(memory_dir, "cgroup.event_control"), f"{efd} {ofd}")
-        finally:
-            os.close(ofd)
-    except OSError:
-        os.close(efd)
-        return None
-    return efd
-
-
-def oom_kills(node: Node) -> int | None:
-    """How many processes the OOM killer took in the cell (None: not knowable here).
-
-    v2 memory.events counts the subtree; v1 memory.oom_control has an oom_kill
-    counter (Linux 4.13). Read before the cgroup is removed."""
-    for h, name in (("v2", "memory.events"), ("memory", "memory.oom_control")):
-        kills = _keyed(os.path.join(node.paths[h], name)).get("oom_kill") if h in node.paths else None
-        if kills is not None:
-            return kills
-    return None
-
-
-def attach(node: Node, pid: int, skip: tuple[str, ...] = ()) -> None:
-    """Move process `pid` (0: the caller) into every hierarchy of `node` but those in `skip`."""
-    for h, p in node.paths.items():
-        if h not in skip:
-            write(os.path.join(p, "cgroup.procs"), str(pid))
-
-
 def walk(path: str) -> list[str]:
     """`path` and every directory below it, deepest first."""
     out = []
@@ -374,25 +304,6 @@ def procs(path: str) -> list[int]:
         except (FileNotFoundError, OSError):
             continue
     return out
-
-
-def populated(node: Node) -> bool:
-    prim = node.primary
-    if prim is None:
-        return False
-    h, path = prim
-    if h == "v2":
-        try:
-            for line in read(os.path.join(path, "cgroup.events")).splitlines():
-                if line.startswith("populated "):
-                    return line.split()[1] == "1"
-        except (FileNotFoundError, OSError) as e:
-            # ENOENT, or ENODEV from a directory being removed under us (its
-            # controller concluded the cell while we looked): gone means empty
-            if isinstance(e, FileNotFoundError) or e.errno == errno.ENODEV:
-                return False
-            raise
-    return bool(procs(path))
 
 
 def in_tree(lines: list[str] | None, hierarchy: str, path: str, layout: Layout) -> bool:
@@ -430,107 +341,9 @@ def write_kill(path: str) -> bool:
     return True
 
 
-def wait_empty(node: Node, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while True:
-        if not populated(node) or _only_zombies(node):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-
-
-def _only_zombies(node: Node) -> bool:
-    from . import proc
-    prim = node.primary
-    pids = procs(prim[1]) if prim else []
-    return bool(pids) and all(proc.is_zombie(p) for p in pids)
-
-
-def remove(node: Node) -> list[str]:
-    """rmdir the node's directories (and any sub-cgroups the cell made), deepest first.
-
-    Returns the directories removed. Missing directories are not an error:
-    removal is idempotent."""
-    removed = []
-    for p in node.paths.values():
-        for d in walk(p):
-            for attempt in range(50):
-                try:
-                    os.rmdir(d)
-                    removed.append(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:
-                    # EBUSY: the last task is still leaving (exit is asynchronous)
-                    if e.errno != errno.EBUSY or attempt == 49:
-                        raise
-                    time.sleep(0.002)
-    return removed
-
-
 def remove_if_empty(path: str) -> bool:
     try:
         os.rmdir(path)
         return True
     except OSError:
         return False
-
-
-def _keyed(path: str) -> dict[str, int]:
-    """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
-    out: dict[str, int] = {}
-    try:
-        for line in read(path).splitlines():
-            k, _, v = line.partition(" ")
-            try:
-                out[k] = int(v)
-            except ValueError:
-                continue
-    except OSError:
-        pass
-    return out
-
-
-def _int(path: str) -> int | None:
-    try:
-        return int(read(path))
-    except (OSError, ValueError):
-        return None
-
-
-def read_usage(node: Node) -> dict:
-    """Resource use the cgroup recorded, for the receipt (read before removal).
-
-    Each counter is read on its own: a file one kernel lacks costs that
-    counter only. Keys name the limit they bear on: oom_kills (memory),
-    pids_max_events (pids), cpu_throttled_usec / cpu_nr_throttled (cpu)."""
-    out: dict = {}
-    v2 = node.paths.get("v2")
-    if v2:
-        for k, v in _keyed(os.path.join(v2, "cpu.stat")).items():
-            if k in ("usage_usec", "user_usec", "system_usec", "throttled_usec", "nr_throttled"):
-                out["cpu_" + k] = v
-    def events_max(path: str) -> int | None:
-        return _keyed(path).get("max")
-    for h, name, key, read_one in (("v2", "memory.peak", "memory_peak", _int),
-                                   ("v2", "pids.events", "pids_max_events", events_max),
-                                   ("memory", "memory.max_usage_in_bytes", "memory_max_usage", _int),
-                                   ("memory", "memory.failcnt", "memory_failcnt", _int),
-                                   ("pids", "pids.events", "pids_max_events", events_max)):
-        if h in node.paths:
-            v = read_one(os.path.join(node.paths[h], name))
-            if v is not None:
-                out[key] = v
-    if "cpu" in node.paths:
-        st = _keyed(os.path.join(node.paths["cpu"], "cpu.stat"))
-        if "nr_throttled" in st:
-            out["cpu_nr_throttled"] = st["nr_throttled"]
-            out["cpu_throttled_usec"] = st.get("throttled_time", 0) // 1000
-    kills = oom_kills(node)
-    if kills is not None:
-        out["oom_kills"] = kills
-    return out

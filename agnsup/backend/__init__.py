@@ -200,15 +200,15 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     live = mountinfo is None
     root = os.geteuid() == 0
     base = os.environ.get("AGNSUP_CGROUP_BASE") if live else None
-    if layout.kind == "none" and not root and live and os.environ.get("AGNSUP_CGROUP_LAYOUT") != "none" \
-            and not base:
+    off = live and os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none"  # cgroups turned off on this host
+    if layout.kind == "none" and not root and live and not off and not base:
         from . import systemd
         user_layout = systemd.user_layout()
         if user_layout is not None:
             return systemd.SystemdUserScope(user_layout, state_root), \
                 "a normal user with a running systemd user manager: it gives each controller a scope with Delegate=yes"
     if layout.kind == "none":
-        if live and os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+        if off:
             return Untracked(), "AGNSUP_CGROUP_LAYOUT=none"
         return Untracked(), ("no cgroup hierarchy is writable here" + ("" if root else
                              ", none is delegated to this user (AGNSUP_CGROUP_BASE) and no systemd user manager runs"))

@@ -77,48 +77,48 @@ class CgroupBackend(Backend):
                 "or run agnsup in a systemd unit with Delegate=yes")
 
     def limit_support(self) -> dict[str, str | None]:
-        """Where each limit would go: a v1 hierarchy of agnsup's own, or the v2 controllers the
-        parent of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
+        have = self._limit_controllers()
+        return {c: None if c in have else self._not_supported(c) for c in CONTROLLERS}
+
+    def _limit_controllers(self) -> list[str]:
+        """Where a limit can go: a v1 hierarchy of agnsup's own, or the v2 controllers the parent
+        of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
         from ..linux import delegation
         v2 = self.base.paths.get("v2")
-        handed = delegation.controllers(os.path.dirname(v2))[1] if v2 else []
-        out: dict[str, str | None] = {}
-        for c in CONTROLLERS:
-            if c in self.base.paths or c in handed:
-                out[c] = None
-            elif v2:
-                out[c] = (f"the cgroup2 controller {c!r} is not enabled for agnsup's directory "
-                          f"({os.path.dirname(v2)}/cgroup.subtree_control lacks +{c})")
-            else:
-                out[c] = f"no {c} hierarchy is writable here"
-        return out
+        return [*self.base.paths, *(delegation.controllers(os.path.dirname(v2))[1] if v2 else [])]
+
+    def _not_supported(self, c: str) -> str:
+        """Why a cell's limit on controller `c` would not be in force here."""
+        v2 = self.base.paths.get("v2")
+        if v2 is None:
+            return f"no {c} hierarchy is writable here"
+        return (f"the cgroup2 controller {c!r} is not enabled for agnsup's directory "
+                f"({os.path.dirname(v2)}/cgroup.subtree_control lacks +{c})")
 
     def from_journal(self, paths: dict | None, inode: int | None) -> tuple[Place | None, str, list[int]]:
         """The journaled place if its directory is provably the cell's: (place or None,
         a note for the receipt, pids in a directory at that path that is *not* the cell's).
         A directory recreated at the same path (another inode) is not the cell's."""
-        node = cgroup.Node(paths or {})
-        prim = node.primary
-        if prim is None:
+        place = Place(node=cgroup.Node(paths or {}))
+        path = place.dir
+        if path is None:
             return None, "no cgroup journaled for the cell", []
-        path = prim[1]
         try:
             ino = os.stat(path).st_ino
         except FileNotFoundError:
             # the other hierarchies may remain (a crash between two rmdirs): empty ones are still ours
-            rest = {h: p for h, p in node.paths.items() if h != prim[0] and os.path.isdir(p)}
+            rest = {h: p for h, p in place.node.paths.items() if h != place.node.primary[0] and os.path.isdir(p)}
             return (Place(node=cgroup.Node(rest)) if rest else None), \
                 f"cgroup {path} does not exist (not yet made, or already removed)", []
         if inode is None:
-            if self.populated(Place(node=node)):
+            if self.populated(place):
                 return None, (f"cgroup {path} has no journaled inode and is populated: membership proves nothing; "
                               "not touched"), cgroup.procs(path)
-            return Place(node=node), f"cgroup {path} has no journaled inode (it was not yet recorded) and is " \
-                                     "empty", []
+            return place, f"cgroup {path} has no journaled inode (it was not yet recorded) and is empty", []
         if ino != inode:
             return None, (f"cgroup {path} was recreated (inode {ino}, journaled {inode}): nothing of the cell can "
                           "be in it; not touched"), cgroup.procs(path)
-        return Place(node=node, inode=ino), "", []
+        return Place(node=place.node, inode=ino), "", []
 
     def scope(self, run_id: str, agent_id: str | None = None) -> Place:
         return Place(node=cgroup.scope_node(self.base, run_id, agent_id))

@@ -61,18 +61,14 @@ class Delegated(Cgroup2):
         cgroup.enable_controllers([self.top], CONTROLLERS)
         self.entered = True
 
-    def limit_support(self) -> dict[str, str | None]:
-        have = delegation.controllers(self.top)[0]
-        out: dict[str, str | None] = {}
-        for c in CONTROLLERS:
-            if c in have:
-                out[c] = None
-            elif c not in self.layout.v2_controllers:
-                out[c] = (f"this host's cgroup2 hierarchy has no {c!r} controller (it is in a cgroup v1 "
-                          "hierarchy, which has no safe delegation)")
-            else:
-                out[c] = f"the cgroup2 controller {c!r} was not delegated to {self.top}"
-        return out
+    def _limit_controllers(self) -> list[str]:
+        return delegation.controllers(self.top)[0]
+
+    def _not_supported(self, c: str) -> str:
+        if c not in self.layout.v2_controllers:
+            return (f"this host's cgroup2 hierarchy has no {c!r} controller (it is in a cgroup v1 "
+                    "hierarchy, which has no safe delegation)")
+        return f"the cgroup2 controller {c!r} was not delegated to {self.top}"
 
     def limit_fix(self, controller: str) -> str:
         if controller not in self.layout.v2_controllers:

@@ -56,6 +56,8 @@ def unit_name(state_root: str) -> str:
 class SystemdScope(Cgroup2):
     """Cells in `<unit>/agnsup-<digest>`; the unit is agnsup's own scope, or a unit with Delegate=yes."""
     kind = "v2"
+    bus = "--system"
+    slice_property = ("Slice", "s", SLICE)  # the user manager's scope: none, its default (app.slice)
 
     def __init__(self, layout, state_root: str):
         super().__init__(layout, state_root)
@@ -70,7 +72,6 @@ class SystemdScope(Cgroup2):
         self.entered = home is not None and os.path.basename(own).startswith("ctl-")
         self.shipped = home is not None and os.path.basename(home) != self.unit  # a unit file's, not our scope
         self.base = cgroup.Node({"v2": os.path.join(self.scope_dir, cgroup.root_name(state_root))})
-        self.tracking = "v2"
 
     def _unit_name(self, state_root: str) -> str:
         return unit_name(state_root)
@@ -79,10 +80,10 @@ class SystemdScope(Cgroup2):
         return os.path.join(self.layout.v2, SLICE, self.unit)
 
     def _start_argv(self) -> list[str]:
-        return [BUSCTL, "--system", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+        return [BUSCTL, self.bus, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
                 "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-                self.unit, "fail", "4", "PIDs", "au", "1", str(_pid_for_systemd()), "Delegate", "b", "true",
-                "CollectMode", "s", "inactive-or-failed", "Slice", "s", SLICE, "0"]
+                self.unit, "fail", str(3 + bool(self.slice_property)), "PIDs", "au", "1", str(_pid_for_systemd()),
+                "Delegate", "b", "true", "CollectMode", "s", "inactive-or-failed", *self.slice_property, "0"]
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
         return (f"cgroup v2 in systemd unit {os.path.basename(self.scope_dir)} (Delegate=yes), "
@@ -196,6 +197,8 @@ class SystemdUserScope(SystemdScope):
     controller asks that manager for a scope of its own with Delegate=yes, as `systemd-run --user --scope
     -p Delegate=yes` does. One per controller: a process of the login session (session-N.scope, not
     delegated) cannot move into a scope made earlier, whose common ancestor with it is root's."""
+    bus = "--user"
+    slice_property = ()
 
     def _unit_name(self, state_root: str) -> str:
         return f"{cgroup.root_name(state_root)}-{os.getpid()}.scope"
@@ -207,12 +210,6 @@ class SystemdUserScope(SystemdScope):
     def helper_env(self) -> dict:
         env = {"LC_ALL": "C", "XDG_RUNTIME_DIR": f"/run/user/{os.getuid()}"}  # the default, unless set
         return env | {k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS") if k in os.environ}
-
-    def _start_argv(self) -> list[str]:
-        return [BUSCTL, "--user", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-                self.unit, "fail", "3", "PIDs", "au", "1", str(_pid_for_systemd()), "Delegate", "b", "true",
-                "CollectMode", "s", "inactive-or-failed", "0"]
 
     def _found(self, deadline: float) -> None:
         while True:

@@ -149,6 +149,12 @@ def run(obj, command, **options):
     sys.exit(result["exit_code"])
 
 
+def _root(obj):
+    """The state root the command was given (--state-dir, AGNSUP_STATE_DIR or the default)."""
+    from .state import StateRoot
+    return StateRoot(obj["state_dir"])
+
+
 def _journal(obj):
     """The journal of the state root; None when nothing was ever run with it (no receipts)."""
     from .errors import UnknownId
@@ -166,8 +172,7 @@ def _journal(obj):
 def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
     from .cells import listing, tree_text
-    from .state import StateRoot
-    cells = listing(StateRoot(obj["state_dir"]), run_id, show_all)
+    cells = listing(_root(obj), run_id, show_all)
     if as_json:
         click.echo(json.dumps(cells, indent=2))
     elif not cells:
@@ -220,8 +225,7 @@ def doctor(obj, as_json):
     """What this host offers (cgroups, namespaces, pidfs, seccomp, Landlock)
     and which isolation agnsup will use or must do without."""
     from .doctor import format_text, report
-    from .state import StateRoot
-    r = report(StateRoot(obj["state_dir"]).path)
+    r = report(_root(obj).path)
     click.echo(json.dumps(r, indent=2) if as_json else format_text(r))
     sys.exit(0 if r["ok"] else 1)
 
@@ -243,12 +247,9 @@ def check(obj, role, workdir, batch, as_json, command):
     "reason", ...}, one decision per line whatever the line holds; the exit
     status is 0 when no line was denied, 126 when at least one was.
     """
-    import os
-
     from . import governance, policy
     from .gate.paths import resolve
-    from .state import StateRoot
-    st = StateRoot(obj["state_dir"])
+    st = _root(obj)
     pol = policy.load(role, st.path if os.path.isdir(st.path) else None)
     wt = resolve(os.path.abspath(workdir or os.getcwd()))
     ctx = governance.context(pol, wt, st.path)
@@ -317,8 +318,7 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
         if not everything or isinstance(e, NoPermission):  # another user's root: nothing of ours to kill
             raise
         # the kill switch works from whatever evidence survives (a damaged or lost journal)
-        from .state import StateRoot
-        result = cancelmod.cancel_unjournaled(StateRoot(obj["state_dir"]), cancelmod.Scope("all"), grace, e)
+        result = cancelmod.cancel_unjournaled(_root(obj), cancelmod.Scope("all"), grace, e)
     else:
         try:
             scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
@@ -483,8 +483,7 @@ def spawn(obj, socket_path, follow, command, **options):
 def _state(obj):
     """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
     from .errors import UnknownId
-    from .state import StateRoot
-    st = StateRoot(obj["state_dir"])
+    st = _root(obj)
     if not st.exists():
         from .journal import preflight
         preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
@@ -528,8 +527,7 @@ def janitor(obj, as_json):
     kill what is left of them on evidence, release their resources, write a
     recovery receipt. A second run finds nothing to do."""
     from .janitor import format_text, run_janitor
-    from .state import StateRoot
-    report = run_janitor(StateRoot(obj["state_dir"]))
+    report = run_janitor(_root(obj))
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))
     if report.get("journaled") is False:
         from .errors import StateError
@@ -549,8 +547,7 @@ def journal_check(obj, as_json):
     SQLite's integrity check, cells on disk it does not know. Exit 0 when nothing
     is wrong, 1 when something is (then: agnsup journal repair)."""
     from .repair import check
-    from .state import StateRoot
-    r = check(StateRoot(obj["state_dir"]))
+    r = check(_root(obj))
     if as_json:
         click.echo(json.dumps(r, indent=2, sort_keys=True))
     else:
@@ -569,8 +566,7 @@ def journal_repair(obj, as_json):
     receipts on disk. Refused (exit 1) while processes still run under the state
     root's cgroups: agnsup cancel --all first."""
     from .repair import repair
-    from .state import StateRoot
-    r = repair(StateRoot(obj["state_dir"]).ensure())
+    r = repair(_root(obj).ensure())
     if as_json:
         click.echo(json.dumps(r, indent=2, sort_keys=True))
         return

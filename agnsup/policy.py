@@ -74,63 +74,62 @@ def policy_dirs() -> list[str]:
     return dirs
 
 
-def known_roles() -> list[str]:
-    roles = set()
+def _tomls(sub: str = "") -> list[tuple[str, str]]:
+    """(directory, file name) of each *.toml in `sub` of every policy dir, in search order."""
+    found = []
     for d in policy_dirs():
+        sd = os.path.join(d, sub) if sub else d
         try:
-            roles.update(f[:-5] for f in os.listdir(d) if f.endswith(".toml"))
+            found += [(sd, n) for n in sorted(os.listdir(sd)) if n.endswith(".toml")]
         except OSError:
             continue
-    return sorted(roles)
+    return found
 
 
-def known_presets() -> list[str]:
-    names = set()
+def _lookup(sub: str, name: str) -> str | None:
+    """The first policy dir's `sub/name.toml`; None when there is none."""
     for d in policy_dirs():
-        try:
-            names.update(f[:-5] for f in os.listdir(os.path.join(d, "presets")) if f.endswith(".toml"))
-        except OSError:
-            continue
-    return sorted(names)
-
-
-def find_preset(name: str) -> str | None:
-    if not name or "/" in name or name.startswith("."):
-        return None
-    for d in policy_dirs():
-        p = os.path.join(d, "presets", name + ".toml")
+        p = os.path.join(d, sub, name + ".toml")
         if os.path.isfile(p):
             return p
     return None
 
 
+def _plain(name: str) -> bool:
+    return bool(name) and "/" not in name and not name.startswith(".")
+
+
+def known_roles() -> list[str]:
+    return sorted({n[:-5] for _, n in _tomls()})
+
+
+def known_presets() -> list[str]:
+    return sorted({n[:-5] for _, n in _tomls("presets")})
+
+
+def find_preset(name: str) -> str | None:
+    return _lookup("presets", name) if _plain(name) else None
+
+
 def _presets_digest() -> bytes:
     """Digest of every preset file, so editing a preset invalidates cached roles."""
     h = sha256()
-    for d in policy_dirs():
-        pd = os.path.join(d, "presets")
+    for pd, n in _tomls("presets"):
         try:
-            names = sorted(os.listdir(pd))
+            with open(os.path.join(pd, n), "rb") as f:
+                h.update(pd.encode() + b"/" + n.encode() + b"\0" + f.read())
         except OSError:
             continue
-        for n in names:
-            if n.endswith(".toml"):
-                try:
-                    with open(os.path.join(pd, n), "rb") as f:
-                        h.update(pd.encode() + b"/" + n.encode() + b"\0" + f.read())
-                except OSError:
-                    continue
     return h.digest()
 
 
 def find(role: str) -> str:
-    if not role or "/" in role or role.startswith("."):
+    if not _plain(role):
         raise PolicyError(f"invalid role name {role!r}")
-    for d in policy_dirs():
-        p = os.path.join(d, role + ".toml")
-        if os.path.isfile(p):
-            return p
-    raise PolicyError(f"unknown role {role!r} (known: {', '.join(known_roles())})")
+    path = _lookup("", role)
+    if path is None:
+        raise PolicyError(f"unknown role {role!r} (known: {', '.join(known_roles())})")
+    return path
 
 
 class Frozen:

@@ -39,18 +39,19 @@ KINDS = {
     "optstr": (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string"),
     "pos": (lambda v: v is None or (_number(v) and v > 0), "a number of seconds > 0"),
     "nonneg": (lambda v: v is None or (_number(v) and v >= 0), "a number of seconds >= 0"),
-    "env": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                                for k, x in v.items()))
-            or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+    "env": (lambda v: v is None or _strings(v) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
             'an object of strings ({"KEY": "VALUE"}) or a list of "KEY=VALUE" / "KEY" strings'),
-    "dict": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                                 for k, x in v.items())), "an object of strings"),
+    "dict": (lambda v: v is None or _strings(v), "an object of strings"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "death": (lambda v: v is None or v in ("kill", "keep"), '"kill" or "keep"'),
     "pty": (lambda v: v is None or (isinstance(v, dict) and set(v) == {"cols", "rows"}
                                     and all(_size(x) for x in v.values())),
             'null or {"cols": N, "rows": N} with N from 1 to 65535'),
 }
+
+
+def _strings(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
 
 
 def _size(v) -> bool:

@@ -292,9 +292,7 @@ def spawn_request(argv: list[str], options: dict) -> dict:
     """The spawn request for `agnsup spawn`: the client's cwd, and its environment
     (the serve process is not the caller; the spec builder picks what the role
     passes, and `--env KEY` takes the caller's value)."""
-    env = list(options.pop("env", None) or [])
-    host_env = dict(os.environ)
-    req = {**options, "argv": argv, "env": env, "host_env": host_env,
+    req = {**options, "argv": argv, "env": list(options.get("env") or []), "host_env": dict(os.environ),
            "workdir": os.path.realpath(options.get("workdir") or os.getcwd())}
     if options.get("receipt_file"):
         req["receipt_file"] = os.path.abspath(options["receipt_file"])

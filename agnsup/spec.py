@@ -83,10 +83,8 @@ def build(call, policy) -> CellSpec:
     put("HOME", CELL_HOME, "agnsup")
     put("TMPDIR", CELL_TMP, "agnsup")
     put("LANG", policy.env.lang, "policy")
-    put("AGNSUP_RUN_ID", run_id, "agnsup")
-    put("AGNSUP_AGENT_ID", agent_id, "agnsup")
-    put("AGNSUP_CELL_ID", cell_id, "agnsup")
-    put(TOKEN_VAR, token, "agnsup")
+    for k, v in zip(IDENTITY_VARS, (run_id, agent_id, cell_id, token), strict=True):
+        put(k, v, "agnsup")
     if policy.network.mode in ("deny", "loopback"):
         for k, v in OFFLINE_ENV.items():
             put(k, v, "agnsup")

@@ -73,22 +73,20 @@ def _ini(text: str) -> list[tuple[str, str, str]]:
 
 def git_file(home: str, worktree: str, include: str | None) -> tuple[str, list[str], list[str]]:
     """(the cell's ~/.gitconfig, keys taken, what was left out)."""
-    name = email = None
+    user = {}
     for path in (os.path.join(home, ".config", "git", "config"), os.path.join(home, ".gitconfig")):
         for section, key, value in _ini(_read(path) or ""):
-            if section == "user" and key == "name":
-                name = value
-            elif section == "user" and key == "email":
-                email = value
+            if section == "user" and key in ("name", "email"):
+                user[key] = value
     lines, taken = [], []
     if include:  # filesystem.home_allow shows the whole file: the user chose it
         lines += ["[include]", f"\tpath = {include}"]
         taken.append("include")
-    if name or email:
+    if any(user.values()):
         lines.append("[user]")
-        for k, v in (("name", name), ("email", email)):
-            if v:
-                lines.append(f"\t{k} = {v}")
+        for k in ("name", "email"):
+            if user.get(k):
+                lines.append(f"\t{k} = {user[k]}")
                 taken.append(f"user.{k}")
     lines += ["[safe]", f"\tdirectory = {worktree}"]
     taken.append("safe.directory")

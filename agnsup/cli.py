@@ -64,8 +64,7 @@ class _CommandLine(click.Command):
         takes_value, known = set(), set()
         for p in self.params:
             if isinstance(p, click.Option):
-                names = p.opts + p.secondary_opts
-                known.update(names)
+                known.update(p.opts + p.secondary_opts)
                 if not p.is_flag and not p.count:
                     takes_value.update(p.opts)
         known.update(ctx.help_option_names)
@@ -155,6 +154,13 @@ def _root(obj):
     return StateRoot(obj["state_dir"])
 
 
+def _echo_json(as_json: bool, value, sort_keys: bool = False) -> bool:
+    """With --json, print `value` as JSON; whether it did (the text form is printed otherwise)."""
+    if as_json:
+        click.echo(json.dumps(value, indent=2, sort_keys=sort_keys))
+    return as_json
+
+
 def _journal(obj):
     """The journal of the state root; None when nothing was ever run with it (no receipts)."""
     from .errors import UnknownId
@@ -200,8 +206,7 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                    or "no refused calls")
         return
     items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
-    if as_json:
-        click.echo(json.dumps(items, indent=2, sort_keys=True))
+    if _echo_json(as_json, items, sort_keys=True):
         return
     for r in items:
         if r.get("kind") == "cell":
@@ -269,9 +274,7 @@ def check(obj, role, workdir, batch, as_json, command):
     if not command:
         raise click.UsageError("give a command after -- or --batch FILE")
     d, trail = gate_check("run_process", {"argv": list(command), "cwd": wt}, ctx)
-    if as_json:
-        click.echo(json.dumps({"command": list(command), **d.to_dict(), "trail": trail}, indent=2))
-    else:
+    if not _echo_json(as_json, {"command": list(command), **d.to_dict(), "trail": trail}):
         verdict = "allowed" if d.allowed else "DENIED"
         click.echo(f"{verdict}: {d.rule} (zone {d.zone}): {d.reason}")
         for n in d.flagged:
@@ -325,9 +328,7 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
         finally:
             j.close()
         result = cancelmod.cancel(state, scope, grace)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
+    if not _echo_json(as_json, result):
         click.echo(f"cancelled {result['cancelled']} {'process(es)' if 'root' in result else 'cell(s)'} "
                    f"of {result['scope']}")
         for c in result["cells"]:
@@ -357,8 +358,7 @@ def wait(obj, cell_id, run_id, timeout, as_json):
     """
     from .service import wait_cell
     result = wait_cell(obj["state_dir"], cell_id, run_id, timeout)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
+    _echo_json(as_json, result)
     code = result.get("exit_code")
     sys.exit(125 if code is None else code)
 
@@ -378,9 +378,7 @@ def cleanup(obj, run_id, as_json):
     except CellsStillRunning as e:
         from .errors import as_value
         result, err = {**e.details["result"], **as_value(e)}, e
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
+    if not _echo_json(as_json, result):
         click.echo(f"cleaned {result['cleaned']} item(s) of run {run_id} (run {result['run_state']})")
         for it in result["items"]:
             click.echo(f"  {it['kind']}: {it.get('path') or it.get('method')}")
@@ -548,9 +546,7 @@ def journal_check(obj, as_json):
     is wrong, 1 when something is (then: agnsup journal repair)."""
     from .repair import check
     r = check(_root(obj))
-    if as_json:
-        click.echo(json.dumps(r, indent=2, sort_keys=True))
-    else:
+    if not _echo_json(as_json, r, sort_keys=True):
         click.echo(f"journal {r['journal']}: {'ok' if r['ok'] else 'NOT OK'} ({r['cells_on_disk']} cell(s) on disk)")
         for p in r["problems"]:
             click.echo(f"  {p}")
@@ -567,8 +563,7 @@ def journal_repair(obj, as_json):
     root's cgroups: agnsup cancel --all first."""
     from .repair import repair
     r = repair(_root(obj).ensure())
-    if as_json:
-        click.echo(json.dumps(r, indent=2, sort_keys=True))
+    if _echo_json(as_json, r, sort_keys=True):
         return
     for q in r["quarantined"]:
         click.echo(f"kept aside: {q}")
@@ -591,9 +586,7 @@ def journal_prune(obj, before, as_json):
     controller's start."""
     from .repair import parse_before, prune
     out = prune(_state(obj), parse_before(before), compact=True)
-    if as_json:
-        click.echo(json.dumps(out, indent=2, sort_keys=True))
-    else:
+    if not _echo_json(as_json, out, sort_keys=True):
         click.echo(f"pruned {out['cells']} ended cell(s), {out['events']} event(s), {out['receipts']} receipt "
                    f"row(s); receipt files kept on disk ({len(out['archived'])} written there first)")
 

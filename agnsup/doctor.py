@@ -163,8 +163,7 @@ def format_text(r: dict) -> str:
     lines = [f"host:            {h['kind']}", f"backend:         {h['backend']} ({h['why']})", "guarantees:"]
     lines += [f"  {k:18} {v}" for k, v in h["guarantees"].items()]
     lines.append(f"cgroup layout:   {r['cgroup']['layout']}")
-    for h, m in r["cgroup"]["hierarchies"].items():
-        lines.append(f"  {h:14} {m or '-'}")
+    lines += [f"  {h:14} {m or '-'}" for h, m in r["cgroup"]["hierarchies"].items()]
     lines.append(f"  cgroup.kill    {'yes' if r['cgroup']['cgroup_kill'] else 'no'}")
     lines.append("namespaces:      " + ", ".join(f"{k} {'yes' if v['available'] else 'NO'}"
                                                 for k, v in r["namespaces"].items()))
@@ -177,8 +176,7 @@ def format_text(r: dict) -> str:
         extra = f" (ABI {v['abi']})" if v.get("abi") else ""
         lines.append(f"  {k:18} {'yes' + extra if v['available'] else 'NO: ' + v['why_not']}")
     lines.append("agnsup will use:")
-    for k, v in r["will_use"].items():
-        lines.append(f"  {k:18} {v}")
+    lines += [f"  {k:18} {v}" for k, v in r["will_use"].items()]
     lines.append("does without:    " + ("; ".join(r["does_without"]) or "nothing"))
     lines.append("status:          " + ("ok" if r["ok"] else "CANNOT RUN CELLS on this host"))
     return "\n".join(lines)

@@ -190,11 +190,7 @@ def _frozen(v):
 def load(role: str, state_root: str | None = None) -> Frozen:
     """The validated policy for `role`, with "_file" and "_digest" (and "_preset")."""
     path = find(role)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
+    raw = _read(path)
     digest = sha256(raw).hexdigest()
     key = sha256(raw + _presets_digest()).hexdigest()
     cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
@@ -215,6 +211,14 @@ def load(role: str, state_root: str | None = None) -> Frozen:
     return Frozen(data)
 
 
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def _read_toml(raw: bytes, path: str) -> dict:
     import tomllib
     try:
@@ -229,11 +233,7 @@ def load_preset(name: str, role_path: str = "") -> tuple[dict, str]:
     if path is None:
         raise PolicyError(f"{role_path}: key governance.preset: unknown preset {name!r} "
                           f"(known: {', '.join(known_presets()) or 'none'})")
-    try:
-        with open(path, "rb") as f:
-            doc = _read_toml(f.read(), path)
-    except OSError as e:
-        raise PolicyError(f"{path}: cannot read: {e.strerror}") from None
+    doc = _read_toml(_read(path), path)
     meta = doc.get("preset")
     if not isinstance(meta, dict):
         raise PolicyError(f"{path}: key preset: missing (a preset file starts with [preset] name = ...)")

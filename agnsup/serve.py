@@ -144,15 +144,12 @@ class Server:
         from .service import Supervisor
         self.sup = Supervisor(state_dir, kind="serve")
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
-        self.listener = self._bind()
-        self.stop = threading.Event()
-
-    def _bind(self) -> socket.socket:
         try:
-            return listen_unix(self.path, "serve controller")
+            self.listener = listen_unix(self.path, "serve controller")
         except UsageError:
             self.sup.close()
             raise
+        self.stop = threading.Event()
 
     def serve_forever(self) -> int:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

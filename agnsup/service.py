@@ -87,14 +87,13 @@ class _Forker:
 
 class Supervisor:
     def __init__(self, state_dir: str | None = None, kind: str = "serve"):
-        from . import broker, janitor
+        from . import broker, janitor, repair
         from .state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
         self._forker = _Forker()
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker)
         self.ctl.journal.lock = threading.RLock()
-        from . import repair
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._guard = threading.Lock()
@@ -132,8 +131,7 @@ class Supervisor:
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
-        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
-        t.start()
+        threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True).start()
         if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
             from .locks import holder
             line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
@@ -305,12 +303,10 @@ class Supervisor:
             if r.leader_gone or (r.waiter is None and r.started.is_set()):
                 return  # it ended, or never started
             self.ctl.journal.add_event("signal", run_id, cell_id, signal=sig, by=f"supervisor {self.ctl.id}")
-            queued = r.waiter is None
-            if queued:
-                pass  # cancelled below, outside the lock
-            elif sig == "KILL":
+            queued = r.waiter is None  # a queued cell is cancelled below, outside the lock
+            if sig == "KILL" and not queued:
                 r.waiter.stop_now("killed")
-            else:
+            elif not queued:
                 reaper.signal_group(r.group_fd, SIGNALS[sig])
         if queued:  # waiting for its worktree lock: it never starts
             self.cancel(cell_id=cell_id, run_id=run_id)

@@ -74,31 +74,25 @@ def build(call, policy) -> CellSpec:
     env: dict[str, str] = {}
     src: dict[str, str] = {}
 
-    def put(k, v, s):
-        env[k], src[k] = v, s
+    def put(source: str, values: dict) -> None:
+        for k, v in values.items():
+            env[k], src[k] = v, source
 
-    put("PATH", ":".join(expand_path(policy.env.path, venv)), "policy")
+    put("policy", {"PATH": ":".join(expand_path(policy.env.path, venv))})
     if venv is not None and "@venv" in policy.env.path:
-        put("VIRTUAL_ENV", venv, "agnsup")
-    put("HOME", CELL_HOME, "agnsup")
-    put("TMPDIR", CELL_TMP, "agnsup")
-    put("LANG", policy.env.lang, "policy")
-    for k, v in zip(IDENTITY_VARS, (run_id, agent_id, cell_id, token), strict=True):
-        put(k, v, "agnsup")
+        put("agnsup", {"VIRTUAL_ENV": venv})
+    put("agnsup", {"HOME": CELL_HOME, "TMPDIR": CELL_TMP})
+    put("policy", {"LANG": policy.env.lang})
+    put("agnsup", dict(zip(IDENTITY_VARS, (run_id, agent_id, cell_id, token), strict=True)))
     if policy.network.mode in ("deny", "loopback"):
-        for k, v in OFFLINE_ENV.items():
-            put(k, v, "agnsup")
-    for k in policy.env.passthrough:
-        if k in host_env:
-            put(k, host_env[k], "host")
+        put("agnsup", OFFLINE_ENV)
+    put("host", {k: host_env[k] for k in policy.env.passthrough if k in host_env})
     from .toolconfig import host_env as tool_env
     tool_vars, tool_dropped = tool_env(policy.filesystem.home_config, host_env)
-    for k, v in tool_vars.items():
-        put(k, v, "host")
+    put("host", tool_vars)
     if policy.network.mode in ("allowlist", "internal"):  # the only way out: the controller's proxy (egress/)
         from .egress import proxy_env
-        for k, v in proxy_env(policy.network.proxy_port).items():
-            put(k, v, "agnsup")
+        put("agnsup", proxy_env(policy.network.proxy_port))
     for item in call.env:
         k, eq, v = item.partition("=")
         if not k or not k.replace("_", "a").isalnum() or k[0].isdigit():
@@ -109,7 +103,7 @@ def build(call, policy) -> CellSpec:
             if k not in host_env:
                 raise UsageError(f"--env {k}: not set in this environment")
             v = host_env[k]
-        put(k, v, "call")
+        put("call", {k: v})
 
     exe = resolve(call.argv[0], env["PATH"], workdir)
     return CellSpec(argv=list(call.argv), exe=exe, role=call.role, run_id=run_id, agent_id=agent_id,

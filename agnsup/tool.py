@@ -41,8 +41,7 @@ def run_process(argv: list[str], *, state_dir: str | None = None, forward_signal
     if request.stdin:
         raise UsageError("stdin: run_process waits for the cell, so nobody could write its stdin; "
                          "use Supervisor.spawn (or serve's spawn) and write_stdin")
-    state = StateRoot(state_dir)
-    state.ensure()
+    state = StateRoot(state_dir).ensure()
     journal = state.journal()
     try:
         janitor.on_start(state, journal)  # crash recovery first: one query when nothing to do

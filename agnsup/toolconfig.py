@@ -141,16 +141,12 @@ def npm_file(home: str) -> tuple[str | None, list[str], list[str]]:
 def home_files(tools, home: str, worktree: str, git_include: str | None = None, shown=lambda path: False):
     """([(path under the cell's HOME, text)], {tool: {"taken": [...], "dropped": [...]}})."""
     files, report = [], {}
+    makers = {"git": (".gitconfig", lambda: git_file(home, worktree, git_include)),
+              "pip": (os.path.join(".config", "pip", "pip.conf"), lambda: pip_file(home, shown)),
+              "npm": (".npmrc", lambda: npm_file(home))}
     for tool in tools:
-        if tool == "git":
-            text, taken, dropped = git_file(home, worktree, git_include)
-            rel = ".gitconfig"
-        elif tool == "pip":
-            text, taken, dropped = pip_file(home, shown)
-            rel = os.path.join(".config", "pip", "pip.conf")
-        else:
-            text, taken, dropped = npm_file(home)
-            rel = ".npmrc"
+        rel, make = makers[tool]
+        text, taken, dropped = make()
         if text is not None:
             files.append((rel, text))
         if taken or dropped:

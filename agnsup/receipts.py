@@ -83,12 +83,12 @@ def argv_b64(argv: list[str]) -> dict:
     """{"argv_b64": argv as base64 of the exact bytes} when some argument is not UTF-8:
     `argv` then holds surrogate escapes (\\udcff) that only Python maps back, and a
     receipt must let any reader recover what ran. {} when argv is all UTF-8."""
-    import base64
     try:
         for a in argv:
             a.encode()
         return {}
     except UnicodeEncodeError:
+        import base64  # here, not above: 1 ms of the run path for an argv that is almost never needed
         return {"argv_b64": [base64.b64encode(os.fsencode(a)).decode() for a in argv]}
 
 

@@ -23,6 +23,13 @@ if "AGNSUP_ROOTS_REGISTRY" not in os.environ:
     os.environ["AGNSUP_ROOTS_REGISTRY"] = os.path.join("/tmp", f"agnsup-test-roots-{os.getpid()}")
     atexit.register(shutil.rmtree, os.environ["AGNSUP_ROOTS_REGISTRY"], True)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# scripts/v2lane --budget: past this CLOCK_MONOTONIC second, tests still to start are not run, and say so
+LANE_DEADLINE = float(os.environ.get("V2LANE_DEADLINE_MONO") or "inf")
+
+
+def pytest_runtest_setup(item):
+    if time.monotonic() > LANE_DEADLINE:
+        pytest.skip("BUDGET: not run: the lane's time budget ran out (scripts/v2lane --budget)")
 
 
 class Agnsup:

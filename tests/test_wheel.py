@@ -22,7 +22,8 @@ def test_the_installed_wheel_runs_doctor_and_a_cell_outside_the_source_tree(tmp_
                    capture_output=True)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "AGNSUP_STATE_DIR": str(tmp_path / "state"), "LANG": "C.UTF-8"}
+    env = {"PATH": "/usr/bin:/bin", "AGNSUP_STATE_DIR": str(tmp_path / "state"), "LANG": "C.UTF-8",
+           "AGNSUP_ROOTS_REGISTRY": os.environ["AGNSUP_ROOTS_REGISTRY"]}  # the tests' registry, not the host's
     agnsup = str(venv / "bin" / "agnsup")
     doc = subprocess.run([agnsup, "doctor", "--json"], cwd=outside, env=env, capture_output=True, timeout=120)
     assert doc.returncode == 0, doc.stderr

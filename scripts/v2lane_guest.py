@@ -176,7 +176,9 @@ def s_isolation(agnsup: str, who: Who, tag: str, cell_uid: int | None = None) ->
 
 
 def s_blackout(agnsup: str, who: Who, tag: str, runs: int, seed: int) -> None:
-    asked, runs = runs, min(runs, int(left() // BLACKOUT_RUN_S))
+    asked = runs
+    if DEADLINE < float("inf"):  # (inf // 180 is nan)
+        runs = min(runs, int(left() // BLACKOUT_RUN_S))
     if runs < 1:
         return cut(f"blackout[{tag}]", f"a run takes up to {BLACKOUT_RUN_S} s")
     t = uptime()

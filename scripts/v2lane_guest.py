@@ -170,11 +170,15 @@ def s_isolation(agnsup: str, who: Who, tag: str, cell_uid: int | None = None) ->
     if rep is None:
         step(f"isolation[{tag}]", "FAIL", uptime() - t, f"no JSON: {last_line(cp)}")
         return
+    doors = rep.get("doors", [])
     bad = [f"{g['gate']}={g['status']}" for g in rep["gates"] if g["status"] != "PASS"]
+    bad += [f"{d['door']}={d['status']}" for d in doors if d["status"] != "HELD"]
     status = "PASS" if cp.returncode == 0 and rep.get("ok") and not bad else (
         "ENV_BLOCKED" if bad and all("ENV_BLOCKED" in b for b in bad) else "FAIL")
-    step(f"isolation[{tag}]", status, uptime() - t,
-         f"{len(rep['gates']) - len(bad)}/{len(rep['gates'])} gates PASS" + (f"; {' '.join(bad)}" if bad else ""))
+    good = sum(g["status"] == "PASS" for g in rep["gates"])
+    held = sum(d["status"] == "HELD" for d in doors)
+    step(f"isolation[{tag}]", status, uptime() - t, f"{good}/{len(rep['gates'])} gates PASS, {held}/{len(doors)} "
+         "doors HELD" + (f"; {' '.join(bad)}" if bad else ""))
 
 
 def s_blackout(agnsup: str, who: Who, tag: str, runs: int, seed: int) -> None:

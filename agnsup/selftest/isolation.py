@@ -569,31 +569,61 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
 GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 
 
-def run_gates(keep: bool = False, only: list[str] | None = None, user: int | None = None) -> dict:
-    """Run the gates (all, or `only`) and return {"gates": [...], "state_root": ..., "ok": bool}."""
-    h = Harness(keep, user)
+def _door_runners() -> dict:
+    """The doors a peer sandbox closes (issue 25; docs/isolation.md "Doors"), each judged like a gate:
+    PASS is reported HELD, FAIL is OPEN."""
+    from . import doors_autoexec, doors_dev, doors_identity, doors_kernel, doors_sockets
+    out: dict = {}
+    for module in (doors_sockets, doors_kernel, doors_dev, doors_identity, doors_autoexec):
+        out.update(module.RUNNERS)
+    return out
+
+
+DOOR_RUNNERS = _door_runners()
+DOORS = tuple(DOOR_RUNNERS)
+DOOR_STATUS = {"PASS": "HELD", "FAIL": "OPEN"}
+
+
+def _run_each(h: Harness, names, runners: dict) -> list[dict]:
     results = []
+    for name in names:
+        try:
+            results.append(runners[name](h))
+        except Exception as e:  # noqa: BLE001 - one broken gate must not hide the others
+            results.append(_gate(name, "FAIL", f"the selftest itself failed: {type(e).__name__}: {e}"))
+    return results
+
+
+def run_gates(keep: bool = False, only: list[str] | None = None, user: int | None = None) -> dict:
+    """Run the gates and the doors (all, or `only`) and return {"gates": [...], "doors": [...], "ok": bool}."""
+    h = Harness(keep, user)
     try:
-        for name in only or GATES:
-            try:
-                results.append(RUNNERS[name](h))
-            except Exception as e:  # noqa: BLE001 - one broken gate must not hide the others
-                results.append(_gate(name, "FAIL", f"the selftest itself failed: {type(e).__name__}: {e}"))
+        gates = _run_each(h, [n for n in only or GATES if n in RUNNERS], RUNNERS)
+        doors = _run_each(h, [n for n in only or DOORS if n in DOOR_RUNNERS], DOOR_RUNNERS)
     finally:
         h.close()
-    return {"gates": results, "ok": all(g["status"] == "PASS" for g in results),
+    doors = [{"door": d.pop("gate"), **d, "status": DOOR_STATUS.get(d["status"], d["status"])} for d in doors]
+    return {"gates": gates, "doors": doors,
+            "ok": all(g["status"] == "PASS" for g in gates) and all(d["status"] == "HELD" for d in doors),
             "uid": os.geteuid(), "cell_uid": user, "root": h.root, "kept": keep}
 
 
 def format_table(report: dict) -> str:
-    width = max(len(g) for g in GATES)
-    lines = [f"{'gate':{width}}  status"]
-    for g in report["gates"]:
-        lines.append(f"{g['gate']:{width}}  {g['status']}")
-        if g["status"] != "PASS" or g["evidence"]:
-            lines.append(f"{'':{width}}    {g['evidence'][:300]}")
-    passed = sum(g["status"] == "PASS" for g in report["gates"])
-    lines.append(f"{passed}/{len(report['gates'])} gates pass" + (f"; kept {report['root']}" if report["kept"] else ""))
+    width = max(len(g) for g in GATES + DOORS)
+    lines = []
+    for kind, key, good in (("gate", "gates", "PASS"), ("door", "doors", "HELD")):
+        rows = report.get(key) or []
+        if not rows:
+            continue
+        lines.append(f"{kind:{width}}  status")
+        for g in rows:
+            lines.append(f"{g[kind]:{width}}  {g['status']}")
+            if g["status"] != good or g["evidence"]:
+                lines.append(f"{'':{width}}    {g['evidence'][:300]}")
+        lines.append(f"{sum(g['status'] == good for g in rows)}/{len(rows)} {key} "
+                     f"{'pass' if key == 'gates' else 'held'}")
+    if report["kept"]:
+        lines.append(f"kept {report['root']}")
     return "\n".join(lines)
 
 

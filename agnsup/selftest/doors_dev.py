@@ -25,7 +25,6 @@ import os, stat, sys
 minimal = set(sys.argv[1].split(":"))
 args = sys.argv[2:]
 tried = {a + b for a, b in zip(args[::2], args[1::2])}
-print("/dev holds", sorted(os.listdir("/dev")))
 found = set(tried)
 for root, dirs, files in os.walk("/dev"):  # links (fd, stdin, ptmx) lead into /proc and pts: not followed
     found.update(os.path.join(root, n) for n in dirs + files)
@@ -49,6 +48,7 @@ for w in worked:
     print(w)
 if extra:
     print("host device nodes in the cell:", ", ".join(extra))
+print("/dev holds", sorted(os.listdir("/dev")))
 sys.exit(77 if worked or extra else 0)
 '''
 

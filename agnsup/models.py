@@ -118,7 +118,8 @@ class FilesystemSection(_Strict):
                                       "'ro' makes it read-only (recommended; required for cgroup containment).")
     deny: list[str] = Field(default_factory=list, description="Paths hidden inside the cell (~ is the invoking "
                             "user's home). The state root is always hidden. Every cell also gets a private /tmp "
-                            "(its temp dir, where HOME and TMPDIR point) and a private /dev/shm.")
+                            "(its temp dir, where HOME and TMPDIR point) and a minimal /dev of its own "
+                            "(filesystem.devices).")
     home: Literal["hidden", "ro"] = Field("hidden", description="The invoking user's home (the real uid's passwd "
                                           "home, $HOME, and SUDO_USER's home under sudo): 'hidden' puts it under "
                                           "an empty read-only tmpfs, re-exposing read-only only the worktree (with "
@@ -259,7 +260,8 @@ class IsolationSection(_Strict):
                           "TIOCSTI/TIOCLINUX, io_uring, kexec, module loading, and (unless allowed below) "
                           "ptrace and mount/namespace calls, with EPERM.")
     landlock: StrictBool = Field(True, description="Apply a Landlock domain: writes only beneath the worktree (when "
-                           "rw), the private /tmp, /dev/shm, /dev/null-class devices and isolation.writable; "
+                           "rw), the private /tmp, /dev/shm, its own devpts, /dev/null-class devices, "
+                           "filesystem.devices and isolation.writable; "
                            "no signal to, or abstract-socket connect to, a process outside the cell.")
     no_new_privs: StrictBool = Field(True, description="Set no_new_privs: setuid and file-capability binaries gain "
                                "nothing. Required by seccomp and landlock.")

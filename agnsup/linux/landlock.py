@@ -6,8 +6,8 @@ directories) and grants them only beneath the paths the role allows (the
 worktree when it is rw, the cell's private /tmp, /dev/shm, its own devpts,
 the /dev/null class of devices, the cell's own stdio files and terminals).
 Reads are not handled: what the cell may read is what its mount namespace
-shows. Rules bind inodes, not
-mount points (Documentation/userspace-api/landlock.rst), so a ruleset built
+shows. Rules bind inodes, not mount points
+(Documentation/userspace-api/landlock.rst), so a ruleset built
 in the controller from host paths still holds inside the cell's private
 mount namespace, and it holds even if a mount were left writable by mistake:
 /sys/fs/cgroup and the state root get no rule at all.

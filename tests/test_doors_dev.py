@@ -77,7 +77,7 @@ name = got.decode().strip()
 check("pty.fork", status == 0 and name.startswith("/dev/pts/") and os.path.exists(name), got)
 r = run(["script", "-qc", "tty", "/dev/null"])
 check("script", r.returncode == 0 and r.stdout.strip().startswith("/dev/pts/"), (r.returncode, r.stdout, r.stderr))
-env = {**os.environ, "TMUX_TMPDIR": "/tmp"}
+env = {**os.environ, "TMUX_TMPDIR": "/tmp", "SHELL": "/bin/sh"}  # uid 65534's login shell is nologin
 r1 = run(["tmux", "-L", "doors", "new-session", "-d", "-s", "s", "sleep 60"], env=env)
 r2 = run(["tmux", "-L", "doors", "has-session", "-t", "s"], env=env)
 r3 = run(["tmux", "-L", "doors", "kill-server"], env=env)
@@ -279,6 +279,18 @@ def test_everyday_jobs_keep_working_with_the_minimal_dev(agnsup, worktree, role)
                 host_pts_dev(), "inherited", timeout=120)
     assert cp.returncode == 0 and "FAIL" not in cp.out, f"exit {cp.returncode}\n{cp.out}\n{cp.err}"
     assert "via-dev-stdout" in cp.out and "via-dev-stderr" in cp.err
+
+
+def test_everyday_jobs_keep_working_in_a_cell_of_uid_65534(agnsup, worktree, policy_dir):
+    """process.user: the cell's ptys, /dev/shm and the bound nodes serve a uid that is not root."""
+    write_role(policy_dir, "nobody", process__user="65534")
+    os.chmod(os.path.dirname(worktree), 0o755)
+    os.chown(worktree, 65534, 65534)
+    a = Agnsup(agnsup.state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    # not "inherited": agnsup's stdout is this test's pipe, mode 0600 and root's, which uid 65534 may not reopen
+    cp = a("run", "--role", "nobody", "--workdir", worktree, "--", "python3", script_file(worktree, P_EVERYDAY),
+           host_pts_dev(), timeout=120)
+    assert cp.returncode == 0 and "FAIL" not in cp.out, f"exit {cp.returncode}\n{cp.out}\n{cp.err}"
 
 
 def test_dev_shm_is_capped_by_limits_shm_max(agnsup, worktree, policy_dir):

@@ -51,6 +51,8 @@ class ExecutionPlan(Record):
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
     caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
                                             # the cell's /tmp dir): filesystem.cache
+    devices: list[tuple] = Factory(list)    # (path, "character" | "block"): filesystem.devices, bound in /dev
+    shm_max: int = 0                        # bytes of the cell's /dev/shm
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -85,7 +87,17 @@ class ExecutionPlan(Record):
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
             "home_config": self.home_config,
             "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
+            **self._dev(),
         }
+
+    def _dev(self) -> dict:
+        """The cell's /dev for the receipt: what it holds, and what each role device gives up."""
+        from .linux.mounts import DEV_LINKS, DEV_NODES
+        return {"dev": "minimal", "dev_nodes": [*DEV_NODES, *(p for p, _ in self.devices), "/dev/pts (its own)",
+                                                 "/dev/shm (its own)", *(f"/dev/{n}" for n, _ in DEV_LINKS)],
+                "dev_shm_max": self.shm_max,
+                "devices": [{"path": p, "kind": kind, "gives_up": f"the cell can read and write {p} (a {kind} "
+                             "device of the host): whatever that device reaches"} for p, kind in self.devices]}
 
 
 def _expand(path: str, home: str) -> str:
@@ -219,7 +231,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
     ops.append(("root", "/", "", fs.root == "ro"))
-    ops.append(("tmpfs", "/dev/shm"))
+    devices = host_devices(fs, spec.role)
+    shm_max = policy.limits.shm_max or (policy.limits.memory_max // 2 if policy.limits.memory_max else SHM_DEFAULT)
+    ops.append(("dev", "/dev", str(shm_max), True, tuple(p for p, _ in devices)))
     # Outermost first, by depth; the sort is stable and at equal depth hides come
     # before attaches and the home's attaches before the worktree's, so a worktree
     # that is the home itself lands on top.
@@ -238,7 +252,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
-    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host, [h for h, _, _ in caches])
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host,
+                        [h for h, _, _ in caches] + [p for p, _ in devices])
     proxied = policy.network.mode in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
@@ -252,7 +267,32 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        caches=caches, **conf)
+        caches=caches, devices=devices, shm_max=shm_max, **conf)
+
+
+SHM_DEFAULT = 64 << 20  # a role with neither limits.shm_max nor memory_max: Docker's default /dev/shm
+
+
+def host_devices(fs, role: str) -> list[tuple[str, str]]:
+    """filesystem.devices as (path, kind): each must be a device node on this host now, or the
+    cell is refused (exit 125) before anything is journaled or created."""
+    import stat
+    out = []
+    for p in fs.devices:
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            why = "does not exist on this host" if isinstance(e, FileNotFoundError) else f"cannot be read: {e.strerror}"
+            raise SetupError(f"role {role}: filesystem.devices lists {p}, which {why}", step="devices") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise SetupError(f"role {role}: filesystem.devices lists {p}, a symlink to {os.path.realpath(p)}: list "
+                             "the device node itself", step="devices")
+        if not (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+            raise SetupError(f"role {role}: filesystem.devices lists {p}, which is not a device node (a character "
+                             "or block device)", step="devices")
+        if p not in (q for q, _ in out):
+            out.append((p, "character" if stat.S_ISCHR(st.st_mode) else "block"))
+    return out
 
 
 # Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).
@@ -363,9 +403,9 @@ def _runtime_links(spec: CellSpec) -> list[tuple]:
 # Network modes that give the cell a namespace of its own with only lo up; allowlist
 # and internal reach out only through the controller's proxy (agnsup/egress/).
 NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
-# The /dev/null class: devices every program may open for writing.
-WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty",
-                    "/dev/ptmx", "/dev/pts"]
+# The /dev/null class: devices every program may open for writing. The cell's own devpts and /dev/shm
+# exist only in its namespace: their rules are added in the child (supervisor._confine).
+WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]
 def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict,
                  cache_writable=()) -> dict:
     from .linux.sys import CAP_NAMES

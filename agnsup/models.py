@@ -60,6 +60,19 @@ def _home_path(p: str) -> str | None:
     return f"{p!r} holds '..'" if ".." in p.split("/") else None
 
 
+# Names the cell's minimal /dev makes itself (linux/mounts.py _dev): a role cannot bind a host node over them.
+DEV_OWN = ("/dev/pts", "/dev/shm", "/dev/ptmx", "/dev/console", "/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr")
+
+
+def _device_path(p: str) -> str | None:
+    import os.path
+    if not p.startswith("/dev/") or os.path.normpath(p) != p:
+        return f"{p!r} is not a normalized path under /dev/ (a device node such as /dev/kvm)"
+    if any(p == own or p.startswith(own + "/") for own in DEV_OWN):
+        return f"{p!r} is the cell's own (its /dev makes {', '.join(DEV_OWN)}), not a host device to bind"
+    return None
+
+
 def _net_entry(e: str) -> None:
     from .netpolicy import parse_entry
     parse_entry(e)  # raises ValueError naming what is wrong
@@ -105,7 +118,8 @@ class FilesystemSection(_Strict):
                                       "'ro' makes it read-only (recommended; required for cgroup containment).")
     deny: list[str] = Field(default_factory=list, description="Paths hidden inside the cell (~ is the invoking "
                             "user's home). The state root is always hidden. Every cell also gets a private /tmp "
-                            "(its temp dir, where HOME and TMPDIR point) and a private /dev/shm.")
+                            "(its temp dir, where HOME and TMPDIR point) and a minimal /dev of its own "
+                            "(filesystem.devices).")
     home: Literal["hidden", "ro"] = Field("hidden", description="The invoking user's home (the real uid's passwd "
                                           "home, $HOME, and SUDO_USER's home under sudo): 'hidden' puts it under "
                                           "an empty read-only tmpfs, re-exposing read-only only the worktree (with "
@@ -129,7 +143,13 @@ class FilesystemSection(_Strict):
         default_factory=lambda: ["pip", "npm", "cargo"], description="The caches filesystem.cache keeps: pip "
         "(~/.cache/pip), npm (~/.npm), cargo (~/.cargo/registry and ~/.cargo/git).")
 
+    devices: list[str] = Field(default_factory=list, description="Host device nodes the cell's minimal /dev "
+                               "also gets, at the same path ('/dev/kvm', '/dev/dri/renderD128'): each must exist and "
+                               "be a character or block device when a cell starts; the cell may read and write it "
+                               "(Landlock too), and the receipt says so.")
+
     _home_paths = field_validator("home_allow")(_each(_home_path))
+    _device_paths = field_validator("devices")(_each(_device_path))
 
     @model_validator(mode="after")
     def _allow_needs_hidden(self):
@@ -199,11 +219,13 @@ class LimitsSection(_Strict):
     output_max: int | None = Field(None, ge=0, description="Most bytes the cell may write to the controller, stdout "
                                    "and stderr together ('16M', bytes); past it the cell is killed and the receipt "
                                    "says output_limit. Unset: the cell writes the controller's stdio directly.")
+    shm_max: int | None = Field(None, ge=4096, description="Size of the cell's private /dev/shm ('256M', bytes); "
+                                "unset: half of memory_max, or 64M without it. Writes past it fail with ENOSPC.")
     timeout: float | None = Field(None, description="Default wall-clock limit in seconds, > 0 (--timeout "
                                   "overrides); none if unset.")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")
 
-    @field_validator("memory_max", "output_max", mode="before")
+    @field_validator("memory_max", "output_max", "shm_max", mode="before")
     @classmethod
     def _size(cls, v):
         return parse_size(v)
@@ -238,7 +260,8 @@ class IsolationSection(_Strict):
                           "TIOCSTI/TIOCLINUX, io_uring, kexec, module loading, and (unless allowed below) "
                           "ptrace and mount/namespace calls, with EPERM.")
     landlock: StrictBool = Field(True, description="Apply a Landlock domain: writes only beneath the worktree (when "
-                           "rw), the private /tmp, /dev/shm, /dev/null-class devices and isolation.writable; "
+                           "rw), the private /tmp, /dev/shm, its own devpts, /dev/null-class devices, "
+                           "filesystem.devices and isolation.writable; "
                            "no signal to, or abstract-socket connect to, a process outside the cell.")
     no_new_privs: StrictBool = Field(True, description="Set no_new_privs: setuid and file-capability binaries gain "
                                "nothing. Required by seccomp and landlock.")

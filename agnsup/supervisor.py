@@ -21,7 +21,7 @@ spawn() forks one child and runs the cell recipe in it, in order:
         the command continues below
     confine (docs/isolation.md), in this order because each step needs
     what the next one takes away:
-        the last Landlock rules (the fresh /dev/shm, stdio files)
+        the last Landlock rules (the fresh /dev/shm and devpts, stdio files and terminals)
         capabilities: the bounding set, then uid/gid (process.user) or
             effective/permitted/inheritable/ambient, down to what the role keeps
         no_new_privs
@@ -240,6 +240,7 @@ def _confine(at: _Step, plan, conf: _Confinement) -> None:
     if conf.ruleset:
         at.name = "landlock_rules"
         conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+        conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
         landlock.allow_stdio(conf.ruleset)
     at.name = "capabilities"
     lsys.drop_bounding_caps(plan.drop_caps)

@@ -13,7 +13,7 @@ import os
 import sys
 import signal
 
-from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
+from .errors import AgnsupError, NotExecutable, NotFound, SetupError, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 
@@ -87,7 +87,15 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    plan = compiler.compile_plan(spec, pol, state.path, host.protections(), tuple(state.other_roots()))
+    try:
+        plan = compiler.compile_plan(spec, pol, state.path, host.protections(), tuple(state.other_roots()))
+    except SetupError as e:
+        # a role this host cannot honour (a device it lists is not there, a home it cannot hide):
+        # nothing starts, and the journal remembers the call
+        journal.record_refused(spec.run_id, spec.cell_id, argv=spec.argv, error=e.message,
+                               error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
+                               entry=request.entry)
+        raise
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
     return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,

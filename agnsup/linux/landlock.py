@@ -3,10 +3,11 @@
 Landlock confines *writes* here: the ruleset handles every write-class
 filesystem right (write, truncate, create, remove, rename/link across
 directories) and grants them only beneath the paths the role allows (the
-worktree when it is rw, the cell's private /tmp, /dev/shm, the /dev/null
-class of devices, the cell's own stdio files). Reads are not handled: what
-the cell may read is what its mount namespace shows. Rules bind inodes, not
-mount points (Documentation/userspace-api/landlock.rst), so a ruleset built
+worktree when it is rw, the cell's private /tmp, /dev/shm, its own devpts,
+the /dev/null class of devices, the cell's own stdio files and terminals).
+Reads are not handled: what the cell may read is what its mount namespace
+shows. Rules bind inodes, not mount points
+(Documentation/userspace-api/landlock.rst), so a ruleset built
 in the controller from host paths still holds inside the cell's private
 mount namespace, and it holds even if a mount were left writable by mistake:
 /sys/fs/cgroup and the state root get no rule at all.
@@ -128,13 +129,15 @@ def build(writable: list[str], version: int, scopes: bool = True) -> Ruleset:
 
 
 def allow_stdio(rs: Ruleset) -> None:
-    """In the child: the regular files it was given as stdio stay writable when
-    reopened through /dev/stdout or /proc/self/fd (shells do `>/dev/stderr`)."""
-    for fd in (1, 2):
+    """In the child: the regular files and terminals it was given as stdio stay
+    writable when reopened through /dev/stdout or /proc/self/fd (shells do
+    `>/dev/stderr`). A terminal of the controller's lives on the host's devpts,
+    which the cell's /dev no longer shows: this rule is its only one."""
+    for fd in (0, 1, 2):
         try:
             st = os.fstat(fd)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode):
+        if (stat.S_ISREG(st.st_mode) and fd) or stat.S_ISCHR(st.st_mode):
             rs.allow_fd(fd, False, f"fd {fd}")
 

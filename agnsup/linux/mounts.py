@@ -14,7 +14,13 @@ The recipe, in order:
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
            a cell cannot write any cgroup.procs.
-  tmpfs    fresh private tmpfs (e.g. /dev/shm).
+  tmpfs    fresh private tmpfs.
+  dev      the cell's own minimal /dev (bubblewrap's --dev, Docker's /dev):
+           a read-only tmpfs holding binds of the host's null, zero, full,
+           random, urandom, tty (and the role's filesystem.devices), a new
+           devpts instance, a capped /dev/shm and the fd links. The host's
+           disks, loop devices, /dev/mem and its other terminals are not
+           there (a uid-0 cell could read a raw disk around every mask).
   hide     the invoking user's home under an empty tmpfs (its host owner and
            mode), the mount points of what is attached beneath it made
            inside, then the tmpfs sealed read-only: all in one step, before
@@ -35,14 +41,14 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach")
+KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev")
 
 
 # kind:     one of KINDS
 # path:     source for clone, target otherwise
-# key:      names a clone for a later attach
+# key:      names a clone for a later attach; dev: the size of /dev/shm in bytes
 # readonly: root: read-only (else only private); clone: a read-only copy
-# points:   hide: (path, is_dir) mount points to make inside the tmpfs
+# points:   hide: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
@@ -65,6 +71,8 @@ def apply(ops: list) -> None:
             elif op.kind == "root":
                 lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
                                    propagation=lsys.MS_PRIVATE)
+            elif op.kind == "dev":
+                _dev(int(op.key), op.points)
             elif op.kind == "tmpfs":
                 if os.path.isdir(op.path):
                     lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
@@ -118,3 +126,77 @@ def _mask(path: str) -> None:
     else:
         lsys.mount("/dev/null", path, None, lsys.MS_BIND)
         lsys.mount(None, path, None, lsys.MS_BIND | lsys.MS_REMOUNT | lsys.MS_RDONLY)
+
+
+# The host nodes every cell keeps: harmless to any uid (0666 on every host), and what
+# programs expect to open. /dev/tty is the process's own controlling terminal.
+DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+             ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx"))
+_DEV_FLAGS = lsys.MS_NOSUID | lsys.MS_NOEXEC
+_TTY_GID = 5  # the "tty" group of Debian, Fedora, Arch, Alpine: devpts gives new ptys this group
+
+
+def _dev(shm_size: int, devices: tuple) -> None:
+    """Cover /dev with the cell's own (after "root": every mount is private and read-only by then,
+    and read-only does not stop a device node from being written)."""
+    keep = [p for p in DEV_NODES if os.path.exists(p)] + list(devices)  # a role's devices: checked by the compiler
+    terminal = _stdio_terminal()
+    clones = []
+    try:
+        # Not recursive (no AT_RECURSIVE): a node and nothing mounted beneath it.
+        for p in keep:
+            clones.append((p, lsys.open_tree(p, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)))
+        if terminal is not None:
+            # the terminal the cell already holds as stdio lives on the host's devpts, which the cell no
+            # longer sees: bound at /dev/console (as bubblewrap does), ttyname() finds it there
+            clones.append(("/dev/console", lsys.open_tree(terminal, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)))
+        lsys.mount("tmpfs", "/dev", "tmpfs", _DEV_FLAGS, "size=64k,nr_inodes=256,mode=755")
+        old = os.umask(0)
+        try:
+            for p, fd in clones:
+                os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)  # /dev/dri/renderD128
+                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
+                lsys.move_mount_fd(fd, p)
+            os.mkdir("/dev/pts", 0o755)
+            _devpts("/dev/pts")
+            os.mkdir("/dev/shm", 0o1777)
+            lsys.mount("tmpfs", "/dev/shm", "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV,
+                       f"mode=1777,size={shm_size}")
+            for name, target in DEV_LINKS:
+                os.symlink(target, os.path.join("/dev", name))
+        finally:
+            os.umask(old)
+    finally:
+        for _, fd in clones:
+            os.close(fd)
+    # The nodes, pts and shm are mounts of their own; the tmpfs under them becomes read-only,
+    # so the cell cannot add a node, a link or a file there.
+    lsys.mount(None, "/dev", None, lsys.MS_REMOUNT | lsys.MS_BIND | lsys.MS_RDONLY | _DEV_FLAGS)
+
+
+def _devpts(path: str) -> None:
+    """A new devpts instance (devpts(5) newinstance): the cell sees only the ptys made in it,
+    never the host's terminals. gid=5 only where that gid is mapped (a user namespace of one
+    gid, an unprivileged agnsup's cell, has no group 5: EINVAL; ptys then get the creator's gid)."""
+    opts = "newinstance,ptmxmode=0666,mode=0620"
+    flags = lsys.MS_NOSUID | lsys.MS_NOEXEC
+    try:
+        lsys.mount("devpts", path, "devpts", flags, f"{opts},gid={_TTY_GID}")
+    except OSError as e:
+        if e.errno != 22:  # EINVAL
+            raise
+        lsys.mount("devpts", path, "devpts", flags, opts)
+
+
+def _stdio_terminal() -> str | None:
+    """The host path of the terminal on fd 0, 1 or 2, if the cell was given one."""
+    for fd in (0, 1, 2):
+        try:
+            path = os.ttyname(fd)
+            st, held = os.stat(path), os.fstat(fd)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+            return path
+    return None

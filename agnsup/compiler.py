@@ -51,6 +51,9 @@ class ExecutionPlan(Record):
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
     caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
                                             # the cell's /tmp dir): filesystem.cache
+    protected: list[str] | str = Factory(list)  # worktree paths tools run on their own, bound read-only
+                                                # (agnsup/protect.py); "all" when the worktree is read-only
+    protected_lifted: list[str] = Factory(list)  # filesystem.writable_protected
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -85,6 +88,7 @@ class ExecutionPlan(Record):
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
             "home_config": self.home_config,
             "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
+            "protected": self.protected, "protected_lifted": self.protected_lifted,
         }
 
 
@@ -224,6 +228,14 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # before attaches and the home's attaches before the worktree's, so a worktree
     # that is the home itself lands on top.
     places = home_places + [("attach", "/tmp", "tmp"), ("attach", wt, "worktree")]
+    # Files tools run on their own (git hooks and config, .vscode/, .mcp.json, ...) bound
+    # read-only onto themselves once the worktree is attached, deeper after shallower.
+    protected: list[str] | str = "all"
+    lifted = list(fs.writable_protected)
+    if fs.worktree == "rw":
+        from . import protect
+        protect_ops, protected = protect.mount_ops(wt, protect.scan(wt), lifted)
+        places += protect_ops
     places.sort(key=lambda op: op[1].count("/"))
     ops.extend(places)
     # Masks go last so they also cover a deny path or the state root that
@@ -252,7 +264,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        caches=caches, **conf)
+        caches=caches, protected=protected, protected_lifted=lifted, **conf)
 
 
 # Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).

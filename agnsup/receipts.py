@@ -41,6 +41,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "output": cell.output_info(),
     }
     r.update(argv_b64(spec.argv))
+    if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed
+        r["protected"] = cell.protected
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:

@@ -564,3 +564,25 @@ def test_scan_finds_gitdirs_submodules_linked_worktrees_and_pointer_targets(tmp_
     assert depths == sorted(depths)  # outermost first: .git is a mount point before .git/config lands on it
     assert ("protect", os.path.join(wt, ".git"), "", False) in ops
     assert ("protect", os.path.join(wt, ".git/config"), "", True) in ops
+
+
+# ---------------------------------------------------------------- the selftest gate
+
+@pytest.mark.parametrize("user", [None, NOBODY])
+def test_the_autoexec_selftest_gate_passes_here_and_fails_with_the_protection_off(user, monkeypatch):
+    from agnsup.selftest import doors_autoexec, isolation
+    h = isolation.Harness(keep=False, user=user)
+    try:
+        g = doors_autoexec.RUNNERS["AUTOEXEC_FILES"](h)
+        assert g["status"] == "PASS", g
+        assert ".mcp.json" in g["evidence"]
+        # the control: no protected path found, so nothing bound and nothing quarantined
+        monkeypatch.setattr(protect, "scan", lambda wt: {})
+        shutil.rmtree(os.path.join(h.root, "autoexec-worktree"))
+        g = doors_autoexec.RUNNERS["AUTOEXEC_FILES"](h)
+        assert g["status"] == "FAIL", g
+        assert "fsmonitor" not in g["evidence"] or "planted key" in g["evidence"]
+        assert "pre-commit exists" in g["evidence"] and ".mcp.json the cell created" in g["evidence"], g
+        assert not os.path.exists(os.path.join(h.outside, f"autoexec-{h.token}"))  # judged without running git
+    finally:
+        h.close()

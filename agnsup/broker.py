@@ -218,6 +218,7 @@ class Controller:
             stdio, cell.pump = self._stdio(cell)
             if plan.worktree_mode == "rw":
                 cell.protect_start = _protect_baseline(plan)
+                _keep_for_janitor(plan, cell.protect_start)
             try:
                 cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -613,6 +614,15 @@ def _protect_baseline(plan) -> tuple[dict, dict]:
     found = protect.scan(plan.spec.worktree)
     lifted = plan.protected_lifted
     return protect.as_plan(found), (protect.digests(plan.spec.worktree, found, lifted) if lifted else {})
+
+
+def _keep_for_janitor(plan, start: tuple) -> None:
+    """The start snapshot in the cell's record directory: a janitor that concludes the cell of a
+    dead controller settles its protected paths from it (janitor.py)."""
+    import json
+    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
+        json.dump({"worktree": plan.spec.worktree, "baseline": start[0], "digests": start[1],
+                   "lifted": list(plan.protected_lifted)}, f)
 
 
 def _make_home_files(plan) -> None:

@@ -77,6 +77,8 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
                       "spared": entry.get("spared", []), "released": entry.get("released", []),
                       "notes": entry.get("notes", [])}}
     r.update(argv_b64(argv))
+    if entry.get("protected") is not None:  # janitor._settle_protected
+        r["protected"] = entry["protected"]
     r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
     return r
 

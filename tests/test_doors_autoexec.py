@@ -586,3 +586,35 @@ def test_the_autoexec_selftest_gate_passes_here_and_fails_with_the_protection_of
         assert not os.path.exists(os.path.join(h.outside, f"autoexec-{h.token}"))  # judged without running git
     finally:
         h.close()
+
+
+# ---------------------------------------------------------------- the controller dies
+
+PLANT_THEN_WAIT = r'''
+import os, sys, time
+with open(".mcp.json", "w") as f:
+    f.write('{"mcpServers": {}}')
+with open(".git/hooks-were-protected", "w") as f:
+    f.write("an ordinary file in .git\n")
+print("planted", flush=True)
+time.sleep(120)
+'''
+
+
+def test_the_janitor_quarantines_what_a_cell_planted_when_its_controller_was_killed(agnsup, worktree, tmp_path):
+    make_repo(worktree, str(tmp_path / "hosthome"))
+    p = agnsup.popen("run", "--on-controller-death", "keep", "--workdir", worktree, "--", "python3", "-c",
+                     PLANT_THEN_WAIT, stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"planted\n"
+    finally:
+        p.kill()  # SIGKILL: no finish, no settle by the controller
+        p.wait(10)
+        p.stdout.close()
+    assert os.path.exists(os.path.join(worktree, ".mcp.json"))
+    rep = agnsup.json("janitor", "--json")
+    assert len(rep["recovered"]) == 1
+    assert not os.path.exists(os.path.join(worktree, ".mcp.json"))
+    assert os.path.exists(os.path.join(worktree, ".git", "hooks-were-protected"))  # not a protected path
+    [r] = agnsup.json("receipts", "--json")
+    assert r["state"] == "recovered" and [m["path"] for m in r["protected"]["quarantined"]] == [".mcp.json"], r

@@ -229,6 +229,8 @@ def digests(wt: str, found: dict, lifted) -> dict[str, str]:
     roots = [rel for rel in found if lift_class(rel) in lifted]
     roots += [rel for rel in TOP if rel in lifted and rel not in found]
     for rel in roots:
+        if _symlinked_parent(wt, rel) is not None:
+            continue  # outside the worktree: not the cell's to change, not ours to read
         top = os.path.join(wt, rel)
         for path in _walk(top):
             r = os.path.relpath(path, wt)
@@ -302,6 +304,15 @@ def settle(wt: str, baseline: dict, lifted, before_digests: dict, quarantine: st
     moved: list[dict] = []
 
     def move(rel: str, why: str) -> None:
+        if any(_under(rel, m["path"]) for m in moved):
+            return
+        # never move what lies outside the worktree: a parent the cell turned into a symlink
+        # (.claude -> ~/.claude) goes itself, instead of what it points at
+        link = _symlinked_parent(wt, rel)
+        if link is not None:
+            rel, why = link, f"a symlink that leads a protected path out of the worktree ({why})"
+            if any(_under(rel, m["path"]) for m in moved):
+                return
         dst = os.path.join(quarantine, rel)
         try:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -342,6 +353,15 @@ def settle(wt: str, baseline: dict, lifted, before_digests: dict, quarantine: st
         move(rel, why)
     changed = _changes(before_digests, digests(wt, now, lifted)) if lifted else []
     return {"quarantined": moved, "changed": changed}
+
+
+def _symlinked_parent(wt: str, rel: str) -> str | None:
+    """The outermost parent of `rel` that is a symlink, if any (worktree-relative)."""
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        if os.path.islink(os.path.join(wt, *parts[:i])):
+            return "/".join(parts[:i])
+    return None
 
 
 def _pointer_stays(wt: str, rel: str, gitdir: str) -> bool:

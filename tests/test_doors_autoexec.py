@@ -618,3 +618,22 @@ def test_the_janitor_quarantines_what_a_cell_planted_when_its_controller_was_kil
     assert os.path.exists(os.path.join(worktree, ".git", "hooks-were-protected"))  # not a protected path
     [r] = agnsup.json("receipts", "--json")
     assert r["state"] == "recovered" and [m["path"] for m in r["protected"]["quarantined"]] == [".mcp.json"], r
+
+
+def test_a_symlink_the_cell_plants_never_makes_the_controller_move_host_files(rig, tmp_path):
+    """The cell points .claude and .git/modules at host directories (which it cannot see); the
+    controller's scan after it must move the cell's symlinks, never what they point at."""
+    host = tmp_path / "host-dotfiles"
+    (host / "commands").mkdir(parents=True)
+    (host / "commands" / "mine.md").write_text("the user's own command\n")
+    (host / "m" / "hooks").mkdir(parents=True)
+    (host / "m" / "config").write_text("[core]\n\tfsmonitor = the user's own\n")
+    (host / "m" / "hooks" / "pre-commit").write_text("#!/bin/sh\n")
+    os.chmod(tmp_path, 0o755)
+    cp = rig.run("import os, sys; os.symlink(sys.argv[1], '.claude'); os.symlink(sys.argv[1], '.git/modules')",
+                 str(host), check=0)
+    moved = {m["path"]: m for m in cp.receipt["protected"]["quarantined"]}
+    assert set(moved) == {".claude", ".git/modules"}, moved
+    assert all(os.path.islink(m["to"]) for m in moved.values())
+    assert (host / "commands" / "mine.md").read_text() == "the user's own command\n"
+    assert (host / "m" / "config").exists() and (host / "m" / "hooks" / "pre-commit").exists()

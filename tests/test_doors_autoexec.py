@@ -13,12 +13,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from agnsup import protect
-from conftest import REPO, Agnsup, write_role
+from conftest import Agnsup, write_role
 
 NOBODY = 65534
 GIT = shutil.which("git") or "/usr/bin/git"

@@ -73,6 +73,8 @@ class Cell(Record):
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
+    protect_start: tuple | None = None  # (protected paths' identities, lifted paths' digests) at start (protect.py)
+    protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -214,6 +216,9 @@ class Controller:
             self._make_place(cell)
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = self._stdio(cell)
+            if plan.worktree_mode == "rw":
+                cell.protect_start = _protect_baseline(plan)
+                _keep_for_janitor(plan, cell.protect_start)
             try:
                 cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -483,7 +488,21 @@ class Controller:
         outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
                                         kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
+        self._settle_protected(cell)
         return self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
+
+    def _settle_protected(self, cell: Cell) -> None:
+        """The tree is dead: what it planted where tools run files on their own leaves the
+        worktree for the cell's record directory (agnsup/protect.py); journaled when anything moved."""
+        if cell.protect_start is None:
+            return
+        from . import protect
+        baseline, before = cell.protect_start
+        cell.protected = protect.settle(cell.spec.worktree, baseline, cell.plan.protected_lifted, before,
+                                        os.path.join(cell.plan.cell_dir, "quarantine"))
+        if cell.protected["quarantined"]:
+            self.journal.add_event("protected.quarantined", cell.spec.run_id, cell.spec.cell_id,
+                                   paths=cell.protected["quarantined"])
 
     def fail(self, cell: Cell, error: AgnsupError) -> dict:
         """A cell that never ran (or whose start could not be recorded): undo what exists, record why."""
@@ -586,6 +605,24 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
             os.close(slave)
             raise
     return master, slave
+
+
+def _protect_baseline(plan) -> tuple[dict, dict]:
+    """The protected paths as the cell finds them (taken just before it starts), and the
+    lifted ones' digests: what protect.settle compares with once the cell is dead."""
+    from . import protect
+    found = protect.scan(plan.spec.worktree)
+    lifted = plan.protected_lifted
+    return protect.as_plan(found), (protect.digests(plan.spec.worktree, found, lifted) if lifted else {})
+
+
+def _keep_for_janitor(plan, start: tuple) -> None:
+    """The start snapshot in the cell's record directory: a janitor that concludes the cell of a
+    dead controller settles its protected paths from it (janitor.py)."""
+    import json
+    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
+        json.dump({"worktree": plan.spec.worktree, "baseline": start[0], "digests": start[1],
+                   "lifted": list(plan.protected_lifted)}, f)
 
 
 def _make_home_files(plan) -> None:

@@ -53,6 +53,9 @@ class ExecutionPlan(Record):
                                             # the cell's /tmp dir): filesystem.cache
     devices: list[tuple] = Factory(list)    # (path, "character" | "block"): filesystem.devices, bound in /dev
     shm_max: int = 0                        # bytes of the cell's /dev/shm
+    protected: list[str] | str = Factory(list)  # worktree paths tools run on their own, bound read-only
+                                                # (agnsup/protect.py); "all" when the worktree is read-only
+    protected_lifted: list[str] = Factory(list)  # filesystem.writable_protected
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -87,6 +90,7 @@ class ExecutionPlan(Record):
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
             "home_config": self.home_config,
             "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
+            "protected": self.protected, "protected_lifted": self.protected_lifted,
             **self._dev(),
         }
 
@@ -238,6 +242,14 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # before attaches and the home's attaches before the worktree's, so a worktree
     # that is the home itself lands on top.
     places = home_places + [("attach", "/tmp", "tmp"), ("attach", wt, "worktree")]
+    # Files tools run on their own (git hooks and config, .vscode/, .mcp.json, ...) bound
+    # read-only onto themselves once the worktree is attached, deeper after shallower.
+    protected: list[str] | str = "all"
+    lifted = list(fs.writable_protected)
+    if fs.worktree == "rw":
+        from . import protect
+        protect_ops, protected = protect.mount_ops(wt, protect.scan(wt), lifted)
+        places += protect_ops
     places.sort(key=lambda op: op[1].count("/"))
     ops.extend(places)
     # Masks go last so they also cover a deny path or the state root that
@@ -267,7 +279,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        caches=caches, devices=devices, shm_max=shm_max, **conf)
+        caches=caches, devices=devices, shm_max=shm_max, protected=protected,
+        protected_lifted=lifted, **conf)
 
 
 SHM_DEFAULT = 64 << 20  # a role with neither limits.shm_max nor memory_max: Docker's default /dev/shm

@@ -317,6 +317,7 @@ class _Janitor:
                     c.target = reaper.Target(run_id=c.row["run_id"], cell_id=c.row["cell_id"], tmpdir=c.row["tmpdir"],
                                              lock_path=c.row["lock_path"])
                 c.entry["released"] = reaper.release(self.backend, c.target)
+                self._settle_protected(c)
             except OSError as e:  # leave it for the next janitor; never mark what is not converged
                 c.error = str(e)
         now = time.time()
@@ -345,6 +346,22 @@ class _Janitor:
                 if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
                     with suppress(OSError):  # the journal holds it
                         receipts.write(path, c["cell_receipt"])
+
+    def _settle_protected(self, c: _Cell) -> None:
+        """The tree is dead: what the cell planted where tools run files on their own leaves the
+        worktree, as its controller would have done (broker.Controller._settle_protected)."""
+        from . import protect
+        cell_dir = self.state.cell_dir(c.row["run_id"], c.row["cell_id"])
+        try:
+            with open(os.path.join(cell_dir, "protect-start.json")) as f:
+                start = json.load(f)
+        except (OSError, ValueError):
+            return  # a read-only role's cell, or one that ended before its start was noted
+        c.entry["protected"] = protect.settle(start["worktree"], start["baseline"], start["lifted"], start["digests"],
+                                              os.path.join(cell_dir, "quarantine"))
+        if c.entry["protected"]["quarantined"]:
+            self.j.add_event("protected.quarantined", c.row["run_id"], c.row["cell_id"],
+                             paths=c.entry["protected"]["quarantined"], janitor=self.id)
 
     def _chain(self, row) -> list[dict]:
         """The stages as the cell's events journaled them."""

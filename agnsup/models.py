@@ -147,9 +147,23 @@ class FilesystemSection(_Strict):
                                "also gets, at the same path ('/dev/kvm', '/dev/dri/renderD128'): each must exist and "
                                "be a character or block device when a cell starts; the cell may read and write it "
                                "(Landlock too), and the receipt says so.")
+    writable_protected: list[str] = Field(
+        default_factory=list, description="Worktree paths that tools run on their own which this role may write "
+        "anyway (agnsup/protect.py LIFTABLE: '.vscode', '.git/hooks', '.git/config', '.mcp.json', ...); by "
+        "default a role that writes its worktree gets them read-only, and what the cell created there is moved "
+        "out after it. The receipt lists every lifted file the cell changed.")
 
     _home_paths = field_validator("home_allow")(_each(_home_path))
     _device_paths = field_validator("devices")(_each(_device_path))
+
+    @field_validator("writable_protected")
+    @classmethod
+    def _liftable(cls, v: list[str]) -> list[str]:
+        from .protect import LIFTABLE
+        for p in v:
+            if p.rstrip("/") not in LIFTABLE:
+                raise ValueError(f"{p!r} is not a protected path (one of: {', '.join(LIFTABLE)})")
+        return [p.rstrip("/") for p in v]
 
     @model_validator(mode="after")
     def _allow_needs_hidden(self):

@@ -41,6 +41,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "output": cell.output_info(),
     }
     r.update(argv_b64(spec.argv))
+    if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed
+        r["protected"] = cell.protected
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
@@ -75,6 +77,8 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
                       "spared": entry.get("spared", []), "released": entry.get("released", []),
                       "notes": entry.get("notes", [])}}
     r.update(argv_b64(argv))
+    if entry.get("protected") is not None:  # janitor._settle_protected
+        r["protected"] = entry["protected"]
     r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
     return r
 

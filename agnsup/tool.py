@@ -171,11 +171,22 @@ def stopped_line(receipt: dict) -> str | None:
             f"({key} = {(receipt.get('limits') or {}).get(field)}{unit})")
 
 
+def quarantined_line(receipt: dict) -> str | None:
+    """One line when files the cell planted where tools run them on their own were moved out
+    of the worktree (agnsup/protect.py), with where they went and the key that lifts it."""
+    moved = [m for m in (receipt.get("protected") or {}).get("quarantined", []) if m.get("to")]
+    if not moved:
+        return None
+    where = os.path.commonpath([m["to"] for m in moved]) if len(moved) > 1 else os.path.dirname(moved[0]["to"])
+    return (f"agnsup: cell {receipt['cell_id']} planted {len(moved)} protected path(s), moved out of the worktree "
+            f"to {where}: {', '.join(m['path'] for m in moved)} (filesystem.writable_protected lifts this)")
+
+
 def _say_why_stopped(receipt: dict) -> None:
-    line = stopped_line(receipt)
-    if line:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+    for line in (stopped_line(receipt), quarantined_line(receipt)):
+        if line:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
 
 def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:

@@ -26,7 +26,7 @@ LAYERS = [  # top to bottom
                 "agnsup.netpolicy", "agnsup.repair"]),
     ("broker", ["agnsup.broker"]),
     ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.output",
-                               "agnsup.locks", "agnsup.egress"]),
+                               "agnsup.locks", "agnsup.egress", "agnsup.protect"]),
     ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.state", "agnsup.migrations"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
                           "agnsup.crashpoints", "agnsup.policies", "agnsup.redact"]),

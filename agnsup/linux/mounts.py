@@ -29,6 +29,11 @@ The recipe, in order:
            compiler orders hides and attaches by depth: the temp dir at /tmp
            before a worktree under /tmp, a hidden home before the runtime
            and worktree re-exposed inside it).
+  protect  a path inside the attached worktree bound onto itself (a clone of
+           the cell's own view of it): read-only for the files tools run on
+           their own, read-write for a git directory, which only becomes a
+           mount point (rename and rmdir then fail with EBUSY); gone by now:
+           nothing to do (agnsup/protect.py). After the worktree's attach.
   mask     deny paths and the state root disappear under an empty read-only
            tmpfs (directories) or /dev/null (files); last, so they also cover
            what lies inside a re-attached worktree.
@@ -41,7 +46,7 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev")
+KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect")
 
 
 # kind:     one of KINDS
@@ -80,6 +85,8 @@ def apply(ops: list) -> None:
                 _hide(op.path, op.points)
             elif op.kind == "mask":
                 _mask(op.path)
+            elif op.kind == "protect":
+                _protect(op.path, op.readonly)
             elif op.kind == "attach":
                 if not os.path.exists(op.path):  # a file clone lands on an existing file point
                     os.makedirs(op.path, exist_ok=True)
@@ -113,6 +120,19 @@ def _hide(path: str, points: tuple) -> None:
         os.umask(old)
     # Per-mount read-only: nothing is stacked on the tmpfs yet, so the path names it.
     lsys.mount(None, path, None, lsys.MS_REMOUNT | lsys.MS_BIND | lsys.MS_RDONLY | flags)
+
+
+def _protect(path: str, readonly: bool) -> None:
+    try:
+        fd = lsys.open_tree(path, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+    except FileNotFoundError:
+        return  # removed since the plan was made: the controller judges it after the cell
+    try:
+        lsys.mount_setattr(path, attr_set=lsys.MOUNT_ATTR_RDONLY if readonly else 0, propagation=lsys.MS_PRIVATE,
+                           fd=fd)
+        lsys.move_mount_fd(fd, path)
+    finally:
+        os.close(fd)
 
 
 def _mask(path: str) -> None:

@@ -569,14 +569,20 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
 GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 
 
+DOOR_MODULES = ("doors_sockets", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
+
+
 def _door_runners() -> dict:
     """The doors a peer sandbox closes (issue 25; docs/isolation.md "Doors"), each judged like a gate:
     PASS is reported HELD, FAIL is OPEN."""
-    from . import doors_autoexec, doors_dev, doors_identity, doors_kernel, doors_sockets
+    import importlib
     out: dict = {}
-    for module in (doors_sockets, doors_kernel, doors_dev, doors_identity, doors_autoexec):
-        out.update(module.RUNNERS)
+    for name in DOOR_MODULES:
+        out.update(importlib.import_module(f"{__package__}.{name}").RUNNERS)
     return out
+
+
+DOOR_MODULES = ("doors_sockets", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
 
 
 DOOR_RUNNERS = _door_runners()

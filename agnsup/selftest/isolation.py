@@ -17,6 +17,7 @@ passed in two pieces and joined inside the cell.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -572,9 +573,10 @@ GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 DOOR_MODULES = ("doors_sockets", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
 
 
-def _door_runners() -> dict:
+@functools.lru_cache(maxsize=1)
+def door_runners() -> dict:
     """The doors a peer sandbox closes (issue 25; docs/isolation.md "Doors"), each judged like a gate:
-    PASS is reported HELD, FAIL is OPEN."""
+    PASS is reported HELD, FAIL is OPEN. Imported when asked for: the door modules use this one's Harness."""
     import importlib
     out: dict = {}
     for name in DOOR_MODULES:
@@ -582,11 +584,6 @@ def _door_runners() -> dict:
     return out
 
 
-DOOR_MODULES = ("doors_sockets", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
-
-
-DOOR_RUNNERS = _door_runners()
-DOORS = tuple(DOOR_RUNNERS)
 DOOR_STATUS = {"PASS": "HELD", "FAIL": "OPEN"}
 
 
@@ -605,7 +602,7 @@ def run_gates(keep: bool = False, only: list[str] | None = None, user: int | Non
     h = Harness(keep, user)
     try:
         gates = _run_each(h, [n for n in only or GATES if n in RUNNERS], RUNNERS)
-        doors = _run_each(h, [n for n in only or DOORS if n in DOOR_RUNNERS], DOOR_RUNNERS)
+        doors = _run_each(h, [n for n in only or door_runners() if n in door_runners()], door_runners())
     finally:
         h.close()
     doors = [{"door": d.pop("gate"), **d, "status": DOOR_STATUS.get(d["status"], d["status"])} for d in doors]
@@ -615,7 +612,7 @@ def run_gates(keep: bool = False, only: list[str] | None = None, user: int | Non
 
 
 def format_table(report: dict) -> str:
-    width = max(len(g) for g in GATES + DOORS)
+    width = max(len(g) for g in GATES + tuple(door_runners()))
     lines = []
     for kind, key, good in (("gate", "gates", "PASS"), ("door", "doors", "HELD")):
         rows = report.get(key) or []

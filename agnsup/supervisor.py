@@ -11,7 +11,7 @@ spawn() forks one child and runs the cell recipe in it, in order:
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
     not root: unshare a user namespace and map our own uid and gid to themselves in it
-    unshare the mount (and, unless the role has the host's network, network) namespace
+    unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
@@ -160,7 +160,9 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             uid, gid = conf.ids
             userns.write_id_maps("self", uid, gid, uid, gid)
         at.name = "unshare"
-        lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
+        # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
+        # never the host's (issue 25); inside the user namespace for a normal user's cell
+        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         at.name = "mounts"
         mounts.apply(plan.mount_ops)
         if plan.new_netns:
@@ -173,6 +175,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         if plan.pid_namespace:
             at.name = "proc"
             lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+            at.name = "init_name"  # before the command exists: it never sees the controller's argv in /proc/1
+            pidinit.take_own_name(lsys.prctl)
             _barrier(at, barrier_r)
             at.name = "init"
             pidinit.block_signals()

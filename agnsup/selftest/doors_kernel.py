@@ -179,7 +179,7 @@ for flag, name in ((0x0400000, "READ_IMPLIES_EXEC"), (0x0040000, "ADDR_NO_RANDOM
         worked.append(f"personality({name})")
     else:
         odd.append(f"personality({name}) answered but did not take")
-# a bad mount fd: the kernel answers EBADF, so EPERM here can only be the filter's
+# a bad mount fd and an empty handle: the kernel answers EBADF or EINVAL, so EPERM can only be the filter's
 handle = ctypes.create_string_buffer(136)
 refused("open_by_handle_at", libc.syscall(nr["open_by_handle_at"], -1, handle, os.O_RDONLY), os.close)
 if libc.syscall(nr["personality"], 0xFFFFFFFF) < 0 or libc.syscall(nr["personality"], 0) < 0:

@@ -114,6 +114,7 @@ class _Confinement(Record):
     filter: object = None    # seccomp.Filter
     ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
+    init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
 
 
 class _Step:
@@ -176,7 +177,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             at.name = "proc"
             lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
             at.name = "init_name"  # before the command exists: it never sees the controller's argv in /proc/1
-            pidinit.take_own_name(lsys.prctl)
+            pidinit.take_own_name(conf.init_name, lsys.prctl)
             _barrier(at, barrier_r)
             at.name = "init"
             pidinit.block_signals()
@@ -273,6 +274,8 @@ def _prepare(plan) -> _Confinement:
         conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
     if plan.user_namespace:
         conf.ids = (os.getuid(), os.getgid())
+    if plan.pid_namespace:
+        conf.init_name = pidinit.own_name_plan()
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])

@@ -35,6 +35,7 @@ the environment; the command gets its environment from execve.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 
@@ -51,21 +52,27 @@ def block_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
 
 
-def take_own_name(prctl) -> None:
-    """Make /proc/1/cmdline read "agnsup-init" (NULs after it), /proc/1/environ nothing, and the comm
-    "agnsup-init", in the init before it forks the command. `prctl`: linux.sys.prctl (the child imports
-    nothing)."""
+@functools.lru_cache(maxsize=1)
+def own_name_plan() -> tuple:
+    """In the controller, once per process: where its argv and environment strings lie
+    (arg_start, arg_end, env_start, env_end: proc(5) fields 48-51), and the comm buffer. The init is a
+    fork of the controller, so the addresses hold there too; the child only writes memory."""
     with open("/proc/self/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    # proc(5) fields 48-51 (1-based; the list starts at field 3, the state)
-    arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
+        fields = f.read().rsplit(b")", 1)[1].split()  # the list starts at field 3, the state
+    return (*(int(x) for x in fields[45:49]), ctypes.create_string_buffer(INIT_NAME))
+
+
+def take_own_name(plan: tuple, prctl) -> None:
+    """Make /proc/1/cmdline read "agnsup-init" (NULs after it), /proc/1/environ nothing, and the comm
+    "agnsup-init", in the init before it forks the command. `plan`: own_name_plan() from the
+    controller; `prctl`: linux.sys.prctl (the child imports nothing)."""
+    arg_start, arg_end, env_start, env_end, comm = plan
     if arg_end > arg_start:
         ctypes.memset(arg_start, 0, arg_end - arg_start)
         name = INIT_NAME[:arg_end - arg_start - 1]  # the last byte stays NUL: the kernel reads the range as is
         ctypes.memmove(arg_start, name, len(name))
     if env_end > env_start:
         ctypes.memset(env_start, 0, env_end - env_start)
-    comm = ctypes.create_string_buffer(INIT_NAME)
     prctl(_PR_SET_NAME, ctypes.addressof(comm))
 
 

@@ -263,28 +263,21 @@ class HostIpc:
         self.marker = "agnsup-ipc-" + secrets.token_hex(6)
         self.mq = "/agnsup-door-" + secrets.token_hex(4)
         self.shm_id = self.msg_id = self.sem_id = None
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the objects carry their maker's uid: make them as the user the cell runs as
-            code = 1
-            try:
-                os.close(r)
-                if uid is not None:
-                    os.setresuid(uid, uid, uid)
-                os.write(w, " ".join(str(i) for i in self._make()).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as f:
-            ids = f.read().split()
-        os.waitpid(pid, 0)
-        if len(ids) != 3:
-            self.close()
-            raise OSError(errno.EIO, "could not make the host's IPC objects")
-        self.shm_id, self.msg_id, self.sem_id = (int(i) for i in ids)
+        from ..supervisor import probe  # the only module that creates processes
 
-    def _make(self) -> tuple[int, int, int]:
+        def make() -> None:  # the objects carry their maker's uid: made as the user the cell runs as
+            if uid is not None:
+                os.setresuid(uid, uid, uid)
+            self._make()
+        made, why = probe(make)
+        # found again by key (the caller is root, or their maker)
+        self.shm_id, self.msg_id, self.sem_id = (x if x >= 0 else None for x in (
+            _libc.shmget(self.key, 0, 0), _libc.msgget(self.key + 1, 0), _libc.semget(self.key + 2, 0, 0)))
+        if not made or None in (self.shm_id, self.msg_id, self.sem_id):
+            self.close()
+            raise OSError(errno.EIO, f"could not make the host's IPC objects: {why}")
+
+    def _make(self) -> None:
         shm = _ok(_libc.shmget(self.key, 4096, IPC_CREAT | IPC_EXCL | 0o600), "shmget")
         addr = _libc.shmat(shm, None, 0)
         ctypes.memmove(addr, self.marker.encode(), len(self.marker))
@@ -295,7 +288,6 @@ class HostIpc:
         sem = _ok(_libc.semget(self.key + 2, 1, IPC_CREAT | IPC_EXCL | 0o600), "semget")
         fd = _ok(_libc.mq_open(self.mq.encode(), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600, None), "mq_open")
         os.close(fd)
-        return shm, msg, sem
 
     def probe_args(self) -> list[str]:
         return [str(self.key), str(self.shm_id), str(self.key + 1), str(self.key + 2), self.mq, self.marker]

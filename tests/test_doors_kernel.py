@@ -402,3 +402,23 @@ def test_a_64_bit_process_cannot_create_a_vsock_through_int_0x80_socketcall():
         pytest.skip(f"ENV_BLOCKED: the i386 entry refused socketcall here before any filter ({before})")
     assert after == -errno.EAFNOSUPPORT, after   # no vsock through the back door
     assert unix_after == -errno.EAFNOSUPPORT     # nor any socket: creation through socketcall is refused
+
+
+# ---------------------------------------------------------------- the selftest gates
+
+@pytest.mark.parametrize("cell_uid", [None, NOBODY])
+def test_the_selftest_gates_for_the_kernel_doors_pass_on_this_host(cell_uid):
+    """agnsup/selftest/doors_kernel.py's RUNNERS through the isolation selftest's Harness (what the lead wires
+    into `agnsup selftest --isolation`): each PASS, or ENV_BLOCKED naming what this host lacks; never a
+    silent pass (on 215dff3 every gate is FAIL with what the cell did)."""
+    from agnsup.selftest.isolation import Harness
+    h = Harness(keep=False, user=cell_uid)
+    try:
+        results = {name: run(h) for name, run in dk.RUNNERS.items()}
+    finally:
+        h.close()
+    assert not os.path.exists(h.root)
+    for name, g in results.items():
+        ok = g["status"] == "PASS" or (name == "PROXY_HOST_ADDRESS" and HOST_ADDR is None
+                                       and g["status"].startswith("ENV_BLOCKED"))
+        assert ok, (name, g)

@@ -18,7 +18,6 @@ import ipaddress
 import json
 import os
 import platform
-import socket
 import subprocess
 
 import pytest

@@ -83,3 +83,25 @@ def test_a_normal_users_cell_sees_pid_1_by_its_own_name_only(user):
     leaks = [state, user.agnsup, os.path.dirname(user.agnsup)]
     args = [p for s in leaks for p in (s[:len(s) // 2], s[len(s) // 2:])]
     refused(run(user, dk.P_PID1_ARGV, *args))
+
+
+@pytest.mark.skipif(dk.host_address() is None, reason="ENV_BLOCKED: this host has no address beyond loopback")
+def test_a_normal_users_proxy_refuses_the_hosts_own_address_even_with_allow_private(user):
+    from conftest import write_role
+    policies = os.path.join(user.home, "policies")  # readable by the user (pytest's tmp_path is not)
+    os.makedirs(policies, exist_ok=True)
+    write_role(policies, "anyprivate", network__mode='"allowlist"', network__allow='["*:*"]',
+               network__allow_private="true")
+    addr = dk.host_address()
+    own = dk.Listener(addr)
+    try:
+        env = {**user.env, "AGNSUP_POLICY_DIR": str(policies)}
+        cp = user("run", "--role", "anyprivate", "--workdir", user.wt, "--", "python3", "-c", dk.P_PROXY_HOST,
+                  addr, str(own.port), env=env)
+    finally:
+        own.close()
+    refused(cp)
+    assert own.accepted == [], f"the host's own {addr} was reached from a normal user's cell: {own.accepted}"
+    receipts = user.json("receipts", "--json")
+    [c] = max(receipts, key=lambda r: r["ended_at"] or "")["network"]["connections"]
+    assert (c["decision"], c["rule"]) == ("refused", "address:host"), c

@@ -16,9 +16,10 @@ spawn() forks one child and runs the cell recipe in it, in order:
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
         listener to the controller (agnsup/egress/handoff.py)
-    PID namespace roles: mount the namespace's own /proc, wait at the
-        barrier, fork the command and stay as its init (linux/pidinit.py);
-        the command continues below
+    PID namespace roles: mount the namespace's own /proc, overwrite our
+        argv and environment in memory (/proc/1/cmdline: "agnsup-init"), wait
+        at the barrier, fork the command and stay as its init
+        (linux/pidinit.py); the command continues below
     confine (docs/isolation.md), in this order because each step needs
     what the next one takes away:
         the last Landlock rules (the fresh /dev/shm, stdio files)

@@ -309,7 +309,7 @@ class Controller:
         cell.isolation = {
             "cgroup_layout": backend.kind, "tracking": backend.tracking, "env_blocked": list(backend.env_blocked),
             "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
-            "private_tmp": True, "masked": plan.deny_masked,
+            "private_tmp": True, "masked": plan.deny_masked, "ipc_namespace": True,
             "network_namespace": plan.new_netns, "network": plan.network,
             "cap_sys_admin_dropped": 21 in plan.drop_caps,
             "limits": cell.place.limits,

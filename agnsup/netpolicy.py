@@ -26,7 +26,11 @@ connection the cell opens):
    accepts only those non-public ones, never the public internet. Metadata,
    multicast, unspecified (0.0.0.0/8, `::`) and reserved addresses are never
    accepted: metadata hands out credentials, and connecting to 0.0.0.0 reaches
-   the host's loopback.
+   the host's loopback. Nor is any non-loopback address of the controller's
+   host (`own`: its interfaces' addresses, linux/hostaddrs.py), whatever its
+   class and `allow_private`: the proxy runs on the host, so such an address
+   reaches the host's own services (issue 25). The host's loopback stays a
+   class of its own, opened only by `allow_private`.
 
 Each verdict names the rule that decided: `allow:<entry>`, `deny:<entry>`,
 `unlisted`, `address:<class>`, `malformed`. Imports nothing heavy: the
@@ -207,12 +211,16 @@ class Rules(Record, frozen=True):
                 return Verdict(True, f"allow:{e.text}", "")
         return Verdict(False, "unlisted", f"{_show(dest, port)} is not in the role's network.allow")
 
-    def judge_addresses(self, addresses) -> Verdict:
-        """Step 2: every address a name resolved to (or the literal) must be acceptable."""
+    def judge_addresses(self, addresses, own=frozenset()) -> Verdict:
+        """Step 2: every address a name resolved to (or the literal) must be acceptable.
+        `own`: the addresses of the controller's host, refused unless loopback."""
         if not addresses:
             return Verdict(False, "address:none", "resolved to no address")
         for a in addresses:
             why = address_class(a)
+            if why != "loopback" and _unmapped(a) in own:
+                return Verdict(False, "address:host", f"{a} is an address of the controller's host, never "
+                               "reachable through the proxy")
             if why in NEVER_CLASSES:
                 return Verdict(False, f"address:{why}", f"{a} is a {why} address, never reachable through the proxy")
             if self.mode == "internal":
@@ -224,9 +232,10 @@ class Rules(Record, frozen=True):
                                "true to reach it")
         return Verdict(True, "address:ok")
 
-    def judge(self, host: str, port: int, resolve=None) -> tuple[Verdict, Destination, list]:
+    def judge(self, host: str, port: int, resolve=None, own=frozenset()) -> tuple[Verdict, Destination, list]:
         """Both steps for one connection: (verdict, destination, addresses judged).
-        `resolve(name, port)` -> address strings, called once, only for a listed name."""
+        `resolve(name, port)` -> address strings, called once, only for a listed name;
+        `own`: the host's own addresses (the proxy passes linux.hostaddrs.local_addresses())."""
         import ipaddress
         dest = destination(host)
         v = self.match(dest, port)
@@ -241,7 +250,7 @@ class Rules(Record, frozen=True):
                 addrs = [ipaddress.ip_address(a.split("%", 1)[0]) for a in dict.fromkeys(resolve(dest.name, port))]
             except (OSError, UnicodeError, ValueError) as e:
                 return Verdict(False, "unresolved", f"{dest.name} could not be resolved ({e})"), dest, []
-        a = self.judge_addresses(addrs)
+        a = self.judge_addresses(addrs, own)
         if not a.allowed:
             return Verdict(False, a.rule, f"{_show(dest, port)}: {a.reason}"), dest, addrs
         return v, dest, addrs
@@ -263,6 +272,11 @@ def _matches(e: Entry, dest: Destination, port: int) -> bool:
         a = unmapped(dest.address)
         return a.version == e.value.version and a in e.value
     return False
+
+
+def _unmapped(ip):
+    from .gate.network import unmapped
+    return unmapped(ip)
 
 
 def _show(dest: Destination, port: int) -> str:

@@ -11,14 +11,15 @@ spawn() forks one child and runs the cell recipe in it, in order:
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
     not root: unshare a user namespace and map our own uid and gid to themselves in it
-    unshare the mount (and, unless the role has the host's network, network) namespace
+    unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
         listener to the controller (agnsup/egress/handoff.py)
-    PID namespace roles: mount the namespace's own /proc, wait at the
-        barrier, fork the command and stay as its init (linux/pidinit.py);
-        the command continues below
+    PID namespace roles: mount the namespace's own /proc, overwrite our
+        argv and environment in memory (/proc/1/cmdline: "agnsup-init"), wait
+        at the barrier, fork the command and stay as its init
+        (linux/pidinit.py); the command continues below
     confine (docs/isolation.md), in this order because each step needs
     what the next one takes away:
         the last Landlock rules (the fresh /dev/shm and devpts, stdio files and terminals)
@@ -114,6 +115,7 @@ class _Confinement(Record):
     filter: object = None    # seccomp.Filter
     ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
+    init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
 
 
 class _Step:
@@ -160,7 +162,9 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             uid, gid = conf.ids
             userns.write_id_maps("self", uid, gid, uid, gid)
         at.name = "unshare"
-        lsys.unshare(lsys.CLONE_NEWNS | (lsys.CLONE_NEWNET if plan.new_netns else 0))
+        # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
+        # never the host's (issue 25); inside the user namespace for a normal user's cell
+        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         at.name = "mounts"
         mounts.apply(plan.mount_ops)
         if plan.new_netns:
@@ -173,6 +177,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         if plan.pid_namespace:
             at.name = "proc"
             lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+            at.name = "init_name"  # before the command exists: it never sees the controller's argv in /proc/1
+            pidinit.take_own_name(conf.init_name, lsys.prctl)
             _barrier(at, barrier_r)
             at.name = "init"
             pidinit.block_signals()
@@ -270,6 +276,8 @@ def _prepare(plan) -> _Confinement:
         conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
     if plan.user_namespace:
         conf.ids = (os.getuid(), os.getgid())
+    if plan.pid_namespace:
+        conf.init_name = pidinit.own_name_plan()
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])

@@ -32,6 +32,8 @@ import socket
 import threading
 import time
 
+from ..linux import hostaddrs
+
 MAX_CONCURRENT = 256
 MAX_RECORDED = 1000         # records kept in full per cell (journal and receipt)
 MAX_DESTINATIONS = 1000     # distinct (name, port, decision, rule) counted past that
@@ -203,7 +205,7 @@ class Proxy:
 
     def _judge_and_connect(self, host: str, port: int, rec: dict) -> socket.socket:
         """The shared matcher's verdict, then a connection to a judged address only."""
-        v, dest, addrs = self.rules.judge(host, port, self.resolve)
+        v, dest, addrs = self.rules.judge(host, port, self.resolve, own=hostaddrs.local_addresses())
         rec.update(requested=host, name=dest.name or (str(dest.address) if dest.address is not None else host), port=port,
                    address=str(addrs[0]) if addrs else None)
         if not v.allowed:

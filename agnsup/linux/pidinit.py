@@ -22,11 +22,25 @@ The init does not carry the cell token in its environment (it is a fork of
 the controller, its /proc/PID/environ is the controller's): the janitor finds
 it by the journaled leader identity (pidfd inode, start time) and by cgroup
 membership; the command and its descendants carry the token as usual.
+
+Its own name (`take_own_name`, issue 25): as a fork of the controller, the
+init's /proc/1/cmdline would be the controller's argv (host paths, the state
+root) and its /proc/1/environ the controller's environment. Both files read
+the process's own memory between the addresses /proc/PID/stat gives
+(arg_start..arg_end, env_start..env_end; proc(5)), so the init overwrites
+that memory in place, as setproctitle(3) does: no privilege (PR_SET_MM needs
+CAP_SYS_RESOURCE), no mount, no file. Python keeps its own copies of argv and
+the environment; the command gets its environment from execve.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
+
+INIT_NAME = b"agnsup-init"
+_PR_SET_NAME = 15
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGWINCH, signal.SIGCONT, signal.SIGALRM)
@@ -36,6 +50,30 @@ WAITED = (*FORWARDED, signal.SIGCHLD)
 def block_signals() -> None:
     """Before forking the command: nothing is lost between the fork and sigwaitinfo."""
     signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
+
+
+@functools.lru_cache(maxsize=1)
+def own_name_plan() -> tuple:
+    """In the controller, once per process: where its argv and environment strings lie
+    (arg_start, arg_end, env_start, env_end: proc(5) fields 48-51), and the comm buffer. The init is a
+    fork of the controller, so the addresses hold there too; the child only writes memory."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # the list starts at field 3, the state
+    return (*(int(x) for x in fields[45:49]), ctypes.create_string_buffer(INIT_NAME))
+
+
+def take_own_name(plan: tuple, prctl) -> None:
+    """Make /proc/1/cmdline read "agnsup-init" (NULs after it), /proc/1/environ nothing, and the comm
+    "agnsup-init", in the init before it forks the command. `plan`: own_name_plan() from the
+    controller; `prctl`: linux.sys.prctl (the child imports nothing)."""
+    arg_start, arg_end, env_start, env_end, comm = plan
+    if arg_end > arg_start:
+        ctypes.memset(arg_start, 0, arg_end - arg_start)
+        name = INIT_NAME[:arg_end - arg_start - 1]  # the last byte stays NUL: the kernel reads the range as is
+        ctypes.memmove(arg_start, name, len(name))
+    if env_end > env_start:
+        ctypes.memset(env_start, 0, env_end - env_start)
+    prctl(_PR_SET_NAME, ctypes.addressof(comm))
 
 
 def supervise(command_pid: int, status_fd: int) -> int:

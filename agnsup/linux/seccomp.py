@@ -18,7 +18,17 @@ would let a caller bypass the filter by setting high bits.
 
 Groups (the role removes a group from the filter by allowing it):
   always      prctl(PR_SET_MM, ...), ioctl(TIOCSTI), ioctl(TIOCLINUX), io_uring_*,
-              kexec_*, init_module/finit_module/delete_module
+              kexec_*, init_module/finit_module/delete_module, and what Docker's
+              default profile refuses that no build or test job needs (issue 25):
+              the keyrings (keyctl, add_key, request_key), userfaultfd,
+              perf_event_open, bpf, open_by_handle_at, the host's clock, swap,
+              accounting, quotas, reboot and kernel log, and legacy calls
+              (uselib, lookup_dcookie, nfsservctl, vhangup, iopl/ioperm, vm86);
+              personality(2) other than Docker's allowed personas (EPERM);
+              socket/socketpair of a family other than AF_UNIX, AF_INET,
+              AF_INET6, AF_NETLINK (EAFNOSUPPORT: AF_VSOCK, AF_PACKET, AF_ALG...);
+              i386 socketcall's socket/socketpair (the family sits behind a
+              pointer BPF cannot read: EAFNOSUPPORT)
   ptrace      ptrace, process_vm_readv/writev  (isolation.allow_ptrace lifts it;
               Landlock then still confines ptrace to the cell's own processes)
   mount       mount, umount2, pivot_root, setns, unshare, the new mount API,
@@ -50,31 +60,66 @@ SECCOMP_MODE_FILTER = 2
 SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000
 
+# personality(2) values Docker's default profile allows (PER_LINUX, PER_LINUX32, UNAME26,
+# PER_LINUX32|UNAME26, and the query 0xffffffff); READ_IMPLIES_EXEC, ADDR_NO_RANDOMIZE & co. are refused
+PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+# socket(2) families a cell may create (<linux/socket.h>): AF_UNIX, AF_INET, AF_INET6, and AF_NETLINK
+# (glibc's getaddrinfo/getifaddrs ask NETLINK_ROUTE); every other family gets EAFNOSUPPORT
+SOCKET_FAMILIES = (1, 2, 10, 16)
+# socketcall(2)'s sub-calls (<linux/net.h>) whose family BPF cannot see: SYS_SOCKET, SYS_SOCKETPAIR
+SOCKETCALL_CREATE = (1, 8)
+
 # Syscall numbers per audit arch. 424 and above are the same on every
 # architecture (asm-generic/unistd.h: io_uring 425-427, open_tree 428,
 # move_mount 429, fsopen 430, fsconfig 431, fsmount 432, fspick 433,
-# clone3 435, mount_setattr 442, open_tree_attr 467).
+# clone3 435, mount_setattr 442, quotactl_fd 443, open_tree_attr 467).
 _UNIFIED_MOUNT = [428, 429, 430, 431, 432, 433, 442, 467]
 _IO_URING = [425, 426, 427]
 _CLONE3 = 435
+# What Docker's default profile refuses and no build or test job needs (issue 25), by group:
+#   keyrings       keyctl add_key request_key (the kernel's keyrings are not namespaced: a root cell reads
+#                  and plants keys in root's user keyring; a normal user's cell reaches the session keyring)
+#   kernel memory  userfaultfd (stalls kernel copies: the exploit writer's race widener), perf_event_open,
+#                  bpf
+#   file handles   open_by_handle_at (the "shocker" escape: a handle names any inode of the filesystem,
+#                  past every mount; name_to_handle_at only makes handles and stays allowed)
+#   the host       settimeofday clock_settime(64) stime clock_adjtime(64), swapon swapoff, acct, quotactl
+#                  quotactl_fd, reboot, syslog (the kernel log: addresses, other tenants' messages)
+#   legacy         uselib lookup_dcookie nfsservctl vhangup iopl ioperm vm86 vm86old, fanotify_init
+# adjtimex stays allowed: glibc's ntp_gettime reads the clock state with it; setting needs CAP_SYS_TIME.
 TABLES = {
     AUDIT_ARCH_X86_64: {
-        "always": [246, 320, 175, 313, 176] + _IO_URING,    # kexec_load, kexec_file_load, modules
+        "always": [246, 320, 175, 313, 176] + _IO_URING     # kexec_load, kexec_file_load, modules
+        + [250, 248, 249]                                    # keyrings
+        + [323, 298, 321]                                    # userfaultfd perf_event_open bpf
+        + [304]                                              # open_by_handle_at
+        + [164, 227, 305, 167, 168, 163, 179, 443, 169, 103]  # the host's clock, swap, acct, quota, reboot, log
+        + [134, 212, 180, 153, 172, 173, 300],               # legacy, fanotify_init
         "ptrace": [101, 310, 311],
         "mount": [165, 166, 155, 308, 272] + _UNIFIED_MOUNT,  # mount umount2 pivot_root setns unshare
-        "prctl": 157, "ioctl": 16, "clone": 56,
+        "prctl": 157, "ioctl": 16, "clone": 56, "personality": 135, "socket": [41, 53],
     },
     AUDIT_ARCH_I386: {
-        "always": [283, 128, 350, 129] + _IO_URING,
+        "always": [283, 128, 350, 129] + _IO_URING
+        + [288, 286, 287]
+        + [374, 336, 357]
+        + [342]
+        + [79, 264, 404, 25, 343, 405, 87, 115, 51, 131, 443, 88, 103]
+        + [86, 253, 169, 111, 110, 101, 166, 113, 338],
         "ptrace": [26, 347, 348],
         "mount": [21, 22, 52, 217, 346, 310] + _UNIFIED_MOUNT,  # mount umount umount2 pivot_root setns unshare
-        "prctl": 172, "ioctl": 54, "clone": 120,
+        "prctl": 172, "ioctl": 54, "clone": 120, "personality": 136, "socket": [359, 360], "socketcall": 102,
     },
     AUDIT_ARCH_AARCH64: {
-        "always": [104, 294, 105, 273, 106] + _IO_URING,
+        "always": [104, 294, 105, 273, 106] + _IO_URING
+        + [219, 217, 218]
+        + [282, 241, 280]
+        + [265]
+        + [170, 112, 266, 224, 225, 89, 60, 443, 142, 116]
+        + [18, 42, 58, 262],                                 # no uselib, iopl, ioperm, vm86 here
         "ptrace": [117, 270, 271],
         "mount": [40, 39, 41, 268, 97] + _UNIFIED_MOUNT,
-        "prctl": 167, "ioctl": 29, "clone": 220,
+        "prctl": 167, "ioctl": 29, "clone": 220, "personality": 92, "socket": [198, 199],
     },
 }
 # The native arch, and the compat arch whose calls a native process can also make
@@ -164,6 +209,11 @@ def program(groups: tuple[str, ...], native: str | None = None) -> list[tuple[in
                 a.op(_JEQ_K, nr, jt="deny")
         a.op(_JEQ_K, t["prctl"], jt=f"prctl{arch}")
         a.op(_JEQ_K, t["ioctl"], jt=f"ioctl{arch}")
+        a.op(_JEQ_K, t["personality"], jt="personality")
+        for nr in t["socket"]:
+            a.op(_JEQ_K, nr, jt="socket")
+        if "socketcall" in t:
+            a.op(_JEQ_K, t["socketcall"], jt="socketcall")
         if "mount" in groups:
             a.op(_JEQ_K, t["clone"], jt=f"clone{arch}")
             a.op(_JEQ_K, _CLONE3, jt="enosys")
@@ -182,6 +232,30 @@ def program(groups: tuple[str, ...], native: str | None = None) -> list[tuple[in
             a.op(_LD_W_ABS, _arg_lo(0))
             a.op(_JSET_K, CLONE_NS_FLAGS, jt="deny")
             a.op(_RET_K, SECCOMP_RET_ALLOW)
+    # argument checks every arch shares: the argument's place in seccomp_data does not depend on the arch
+    a.label("personality")
+    a.op(_LD_W_ABS, _arg_lo(0))
+    for persona in PERSONALITIES:
+        a.op(_JEQ_K, persona, jt="allow")
+    a.op(_RET_K, SECCOMP_RET_ERRNO | errno.EPERM)
+    a.label("socket")
+    a.op(_LD_W_ABS, _arg_lo(0))
+    for family in SOCKET_FAMILIES:
+        a.op(_JEQ_K, family, jt="allow")
+    a.op(_RET_K, SECCOMP_RET_ERRNO | errno.EAFNOSUPPORT)
+    if any("socketcall" in TABLES[arch] for arch in arches):
+        # The family is behind socketcall's pointer: socket creation through it is refused whatever the
+        # family (int 0x80 from a 64-bit process would otherwise make an AF_VSOCK socket). glibc built
+        # for kernels >= 4.3 and musl use the direct socket(2) on i386; the other sub-calls pass.
+        a.label("socketcall")
+        a.op(_LD_W_ABS, _arg_lo(0))
+        for call in SOCKETCALL_CREATE:
+            a.op(_JEQ_K, call, jt="eafnosupport")
+        a.op(_RET_K, SECCOMP_RET_ALLOW)
+        a.label("eafnosupport")
+        a.op(_RET_K, SECCOMP_RET_ERRNO | errno.EAFNOSUPPORT)
+    a.label("allow")
+    a.op(_RET_K, SECCOMP_RET_ALLOW)
     a.label("deny")
     a.op(_RET_K, SECCOMP_RET_ERRNO | errno.EPERM)
     a.label("enosys")

@@ -60,6 +60,12 @@ def _home_path(p: str) -> str | None:
     return f"{p!r} holds '..'" if ".." in p.split("/") else None
 
 
+def _socket_path(p: str) -> str | None:
+    if not p.startswith("/"):
+        return f"{p!r} is not an absolute path"
+    return f"{p!r} holds '..'" if ".." in p.split("/") else None
+
+
 def _net_entry(e: str) -> None:
     from .netpolicy import parse_entry
     parse_entry(e)  # raises ValueError naming what is wrong
@@ -129,7 +135,14 @@ class FilesystemSection(_Strict):
         default_factory=lambda: ["pip", "npm", "cargo"], description="The caches filesystem.cache keeps: pip "
         "(~/.cache/pip), npm (~/.npm), cargo (~/.cargo/registry and ~/.cargo/git).")
 
+    unix_sockets: list[str] = Field(default_factory=list, description="Host Unix sockets (absolute paths) the "
+                                    "cell may connect to, as sandbox-runtime's allowUnixSockets. Every other "
+                                    "pathname socket of the host is out of reach: the cell's /run is an empty "
+                                    "read-only tmpfs and each socket bound elsewhere is masked at cell start. A "
+                                    "listed path that is not an existing socket refuses the cell.")
+
     _home_paths = field_validator("home_allow")(_each(_home_path))
+    _socket_paths = field_validator("unix_sockets")(_each(_socket_path))
 
     @model_validator(mode="after")
     def _allow_needs_hidden(self):

@@ -1,0 +1,45 @@
+"""Pathname Unix sockets bound on this host, from /proc/net/unix (unix(7)).
+
+A pathname socket is a file-system object: no network namespace covers it, a
+read-only mount does not stop connect(2) (the kernel checks write permission
+on the socket inode, never the mount's flags), and Landlock (ABI 7) has no
+right for it. The compiler masks each one a cell would see (docs/isolation.md
+"Doors: control sockets and host Unix sockets"); this module only lists them.
+
+/proc/net/unix lists every socket of the reader's network namespace with the
+name it was bound to, in the binder's mount namespace and relative to its cwd:
+abstract names start with "@" (Landlock's scope refuses those), relative
+names cannot be placed, and a listed path may since have been unlinked or
+replaced; callers lstat what they keep.
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+PROC_NET_UNIX = "/proc/net/unix"
+
+
+def bound_paths(table: str = PROC_NET_UNIX) -> set[str]:
+    """The absolute names of bound pathname sockets listed in `table` (listeners,
+    bound datagram sockets and their accepted connections, deduplicated)."""
+    try:
+        with open(table, "rb") as f:
+            lines = f.read().split(b"\n")[1:]
+    except OSError:
+        return set()
+    out = set()
+    for line in lines:
+        # Num RefCount Protocol Flags Type St Inode Path: the path is the rest of the line
+        fields = line.split(None, 7)
+        if len(fields) == 8 and fields[7].startswith(b"/"):
+            out.add(os.fsdecode(fields[7]))
+    return out
+
+
+def is_socket(path: str) -> bool:
+    """`path` itself (not a link's target) is a socket right now."""
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False

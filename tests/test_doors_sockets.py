@@ -390,6 +390,7 @@ def test_serve_refuses_a_cell_that_reaches_its_socket_and_journals_the_peer(stat
     try:
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
         escape = tempfile.mkdtemp(prefix="agnsup-test-escape-", dir="/var/tmp")  # where the attack would write
+        host_dirs["escape"] = escape  # removed with the others
         ask = json.dumps({"op": "run", "argv": ["touch", os.path.join(escape, "owned")], "role": "networked",
                           "workdir": escape, "host_env": {"PATH": "/usr/bin:/bin"}})
         cp = a("run", "--role", "reacher", "--cell", "attacker", "--workdir", worktree, "--", "python3", "-c", P_ASK,
@@ -399,7 +400,6 @@ def test_serve_refuses_a_cell_that_reaches_its_socket_and_journals_the_peer(stat
         assert answer["ok"] is False and answer["exit_code"] == 126 and answer["error_type"] == "Denied"
         assert "agnsup cell" in answer["error"] and "\n" not in answer["error"]
         assert not os.listdir(escape)
-        shutil.rmtree(escape)
         refused = [r for r in refusals(state) if r.get("entry") == "serve"]
         assert len(refused) == 1 and refused[0]["peer"]["pid"] > 0
         assert any(e.startswith("cgroup ") for e in refused[0]["peer"]["evidence"]) or \
@@ -430,6 +430,9 @@ def test_a_serve_started_after_a_long_running_cell_in_a_new_state_root_refuses_i
         os.chmod(sock, 0o777)
         open(go, "w").close()
         out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, f"the cell was served (exit {p.returncode})\n{out.decode()}{err.decode()}"
+        assert b'"exit_code": 126' in out, out
+        assert [r for r in refusals(late_state) if r.get("entry") == "serve"]
     finally:
         if p.poll() is None:
             p.kill()
@@ -438,11 +441,6 @@ def test_a_serve_started_after_a_long_running_cell_in_a_new_state_root_refuses_i
             s.close()
         from conftest import _cleanup_cgroups
         _cleanup_cgroups(late_state)
-    try:
-        assert p.returncode == 0, f"the cell was served (exit {p.returncode})\n{out.decode()}{err.decode()}"
-        assert b'"exit_code": 126' in out, out
-        assert [r for r in refusals(late_state) if r.get("entry") == "serve"]
-    finally:
         shutil.rmtree(top, ignore_errors=True)
 
 

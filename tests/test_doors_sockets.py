@@ -590,3 +590,17 @@ def test_the_cell_cgroup_pattern_matches_every_backends_cell_and_nothing_else():
     assert not cell(f"/system.slice/{d}.scope/ctl-123")
     assert not cell(f"/{d}/run-R/agent-A")
     assert not cell("/user.slice/run-R/agent-A/cell-c-1")
+
+
+@pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
+def test_the_selftest_gates_hold_here(user):
+    from agnsup.selftest.doors_sockets import RUNNERS
+    from agnsup.selftest.isolation import Harness
+    h = Harness(keep=False, user=user)
+    try:
+        results = {name: fn(h) for name, fn in RUNNERS.items()}
+    finally:
+        h.close()
+    for name, r in results.items():
+        assert r["status"] == "PASS", r
+    assert "cgroup " in results["CONTROL_SOCKET"]["evidence"]

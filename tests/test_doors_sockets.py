@@ -344,7 +344,7 @@ def test_dns_the_resolv_conf_target_under_run_comes_back_for_host_network_roles(
         sp = specmod.build(CellRequest.make(["true"], workdir=worktree, role=role), pol)
         plan = compiler.compile_plan(sp, pol, state, host.protections(), ())
         assert (stub in plan.run_shown) is shown
-        hide = next(op for op in plan.mount_ops if op[0] == "hide" and op[1] == "/run")
+        hide = next(op for op in plan.mount_ops if op[0] == "empty" and op[1] == "/run")
         assert ((stub, False) in hide[4]) is shown
         assert (("attach", stub, "run0") in plan.mount_ops) is shown
     res = run_process(["cat", stub], role="networked", workdir=worktree, state_dir=state, capture=True)
@@ -604,3 +604,54 @@ def test_the_selftest_gates_hold_here(user):
     for name, r in results.items():
         assert r["status"] == "PASS", r
     assert "cgroup " in results["CONTROL_SOCKET"]["evidence"]
+
+
+# ------------------------------------------------------------------ as a normal user (agnsup not root)
+
+@pytest.fixture(scope="module")
+def normal_user():
+    """tests/test_unprivileged.py's user: a delegated cgroup2 subtree, agnsup from a venv of the system python."""
+    from test_unprivileged import User, _venv
+    u = User(_venv())
+    try:
+        yield u
+    finally:
+        u.remove()
+
+
+def test_a_normal_users_cells_reach_no_host_socket_nor_its_serve_and_never_get_its_home(normal_user, host_dirs,
+                                                                                      listeners):
+    u = normal_user
+    wt = os.path.join(u.home, "proj")
+    os.makedirs(wt, exist_ok=True)
+    os.chown(wt, u.uid, u.gid)
+    lsts = [listeners(os.path.join(d, "host.sock")) for d in host_dirs.values()]
+    cp = u("run", "--workdir", wt, "--", "python3", "-c", P_CONNECT, *(lst.path for lst in lsts))
+    cp.out, cp.err = cp.stdout, cp.stderr
+    held(cp, *lsts)
+    # its own serve, on a socket it may make under /run, reachable on purpose through the role key
+    run_dir = os.path.join(host_dirs["/run"], "user")
+    os.mkdir(run_dir, 0o755)
+    os.chown(run_dir, u.uid, u.gid)
+    sock = os.path.join(run_dir, "serve.sock")
+    pol = os.path.join(host_dirs["/var/lib"], "policies")  # the user reads it (pytest's tmp_path is root's, 0700)
+    os.mkdir(pol, 0o755)
+    packaged_role(pol, "executor", "reacher", sockets=[sock])
+    env = {**u.env, "AGNSUP_POLICY_DIR": pol}
+    server = u.popen("serve", "--socket", sock, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = server.stdout.readline()
+        assert line, server.stderr.read().decode()
+        cp = u("run", "--role", "reacher", "--workdir", wt, "--", "python3", "-c", P_ASK, sock, '{"op": "ping"}',
+               env=env)
+        assert cp.returncode == 0, f"the cell was served (exit {cp.returncode})\n{cp.stdout}{cp.stderr}"
+        answer = json.loads(cp.stdout.split("ANSWER ", 1)[1])
+        assert answer["exit_code"] == 126 and "agnsup cell" in answer["error"], answer
+    finally:
+        server.terminate()
+        server.wait(30)
+        server.stdout.close()
+        server.stderr.close()
+    # the reviewer's rootless variant: the whole home as the writable worktree
+    cp = u("run", "--workdir", u.home, "--", "true")
+    assert cp.returncode == 125 and f"worktree {u.home} is the system or home directory" in cp.stderr, cp.stderr

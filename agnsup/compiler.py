@@ -182,7 +182,7 @@ def _homes_and_home_roots() -> list[str]:
 def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:
     """Why a cell may not have `wt` (a real path) as its writable worktree, or None: "/", a
     system directory or an ancestor of one (a cell could rewrite the host: /etc, /opt),
-    a home or a home root (every user's keys), a state root or above/inside one."""
+    a home or a home root (every user's keys), a state root or inside one."""
     if wt == "/":
         return "is the root of the file system"
     for d in (*SYSTEM_TREES, *SYSTEM_TOPS, *_homes_and_home_roots(), *invoking_homes_safe(env)):
@@ -191,10 +191,11 @@ def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str 
     for d in SYSTEM_TREES:
         if _under(wt, d):
             return f"lies inside the system directory {d}"
+    # (a worktree holding a state root is allowed: the root is masked inside it, the mask goes last)
     for r in (state_root, *other_roots):
         r = os.path.realpath(r)
-        if _under(wt, r) or _under(r, wt):
-            return f"{'is or lies inside' if _under(wt, r) else 'holds'} the state root {r}"
+        if _under(wt, r):
+            return f"is or lies inside the state root {r}"
     return None
 
 

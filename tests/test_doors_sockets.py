@@ -523,8 +523,10 @@ def test_worktree_refusal_names_homes_home_roots_and_state_roots(tmp_path):
     assert compiler.worktree_refusal("/home", state) is not None
     assert compiler.worktree_refusal("/var/lib", state) is not None
     assert compiler.worktree_refusal("/etc/nginx", state) == "lies inside the system directory /etc"
-    assert "state root" in compiler.worktree_refusal(str(tmp_path), state)
     assert "state root" in compiler.worktree_refusal(os.path.join(state, "x"), state)
+    other = str(tmp_path / "other-state")
+    assert "state root" in compiler.worktree_refusal(os.path.join(other, "cells"), state, (other,))
+    assert compiler.worktree_refusal(str(tmp_path), state) is None  # holds it: masked inside
     assert compiler.worktree_refusal(str(tmp_path / "project"), state) is None
     assert compiler.worktree_refusal("/srv/app", state) is None
 

@@ -633,7 +633,7 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
     where = parse_listen(http) if http else None
     if where is not None and where[0] == "unix":
         from .serve import socket_place
-        socket_place(where[1], StateRoot(state_dir).path, "--http unix:")
+        socket_place(where[1], StateRoot(state_dir).path, f"--http {http}")
     policy.load(role, StateRoot(state_dir).path)  # an unknown role fails now, not at the first call
     if importlib.util.find_spec("mcp") is None:
         raise UsageError("agnsup mcp needs the mcp extra: pip install 'agnsup[mcp]'")

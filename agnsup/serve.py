@@ -87,17 +87,17 @@ def _connect(path: str, timeout: float | None = 5.0) -> socket.socket:
 SOCKET_DIRS = ("/run", "/var/run", "/tmp")
 
 
-def socket_place(path: str, state_path: str, flag: str) -> str:
+def socket_place(path: str, state_path: str, given: str) -> str:
     """`path` (absolute) if a control socket may live there: inside the state root, under
     /run or under /tmp (its directory's real path, so a link cannot lead elsewhere); a
-    UsageError naming the allowed places otherwise. A cell sees none of these: every
+    UsageError naming the allowed places otherwise (`given`: the option as the user wrote it). A cell sees none of these: every
     cell masks the state roots, and has a /run and a /tmp of its own."""
     where = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     state_real = os.path.realpath(state_path)
     for top in (state_real, *SOCKET_DIRS):
         if where.startswith(top.rstrip("/") + "/"):
             return path
-    raise UsageError(f"{flag} {path}: a control socket must live where no cell can reach it: inside the state "
+    raise UsageError(f"{given}: a control socket must live where no cell can reach it: inside the state "
                      f"root ({state_real}), under /run or under /tmp")
 
 
@@ -191,7 +191,7 @@ class Server:
         from .service import Supervisor
         from .state import StateRoot
         if socket_path:  # before anything starts: a refused place leaves nothing behind
-            socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, "--socket")
+            socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
         self.sup = Supervisor(state_dir, kind="serve")
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
         try:

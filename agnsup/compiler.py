@@ -166,8 +166,9 @@ _passwd_homes: list[str] | None = None
 
 def _homes_and_home_roots() -> list[str]:
     """Every home in /etc/passwd and each one's parent (/home, /var/lib, ...), as written (the
-    invoking user's homes are added as real paths by worktree_refusal); read once per process. The file, not getpwall(3): NSS enumeration can walk a whole LDAP
-    directory, whose homes lie under /home (refused as such) anyway."""
+    invoking user's homes are added as real paths by worktree_refusal); read once per process.
+    The file, not getpwall(3): NSS enumeration can walk a whole LDAP directory, whose homes
+    lie under /home (refused as such) anyway."""
     global _passwd_homes
     if _passwd_homes is None:
         found = set()

@@ -90,9 +90,8 @@ SOCKET_DIRS = ("/run", "/var/run", "/tmp")
 def socket_place(path: str, state_path: str, given: str) -> str:
     """`path` (absolute) if a control socket may live there: inside the state root, under
     /run or under /tmp (its directory's real path, so a link cannot lead elsewhere); a
-    UsageError naming the allowed places otherwise (`given`: the option as the user wrote
-    it). A cell sees none of these: every
-    cell masks the state roots, and has a /run and a /tmp of its own."""
+    UsageError naming the allowed places otherwise (`given`: the option as written). A cell
+    sees none of these: every cell masks the state roots, and has a /run and a /tmp of its own."""
     where = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     state_real = os.path.realpath(state_path)
     for top in (state_real, *SOCKET_DIRS):

@@ -56,6 +56,10 @@ class ExecutionPlan(Record):
     protected: list[str] | str = Factory(list)  # worktree paths tools run on their own, bound read-only
                                                 # (agnsup/protect.py); "all" when the worktree is read-only
     protected_lifted: list[str] = Factory(list)  # filesystem.writable_protected
+    run_private: list[str] = Factory(list)  # /run (and a real /var/run) under an empty read-only tmpfs
+    run_shown: list[str] = Factory(list)    # ... and what of the host's came back into it, read-only
+    sockets_masked: list[str] = Factory(list)  # host sockets bound elsewhere, masked at cell start
+    sockets_allowed: list[str] = Factory(list)  # filesystem.unix_sockets (real paths)
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -92,6 +96,8 @@ class ExecutionPlan(Record):
             "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
             "protected": self.protected, "protected_lifted": self.protected_lifted,
             **self._dev(),
+            "unix_sockets": {"run_private": self.run_private, "run_shown": self.run_shown,
+                             "masked": self.sockets_masked, "allowed": self.sockets_allowed},
         }
 
     def _dev(self) -> dict:
@@ -166,6 +172,66 @@ def invoking_homes(env=None) -> list[str]:
     return _outermost(homes)
 
 
+# A worktree a cell may write is never one of these or an ancestor of one (nor inside the first group).
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
+                "/dev", "/run", "/var/run")
+SYSTEM_TOPS = ("/opt", "/var", "/var/lib", "/var/tmp", "/var/log", "/var/cache", "/var/spool", "/srv", "/root",
+               "/home", "/tmp", "/mnt", "/media", "/snap")
+_passwd_homes: list[str] | None = None
+
+
+def _homes_and_home_roots() -> list[str]:
+    """Every home in /etc/passwd and each one's parent (/home, /var/lib, ...), as written (the
+    invoking user's homes are added as real paths by worktree_refusal); read once per process.
+    The file, not getpwall(3): NSS enumeration can walk a whole LDAP directory, whose homes
+    lie under /home (refused as such) anyway."""
+    global _passwd_homes
+    if _passwd_homes is None:
+        found = set()
+        try:
+            with open("/etc/passwd", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            fields = line.split(":")
+            h = fields[5] if len(fields) > 6 else ""
+            if h.startswith("/") and h != "/":
+                h = os.path.normpath(h)  # as written: a realpath each costs ~15 us per start
+                found.update((h, os.path.dirname(h)))
+        found.discard("/")
+        _passwd_homes = sorted(found)
+    return _passwd_homes
+
+
+def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:
+    """Why a cell may not have `wt` (a real path) as its writable worktree, or None: "/", a
+    system directory or an ancestor of one (a cell could rewrite the host: /etc, /opt),
+    a home or a home root (every user's keys), a state root or inside one."""
+    if wt == "/":
+        return "is the root of the file system"
+    for d in (*SYSTEM_TREES, *SYSTEM_TOPS, *_homes_and_home_roots(), *invoking_homes_safe(env)):
+        if _under(d, wt):
+            return f"is the system or home directory {d}" if d == wt else f"holds the system or home directory {d}"
+    for d in SYSTEM_TREES:
+        if _under(wt, d):
+            return f"lies inside the system directory {d}"
+    # (a worktree holding a state root is allowed: the root is masked inside it, the mask goes last)
+    for r in (state_root, *other_roots):
+        r = os.path.realpath(r)
+        if _under(wt, r):
+            return f"is or lies inside the state root {r}"
+    return None
+
+
+def invoking_homes_safe(env=None) -> list[str]:
+    """invoking_homes, or none where the home is the system (compile_plan says so itself)."""
+    try:
+        return invoking_homes(env)
+    except SetupError:
+        return []
+
+
 def runtime_paths(policy) -> list[str]:
     """What a cell needs of the interpreter running agnsup: the venv, the
     interpreter's real prefix (a venv's python is often a symlink into a
@@ -191,7 +257,8 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, 
                 [("attach", h, k) for h, k in zip(homes, keys)], [], [])
     if not homes:
         return [], [], [], []
-    wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
+    wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow] \
+        + [os.path.realpath(p) for p in fs.get("unix_sockets", ())]
     expose = _outermost(p for p in wanted
                         if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
                         and not _under(p, wt) and not _under(p, "/tmp"))
@@ -228,6 +295,10 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
     home_clones += offline_clones
     home_places += offline_places
+    allowed_sockets = _listed_sockets(fs, spec.role)
+    run_dirs, run_shown = _private_run(policy, allowed_sockets)
+    run_keys = [f"run{i}" for i in range(len(run_shown))]
+    home_clones += [("clone", p, k, True) for p, k in zip(run_shown, run_keys)]
     caches = cache_dirs(fs, spec, state_root)
     home_clones += [("clone", h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
     home_places += [("attach", c, f"cache{i}") for i, (_, c, _) in enumerate(caches)]
@@ -251,7 +322,14 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         protect_ops, protected = protect.mount_ops(wt, protect.scan(wt), lifted)
         places += protect_ops
     places.sort(key=lambda op: op[1].count("/"))
-    ops.extend(places)
+    # /run after everything else is in place (a worktree of "/" would otherwise bring the host's back),
+    # with the mount points of what comes back beneath it made inside its tmpfs
+    in_run = [op for op in places if op[0] == "attach" and any(_under(op[1], d) and op[1] != d for d in run_dirs)]
+    ops.extend(op for op in places if op not in in_run)
+    in_run += [("attach", p, k) for p, k in zip(run_shown, run_keys)]
+    for d in run_dirs:
+        ops.append(("empty", d, "", True, tuple((op[1], _is_dir(op[1])) for op in in_run if _under(op[1], d))))
+    ops.extend(sorted(in_run, key=lambda op: op[1].count("/")))
     # Masks go last so they also cover a deny path or the state root that
     # happens to lie inside the re-attached worktree (or a re-exposed path).
     # Another root under /tmp or /dev/shm is out of sight already (the cell's are its own) unless
@@ -261,6 +339,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         [p for p in other_roots if p != state_real and not _under(state_real, p) and not _under(wt, p)
          and not (_in_private_dir(p) and not any(_under(p, s) for s in shown_again)) and os.path.lexists(p)]
     ops.extend(("mask", p) for p in masked)
+    sockets = _seen_sockets(shown=[wt, *tmp_rt, *exposed], hidden=[*hidden, *run_dirs, *masked],
+                            allowed=allowed_sockets)
+    ops.extend(("mask", p) for p in sockets)
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
@@ -279,8 +360,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        caches=caches, devices=devices, shm_max=shm_max, protected=protected,
-        protected_lifted=lifted, **conf)
+        caches=caches, devices=devices, shm_max=shm_max, protected=protected, protected_lifted=lifted,
+        run_private=run_dirs, run_shown=run_shown, sockets_masked=sockets, sockets_allowed=allowed_sockets, **conf)
 
 
 SHM_DEFAULT = 64 << 20  # a role with neither limits.shm_max nor memory_max: Docker's default /dev/shm
@@ -305,6 +386,67 @@ def host_devices(fs, role: str) -> list[tuple[str, str]]:
                              "or block device)", step="devices")
         if p not in (q for q, _ in out):
             out.append((p, "character" if stat.S_ISCHR(st.st_mode) else "block"))
+    return out
+
+
+# Where host daemons keep their sockets: every cell gets its own, empty and read-only.
+RUN_DIRS = ("/run", "/var/run")
+RESOLV_CONF = "/etc/resolv.conf"
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _listed_sockets(fs, role: str) -> list[str]:
+    """filesystem.unix_sockets as real paths, each an existing socket now; anything else
+    refuses the cell (a SetupError naming the path)."""
+    import stat
+    out = []
+    for p in fs.get("unix_sockets", ()):
+        real = os.path.realpath(p)
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as e:
+            raise SetupError(f"role {role}: filesystem.unix_sockets lists {p}: {e.strerror}", step="unix_sockets") \
+                from None
+        if not stat.S_ISSOCK(mode):
+            raise SetupError(f"role {role}: filesystem.unix_sockets lists {p}, which is not a socket",
+                             step="unix_sockets")
+        if _in_private_dir(real):
+            raise SetupError(f"role {role}: filesystem.unix_sockets lists {p}, under /tmp or /dev/shm, which every "
+                             "cell has a private one of; listen elsewhere (e.g. under /run)", step="unix_sockets")
+        out.append(real)
+    return out
+
+
+def _private_run(policy, allowed_sockets: list[str]) -> tuple[list[str], list[str]]:
+    """(the run directories a cell gets an empty read-only tmpfs on, the host paths that come
+    back into them read-only): /run, and /var/run when it is a directory of its own (not the
+    usual link to /run). Back come the role's listed sockets there and, for a role whose
+    names resolve through the host's resolver (not deny/loopback: _offline_resolver binds
+    its own file), /etc/resolv.conf's target when it lies there (systemd-resolved's stub)."""
+    run_dirs = [d for d in RUN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    shown = [p for p in allowed_sockets if any(_under(p, d) for d in run_dirs)]
+    if policy.network.mode not in ("deny", "loopback"):
+        resolv = os.path.realpath(RESOLV_CONF)
+        if any(_under(resolv, d) and resolv != d for d in run_dirs) and os.path.isfile(resolv):
+            shown.append(resolv)
+    return run_dirs, sorted(set(shown))
+
+
+def _seen_sockets(shown: list[str], hidden: list[str], allowed: list[str]) -> list[str]:
+    """The host's bound pathname sockets a cell would see (linux/unixsock.py): not under a
+    directory it has its own of (/tmp, /dev/shm) unless shown again there, not under what
+    is hidden or masked anyway unless shown again, not listed by the role."""
+    from .linux import unixsock
+    out = []
+    for p in sorted(unixsock.bound_paths()):
+        again = any(_under(p, s) for s in shown)
+        if p in allowed or (_in_private_dir(p) and not again) or (any(_under(p, h) for h in hidden) and not again):
+            continue
+        if unixsock.is_socket(p):
+            out.append(p)
     return out
 
 

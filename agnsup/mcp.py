@@ -507,6 +507,33 @@ def _listener(where: tuple[str, str | int]):
     return s
 
 
+def _peer_checked(listener, journal):
+    """The Unix listener with the peer check of every agnsup control socket
+    (serve.peer_refusal): a process of an agnsup cell gets one 403 answer carrying
+    the refusal line, journaled, and its connection is closed before uvicorn sees
+    it. asyncio accepts through this object's accept() (loop.create_server(sock=)),
+    and a non-blocking accept with nothing left raises BlockingIOError as before."""
+    import socket
+
+    class CheckedListener(socket.socket):
+        def accept(self):
+            from .serve import peer_refusal
+            while True:
+                conn, addr = super().accept()
+                refused = peer_refusal(conn, journal, "mcp")
+                if refused is None:
+                    return conn, addr
+                body = json.dumps({"ok": False, "error": refused, "error_type": "Denied", "exit_code": 126}).encode()
+                try:
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                except OSError:
+                    pass
+                conn.close()
+    checked = CheckedListener(fileno=listener.detach())
+    return checked
+
+
 def _bearer(app, token: str):
     """The ASGI app behind a bearer token: a loopback port is open to every local user."""
     import hmac
@@ -604,12 +631,17 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
     if not os.path.isdir(workdir):
         raise UsageError(f"--workdir {workdir}: not a directory")
     where = parse_listen(http) if http else None
+    if where is not None and where[0] == "unix":
+        from .serve import socket_place
+        socket_place(where[1], StateRoot(state_dir).path, f"--http {http}")
     policy.load(role, StateRoot(state_dir).path)  # an unknown role fails now, not at the first call
     if importlib.util.find_spec("mcp") is None:
         raise UsageError("agnsup mcp needs the mcp extra: pip install 'agnsup[mcp]'")
     import anyio
     listener = _listener(where) if where else None
     sup = Supervisor(state_dir, kind="mcp")
+    if where is not None and where[0] == "unix":
+        listener = _peer_checked(listener, sup.ctl.journal)
     try:
         # stdio is one session: its run is --run-id or a new one; over HTTP, without
         # --run-id, each session gets a run of its own (ready says run_id null).

@@ -73,6 +73,12 @@ def _device_path(p: str) -> str | None:
     return None
 
 
+def _socket_path(p: str) -> str | None:
+    if not p.startswith("/"):
+        return f"{p!r} is not an absolute path"
+    return f"{p!r} holds '..'" if ".." in p.split("/") else None
+
+
 def _net_entry(e: str) -> None:
     from .netpolicy import parse_entry
     parse_entry(e)  # raises ValueError naming what is wrong
@@ -152,9 +158,15 @@ class FilesystemSection(_Strict):
         "anyway (agnsup/protect.py LIFTABLE: '.vscode', '.git/hooks', '.git/config', '.mcp.json', ...); by "
         "default a role that writes its worktree gets them read-only, and what the cell created there is moved "
         "out after it. The receipt lists every lifted file the cell changed.")
+    unix_sockets: list[str] = Field(default_factory=list, description="Host Unix sockets (absolute paths) the "
+                                    "cell may connect to, as sandbox-runtime's allowUnixSockets. Every other "
+                                    "pathname socket of the host is out of reach: the cell's /run is an empty "
+                                    "read-only tmpfs and each socket bound elsewhere is masked at cell start. A "
+                                    "listed path that is not an existing socket refuses the cell.")
 
     _home_paths = field_validator("home_allow")(_each(_home_path))
     _device_paths = field_validator("devices")(_each(_device_path))
+    _socket_paths = field_validator("unix_sockets")(_each(_socket_path))
 
     @field_validator("writable_protected")
     @classmethod

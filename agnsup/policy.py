@@ -31,7 +31,7 @@ CACHE_VERSION = "12"  # 3: isolation, process; 4: filesystem.home(_allow); 5: en
 #                     9: limits ranges (pids_max/memory_max >= 1, timeout > 0);
 #                     10: env.path @venv, filesystem.home_config, filesystem.cache(_tools);
 #                     11: isolation.require "limits"; 12: filesystem.devices, limits.shm_max,
-#                     filesystem.writable_protected
+#                     filesystem.writable_protected, filesystem.unix_sockets
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny or protect): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny", "governance.redact")

@@ -26,6 +26,18 @@ Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
 Errors: {"ok": false, "error": one line, "exit_code": the CLI's exit code}.
 Before a response may come {"note": line} lines (e.g. waiting for a worktree
 lock); the client prints them on stderr.
+
+Who may connect (docs/isolation.md "Doors: control sockets"): the socket is
+0600 and lives only where no cell can reach it (`socket_place`: inside the
+state root, under /run or /tmp, which every cell has its own of), and each
+connection's peer is checked before a request is read (linux/peer.py): a
+process of any agnsup cell gets one error line (exit_code 126), journaled as a
+refusal, and the connection is closed. The remaining peers, processes of the
+server's own uid (or root) that are not cells, are its trusted callers: for
+them, and only them, a request's host-side options are honoured as given:
+`receipt_file` (written by the server, as its uid), `host_env` (the
+environment the role's passthrough keys are taken from) and `role`. MCP and
+sandboxd never take receipt_file or host_env from their clients.
 """
 from __future__ import annotations
 
@@ -69,6 +81,41 @@ def _connect(path: str, timeout: float | None = 5.0) -> socket.socket:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+# Where a control socket may live: places every cell has its own of, or never sees.
+SOCKET_DIRS = ("/run", "/var/run", "/tmp")
+
+
+def socket_place(path: str, state_path: str, given: str) -> str:
+    """`path` (absolute) if a control socket may live there: inside the state root, under
+    /run or under /tmp (its directory's real path, so a link cannot lead elsewhere); a
+    UsageError naming the allowed places otherwise (`given`: the option as written). A cell
+    sees none of these: every cell masks the state roots, and has a /run and a /tmp of its own."""
+    where = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    state_real = os.path.realpath(state_path)
+    for top in (state_real, *SOCKET_DIRS):
+        if where.startswith(top.rstrip("/") + "/"):
+            return path
+    raise UsageError(f"{given}: a control socket must live where no cell can reach it: inside the state "
+                     f"root ({state_real}), under /run or under /tmp")
+
+
+def peer_refusal(conn: socket.socket, journal, what: str) -> str | None:
+    """The check every control endpoint makes of a new connection's peer (linux/peer.py):
+    None for a trusted caller; for a process of an agnsup cell the one refusal line,
+    journaled (a `refused` event with the peer's pid, uid and the evidence)."""
+    from .linux import peer
+    p = peer.check(conn)
+    if not p.is_cell:
+        return None
+    line = peer.refusal_line(p, what)
+    try:
+        journal.record_refused(None, None, error=line, error_type="Denied", exit_code=126, entry=what,
+                               peer=p.as_dict())
+    except AgnsupError:
+        pass  # refused all the same; the journal's own error is reported by the next command
+    return line
 
 
 def listen_unix(path: str, what: str) -> socket.socket:
@@ -142,6 +189,9 @@ class Client:
 class Server:
     def __init__(self, state_dir: str | None, socket_path: str | None):
         from .service import Supervisor
+        from .state import StateRoot
+        if socket_path:  # before anything starts: a refused place leaves nothing behind
+            socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
         self.sup = Supervisor(state_dir, kind="serve")
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
         try:
@@ -189,6 +239,12 @@ class Server:
     def _handle(self, conn: socket.socket) -> None:
         f = conn.makefile("rwb")
         try:
+            refused = peer_refusal(conn, self.sup.ctl.journal, "serve")
+            if refused is not None:
+                f.write(json.dumps({"ok": False, "error": refused, "error_type": "Denied",
+                                    "exit_code": 126}).encode() + b"\n")
+                f.flush()
+                return
             while True:
                 line = f.readline(MAX_REQUEST)
                 if not line:

@@ -79,6 +79,21 @@ def prepare(state, journal, request: CellRequest):
                                error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
                                entry=request.entry)
         raise
+    other_roots = tuple(state.other_roots())
+
+    def refuse(e: AgnsupError) -> None:  # nothing starts; the journal remembers it was asked
+        journal.record_refused(spec.run_id, spec.cell_id, argv=spec.argv, error=e.message,
+                               error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
+                               entry=request.entry)
+        raise e
+    # A worktree the cell may write is never the system, a home or a state root; a read-only
+    # one may be a system directory (a look at /etc), never "/" (its attach would show again
+    # what the cell's mounts hide).
+    why = compiler.worktree_refusal(spec.worktree, state.path, other_roots) if pol.filesystem.worktree == "rw" \
+        else "is the root of the file system" if spec.worktree == "/" else None
+    if why is not None:
+        refuse(UsageError(f"worktree {spec.worktree} {why}: a cell never gets it as its worktree; run in a "
+                          "project directory (--workdir)"))
     trace.append(broker.stage("spec_builder", exe=spec.exe, env_keys=sorted(spec.env), role=request.role))
     decision, trail = governance.decide(tool, {**(call or {"argv": spec.argv}), "cwd": spec.workdir}, pol,
                                         spec.worktree, state.path)
@@ -88,14 +103,9 @@ def prepare(state, journal, request: CellRequest):
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
     try:
-        plan = compiler.compile_plan(spec, pol, state.path, host.protections(), tuple(state.other_roots()))
-    except SetupError as e:
-        # a role this host cannot honour (a device it lists is not there, a home it cannot hide):
-        # nothing starts, and the journal remembers the call
-        journal.record_refused(spec.run_id, spec.cell_id, argv=spec.argv, error=e.message,
-                               error_type=type(e).__name__, exit_code=exit_code(e), role=request.role,
-                               entry=request.entry)
-        raise
+        plan = compiler.compile_plan(spec, pol, state.path, host.protections(), other_roots)
+    except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
+        refuse(e)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
     return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,

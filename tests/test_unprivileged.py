@@ -76,6 +76,10 @@ class User:
         subprocess.run(["useradd", "-m", "-s", "/bin/sh", self.name], check=True, capture_output=True)
         pw = pwd.getpwnam(self.name)
         self.uid, self.gid, self.home = pw.pw_uid, pw.pw_gid, pw.pw_dir
+        # where its commands start: a project of its own (the home itself is never a cell's worktree)
+        self.work = os.path.join(self.home, "work")
+        os.mkdir(self.work)
+        os.chown(self.work, self.uid, self.gid)
         v2 = cgroup.detect_layout().v2
         if v2 is None:
             self.remove()
@@ -105,7 +109,7 @@ class User:
 
     def popen(self, *args, launcher=(), env=None, **kw) -> subprocess.Popen:
         return subprocess.Popen([*launcher, self.agnsup, *args], env=env if env is not None else self.env,
-                                cwd=self.home, preexec_fn=self._enter, stdin=subprocess.DEVNULL, **kw)
+                                cwd=self.work, preexec_fn=self._enter, stdin=subprocess.DEVNULL, **kw)
 
     def __call__(self, *args, timeout=120, launcher=(), env=None) -> subprocess.CompletedProcess:
         p = self.popen(*args, launcher=launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -197,7 +201,7 @@ print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"]})
 def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
     """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
     throwaway child of its own, with CLONE_PARENT (supervisor.py)."""
-    p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.home,
+    p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.work,
                          preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)

@@ -25,6 +25,11 @@ The recipe, in order:
            mode), the mount points of what is attached beneath it made
            inside, then the tmpfs sealed read-only: all in one step, before
            anything is stacked on it.
+  empty    an empty tmpfs of the cell's own on a host directory (/run: every
+           host socket under it, present or created later, out of reach), the
+           mount points of what comes back into it made inside, then sealed
+           read-only, as for hide; its owner is the namespace's root (the
+           host's root of /run is not mapped in a user namespace).
   attach   the clones go back at their targets, outermost first (the
            compiler orders hides and attaches by depth: the temp dir at /tmp
            before a worktree under /tmp, a hidden home before the runtime
@@ -46,14 +51,14 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect")
+KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect", "empty")
 
 
 # kind:     one of KINDS
 # path:     source for clone, target otherwise
 # key:      names a clone for a later attach; dev: the size of /dev/shm in bytes
 # readonly: root: read-only (else only private); clone: a read-only copy
-# points:   hide: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices
+# points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
@@ -83,6 +88,8 @@ def apply(ops: list) -> None:
                     lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
             elif op.kind == "hide":
                 _hide(op.path, op.points)
+            elif op.kind == "empty":
+                _hide(op.path, op.points, keep_owner=False)
             elif op.kind == "mask":
                 _mask(op.path)
             elif op.kind == "protect":
@@ -97,7 +104,7 @@ def apply(ops: list) -> None:
         os.close(fd)
 
 
-def _hide(path: str, points: tuple) -> None:
+def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -106,8 +113,8 @@ def _hide(path: str, points: tuple) -> None:
         raise OSError(20, "not a directory")
     flags = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
     mode = stat_mod.S_IMODE(st.st_mode)
-    lsys.mount("tmpfs", path, "tmpfs", flags,
-               f"size=64k,nr_inodes=4096,mode={mode:o},uid={st.st_uid},gid={st.st_gid}")
+    owner = f",uid={st.st_uid},gid={st.st_gid}" if keep_owner else ""
+    lsys.mount("tmpfs", path, "tmpfs", flags, f"size=64k,nr_inodes=4096,mode={mode:o}{owner}")
     old = os.umask(0o022)  # points readable as on any host directory, whatever the controller's umask
     try:
         for p, is_dir in points:

@@ -1,0 +1,196 @@
+"""Selftest gates for issue 25's doors 1 and 2: host Unix sockets and agnsup's control sockets.
+
+HOST_UNIX_SOCKET: the selftest makes listeners of its own under /run and /var/tmp (a
+directory each, removed at the end); a cell of the selftest role tries to connect to
+both. CONTROL_SOCKET: the selftest starts a serve Server of its own (its own state
+root, its socket under /run) and a cell whose role lists that socket on purpose, so
+that only the peer check (linux/peer.py) stands between the cell and a controller.
+A probe exits 77 when it was served or connected, 0 when refused (isolation.py's
+convention). Wired into `agnsup selftest --isolation` by the lead (RUNNERS).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+
+from .probes import ESCAPED
+
+# argv: socket paths; 77 when any connect() worked
+P_CONNECT = r'''
+import socket, sys
+reached = []
+for p in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(p)
+        reached.append(p)
+    except OSError as e:
+        print("refused", p, e.strerror)
+    finally:
+        s.close()
+for p in reached:
+    print("REACHED", p)
+sys.exit(77 if reached else 0)
+'''
+
+# argv: socket path; asks a serve controller to ping; 77 when it answered ok
+P_PING = r'''
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("connect refused:", e.strerror)
+    sys.exit(0)
+try:
+    s.sendall(b'{"op": "ping"}\n')
+except OSError:
+    pass
+answer = s.makefile("rb").readline()
+print("ANSWER", answer.decode().strip())
+sys.exit(77 if json.loads(answer or b"{}").get("ok") else 0)
+'''
+
+
+def _gate(name: str, status: str, evidence: str) -> dict:
+    from .isolation import _gate as gate
+    return gate(name, status, evidence)
+
+
+class _Listener:
+    """A listener of the selftest's own at `path` (0777: only the sandbox stops the cell)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        os.chmod(path, 0o777)
+        self.sock.listen(8)
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            c.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(5)
+
+
+def _own_dir(top: str) -> str | None:
+    try:
+        d = tempfile.mkdtemp(prefix="agnsup-selftest-sock-", dir=top)
+    except OSError:
+        return None
+    os.chmod(d, 0o755)
+    return d
+
+
+def _refused_before_running(res: dict, name: str) -> dict | None:
+    if "error" in res:
+        status = "ENV_BLOCKED: the probe cell did not start" if not res.get("denied") else \
+            "ENV_BLOCKED: governance refused the probe (nothing about the kernel was tested)"
+        return _gate(name, f"{status}: {res['error']}", res["error"])
+    return None
+
+
+def gate_host_unix_socket(h) -> dict:
+    name = "HOST_UNIX_SOCKET"
+    dirs = [d for d in (_own_dir("/run"), _own_dir("/var/tmp")) if d is not None]
+    if len(dirs) < 2:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run and /var/tmp (not root?)", "")
+    listeners = []
+    try:
+        listeners = [_Listener(os.path.join(d, "host.sock")) for d in dirs]
+        res = h.probe(P_CONNECT, *(lst.path for lst in listeners))
+        early = _refused_before_running(res, name)
+        if early is not None:
+            return early
+        heard = sum(lst.accepted for lst in listeners)
+        out = (res.get("stdout") or "").strip()
+        if res["exit_code"] == ESCAPED or heard:
+            return _gate(name, "FAIL", f"the cell connected to a host listener ({heard} accepted): {out}")
+        if res["exit_code"] != 0:
+            return _gate(name, "FAIL", f"the probe failed (exit {res['exit_code']}): {out} {res.get('stderr', '')}")
+        return _gate(name, "PASS", f"connect() refused for {', '.join(lst.path for lst in listeners)}: {out}")
+    finally:
+        for lst in listeners:
+            lst.close()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def gate_control_socket(h) -> dict:
+    name = "CONTROL_SOCKET"
+    d = _own_dir("/run")
+    if d is None:
+        return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run (not root?)", "")
+    from ..serve import Server
+    from .isolation import _set_key
+    sock = os.path.join(d, "serve.sock")
+    state = os.path.join(h.root, "control-state")
+    server = None
+    try:
+        server = Server(state, sock)
+        os.chmod(sock, 0o777)  # open to the cell's uid whatever it is: only the peer check stands
+        # serve_forever installs signal handlers, which only the main thread may: run its loop by hand
+        thread = threading.Thread(target=_accept_loop, args=(server,), daemon=True)
+        thread.start()
+        with open(os.path.join(h.policies, "selftest.toml")) as f:
+            src = f.read()
+        role = "selftest-reach-control"
+        src = _set_key(src.replace('name = "selftest"', f'name = "{role}"'), "filesystem", "unix_sockets",
+                       json.dumps([sock]))
+        with open(os.path.join(h.policies, role + ".toml"), "w") as f:
+            f.write(src)
+        res = h.probe(P_PING, sock, role=role)
+        early = _refused_before_running(res, name)
+        if early is not None:
+            return early
+        out = (res.get("stdout") or "").strip()
+        refused = [r for r in server.sup.ctl.journal.refusals() if r.get("entry") == "serve"]
+        if res["exit_code"] == ESCAPED:
+            return _gate(name, "FAIL", f"a cell reached serve's socket and was served: {out}")
+        if res["exit_code"] != 0 or not refused:
+            return _gate(name, "FAIL", f"no refusal journaled (exit {res['exit_code']}): {out}")
+        return _gate(name, "PASS", f"serve refused the cell's process and journaled it "
+                                   f"(evidence: {'; '.join(refused[-1]['peer']['evidence'])})")
+    except Exception as e:  # noqa: BLE001 - a gate reports, never raises
+        return _gate(name, "FAIL", f"the gate itself failed: {type(e).__name__}: {e}")
+    finally:
+        if server is not None:
+            server.stop.set()
+            server.shutdown()
+        shutil.rmtree(d, ignore_errors=True)
+        from .isolation import remove_state
+        remove_state(state)
+
+
+def _accept_loop(server) -> None:
+    """Server.serve_forever without its signal handling: accept until the listener closes."""
+    while not server.stop.is_set():
+        try:
+            conn, _ = server.listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=server._handle, args=(conn,), daemon=True).start()
+
+
+RUNNERS = {"HOST_UNIX_SOCKET": gate_host_unix_socket, "CONTROL_SOCKET": gate_control_socket}

@@ -362,10 +362,10 @@ def test_a_normal_users_cell_sees_only_the_minimal_dev_even_for_a_device_the_use
     u = normal_user
     os.chown(loop.dev, u.uid, u.gid)  # the user may read it on the host: only the cell's /dev stands in the way
     try:
-        plain = _as_user(u, user_policies, "run", "--role", base, "--workdir", u.home, "--", "python3", "-c",
+        plain = _as_user(u, user_policies, "run", "--role", base, "--workdir", u.work, "--", "python3", "-c",
                          P_DEVICES, loop.marker, *pieces(loop.dev))
         role = role_from(user_policies, base, f"{base}-loop", filesystem=f'devices = ["{loop.dev}"]')
-        listed = _as_user(u, user_policies, "run", "--role", role, "--workdir", u.home, "--", "python3", "-c",
+        listed = _as_user(u, user_policies, "run", "--role", role, "--workdir", u.work, "--", "python3", "-c",
                           P_DEVICES, loop.marker, *pieces(loop.dev))
     finally:
         os.chown(loop.dev, 0, 0)
@@ -380,8 +380,8 @@ def test_a_normal_users_everyday_jobs_keep_working_with_the_minimal_dev(normal_u
     u = normal_user
     # not "inherited": agnsup's stdout here is a pipe of this (root) test, mode 0600, which the user may
     # not reopen through /proc/self/fd, bare or in a cell; the probe's own pipes stand in for it
-    cp = _as_user(u, user_policies, "run", "--role", role, "--workdir", u.home, "--", "python3",
-                  script_file(u.home, P_EVERYDAY), host_pts_dev())
+    cp = _as_user(u, user_policies, "run", "--role", role, "--workdir", u.work, "--", "python3",
+                  script_file(u.work, P_EVERYDAY), host_pts_dev())
     assert cp.returncode == 0 and "FAIL" not in cp.out, f"exit {cp.returncode}\n{cp.out}\n{cp.err}"
     assert "ok /dev/stdout" in cp.out
 
@@ -389,7 +389,7 @@ def test_a_normal_users_everyday_jobs_keep_working_with_the_minimal_dev(normal_u
 def test_a_normal_users_dev_shm_is_capped(normal_user, user_policies):
     u = normal_user
     role_from(user_policies, "executor", "shm", limits='shm_max = "1M"')
-    out = probe_json(_as_user(u, user_policies, "run", "--role", "shm", "--workdir", u.home, "--", "python3", "-c",
+    out = probe_json(_as_user(u, user_policies, "run", "--role", "shm", "--workdir", u.work, "--", "python3", "-c",
                               P_SHM_FILL, str(8 << 20)))
     assert out == {"written": 1 << 20, "error": "ENOSPC"}, out
 

@@ -87,7 +87,9 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    plan = compiler.compile_plan(spec, pol, state.path, host.protections(), tuple(state.other_roots()))
+    from . import supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
+    plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused},
+                                 tuple(state.other_roots()))
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
     return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,

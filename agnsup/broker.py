@@ -364,18 +364,20 @@ class Controller:
                 # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
                 from .output import at_a_terminal
                 cell.controlling_tty = not cell.stdin and at_a_terminal()
-                # a cell that is not host root (mapped, process.user) could not reopen the user's own
-                # descriptors by path (/dev/stdout): it writes pipes of its own, pumped to them
-                reopens = cell.plan.cell_ids() is None
-                if cap is None and not cell.controlling_tty and reopens:
+                # A cell that is not host root (mapped, process.user) could not reopen a file or pipe
+                # of the user's that only its owner may write by path (/dev/stdout is /proc/self/fd/1,
+                # a permission check on the inode): it writes a pipe of its own, pumped there, never capped.
+                ids = cell.plan.cell_ids()
+                closed = [] if ids is None else [n for n in (1, 2) if _users_own(n) and not _reopenable(n, ids)]
+                if cap is None and not cell.controlling_tty and not closed:
                     return (tuple(child) if cell.stdin else None), None
                 dst = {1: 1, 2: 2}
             # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
             # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
-            direct = [] if cell.capture or not reopens else [n for n in (1, 2) if _users_own(n)]
+            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n) and n not in closed]
             if len(direct) == 2 and not cell.controlling_tty:
                 return (tuple(child) if cell.stdin else None), None
-            pump = self._pump(cell, cap, child, dst, owned, direct)  # fills in the cell's ends
+            pump = self._pump(cell, cap, child, dst, owned, direct, [] if cell.capture else closed)
             _cell_owns(cell.plan, *{fd for fd in child if fd is not None and fd not in (0, 1, 2)})
             return tuple(child), pump
         except BaseException:
@@ -390,8 +392,10 @@ class Controller:
                 os.close(fd)
             raise
 
-    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list) -> object:
-        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list,
+              closed: list = ()) -> object:
+        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends.
+        `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped)."""
         from .output import Pump, Tape
         tape = None
         if cell.stream:
@@ -402,13 +406,14 @@ class Controller:
         pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
         pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
         try:
-            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct)
+            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct, closed)
         except BaseException:
             pump.close()
             raise
 
     @staticmethod
-    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list) -> object:
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list,
+                   closed=()) -> object:
         from .output import Input
         if cell.pty is not None:
             # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
@@ -443,13 +448,13 @@ class Controller:
             r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
             child[1] = child[2] = w
             owned.append(w)
-            pump.add("stdout", r, 1)
+            pump.add("stdout", r, 1, capped=1 not in closed)
         for n, name in ((1, "stdout"), (2, "stderr")):
             if child[n] is None and n not in direct:
                 r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
                 child[n] = w
                 owned.append(w)
-                pump.add(name, r, dst[n], own_dst=cell.capture)
+                pump.add(name, r, dst[n], own_dst=cell.capture, capped=n not in closed)
                 if cell.capture:
                     owned.remove(dst[n])
         return pump
@@ -553,6 +558,16 @@ def _users_own(fd: int) -> bool:
     if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
         return True
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
+
+
+def _reopenable(fd: int, ids: tuple[int, int]) -> bool:
+    """Could a cell running as host `ids` open the controller's `fd` for writing by path (/dev/stdout)?"""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return bool(st.st_mode & 0o002) or (st.st_uid == ids[0] and bool(st.st_mode & 0o200)) or \
+        (st.st_gid == ids[1] and bool(st.st_mode & 0o020))
 
 
 def _same_file(a: int, b: int) -> bool:

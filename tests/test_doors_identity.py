@@ -272,6 +272,22 @@ def test_dev_stdout_reopens_for_a_mapped_cell_through_a_pipe_a_capture_file_and_
     assert b"tty" in out and b"ok-0" in out, out
 
 
+def test_a_users_own_file_a_mapped_cell_could_not_reopen_gets_everything_uncapped(agnsup, worktree, policy_dir,
+                                                                                   tmp_path):
+    # agnsup run ... > out.txt (root's, 0644): the cell writes a pipe of its own, pumped into the file,
+    # never capped by output_max (as the very descriptor would not be), and /dev/stdout reopens
+    write_role(policy_dir, "smallcap", limits__output_max='"64K"')
+    out = tmp_path / "out.txt"
+    prog = "import sys\nsys.stdout.write('z' * (1 << 20))\nsys.stdout.flush()\nopen('/dev/stdout', 'w').write('end')\n"
+    with open(out, "wb") as f:
+        p = agnsup.popen("run", "--role", "smallcap", "--workdir", worktree, "--", "python3", "-c", prog,
+                         env={"AGNSUP_POLICY_DIR": str(policy_dir)}, stdout=f, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert out.read_bytes() == b"z" * (1 << 20) + b"end"
+
+
 # ------------------------------------------------------------------ /tmp: a capped tmpfs
 
 TMP_FILL = r'''
@@ -353,7 +369,9 @@ def test_a_normal_users_cell_does_not_see_another_users_readable_home(secrets):
         wt = os.path.join(u.home, "wt")
         os.mkdir(wt)
         os.chown(wt, u.uid, u.gid)
-        cp = u("run", "--workdir", wt, "--", "python3", "-c", READ_SECRETS, *secrets.argv(secrets.notes))
+        # the user's agnsup imports what this run imports (PYTHONPATH: another checkout, e.g. to check 215dff3)
+        env = {**u.env, **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+        cp = u("run", "--workdir", wt, "--", "python3", "-c", READ_SECRETS, *secrets.argv(secrets.notes), env=env)
     finally:
         u.remove()
     assert cp.returncode == 0, f"the cell read another user's home (exit {cp.returncode}):\n{cp.stdout}{cp.stderr}"

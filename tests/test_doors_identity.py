@@ -122,7 +122,7 @@ def test_root_only_files_other_homes_and_root_are_unreadable_from_a_cell_of_each
     assert cp.out.count("refused") == 3, cp.out
 
 
-def test_a_state_root_made_after_a_long_running_cell_started_is_unreadable_from_it(agnsup, worktree, secrets):
+def test_a_state_root_and_a_0600_socket_made_after_a_long_running_cell_started_are_closed_to_it(agnsup, worktree, secrets):
     late = os.path.join(secrets.dir, "late-state")
     marker = os.path.join(worktree, "go")
     probe = r'''
@@ -131,30 +131,49 @@ late, marker = sys.argv[1] + sys.argv[2], sys.argv[3]
 deadline = time.time() + 60
 while not os.path.exists(marker) and time.time() < deadline:
     time.sleep(0.05)
+escaped = False
 try:
     names = os.listdir(late)
     print("LISTED", names)
     with open(os.path.join(late, "journal.db"), "rb") as f:
         print("READ journal", len(f.read()))
-    sys.exit(77)
+    escaped = True
 except OSError as e:
     print("refused", e.strerror)
+import socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[4] + sys.argv[5])
+    print("CONNECTED to the 0600 socket")
+    escaped = True
+except OSError as e:
+    print("refused socket", e.strerror)
+sys.exit(77 if escaped else 0)
 '''
+    import socket
+    sock_path = os.path.join(secrets.dir, "control.sock")
     p = agnsup.popen("run", "--role", "executor", "--workdir", worktree, "--", "python3", "-c", probe,
-                     *_split(late), marker, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                     *_split(late), marker, *_split(sock_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    listener = socket.socket(socket.AF_UNIX)
     try:
         time.sleep(1.0)  # the cell is running, waiting for the marker
         Agnsup(late)("run", "--workdir", worktree, "--", "true", check=0)  # a real state root, 0700, by root
         assert os.path.exists(os.path.join(late, "journal.db"))
+        listener.bind(sock_path)  # a control socket made later, 0600 (as serve makes its own)
+        os.chmod(sock_path, 0o600)
+        listener.listen(1)
         open(marker, "w").close()
         out, err = p.communicate(timeout=90)
     finally:
+        listener.close()
         if p.poll() is None:
             p.kill()
             p.wait()
         backend.choose(late).purge()
-    assert p.returncode == 0, f"the cell reached the later state root (exit {p.returncode}):\n{out}{err}"
-    assert b"refused" in out, out
+        if os.path.exists(sock_path):
+            os.unlink(sock_path)
+    assert p.returncode == 0, f"the cell reached the later state root or socket (exit {p.returncode}):\n{out}{err}"
+    assert b"refused Permission denied" in out and b"refused socket Permission denied" in out, out
 
 
 # ------------------------------------------------------------------ the worktree, as root of a namespace
@@ -186,9 +205,10 @@ def test_the_executor_is_root_of_a_user_namespace_whose_worktree_writes_land_wit
         f.write(GIT_JOB)
     cp = agnsup("run", "--role", "executor", "--workdir", worktree, "--", "sh", "job.sh", check=0)
     lines = cp.out.split()
-    base, _, count = userns.cell_range()
     assert lines[0] == "0", cp.out                                  # root in the cell ...
-    assert lines[1:4] == ["0", str(base), str(count)], cp.out       # ... of a namespace mapped to the cells' range
+    assert lines[1:4] != ["0", "0", "4294967295"], cp.out           # ... not the host's root ...
+    base, _, count = userns.cell_range()
+    assert lines[1:4] == ["0", str(base), str(count)], cp.out       # ... but of a namespace mapped to the cells' range
     assert lines[4:6] == ["1", "1"], cp.out                         # one stash, one commit
     assert os.stat(os.path.join(worktree, "made-by-cell")).st_uid == 0   # on disk: the worktree's root
     assert os.stat(owned).st_uid == secrets.uid                          # an existing file keeps its owner
@@ -278,7 +298,7 @@ def test_a_users_own_file_a_mapped_cell_could_not_reopen_gets_everything_uncappe
     # never capped by output_max (as the very descriptor would not be), and /dev/stdout reopens
     write_role(policy_dir, "smallcap", limits__output_max='"64K"')
     out = tmp_path / "out.txt"
-    prog = "import sys\nsys.stdout.write('z' * (1 << 20))\nsys.stdout.flush()\nopen('/dev/stdout', 'w').write('end')\n"
+    prog = "import sys\nsys.stdout.write('z' * (1 << 20))\nsys.stdout.flush()\nopen('/dev/stdout', 'a').write('end')\n"
     with open(out, "wb") as f:
         p = agnsup.popen("run", "--role", "smallcap", "--workdir", worktree, "--", "python3", "-c", prog,
                          env={"AGNSUP_POLICY_DIR": str(policy_dir)}, stdout=f, stderr=subprocess.PIPE,
@@ -370,7 +390,7 @@ def test_a_normal_users_cell_does_not_see_another_users_readable_home(secrets):
         os.mkdir(wt)
         os.chown(wt, u.uid, u.gid)
         # the user's agnsup imports what this run imports (PYTHONPATH: another checkout, e.g. to check 215dff3)
-        env = {**u.env, **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+        env = {**u.env, **{k: os.environ[k] for k in ("PYTHONPATH", "AGNSUP_POLICY_DIR") if k in os.environ}}
         cp = u("run", "--workdir", wt, "--", "python3", "-c", READ_SECRETS, *secrets.argv(secrets.notes), env=env)
     finally:
         u.remove()
@@ -416,3 +436,37 @@ def test_every_home_but_the_systems_own_is_hidden(tmp_path):
         assert h != "/" and not any(compiler._under(h, d) for d in compiler.OS_TREES), h
         assert not compiler._under(h, "/tmp")
 
+
+
+PURE_HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
+             "capabilities": None, "mapped_uid": None, "_abi": 7, "_root": True, "_cap_last": 40}
+
+
+def _plan(tmp_path, host, role="executor"):
+    from agnsup import compiler, policy, spec
+    from agnsup.request import CellRequest
+    wt = tmp_path / "wt"
+    wt.mkdir(exist_ok=True)
+    s = spec.build(CellRequest.make(["true"], workdir=str(wt), role=role), policy.load(role))
+    return compiler.compile_plan(s, policy.load(role), str(tmp_path / "state"), host)
+
+
+def test_a_worktree_that_cannot_be_id_mapped_runs_as_host_root_and_the_plan_says_why(tmp_path, policy_dir,
+                                                                                    monkeypatch):
+    from agnsup.errors import SetupError
+    wt = str(tmp_path / "wt")
+    ok = _plan(tmp_path, {**PURE_HOST, "_idmap": lambda path: None})
+    base, gbase, count = userns.cell_range()
+    assert ok.mapped == {"uid": base, "gid": gbase, "count": count} and ok.cell_ids() == (base, gbase)
+    assert ("idclone", wt, "worktree", False) in ok.mount_ops and ok.protections()["worktree_idmapped"]
+    refused = {**PURE_HOST, "_idmap": lambda path: f"the file system of {path} cannot be id-mapped here (9p)"}
+    p = _plan(tmp_path, refused)
+    assert p.mapped is None and not any(op[0] == "idclone" for op in p.mount_ops)
+    assert [m for m in p.not_in_force if m.startswith("mapped_uid (the cell runs as host root)") and "9p" in m]
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
+    write_role(policy_dir, "needsmap", isolation__require='["mapped_uid"]')
+    with pytest.raises(SetupError, match="requires mapped_uid.*9p"):
+        _plan(tmp_path, refused, role="needsmap")
+    # a normal user's controller: the caller's own uid, nothing mapped, nothing missing
+    mine = _plan(tmp_path, {**PURE_HOST, "_root": False, "_idmap": lambda path: "never asked"})
+    assert mine.mapped is None and not [m for m in mine.not_in_force if "mapped_uid" in m]

@@ -304,10 +304,11 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     home_clones += [(written, h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
     home_places += [("attach", c, f"cache{i}") for i, (_, c, _) in enumerate(caches)]
     # Clones first, while their mounts are still read-write and nothing covers them.
-    # As root the cell's /tmp is a tmpfs the controller makes (its size capped, off the state root's
-    # disk), attached under the key "tmp"; a normal user's controller cannot make one: the tmpdir clone.
+    # The cell's /tmp is a tmpfs of limits.tmp_max (off the state root's disk) filled from the staged tmpdir,
+    # attached under the key "tmp": as root the controller makes it (and measures it at the end); a normal
+    # user's controller cannot make one outside the cell: its child does (tmpcopy), unmeasured.
     tmp_tmpfs = bool(host["_root"])
-    ops: list[tuple] = [*([] if tmp_tmpfs else [("clone", tmpdir, "tmp", False)]),
+    ops: list[tuple] = [*([] if tmp_tmpfs else [("tmpcopy", tmpdir, "tmp", False, (policy.limits.tmp_max,))]),
                         (written, wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
     ops.append(("root", "/", "", fs.root == "ro"))

@@ -201,8 +201,8 @@ class LimitsSection(_Strict):
                                    "says output_limit. Unset: the cell writes the controller's stdio directly.")
     tmp_max: int = Field(512 * 1024 * 1024, description="Size of the cell's /tmp ('512M', bytes, at least 64K): "
                          "a tmpfs of its own, not on the state root's file system; a write past it fails with "
-                         "ENOSPC, and the receipt's usage.tmp_bytes says what was used (agnsup as root; a normal "
-                         "user's cell keeps its /tmp in the state root).")
+                         "ENOSPC, and the receipt's usage.tmp_bytes says what was used (agnsup as root: a normal "
+                         "user's controller cannot measure it).")
     timeout: float | None = Field(None, description="Default wall-clock limit in seconds, > 0 (--timeout "
                                   "overrides); none if unset.")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")

@@ -314,44 +314,11 @@ def make_tmp(plan) -> int:
         opts.update(uid=str(ids[0]), gid=str(ids[1]))
     fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
     try:
-        _copy_tree(plan.tmpdir, fd)
+        mounts.copy_tree(plan.tmpdir, fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _copy_tree(src: str, dst_fd: int) -> None:
-    """Copy directories, files and symlinks below `src` into the directory `dst_fd`, with their owners
-    and modes (a handful of small entries: the broker's staging)."""
-    import stat as stat_mod
-    with os.scandir(src) as entries:
-        for e in entries:
-            st = e.stat(follow_symlinks=False)
-            mode = stat_mod.S_IMODE(st.st_mode)
-            if stat_mod.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
-            elif stat_mod.S_ISDIR(st.st_mode):
-                os.mkdir(e.name, 0o700, dir_fd=dst_fd)
-                sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
-                try:
-                    _copy_tree(e.path, sub)
-                    os.fchmod(sub, mode)
-                finally:
-                    os.close(sub)
-            elif stat_mod.S_ISREG(st.st_mode):
-                out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                              dir_fd=dst_fd)
-                try:
-                    with open(e.path, "rb") as f:
-                        data = f.read()
-                    os.write(out, data)
-                    os.fchmod(out, mode)
-                finally:
-                    os.close(out)
-            else:
-                continue
-            os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)
 
 
 def tmp_bytes(fd: int) -> int:

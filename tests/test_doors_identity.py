@@ -398,6 +398,39 @@ def test_a_normal_users_cell_does_not_see_another_users_readable_home(secrets):
     assert "refused" in cp.stdout, cp.stdout + cp.stderr
 
 
+FILL_2M = r'''
+import sys
+with open("/proc/self/mountinfo") as f:
+    print("/tmp is", [l.split(" - ")[1].split()[0] for l in f if l.split()[4] == "/tmp"][-1])
+try:
+    with open("/tmp/fill", "wb") as f:
+        for _ in range(32):
+            f.write(b"x" * 65536)
+            f.flush()
+    sys.exit(77)
+except OSError as e:
+    print("refused", e.strerror)
+'''
+
+
+def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
+    from test_unprivileged import User, _venv
+    u = User(_venv())
+    try:
+        pol = os.path.join(u.home, "policies")
+        os.mkdir(pol, 0o755)
+        write_role(pol, "tmpcap", limits__tmp_max='"1M"')
+        wt = os.path.join(u.home, "wt")
+        os.mkdir(wt)
+        os.chown(wt, u.uid, u.gid)
+        env = {**u.env, "AGNSUP_POLICY_DIR": pol, **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+        cp = u("run", "--role", "tmpcap", "--workdir", wt, "--", "python3", "-c", FILL_2M, env=env)
+    finally:
+        u.remove()
+    assert cp.returncode == 0, f"the cell wrote 2M past a 1M /tmp (exit {cp.returncode}):\n{cp.stdout}{cp.stderr}"
+    assert "/tmp is tmpfs" in cp.stdout and "No space left on device" in cp.stdout, cp.stdout
+
+
 # ------------------------------------------------------------------ the selftest's gates
 
 def test_the_identity_selftest_gates_pass_here():

@@ -14,6 +14,9 @@ The recipe, in order:
            MOUNT_ATTR_IDMAP): what a mapped cell writes (the worktree, the
            package caches). On-disk uid 0 is the cell's uid 0 (host BASE), and
            what the cell creates is owned by uid 0 on disk.
+  tmpcopy  a normal user's cell: a fresh tmpfs of points[0] bytes filled with a
+           copy of the staged temp dir (path), kept like a clone for the /tmp
+           attach (a root controller makes it itself: supervisor.make_tmp).
   root     everything read-only and private, recursively, in one
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
@@ -39,7 +42,7 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "idclone", "root", "tmpfs", "hide", "mask", "attach")
+KINDS = ("clone", "idclone", "tmpcopy", "root", "tmpfs", "hide", "mask", "attach")
 
 
 # kind:     one of KINDS
@@ -71,6 +74,11 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) 
                 idmap = lsys.MOUNT_ATTR_IDMAP if op.kind == "idclone" else 0
                 lsys.mount_setattr(op.path, attr_set=(lsys.MOUNT_ATTR_RDONLY if op.readonly else 0) | idmap,
                                    propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=userns_fd if idmap else 0)
+            elif op.kind == "tmpcopy":
+                fd = lsys.fsmount_new("tmpfs", {"size": str(op.points[0]), "mode": "1777"},
+                                      lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+                clones[op.key] = fd
+                copy_tree(op.path, fd)
             elif op.kind == "root":
                 lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
                                    propagation=lsys.MS_PRIVATE)
@@ -129,3 +137,35 @@ def _mask(path: str) -> None:
     else:
         lsys.mount("/dev/null", path, None, lsys.MS_BIND)
         lsys.mount(None, path, None, lsys.MS_BIND | lsys.MS_REMOUNT | lsys.MS_RDONLY)
+
+
+def copy_tree(src: str, dst_fd: int) -> None:
+    """Copy directories, files and symlinks below `src` into the directory `dst_fd`, with their owners
+    and modes (a handful of small entries: the broker's staging)."""
+    with os.scandir(src) as entries:
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            mode = stat_mod.S_IMODE(st.st_mode)
+            if stat_mod.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
+            elif stat_mod.S_ISDIR(st.st_mode):
+                os.mkdir(e.name, 0o700, dir_fd=dst_fd)
+                sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+                try:
+                    copy_tree(e.path, sub)
+                    os.fchmod(sub, mode)
+                finally:
+                    os.close(sub)
+            elif stat_mod.S_ISREG(st.st_mode):
+                out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=dst_fd)
+                try:
+                    with open(e.path, "rb") as f:
+                        data = f.read()
+                    os.write(out, data)
+                    os.fchmod(out, mode)
+                finally:
+                    os.close(out)
+            else:
+                continue
+            os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)

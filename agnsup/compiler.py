@@ -498,7 +498,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
                              "cell's uid", step="user")
         uid, gid = _ids(proc_.user, proc_.group, spec.role)
     out["uid"], out["gid"] = uid, gid
-    if root and uid is None and not iso.host_root and "mapped_uid" in host:
+    if root and uid is None and not iso.host_root:
         out["mapped"] = _mapped(spec, wt, host, state_root if cache_writable else "", missing,
                                 "mapped_uid" in iso.require)
     if root:
@@ -518,7 +518,7 @@ def _mapped(spec: CellSpec, wt: str, host: dict, state_root: str, missing: list,
     (host["mapped_uid"]) and id-mapped mounts of the worktree's (and the caches') file system
     (host["_idmap"](path), probed once per device). Else None: the cell runs as host root, and why is
     named in not_in_force (refused when the role requires mapped_uid)."""
-    why = host["mapped_uid"]
+    why = host.get("mapped_uid", "the host's facts (linux/host.protections) do not say")
     probe = host.get("_idmap")
     for path in (wt, state_root):
         if why is None and path and probe is not None:

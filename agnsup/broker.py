@@ -294,10 +294,11 @@ class Controller:
         _make_home_files(plan)
         for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
             os.makedirs(host_dir, mode=0o700, exist_ok=True)
-            if plan.uid is not None:
+            if plan.uid is not None:  # a mapped cell sees them through its id map: on-disk root is its root
                 os.chown(host_dir, plan.uid, plan.gid)
-        if plan.uid is not None:  # process.user: the cell's HOME is its own
-            os.chown(os.path.join(plan.tmpdir, "home"), plan.uid, plan.gid)
+        ids = plan.cell_ids()
+        if ids is not None:  # process.user, a mapped cell: the cell's HOME is its own
+            os.chown(os.path.join(plan.tmpdir, "home"), *ids)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
@@ -360,6 +361,7 @@ class Controller:
                 dst[2] = os.open(os.path.join(d, "stderr"), flags, 0o600)
                 owned.append(dst[2])
                 if cap is None and not cell.stream:
+                    _cell_owns(cell.plan, dst[1], dst[2])  # a shell reopens them (/dev/stdout)
                     child[1], child[2] = dst[1], dst[2]
                     return tuple(child), None
             else:
@@ -367,15 +369,21 @@ class Controller:
                 # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
                 from .output import at_a_terminal
                 cell.controlling_tty = not cell.stdin and at_a_terminal()
-                if cap is None and not cell.controlling_tty:
+                # A cell that is not host root (mapped, process.user) could not reopen a file or pipe
+                # of the user's that only its owner may write by path (/dev/stdout is /proc/self/fd/1,
+                # a permission check on the inode): it writes a pipe of its own, pumped there, never capped.
+                ids = cell.plan.cell_ids()
+                closed = [] if ids is None else [n for n in (1, 2) if _users_own(n) and not _reopenable(n, ids)]
+                if cap is None and not cell.controlling_tty and not closed:
                     return (tuple(child) if cell.stdin else None), None
                 dst = {1: 1, 2: 2}
             # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
             # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
-            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n)]
+            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n) and n not in closed]
             if len(direct) == 2 and not cell.controlling_tty:
                 return (tuple(child) if cell.stdin else None), None
-            pump = self._pump(cell, cap, child, dst, owned, direct)  # fills in the cell's ends
+            pump = self._pump(cell, cap, child, dst, owned, direct, [] if cell.capture else closed)
+            _cell_owns(cell.plan, *{fd for fd in child if fd is not None and fd not in (0, 1, 2)})
             return tuple(child), pump
         except BaseException:
             if cell.input is not None:
@@ -389,8 +397,10 @@ class Controller:
                 os.close(fd)
             raise
 
-    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list) -> object:
-        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends."""
+    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list,
+              closed: list = ()) -> object:
+        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends.
+        `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped)."""
         from .output import Pump, Tape
         tape = None
         if cell.stream:
@@ -401,13 +411,14 @@ class Controller:
         pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
         pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
         try:
-            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct)
+            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct, closed)
         except BaseException:
             pump.close()
             raise
 
     @staticmethod
-    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list) -> object:
+    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list,
+                   closed=()) -> object:
         from .output import Input
         if cell.pty is not None:
             # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
@@ -442,13 +453,13 @@ class Controller:
             r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
             child[1] = child[2] = w
             owned.append(w)
-            pump.add("stdout", r, 1)
+            pump.add("stdout", r, 1, capped=1 not in closed)
         for n, name in ((1, "stdout"), (2, "stderr")):
             if child[n] is None and n not in direct:
                 r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
                 child[n] = w
                 owned.append(w)
-                pump.add(name, r, dst[n], own_dst=cell.capture)
+                pump.add(name, r, dst[n], own_dst=cell.capture, capped=n not in closed)
                 if cell.capture:
                     owned.remove(dst[n])
         return pump
@@ -483,6 +494,8 @@ class Controller:
         if why and reason != "timeout":
             reason, cancel_reason = "cancelled", why  # cancelled from another process: the journal holds the first reason
         usage = self.backend.usage(cell.place)
+        if cell.child.tmp_used is not None:
+            usage["tmp_bytes"] = cell.child.tmp_used  # the /tmp tmpfs when the cell ended (limits.tmp_max)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
         outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
@@ -566,6 +579,16 @@ def _users_own(fd: int) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
 
 
+def _reopenable(fd: int, ids: tuple[int, int]) -> bool:
+    """Could a cell running as host `ids` open the controller's `fd` for writing by path (/dev/stdout)?"""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return bool(st.st_mode & 0o002) or (st.st_uid == ids[0] and bool(st.st_mode & 0o200)) or \
+        (st.st_gid == ids[1] and bool(st.st_mode & 0o020))
+
+
 def _same_file(a: int, b: int) -> bool:
     try:
         x, y = os.fstat(a), os.fstat(b)
@@ -642,9 +665,28 @@ def _make_home_files(plan) -> None:
         with open(path, "x") as f:
             f.write(text)
         made.append(path)
-    if plan.uid is not None:
+    ids = plan.cell_ids()
+    if ids is not None:
         for path in made:
-            os.lchown(path, plan.uid, plan.gid)
+            os.lchown(path, *ids)
+
+
+def _cell_owns(plan, *fds: int) -> None:
+    """The cell's ends of its stdio (capture files, its pty slave, the pump's pipes) become its own, as
+    login(1) chowns a tty: a shell reopens them by path (`echo x > /dev/stdout` opens /proc/self/fd/1,
+    a permission check against the inode), and a cell that is not host root (process.user, a mapped
+    cell) would be refused a root-owned 0600 one. Never the user's own descriptors (handed on as they are)."""
+    import stat
+    ids = plan.cell_ids()
+    if ids is None:
+        return
+    for fd in fds:
+        st = os.fstat(fd)
+        # only what the controller made for this cell: a file, a pipe, a pty slave (Unix98 majors 136-143);
+        # never a shared device such as /dev/null
+        if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode) or \
+                (stat.S_ISCHR(st.st_mode) and 136 <= os.major(st.st_rdev) <= 143):
+            os.fchown(fd, *ids)
 
 
 def _parents(tmpdir: str, path: str) -> list[str]:

@@ -16,11 +16,12 @@ from .spec import CellSpec
 class ExecutionPlan(Record):
     spec: CellSpec
     cell_dir: str                  # <state>/cells/<run>/<cell>
-    tmpdir: str                    # the cell's private /tmp (inside cell_dir)
+    tmpdir: str                    # the cell's private /tmp (inside cell_dir); as root only its staging: the
+                                   # cell's /tmp is a tmpfs of limits.tmp_max filled from it (tmp_tmpfs)
     mount_ops: list[tuple]         # linux.mounts.MountOp tuples, in order
     new_netns: bool
     network: str
-    limits: dict                   # memory_max, pids_max, cpu_weight, cpu_max, output_max
+    limits: dict                   # memory_max, pids_max, cpu_weight, cpu_max, output_max, tmp_max
     grace: float
     timeout: float | None
     drop_caps: list[int]           # leave the bounding set (every capability but cap_keep)
@@ -35,6 +36,8 @@ class ExecutionPlan(Record):
     cap_keep: list[int] | None = None      # what a root cell keeps; None: agnsup is not root
     uid: int | None = None                 # run the cell as this uid/gid
     gid: int | None = None
+    mapped: dict | None = None             # root controller: the cell is uid 0 of the cells' user namespace,
+                                           # {"uid", "gid": host BASEs, "count"} (linux/userns.py)
     pid_namespace: bool = False
     user_namespace: bool = False           # not root: the cell's namespaces live in a user namespace of its own
     redact: dict | None = None             # governance.redact(_patterns) for returned output (agnsup/redact.py)
@@ -49,6 +52,8 @@ class ExecutionPlan(Record):
     tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime, home_allow in HOME
     tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
+    tmp_tmpfs: bool = False                 # root: /tmp is a tmpfs of limits.tmp_max the controller makes and
+                                            # fills from tmpdir (supervisor.make_tmp); else the tmpdir itself
     caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
                                             # the cell's /tmp dir): filesystem.cache
     devices: list[tuple] = Factory(list)    # (path, "character" | "block"): filesystem.devices, bound in /dev
@@ -74,6 +79,15 @@ class ExecutionPlan(Record):
         return {"mode": "kill", "in_force": False, "how": "no PID namespace here: only the leader has "
                 "PR_SET_PDEATHSIG(SIGKILL); what it started is left to the janitor's next run"}
 
+    def cell_ids(self) -> tuple[int, int] | None:
+        """The host (uid, gid) the cell's own files are owned by (its HOME, its stdio files): process.user's,
+        or a mapped cell's uid 0 (host BASE); None: the controller's own."""
+        if self.uid is not None:
+            return self.uid, self.gid
+        if self.mapped is not None:
+            return self.mapped["uid"], self.mapped["gid"]
+        return None
+
     def protections(self) -> dict:
         """What will be in force, for the receipt's isolation section."""
         from .linux.sys import CAP_NAMES
@@ -87,6 +101,12 @@ class ExecutionPlan(Record):
             "no_new_privs": self.no_new_privs,
             "capabilities_kept": None if self.cap_keep is None else [CAP_NAMES[c] for c in self.cap_keep],
             "uid": self.uid, "gid": self.gid,
+            "mapped_uid": self.mapped is not None,
+            "cell_host_uid": self.cell_ids()[0] if self.cell_ids() else None,
+            "cell_host_gid": self.cell_ids()[1] if self.cell_ids() else None,
+            "id_map": None if self.mapped is None else
+            f"0 {self.mapped['uid']} {self.mapped['count']} (gid: 0 {self.mapped['gid']} {self.mapped['count']})",
+            "worktree_idmapped": any(op[0] == "idclone" and op[2] == "worktree" for op in self.mount_ops),
             "pid_namespace": self.pid_namespace,
             "user_namespace": self.user_namespace,
             "on_controller_death": self.on_controller_death(),
@@ -135,6 +155,40 @@ def _outermost(paths) -> list[str]:
 # homes like /usr/sbin or /dev), is the system, not a home: hiding it would hide the OS.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/run")
 OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
+
+
+_all_homes_cache: dict = {}
+
+
+def all_homes(passwd: str = "/etc/passwd") -> list[str]:
+    """Every home of the password database (real paths, existing directories), and /root: hidden from
+    every cell like the invoking user's (issue 25, door 5). Homes that are the system (a system user's
+    /usr/sbin, /dev, /var, "/") are skipped here, never refused: only the invoking user's own refuses
+    (invoking_homes). Homes under /tmp or /dev/shm are out of sight already (each cell's are its own).
+    Read once per change of `passwd` (a long-lived controller sees a user added later)."""
+    import pwd
+    try:
+        st = os.stat(passwd)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key is None or _all_homes_cache.get("key") != key:
+        try:
+            entries = [p.pw_dir for p in pwd.getpwall()]
+        except OSError:
+            entries = []
+        homes = []
+        for h in [*entries, "/root"]:
+            if not h.startswith("/"):
+                continue
+            real = os.path.realpath(h)
+            if real == "/" or _in_private_dir(real) or not os.path.isdir(real):
+                continue
+            if any(_under(d, real) for d in SYSTEM_DIRS) or any(_under(real, d) for d in OS_TREES):
+                continue
+            homes.append(real)
+        _all_homes_cache.update(key=key, homes=_outermost(homes))
+    return list(_all_homes_cache["homes"])
 
 
 def invoking_homes(env=None) -> list[str]:
@@ -243,22 +297,52 @@ def runtime_paths(policy) -> list[str]:
     return [os.path.realpath(p) for p in paths]
 
 
-def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, list[str], list[str]]:
+def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
+    """The directories above `paths` that only their owner may enter (no search bit for others) and
+    that no hidden home covers: a mapped cell, a uid that owns nothing on the host, could not reach a
+    worktree or runtime below them. They are hidden like homes (an empty tmpfs that may be entered,
+    with the mount points of what lies below): the cell reaches what it needs, never their other entries."""
+    out = []
+    for p in paths:
+        d = os.path.dirname(p)
+        while d not in ("/", ""):
+            if not _in_private_dir(d) and not any(_under(d, h) for h in hidden):
+                try:
+                    if not os.stat(d).st_mode & 0o001:
+                        out.append(d)
+                except OSError:
+                    pass
+            d = os.path.dirname(d)
+    return _outermost(out)
+
+
+def _home_ops(fs, policy, home: str, wt: str, interpreter, mapped: bool = False) -> tuple[list, list, list[str],
+                                                                                         list[str]]:
     """(clones, placements, hidden, exposed) for filesystem.home: hides first,
     then attaches; compile_plan sorts them outermost first with the /tmp and
-    worktree attaches."""
-    homes = invoking_homes()
+    worktree attaches. "hidden" hides every home (all_homes), the invoking user's
+    checked as before; `mapped`: also the closed directories a mapped cell must cross."""
+    mine = invoking_homes()
+    ro_clones: list = []
+    ro_places: list = []
     if fs.home == "ro":
-        # The home stays visible, never writable (matters when filesystem.root = "rw").
-        if fs.root == "ro":
-            return [], [], [], []
-        keys = [f"home{i}" for i in range(len(homes))]
-        return ([("clone", h, k, True) for h, k in zip(homes, keys)],
-                [("attach", h, k) for h, k in zip(homes, keys)], [], [])
-    if not homes:
-        return [], [], [], []
+        # The invoking user's home stays visible, never writable (matters when filesystem.root = "rw");
+        # every other home is still hidden.
+        # A mapped cell reads it through its id map (it owns nothing on the host): home = "ro" opts in.
+        if fs.root != "ro" or mapped:
+            keys = [f"home{i}" for i in range(len(mine))]
+            ro_clones = [("idclone" if mapped else "clone", h, k, True) for h, k in zip(mine, keys)]
+            ro_places = [("attach", h, k) for h, k in zip(mine, keys)]
+        homes = _outermost(h for h in all_homes() if not any(_under(h, m) or _under(m, h) for m in mine))
+    else:
+        homes = _outermost(mine + all_homes())
     wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow] \
         + [os.path.realpath(p) for p in fs.get("unix_sockets", ())]
+    if mapped:
+        shown = homes + (mine if fs.home == "ro" else [])
+        homes = _outermost(homes + _closed_ancestors([wt] + [p for p in wanted if os.path.exists(p)], shown))
+    if not homes:
+        return ro_clones, ro_places, [], []
     expose = _outermost(p for p in wanted
                         if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
                         and not _under(p, wt) and not _under(p, "/tmp"))
@@ -268,7 +352,7 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter) -> tuple[list, list, 
     places = [("hide", h, "", True, tuple((p, d) for p, d in targets if _under(p, h) and p != h))
               for h in homes]  # each home hidden, with the mount points made inside its tmpfs
     places += [("attach", p, k) for p, k in zip(expose, keys)]
-    return clones, places, homes, expose
+    return ro_clones + clones, ro_places + places, homes, expose
 
 
 def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_roots: tuple = ()) -> ExecutionPlan:
@@ -284,7 +368,12 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
     deny = [os.path.realpath(_expand(p, home)) for p in fs.deny]
-    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt, spec.interpreter)
+    caches = cache_dirs(fs, spec, state_root)
+    devices = host_devices(fs, spec.role)
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host,
+                        [h for h, _, _ in caches] + [p for p, _ in devices], state_root)
+    home_clones, home_places, hidden, exposed = _home_ops(fs, policy, home, wt, spec.interpreter,
+                                                          bool(conf.get("mapped")))
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
     tmp_rt = _outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
@@ -299,14 +388,18 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     run_dirs, run_shown = _private_run(policy, allowed_sockets)
     run_keys = [f"run{i}" for i in range(len(run_shown))]
     home_clones += [("clone", p, k, True) for p, k in zip(run_shown, run_keys)]
-    caches = cache_dirs(fs, spec, state_root)
-    home_clones += [("clone", h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
+    written = "idclone" if conf.get("mapped") else "clone"  # what a mapped cell writes goes through its id map
+    home_clones += [(written, h, f"cache{i}", False) for i, (h, _, _) in enumerate(caches)]
     home_places += [("attach", c, f"cache{i}") for i, (_, c, _) in enumerate(caches)]
     # Clones first, while their mounts are still read-write and nothing covers them.
-    ops: list[tuple] = [("clone", tmpdir, "tmp", False), ("clone", wt, "worktree", fs.worktree == "ro"),
+    # The cell's /tmp is a tmpfs of limits.tmp_max (off the state root's disk) filled from the staged tmpdir,
+    # attached under the key "tmp": as root the controller makes it (and measures it at the end); a normal
+    # user's controller cannot make one outside the cell: its child does (tmpcopy), unmeasured.
+    tmp_tmpfs = bool(host["_root"])
+    ops: list[tuple] = [*([] if tmp_tmpfs else [("tmpcopy", tmpdir, "tmp", False, (policy.limits.tmp_max,))]),
+                        (written, wt, "worktree", fs.worktree == "ro"),
                         *home_clones]
     ops.append(("root", "/", "", fs.root == "ro"))
-    devices = host_devices(fs, spec.role)
     shm_max = policy.limits.shm_max or (policy.limits.memory_max // 2 if policy.limits.memory_max else SHM_DEFAULT)
     ops.append(("dev", "/dev", str(shm_max), True, tuple(p for p, _ in devices)))
     # Outermost first, by depth; the sort is stable and at equal depth hides come
@@ -345,8 +438,6 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
-    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host,
-                        [h for h, _, _ in caches] + [p for p, _ in devices])
     proxied = policy.network.mode in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
@@ -355,7 +446,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
         new_netns=policy.network.mode in NETNS_MODES, network=policy.network.mode,
         egress=policy.network.as_dict() if proxied else None,
-        limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max")},
+        limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
+        tmp_tmpfs=tmp_tmpfs,
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
@@ -562,7 +654,7 @@ NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # exist only in its namespace: their rules are added in the child (supervisor._confine).
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]
 def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict,
-                 cache_writable=()) -> dict:
+                 cache_writable=(), state_root: str = "") -> dict:
     from .linux.sys import CAP_NAMES
     iso, proc_ = policy.isolation, policy.process
     wanted = {"seccomp": iso.seccomp, "landlock": iso.landlock, "no_new_privs": iso.no_new_privs,
@@ -600,6 +692,9 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
                              "cell's uid", step="user")
         uid, gid = _ids(proc_.user, proc_.group, spec.role)
     out["uid"], out["gid"] = uid, gid
+    if root and uid is None and not iso.host_root:
+        out["mapped"] = _mapped(spec, wt, host, state_root if cache_writable else "", missing,
+                                "mapped_uid" in iso.require)
     if root:
         keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.capabilities)
         out["cap_keep"] = keep
@@ -610,6 +705,27 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
         out["user_namespace"] = True
         out["drop_caps"] = list(range(host["_cap_last"] + 1))
     return out
+
+
+def _mapped(spec: CellSpec, wt: str, host: dict, state_root: str, missing: list, required: bool) -> dict | None:
+    """A root controller's cell as uid 0 of the cells' user namespace, when this host can: the namespace
+    (host["mapped_uid"]) and id-mapped mounts of the worktree's (and the caches') file system
+    (host["_idmap"](path), probed once per device). Else None: the cell runs as host root, and why is
+    named in not_in_force (refused when the role requires mapped_uid)."""
+    why = host.get("mapped_uid", "the host's facts (linux/host.protections) do not say")
+    probe = host.get("_idmap")
+    for path in (wt, state_root):
+        if why is None and path and probe is not None:
+            why = probe(path)
+    if why is not None:
+        if required:
+            raise SetupError(f"role {spec.role} requires mapped_uid, which is not available here: {why}",
+                             step="require")
+        missing.append(f"mapped_uid (the cell runs as host root): {why}")
+        return None
+    from .linux.userns import cell_range
+    uid, gid, count = cell_range()
+    return {"uid": uid, "gid": gid, "count": count}
 
 
 def _ids(user, group, role: str) -> tuple[int, int]:

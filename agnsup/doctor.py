@@ -24,7 +24,8 @@ def confinement() -> dict:
     from .linux.host import protections
     host = protections()
     out = {}
-    for name in ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities"):
+    for name in ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities",
+                 "mapped_uid"):
         out[name] = {"available": host[name] is None, **({"why_not": host[name]} if host[name] else {})}
     out["landlock"]["abi"] = host["_abi"] or None
     checks = {
@@ -32,12 +33,36 @@ def confinement() -> dict:
         "landlock": lambda: (lsys.set_no_new_privs(), landlock.build(["/dev/null"], host["_abi"]).restrict_self()),
         "pid_namespace": lambda: lsys.unshare(lsys.CLONE_NEWPID | _IN_USERNS),
     }
+    if host["_root"]:
+        checks["mapped_uid"] = _mapped_uid_check
     for name, fn in checks.items():
         if out[name]["available"]:
             ok, err = supervisor.probe(fn)
             if not ok:
                 out[name] = {"available": False, "why_not": f"fails here: {err}"}
     return out
+
+
+def _mapped_uid_check() -> None:
+    """The cells' user namespace can be made here and / (the root file system) id-mapped through it; other
+    file systems are asked per device when a cell's plan is made (supervisor.idmap_refused)."""
+    supervisor.cell_userns()
+    why = supervisor.idmap_refused("/")
+    if why:
+        raise OSError(why)
+
+
+def cell_identity(conf: dict) -> str:
+    """Who a cell is on this host, for will_use."""
+    from .linux.userns import cell_range
+    if os.geteuid() != 0:
+        return f"uid {os.geteuid()} (the caller's own, in a user namespace of the cell's own)"
+    if not conf["mapped_uid"]["available"]:
+        return f"HOST ROOT (capabilities limited by the role): {conf['mapped_uid']['why_not']}"
+    uid, gid, count = cell_range()
+    return (f"uid 0 of a user namespace mapping 0-{count - 1} to host uids {uid}-{uid + count - 1} (gids {gid}-"
+            f"{gid + count - 1}); worktree and caches id-mapped (where a file system cannot be, that cell runs as "
+            "host root and its receipt says why); isolation.host_root = true opts out")
 
 
 # A normal user's cell namespaces live in a user namespace of its own (supervisor.py): probe them there.
@@ -83,6 +108,7 @@ def report(state_root: str) -> dict:
     }
     conf = confinement()
     use["confinement"] = ", ".join(k for k, v in conf.items() if v["available"]) + " (as each role asks)"
+    use["cell_identity"] = cell_identity(conf)
     without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
     without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     return {

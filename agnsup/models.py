@@ -247,14 +247,25 @@ class LimitsSection(_Strict):
                                    "says output_limit. Unset: the cell writes the controller's stdio directly.")
     shm_max: int | None = Field(None, ge=4096, description="Size of the cell's private /dev/shm ('256M', bytes); "
                                 "unset: half of memory_max, or 64M without it. Writes past it fail with ENOSPC.")
+    tmp_max: int = Field(512 * 1024 * 1024, description="Size of the cell's /tmp ('512M', bytes, at least 64K): "
+                         "a tmpfs of its own, not on the state root's file system; a write past it fails with "
+                         "ENOSPC, and the receipt's usage.tmp_bytes says what was used (agnsup as root: a normal "
+                         "user's controller cannot measure it).")
     timeout: float | None = Field(None, description="Default wall-clock limit in seconds, > 0 (--timeout "
                                   "overrides); none if unset.")
     grace: float = Field(3.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the cell is stopped.")
 
-    @field_validator("memory_max", "output_max", "shm_max", mode="before")
+    @field_validator("memory_max", "output_max", "shm_max", "tmp_max", mode="before")
     @classmethod
     def _size(cls, v):
         return parse_size(v)
+
+    @field_validator("tmp_max")
+    @classmethod
+    def _tmp_size(cls, v):
+        if isinstance(v, bool) or not 64 * 1024 <= v < 2 ** 63:
+            raise ValueError(f"must be at least 64K, not {v!r}")
+        return v
 
     # A value the kernel would refuse, or one that would not be applied (0 reads as
     # "no limit" further down) while the receipt said it was, is refused here, naming
@@ -278,7 +289,9 @@ class LimitsSection(_Strict):
 
 
 # "limits": every limit the role sets (memory_max, pids_max, cpu_weight, cpu_max) is in force here
-PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities", "limits")
+# "mapped_uid": a root controller's cell is uid 0 of a user namespace, an unprivileged uid on the host
+PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities", "limits",
+               "mapped_uid")
 
 
 class IsolationSection(_Strict):
@@ -304,6 +317,11 @@ class IsolationSection(_Strict):
     writable: list[str] = Field(default_factory=list, description="Extra absolute paths Landlock lets the cell "
                                 "write beneath (~ is the invoking user's home); the mount namespace must also "
                                 "leave them writable.")
+    host_root: StrictBool = Field(False, description="Run a root controller's cell as host uid 0 (its "
+                                  "capabilities then act on every file of the host). Default false: the cell is uid 0 "
+                                  "of a user namespace mapping 0-65535 to an unprivileged host range, with the "
+                                  "worktree and caches id-mapped, so root-owned 0600 files and other users' files "
+                                  "stay closed to it. Ignored when agnsup is not root or process.user is set.")
     require: list[str] = Field(default_factory=list, description="Protections that must be in force or the cell "
                                "does not start (exit 125): " + ", ".join(PROTECTIONS) + ".")
 
@@ -328,7 +346,7 @@ class IsolationSection(_Strict):
     def _consistent(self):
         needs = {"seccomp": self.seccomp, "landlock": self.landlock, "landlock_scopes": self.landlock,
                  "no_new_privs": self.no_new_privs, "pid_namespace": self.pid_namespace, "capabilities": True,
-                 "limits": True}
+                 "limits": True, "mapped_uid": not self.host_root}
         for p in self.require:
             if not needs[p]:
                 key = "landlock" if p == "landlock_scopes" else p

@@ -54,6 +54,8 @@ class Stream:
     def __init__(self, name: str, src: int, dst: int, own_dst: bool):
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
         self.counted = True     # against the cap: what the cell writes, not what the user types
+        self.capped = True      # False: the cell's output to the user's own file or pipe, pumped only because
+                                # the cell could not reopen it (broker._stdio): never capped, as when direct
         self.nonblock = True    # src is ours and O_NONBLOCK: it may be read until EAGAIN
         self.pending = b""
         self.eof = False
@@ -120,7 +122,7 @@ class Pump:
         self.incomplete = False
 
     def add(self, name: str, src: int, dst: int, own_dst: bool = False, counted: bool = True,
-            nonblock: bool = True) -> None:
+            nonblock: bool = True, capped: bool = True) -> None:
         """`nonblock=False`: src shares its open file with someone else (the user's terminal),
         whose O_NONBLOCK we must not change; it is read only after POLLIN."""
         if nonblock:
@@ -132,7 +134,7 @@ class Pump:
                 except OSError:
                     pass  # above /proc/sys/fs/pipe-max-size for this user: the default
         s = Stream(name, src, dst, own_dst)
-        s.counted, s.nonblock = counted, nonblock
+        s.counted, s.nonblock, s.capped = counted, nonblock, capped
         self.streams.append(s)
 
     # -- the poll loop's view ---------------------------------------------
@@ -194,7 +196,7 @@ class Pump:
 
     def _take(self, s: Stream, data: bytes) -> None:
         """Bytes read from the cell: what of them goes on (the cap), as `s.pending`."""
-        if s.counted:  # what the user types (not counted) is never capped
+        if s.counted and s.capped:  # what the user types (not counted) is never capped
             if self.overflowed:
                 return  # past the cap: read to let the writer die, deliver nothing
             room = None if self.cap is None else self.cap - self.total
@@ -211,7 +213,7 @@ class Pump:
         alone = not any(x is not s and x.counted and not x.eof for x in self.streams)
         for _ in range(SPLICE_ROUNDS if alone else 1):
             count = SPLICE_SIZE if alone else READ_SIZE
-            if s.counted and self.cap is not None:
+            if s.counted and s.capped and self.cap is not None:
                 if self.overflowed or self.cap <= self.total:
                     self._read(s)  # at the cap: a byte more is the overflow; or EOF
                     return
@@ -231,7 +233,7 @@ class Pump:
             if n == 0:
                 self._close_src(s)
                 return
-            if s.counted:
+            if s.counted and s.capped:
                 self.total += n
             if self.tape is not None:
                 self.tape.add(s.name, s.bytes, n)

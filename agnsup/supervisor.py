@@ -11,6 +11,8 @@ spawn() forks one child and runs the cell recipe in it, in order:
     join the cell's cgroups (every hierarchy it was not born in)
     default signal dispositions, empty signal mask
     not root: unshare a user namespace and map our own uid and gid to themselves in it
+        (root: the namespaces stay the host's; a mapped cell joins the cells' user namespace
+        only in confine, below, so it owns none of them)
     unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
@@ -22,7 +24,9 @@ spawn() forks one child and runs the cell recipe in it, in order:
         (linux/pidinit.py); the command continues below
     confine (docs/isolation.md), in this order because each step needs
     what the next one takes away:
-        the last Landlock rules (the fresh /dev/shm and devpts, stdio files and terminals)
+        the last Landlock rules (the fresh /dev/shm, devpts and /tmp, stdio files and terminals)
+        a mapped cell: setns into the cells' user namespace, then uid and gid 0 there (host
+            BASE: docs/isolation.md, "Doors: identity"); PR_SET_PDEATHSIG re-armed
         capabilities: the bounding set, then uid/gid (process.user) or
             effective/permitted/inheritable/ambient, down to what the role keeps
         no_new_privs
@@ -71,6 +75,8 @@ class Child(Record):
     report_fd: int | None = None   # the child's setup error, or EOF once execve worked
     handoff: object = None         # allowlist/internal: egress.handoff.Handoff the listener comes back on
     egress_listener: object = None  # ... and the proxy's listener, made in the cell's namespace
+    tmp_fd: int | None = None      # the cell's /tmp tmpfs (make_tmp), kept to measure it when the cell ends
+    tmp_used: int | None = None    # ... bytes used then (collect)
 
 
 class Outcome(Record):
@@ -114,6 +120,8 @@ class _Confinement(Record):
     ruleset: object = None   # landlock.Ruleset
     filter: object = None    # seccomp.Filter
     ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
+    userns_fd: int | None = None  # a mapped cell: the cells' user namespace (cell_userns), kept by the controller
+    premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
 
@@ -138,7 +146,8 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
         _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
-                        conf.egress.child_fd() if conf.egress else None})
+                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd,
+                        *(conf.premade or {}).values()})
         at.name = "setsid"
         os.setsid()
         if ctty is not None:
@@ -166,7 +175,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         # never the host's (issue 25); inside the user namespace for a normal user's cell
         lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         at.name = "mounts"
-        mounts.apply(plan.mount_ops)
+        mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
         if plan.new_netns:
             at.name = "loopback"
             netns.loopback_up()
@@ -247,7 +256,22 @@ def _confine(at: _Step, plan, conf: _Confinement) -> None:
         at.name = "landlock_rules"
         conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
         conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
+        conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed already)
         landlock.allow_stdio(conf.ruleset)
+    if conf.userns_fd is not None:
+        # Root of a user namespace that owns none of the cell's namespaces: host uid BASE, whose
+        # capabilities act only on inodes whose owner the namespace maps (user_namespaces(7)). setns
+        # gives every capability in the namespace and a full bounding set, so the bounding-set and
+        # capset steps below come after it; setres[ug]id(0) keeps them (0 is the namespace's root).
+        at.name = "cell_user"
+        lsys.setns(conf.userns_fd, lsys.CLONE_NEWUSER)
+        os.setgroups([])
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        if plan.dies_with_controller and not plan.pid_namespace:
+            # a credential change clears PR_SET_PDEATHSIG (commit_creds): the leader carries it again;
+            # had the controller died in between, the barrier that follows sees EOF
+            lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
     at.name = "capabilities"
     lsys.drop_bounding_caps(plan.drop_caps)
     if plan.uid is not None:
@@ -278,10 +302,99 @@ def _prepare(plan) -> _Confinement:
         conf.ids = (os.getuid(), os.getgid())
     if plan.pid_namespace:
         conf.init_name = pidinit.own_name_plan()
+    if plan.mapped is not None:
+        conf.userns_fd = cell_userns()
+    if plan.tmp_tmpfs:
+        conf.premade = {"tmp": make_tmp(plan)}
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])
     return conf
+
+
+def make_tmp(plan) -> int:
+    """The cell's /tmp: a tmpfs of limits.tmp_max (off the state root's disk; a write past it fails
+    with ENOSPC), owned by the cell's ids, filled with a copy of the staging tmpdir the broker made
+    (HOME, @runtime links, cache mount points); a detached mount the child attaches at /tmp. Made here,
+    in the controller, so the controller can still measure it once the cell's namespace is gone."""
+    ids = plan.cell_ids()
+    opts = {"size": str(plan.limits["tmp_max"]), "mode": "1777"}
+    if ids is not None:
+        opts.update(uid=str(ids[0]), gid=str(ids[1]))
+    fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+    try:
+        mounts.copy_tree(plan.tmpdir, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def tmp_bytes(fd: int) -> int:
+    """Bytes in use on the tmpfs open as `fd`."""
+    sv = os.fstatvfs(fd)
+    return (sv.f_blocks - sv.f_bfree) * sv.f_frsize
+
+
+_cell_userns: list[int] = []   # the fd of the cells' user namespace, made once per controller process
+_idmap_by_dev: dict[int, str | None] = {}  # st_dev -> None (id-mapped mounts work there) or why not
+
+
+def cell_userns() -> int:
+    """The user namespace a root controller's mapped cells join (linux/userns.py: 0..65535 inside, the
+    cells' range outside): made once per controller process and kept open, which keeps it alive. A
+    throwaway child unshares it and waits; we write its maps (as host root: any range) and open
+    /proc/CHILD/ns/user; the child exits. Every cell of this controller shares it: each still has its
+    own mount, network, IPC and PID namespaces, Landlock domain and seccomp filter, and the namespace
+    owns none of them (docs/isolation.md, "Doors: identity")."""
+    if _cell_userns:
+        return _cell_userns[0]
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            os.close(done_w)
+            lsys.unshare(lsys.CLONE_NEWUSER)
+            os.write(ready_w, b"1")
+            os.read(done_r, 1)  # EOF: the controller has the fd (or gave up)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        if os.read(ready_r, 1) != b"1":  # EOF: it exited without a namespace
+            raise OSError(errno.EPERM, "the throwaway child could not unshare a user namespace")
+        userns.write_cell_maps(pid)
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(done_w)
+        _reap(pid)
+    _cell_userns.append(fd)
+    return fd
+
+
+def idmap_refused(path: str) -> str | None:
+    """Why a mount of `path`'s file system cannot be id-mapped through the cells' user namespace, or
+    None when it can: tried once per device on a detached clone (no mount namespace needed)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if dev not in _idmap_by_dev:
+        try:
+            ns = cell_userns()
+            fd = lsys.open_tree(path, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
+            try:
+                lsys.mount_setattr(path, attr_set=lsys.MOUNT_ATTR_IDMAP, fd=fd, userns_fd=ns, recursive=False)
+            finally:
+                os.close(fd)
+            _idmap_by_dev[dev] = None
+        except OSError as e:
+            _idmap_by_dev[dev] = f"the file system of {path} cannot be id-mapped here ({e.strerror or e})"
+    return _idmap_by_dev[dev]
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
@@ -344,6 +457,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             conf.ruleset.close()
         if conf.egress:
             conf.egress.close()
+        for premade in (conf.premade or {}).values():
+            os.close(premade)
         if conf.ids is not None and e.errno in _USERNS_REFUSED:
             raise _userns_refused(e.strerror or str(e), e.errno) from None
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
@@ -357,7 +472,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     if conf.egress:
         conf.egress.after_fork()
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
-                  cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK, handoff=conf.egress)
+                  cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK, handoff=conf.egress,
+                  tmp_fd=(conf.premade or {}).get("tmp"))
     try:
         if born:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
@@ -395,6 +511,7 @@ def release(plan, child: Child) -> None:
     if report:
         os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         os.close(child.pidfd)
+        _close_tmp(child)
         if child.status_fd is not None:
             os.close(child.status_fd)
         if child.handoff:
@@ -422,14 +539,24 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
         child.handoff.close()
     if child.pidfd is not None:
         os.close(child.pidfd)
+    _close_tmp(child)
     _reap(child.pid)
     return report or b""
+
+
+def _close_tmp(child: Child) -> None:
+    if child.tmp_fd is not None:
+        os.close(child.tmp_fd)
+        child.tmp_fd = None
 
 
 def collect(child: Child) -> tuple[int | None, int | None]:
     """Reap the leader once its tree is dead: (exit status, killing signal) of the command."""
     info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
     os.close(child.pidfd)
+    if child.tmp_fd is not None:
+        child.tmp_used = tmp_bytes(child.tmp_fd)
+        _close_tmp(child)
     status = sig = None
     if info.si_code == os.CLD_EXITED:
         status = info.si_status

@@ -339,7 +339,9 @@ def test_landlock_alone_refuses_cgroup_and_outside_writes_under_a_writable_root(
 
 
 def test_control_without_landlock_a_writable_root_lets_the_probes_escape(plain, worktree, policy_dir, outside):
-    make_role(policy_dir, "open", filesystem__root='"rw"', **iso(landlock="false"), process__on_controller_death='"keep"')
+    # host_root: a mapped cell (uid 0 of a user namespace) owns no cgroup file either (tests/test_doors_identity.py)
+    make_role(policy_dir, "open", filesystem__root='"rw"', **iso(landlock="false", host_root="true"),
+              process__on_controller_death='"keep"')
     cp = plain("run", "--role", "open", "--workdir", worktree, "--", "python3", "-c", WRITE_ESCAPE,
                f"{outside}/a", check=None)
     escaped(cp)
@@ -367,7 +369,8 @@ def test_control_without_seccomp_the_probes_succeed(plain, worktree, policy_dir)
 def test_control_without_landlock_a_root_cell_can_signal_a_host_process(plain, worktree, policy_dir,
                                                                           host_sleeper):
     proc_, _ = host_sleeper
-    make_role(policy_dir, "nolandlock", **iso(landlock="false"), process__on_controller_death='"keep"')
+    # host_root: a mapped cell has no CAP_KILL over host processes either (tests/test_doors_identity.py)
+    make_role(policy_dir, "nolandlock", **iso(landlock="false", host_root="true"), process__on_controller_death='"keep"')
     cp = plain("run", "--role", "nolandlock", "--workdir", worktree, "--", "python3", "-c", CONTROLLER_SIGNAL,
                *signals_to(proc_.pid), check=None)
     escaped(cp)

@@ -47,6 +47,12 @@ for p in sys.argv[1:]:
 '''
 
 
+def _empty_or_closed(path: str, out: str) -> bool:
+    """A deny mask seen from a cell: an empty directory (a host-root cell lists it), or one it may not
+    enter (a mapped cell, uid 0 of a user namespace, on the mask's mode 000: tests/test_doors_identity.py)."""
+    return f"LISTED {path} []" in out or f"refused {path} Permission denied" in out
+
+
 def _split(path: str, deny: str | None = None) -> list[str]:
     # two pieces joined in the cell, neither a path the text gate would refuse on sight
     # (a path inside a deny directory is cut within the directory's own name)
@@ -156,7 +162,7 @@ def test_a_worktree_that_is_the_home_itself_shows_the_home_but_not_its_deny_path
                 *_split(os.path.join(in_home, "keys", "id"), os.path.join(in_home, "keys")),
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)
     assert f"READ {paths[0]} {token}" in cp.out, cp.out
-    assert "PRIVATE KEY" not in cp.out and f"LISTED {in_home}/keys []" in cp.out, cp.out
+    assert "PRIVATE KEY" not in cp.out and _empty_or_closed(f"{in_home}/keys", cp.out), cp.out
     assert HOME in _receipt(agnsup.state)["isolation"]["home_hidden"]
 
 
@@ -210,7 +216,8 @@ def test_the_opt_out_home_ro_restores_read_access(agnsup, worktree, policy_dir, 
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)
     assert f"READ {paths[0]} {token}" in cp.out
     iso = _receipt(agnsup.state)["isolation"]
-    assert iso["home"] == "ro" and iso["home_hidden"] == []
+    # the invoking user's home is shown; every other home stays hidden (tests/test_doors_identity.py)
+    assert iso["home"] == "ro" and PW_HOME not in iso["home_hidden"] and HOME not in iso["home_hidden"]
 
 
 def test_home_ro_keeps_the_home_read_only_even_with_a_writable_root(agnsup, worktree, policy_dir, in_home):
@@ -233,7 +240,7 @@ def test_deny_paths_stay_hidden_even_when_home_allow_names_them(agnsup, worktree
                 *_split(ssh), *_split(os.path.join(ssh, "id_ed25519"), ssh),
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)
     assert "PRIVATE KEY" not in cp.out
-    assert f"LISTED {ssh} []" in cp.out, cp.out
+    assert _empty_or_closed(ssh, cp.out), cp.out
 
 
 def test_a_shipped_deny_path_stays_hidden_inside_a_worktree_re_exposed_from_the_home(agnsup, in_home):
@@ -245,7 +252,7 @@ def test_a_shipped_deny_path_stays_hidden_inside_a_worktree_re_exposed_from_the_
         f.write("PRIVATE KEY")
     cp = agnsup("run", "--workdir", in_home, "--", "python3", "-c", READ, *_split(ssh),
                 *_split(os.path.join(ssh, "id_rsa"), ssh), env={"HOME": in_home}, check=0)
-    assert "PRIVATE KEY" not in cp.out and f"LISTED {ssh} []" in cp.out, cp.out
+    assert "PRIVATE KEY" not in cp.out and _empty_or_closed(ssh, cp.out), cp.out
 
 
 def test_under_sudo_the_sudo_users_home_is_hidden_too(agnsup, worktree):
@@ -261,8 +268,9 @@ def test_under_sudo_the_sudo_users_home_is_hidden_too(agnsup, worktree):
                 env={"SUDO_USER": user.pw_name}, check=0)
     assert home in _receipt(agnsup.state)["isolation"]["home_hidden"]
     assert f"LISTED {home} []" in cp.out, cp.out
+    # without sudo too: every home of the password database is hidden (issue 25, tests/test_doors_identity.py)
     cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", READ, *_split(home), check=0)
-    assert home not in _receipt(agnsup.state)["isolation"]["home_hidden"]  # control: only under sudo
+    assert f"LISTED {home} []" in cp.out, cp.out
 
 
 def test_a_home_that_holds_the_system_refuses_the_cell_naming_the_key(agnsup, worktree):

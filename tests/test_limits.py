@@ -238,8 +238,13 @@ def test_an_output_flood_is_stopped_at_the_cap_in_passthrough_mode(agnsup, tight
     assert out["exceeded"] and out["bytes"] == out["limit"] == 1 << 20 and "output" in r["limits_hit"]
 
 
-def test_a_file_or_pipe_the_user_gave_is_the_cells_own_descriptor_with_no_cap(agnsup, tight, worktree, tmp_path):
+def test_a_file_or_pipe_the_user_gave_is_the_cells_own_descriptor_with_no_cap(agnsup, tight, worktree, tmp_path,
+                                                                              policy_dir):
     # agnsup run -- seq 1 5000000 > out.txt: a 1M cap does not apply to the user's own file
+    # host_root: a mapped cell could not reopen a root-owned 0644 file by path, so it gets a pipe of its own
+    # pumped there, uncapped (tests/test_doors_identity.py); the very descriptor is a host-root cell's
+    (policy_dir / "tight.toml").write_text((policy_dir / "tight.toml").read_text().replace(
+        "[isolation]\n", "[isolation]\nhost_root = true\n", 1))
     rfile = tmp_path / "receipt.json"
     out = tmp_path / "out.txt"
     prog = "import os, sys\nprint(os.fstat(1).st_ino, flush=True)\nsys.stdout.write('z' * (2 << 20))\n"
@@ -370,6 +375,9 @@ def test_a_terminal_on_the_controller_side_becomes_a_pty_of_the_cells_own(agnsup
 
 def test_a_role_without_an_output_cap_writes_the_controllers_stdout_directly(agnsup, policy_dir, worktree, tmp_path):
     role_without(agnsup, policy_dir, "uncapped", 'output_max = "16M"\n')
+    # host_root: a mapped cell gets a pipe of its own for a file it could not reopen (see above)
+    (policy_dir / "uncapped.toml").write_text((policy_dir / "uncapped.toml").read_text().replace(
+        "[isolation]\n", "[isolation]\nhost_root = true\n", 1))
     rfile = tmp_path / "receipt.json"
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:

@@ -26,11 +26,27 @@ def protections() -> dict:
             "no_new_privs": None,
             "pid_namespace": None,  # root; a normal user's: asked again at each call (below)
             "capabilities": None,  # a root cell drops them; any other uid has none to drop
+            "mapped_uid": _mapped_uid(root),
             "_abi": abi, "_root": root, "_cap_last": cap_last_cap(),
         })
     if _cache["_root"]:
         return _cache
     return {**_cache, "pid_namespace": _userns_pid()}
+
+
+def _mapped_uid(root: bool) -> str | None:
+    """Why a root controller's cells cannot run as uid 0 of the cells' user namespace here (None: they
+    can; a normal user's cells run as that user already, never as host root). The file systems are asked
+    per device when a plan is made (supervisor.idmap_refused); the namespace itself when it is made."""
+    if not root:
+        return None
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            if f.read().strip() == "0":
+                return "user.max_user_namespaces = 0 (sysctl -w user.max_user_namespaces=15000)"
+    except OSError:
+        return "no user namespaces in this kernel"
+    return None
 
 
 def _userns_pid() -> str | None:

@@ -10,6 +10,13 @@ The recipe, in order:
            keeps: the cell's temp dir, the worktree (read-only for roles that
            may not write it), each made private. Taken first, while their
            mounts are still read-write, and before /tmp is covered.
+  idclone  a clone id-mapped through the cells' user namespace (mount_setattr
+           MOUNT_ATTR_IDMAP): what a mapped cell writes (the worktree, the
+           package caches). On-disk uid 0 is the cell's uid 0 (host BASE), and
+           what the cell creates is owned by uid 0 on disk.
+  tmpcopy  a normal user's cell: a fresh tmpfs of points[0] bytes filled with a
+           copy of the staged temp dir (path), kept like a clone for the /tmp
+           attach (a root controller makes it itself: supervisor.make_tmp).
   root     everything read-only and private, recursively, in one
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
@@ -21,8 +28,8 @@ The recipe, in order:
            devpts instance, a capped /dev/shm and the fd links. The host's
            disks, loop devices, /dev/mem and its other terminals are not
            there (a uid-0 cell could read a raw disk around every mask).
-  hide     the invoking user's home under an empty tmpfs (its host owner and
-           mode), the mount points of what is attached beneath it made
+  hide     a home (every one) under an empty tmpfs (its host owner, mode 0755:
+           it holds only mount points), the mount points of what is attached beneath it made
            inside, then the tmpfs sealed read-only: all in one step, before
            anything is stacked on it.
   empty    an empty tmpfs of the cell's own on a host directory (/run: every
@@ -51,7 +58,7 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect", "empty")
+KINDS = ("clone", "idclone", "tmpcopy", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect", "empty")
 
 
 # kind:     one of KINDS
@@ -63,21 +70,31 @@ KINDS = ("clone", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect", "
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
 
-def apply(ops: list) -> None:
-    """Run in the child after unshare(CLONE_NEWNS); raises OSError naming the step."""
-    clones: dict[str, int] = {}
+def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) -> None:
+    """Run in the child after unshare(CLONE_NEWNS); raises OSError naming the step.
+    `userns_fd`: the cells' user namespace, for idclone; `premade`: {key: detached mount fd} the
+    controller made (the cell's /tmp tmpfs), attached like a clone."""
+    clones: dict[str, int] = dict(premade or {})
     for op in ops:
         op = MountOp(*op)
         if op.kind not in KINDS:
             raise ValueError(f"unknown mount operation {op.kind!r}")
         try:
-            if op.kind == "clone":
+            if op.kind in ("clone", "idclone"):
+                if op.kind == "idclone" and userns_fd is None:
+                    raise OSError(22, "no user namespace to id-map through")
                 fd = lsys.open_tree(op.path, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
                 clones[op.key] = fd
                 # private: a clone of a shared mount (systemd's /) is a peer of the host's, and what
                 # is later mounted on it (caches, masks, a worktree under /tmp) would reach the host
-                lsys.mount_setattr(op.path, attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
-                                   propagation=lsys.MS_PRIVATE, fd=fd)
+                idmap = lsys.MOUNT_ATTR_IDMAP if op.kind == "idclone" else 0
+                lsys.mount_setattr(op.path, attr_set=(lsys.MOUNT_ATTR_RDONLY if op.readonly else 0) | idmap,
+                                   propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=userns_fd if idmap else 0)
+            elif op.kind == "tmpcopy":
+                fd = lsys.fsmount_new("tmpfs", {"size": str(op.points[0]), "mode": "1777"},
+                                      lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+                clones[op.key] = fd
+                copy_tree(op.path, fd)
             elif op.kind == "root":
                 lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
                                    propagation=lsys.MS_PRIVATE)
@@ -112,9 +129,11 @@ def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
     if not stat_mod.S_ISDIR(st.st_mode):
         raise OSError(20, "not a directory")
     flags = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
-    mode = stat_mod.S_IMODE(st.st_mode)
-    owner = f",uid={st.st_uid},gid={st.st_gid}" if keep_owner else ""
-    lsys.mount("tmpfs", path, "tmpfs", flags, f"size=64k,nr_inodes=4096,mode={mode:o}{owner}")
+    # 0755: any uid may pass through to what is attached below (a mapped cell owns nothing on the host,
+    # and /root is 0700) and list it: it holds only those mount points. The host owner where we may
+    # name it (host root); in a normal user's namespace only that user is mapped, and the tmpfs is theirs.
+    owner = f",uid={st.st_uid},gid={st.st_gid}" if os.geteuid() == 0 and keep_owner else ""
+    lsys.mount("tmpfs", path, "tmpfs", flags, f"size=64k,nr_inodes=4096,mode=755{owner}")
     old = os.umask(0o022)  # points readable as on any host directory, whatever the controller's umask
     try:
         for p, is_dir in points:
@@ -227,3 +246,35 @@ def _stdio_terminal() -> str | None:
         if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
             return path
     return None
+
+
+def copy_tree(src: str, dst_fd: int) -> None:
+    """Copy directories, files and symlinks below `src` into the directory `dst_fd`, with their owners
+    and modes (a handful of small entries: the broker's staging)."""
+    with os.scandir(src) as entries:
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            mode = stat_mod.S_IMODE(st.st_mode)
+            if stat_mod.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
+            elif stat_mod.S_ISDIR(st.st_mode):
+                os.mkdir(e.name, 0o700, dir_fd=dst_fd)
+                sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+                try:
+                    copy_tree(e.path, sub)
+                    os.fchmod(sub, mode)
+                finally:
+                    os.close(sub)
+            elif stat_mod.S_ISREG(st.st_mode):
+                out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=dst_fd)
+                try:
+                    with open(e.path, "rb") as f:
+                        data = f.read()
+                    os.write(out, data)
+                    os.fchmod(out, mode)
+                finally:
+                    os.close(out)
+            else:
+                continue
+            os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)

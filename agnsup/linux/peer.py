@@ -16,7 +16,8 @@ Evidence, strongest first; any one refuses:
   process can drop it, so it only adds to the cgroup, for hosts without cgroups);
 - uid: a uid that is not the server's own and not root (the socket is 0600, so
   such a peer got in by a file descriptor handed out, or is a cell's `process.user`);
-- in_cell_uid_range: the uids root cells run as (none yet; see below);
+- in_cell_uid_range: the uids root cells run as (userns.cell_range: uid 0 of a user namespace
+  mapped to an unprivileged host range);
 - invisible: a peer whose process this server cannot look at (pid 0: another
   PID namespace than ours or a descendant, or it is gone) is refused: fail closed.
 """
@@ -51,10 +52,9 @@ class Peer:
 
 
 def in_cell_uid_range(uid: int) -> bool:
-    """Whether `uid` is one the controller runs root cells as. The one place to add
-    it when root cells get an unprivileged mapped uid range of their own; until
-    then a cell's uid is root's or its role's `process.user` (the uid test above)."""
-    return False
+    """Whether `uid` is one a root controller runs its cells as (docs/isolation.md, "Doors: identity")."""
+    from .userns import is_cell_uid
+    return is_cell_uid(uid)
 
 
 def check(conn: socket.socket) -> Peer:

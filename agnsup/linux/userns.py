@@ -78,3 +78,63 @@ def _write_once(path: str, data: bytes) -> None:
             raise OSError(f"short write to {path}")
     finally:
         os.close(fd)
+
+
+# -- the cells of a root controller: uid 0 of a user namespace, an unprivileged range on the host ------------
+#
+# A root controller's cell runs as uid 0 of a user namespace that maps 0..COUNT-1 inside to BASE..BASE+COUNT-1
+# on the host (docs/isolation.md, "Doors: identity"): root of a namespace that owns no mount, network or PID
+# namespace, and, on the host, a uid that owns nothing. BASE is the `agnsup` entry of /etc/subuid (/etc/subgid)
+# when it holds at least COUNT ids, else DEFAULT_BASE: 0x7F000000, inside the range systemd's UIDS-GIDS.md leaves
+# unassigned (above the nspawn container range 524288..1879048191, below the foreign range 0x7FFE0000.. and 2^31)
+# and far above the 100000.. ranges useradd hands out in /etc/subuid.
+COUNT = 65536
+DEFAULT_BASE = 0x7F000000
+SUBID_NAME = "agnsup"
+_range: dict = {}
+
+
+def _subid_base(path: str) -> int | None:
+    """The start of the `agnsup` entry in a subordinate id file (subuid(5)) holding >= COUNT ids."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.strip().split(":")
+        if len(parts) == 3 and parts[0] == SUBID_NAME and parts[1].isdigit() and parts[2].isdigit() \
+                and int(parts[2]) >= COUNT:
+            return int(parts[1])
+    return None
+
+
+def cell_range(subuid: str = "/etc/subuid", subgid: str = "/etc/subgid") -> tuple[int, int, int]:
+    """(host uid BASE, host gid BASE, COUNT) of a root controller's cells; read once per process."""
+    key = (subuid, subgid)
+    if key not in _range:
+        uid = _subid_base(subuid)
+        gid = _subid_base(subgid)
+        _range[key] = (DEFAULT_BASE if uid is None else uid, DEFAULT_BASE if gid is None else gid, COUNT)
+    return _range[key]
+
+
+def is_cell_uid(uid: int) -> bool:
+    """Is this host uid one a root controller's cell runs as (or creates files as)? For peer checks: a
+    process with such a uid is a cell, never the controller or a user."""
+    base, _, count = cell_range()
+    return base <= uid < base + count
+
+
+def cell_map_lines() -> tuple[bytes, bytes]:
+    """(uid_map, gid_map) of the cells' user namespace: 0..COUNT-1 inside, the range outside."""
+    uid, gid, count = cell_range()
+    return f"0 {uid} {count}\n".encode(), f"0 {gid} {count}\n".encode()
+
+
+def write_cell_maps(pid: int) -> None:
+    """Written by the root controller into the namespace of its throwaway child `pid` (supervisor.cell_userns).
+    setgroups stays "allow": the cell calls setgroups([]) as root of the namespace."""
+    uid_map, gid_map = cell_map_lines()
+    _write_once(f"/proc/{pid}/uid_map", uid_map)
+    _write_once(f"/proc/{pid}/gid_map", gid_map)

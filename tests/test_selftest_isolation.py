@@ -41,6 +41,28 @@ def test_all_fifteen_gates_pass_on_this_host(report):
     assert report["ok"] and report["_exit"] == 0
 
 
+def test_every_door_of_issue_25_is_named_and_held_on_this_host(report):
+    """The doors a peer sandbox closes (docs/isolation.md "Doors"): each its own row, HELD here."""
+    doors = report["doors"]
+    assert [d["door"] for d in doors] == list(isolation.door_runners()) and len(doors) >= 13
+    for d in doors:
+        assert d["status"] in ("HELD", "OPEN") or d["status"].startswith("ENV_BLOCKED: "), d
+        assert d["evidence"], d
+    not_held = {d["door"]: d for d in doors if d["status"] != "HELD"}
+    assert not not_held, json.dumps(not_held, indent=2)
+
+
+def test_the_text_report_names_each_door_held_or_open():
+    import subprocess
+    from conftest import BIN
+    cp = subprocess.run([BIN, "selftest", "--isolation"], capture_output=True, text=True, timeout=600,
+                        stdin=subprocess.DEVNULL)
+    rows = {line.split()[0]: line.split()[1] for line in cp.stdout.splitlines()
+            if line.split() and line.split()[0] in isolation.door_runners()}
+    assert set(rows) == set(isolation.door_runners()) and set(rows.values()) == {"HELD"}, cp.stdout
+    assert f"{len(rows)}/{len(rows)} doors held" in cp.stdout, cp.stdout
+
+
 def test_the_output_cap_holds_in_the_selftest_and_any_way_around_it_is_named(report):
     g = {g["gate"]: g for g in report["gates"]}["OUTPUT_LIMIT_BYPASS"]
     assert "reason output_limit, state killed, delivered 1048576 bytes of a 1048576 cap" in g["evidence"]
@@ -127,6 +149,7 @@ def test_all_fifteen_gates_also_hold_when_the_cells_run_as_an_unprivileged_uid()
     rep = json.loads(cp.stdout)
     assert rep["cell_uid"] == 65534
     assert [g["gate"] for g in rep["gates"] if g["status"] != "PASS"] == [], rep["gates"]
+    assert [d["door"] for d in rep["doors"] if d["status"] != "HELD"] == [], rep["doors"]
     assert cp.returncode == 0
 
 

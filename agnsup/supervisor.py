@@ -257,6 +257,8 @@ def _confine(at: _Step, plan, conf: _Confinement) -> None:
         conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
         conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
         conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed already)
+        for path, _ in plan.devices:         # a mapped cell's role devices are nodes made in its own /dev
+            conf.ruleset.allow_path(path)
         landlock.allow_stdio(conf.ruleset)
     if conf.userns_fd is not None:
         # Root of a user namespace that owns none of the cell's namespaces: host uid BASE, whose

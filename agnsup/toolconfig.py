@@ -5,8 +5,9 @@ The invoking user's home stays hidden; the cell's HOME is its private
 behave as the user expects, never what could be a credential:
 
     git  ~/.gitconfig, ~/.config/git/config: [user] name and email only; plus
-         safe.directory = the worktree (a repository owned by another uid is
-         the one the user asked to work in)
+         safe.directory = the worktree and * (a repository owned by another
+         uid is the one the user asked to work in, or one the cell reads:
+         whatever git runs from its config runs confined in the cell)
     pip  ~/.config/pip/pip.conf, ~/.pip/pip.conf: the index and install keys
          of PIP_KEYS, in their sections; a URL holding a user or password is
          dropped
@@ -88,7 +89,9 @@ def git_file(home: str, worktree: str, include: str | None) -> tuple[str, list[s
             if user.get(k):
                 lines.append(f"\t{k} = {user[k]}")
                 taken.append(f"user.{k}")
-    lines += ["[safe]", f"\tdirectory = {worktree}"]
+    # every other repository too: a mapped cell sees the host's repositories as owned by nobody (a bare
+    # repository it fetches from), and what their config runs, runs in the cell
+    lines += ["[safe]", f"\tdirectory = {worktree}", "\tdirectory = *"]
     taken.append("safe.directory")
     return "\n".join(lines) + "\n", taken, []
 

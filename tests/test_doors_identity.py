@@ -247,8 +247,9 @@ def test_a_venv_made_in_the_cell_runs_and_installs_a_local_project_without_netwo
     with open(os.path.join(proj, "tinyproj", "__init__.py"), "w") as f:
         f.write("ANSWER = 42\n")
     base = os.path.join(sys.base_prefix, "bin", "python3")
-    import setuptools
-    site, ver = os.path.dirname(os.path.dirname(setuptools.__file__)), "%d.%d" % sys.version_info[:2]
+    import importlib.util  # not `import setuptools`: it replaces distutils for every later test's pip import
+    site = os.path.dirname(os.path.dirname(importlib.util.find_spec("setuptools").origin))
+    ver = "%d.%d" % sys.version_info[:2]
     with open(os.path.join(worktree, "venv.sh"), "w") as f:
         f.write(f"set -e\n{base} -m venv --without-pip --system-site-packages v\n"
                 f"echo {site} > v/lib/python{ver}/site-packages/run-setuptools.pth\n"

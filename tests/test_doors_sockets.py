@@ -388,6 +388,7 @@ def test_serve_refuses_a_cell_that_reaches_its_socket_and_journals_the_peer(stat
     a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
     s = Serve(a, "--socket", sock)
     try:
+        os.chmod(sock, 0o666)  # past DAC too (a root controller's cell is an unprivileged uid): only the peer check
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
         escape = tempfile.mkdtemp(prefix="agnsup-test-escape-", dir="/var/tmp")  # where the attack would write
         host_dirs["escape"] = escape  # removed with the others
@@ -466,6 +467,7 @@ def test_mcp_over_a_unix_socket_refuses_a_cell_peer(state, worktree, policy_dir,
                 stderr=subprocess.PIPE)
     try:
         assert json.loads(p.stdout.readline())["socket"] == sock
+        os.chmod(sock, 0o666)  # past DAC too (a root controller's cell is an unprivileged uid): only the peer check
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
         probe = r'''
 import socket, sys

@@ -99,7 +99,7 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) 
                 lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY if op.readonly else 0,
                                    propagation=lsys.MS_PRIVATE)
             elif op.kind == "dev":
-                _dev(int(op.key), op.points)
+                _dev(int(op.key), op.points, userns_fd)
             elif op.kind == "tmpfs":
                 if os.path.isdir(op.path):
                     lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
@@ -183,10 +183,15 @@ _DEV_FLAGS = lsys.MS_NOSUID | lsys.MS_NOEXEC
 _TTY_GID = 5  # the "tty" group of Debian, Fedora, Arch, Alpine: devpts gives new ptys this group
 
 
-def _dev(shm_size: int, devices: tuple) -> None:
+def _dev(shm_size: int, devices: tuple, userns_fd: int | None = None) -> None:
     """Cover /dev with the cell's own (after "root": every mount is private and read-only by then,
-    and read-only does not stop a device node from being written)."""
-    keep = [p for p in DEV_NODES if os.path.exists(p)] + list(devices)  # a role's devices: checked by the compiler
+    and read-only does not stop a device node from being written). `userns_fd`: a mapped cell's
+    user namespace: the role's devices are then nodes of their own here, of the same type and
+    numbers, owned by the cell's root (a 0660 root:kvm node could not be opened by a uid the host
+    does not map, and devtmpfs refuses id-mapped mounts); the host's other nodes stay out of reach."""
+    # a role's devices: checked by the compiler; a mapped cell's are made anew (below)
+    made = [(p, os.stat(p)) for p in devices] if userns_fd is not None else []
+    keep = [p for p in DEV_NODES if os.path.exists(p)] + ([] if made else list(devices))
     terminal = _stdio_terminal()
     clones = []
     try:
@@ -204,6 +209,13 @@ def _dev(shm_size: int, devices: tuple) -> None:
                 os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)  # /dev/dri/renderD128
                 os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
                 lsys.move_mount_fd(fd, p)
+            if made:
+                from .userns import cell_range
+                uid, gid, _ = cell_range()
+                for p, st in made:
+                    os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
+                    os.mknod(p, st.st_mode, st.st_rdev)
+                    os.chown(p, uid, gid)
             os.mkdir("/dev/pts", 0o755)
             _devpts("/dev/pts")
             os.mkdir("/dev/shm", 0o1777)

@@ -231,7 +231,7 @@ def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     k = governance.kernel_of(pol, state)
     assert k.netns == plan.new_netns
     assert k.root_ro == next(op[3] for op in plan.mount_ops if op[0] == "root")
-    assert k.worktree_ro == next(op[3] for op in plan.mount_ops if op[0] == "clone" and op[2] == "worktree")
+    assert k.worktree_ro == next(op[3] for op in plan.mount_ops if op[0] in ("clone", "idclone") and op[2] == "worktree")
     home = os.path.expanduser("~")
     gate_masked = {os.path.realpath(os.path.join(home, m[2:]) if m.startswith("~/") else m) for m in k.masked}
     assert set(plan.deny_masked) <= gate_masked  # every path the gate calls masked that exists, the plan masks

@@ -23,6 +23,7 @@ from scenario import wait_for
 
 from agnsup import compiler, policy as policymod
 from agnsup.journal import open_journal
+from agnsup.selftest.doors_sockets import P_ASK, P_CONNECT
 from agnsup.serve import Client
 
 ESCAPED = 77
@@ -32,24 +33,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (th
                                                           "/run, /var/lib and /srv)")
 
 # argv: socket paths. Exit 77 when any connect() worked (and says which), 0 when every one was refused.
-P_CONNECT = r'''
-import socket, sys
-reached = []
-for p in sys.argv[1:]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(p)
-        s.sendall(b"a cell was here\n")
-        reached.append(p)
-    except OSError as e:
-        print("refused", p, e.strerror)
-    finally:
-        s.close()
-for p in reached:
-    print("REACHED", p)
-sys.exit(77 if reached else 0)
-'''
-
 # argv: go-file, socket paths: says "started" on stdout, waits for go, then tries P_CONNECT's connects.
 P_LATE = r'''
 import os, sys, time
@@ -62,24 +45,6 @@ while not os.path.exists(go):
     time.sleep(0.05)
 sys.argv[1:] = paths
 ''' + P_CONNECT
-
-# argv: socket path, request JSON. Prints the server's first answer; 77 when it was ok.
-P_ASK = r'''
-import json, socket, sys
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-try:
-    s.connect(sys.argv[1])
-except OSError as e:
-    print("connect refused:", e.strerror)
-    sys.exit(0)
-try:
-    s.sendall(sys.argv[2].encode() + b"\n")
-except OSError as e:  # a server that refused at once may have closed already: its answer is still there
-    print("send:", e.strerror)
-answer = s.makefile("rb").readline()
-print("ANSWER", answer.decode().strip())
-sys.exit(77 if json.loads(answer or b"{}").get("ok") else 0)
-'''
 
 # A Unix server and client inside one cell: in its /tmp and in its worktree. argv: worktree.
 P_OWN = r'''

@@ -24,6 +24,16 @@ from .probes import ESCAPED
 # ------------------------------------------------------------------ probes (run in the cell)
 
 # argv: shm_key shm_id msg_key sem_key mq_name marker
+# every probe's ending: 77 when a forbidden thing worked, 3 when a call reached the kernel (an odd
+# answer: not seccomp's), 0 when all were refused
+_VERDICT = r'''
+for w in worked:
+    print("WORKED", w)
+for o in odd:
+    print("ODD", o)
+sys.exit(77 if worked else 3 if odd else 0)
+'''
+
 P_HOST_IPC = r'''
 import ctypes, errno, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
@@ -59,12 +69,7 @@ with open("/proc/sysvipc/shm") as f:
 if str(shm_key) in listed:
     worked.append("/proc/sysvipc/shm lists the host's segment")
 print("sysvipc/shm keys:", listed)
-for w in worked:
-    print("WORKED", w)
-for o in odd:
-    print("ODD", o)
-sys.exit(77 if worked else 3 if odd else 0)
-'''
+''' + _VERDICT
 
 # argv: key_id ("-": none) description plant_description marker
 P_KEYRING = r'''
@@ -99,12 +104,7 @@ for k in ids:
         worked[-1] += f": {buf.raw[:n][:80]!r}" + (" (the host's marker)" if marker in buf.raw[:n] else "")
 for ring, name in ((USER, "user"), (SESSION, "session")):
     refused(f"add_key into the {name} keyring", libc.syscall(nr[1], b"user", plant, b"planted", 7, ring))
-for w in worked:
-    print("WORKED", w)
-for o in odd:
-    print("ODD", o)
-sys.exit(77 if worked else 3 if odd else 0)
-'''
+''' + _VERDICT
 
 # no argv: families that must be refused with EAFNOSUPPORT, and the everyday ones that must work
 P_SOCKET_FAMILIES = r'''
@@ -184,12 +184,7 @@ handle = ctypes.create_string_buffer(136)
 refused("open_by_handle_at", libc.syscall(nr["open_by_handle_at"], -1, handle, os.O_RDONLY), os.close)
 if libc.syscall(nr["personality"], 0xFFFFFFFF) < 0 or libc.syscall(nr["personality"], 0) < 0:
     odd.append("personality(query) or personality(PER_LINUX) refused: everyday programs use them")
-for w in worked:
-    print("WORKED", w)
-for o in odd:
-    print("ODD", o)
-sys.exit(77 if worked else 3 if odd else 0)
-'''
+''' + _VERDICT
 
 # argv: pieces of strings that must not appear in PID 1's files (each given as two halves, joined here)
 P_PID1_ARGV = r'''

@@ -19,7 +19,7 @@ import threading
 
 from .probes import ESCAPED
 
-# argv: socket paths; 77 when any connect() worked
+# argv: socket paths; 77 when any connect() worked (it says so to the listener, which the tests ask too)
 P_CONNECT = r'''
 import socket, sys
 reached = []
@@ -27,6 +27,7 @@ for p in sys.argv[1:]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(p)
+        s.sendall(b"a cell was here\n")
         reached.append(p)
     except OSError as e:
         print("refused", p, e.strerror)
@@ -37,8 +38,8 @@ for p in reached:
 sys.exit(77 if reached else 0)
 '''
 
-# argv: socket path; asks a serve controller to ping; 77 when it answered ok
-P_PING = r'''
+# argv: socket path, request JSON (default: a ping). Prints the server's first answer; 77 when it was ok.
+P_ASK = r'''
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
@@ -47,9 +48,9 @@ except OSError as e:
     print("connect refused:", e.strerror)
     sys.exit(0)
 try:
-    s.sendall(b'{"op": "ping"}\n')
-except OSError:
-    pass
+    s.sendall((sys.argv[2] if len(sys.argv) > 2 else '{"op": "ping"}').encode() + b"\n")
+except OSError as e:  # a server that refused at once may have closed already: its answer is still there
+    print("send:", e.strerror)
 answer = s.makefile("rb").readline()
 print("ANSWER", answer.decode().strip())
 sys.exit(77 if json.loads(answer or b"{}").get("ok") else 0)
@@ -160,7 +161,7 @@ def gate_control_socket(h) -> dict:
                        json.dumps([sock]))
         with open(os.path.join(h.policies, role + ".toml"), "w") as f:
             f.write(src)
-        res = h.probe(P_PING, sock, role=role)
+        res = h.probe(P_ASK, sock, role=role)
         early = _refused_before_running(res, name)
         if early is not None:
             return early

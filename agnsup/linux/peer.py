@@ -267,8 +267,11 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
     ip = ipaddress.ip_address(client[0])
     ip = _plain(ip)
     address = f"[{ip}]:{client[1]}" if ip.version == 6 else f"{ip}:{client[1]}"
-    rows = _client_sockets((ip, client[1]), server_port, None if server_ip is None else ipaddress.ip_address(server_ip),
-                           tables)
+    try:
+        server = None if server_ip is None else ipaddress.ip_address(server_ip.partition("%")[0])
+    except ValueError:
+        server = None  # a name (localhost): the tables find the client by its own end
+    rows = _client_sockets((ip, client[1]), server_port, server, tables)
     if not rows:
         if not is_this_hosts(ip):
             return TcpPeer(address, None, None, [])

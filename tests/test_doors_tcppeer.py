@@ -354,3 +354,65 @@ sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
         p.wait(30)
         p.stdout.close()
         p.stderr.close()
+
+
+# ------------------------------------------------------------------ as a normal user (agnsup not root)
+
+P_CALL_AS_USER = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from k8s_agent_sandbox.commands._process_stubs import process_pb2 as pb, process_pb2_grpc as pb_grpc
+with grpc.insecure_channel(sys.argv[2]) as ch:
+    r = pb_grpc.ProcessServiceStub(ch).Execute(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])), timeout=60)
+print("EXIT", r.exit_code)
+'''
+
+
+@needs_root
+def test_a_normal_users_sandboxd_refuses_that_users_own_networked_cell():
+    """Its cells run as the user itself: the uid cannot tell them from the user's own client, the socket's
+    holder (its cgroup, its token) does."""
+    pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
+    pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (test extra)")
+    from test_unprivileged import User, _venv
+    u = User(_venv())
+    p = None
+    try:
+        wt, cell_wt = os.path.join(u.home, "proj"), os.path.join(u.home, "cellwt")
+        for d in (wt, cell_wt):
+            os.mkdir(d)
+            os.chown(d, u.uid, u.gid)
+        with open(os.path.join(wt, "secret.txt"), "w") as f:
+            f.write("sandboxd's worktree\n")
+        target = os.path.join(wt, "executed-by-cell")
+        p = u.popen("sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0", "--workdir", wt,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = p.stdout.readline()
+        assert line, p.stderr.read().decode()
+        ready = json.loads(line)
+        cp = u("run", "--role", "networked", "--workdir", cell_wt, "--", "/usr/bin/python3", "-c", P_CALL_SANDBOXD,
+               SITE, ready["grpc"], ready["rest"], target)
+        assert "ANSWERS " in cp.stdout, cp.stdout + cp.stderr
+        answers = json.loads(cp.stdout.split("ANSWERS ", 1)[1])
+        assert not any(v.startswith("SERVED") for v in answers.values()), answers
+        assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
+        assert answers["put"].startswith("403 ") and answers["get"].startswith("403 "), answers
+        assert not os.path.exists(target) and not os.path.exists(os.path.join(wt, "cell-wrote.txt"))
+        j = open_journal(os.path.join(u.home, ".local", "state", "agnsup"))
+        try:
+            refused = [r for r in j.refusals() if r.get("entry") == "sandboxd"]
+        finally:
+            j.close()
+        assert refused and all(r["peer"]["uid"] == u.uid for r in refused), refused
+        assert all(any(e.startswith("cgroup ") for e in r["peer"]["evidence"]) for r in refused), refused
+        # the user's own process, not a cell, is served
+        ok = subprocess.run([u.python, "-c", P_CALL_AS_USER, SITE, ready["grpc"]], preexec_fn=u._enter, env=u.env,
+                            cwd=u.work, capture_output=True, text=True, timeout=120)
+        assert ok.stdout.strip() == "EXIT 0", ok.stdout + ok.stderr
+    finally:
+        if p is not None:
+            stop_server(p)
+            p.stdout.close()
+            p.stderr.close()
+        u.remove()

@@ -524,7 +524,8 @@ def _peer_checked(listener, journal):
                 if self.family == socket.AF_UNIX:
                     refused = peer_refusal(conn, journal, "mcp")
                 else:
-                    refused = tcp_peer_refusal(addr[:2], conn.getsockname()[:2], journal, "mcp")
+                    # the bearer token authenticates other local users: only cells are refused here
+                    refused = tcp_peer_refusal(addr[:2], conn.getsockname()[:2], journal, "mcp", others_refused=False)
                 if refused is None:
                     return conn, addr
                 body = json.dumps({"ok": False, "error": refused, "error_type": "Denied", "exit_code": 126}).encode()

@@ -109,11 +109,13 @@ def peer_refusal(conn: socket.socket, journal, what: str) -> str | None:
     return _refused(peer.check(conn), journal, what)
 
 
-def tcp_peer_refusal(client: tuple[str, int], server: tuple[str | None, int], journal, what: str) -> str | None:
+def tcp_peer_refusal(client: tuple[str, int], server: tuple[str | None, int], journal, what: str,
+                     others_refused: bool = True) -> str | None:
     """The same for a loopback TCP endpoint (sandboxd, `mcp --http 127.0.0.1:PORT`): `client` is the
-    peer's (address, port), `server` this end's (address, or None when it is not known, and port)."""
+    peer's (address, port), `server` this end's (address, or None when it is not known, and port);
+    `others_refused`: see peer.check_tcp (False where a token authenticates the caller)."""
     from .linux import peer
-    return _refused(peer.check_tcp(client, server[1], server[0]), journal, what)
+    return _refused(peer.check_tcp(client, server[1], server[0], others_refused=others_refused), journal, what)
 
 
 def _refused(p, journal, what: str) -> str | None:

@@ -157,6 +157,13 @@ def test_check_tcp_trusts_this_servers_uid_and_refuses_foreign_cell_and_closed_s
 
         p, conn, addr = _client(lst, "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
         assert f"uid {NOBODY} is neither this server's (0) nor root" in peer.check_tcp(addr[:2], port, host).evidence
+        # mcp's rule (its bearer token authenticates other users): another uid is judged by its process
+        assert peer.check_tcp(addr[:2], port, host, others_refused=False).evidence == []
+        _end(p, conn)
+        p, conn, addr = _client(lst, "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                env={"PATH": "/usr/bin:/bin", "AGNSUP_CELL_TOKEN": "0" * 32})
+        other_cell = peer.check_tcp(addr[:2], port, host, others_refused=False)
+        assert other_cell.evidence == ["AGNSUP_CELL_TOKEN in its environment"], other_cell.as_dict()
         _end(p, conn)
 
         base = cell_range()[0]

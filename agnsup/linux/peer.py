@@ -253,7 +253,7 @@ def _holders(inode: int, uid: int) -> list[int]:
 
 
 def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None = None,
-              tables: list[str] | None = None) -> TcpPeer:
+              tables: list[str] | None = None, others_refused: bool = True) -> TcpPeer:
     """The client of a TCP connection to this server, with the evidence that it is a cell's socket (empty:
     it is not, or it is not of this host). `client`: the peer's (address, port) as accept() or gRPC gave it.
 
@@ -262,7 +262,12 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
     own uid is traced to its process (a /proc scan of that uid's processes) and judged by its cgroup and
     token like a Unix peer, so a normal user's cells, which run as that user, and a root controller's cells
     that are not mapped are refused too. A client at another address (a pod's network) is beyond this
-    check: the network is the boundary there."""
+    check: the network is the boundary there.
+
+    `others_refused`: the rule "neither the server's uid nor root" stands in for authentication where an
+    endpoint has none (sandboxd). An endpoint with its own (mcp's bearer token) passes False: another
+    uid's socket is then traced to its process like the server's own where this server may look (root),
+    and left to the token where it may not."""
     import ipaddress
     ip = ipaddress.ip_address(client[0])
     ip = _plain(ip)
@@ -287,9 +292,9 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
             continue
         if in_cell_uid_range(row.uid):
             evidence.append(f"uid {row.uid} is in the cell uid range")
-        if row.uid != me and row.uid != 0:
+        if row.uid != me and row.uid != 0 and others_refused:
             evidence.append(f"uid {row.uid} is neither this server's ({me}) nor root")
-        if row.uid == me:
+        if row.uid == me or (me == 0 and not others_refused and not evidence):
             if _trusted_inodes.get(row.inode) == row.uid:
                 continue  # this connection's holder was judged before (gRPC asks on every call)
             holders = _holders(row.inode, row.uid)
@@ -300,7 +305,7 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
                 pid = pid or h
                 evidence += [e for e in _evidence(h, row.uid) if not e.startswith("uid ")]
     last = rows[-1]
-    if not evidence and len(rows) == 1 and last.uid == me:
+    if not evidence and len(rows) == 1 and (last.uid == me or me == 0):
         if len(_trusted_inodes) >= _TRUSTED_MAX:
             _trusted_inodes.clear()
         _trusted_inodes[last.inode] = last.uid

@@ -27,6 +27,14 @@ from agnsup.linux import peer
 NOBODY = 65534
 SITE = sysconfig.get_paths()["purelib"]  # grpc and the agent-sandbox client, for the cell's /usr/bin/python3
 
+def _needs(module: str, what: str) -> None:
+    """Skip without it; never imported here: grpc's fork handlers in this process would meet the forks of
+    the in-process selftest (sandboxd sets GRPC_ENABLE_FORK_SUPPORT before its own import)."""
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"ENV_BLOCKED: {what} is not installed")
+
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (cells as the mapped uid, setuid "
                                                           "children)")
 
@@ -248,6 +256,18 @@ print("ANSWERS " + json.dumps(out))
 '''
 
 
+# argv: site-packages, gRPC address: one Execute of `true`, as a trusted caller
+P_CALL_AS_USER = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from k8s_agent_sandbox.commands._process_stubs import process_pb2 as pb, process_pb2_grpc as pb_grpc
+with grpc.insecure_channel(sys.argv[2]) as ch:
+    r = pb_grpc.ProcessServiceStub(ch).Execute(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])), timeout=60)
+print("EXIT", r.exit_code)
+'''
+
+
 class Sandboxd:
     def __init__(self, a: Agnsup, workdir: str, err_path: str):
         with open(err_path, "wb") as err:
@@ -277,8 +297,8 @@ def _sandboxd_cells(a: Agnsup) -> list:
 @needs_root
 @pytest.mark.parametrize("role", ["networked", "executor", "readonly"])
 def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role):
-    pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
-    pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (test extra)")
+    _needs("grpc", "grpcio (the k8s extra)")
+    _needs("k8s_agent_sandbox", "k8s-agent-sandbox (the test extra)")
     a = Agnsup(state)
     with open(os.path.join(worktree, "secret.txt"), "w") as f:
         f.write("sandboxd's worktree, not the cell's\n")
@@ -308,13 +328,11 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
             assert answers["execute"].startswith("UNAVAILABLE"), answers
             assert all(answers[k].startswith("unreachable") for k in ("put", "get", "health")), answers
             assert refused == []
-        # the server's own uid, root, is served
-        import grpc
-        from k8s_agent_sandbox.commands._process_stubs import process_pb2 as pb, process_pb2_grpc as pb_grpc
-        with grpc.insecure_channel(s.ready["grpc"]) as ch:
-            r = pb_grpc.ProcessServiceStub(ch).Execute(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])),
-                                                       timeout=60)
-            assert r.exit_code == 0
+        # the server's own uid, root, is served (the gRPC client in a process of its own: grpc's threads in
+        # this one would meet the forks of the in-process selftest below)
+        ok = subprocess.run([sys.executable, "-c", P_CALL_AS_USER, SITE, s.ready["grpc"]], capture_output=True,
+                            text=True, timeout=120)
+        assert ok.stdout.strip() == "EXIT 0", ok.stdout + ok.stderr
         import urllib.request
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         req = urllib.request.Request(f"http://{s.ready['rest']}/v1/files/by-root.txt", data=b"ok", method="PUT")
@@ -328,7 +346,7 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
 
 @needs_root
 def test_mcp_on_a_loopback_port_refuses_a_networked_cell_before_the_token(state, worktree, tmp_path):
-    pytest.importorskip("mcp", reason="ENV_BLOCKED: the mcp extra")
+    _needs("mcp", "the mcp extra")
     a = Agnsup(state)
     p = a.popen("mcp", "--workdir", worktree, "--run-id", "m", "--http", "127.0.0.1:0", stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE)
@@ -365,23 +383,14 @@ sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
 
 # ------------------------------------------------------------------ as a normal user (agnsup not root)
 
-P_CALL_AS_USER = r'''
-import sys
-sys.path.insert(0, sys.argv[1])
-import grpc
-from k8s_agent_sandbox.commands._process_stubs import process_pb2 as pb, process_pb2_grpc as pb_grpc
-with grpc.insecure_channel(sys.argv[2]) as ch:
-    r = pb_grpc.ProcessServiceStub(ch).Execute(pb.ExecuteRequest(config=pb.ProcessConfig(command=["true"])), timeout=60)
-print("EXIT", r.exit_code)
-'''
 
 
 @needs_root
 def test_a_normal_users_sandboxd_refuses_that_users_own_networked_cell():
     """Its cells run as the user itself: the uid cannot tell them from the user's own client, the socket's
     holder (its cgroup, its token) does."""
-    pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
-    pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (test extra)")
+    _needs("grpc", "grpcio (the k8s extra)")
+    _needs("k8s_agent_sandbox", "k8s-agent-sandbox (the test extra)")
     from test_unprivileged import User, _venv
     u = User(_venv())
     p = None
@@ -423,3 +432,18 @@ def test_a_normal_users_sandboxd_refuses_that_users_own_networked_cell():
             p.stdout.close()
             p.stderr.close()
         u.remove()
+
+
+@needs_root
+@pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
+def test_the_selftest_gate_holds_here(user):
+    from agnsup.selftest.doors_tcppeer import RUNNERS
+    from agnsup.selftest.isolation import Harness
+    h = Harness(keep=False, user=user)
+    try:
+        results = {name: fn(h) for name, fn in RUNNERS.items()}
+    finally:
+        h.close()
+    r = results["LOOPBACK_TCP_CONTROL"]
+    assert r["status"] == "PASS", r
+    assert ("cell uid range" if user is None else f"uid {NOBODY} is neither") in r["evidence"], r

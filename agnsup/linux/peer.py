@@ -26,11 +26,13 @@ Evidence, strongest first; any one refuses:
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import re
 import select
 import socket
 import struct
+import sys
 
 from . import proc
 from .session import TOKEN_VAR
@@ -112,10 +114,11 @@ def _exited(pidfd: int) -> bool:
 
 def refusal_line(peer: Peer, what: str) -> str:
     """The one line a refused peer gets back (and the journal keeps)."""
-    who = f"process (pid {peer.pid}, uid {peer.uid})"
-    if isinstance(peer, TcpPeer):
-        who = f"socket ({peer.address}, uid {'unknown' if peer.uid is None else peer.uid})"
-    return (f"{what}: refused: the connecting {who} is a process of an agnsup "
+    if isinstance(peer, TcpPeer):  # a socket whose holder may be gone already: counted as a cell's
+        uid = "unknown" if peer.uid is None else peer.uid
+        return (f"{what}: refused: the connecting socket ({peer.address}, uid {uid}) is taken for an agnsup "
+                f"cell's ({'; '.join(peer.evidence)}); cells never reach a control socket")
+    return (f"{what}: refused: the connecting process (pid {peer.pid}, uid {peer.uid}) is a process of an agnsup "
             f"cell ({'; '.join(peer.evidence)}); cells never reach a control socket")
 
 
@@ -152,8 +155,6 @@ def parse_tcp_endpoint(text: str) -> tuple:
     """`0100007F:1F90` -> (IPv4Address('127.0.0.1'), 8080). The kernel prints the address as 32-bit words,
     each in this machine's byte order (little-endian on x86: 127.0.0.1 is 0100007F), the port as plain hex.
     An IPv4-mapped IPv6 address stays IPv6 here (`_plain` makes it comparable)."""
-    import ipaddress
-    import sys
     addr, _, port = text.partition(":")
     words = [int(addr[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(addr), 8)]
     return ipaddress.ip_address(b"".join(words)), int(port, 16)
@@ -174,11 +175,8 @@ def _plain(ip):
 
 def _hex_forms(ip) -> list[str]:
     """How `ip` is printed in the tables: IPv4 in tcp (8 digits) and, mapped, in tcp6 (32 digits)."""
-    import ipaddress
-    import sys
     ip = _plain(ip)
-    forms = [ip.packed] if ip.version == 6 else [ip.packed, ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)
-                                                                       .packed]
+    forms = [ip.packed] if ip.version == 6 else [ip.packed, b"\0" * 10 + b"\xff\xff" + ip.packed]
     return ["".join(f"{int.from_bytes(p[i:i + 4], sys.byteorder):08X}" for i in range(0, len(p), 4)) for p in forms]
 
 
@@ -268,7 +266,6 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
     endpoint has none (sandboxd). An endpoint with its own (mcp's bearer token) passes False: another
     uid's socket is then traced to its process like the server's own where this server may look (root),
     and left to the token where it may not."""
-    import ipaddress
     ip = ipaddress.ip_address(client[0])
     ip = _plain(ip)
     address = f"[{ip}]:{client[1]}" if ip.version == 6 else f"{ip}:{client[1]}"

@@ -508,8 +508,9 @@ def _listener(where: tuple[str, str | int]):
 
 
 def _peer_checked(listener, journal):
-    """The Unix listener with the peer check of every agnsup control socket
-    (serve.peer_refusal): a process of an agnsup cell gets one 403 answer carrying
+    """The listener with the peer check of every agnsup control socket
+    (serve.peer_refusal; on a loopback port serve.tcp_peer_refusal, before the bearer
+    token is looked at): a process of an agnsup cell gets one 403 answer carrying
     the refusal line, journaled, and its connection is closed before uvicorn sees
     it. asyncio accepts through this object's accept() (loop.create_server(sock=)),
     and a non-blocking accept with nothing left raises BlockingIOError as before."""
@@ -517,10 +518,14 @@ def _peer_checked(listener, journal):
 
     class CheckedListener(socket.socket):
         def accept(self):
-            from .serve import peer_refusal
+            from .serve import peer_refusal, tcp_peer_refusal
             while True:
                 conn, addr = super().accept()
-                refused = peer_refusal(conn, journal, "mcp")
+                if self.family == socket.AF_UNIX:
+                    refused = peer_refusal(conn, journal, "mcp")
+                else:
+                    # the bearer token authenticates other local users: only cells are refused here
+                    refused = tcp_peer_refusal(addr[:2], conn.getsockname()[:2], journal, "mcp", others_refused=False)
                 if refused is None:
                     return conn, addr
                 body = json.dumps({"ok": False, "error": refused, "error_type": "Denied", "exit_code": 126}).encode()
@@ -640,7 +645,7 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
     import anyio
     listener = _listener(where) if where else None
     sup = Supervisor(state_dir, kind="mcp")
-    if where is not None and where[0] == "unix":
+    if where is not None:
         listener = _peer_checked(listener, sup.ctl.journal)
     try:
         # stdio is one session: its run is --run-id or a new one; over HTTP, without

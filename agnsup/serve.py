@@ -106,7 +106,20 @@ def peer_refusal(conn: socket.socket, journal, what: str) -> str | None:
     None for a trusted caller; for a process of an agnsup cell the one refusal line,
     journaled (a `refused` event with the peer's pid, uid and the evidence)."""
     from .linux import peer
-    p = peer.check(conn)
+    return _refused(peer.check(conn), journal, what)
+
+
+def tcp_peer_refusal(client: tuple[str, int], server: tuple[str | None, int], journal, what: str,
+                     others_refused: bool = True) -> str | None:
+    """The same for a loopback TCP endpoint (sandboxd, `mcp --http 127.0.0.1:PORT`): `client` is the
+    peer's (address, port), `server` this end's (address, or None when it is not known, and port);
+    `others_refused`: see peer.check_tcp (False where a token authenticates the caller)."""
+    from .linux import peer
+    return _refused(peer.check_tcp(client, server[1], server[0], others_refused=others_refused), journal, what)
+
+
+def _refused(p, journal, what: str) -> str | None:
+    from .linux import peer
     if not p.is_cell:
         return None
     line = peer.refusal_line(p, what)

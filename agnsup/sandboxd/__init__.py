@@ -99,6 +99,8 @@ class Sandboxd:
                 raise UsageError(f"--grpc {_join(*grpc_at)}: cannot listen there (in use, or not an address of "
                                  "this host)")
             self.grpc_addr = _join(grpc_at[0], port)
+            # gRPC names only the peer: the check looks the client up by this end's address and port
+            self.process.listening = (grpc_at[0], port)
             try:
                 self.rest = server(rest_at, None)
             except OSError as e:

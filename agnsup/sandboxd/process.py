@@ -61,6 +61,7 @@ class ProcessService:
         self._next = 1 + max((int(m.group(1)) for c in sup.list(include_ended=True)
                               if (m := _CELL_RE.match(c["cell_id"]))), default=0)
         self.procs: dict[int, Process] = {}
+        self.listening: tuple[str | None, int] | None = None  # (address or None for a wildcard, port): set once bound
 
     # -- the gRPC plumbing ---------------------------------------------------
     def handler(self):
@@ -71,15 +72,41 @@ class ProcessService:
         def unary(fn, req, resp):
             return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
                                                        response_serializer=resp.SerializeToString)
+        def checked(fn):  # every call's peer first (linux/peer.py check_tcp): a cell's socket is refused
+            def call(request, context):
+                self._check_peer(context)
+                return fn(request, context)
+            return call
+
+        def checked_stream(fn):
+            def call(request, context):
+                self._check_peer(context)
+                yield from fn(request, context)
+            return call
         methods = {
-            "Execute": unary(self.Execute, pb.ExecuteRequest, pb.ExecuteResponse),
-            "WriteStdin": unary(self.WriteStdin, pb.WriteStdinRequest, pb.WriteStdinResponse),
-            "SendSignal": unary(self.SendSignal, pb.SendSignalRequest, pb.SendSignalResponse),
-            "ResizeTTY": unary(self.ResizeTTY, pb.ResizeTTYRequest, pb.ResizeTTYResponse),
-            "Start": grpc.unary_stream_rpc_method_handler(self.Start, request_deserializer=pb.StartRequest.FromString,
+            "Execute": unary(checked(self.Execute), pb.ExecuteRequest, pb.ExecuteResponse),
+            "WriteStdin": unary(checked(self.WriteStdin), pb.WriteStdinRequest, pb.WriteStdinResponse),
+            "SendSignal": unary(checked(self.SendSignal), pb.SendSignalRequest, pb.SendSignalResponse),
+            "ResizeTTY": unary(checked(self.ResizeTTY), pb.ResizeTTYRequest, pb.ResizeTTYResponse),
+            "Start": grpc.unary_stream_rpc_method_handler(checked_stream(self.Start),
+                                                          request_deserializer=pb.StartRequest.FromString,
                                                           response_serializer=pb.StartResponse.SerializeToString),
         }
         return grpc.method_handlers_generic_handler(proto.SERVICE, methods)
+
+    def _check_peer(self, context) -> None:
+        """PERMISSION_DENIED, journaled, for a client that is a process of an agnsup cell (a `networked` cell
+        shares the host's loopback); a client elsewhere on the pod's network is not this check's to judge."""
+        import grpc
+        from ..serve import tcp_peer_refusal
+        client = grpc_peer_address(context.peer())
+        if client is None:
+            line = f"sandboxd: refused: the peer {context.peer()!r} is not a TCP address this server can check"
+        else:
+            line = tcp_peer_refusal(client, self.listening or (None, 0), self.sup.ctl.journal, "sandboxd")
+        if line is not None:
+            context.set_trailing_metadata([("agnsup-error-type", "Denied"), ("agnsup-exit-code", "126")])
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, line)
 
     def _abort(self, context, e: AgnsupError):
         md = [("agnsup-error-type", type(e).__name__), ("agnsup-exit-code", str(exit_code(e)))]
@@ -249,6 +276,18 @@ class ProcessService:
         p = self._process(request.process_id, context)
         self._live(context, self.sup.resize, p.run_id, p.cell_id, request.cols, request.rows)
         return self.pb.ResizeTTYResponse()
+
+
+def grpc_peer_address(peer: str) -> tuple[str, int] | None:
+    """gRPC's peer string -> (address, port): "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" (a zone dropped);
+    None for anything else."""
+    kind, _, rest = peer.partition(":")
+    host, _, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    host = host.partition("%")[0]
+    if kind not in ("ipv4", "ipv6") or not host or not port.isdigit():
+        return None
+    return host, int(port)
 
 
 def _exit_code(res: dict) -> int:

@@ -161,6 +161,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     server_version = "agnsup-sandboxd"
     protocol_version = "HTTP/1.1"
     app = None  # RestApp, set per server class
+    refused: str | None = None  # this connection's peer refusal (RestApp.peer_refusal), answered to every request
+
+    def handle(self) -> None:
+        """Once per connection, before any request is read: the peer check (a cell's socket gets 403)."""
+        if self.app is not None:
+            self.refused = self.app.peer_refusal(self.client_address, self.connection.getsockname())
+        super().handle()
 
     def log_message(self, format, *args):  # noqa: A002 - http.server's name
         pass  # the journal is the record; stderr stays quiet
@@ -190,6 +197,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         query = urllib.parse.parse_qs(url.query)
         app = self.app
         try:
+            if self.refused is not None:
+                self.close_connection = True
+                raise Refused(403, "PERMISSION_DENIED", self.refused, rule="sandboxd.peer")
             if url.path.startswith("/v1/files/") or url.path == "/v1/files":
                 raw = urllib.parse.unquote(url.path[len("/v1/files/"):]) if url.path != "/v1/files" else ""
                 return app.files_call(self, method, raw, query)
@@ -219,6 +229,11 @@ class RestApp:
 
     def about(self) -> dict:
         return dict(self._about)
+
+    def peer_refusal(self, client: tuple, server: tuple) -> str | None:
+        """None for a trusted client; the journaled refusal line for a process of an agnsup cell."""
+        from ..serve import tcp_peer_refusal
+        return tcp_peer_refusal(client[:2], server[:2], self.files.sup.ctl.journal, "sandboxd")
 
     def metadata_env(self) -> dict:
         from ..secretkeys import looks_secret

@@ -570,7 +570,7 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
 GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 
 
-DOOR_MODULES = ("doors_sockets", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
+DOOR_MODULES = ("doors_sockets", "doors_tcppeer", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
 
 
 @functools.lru_cache(maxsize=1)

@@ -157,38 +157,50 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc
 OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
 
 
-_all_homes_cache: dict = {}
+_passwd_cache: dict = {}
 
 
-def all_homes(passwd: str = "/etc/passwd") -> list[str]:
+def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
+    """Every home /etc/passwd names (absolute, as written, normalized), read again only when the file
+    changes (a long-lived controller sees a user added later). The file, not getpwall(3): NSS enumeration
+    can walk a whole LDAP directory on every cell; a directory's users' homes are not listed here (their
+    parent, /home as a rule, is refused as a worktree all the same)."""
+    try:
+        st = os.stat(passwd)
+        key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        return []
+    if _passwd_cache.get("key") != key:
+        homes = []
+        try:
+            with open(passwd, errors="replace") as f:
+                for line in f:
+                    fields = line.split(":")
+                    if len(fields) > 6 and fields[5].startswith("/"):
+                        homes.append(os.path.normpath(fields[5]))
+        except OSError:
+            pass
+        _passwd_cache.update(key=key, homes=homes, real=None)
+    return _passwd_cache["homes"]
+
+
+def all_homes() -> list[str]:
     """Every home of the password database (real paths, existing directories), and /root: hidden from
     every cell like the invoking user's (issue 25, door 5). Homes that are the system (a system user's
     /usr/sbin, /dev, /var, "/") are skipped here, never refused: only the invoking user's own refuses
-    (invoking_homes). Homes under /tmp or /dev/shm are out of sight already (each cell's are its own).
-    Read once per change of `passwd` (a long-lived controller sees a user added later)."""
-    import pwd
-    try:
-        st = os.stat(passwd)
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-    except OSError:
-        key = None
-    if key is None or _all_homes_cache.get("key") != key:
-        try:
-            entries = [p.pw_dir for p in pwd.getpwall()]
-        except OSError:
-            entries = []
+    (invoking_homes). Homes under /tmp or /dev/shm are out of sight already (each cell's are its own)."""
+    entries = passwd_homes()
+    if _passwd_cache.get("real") is None:  # computed once per change of the file, like the list
         homes = []
         for h in [*entries, "/root"]:
-            if not h.startswith("/"):
-                continue
             real = os.path.realpath(h)
             if real == "/" or _in_private_dir(real) or not os.path.isdir(real):
                 continue
             if any(_under(d, real) for d in SYSTEM_DIRS) or any(_under(real, d) for d in OS_TREES):
                 continue
             homes.append(real)
-        _all_homes_cache.update(key=key, homes=_outermost(homes))
-    return list(_all_homes_cache["homes"])
+        _passwd_cache["real"] = _outermost(homes)
+    return list(_passwd_cache["real"])
 
 
 def invoking_homes(env=None) -> list[str]:
@@ -231,31 +243,14 @@ SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/l
                 "/dev", "/run", "/var/run")
 SYSTEM_TOPS = ("/opt", "/var", "/var/lib", "/var/tmp", "/var/log", "/var/cache", "/var/spool", "/srv", "/root",
                "/home", "/tmp", "/mnt", "/media", "/snap")
-_passwd_homes: list[str] | None = None
 
 
 def _homes_and_home_roots() -> list[str]:
     """Every home in /etc/passwd and each one's parent (/home, /var/lib, ...), as written (the
-    invoking user's homes are added as real paths by worktree_refusal); read once per process.
-    The file, not getpwall(3): NSS enumeration can walk a whole LDAP directory, whose homes
-    lie under /home (refused as such) anyway."""
-    global _passwd_homes
-    if _passwd_homes is None:
-        found = set()
-        try:
-            with open("/etc/passwd", errors="replace") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            fields = line.split(":")
-            h = fields[5] if len(fields) > 6 else ""
-            if h.startswith("/") and h != "/":
-                h = os.path.normpath(h)  # as written: a realpath each costs ~15 us per start
-                found.update((h, os.path.dirname(h)))
-        found.discard("/")
-        _passwd_homes = sorted(found)
-    return _passwd_homes
+    invoking user's homes are added as real paths by worktree_refusal)."""
+    found = {q for h in passwd_homes() for q in (h, os.path.dirname(h))}
+    found.discard("/")
+    return sorted(found)
 
 
 def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:

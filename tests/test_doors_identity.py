@@ -462,6 +462,16 @@ def test_the_cell_range_comes_from_an_agnsup_subuid_entry_else_the_default(tmp_p
     assert 1879048192 <= userns.DEFAULT_BASE and userns.DEFAULT_BASE + 65536 <= 0x7FFE0000
 
 
+def test_the_password_files_homes_are_read_again_when_it_changes(tmp_path):
+    from agnsup import compiler
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0:root:/root:/bin/sh\nweird:x:1:1::relative:/bin/sh\nann:x:1000:1000::/home//ann/:/bin/sh\n")
+    assert compiler.passwd_homes(str(f)) == ["/root", "/home/ann"]
+    f.write_text(f.read_text() + "bob:x:1001:1001::/srv/bob:/bin/sh\n")
+    assert compiler.passwd_homes(str(f)) == ["/root", "/home/ann", "/srv/bob"]
+    assert "/root" in compiler.all_homes()  # the real file again
+
+
 def test_every_home_but_the_systems_own_is_hidden(tmp_path):
     from agnsup import compiler
     homes = compiler.all_homes()

@@ -13,17 +13,15 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
-import time
 
 import pytest
 
-from conftest import REPO, Agnsup, write_role
+from conftest import REPO, Agnsup
 from scenario import wait_for
 
 from agnsup import compiler, policy as policymod
 from agnsup.journal import open_journal
-from agnsup.selftest.doors_sockets import P_ASK, P_CONNECT
+from agnsup.selftest.doors_sockets import HostListener, P_ASK, P_CONNECT
 from agnsup.serve import Client
 
 ESCAPED = 77
@@ -69,41 +67,6 @@ for path in ["/tmp/own.sock"] + ([os.path.join(sys.argv[1], "own.sock")] if os.a
     os.unlink(path)
     print("own socket works:", path)
 '''
-
-
-class HostListener:
-    """A listener of the host's (this test's) at `path`, mode 0777 so that only the sandbox stops a
-    cell of any uid; it notes every connection it accepted."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        os.chmod(path, 0o777)
-        self.sock.listen(8)
-        self.accepted: list[bytes] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            c.settimeout(2)
-            try:
-                self.accepted.append(c.recv(64))
-            except OSError:
-                self.accepted.append(b"")
-            c.close()
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.thread.join(5)
-        if os.path.lexists(self.path):
-            os.unlink(self.path)
 
 
 @pytest.fixture

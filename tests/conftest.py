@@ -76,6 +76,20 @@ os.execv(sys.argv[1], sys.argv[1:])
 '''
 
 
+def run_door_gates(runners: dict, user: int | None = None) -> dict:
+    """{gate: result} of a selftest door module's RUNNERS, run through the isolation selftest's Harness as
+    `agnsup selftest --isolation` runs them (the probe cells as `user` when given); nothing of the
+    Harness is left after."""
+    from agnsup.selftest.isolation import Harness
+    h = Harness(keep=False, user=user)
+    try:
+        results = {name: run(h) for name, run in runners.items()}
+    finally:
+        h.close()
+    assert not os.path.exists(h.root), h.root
+    return results
+
+
 def _cleanup_cgroups(state: str) -> list[str]:
     """Kill and remove this state root's cgroup tree; return what was there."""
     return backend.choose(state).purge()

@@ -21,7 +21,7 @@ import pytest
 
 from agnsup import backend
 from agnsup.linux import userns
-from conftest import Agnsup, write_role
+from conftest import Agnsup, run_door_gates, write_role
 
 ESCAPED = 77
 TMPFS_MAGIC = "tmpfs"
@@ -435,13 +435,8 @@ def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
 # ------------------------------------------------------------------ the selftest's gates
 
 def test_the_identity_selftest_gates_pass_here():
-    from agnsup.selftest import doors_identity, isolation
-    h = isolation.Harness(keep=False)
-    try:
-        results = [run(h) for run in doors_identity.RUNNERS.values()]
-    finally:
-        h.close()
-    for g in results:
+    from agnsup.selftest import doors_identity
+    for g in run_door_gates(doors_identity.RUNNERS).values():
         blocked = g["gate"] == "OTHER_HOMES" and g["status"].startswith("ENV_BLOCKED")  # a host with no other home
         assert g["status"] == "PASS" or blocked, g
 

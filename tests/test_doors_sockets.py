@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, Agnsup
+from conftest import REPO, Agnsup, run_door_gates
 from scenario import wait_for
 
 from agnsup import compiler, policy as policymod
@@ -527,12 +527,7 @@ def test_the_cell_cgroup_pattern_matches_every_backends_cell_and_nothing_else():
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
 def test_the_selftest_gates_hold_here(user):
     from agnsup.selftest.doors_sockets import RUNNERS
-    from agnsup.selftest.isolation import Harness
-    h = Harness(keep=False, user=user)
-    try:
-        results = {name: fn(h) for name, fn in RUNNERS.items()}
-    finally:
-        h.close()
+    results = run_door_gates(RUNNERS, user)
     for name, r in results.items():
         assert r["status"] == "PASS", r
     assert "cgroup " in results["CONTROL_SOCKET"]["evidence"]

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import Agnsup
+from conftest import Agnsup, run_door_gates
 from scenario import stop_server
 
 from agnsup.journal import open_journal
@@ -438,12 +438,6 @@ def test_a_normal_users_sandboxd_refuses_that_users_own_networked_cell():
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
 def test_the_selftest_gate_holds_here(user):
     from agnsup.selftest.doors_tcppeer import RUNNERS
-    from agnsup.selftest.isolation import Harness
-    h = Harness(keep=False, user=user)
-    try:
-        results = {name: fn(h) for name, fn in RUNNERS.items()}
-    finally:
-        h.close()
-    r = results["LOOPBACK_TCP_CONTROL"]
+    r = run_door_gates(RUNNERS, user)["LOOPBACK_TCP_CONTROL"]
     assert r["status"] == "PASS", r
     assert ("cell uid range" if user is None else f"uid {NOBODY} is neither") in r["evidence"], r

@@ -328,11 +328,8 @@ def normal_user():
     if userns.blocked_by_sysctl():
         pytest.skip("ENV_BLOCKED: unprivileged user namespaces: " + "; ".join(userns.blocked_by_sysctl()))
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
 
 
 @pytest.fixture
@@ -348,9 +345,7 @@ def user_policies(normal_user):
 
 def _as_user(u, policy_dir, *args) -> subprocess.CompletedProcess:
     env = {**u.env, "AGNSUP_POLICY_DIR": str(policy_dir)}
-    cp = u(*args, env=env, timeout=180)
-    cp.out, cp.err = cp.stdout, cp.stderr
-    return cp
+    return u(*args, env=env, timeout=180)
 
 
 @pytest.mark.parametrize("base", ROLES)

@@ -16,11 +16,10 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, Agnsup, run_door_gates
+from conftest import REPO, Agnsup, refusals, run_door_gates
 from scenario import wait_for
 
 from agnsup import compiler, policy as policymod
-from agnsup.journal import open_journal
 from agnsup.selftest.doors_sockets import HostListener, P_ASK, P_CONNECT
 from agnsup.serve import Client
 
@@ -128,14 +127,6 @@ def held(cp, *lsts) -> None:
                                 f"(exit {cp.returncode})\nstdout: {cp.out}\nstderr: {cp.err}")
     for lst in lsts:
         assert lst.accepted == [], f"{lst.path} accepted {lst.accepted}"
-
-
-def refusals(state: str) -> list[dict]:
-    j = open_journal(state)
-    try:
-        return j.refusals()
-    finally:
-        j.close()
 
 
 # ------------------------------------------------------------------ door 2: host Unix sockets
@@ -539,28 +530,19 @@ def test_the_selftest_gates_hold_here(user):
 def normal_user():
     """tests/test_unprivileged.py's user: a delegated cgroup2 subtree, agnsup from a venv of the system python."""
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
 
 
 def test_a_normal_users_cells_reach_no_host_socket_nor_its_serve_and_never_get_its_home(normal_user, host_dirs,
                                                                                       listeners):
     u = normal_user
-    wt = os.path.join(u.home, "proj")
-    os.makedirs(wt, exist_ok=True)
-    os.chown(wt, u.uid, u.gid)
+    wt = u.own_dir("proj")
     lsts = [listeners(os.path.join(d, "host.sock")) for d in host_dirs.values()]
     cp = u("run", "--workdir", wt, "--", "python3", "-c", P_CONNECT, *(lst.path for lst in lsts))
-    cp.out, cp.err = cp.stdout, cp.stderr
     held(cp, *lsts)
     # its own serve, on a socket it may make under /run, reachable on purpose through the role key
-    run_dir = os.path.join(host_dirs["/run"], "user")
-    os.mkdir(run_dir, 0o755)
-    os.chown(run_dir, u.uid, u.gid)
-    sock = os.path.join(run_dir, "serve.sock")
+    sock = os.path.join(u.own_dir(os.path.join(host_dirs["/run"], "user")), "serve.sock")
     pol = os.path.join(host_dirs["/var/lib"], "policies")  # the user reads it (pytest's tmp_path is root's, 0700)
     os.mkdir(pol, 0o755)
     packaged_role(pol, "executor", "reacher", sockets=[sock])

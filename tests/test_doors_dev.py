@@ -17,6 +17,7 @@ import pytest
 from agnsup import compiler
 from agnsup.errors import SetupError
 from conftest import REPO, Agnsup, run_door_gates, write_role
+from test_confinement import last_receipt
 from test_terminal import UserTerminal
 
 MINIMAL = {"fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"}
@@ -159,14 +160,6 @@ def role_from(policy_dir, base: str, name: str, filesystem: str = "", limits: st
     with open(os.path.join(str(policy_dir), f"{name}.toml"), "w") as f:
         f.write(src)
     return name
-
-
-def last_receipt(state: str) -> dict:
-    found = []
-    for root, _, files in os.walk(os.path.join(state, "cells")):
-        found += [os.path.join(root, f) for f in files if f == "receipt.json"]
-    with open(max(found, key=os.path.getmtime)) as f:
-        return json.load(f)
 
 
 # ---------------------------------------------------------------- fixtures

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO, Agnsup, refusals, run_door_gates
 from scenario import wait_for
+from test_confinement import last_receipt
 
 from agnsup import compiler, policy as policymod
 from agnsup.selftest.doors_sockets import HostListener, P_ASK, P_CONNECT
@@ -140,7 +141,6 @@ def test_a_cell_cannot_connect_to_host_sockets_under_var_lib_srv_run_or_in_its_w
     held(cp, *lsts)
     assert sum(line.startswith("refused ") for line in cp.out.splitlines()) == len(lsts)
     # the receipt names what was masked and that /run is the cell's own
-    from test_confinement import last_receipt
     socks = last_receipt(hostile.agnsup.state)["isolation"]["unix_sockets"]
     assert "/run" in socks["run_private"]
     assert {lsts[0].path, lsts[1].path, lsts[3].path} <= set(socks["masked"])

@@ -266,30 +266,25 @@ def test_a_submodules_config_is_protected_and_a_replaced_one_is_quarantined(rig,
     assert_nothing_runs_on_host(rig)
 
 
-GIT_INIT_PLANT = r'''
+# a project's first commit, made by the cell with git init
+GIT_INIT_CLEAN = r'''
 import json, os, subprocess, sys
-marker = sys.argv[1]
 run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True)
 run("init", "-q", "-b", "main")
 run("config", "user.email", "cell@example.org")
 run("config", "user.name", "cell")
 run("add", "-A")
 run("commit", "-qm", "by the cell")
+'''
+
+# ... then a hook and core.fsmonitor planted in the new .git; argv[1]: the marker
+GIT_INIT_PLANT = GIT_INIT_CLEAN + r'''
+marker = sys.argv[1]
 with open(".git/hooks/pre-commit", "w") as f:
     f.write("#!/bin/sh\ntouch %s\n" % marker)
 os.chmod(".git/hooks/pre-commit", 0o755)
 run("config", "core.fsmonitor", "touch " + marker)
 print(json.dumps({"ok": True}))
-'''
-
-GIT_INIT_CLEAN = r'''
-import subprocess
-run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True)
-run("init", "-q", "-b", "main")
-run("config", "user.email", "cell@example.org")
-run("config", "user.name", "cell")
-run("add", "-A")
-run("commit", "-qm", "by the cell")
 '''
 
 

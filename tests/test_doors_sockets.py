@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 from conftest import REPO, Agnsup, refusals, run_door_gates
-from scenario import wait_for
+from scenario import stop_server, wait_for
 from test_confinement import last_receipt
 
 from agnsup import compiler, policy as policymod
@@ -43,6 +43,24 @@ while not os.path.exists(go):
     time.sleep(0.05)
 sys.argv[1:] = paths
 ''' + P_CONNECT
+
+# argv: mcp's address (unix:PATH or HOST:PORT), then a bearer token to offer (optional). GET /mcp: exit 0 when
+# mcp answered 403 naming an agnsup cell, 77 otherwise (tests/test_doors_tcppeer.py asks mcp on loopback TCP)
+P_MCP_GET = r'''
+import socket, sys
+where = sys.argv[1]
+if where.startswith("unix:"):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(where[len("unix:"):])
+else:
+    host, port = where.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+token = b"Authorization: Bearer " + sys.argv[2].encode() + b"\r\n" if len(sys.argv) > 2 else b""
+s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\n" + token + b"\r\n")
+head = s.recv(4096).decode()
+print(head)
+sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
+'''
 
 # A Unix server and client inside one cell: in its /tmp and in its worktree. argv: worktree.
 P_OWN = r'''
@@ -388,16 +406,7 @@ def test_mcp_over_a_unix_socket_refuses_a_cell_peer(state, worktree, policy_dir,
         assert json.loads(p.stdout.readline())["socket"] == sock
         os.chmod(sock, 0o666)  # past DAC too (a root controller's cell is an unprivileged uid): only the peer check
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
-        probe = r'''
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\n\r\n")
-head = s.recv(4096).decode()
-print(head)
-sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
-'''
-        cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", probe, sock)
+        cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", P_MCP_GET, f"unix:{sock}")
         assert cp.returncode == 0, cp.out + cp.err
         assert [r for r in refusals(state) if r.get("entry") == "mcp"]
         # a trusted caller still gets HTTP from uvicorn
@@ -407,8 +416,7 @@ sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
         assert c.recv(4096).startswith(b"HTTP/1.1 404")
         c.close()
     finally:
-        p.terminate()
-        p.wait(30)
+        stop_server(p)
         p.stdout.close()
         p.stderr.close()
 

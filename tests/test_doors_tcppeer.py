@@ -20,6 +20,7 @@ import pytest
 
 from conftest import Agnsup, refusals, run_door_gates
 from scenario import stop_server
+from test_doors_sockets import P_MCP_GET
 
 from agnsup.linux import peer
 
@@ -344,20 +345,11 @@ def test_mcp_on_a_loopback_port_refuses_a_networked_cell_before_the_token(state,
     try:
         ready = json.loads(p.stdout.readline())
         host_port = ready["url"].split("//", 1)[1].split("/", 1)[0]
-        probe = r'''
-import socket, sys
-host, port = sys.argv[1].rsplit(":", 1)
-s = socket.create_connection((host, int(port)))
-s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + sys.argv[2].encode() + b"\r\n\r\n")
-head = s.recv(4096).decode()
-print(head)
-sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
-'''
         cell_wt = tmp_path / "cellwt"
         cell_wt.mkdir()
         # even a cell that had the token (it never gets it) is refused before it is looked at
-        cp = a("run", "--role", "networked", "--workdir", str(cell_wt), "--", "/usr/bin/python3", "-c", probe,
-               host_port, ready["token"])
+        cp = a("run", "--role", "networked", "--workdir", str(cell_wt), "--", "/usr/bin/python3", "-c",
+               P_MCP_GET, host_port, ready["token"])
         assert cp.returncode == 0, cp.out + cp.err
         assert [r for r in refusals(state) if r.get("entry") == "mcp"]
         # the server's own uid gets uvicorn's answer: 401 without the token
@@ -366,8 +358,7 @@ sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
         assert c.recv(4096).startswith(b"HTTP/1.1 401")
         c.close()
     finally:
-        p.terminate()
-        p.wait(30)
+        stop_server(p)
         p.stdout.close()
         p.stderr.close()
 

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from agnsup import backend
+from agnsup.journal import open_journal
 from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
@@ -74,6 +75,30 @@ fp = P({n}, ctypes.cast(prog, ctypes.POINTER(F)))
 assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fp), 0, 0) == 0
 os.execv(sys.argv[1], sys.argv[1:])
 '''
+
+
+def refusals(state: str) -> list[dict]:
+    """What the journal of a state root holds as refused: cells refused before they started, peers a
+    server refused."""
+    j = open_journal(state)
+    try:
+        return j.refusals()
+    finally:
+        j.close()
+
+
+def run_door_gates(runners: dict, user: int | None = None) -> dict:
+    """{gate: result} of a selftest door module's RUNNERS, run through the isolation selftest's Harness as
+    `agnsup selftest --isolation` runs them (the probe cells as `user` when given); nothing of the
+    Harness is left after."""
+    from agnsup.selftest.isolation import Harness
+    h = Harness(keep=False, user=user)
+    try:
+        results = {name: run(h) for name, run in runners.items()}
+    finally:
+        h.close()
+    assert not os.path.exists(h.root), h.root
+    return results
 
 
 def _cleanup_cgroups(state: str) -> list[str]:

@@ -17,6 +17,7 @@ import subprocess
 import pytest
 
 from agnsup import protect
+from agnsup.selftest.doors_autoexec import P_ATTEMPT
 from conftest import Agnsup, write_role
 
 NOBODY = 65534
@@ -73,9 +74,7 @@ def last_json(cp) -> dict:
 
 
 # The hostile cell's program: each planted program creates MARKER (argv[1]) when the host runs it.
-PLANT = r'''
-import json, os, subprocess, sys
-marker = sys.argv[1]
+PLANT = P_ATTEMPT + r'''
 hook = "#!/bin/sh\ntouch %s\n" % marker
 tries = {
     ".git/config": "[core]\n\tfsmonitor = touch %s\n" % marker,
@@ -85,16 +84,12 @@ tries = {
     ".vscode/tasks.json": '{"tasks": [{"label": "x", "command": "touch %s", "runOptions": {"runOn": "folderOpen"}}]}' % marker,
     ".bashrc": "touch %s\n" % marker,
 }
-out = {}
+def plant(path, text):
+    append(path, text)
+    if path.startswith(".git/hooks/"):
+        os.chmod(path, 0o755)
 for path, text in tries.items():
-    try:
-        with open(path, "a") as f:
-            f.write(text)
-        if path.startswith(".git/hooks/"):
-            os.chmod(path, 0o755)
-        out[path] = "written"
-    except OSError as e:
-        out[path] = e.strerror
+    attempt(path, lambda: plant(path, text))
 r = subprocess.run(["git", "config", "core.fsmonitor", "touch " + marker], capture_output=True, text=True)
 out["git config core.fsmonitor"] = "written" if r.returncode == 0 else r.stderr.strip()
 print(json.dumps(out))
@@ -166,37 +161,18 @@ def test_a_cell_cannot_plant_git_config_hooks_or_editor_files_that_the_host_runs
 
 # ---------------------------------------------------------------- the workarounds
 
-MOVE_GIT_ASIDE = r'''
-import json, os, shutil, subprocess, sys
-marker = sys.argv[1]
-out = {}
-try:
-    os.rename(".git", ".git2")
-    out["rename"] = "moved"
-except OSError as e:
-    out["rename"] = e.strerror
+MOVE_GIT_ASIDE = P_ATTEMPT + r'''
+attempt("rename", lambda: os.rename(".git", ".git2"), "moved")
 src = ".git2" if out["rename"] == "moved" else ".git"
 shutil.copytree(src, "/tmp/copy", symlinks=True)
-with open("/tmp/copy/config", "a") as f:
-    f.write("[core]\n\tfsmonitor = touch %s\n" % marker)
-try:
-    shutil.rmtree(".git")
-    out["rmtree"] = "removed"
-except OSError as e:
-    out["rmtree"] = e.strerror
-try:
+append("/tmp/copy/config", "[core]\n\tfsmonitor = touch %s\n" % marker)
+attempt("rmtree", lambda: shutil.rmtree(".git"), "removed")
+def copy_back():
     if os.path.isdir(".git"):
         os.rmdir(".git")
     shutil.copytree("/tmp/copy", ".git", symlinks=True, dirs_exist_ok=True)
-    out["copy"] = "in place"
-except OSError as e:
-    out["copy"] = e.strerror
-try:
-    with open(".git", "w") as f:
-        f.write("gitdir: evil\n")
-    out["gitfile"] = "written"
-except OSError as e:
-    out["gitfile"] = e.strerror
+attempt("copy", copy_back, "in place")
+attempt("gitfile", lambda: append(".git", "gitdir: evil\n", "w"))
 print(json.dumps(out))
 '''
 
@@ -216,10 +192,7 @@ def test_moving_git_aside_or_replacing_it_by_a_copy_or_a_gitdir_file_fails(rig):
     assert not os.path.exists(rig.marker)
 
 
-INCLUDE_AND_HOOKSPATH = r'''
-import json, os, subprocess, sys
-marker = sys.argv[1]
-out = {}
+INCLUDE_AND_HOOKSPATH = P_ATTEMPT + r'''
 for args in (["config", "core.hooksPath", "evil-hooks"], ["config", "include.path", "../evil.cfg"],
              ["config", "--worktree", "core.fsmonitor", "touch " + marker]):
     r = subprocess.run(["git", *args], capture_output=True, text=True)
@@ -227,12 +200,7 @@ for args in (["config", "core.hooksPath", "evil-hooks"], ["config", "include.pat
 for path, text in (("shared.gitconfig", "[core]\n\tfsmonitor = touch %s\n" % marker),
                    (".git/config.worktree", "[core]\n\tfsmonitor = touch %s\n" % marker),
                    (".git/commondir", "../evil-common\n")):
-    try:
-        with open(path, "a") as f:
-            f.write(text)
-        out[path] = "written"
-    except OSError as e:
-        out[path] = e.strerror
+    attempt(path, lambda: append(path, text))
 os.makedirs("evil-common/hooks", exist_ok=True)
 with open("evil-common/config", "w") as f:
     f.write("[core]\n\trepositoryformatversion = 0\n\tfsmonitor = touch %s\n" % marker)
@@ -262,22 +230,9 @@ def test_hookspath_include_path_config_worktree_and_commondir_plants_do_not_reac
     assert_nothing_runs_on_host(rig)
 
 
-SUBMODULE = r'''
-import json, os, shutil, sys
-marker = sys.argv[1]
-out = {}
-try:
-    with open(".git/modules/m/config", "a") as f:
-        f.write("[core]\n\tfsmonitor = touch %s\n" % marker)
-    out["config"] = "written"
-except OSError as e:
-    out["config"] = e.strerror
-try:
-    with open("m/.git", "w") as f:
-        f.write("gitdir: ../evil\n")
-    out["gitfile"] = "written"
-except OSError as e:
-    out["gitfile"] = e.strerror
+SUBMODULE = P_ATTEMPT + r'''
+attempt("config", lambda: append(".git/modules/m/config", "[core]\n\tfsmonitor = touch %s\n" % marker))
+attempt("gitfile", lambda: append("m/.git", "gitdir: ../evil\n", "w"))
 # the workaround: move the submodule's git directory aside, put a planted one in its place
 shutil.copytree(".git/modules/m", "/tmp/m", symlinks=True)
 os.rename(".git/modules", ".git/modules-aside")
@@ -311,30 +266,25 @@ def test_a_submodules_config_is_protected_and_a_replaced_one_is_quarantined(rig,
     assert_nothing_runs_on_host(rig)
 
 
-GIT_INIT_PLANT = r'''
+# a project's first commit, made by the cell with git init
+GIT_INIT_CLEAN = r'''
 import json, os, subprocess, sys
-marker = sys.argv[1]
 run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True)
 run("init", "-q", "-b", "main")
 run("config", "user.email", "cell@example.org")
 run("config", "user.name", "cell")
 run("add", "-A")
 run("commit", "-qm", "by the cell")
+'''
+
+# ... then a hook and core.fsmonitor planted in the new .git; argv[1]: the marker
+GIT_INIT_PLANT = GIT_INIT_CLEAN + r'''
+marker = sys.argv[1]
 with open(".git/hooks/pre-commit", "w") as f:
     f.write("#!/bin/sh\ntouch %s\n" % marker)
 os.chmod(".git/hooks/pre-commit", 0o755)
 run("config", "core.fsmonitor", "touch " + marker)
 print(json.dumps({"ok": True}))
-'''
-
-GIT_INIT_CLEAN = r'''
-import subprocess
-run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True)
-run("init", "-q", "-b", "main")
-run("config", "user.email", "cell@example.org")
-run("config", "user.name", "cell")
-run("add", "-A")
-run("commit", "-qm", "by the cell")
 '''
 
 
@@ -459,16 +409,9 @@ def test_git_commit_branch_checkout_stash_rebase_fetch_and_gc_still_work_in_a_ce
 
 # ---------------------------------------------------------------- the role key
 
-LIFTED = r'''
-import json, os
-out = {}
+LIFTED = P_ATTEMPT + r'''
 for path in (".vscode/tasks.json", ".vscode/launch.json", ".git/hooks/pre-commit"):
-    try:
-        with open(path, "a") as f:
-            f.write("{}\n")
-        out[path] = "written"
-    except OSError as e:
-        out[path] = e.strerror
+    attempt(path, lambda: append(path, "{}\n"))
 print(json.dumps(out))
 '''
 

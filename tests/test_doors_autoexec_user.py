@@ -16,11 +16,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (th
 
 @pytest.fixture(scope="module")
 def user():
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
 
 
 def _repo(user, name: str, tmp_path) -> str:
@@ -40,7 +37,6 @@ def _run(user, wt: str, code: str, *args):
     with open(rc) as f:
         cp.receipt = json.load(f)
     os.unlink(rc)
-    cp.out, cp.err = cp.stdout, cp.stderr
     return cp
 
 

@@ -9,17 +9,15 @@ ptys (pty.fork, script, tmux), /dev/fd, /dev/stdout, /dev/shm for multiprocessin
 """
 import json
 import os
-import pwd
-import stat
 import subprocess
-import sys
 import types
 
 import pytest
 
 from agnsup import compiler
 from agnsup.errors import SetupError
-from conftest import REPO, Agnsup, write_role
+from conftest import REPO, Agnsup, run_door_gates, write_role
+from test_confinement import last_receipt
 from test_terminal import UserTerminal
 
 MINIMAL = {"fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"}
@@ -162,14 +160,6 @@ def role_from(policy_dir, base: str, name: str, filesystem: str = "", limits: st
     with open(os.path.join(str(policy_dir), f"{name}.toml"), "w") as f:
         f.write(src)
     return name
-
-
-def last_receipt(state: str) -> dict:
-    found = []
-    for root, _, files in os.walk(os.path.join(state, "cells")):
-        found += [os.path.join(root, f) for f in files if f == "receipt.json"]
-    with open(max(found, key=os.path.getmtime)) as f:
-        return json.load(f)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -331,11 +321,8 @@ def normal_user():
     if userns.blocked_by_sysctl():
         pytest.skip("ENV_BLOCKED: unprivileged user namespaces: " + "; ".join(userns.blocked_by_sysctl()))
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
 
 
 @pytest.fixture
@@ -351,9 +338,7 @@ def user_policies(normal_user):
 
 def _as_user(u, policy_dir, *args) -> subprocess.CompletedProcess:
     env = {**u.env, "AGNSUP_POLICY_DIR": str(policy_dir)}
-    cp = u(*args, env=env, timeout=180)
-    cp.out, cp.err = cp.stdout, cp.stderr
-    return cp
+    return u(*args, env=env, timeout=180)
 
 
 @pytest.mark.parametrize("base", ROLES)
@@ -397,11 +382,7 @@ def test_a_normal_users_dev_shm_is_capped(normal_user, user_policies):
 # ---------------------------------------------------------------- the selftest gate
 
 def test_the_selftest_gate_host_devices_passes_as_root_and_as_uid_65534(tmp_path):
-    from agnsup.selftest import doors_dev, isolation
+    from agnsup.selftest import doors_dev
     for user in (None, 65534):
-        h = isolation.Harness(keep=False, user=user)
-        try:
-            g = doors_dev.RUNNERS["HOST_DEVICES"](h)
-        finally:
-            h.close()
+        g = run_door_gates(doors_dev.RUNNERS, user)["HOST_DEVICES"]
         assert g["status"] == "PASS", (user, g)

@@ -21,7 +21,7 @@ import pytest
 
 from agnsup import backend
 from agnsup.linux import userns
-from conftest import Agnsup, write_role
+from conftest import Agnsup, run_door_gates, write_role
 
 ESCAPED = 77
 TMPFS_MAGIC = "tmpfs"
@@ -385,16 +385,11 @@ def test_require_mapped_uid_with_host_root_is_a_policy_error(agnsup, worktree, p
 
 def test_a_normal_users_cell_does_not_see_another_users_readable_home(secrets):
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
-        wt = os.path.join(u.home, "wt")
-        os.mkdir(wt)
-        os.chown(wt, u.uid, u.gid)
+    with User(_venv()) as u:
+        wt = u.own_dir("wt")
         # the user's agnsup imports what this run imports (PYTHONPATH: another checkout, e.g. to check 215dff3)
         env = {**u.env, **{k: os.environ[k] for k in ("PYTHONPATH", "AGNSUP_POLICY_DIR") if k in os.environ}}
         cp = u("run", "--workdir", wt, "--", "python3", "-c", READ_SECRETS, *secrets.argv(secrets.notes), env=env)
-    finally:
-        u.remove()
     assert cp.returncode == 0, f"the cell read another user's home (exit {cp.returncode}):\n{cp.stdout}{cp.stderr}"
     assert "refused" in cp.stdout, cp.stdout + cp.stderr
 
@@ -416,18 +411,13 @@ except OSError as e:
 
 def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         pol = os.path.join(u.home, "policies")
         os.mkdir(pol, 0o755)
         write_role(pol, "tmpcap", limits__tmp_max='"1M"')
-        wt = os.path.join(u.home, "wt")
-        os.mkdir(wt)
-        os.chown(wt, u.uid, u.gid)
+        wt = u.own_dir("wt")
         env = {**u.env, "AGNSUP_POLICY_DIR": pol, **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
         cp = u("run", "--role", "tmpcap", "--workdir", wt, "--", "python3", "-c", FILL_2M, env=env)
-    finally:
-        u.remove()
     assert cp.returncode == 0, f"the cell wrote 2M past a 1M /tmp (exit {cp.returncode}):\n{cp.stdout}{cp.stderr}"
     assert "/tmp is tmpfs" in cp.stdout and "No space left on device" in cp.stdout, cp.stdout
 
@@ -435,13 +425,8 @@ def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
 # ------------------------------------------------------------------ the selftest's gates
 
 def test_the_identity_selftest_gates_pass_here():
-    from agnsup.selftest import doors_identity, isolation
-    h = isolation.Harness(keep=False)
-    try:
-        results = [run(h) for run in doors_identity.RUNNERS.values()]
-    finally:
-        h.close()
-    for g in results:
+    from agnsup.selftest import doors_identity
+    for g in run_door_gates(doors_identity.RUNNERS).values():
         blocked = g["gate"] == "OTHER_HOMES" and g["status"].startswith("ENV_BLOCKED")  # a host with no other home
         assert g["status"] == "PASS" or blocked, g
 

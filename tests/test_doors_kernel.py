@@ -25,7 +25,7 @@ import pytest
 from agnsup.linux import hostaddrs, seccomp
 from agnsup.netpolicy import Rules
 from agnsup.selftest import doors_kernel as dk
-from conftest import REPO, Agnsup, write_role
+from conftest import REPO, Agnsup, run_door_gates, write_role
 
 NOBODY = 65534
 ROLES = ("readonly", "executor")
@@ -410,14 +410,7 @@ def test_the_selftest_gates_for_the_kernel_doors_pass_on_this_host(cell_uid):
     """agnsup/selftest/doors_kernel.py's RUNNERS through the isolation selftest's Harness (what the lead wires
     into `agnsup selftest --isolation`): each PASS, or ENV_BLOCKED naming what this host lacks; never a
     silent pass (on 215dff3 every gate is FAIL with what the cell did)."""
-    from agnsup.selftest.isolation import Harness
-    h = Harness(keep=False, user=cell_uid)
-    try:
-        results = {name: run(h) for name, run in dk.RUNNERS.items()}
-    finally:
-        h.close()
-    assert not os.path.exists(h.root)
-    for name, g in results.items():
+    for name, g in run_door_gates(dk.RUNNERS, cell_uid).items():
         ok = g["status"] == "PASS" or (name == "PROXY_HOST_ADDRESS" and HOST_ADDR is None
                                        and g["status"].startswith("ENV_BLOCKED"))
         assert ok, (name, g)

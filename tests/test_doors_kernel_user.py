@@ -10,6 +10,7 @@ import os
 import pytest
 
 from agnsup.selftest import doors_kernel as dk
+from test_doors_kernel import refused
 from test_unprivileged import User, _venv
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (the test makes a user)")
@@ -33,24 +34,13 @@ os.execv(argv[0], argv)
 
 @pytest.fixture(scope="module")
 def user():
-    u = User(_venv())
-    try:
-        wt = os.path.join(u.home, "wt")
-        os.makedirs(wt)
-        os.chown(wt, u.uid, u.gid)
-        u.wt = wt
+    with User(_venv()) as u:
+        u.wt = u.own_dir("wt")
         yield u
-    finally:
-        u.remove()
 
 
 def run(user, probe: str, *args, role: str = "executor", launcher=()):
     return user("run", "--role", role, "--workdir", user.wt, "--", "python3", "-c", probe, *args, launcher=launcher)
-
-
-def refused(cp) -> None:
-    what = {77: "the attack WORKED", 3: "was refused, but not by the mechanism under test"}.get(cp.returncode, "broke")
-    assert cp.returncode == 0, f"{what} (exit {cp.returncode})\nstdout: {cp.stdout}\nstderr: {cp.stderr}"
 
 
 @pytest.mark.parametrize("role", ("readonly", "executor"))

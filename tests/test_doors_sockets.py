@@ -13,17 +13,15 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
-import time
 
 import pytest
 
-from conftest import REPO, Agnsup, write_role
-from scenario import wait_for
+from conftest import REPO, Agnsup, refusals, run_door_gates
+from scenario import stop_server, wait_for
+from test_confinement import last_receipt
 
 from agnsup import compiler, policy as policymod
-from agnsup.journal import open_journal
-from agnsup.selftest.doors_sockets import P_ASK, P_CONNECT
+from agnsup.selftest.doors_sockets import HostListener, P_ASK, P_CONNECT
 from agnsup.serve import Client
 
 ESCAPED = 77
@@ -45,6 +43,24 @@ while not os.path.exists(go):
     time.sleep(0.05)
 sys.argv[1:] = paths
 ''' + P_CONNECT
+
+# argv: mcp's address (unix:PATH or HOST:PORT), then a bearer token to offer (optional). GET /mcp: exit 0 when
+# mcp answered 403 naming an agnsup cell, 77 otherwise (tests/test_doors_tcppeer.py asks mcp on loopback TCP)
+P_MCP_GET = r'''
+import socket, sys
+where = sys.argv[1]
+if where.startswith("unix:"):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(where[len("unix:"):])
+else:
+    host, port = where.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+token = b"Authorization: Bearer " + sys.argv[2].encode() + b"\r\n" if len(sys.argv) > 2 else b""
+s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\n" + token + b"\r\n")
+head = s.recv(4096).decode()
+print(head)
+sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
+'''
 
 # A Unix server and client inside one cell: in its /tmp and in its worktree. argv: worktree.
 P_OWN = r'''
@@ -69,41 +85,6 @@ for path in ["/tmp/own.sock"] + ([os.path.join(sys.argv[1], "own.sock")] if os.a
     os.unlink(path)
     print("own socket works:", path)
 '''
-
-
-class HostListener:
-    """A listener of the host's (this test's) at `path`, mode 0777 so that only the sandbox stops a
-    cell of any uid; it notes every connection it accepted."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        os.chmod(path, 0o777)
-        self.sock.listen(8)
-        self.accepted: list[bytes] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            c.settimeout(2)
-            try:
-                self.accepted.append(c.recv(64))
-            except OSError:
-                self.accepted.append(b"")
-            c.close()
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.thread.join(5)
-        if os.path.lexists(self.path):
-            os.unlink(self.path)
 
 
 @pytest.fixture
@@ -167,14 +148,6 @@ def held(cp, *lsts) -> None:
         assert lst.accepted == [], f"{lst.path} accepted {lst.accepted}"
 
 
-def refusals(state: str) -> list[dict]:
-    j = open_journal(state)
-    try:
-        return j.refusals()
-    finally:
-        j.close()
-
-
 # ------------------------------------------------------------------ door 2: host Unix sockets
 
 def test_a_cell_cannot_connect_to_host_sockets_under_var_lib_srv_run_or_in_its_worktree(hostile, host_dirs,
@@ -186,7 +159,6 @@ def test_a_cell_cannot_connect_to_host_sockets_under_var_lib_srv_run_or_in_its_w
     held(cp, *lsts)
     assert sum(line.startswith("refused ") for line in cp.out.splitlines()) == len(lsts)
     # the receipt names what was masked and that /run is the cell's own
-    from test_confinement import last_receipt
     socks = last_receipt(hostile.agnsup.state)["isolation"]["unix_sockets"]
     assert "/run" in socks["run_private"]
     assert {lsts[0].path, lsts[1].path, lsts[3].path} <= set(socks["masked"])
@@ -434,16 +406,7 @@ def test_mcp_over_a_unix_socket_refuses_a_cell_peer(state, worktree, policy_dir,
         assert json.loads(p.stdout.readline())["socket"] == sock
         os.chmod(sock, 0o666)  # past DAC too (a root controller's cell is an unprivileged uid): only the peer check
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
-        probe = r'''
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\n\r\n")
-head = s.recv(4096).decode()
-print(head)
-sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
-'''
-        cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", probe, sock)
+        cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", P_MCP_GET, f"unix:{sock}")
         assert cp.returncode == 0, cp.out + cp.err
         assert [r for r in refusals(state) if r.get("entry") == "mcp"]
         # a trusted caller still gets HTTP from uvicorn
@@ -453,8 +416,7 @@ sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
         assert c.recv(4096).startswith(b"HTTP/1.1 404")
         c.close()
     finally:
-        p.terminate()
-        p.wait(30)
+        stop_server(p)
         p.stdout.close()
         p.stderr.close()
 
@@ -564,12 +526,7 @@ def test_the_cell_cgroup_pattern_matches_every_backends_cell_and_nothing_else():
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
 def test_the_selftest_gates_hold_here(user):
     from agnsup.selftest.doors_sockets import RUNNERS
-    from agnsup.selftest.isolation import Harness
-    h = Harness(keep=False, user=user)
-    try:
-        results = {name: fn(h) for name, fn in RUNNERS.items()}
-    finally:
-        h.close()
+    results = run_door_gates(RUNNERS, user)
     for name, r in results.items():
         assert r["status"] == "PASS", r
     assert "cgroup " in results["CONTROL_SOCKET"]["evidence"]
@@ -581,28 +538,19 @@ def test_the_selftest_gates_hold_here(user):
 def normal_user():
     """tests/test_unprivileged.py's user: a delegated cgroup2 subtree, agnsup from a venv of the system python."""
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
 
 
 def test_a_normal_users_cells_reach_no_host_socket_nor_its_serve_and_never_get_its_home(normal_user, host_dirs,
                                                                                       listeners):
     u = normal_user
-    wt = os.path.join(u.home, "proj")
-    os.makedirs(wt, exist_ok=True)
-    os.chown(wt, u.uid, u.gid)
+    wt = u.own_dir("proj")
     lsts = [listeners(os.path.join(d, "host.sock")) for d in host_dirs.values()]
     cp = u("run", "--workdir", wt, "--", "python3", "-c", P_CONNECT, *(lst.path for lst in lsts))
-    cp.out, cp.err = cp.stdout, cp.stderr
     held(cp, *lsts)
     # its own serve, on a socket it may make under /run, reachable on purpose through the role key
-    run_dir = os.path.join(host_dirs["/run"], "user")
-    os.mkdir(run_dir, 0o755)
-    os.chown(run_dir, u.uid, u.gid)
-    sock = os.path.join(run_dir, "serve.sock")
+    sock = os.path.join(u.own_dir(os.path.join(host_dirs["/run"], "user")), "serve.sock")
     pol = os.path.join(host_dirs["/var/lib"], "policies")  # the user reads it (pytest's tmp_path is root's, 0700)
     os.mkdir(pol, 0o755)
     packaged_role(pol, "executor", "reacher", sockets=[sock])

@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from conftest import Agnsup
+from conftest import Agnsup, refusals, run_door_gates
 from scenario import stop_server
+from test_doors_sockets import P_MCP_GET
 
-from agnsup.journal import open_journal
 from agnsup.linux import peer
 
 NOBODY = 65534
@@ -282,14 +282,6 @@ class Sandboxd:
         self.p.stdout.close()
 
 
-def _refusals(state):
-    j = open_journal(state)
-    try:
-        return j.refusals()
-    finally:
-        j.close()
-
-
 def _sandboxd_cells(a: Agnsup) -> list:
     return [c for c in a.json("ps", "--all", "--json") if c.get("run_id") == "sandboxd"]
 
@@ -314,7 +306,7 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
         assert not any(v.startswith("SERVED") for v in answers.values()), answers
         assert not os.path.exists(target) and not os.path.exists(os.path.join(worktree, "cell-wrote.txt"))
         assert _sandboxd_cells(a) == [], "sandboxd started a cell for the cell's call"
-        refused = [r for r in _refusals(state) if r.get("entry") == "sandboxd"]
+        refused = [r for r in refusals(state) if r.get("entry") == "sandboxd"]
         if role == "networked":  # the host's loopback: it reached the ports, the peer check refused it
             assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
             assert answers["start"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
@@ -353,30 +345,20 @@ def test_mcp_on_a_loopback_port_refuses_a_networked_cell_before_the_token(state,
     try:
         ready = json.loads(p.stdout.readline())
         host_port = ready["url"].split("//", 1)[1].split("/", 1)[0]
-        probe = r'''
-import socket, sys
-host, port = sys.argv[1].rsplit(":", 1)
-s = socket.create_connection((host, int(port)))
-s.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + sys.argv[2].encode() + b"\r\n\r\n")
-head = s.recv(4096).decode()
-print(head)
-sys.exit(0 if head.startswith("HTTP/1.1 403") and "agnsup cell" in head else 77)
-'''
         cell_wt = tmp_path / "cellwt"
         cell_wt.mkdir()
         # even a cell that had the token (it never gets it) is refused before it is looked at
-        cp = a("run", "--role", "networked", "--workdir", str(cell_wt), "--", "/usr/bin/python3", "-c", probe,
-               host_port, ready["token"])
+        cp = a("run", "--role", "networked", "--workdir", str(cell_wt), "--", "/usr/bin/python3", "-c",
+               P_MCP_GET, host_port, ready["token"])
         assert cp.returncode == 0, cp.out + cp.err
-        assert [r for r in _refusals(state) if r.get("entry") == "mcp"]
+        assert [r for r in refusals(state) if r.get("entry") == "mcp"]
         # the server's own uid gets uvicorn's answer: 401 without the token
         c = socket.create_connection(tuple(host_port.rsplit(":", 1)[:1]) + (int(host_port.rsplit(":", 1)[1]),))
         c.sendall(b"GET /mcp HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert c.recv(4096).startswith(b"HTTP/1.1 401")
         c.close()
     finally:
-        p.terminate()
-        p.wait(30)
+        stop_server(p)
         p.stdout.close()
         p.stderr.close()
 
@@ -392,58 +374,43 @@ def test_a_normal_users_sandboxd_refuses_that_users_own_networked_cell():
     _needs("grpc", "grpcio (the k8s extra)")
     _needs("k8s_agent_sandbox", "k8s-agent-sandbox (the test extra)")
     from test_unprivileged import User, _venv
-    u = User(_venv())
-    p = None
-    try:
-        wt, cell_wt = os.path.join(u.home, "proj"), os.path.join(u.home, "cellwt")
-        for d in (wt, cell_wt):
-            os.mkdir(d)
-            os.chown(d, u.uid, u.gid)
+    with User(_venv()) as u:
+        wt, cell_wt = u.own_dir("proj"), u.own_dir("cellwt")
         with open(os.path.join(wt, "secret.txt"), "w") as f:
             f.write("sandboxd's worktree\n")
         target = os.path.join(wt, "executed-by-cell")
         p = u.popen("sandboxd", "--grpc", "127.0.0.1:0", "--rest", "127.0.0.1:0", "--workdir", wt,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        line = p.stdout.readline()
-        assert line, p.stderr.read().decode()
-        ready = json.loads(line)
-        cp = u("run", "--role", "networked", "--workdir", cell_wt, "--", "/usr/bin/python3", "-c", P_CALL_SANDBOXD,
-               SITE, ready["grpc"], ready["rest"], target)
-        assert "ANSWERS " in cp.stdout, cp.stdout + cp.stderr
-        answers = json.loads(cp.stdout.split("ANSWERS ", 1)[1])
-        assert not any(v.startswith("SERVED") for v in answers.values()), answers
-        assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
-        assert answers["put"].startswith("403 ") and answers["get"].startswith("403 "), answers
-        assert not os.path.exists(target) and not os.path.exists(os.path.join(wt, "cell-wrote.txt"))
-        j = open_journal(os.path.join(u.home, ".local", "state", "agnsup"))
         try:
-            refused = [r for r in j.refusals() if r.get("entry") == "sandboxd"]
+            line = p.stdout.readline()
+            assert line, p.stderr.read().decode()
+            ready = json.loads(line)
+            cp = u("run", "--role", "networked", "--workdir", cell_wt, "--", "/usr/bin/python3", "-c",
+                   P_CALL_SANDBOXD, SITE, ready["grpc"], ready["rest"], target)
+            assert "ANSWERS " in cp.stdout, cp.stdout + cp.stderr
+            answers = json.loads(cp.stdout.split("ANSWERS ", 1)[1])
+            assert not any(v.startswith("SERVED") for v in answers.values()), answers
+            assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
+            assert answers["put"].startswith("403 ") and answers["get"].startswith("403 "), answers
+            assert not os.path.exists(target) and not os.path.exists(os.path.join(wt, "cell-wrote.txt"))
+            refused = [r for r in refusals(os.path.join(u.home, ".local", "state", "agnsup"))
+                       if r.get("entry") == "sandboxd"]
+            assert refused and all(r["peer"]["uid"] == u.uid for r in refused), refused
+            assert all(any(e.startswith("cgroup ") for e in r["peer"]["evidence"]) for r in refused), refused
+            # the user's own process, not a cell, is served
+            ok = subprocess.run([u.python, "-c", P_CALL_AS_USER, SITE, ready["grpc"]], preexec_fn=u._enter,
+                                env=u.env, cwd=u.work, capture_output=True, text=True, timeout=120)
+            assert ok.stdout.strip() == "EXIT 0", ok.stdout + ok.stderr
         finally:
-            j.close()
-        assert refused and all(r["peer"]["uid"] == u.uid for r in refused), refused
-        assert all(any(e.startswith("cgroup ") for e in r["peer"]["evidence"]) for r in refused), refused
-        # the user's own process, not a cell, is served
-        ok = subprocess.run([u.python, "-c", P_CALL_AS_USER, SITE, ready["grpc"]], preexec_fn=u._enter, env=u.env,
-                            cwd=u.work, capture_output=True, text=True, timeout=120)
-        assert ok.stdout.strip() == "EXIT 0", ok.stdout + ok.stderr
-    finally:
-        if p is not None:
             stop_server(p)
             p.stdout.close()
             p.stderr.close()
-        u.remove()
 
 
 @needs_root
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
 def test_the_selftest_gate_holds_here(user):
     from agnsup.selftest.doors_tcppeer import RUNNERS
-    from agnsup.selftest.isolation import Harness
-    h = Harness(keep=False, user=user)
-    try:
-        results = {name: fn(h) for name, fn in RUNNERS.items()}
-    finally:
-        h.close()
-    r = results["LOOPBACK_TCP_CONTROL"]
+    r = run_door_gates(RUNNERS, user)["LOOPBACK_TCP_CONTROL"]
     assert r["status"] == "PASS", r
     assert ("cell uid range" if user is None else f"uid {NOBODY} is neither") in r["evidence"], r

@@ -69,7 +69,8 @@ def _venv() -> str:
 
 
 class User:
-    """A normal user of the test's own, with a delegated cgroup2 subtree; runs commands inside it."""
+    """A normal user of the test's own, with a delegated cgroup2 subtree; runs commands inside it.
+    As a context manager (`with User(_venv()) as u:`) it is removed at the end, even on failure."""
 
     def __init__(self, venv: str):
         self.name = "agnsup-t" + os.urandom(3).hex()
@@ -95,6 +96,19 @@ class User:
         self.env = {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "PATH": "/usr/bin:/bin",
                     "LANG": "C.UTF-8", "AGNSUP_CGROUP_BASE": self.base}
 
+    def __enter__(self) -> "User":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def own_dir(self, path: str) -> str:
+        """A directory of the user's own: `path` in its home (or an absolute path), made if missing."""
+        path = os.path.join(self.home, path)
+        os.makedirs(path, exist_ok=True)
+        os.chown(path, self.uid, self.gid)
+        return path
+
     def _enter(self):
         """In the child, as root still: into a leaf of its own in the delegated subtree (as systemd starts
         each unit in a cgroup of its own: once agnsup enabled controllers for the subtree's children, no
@@ -112,9 +126,12 @@ class User:
                                 cwd=self.work, preexec_fn=self._enter, stdin=subprocess.DEVNULL, **kw)
 
     def __call__(self, *args, timeout=120, launcher=(), env=None) -> subprocess.CompletedProcess:
+        """agnsup as the user; stdout and stderr are text, also as .out and .err (as conftest's Agnsup gives them)."""
         p = self.popen(*args, launcher=launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = p.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        cp = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        cp.out, cp.err = out, err
+        return cp
 
     def json(self, *args):
         cp = self(*args)
@@ -137,20 +154,15 @@ class User:
 
 @pytest.fixture(scope="module")
 def user():
-    u = User(_venv())
-    try:
+    with User(_venv()) as u:
         yield u
-    finally:
-        u.remove()
     assert not os.path.exists(u.dir)
     with pytest.raises(KeyError):
         pwd.getpwnam(u.name)
 
 
 def test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree(user, tmp_path):
-    wt = os.path.join(user.home, "wt")
-    os.makedirs(wt)
-    os.chown(wt, user.uid, user.gid)
+    wt = user.own_dir("wt")
     secret = os.path.join(user.home, ".secret-token")  # what the hidden home must not show
     with open(secret, "w") as f:
         f.write("s3cret\n")
@@ -212,9 +224,7 @@ def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user)
 
 
 def test_cancel_and_the_janitor_work_for_a_normal_user(user):
-    wt = os.path.join(user.home, "wt2")
-    os.makedirs(wt)
-    os.chown(wt, user.uid, user.gid)
+    wt = user.own_dir("wt2")
 
     def running(cell):
         return any(c["cell_id"] == cell and c["state"] == "running" for c in user.json("ps", "--json"))

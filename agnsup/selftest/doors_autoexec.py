@@ -14,29 +14,34 @@ import os
 
 from .isolation import _gate
 
-# argv: the marker a planted program would create (it lies outside the worktree)
-P_PLANT = r'''
+# The start of every planting probe (tests/test_doors_autoexec.py's too). argv[1]: the marker a planted
+# program would create (it lies outside the worktree). attempt(name, fn, done) notes in `out` `done` when
+# fn worked, else why it was refused; the probe prints `out` as its last line.
+P_ATTEMPT = r'''
 import json, os, shutil, subprocess, sys
-marker = sys.argv[1]
+marker = sys.argv[1] if len(sys.argv) > 1 else ""
 out = {}
-def attempt(name, fn):
+def attempt(name, fn, done="written"):
     try:
         fn()
-        out[name] = "worked"
+        out[name] = done
     except OSError as e:
         out[name] = e.strerror
-def append(path, text):
-    with open(path, "a") as f:
+def append(path, text, mode="a"):
+    with open(path, mode) as f:
         f.write(text)
+'''
+
+P_PLANT = P_ATTEMPT + r'''
 attempt(".git/config", lambda: append(".git/config", "[core]\n\tfsmonitor = touch %s\n" % marker))
 attempt(".git/hooks/pre-commit", lambda: append(".git/hooks/pre-commit", "#!/bin/sh\ntouch %s\n" % marker))
 attempt(".vscode/tasks.json", lambda: append(".vscode/tasks.json", "touch %s\n" % marker))
-attempt("rename .git", lambda: os.rename(".git", ".git-aside"))
+attempt("rename .git", lambda: os.rename(".git", ".git-aside"), "moved")
 attempt(".mcp.json", lambda: append(".mcp.json", '{"mcpServers": {"x": {"command": "touch %s"}}}' % marker))
 git = shutil.which("git")
 if git:
     r = subprocess.run([git, "config", "core.hooksPath", "planted"], capture_output=True, text=True)
-    out["git config core.hooksPath"] = "worked" if r.returncode == 0 else (r.stderr.strip() or "refused")
+    out["git config core.hooksPath"] = "written" if r.returncode == 0 else (r.stderr.strip() or "refused")
 print(json.dumps(out))
 '''
 

@@ -17,6 +17,7 @@ import socket
 import tempfile
 import threading
 
+from .isolation import _gate
 from .probes import ESCAPED
 
 # argv: socket paths; 77 when any connect() worked (it says so to the listener, which the tests ask too)
@@ -57,13 +58,9 @@ sys.exit(77 if json.loads(answer or b"{}").get("ok") else 0)
 '''
 
 
-def _gate(name: str, status: str, evidence: str) -> dict:
-    from .isolation import _gate as gate
-    return gate(name, status, evidence)
-
-
-class _Listener:
-    """A listener of the selftest's own at `path` (0777: only the sandbox stops the cell)."""
+class HostListener:
+    """A listener of the host's at `path`, mode 0777 so that only the sandbox stops a cell of any uid;
+    `accepted` holds what each connection it accepted sent first (tests/test_doors_sockets.py uses it too)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -71,7 +68,7 @@ class _Listener:
         self.sock.bind(path)
         os.chmod(path, 0o777)
         self.sock.listen(8)
-        self.accepted = 0
+        self.accepted: list[bytes] = []
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
 
@@ -81,7 +78,11 @@ class _Listener:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            self.accepted += 1
+            c.settimeout(2)
+            try:
+                self.accepted.append(c.recv(64))
+            except OSError:
+                self.accepted.append(b"")
             c.close()
 
     def close(self) -> None:
@@ -91,6 +92,8 @@ class _Listener:
             pass
         self.sock.close()
         self.thread.join(5)
+        if os.path.lexists(self.path):
+            os.unlink(self.path)
 
 
 def _own_dir(top: str) -> str | None:
@@ -119,12 +122,12 @@ def gate_host_unix_socket(h) -> dict:
         return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run and /var/tmp (not root?)", "")
     listeners = []
     try:
-        listeners = [_Listener(os.path.join(d, "host.sock")) for d in dirs]
+        listeners = [HostListener(os.path.join(d, "host.sock")) for d in dirs]
         res = h.probe(P_CONNECT, *(lst.path for lst in listeners))
         early = _refused_before_running(res, name)
         if early is not None:
             return early
-        heard = sum(lst.accepted for lst in listeners)
+        heard = sum(len(lst.accepted) for lst in listeners)
         out = (res.get("stdout") or "").strip()
         if res["exit_code"] == ESCAPED or heard:
             return _gate(name, "FAIL", f"the cell connected to a host listener ({heard} accepted): {out}")

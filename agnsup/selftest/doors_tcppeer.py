@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 
+from .isolation import _gate
 from .probes import ESCAPED
 
 # argv: REST address HOST:PORT; PUTs /v1/files/from-a-cell.txt; 77 when served, 0 when refused,
@@ -37,11 +38,6 @@ except OSError as e:
     print("UNREACHABLE", e)
     sys.exit(3)
 '''
-
-
-def _gate(name: str, status: str, evidence: str) -> dict:
-    from .isolation import _gate as gate
-    return gate(name, status, evidence)
 
 
 def gate_loopback_tcp_control(h) -> dict:

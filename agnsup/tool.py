@@ -13,7 +13,7 @@ import os
 import sys
 import signal
 
-from .errors import AgnsupError, NotExecutable, NotFound, SetupError, UsageError, as_value, exit_code
+from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .isolation import _gate, _judge
+from .isolation import _judge
 
 # The nodes a cell's /dev may hold (linux/mounts.py DEV_NODES, plus the stdio terminal bound at console
 # and the cell's own devpts); a role's filesystem.devices would add to it, the selftest roles list none.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .isolation import P_READ, Harness, _gate, _judge, _set_key
+from .isolation import P_READ, Harness, _gate, _judge
 
 P_LIST = r'''
 import json, os, sys
@@ -103,11 +103,8 @@ def gate_other_homes(h: Harness) -> dict:
 def gate_tmp_fill(h: Harness) -> dict:
     """/tmp capped by limits.tmp_max (1M here), a tmpfs, not the state root's disk; the receipt counts it
     (a root controller's cells: a normal user's controller cannot measure its cells' /tmp)."""
-    with open(os.path.join(h.policies, "selftest.toml")) as f:
-        src = f.read().replace('name = "selftest"', 'name = "selftest-tmp"')
-    with open(os.path.join(h.policies, "selftest-tmp.toml"), "w") as f:
-        f.write(_set_key(src, "limits", "tmp_max", '"1M"'))
-    res = h.probe(P_TMP_FILL, str(2 * TMP_CAP // 65536), role="selftest-tmp")
+    role = h.role("selftest-tmp", ("limits", "tmp_max", '"1M"'))
+    res = h.probe(P_TMP_FILL, str(2 * TMP_CAP // 65536), role=role)
     g = _judge("TMP_FILL", res, "writing 2M into a /tmp capped at 1M")
     if g["status"] == "PASS" and os.geteuid() == 0:
         used = res["receipt_data"].get("usage", {}).get("tmp_bytes")

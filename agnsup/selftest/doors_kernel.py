@@ -280,7 +280,7 @@ class HostIpc:
         msg = _ok(_libc.msgget(self.key + 1, IPC_CREAT | IPC_EXCL | 0o600), "msgget")
         body = ctypes.create_string_buffer(b"\x01\x00\x00\x00\x00\x00\x00\x00" + self.marker.encode())
         _ok(_libc.msgsnd(msg, body, len(self.marker), IPC_NOWAIT), "msgsnd")
-        sem = _ok(_libc.semget(self.key + 2, 1, IPC_CREAT | IPC_EXCL | 0o600), "semget")
+        _ok(_libc.semget(self.key + 2, 1, IPC_CREAT | IPC_EXCL | 0o600), "semget")
         fd = _ok(_libc.mq_open(self.mq.encode(), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600, None), "mq_open")
         os.close(fd)
 
@@ -443,12 +443,8 @@ def gate_proxy_host_address(h) -> dict:
     addr = host_address()
     if addr is None:
         return _gate("PROXY_HOST_ADDRESS", "ENV_BLOCKED: an address of this host beyond loopback", "")
-    role = "selftest-proxy-host"
-    with open(os.path.join(h.policies, "selftest.toml")) as f:
-        src = f.read().replace('name = "selftest"', f'name = "{role}"')
-    src = src.replace('mode = "deny"', 'mode = "allowlist"\nallow = ["*:*"]\nallow_private = true', 1)
-    with open(os.path.join(h.policies, role + ".toml"), "w") as f:
-        f.write(src)
+    role = h.role("selftest-proxy-host", ("network", "mode", '"allowlist"'), ("network", "allow", '["*:*"]'),
+                  ("network", "allow_private", "true"))
     lst = Listener(addr)
     try:
         res = h.probe(P_PROXY_HOST, addr, str(lst.port), role=role)

@@ -147,7 +147,6 @@ def gate_control_socket(h) -> dict:
     if d is None:
         return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run (not root?)", "")
     from ..serve import Server
-    from .isolation import _set_key
     sock = os.path.join(d, "serve.sock")
     state = os.path.join(h.root, "control-state")
     server = None
@@ -157,13 +156,7 @@ def gate_control_socket(h) -> dict:
         # serve_forever installs signal handlers, which only the main thread may: run its loop by hand
         thread = threading.Thread(target=_accept_loop, args=(server,), daemon=True)
         thread.start()
-        with open(os.path.join(h.policies, "selftest.toml")) as f:
-            src = f.read()
-        role = "selftest-reach-control"
-        src = _set_key(src.replace('name = "selftest"', f'name = "{role}"'), "filesystem", "unix_sockets",
-                       json.dumps([sock]))
-        with open(os.path.join(h.policies, role + ".toml"), "w") as f:
-            f.write(src)
+        role = h.role("selftest-reach-control", ("filesystem", "unix_sockets", json.dumps([sock])))
         res = h.probe(P_ASK, sock, role=role)
         early = _refused_before_running(res, name)
         if early is not None:

@@ -44,7 +44,7 @@ def gate_loopback_tcp_control(h) -> dict:
     name = "LOOPBACK_TCP_CONTROL"
     from ..sandboxd.rest import Files, RestApp, server as rest_server
     from ..service import Supervisor
-    from .isolation import _set_key, remove_state
+    from .isolation import remove_state
     state = os.path.join(h.root, "tcp-control-state")
     workdir = os.path.join(h.root, "tcp-control-worktree")
     os.makedirs(workdir, exist_ok=True)
@@ -55,12 +55,7 @@ def gate_loopback_tcp_control(h) -> dict:
         rest = rest_server(("127.0.0.1", 0), RestApp(files, {}))
         thread = threading.Thread(target=rest.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
         thread.start()
-        with open(os.path.join(h.policies, "selftest.toml")) as f:
-            src = f.read()
-        role = "selftest-host-network"
-        src = _set_key(src.replace('name = "selftest"', f'name = "{role}"'), "network", "mode", '"host"')
-        with open(os.path.join(h.policies, role + ".toml"), "w") as f:
-            f.write(src)
+        role = h.role("selftest-host-network", ("network", "mode", '"host"'))
         res = h.probe(P_PUT, f"127.0.0.1:{rest.server_address[1]}", role=role)
         if "error" in res:
             return _gate(name, f"ENV_BLOCKED: the probe cell did not start: {res['error']}", res["error"])

@@ -243,6 +243,16 @@ class Harness:
             res["receipt_data"] = json.load(f)
         return res
 
+    def role(self, name: str, *keys: tuple[str, str, str]) -> str:
+        """A copy of the selftest role named `name` with each (section, key, value) set; returns the name."""
+        with open(os.path.join(self.policies, "selftest.toml")) as f:
+            src = f.read().replace('name = "selftest"', f'name = "{name}"')
+        for section, key, value in keys:
+            src = _set_key(src, section, key, value)
+        with open(os.path.join(self.policies, name + ".toml"), "w") as f:
+            f.write(src)
+        return name
+
     def probe(self, code: str, *args: str, **kw) -> dict:
         return self.run(["python3", "-c", code, *args], **kw)
 

@@ -75,6 +75,7 @@ class Cell(Record):
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
     protect_start: tuple | None = None  # (protected paths' identities, lifted paths' digests) at start (protect.py)
     protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
+    cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -240,7 +241,7 @@ class Controller:
                 raise
             self._start_egress(cell)
             crashpoints.hit("after_exec")
-            self.journal.mark_running(spec.run_id, spec.cell_id)
+            cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
             self.fail(cell, e)
             raise
@@ -467,8 +468,13 @@ class Controller:
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
         tree = reaper.Tree(self.backend, cell.target(), cell.child.pidfd)
-        return supervisor.Waiter(cell.child, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
-                                 oom_fd=cell.place.oom_fd)
+        waiter = supervisor.Waiter(cell.child, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
+                                   oom_fd=cell.place.oom_fd)
+        if cell.cancelled_starting:
+            # cancelled after its identity commit, before its leader was surely in its tree: the
+            # canceller's reaper may have found nothing, so the stop is ours (TERM, grace, kill)
+            waiter.request_stop("cancelled", cell.cancelled_starting)
+        return waiter
 
     def finish(self, cell: Cell, waiter: supervisor.Waiter) -> dict:
         """The leader has exited: reap the rest of the tree, then the leader; release

@@ -7,7 +7,9 @@ memory, so `agnsup cancel` works whichever controller started the cells:
 1. record: one transaction sets each live cell's cancel reason (first reason
    wins, like a trio cancel scope) and, for a run, marks the run `cancelled`
    so it refuses new cells; a cell still setting up sees the reason at its
-   identity commit and never runs its command;
+   identity commit and never runs its command; one past that commit but not yet
+   `running` (its forked leader may not be in its cgroups yet: nothing to find
+   below) sees it when it is marked running, and its controller stops it;
 2. stop (the reaper): SIGTERM every process of the scope (each through a pidfd,
    membership rechecked), the grace period, then the kill through the scope's
    cgroup directory (run/agent/cell directories mirror the hierarchy, so one

@@ -226,7 +226,18 @@ class Journal:
             self.event(db, "state." + state, run_id, cell_id)
 
     mark_starting = partialmethod(_mark, state="starting")  # a waiting cell took its worktree lock
-    mark_running = partialmethod(_mark, state="running")
+
+    def mark_running(self, run_id: str, cell_id: str) -> str | None:
+        """The command runs (it exec'd, inside its tree). Returns the cancel recorded while
+        the cell was starting, read inside this transaction: its canceller may have found
+        no process to stop (a forked leader joins its cgroups itself, after its identity
+        commit), so the controller stops the cell; a cancel after this sees it running."""
+        with self.tx() as db:
+            self._move_cell(db, run_id, cell_id, "running")
+            self.event(db, "state.running", run_id, cell_id)
+            row = db.execute("SELECT cancel_reason FROM cells WHERE run_id=? AND cell_id=?",
+                             (run_id, cell_id)).fetchone()
+        return row[0] if row else None
 
     def _quota_usage(self, db, run_id: str, agent_id: str, now: float) -> tuple[int, int, int, float | None]:
         """(cells in the run, live cells of the run, live cells of the agent, run age in s or None)."""

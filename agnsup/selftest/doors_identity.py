@@ -62,6 +62,11 @@ def gate_root_only_files(h: Harness) -> dict:
         iso = res["receipt_data"]["isolation"]
         g["evidence"] += f" (cell host uid {iso.get('cell_host_uid', iso.get('uid'))}, " \
                          f"mapped_uid {iso.get('mapped_uid')})"
+        why = [n for n in iso.get("not_in_force", []) if n.startswith("mapped_uid")]
+        if g["status"] == "FAIL" and why:
+            # this host cannot map the cell (its worktree's file system refuses id-mapped mounts): the door
+            # is open here, named as what the host lacks, never as held
+            g["status"] = f"ENV_BLOCKED: {why[0]}"
     return g
 
 

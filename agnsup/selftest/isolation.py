@@ -193,7 +193,9 @@ class Harness:
     def __init__(self, keep: bool, user: int | None = None):
         self.user = user  # run every probe cell as this uid ([process] user), not as the caller
         self.keep = keep
-        self.root = tempfile.mkdtemp(prefix="agnsup-selftest-", dir="/var/tmp")
+        # AGNSUP_SELFTEST_DIR: where the scratch root goes (default /var/tmp; the guest lane's is a tmpfs,
+        # since its /var/tmp, 9p under an overlay, refuses the id-mapped mounts a real disk allows)
+        self.root = tempfile.mkdtemp(prefix="agnsup-selftest-", dir=os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp"))
         self.state = os.path.join(self.root, "state")
         self.worktree = os.path.join(self.root, "worktree")
         self.policies = os.path.join(self.root, "policies")

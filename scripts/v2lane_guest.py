@@ -159,6 +159,15 @@ def junit_counts(path: str) -> tuple[str, list[str], int]:
             failed, cut_short)
 
 
+def give_lo_a_host_address(addr: str = "192.0.2.1/32") -> None:
+    """This guest has no network device, so no address but loopback; a user's host has one, and the
+    doors about the host's own addresses (the proxy must refuse them: PROXY_HOST_ADDRESS) need one to be
+    exercised rather than ENV_BLOCKED. A TEST-NET-1 address on the guest's lo: inside this VM only."""
+    ip = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "/sbin/ip"
+    subprocess.run([ip, "addr", "add", addr, "dev", "lo"], capture_output=True)
+    print(f"=== v2lane guest: lo also has {addr} (an address beyond loopback for the host-address doors)", flush=True)
+
+
 def selftest_scratch(path: str = "/var/tmp/agnsup-selftest-scratch") -> str:
     """A tmpfs for the isolation selftest's scratch root: this guest's /var/tmp is the host's disk over 9p
     under an overlay, which refuses id-mapped mounts (a root controller's cells would run as host root,
@@ -484,6 +493,7 @@ def main() -> int:
     print(f"=== v2lane guest: {FACTS}", flush=True)
     root = Who()
     os.chdir(a.src)
+    give_lo_a_host_address()
     if init != "systemd":
         s_doctor(agnsup, root, "root")
         if a.pytest:

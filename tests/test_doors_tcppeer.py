@@ -189,6 +189,29 @@ def test_check_tcp_trusts_this_servers_uid_and_refuses_foreign_cell_and_closed_s
 
 
 @needs_root
+def test_a_kernel_without_tcp_diag_leaves_the_decision_to_the_tables(monkeypatch):
+    """sock_diag answers ENOENT when tcp_diag is not loaded (a container, a guest that cannot load
+    modules): that is no evidence against the client, the /proc tables decide (seen in the v2 guest:
+    every sandboxd call refused)."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(8)
+    port = lst.getsockname()[1]
+    monkeypatch.setattr(peer, "diag_lookup", lambda client, server: None)
+    try:
+        p, conn, addr = _client(lst)
+        mine = peer.check_tcp(addr[:2], port, "127.0.0.1")
+        assert mine.evidence == [] and mine.uid == 0, mine.as_dict()
+        _end(p, conn)
+        p, conn, addr = _client(lst, "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+        assert f"uid {NOBODY} is neither this server's (0) nor root" in \
+            peer.check_tcp(addr[:2], port, "127.0.0.1").evidence
+        _end(p, conn)
+    finally:
+        lst.close()
+
+
+@needs_root
 def test_a_normal_users_server_traces_its_own_uids_client_to_the_process():
     """A normal user's cells run as that user: the uid alone cannot tell them, the holder's token does."""
     prog = r'''

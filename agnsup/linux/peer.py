@@ -369,9 +369,10 @@ def _client_sockets(client: tuple, server_port: int, server_ip, tables: list[str
                 row = diag_lookup(client, (guess, server_port))
             except OSError:
                 row = None  # no inet_diag here: the tables answer
-            else:
-                if row is not None or guess is server_ip:
-                    return [row] if row is not None else []
+            if row is not None:
+                return [row]
+            # not found: also what a kernel without tcp_diag loaded answers (ENOENT: a container, a
+            # guest that cannot load modules), so the tables decide, never the missing module
         tables = _read_tables()
     return tcp_client_sockets(tables, client, server_port,
                               None if server_ip is None or _plain(server_ip).is_unspecified else server_ip)

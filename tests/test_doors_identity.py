@@ -425,10 +425,16 @@ def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
 # ------------------------------------------------------------------ the selftest's gates
 
 def test_the_identity_selftest_gates_pass_here():
+    from agnsup import supervisor
     from agnsup.selftest import doors_identity
+    # where the selftest's scratch cannot be id-mapped (the v2 guest's /var/tmp is 9p under an overlay), a
+    # root controller's cell runs as host root: ROOT_ONLY_FILES must then say so, never PASS
+    unmappable = supervisor.idmap_refused(os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp"))
     for g in run_door_gates(doors_identity.RUNNERS).values():
-        blocked = g["gate"] == "OTHER_HOMES" and g["status"].startswith("ENV_BLOCKED")  # a host with no other home
-        assert g["status"] == "PASS" or blocked, g
+        blocked = g["status"].startswith("ENV_BLOCKED") and (
+            g["gate"] == "OTHER_HOMES"  # a host with no other home
+            or (g["gate"] == "ROOT_ONLY_FILES" and unmappable and "mapped_uid" in g["status"]))
+        assert g["status"] == "PASS" or blocked, (g, unmappable)
 
 
 # ------------------------------------------------------------------ pure parts

@@ -193,6 +193,8 @@ def all_homes() -> list[str]:
     if _passwd_cache.get("real") is None:  # computed once per change of the file, like the list
         homes = []
         for h in [*entries, "/root"]:
+            if h == "/" or any(_under(h, d) for d in OS_TREES) or not os.path.isdir(h):
+                continue  # the system's users (most of the file), or no home: no realpath for them
             real = os.path.realpath(h)
             if real == "/" or _in_private_dir(real) or not os.path.isdir(real):
                 continue

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
-from fnmatch import fnmatchcase
 
 # Worktree-relative paths sandbox-runtime refuses writes to (a worktree that is a home has
 # the shell's start-up files in it; .gitconfig is read as ~/.gitconfig there).
@@ -287,6 +286,7 @@ def config_is_safe(text: str) -> bool:
         if not key or not all(c.isalnum() or c == "-" for c in key):
             return False
         full = f"{section}.{key}"
+        from fnmatch import fnmatchcase  # only for a git directory a cell created: off the start path
         if not any(fnmatchcase(full, pat) for pat in SAFE_CONFIG_KEYS):
             return False
     return True

@@ -342,15 +342,12 @@ _cell_userns: list[int] = []   # the fd of the cells' user namespace, made once 
 _idmap_by_dev: dict[int, str | None] = {}  # st_dev -> None (id-mapped mounts work there) or why not
 
 
-def cell_userns() -> int:
-    """The user namespace a root controller's mapped cells join (linux/userns.py: 0..65535 inside, the
-    cells' range outside): made once per controller process and kept open, which keeps it alive. A
-    throwaway child unshares it and waits; we write its maps (as host root: any range) and open
-    /proc/CHILD/ns/user; the child exits. Every cell of this controller shares it: each still has its
-    own mount, network, IPC and PID namespaces, Landlock domain and seccomp filter, and the namespace
-    owns none of them (docs/isolation.md, "Doors: identity")."""
-    if _cell_userns:
-        return _cell_userns[0]
+_userns_started: list[tuple[int, int, int]] = []  # a throwaway child started ahead (start_cell_userns)
+
+
+def _userns_child() -> tuple[int, int, int]:
+    """(pid, ready_r, done_w) of a child that unshares a user namespace, says so on ready_r and waits
+    for done_w to close."""
     ready_r, ready_w = os.pipe()
     done_r, done_w = os.pipe()
     pid = os.fork()
@@ -360,11 +357,34 @@ def cell_userns() -> int:
             os.close(done_w)
             lsys.unshare(lsys.CLONE_NEWUSER)
             os.write(ready_w, b"1")
-            os.read(done_r, 1)  # EOF: the controller has the fd (or gave up)
+            os.read(done_r, 1)  # EOF: the controller has the fd (or gave up, or exited)
         finally:
             os._exit(0)
     os.close(ready_w)
     os.close(done_r)
+    return pid, ready_r, done_w
+
+
+def start_cell_userns() -> None:
+    """A root controller starts the throwaway child before its policy work (tool.prepare), so the
+    child's fork and unshare run beside it; cell_userns finishes it (about 1 ms of `agnsup run`)."""
+    if os.geteuid() == 0 and not _cell_userns and not _userns_started:
+        _userns_started.append(_userns_child())
+
+
+def cell_userns() -> int:
+    """The user namespace a root controller's mapped cells join (linux/userns.py: 0..65535 inside, the
+    cells' range outside): made once per controller process and kept open, which keeps it alive. A
+    throwaway child unshares it and waits; we write its maps (as host root: any range) and open
+    /proc/CHILD/ns/user; the child exits. Every cell of this controller shares it: each still has its
+    own mount, network, IPC and PID namespaces, Landlock domain and seccomp filter, and the namespace
+    owns none of them (docs/isolation.md, "Doors: identity")."""
+    if _cell_userns:
+        return _cell_userns[0]
+    try:
+        pid, ready_r, done_w = _userns_started.pop()
+    except IndexError:
+        pid, ready_r, done_w = _userns_child()
     try:
         if os.read(ready_r, 1) != b"1":  # EOF: it exited without a namespace
             raise OSError(errno.EPERM, "the throwaway child could not unshare a user namespace")

@@ -342,9 +342,6 @@ _cell_userns: list[int] = []   # the fd of the cells' user namespace, made once 
 _idmap_by_dev: dict[int, str | None] = {}  # st_dev -> None (id-mapped mounts work there) or why not
 
 
-_userns_started: list[tuple[int, int, int]] = []  # a throwaway child started ahead (start_cell_userns)
-
-
 def _userns_child() -> tuple[int, int, int]:
     """(pid, ready_r, done_w) of a child that unshares a user namespace, says so on ready_r and waits
     for done_w to close."""
@@ -365,13 +362,6 @@ def _userns_child() -> tuple[int, int, int]:
     return pid, ready_r, done_w
 
 
-def start_cell_userns() -> None:
-    """A root controller starts the throwaway child before its policy work (tool.prepare), so the
-    child's fork and unshare run beside it; cell_userns finishes it (about 1 ms of `agnsup run`)."""
-    if os.geteuid() == 0 and not _cell_userns and not _userns_started:
-        _userns_started.append(_userns_child())
-
-
 def cell_userns() -> int:
     """The user namespace a root controller's mapped cells join (linux/userns.py: 0..65535 inside, the
     cells' range outside): made once per controller process and kept open, which keeps it alive. A
@@ -381,10 +371,7 @@ def cell_userns() -> int:
     owns none of them (docs/isolation.md, "Doors: identity")."""
     if _cell_userns:
         return _cell_userns[0]
-    try:
-        pid, ready_r, done_w = _userns_started.pop()
-    except IndexError:
-        pid, ready_r, done_w = _userns_child()
+    pid, ready_r, done_w = _userns_child()
     try:
         if os.read(ready_r, 1) != b"1":  # EOF: it exited without a namespace
             raise OSError(errno.EPERM, "the throwaway child could not unshare a user namespace")

@@ -64,10 +64,9 @@ def prepare(state, journal, request: CellRequest):
 
     Returns a broker.Prepared; raises Denied (journaled first) when governance
     refuses. Shared by run_process and the serve controller."""
-    from . import broker, compiler, governance, policy, spec as specmod, supervisor
+    from . import broker, compiler, governance, policy, spec as specmod
     from .linux import host
 
-    supervisor.start_cell_userns()  # a root controller's cells' user namespace, made beside what follows
     # A shell request (request.shell: argv is ["sh", "-c", LINE]) is judged as the shell line it is.
     tool, call = ("run_shell", {"command": request.argv[2]}) if request.shell else ("run_process", {})
     trace = [broker.stage("public_tool", tool=tool, entry=request.entry)]

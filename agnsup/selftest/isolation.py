@@ -634,7 +634,7 @@ def format_table(report: dict) -> str:
         for g in rows:
             lines.append(f"{g[kind]:{width}}  {g['status']}")
             if g["status"] != good or g["evidence"]:
-                lines.append(f"{'':{width}}    {g['evidence'][:300]}")
+                lines.append(f"{'':{width}}    {' '.join(g['evidence'].split())[:300]}")  # one line each
         lines.append(f"{sum(g['status'] == good for g in rows)}/{len(rows)} {key} "
                      f"{'pass' if key == 'gates' else 'held'}")
     if report["kept"]:

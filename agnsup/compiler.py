@@ -418,7 +418,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     ops.extend(op for op in places if op not in in_run)
     in_run += [("attach", p, k) for p, k in zip(run_shown, run_keys)]
     for d in run_dirs:
-        ops.append(("empty", d, "", True, tuple((op[1], _is_dir(op[1])) for op in in_run if _under(op[1], d))))
+        ops.append(("empty", d, "", True, tuple((op[1], os.path.isdir(op[1])) for op in in_run if _under(op[1], d))))
     ops.extend(sorted(in_run, key=lambda op: op[1].count("/")))
     # Masks go last so they also cover a deny path or the state root that
     # happens to lie inside the re-attached worktree (or a re-exposed path).
@@ -482,9 +482,6 @@ def host_devices(fs, role: str) -> list[tuple[str, str]]:
 RUN_DIRS = ("/run", "/var/run")
 RESOLV_CONF = "/etc/resolv.conf"
 
-
-def _is_dir(path: str) -> bool:
-    return os.path.isdir(path)
 
 
 def _listed_sockets(fs, role: str) -> list[str]:

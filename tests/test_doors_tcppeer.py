@@ -338,7 +338,7 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
                 assert answers[k].startswith("403 ") and "agnsup cell" in answers[k], answers
             assert len(refused) >= 5, refused
             for r in refused:
-                assert peer.in_cell_uid_range(r["peer"]["uid"]) and r["peer"]["inode"], r
+                assert peer.is_cell_uid(r["peer"]["uid"]) and r["peer"]["inode"], r
                 assert any("cell uid range" in e for e in r["peer"]["evidence"]), r
         else:  # a network namespace of its own: the host's loopback is not there at all
             assert answers["execute"].startswith("UNAVAILABLE"), answers

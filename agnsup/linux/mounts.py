@@ -21,7 +21,6 @@ The recipe, in order:
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so
            a cell cannot write any cgroup.procs.
-  tmpfs    fresh private tmpfs.
   dev      the cell's own minimal /dev (bubblewrap's --dev, Docker's /dev):
            a read-only tmpfs holding binds of the host's null, zero, full,
            random, urandom, tty (and the role's filesystem.devices), a new
@@ -58,7 +57,7 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "idclone", "tmpcopy", "root", "tmpfs", "hide", "mask", "attach", "dev", "protect", "empty")
+KINDS = ("clone", "idclone", "tmpcopy", "root", "hide", "mask", "attach", "dev", "protect", "empty")
 
 
 # kind:     one of KINDS
@@ -100,9 +99,6 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) 
                                    propagation=lsys.MS_PRIVATE)
             elif op.kind == "dev":
                 _dev(int(op.key), op.points, userns_fd)
-            elif op.kind == "tmpfs":
-                if os.path.isdir(op.path):
-                    lsys.mount("tmpfs", op.path, "tmpfs", lsys.MS_NOSUID | lsys.MS_NODEV, "mode=1777")
             elif op.kind == "hide":
                 _hide(op.path, op.points)
             elif op.kind == "empty":

@@ -18,7 +18,7 @@ Evidence, strongest first; any one refuses:
   process can drop it, so it only adds to the cgroup, for hosts without cgroups);
 - uid: a uid that is not the server's own and not root (the socket is 0600, so
   such a peer got in by a file descriptor handed out, or is a cell's `process.user`);
-- in_cell_uid_range: the uids root cells run as (userns.cell_range: uid 0 of a user namespace
+- is_cell_uid: the uids root cells run as (userns.cell_range: uid 0 of a user namespace
   mapped to an unprivileged host range);
 - invisible: a peer whose process this server cannot look at (pid 0: another
   PID namespace than ours or a descendant, or it is gone) is refused: fail closed.
@@ -35,6 +35,7 @@ import struct
 import sys
 
 from . import proc
+from .userns import is_cell_uid
 from .session import TOKEN_VAR
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # socket(7), Linux 6.5
@@ -54,12 +55,6 @@ class Peer:
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "uid": self.uid, "gid": self.gid, "evidence": self.evidence}
-
-
-def in_cell_uid_range(uid: int) -> bool:
-    """Whether `uid` is one a root controller runs its cells as (docs/isolation.md, "Doors: identity")."""
-    from .userns import is_cell_uid
-    return is_cell_uid(uid)
 
 
 def check(conn: socket.socket) -> Peer:
@@ -100,7 +95,7 @@ def _evidence(pid: int, uid: int) -> list[str]:
     me = os.geteuid()
     if uid != me and uid != 0:
         out.append(f"uid {uid} is neither this server's ({me}) nor root")
-    if in_cell_uid_range(uid):
+    if is_cell_uid(uid):
         out.append(f"uid {uid} is in the cell uid range")
     return out
 
@@ -287,7 +282,7 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
             evidence.append(f"no process holds the client socket any more (state {row.state:02X}): closed "
                             "before the check")
             continue
-        if in_cell_uid_range(row.uid):
+        if is_cell_uid(row.uid):
             evidence.append(f"uid {row.uid} is in the cell uid range")
         if row.uid != me and row.uid != 0 and others_refused:
             evidence.append(f"uid {row.uid} is neither this server's ({me}) nor root")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .isolation import P_READ, Harness, _gate, _judge
+from .isolation import Harness, _gate, _judge
 
 P_LIST = r'''
 import json, os, sys
@@ -50,13 +50,7 @@ def gate_root_only_files(h: Harness) -> dict:
         return _gate("ROOT_ONLY_FILES", "ENV_BLOCKED: agnsup as root (only root can make a root-owned file)",
                      f"the selftest runs as uid {os.geteuid()}")
     path = os.path.join(h.root, f"root-only-{h.token}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, h.token.encode())
-        os.close(fd)
-        res = h.probe(P_READ, os.path.dirname(path) + "/", os.path.basename(path))
-    finally:
-        os.unlink(path)
+    res = h.read_canary(path)
     g = _judge("ROOT_ONLY_FILES", res, f"reading a root-owned 0600 file ({path})")
     if "receipt_data" in res:
         iso = res["receipt_data"]["isolation"]

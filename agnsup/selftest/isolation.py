@@ -255,6 +255,16 @@ class Harness:
             f.write(src)
         return name
 
+    def read_canary(self, path: str) -> dict:
+        """Write a 0600 file holding the token at `path` (as the caller), let a cell try to read it, remove it."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, self.token.encode())
+            os.close(fd)
+            return self.probe(P_READ, os.path.dirname(path) + "/", os.path.basename(path))  # in two pieces
+        finally:
+            os.unlink(path)
+
     def probe(self, code: str, *args: str, **kw) -> dict:
         return self.run(["python3", "-c", code, *args], **kw)
 
@@ -314,14 +324,7 @@ def gate_home_visibility(h: Harness) -> dict:
     home = os.path.expanduser("~")
     if not os.path.isdir(home) or home == "/":
         return _gate("HOME_VISIBILITY", "ENV_BLOCKED: a home directory", f"HOME is {home!r}")
-    canary = os.path.join(home, f".agnsup-selftest-{h.token}")
-    fd = os.open(canary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, h.token.encode())
-        os.close(fd)
-        res = h.probe(P_READ, os.path.dirname(canary) + "/", os.path.basename(canary))
-    finally:
-        os.unlink(canary)
+    res = h.read_canary(os.path.join(home, f".agnsup-selftest-{h.token}"))
     return _judge("HOME_VISIBILITY", res, f"reading a file in the invoking user's home {home}")
 
 

@@ -43,6 +43,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     r.update(argv_b64(spec.argv))
     if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed
         r["protected"] = cell.protected
+    if getattr(cell, "changes", None) is not None:  # reversible cells: what landed, the record, or why live
+        r["changes"] = cell.changes
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:

@@ -45,7 +45,8 @@ The recipe, in order:
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
            cell's layer directory under the state root; redirect_dir, index, metacopy and xino
            off; userxattr inside a normal user's user namespace), moved onto the worktree right
-           after its attach, before protect and mask. A mapped cell's layer goes in through an
+           after its attach, before protect and mask (the layer directory is cloned with the
+           others, while its mount is read-write). A mapped cell's layer goes in through an
            id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
            host root, at COUNT), so what the cell writes is owned on disk as if it had written
            the worktree; where the kernel refuses that, the plain layer and a note that the commit
@@ -79,7 +80,7 @@ LAYER_SHIFT = "id_shift"
 # readonly: root: read-only (else only private); clone: a read-only copy
 # points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices;
 #           overlay: its options, each a tuple: ("userxattr",), ("idmap", uid_shift, gid_shift)
-# (overlay: path = the worktree, key = the layer directory holding upper/ and work/)
+# (overlay: path = the worktree, key = the clone of the layer directory holding upper/ and work/)
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
@@ -125,7 +126,7 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None,
             elif op.kind == "protect":
                 _protect(op.path, op.readonly)
             elif op.kind == "overlay":
-                overlay(op.path, op.key, op.points, layer_userns_fd)
+                overlay(op.path, clones.pop(op.key), op.points, layer_userns_fd)
             elif op.kind == "attach":
                 if not os.path.exists(op.path):  # a file clone lands on an existing file point
                     os.makedirs(op.path, exist_ok=True)
@@ -184,47 +185,55 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     return fd
 
 
-def overlay(target: str, layer: str, options: tuple, layer_userns_fd: int | None = None) -> None:
+def overlay(target: str, layer_fd: int, options: tuple, layer_userns_fd: int | None = None) -> None:
     """Cover `target` (the worktree just attached) with an overlay whose lower layer is that
-    attached worktree and whose upper and work directories are in `layer`.
+    attached worktree and whose upper and work directories are in the layer directory cloned as
+    `layer_fd` (taken with the other clones, while its mount was still read-write; consumed here).
 
     ("idmap", uid_shift, gid_shift) in `options` (a mapped cell): the layer goes in through a
-    clone id-mapped by `layer_userns_fd`, referenced as /proc/self/fd/N (never attached: nothing
-    in the cell can reach it but through the overlay). The overlay keeps a private clone of its
-    layers, so the fd is closed right after. Where the kernel refuses that clone or the overlay
+    clone of it id-mapped by `layer_userns_fd`, referenced as /proc/self/fd/N: never attached,
+    nothing in the cell reaches it but through the overlay (which keeps private clones of its
+    layers: the fds are closed right after). Where the kernel refuses that clone or an overlay
     on it, the layer goes in as it is: the upper's root then gets the host owner a mapped cell
-    sees its worktree's root as (uid + uid_shift), and LAYER_SHIFT in `layer` tells the commit
-    to shift every owner back."""
+    sees its worktree's root as (+ the shifts), and LAYER_SHIFT in the layer directory tells the
+    commit to shift every owner back."""
     flags = {o[0]: o[1:] for o in options}
     userxattr = "userxattr" in flags
     shift = flags.get("idmap")
-    if shift is not None and layer_userns_fd is not None:
-        fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
-        try:
-            lsys.mount_setattr(layer, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd,
-                               userns_fd=layer_userns_fd, recursive=False)
-            ov = _overlay_fs(target, f"/proc/self/fd/{fd}", userxattr)
-        except OSError:
-            ov = None
-        finally:
-            os.close(fd)
-        if ov is not None:
-            lsys.move_mount_fd(ov, target)
-            os.close(ov)
-            return
-    if shift is not None:
-        upper = os.path.join(layer, "upper")
-        st = os.lstat(upper)
-        os.chown(upper, st.st_uid + shift[0], st.st_gid + shift[1])
-        tmp = os.path.join(layer, LAYER_SHIFT + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{shift[0]} {shift[1]}\n")
-        os.replace(tmp, os.path.join(layer, LAYER_SHIFT))
-    ov = _overlay_fs(target, layer, userxattr)
+    layer = f"/proc/self/fd/{layer_fd}"
     try:
-        lsys.move_mount_fd(ov, target)
+        if shift is not None and layer_userns_fd is not None:
+            ov = None
+            fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
+            try:
+                lsys.mount_setattr(layer, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd,
+                                   userns_fd=layer_userns_fd, recursive=False)
+                ov = _overlay_fs(target, f"/proc/self/fd/{fd}", userxattr)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            if ov is not None:
+                try:
+                    lsys.move_mount_fd(ov, target)
+                finally:
+                    os.close(ov)
+                return
+        if shift is not None:
+            upper = os.path.join(layer, "upper")
+            st = os.lstat(upper)
+            os.chown(upper, st.st_uid + shift[0], st.st_gid + shift[1])
+            tmp = os.path.join(layer, LAYER_SHIFT + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{shift[0]} {shift[1]}\n")
+            os.replace(tmp, os.path.join(layer, LAYER_SHIFT))
+        ov = _overlay_fs(target, layer, userxattr)
+        try:
+            lsys.move_mount_fd(ov, target)
+        finally:
+            os.close(ov)
     finally:
-        os.close(ov)
+        os.close(layer_fd)
 
 
 def _protect(path: str, readonly: bool) -> None:

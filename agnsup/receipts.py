@@ -81,6 +81,8 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
     r.update(argv_b64(argv))
     if entry.get("protected") is not None:  # janitor._settle_protected
         r["protected"] = entry["protected"]
+    if entry.get("changes") is not None:  # janitor._commit_changes: what the cell left, committed
+        r["changes"] = entry["changes"]
     r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
     return r
 

@@ -64,13 +64,24 @@ def project(root: str) -> str:
     return root
 
 
+@pytest.fixture
+def outside():
+    """A directory outside /tmp: a cell's /tmp is its own, and Landlock allows all of it, so only a worktree
+    elsewhere shows that the cell may write its overlay because of the worktree's own rule."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="agnsup-test-", dir="/var/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def receipt(state: str, run: str, cell: str) -> dict:
     with open(os.path.join(state, "cells", run, cell, "receipt.json")) as f:
         return json.load(f)
 
 
-def test_every_kind_of_change_lands_when_the_cell_ends_and_not_before(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_every_kind_of_change_lands_when_the_cell_ends_and_not_before(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     before = listing(wt)
     # the cell reports "ready" once it has written everything, then waits for a line on its stdin
     script = ("echo more >> README; rm -rf src .git; chmod 700 run.sh; ln -s README link; mkdir empty; "
@@ -111,16 +122,16 @@ def test_every_kind_of_change_lands_when_the_cell_ends_and_not_before(agnsup, tm
         assert f.read() == "A = 1\n"  # the pre-image of what it deleted
 
 
-def test_a_cell_that_changes_nothing_keeps_no_record(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_a_cell_that_changes_nothing_keeps_no_record(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     agnsup("run", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "cat", "README", check=0)
     ch = receipt(agnsup.state, "r1", "c1")["changes"]
     assert ch["mode"] == "at_exit" and ch["files"] == 0 and not ch.get("record")
     assert not os.path.exists(os.path.join(agnsup.state, "changes", "r1", "c1"))
 
 
-def test_a_timed_out_cells_changes_land_too(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_a_timed_out_cells_changes_land_too(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     cp = agnsup("run", "--run", "r1", "--cell", "c1", "--timeout", "1", "--workdir", wt, "--", "sh", "-c",
                 "echo partial > out.txt; rm README; exec sleep 60")
     assert cp.returncode == 124, cp.err
@@ -131,8 +142,8 @@ def test_a_timed_out_cells_changes_land_too(agnsup, tmp_path):
     assert r["state"] == "timeout" and r["changes"]["record"] == "r1/c1" and r["changes"]["files"] == 2
 
 
-def test_a_cancelled_cells_changes_land_too(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_a_cancelled_cells_changes_land_too(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     p = agnsup.popen("run", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c",
                      "echo partial > out.txt; echo ready; exec sleep 60", stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
@@ -150,9 +161,9 @@ def test_a_cancelled_cells_changes_land_too(agnsup, tmp_path):
         assert f.read() == "partial\n"
 
 
-def test_a_live_role_writes_straight_through_and_says_so(agnsup, tmp_path, policy_dir):
+def test_a_live_role_writes_straight_through_and_says_so(agnsup, tmp_path, outside, policy_dir):
     write_role(policy_dir, "livewt", filesystem__changes='"live"')
-    wt = project(str(tmp_path / "wt"))
+    wt = project(os.path.join(outside, "wt"))
     p = agnsup.popen("run", "--role", "livewt", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c",
                      "echo now > seen.txt; echo ready; read line", env={"AGNSUP_POLICY_DIR": str(policy_dir)},
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -169,8 +180,8 @@ def test_a_live_role_writes_straight_through_and_says_so(agnsup, tmp_path, polic
     assert not os.path.exists(os.path.join(agnsup.state, "changes", "r1"))
 
 
-def test_a_read_only_role_has_no_overlay(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_a_read_only_role_has_no_overlay(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     cp = agnsup("run", "--role", "readonly", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c",
                 "grep -c ' overlay ' /proc/self/mountinfo; echo x > y")
     assert cp.out.strip() == "0" and cp.returncode != 0
@@ -178,8 +189,8 @@ def test_a_read_only_role_has_no_overlay(agnsup, tmp_path):
     assert ch["mode"] == "none" and "read-only" in ch["why"]
 
 
-def test_the_overlay_is_the_cells_worktree_and_nothing_else_sees_its_layer(agnsup, tmp_path):
-    wt = project(str(tmp_path / "wt"))
+def test_the_overlay_is_the_cells_worktree_and_nothing_else_sees_its_layer(agnsup, tmp_path, outside):
+    wt = project(os.path.join(outside, "wt"))
     probe = (f"awk '$5 == \"{wt}\" {{for (i = 7; i <= NF; i++) if ($i == \"-\") {{print $(i + 1); break}}}}' "
              "/proc/self/mountinfo | tail -1; "
              f"ls -A {agnsup.state} 2>/dev/null | wc -l; test -w . && echo writable")
@@ -212,7 +223,7 @@ EVERYDAY = ("git init -q -b main repo && cd repo && echo one > f && git add f &&
             "./tinypkg-1.0-py3-none-any.whl && v/bin/python -c 'import tinypkg; print(tinypkg.VALUE)'")
 
 
-def test_the_everyday_jobs_leave_the_same_worktree_captured_or_live(agnsup, tmp_path, policy_dir):
+def test_the_everyday_jobs_leave_the_same_worktree_captured_or_live(agnsup, tmp_path, outside, policy_dir):
     """git init/commit, make, a venv with a wheel installed by pip: the worktree after a captured cell is
     the one a live cell leaves (every path, type, mode, owner, size, content; not times, and not the
     bytes of what records times or inode numbers: .pyc files, git's index)."""
@@ -220,7 +231,7 @@ def test_the_everyday_jobs_leave_the_same_worktree_captured_or_live(agnsup, tmp_
     template = str(tmp_path / "template")
     os.mkdir(template)
     _wheel(template)
-    wt = str(tmp_path / "wt")
+    wt = os.path.join(outside, "wt")
     results = {}
     for role in ("livewt", "executor"):
         shutil.rmtree(wt, ignore_errors=True)

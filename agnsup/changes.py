@@ -612,11 +612,17 @@ def _worktree_id(wt: str) -> list[int] | None:
     return [st.st_dev, st.st_ino] if st is not None else None
 
 
-def _empty_layer(d: str) -> bool:
+def _empty_layer(d: str, worktree: str) -> bool:
+    """Nothing in the upper, and its root as the worktree's (else the cell may have changed the
+    root's own mode or owner: the slow path reads meta.json to tell)."""
+    upper = os.path.join(d, "upper")
     try:
-        return not os.listdir(os.path.join(d, "upper"))
+        if os.listdir(upper):
+            return False
+        u, w = os.stat(upper), os.stat(worktree)
     except FileNotFoundError:
         return False
+    return (u.st_mode, u.st_uid, u.st_gid) == (w.st_mode, w.st_uid, w.st_gid)
 
 
 def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
@@ -659,7 +665,7 @@ def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_i
         return _summary(_apply(state_root, rec, {"worktree": worktree, "ops": []}))
     if not os.path.isdir(rec):
         raise UnknownId(f"no change layer for cell {cell_id} of run {run_id}")
-    if _empty_layer(rec):
+    if _empty_layer(rec, worktree):
         _drop_layer(state_root, run_id, cell_id)
         return _summary(None)
     upper = os.path.join(rec, "upper")
@@ -929,6 +935,11 @@ def _index(root: str, journal, record: dict) -> None:
     _unmark_pending(root, record["run_id"], record["record"])
 
 
+def settled(state_root: str, run_id: str, record_id: str) -> None:
+    """The record's journal row is in (journal.conclude_cell): the janitor need not look at it again."""
+    _unmark_pending(state_root, run_id, record_id)
+
+
 def summary_row(summary: dict) -> dict | None:
     """The journal row a cell receipt's `changes` section stands for (journal.conclude_cell)."""
     if not summary or not summary.get("record"):
@@ -1112,11 +1123,10 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
     rows = journal.change_rows(states=("committed", "undone"))  # oldest first
     n, total = len(rows), sum(r["bytes_saved"] or 0 for r in rows)
     dropped = []
-    for r in rows:
+    for r in rows:  # a row exists only once its record is complete (conclude_cell, _index)
         if n <= keep and total <= keep_bytes:
             break
-        if os.path.exists(_pending(root, r["run_id"], r["record_id"])):
-            continue
+        _unmark_pending(root, r["run_id"], r["record_id"])
         d = layer_dir(root, r["run_id"], r["record_id"])
         journal.set_change_state([(r["run_id"], r["record_id"])], "dropped")
         _rm(d)

@@ -585,3 +585,40 @@ def test_the_probe_is_cached_on_disk_so_a_new_process_pays_one_getxattr(env, mon
     real = os.setxattr
     monkeypatch.setattr(os, "setxattr", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert changes.unsupported(env.st, env.wt) is None and calls == []
+
+
+# -- the worktree is never reached through a symlink ---------------------------------------------------
+def test_a_worktree_directory_swapped_for_a_symlink_mid_commit_is_never_followed(env, tmp_path, monkeypatch):
+    """A live cell of the same agent could swap a directory for a symlink to /etc between the scan and
+    the renames: the commit must fail there, not write through it (the layer stays for the janitor)."""
+    os.makedirs(os.path.join(env.wt, "a"))
+    write(os.path.join(env.wt, "a/y"), "y\n")
+    outside = str(tmp_path / "outside")
+    os.makedirs(outside)
+    c = env.cell()
+    write(os.path.join(c.upper, "a/x"), "planted\n")
+
+    def swap(step):
+        if step == "plan_written":
+            os.rename(os.path.join(env.wt, "a"), os.path.join(env.wt, "a.real"))
+            os.symlink(outside, os.path.join(env.wt, "a"))
+    monkeypatch.setattr(changes, "_step_hook", swap)
+    with pytest.raises(changes.UnsafePath):
+        changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    assert os.listdir(outside) == []
+    assert os.path.exists(os.path.join(c.upper, "a/x"))  # nothing lost: the janitor retries
+
+
+def test_a_forced_undo_through_a_swapped_directory_neither_reads_nor_removes_outside_files(env, tmp_path):
+    os.makedirs(os.path.join(env.wt, "a"))
+    c = env.cell()
+    write(os.path.join(c.upper, "a/x"), "made\n")
+    c.end()
+    outside = str(tmp_path / "outside")
+    os.makedirs(outside)
+    write(os.path.join(outside, "x"), "precious\n")
+    os.rename(os.path.join(env.wt, "a"), os.path.join(env.wt, "a.real"))
+    os.symlink(outside, os.path.join(env.wt, "a"))
+    with pytest.raises(changes.UnsafePath):
+        env.undo(c.id, force=True)
+    assert read(os.path.join(outside, "x")) == "precious\n"

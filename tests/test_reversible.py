@@ -353,3 +353,26 @@ def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit
     assert owners == {".": (0, 0), "a": (0, 0), "n": (0, 0), "d": (0, 0), "sub": (1000, 1000), "sub/x": (0, 0)}
     with open(os.path.join(wt, "a")) as f:
         assert f.read() == "a\nmore\n"
+
+
+def test_a_spawned_cell_writes_live_and_a_served_run_is_captured(agnsup, tmp_path, outside):
+    """filesystem.changes = "auto": `agnsup spawn` (a server, a watcher) writes its worktree as it runs,
+    seen by everyone; a call that is waited for (serve's run) lands its changes when it ends."""
+    from agnsup.serve import Client
+    from scenario import STARTERS, wait_for
+    wt = project(os.path.join(outside, "wt"))
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        agnsup.json("spawn", "--cell", "s1", "--workdir", wt, "--", "sh", "-c", "echo live > served.txt; exec sleep 60")
+        wait_for(lambda: os.path.exists(os.path.join(wt, "served.txt")), what="the spawned cell's write, live")
+        with Client(s.ready["socket"]) as c:
+            c.call("cancel", cell_id="s1", run_id="default")
+            res = c.call("run", argv=["sh", "-c", "echo later > ran.txt"], workdir=wt, cell_id="s2")
+        assert res["exit_code"] == 0
+        assert os.path.exists(os.path.join(wt, "ran.txt"))
+    finally:
+        s.close()
+    live = receipt(agnsup.state, "default", "s1")["changes"]
+    assert live["mode"] == "live" and "long-lived" in live["why"]
+    ran = receipt(agnsup.state, "default", "s2")["changes"]
+    assert ran["mode"] == "at_exit" and ran["record"] == "default/s2" and ran["paths"] == ["ran.txt"]

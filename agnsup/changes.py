@@ -732,6 +732,7 @@ def _shift_ids(upper: str, base: int) -> None:
             os.lchown(p, nu, ng)
             if not S.S_ISLNK(st.st_mode) and mode & 0o6000:  # chown clears set-id bits
                 os.chmod(p, mode)
+    fix(upper)  # its root too: the worktree root's owner as the mapped cell saw it
     for dirpath, dirs, files in os.walk(upper):
         for n in dirs + files:
             fix(os.path.join(dirpath, n))

@@ -262,6 +262,7 @@ def test_the_worktree_root_mode_change_is_recorded_only_against_what_prepare_saw
 def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     base = 100000
     c = env.cell()
+    os.chown(c.upper, base, base)  # the upper's root as a mapped cell's layer holds it on disk
     p = write(os.path.join(c.upper, "made"), "m\n", mode=0o4755)
     os.chown(p, base + 1000, base + 1000)
     os.chmod(p, 0o4755)
@@ -271,6 +272,7 @@ def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     st = os.stat(os.path.join(env.wt, "made"))
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o4755)
     assert os.stat(os.path.join(env.wt, "d")).st_uid == 0
+    assert os.stat(env.wt).st_uid == 0  # the root's owner is not taken for a change
 
 
 # -- undo, redo, refusals --------------------------------------------------------------------------------

@@ -1194,7 +1194,7 @@ def finish_all(state_root: str, journal) -> list[dict]:
 
 
 # -- diff -------------------------------------------------------------------------------------------------
-def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own_before: bool):
+def _content_at(root: str, later: list, row, record: dict, rel: str, want: dict, own_before: bool):
     """A path of `want`'s version: (the file holding it, or None; why not). Looked for in the record's
     before/ (when `own_before`), the worktree, then the before/ of later records of the same worktree."""
     if want["type"] != "file":
@@ -1203,9 +1203,8 @@ def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own
     if own_before:
         cands.append(os.path.join(layer_dir(root, row["run_id"], row["record_id"]), "before", rel))
     cands.append((record["worktree"], rel))
-    for r in journal.change_rows(worktree=row["worktree"], after=row["created_at"]):
-        if r["state"] != "dropped":
-            cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
+    for r in later:
+        cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
     for c in cands:
         if _matches(_info(os.path.join(*c) if isinstance(c, tuple) else c), want, strict=False):
             return c, ""
@@ -1247,13 +1246,15 @@ def diff(state, journal, record_id: str, run_id: str | None = None, stat: bool =
            "undone_by": row["undone_by"], "worktree": record["worktree"], "counts": record["counts"],
            "bytes": record["bytes"], "entries": []}
     own_before = row["state"] != "undone"  # an undo moved the pre-images back into the worktree
+    later = [r for r in journal.change_rows(worktree=row["worktree"], after=row["created_at"])
+             if r["state"] != "dropped"]  # where a later record keeps a version this one made
     for e in record["entries"]:
         b, a = e["before"], e["after"]
         item = {"path": e["path"], "change": e["change"], "before": b, "after": a}
         if "file" in (b["type"], a["type"]) and e["change"] != "mode":
-            bp, bwhy = _content_at(root, journal, row, record, e["path"], b, own_before) if b["type"] == "file" \
+            bp, bwhy = _content_at(root, later, row, record, e["path"], b, own_before) if b["type"] == "file" \
                 else (None, "")
-            ap, awhy = _content_at(root, journal, row, record, e["path"], a, False) if a["type"] == "file" \
+            ap, awhy = _content_at(root, later, row, record, e["path"], a, False) if a["type"] == "file" \
                 else (None, "")
             if bwhy or awhy:
                 item["note"] = bwhy or awhy

@@ -643,3 +643,38 @@ def test_importing_changes_costs_no_heavy_module_on_the_run_path():
     mods = {line.rpartition("|")[2].strip() for line in cp.stderr.splitlines() if line.startswith("import time:")}
     assert "agnsup.changes" in mods
     assert not mods & {"shutil", "typing", "secrets", "difflib", "ctypes", "sqlite3", "_sqlite3", "tempfile"}
+
+
+def test_an_undo_that_died_before_its_plan_leaves_nothing_and_the_janitor_clears_it(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+    c.end()
+    after = tree(env.wt)
+
+    def die(*a, **k):
+        raise Crash("before the plan")
+    monkeypatch.setattr(changes, "_write_json", die)
+    with pytest.raises(Crash):
+        env.undo(c.id)
+    monkeypatch.undo()
+    assert tree(env.wt) == after
+    assert [d for d in changes.finish_all(env.st, env.j)] == []
+    assert sorted(os.listdir(os.path.join(env.st, "changes", "R"))) == [c.id]
+    assert os.listdir(os.path.join(env.st, "changes", "pending")) == []
+    env.undo(c.id)  # and the undo itself still works
+    assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_a_quarantined_replacement_leaves_the_pre_image_to_undo(env):
+    """settle moved a file the cell replaced out of the worktree: undo brings the original back."""
+    write(os.path.join(env.wt, ".mcp.json"), "{}\n")
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, ".mcp.json"), '{"evil": 1}\n')
+    c.end()
+    os.rename(os.path.join(env.wt, ".mcp.json"), str(env.wt) + ".quarantined")
+    changes.drop_paths(env.st, "R", c.id, [".mcp.json"])
+    rec = record_of(changes.layer_dir(env.st, "R", c.id))
+    assert [(e["path"], e["change"]) for e in rec["entries"]] == [(".mcp.json", "deleted")]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, ".mcp.json")) == "{}\n"

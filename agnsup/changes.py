@@ -232,8 +232,9 @@ def _probe(root: str) -> str | None:
 def _write_json(path: str, data, sync: bool = True) -> None:
     """Atomically (a temporary name, then rename); fsynced (file and directory) when `sync`."""
     tmp = path + ".tmp"
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))  # dumps: the C encoder (dump streams in Python)
     with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True, separators=(",", ":"))
+        f.write(text)
         if sync:
             f.flush()
             os.fsync(f.fileno())

@@ -1194,6 +1194,38 @@ def finish_all(state_root: str, journal) -> list[dict]:
     return out
 
 
+def reindex(state_root: str, journal) -> list[str]:
+    """A rebuilt journal (agnsup journal repair) indexes the records on disk again: every complete
+    record.json, oldest first, so that an undo record marks the record it undid. Returns "run/record"
+    ids added (a record whose row exists is left as it is)."""
+    root = _root(state_root)
+    top = os.path.join(root, "changes")
+    found = []
+    try:
+        runs = [r for r in os.listdir(top) if r != "pending" and not r.startswith(".")]
+    except FileNotFoundError:
+        return []
+    for run_id in runs:
+        try:
+            rids = os.listdir(os.path.join(top, run_id))
+        except (NotADirectoryError, FileNotFoundError):
+            continue
+        for rid in rids:
+            d = layer_dir(root, run_id, rid)
+            if os.path.exists(os.path.join(d, "plan.json")):
+                continue  # in flight: finish_all's
+            try:
+                found.append(_read_json(os.path.join(d, "record.json")))
+            except (OSError, ValueError):
+                continue
+    added = []
+    for rec in sorted(found, key=lambda r: r["created_at"]):
+        if journal.change_row(rec["run_id"], rec["record"]) is None:
+            journal.add_change(_row_of(rec))
+            added.append(f"{rec['run_id']}/{rec['record']}")
+    return added
+
+
 # -- diff -------------------------------------------------------------------------------------------------
 def _content_at(root: str, later: list, row, record: dict, rel: str, want: dict, own_before: bool):
     """A path of `want`'s version: (the file holding it, or None; why not). Looked for in the record's

@@ -678,3 +678,22 @@ def test_a_quarantined_replacement_leaves_the_pre_image_to_undo(env):
     assert [(e["path"], e["change"]) for e in rec["entries"]] == [(".mcp.json", "deleted")]
     env.undo(c.id)
     assert read(os.path.join(env.wt, ".mcp.json")) == "{}\n"
+
+
+def test_a_rebuilt_journal_indexes_the_records_on_disk_again_with_their_undo_state(env, tmp_path):
+    project(env.wt)
+    a, b = env.cell(), env.cell()
+    write(copy_up(env.wt, a.upper, "README"), "a\n")
+    a.end()
+    write(os.path.join(b.upper, "new"), "b\n")
+    b.end()
+    env.undo(a.id)
+    fresh = Journal(str(tmp_path / "rebuilt.db"))
+    try:
+        added = changes.reindex(env.st, fresh)
+        assert len(added) == 3 and added[:2] == [f"R/{a.id}", f"R/{b.id}"]
+        assert fresh.change_row("R", a.id)["state"] == "undone"
+        assert [r["record_id"] for r in changes.select(fresh, run_id="R")] == [b.id]
+        assert changes.reindex(env.st, fresh) == []
+    finally:
+        fresh.close()

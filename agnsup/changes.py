@@ -558,7 +558,8 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
             part = b + ".agnsup-part"
             _rm(part)
             _copy_at(wfd, name, None, part)
-            os.rename(part, b)
+            if _lstat(part) is not None:  # else a socket: nothing a copy could keep
+                os.rename(part, b)
             _step("put.saved_copy")
             _rm_at(wfd, name)
     _step("put.saved")
@@ -573,6 +574,9 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         part = tmp + ".part"
         _rm_at(wfd, part)
         _copy_at(None, src, wfd, part)
+        if _lstat_at(wfd, part) is None:  # a socket the cell left bound: its name cannot be copied
+            _rm(src)
+            return
         os.rename(part, tmp, src_dir_fd=wfd, dst_dir_fd=wfd)
         _step("put.copied")
         _rm(src)

@@ -637,14 +637,17 @@ def _apply(state_root: str, rec: str, plan: dict) -> dict:
 
 
 def _walk(root: str, rel: str, out: dict) -> None:
-    """out[rel] = lstat of root/rel and of everything under it (a directory's children sorted)."""
-    st = _lstat(os.path.join(root, rel))
-    if st is None:
-        return
-    out[rel] = st
-    if S.S_ISDIR(st.st_mode):
-        for name in sorted(os.listdir(os.path.join(root, rel))):
-            _walk(root, f"{rel}/{name}" if rel else name, out)
+    """out[rel] = lstat of root/rel and of everything under it, parents first (iterative: a tree
+    deeper than Python's recursion limit is still recorded)."""
+    stack = [rel]
+    while stack:
+        r = stack.pop()
+        st = _lstat(os.path.join(root, r))
+        if st is None:
+            continue
+        out[r] = st
+        if S.S_ISDIR(st.st_mode):
+            stack.extend(f"{r}/{n}" if r else n for n in sorted(os.listdir(os.path.join(root, r)), reverse=True))
 
 
 def _make_record(rec: str, plan: dict) -> dict:

@@ -807,7 +807,13 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
     """The layer of a cell that changed nothing: a handful of rmdir calls, no record."""
     d = layer_dir(state_root, run_id, record_id)
     try:
-        for p in ("work/work", "work", "upper"):  # work/work: the kernel's, root-owned, mode 000, empty
+        # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
+        # (overlayfs.rst, "Volatile mount")
+        try:
+            os.unlink(os.path.join(d, "work/work/incompat/volatile/dirty"))
+        except FileNotFoundError:
+            pass
+        for p in ("work/work/incompat/volatile", "work/work/incompat", "work/work", "work", "upper"):
             try:
                 os.rmdir(os.path.join(d, p))
             except FileNotFoundError:

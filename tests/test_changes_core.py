@@ -177,12 +177,19 @@ def test_a_directory_rename_in_the_lower_is_a_copy_and_shows_as_deleted_plus_cre
     assert kinds["src"] == "deleted" and kinds["source"] == "created" and kinds["source/pkg/core.py"] == "created"
 
 
-def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env):
+@pytest.mark.parametrize("volatile", [False, True])
+def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env, monkeypatch, volatile):
+    """`run -- true`: a few rmdir calls (a volatile overlay leaves work/work/incompat/volatile/dirty)."""
+    if volatile:
+        monkeypatch.setattr(sys.modules[__name__], "OPTS", OPTS + ",volatile")
     project(env.wt)
     orig = tree(env.wt)
+    rmtree_used = []
+    real = changes._rm
+    monkeypatch.setattr(changes, "_rm", lambda p: rmtree_used.append(p) or real(p))
     cid, _, ch = env.cell("true; cat README > /dev/null")
     assert ch["files"] == 0 and not os.path.exists(changes.layer_dir(env.st, "R", cid)) and tree(env.wt) == orig
-    assert env.j.change_rows() == []
+    assert env.j.change_rows() == [] and rmtree_used == []  # the fast path, no tree walk
 
 
 def test_undo_refuses_with_75_naming_the_later_cell_and_force_overrides(env):

@@ -916,6 +916,11 @@ def _explain_missing(state_root: str, journal, record_id: str, run_id: str | Non
                                 f"recorded{' (' + why + ')' if why else ''}; nothing to undo")
         if cell["state"] not in TERMINAL_CELL:
             raise NotReversible(f"cell {record_id} of run {r} is still {cell['state']}: its changes land when it ends")
+        d = layer_dir(state_root, r, record_id)
+        if any(os.path.lexists(os.path.join(d, n)) for n in ("plan.json", "upper", "record.json")):
+            raise NotReversible(f"the changes of cell {record_id} of run {r} are not committed yet"
+                                f"{' (' + str(ch['error']) + ')' if ch.get('error') else ''}: the janitor finishes "
+                                "the commit (agnsup janitor)")
         if rcpts and not ch:
             raise NotReversible(f"cell {record_id} of run {r} has no change record (it could not write the "
                                 "worktree, or ran before agnsup recorded changes)")

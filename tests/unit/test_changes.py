@@ -697,3 +697,25 @@ def test_a_rebuilt_journal_indexes_the_records_on_disk_again_with_their_undo_sta
         assert changes.reindex(env.st, fresh) == []
     finally:
         fresh.close()
+
+
+def test_a_cell_whose_commit_has_not_finished_is_named_so_not_as_unchanged(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+
+    def fail(step):
+        if step == "plan_written":
+            raise OSError(5, "Input/output error")
+    monkeypatch.setattr(changes, "_step_hook", fail)
+    with pytest.raises(OSError):
+        changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.setattr(changes, "_step_hook", None)
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A",
+                         "changes": {"mode": "at_exit", "files": None, "error": "Input/output error"}}, None)
+    with pytest.raises(NotReversible, match="not committed yet .Input/output error.: the janitor finishes"):
+        env.undo(c.id)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["finished"]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, "README")) == "readme\n"

@@ -804,7 +804,9 @@ def _empty_layer(d: str, worktree: str) -> bool:
 
 
 def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
-    """The layer of a cell that changed nothing: a handful of rmdir calls, no record."""
+    """The layer of a cell that changed nothing: a handful of rmdir calls, no record. Best effort:
+    a state root that went read-only (the kill switch's case) does not turn "nothing changed" into
+    an error; what is left, the janitor removes (finish_all: an empty upper again)."""
     d = layer_dir(state_root, run_id, record_id)
     try:
         # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
@@ -820,12 +822,18 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
                 pass
         os.rmdir(d)
     except OSError:
-        _rm(d)
+        try:
+            _rm(d)
+        except OSError:  # a read-only or full state root: nothing changed, the janitor removes it later
+            return
     try:
         os.rmdir(os.path.dirname(d))  # the run's directory, when this was its only record
     except OSError:
         pass
-    _unmark_pending(state_root, run_id, record_id)
+    try:
+        _unmark_pending(state_root, run_id, record_id)
+    except OSError:
+        pass
 
 
 def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,

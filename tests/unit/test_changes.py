@@ -719,3 +719,20 @@ def test_a_cell_whose_commit_has_not_finished_is_named_so_not_as_unchanged(env, 
     assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["finished"]
     env.undo(c.id)
     assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_an_empty_layer_on_a_state_root_gone_read_only_is_still_nothing_changed(env, monkeypatch):
+    c = env.cell()
+
+    def erofs(*a, **k):
+        raise OSError(30, "Read-only file system")
+    for name in ("rmdir", "unlink"):
+        monkeypatch.setattr(os, name, erofs)
+    ch = changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.undo()
+    assert ch["files"] == 0 and "record" not in ch
+    assert os.path.isdir(c.layer.dir)  # left for the janitor
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A", "changes": ch}, None)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["empty"]
+    assert not os.path.exists(c.layer.dir)

@@ -418,18 +418,39 @@ def _open_dir_at(dfd: int | None, name: str) -> int:
 
 
 def _empty(fd: int) -> None:
-    with os.scandir(fd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    for name, is_dir in entries:
-        if is_dir:
+    """Empty the directory `fd` with two descriptors and no recursion, however deep the tree (a cell
+    can make a chain deeper than Python's recursion limit or RLIMIT_NOFILE): each subdirectory's own
+    subdirectories are renamed up into `fd` (renameat(2) within the tree), its files unlinked, and the
+    then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
+    n = 0
+    while True:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        if not entries:
+            return
+        for name, is_dir in entries:
+            if not is_dir:
+                os.unlink(name, dir_fd=fd)
+                continue
             sub = _open_dir_at(fd, name)
             try:
-                _empty(sub)
+                with os.scandir(sub) as it:
+                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                for iname, idir in inner:
+                    if not idir:
+                        os.unlink(iname, dir_fd=sub)
+                        continue
+                    while True:  # up into fd, under a name no entry of fd has
+                        n += 1
+                        try:
+                            os.rename(iname, f".agnsup-rm-{n}", src_dir_fd=sub, dst_dir_fd=fd)
+                            break
+                        except OSError as e:
+                            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                                raise
             finally:
                 os.close(sub)
             os.rmdir(name, dir_fd=fd)
-        else:
-            os.unlink(name, dir_fd=fd)
 
 
 def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:

@@ -736,3 +736,24 @@ def test_an_empty_layer_on_a_state_root_gone_read_only_is_still_nothing_changed(
                          "signal": None, "reason": "exited", "agent_id": "A", "changes": ch}, None)
     assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["empty"]
     assert not os.path.exists(c.layer.dir)
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_recorded_and_removed(env):
+    """A cell can make a directory chain deeper than Python's recursion limit: its record is still
+    written, and dropping the record (retention) still frees it."""
+    c = env.cell()
+    fd = os.open(c.upper, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # sys.getrecursionlimit() is 1000
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    ch = c.end()
+    assert ch["files"] == 1101
+    env.undo(c.id)  # the undo moves the chain into the undo record's before/ (one rename)
+    assert os.listdir(env.wt) == []
+    assert len(changes.prune(env.st, env.j, keep=0, keep_bytes=0)) == 2
+    assert sorted(os.listdir(os.path.join(env.st, "changes"))) == [".xattr-probe", "pending"] or \
+        not os.path.exists(os.path.join(env.st, "changes", "R"))

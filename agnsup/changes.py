@@ -44,8 +44,9 @@ import time
 from . import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
-__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "commit", "finish_all", "diff", "undo", "select",
-           "prune", "drop_paths", "ChangeConflict", "NotReversible"]
+__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "commit", "finish_all", "diff", "undo",
+           "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row", "UnsafePath",
+           "ChangeConflict", "NotReversible"]
 
 VERSION = 1
 # journal.TERMINAL_CELL, spelled here: importing the journal module would load SQLite into every cell child

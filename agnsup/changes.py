@@ -32,6 +32,12 @@ The overlay is mounted with redirect_dir=off, index=off, metacopy=off (issue26.m
 the upper layer then holds only whole files, whole new directories (opaque when
 they replace something), merged directories and whiteouts (character device 0/0).
 Renames show as deleted + created (the kernel does not say).
+
+Limits (documented, not hidden): a hard link the cell made between two names becomes two files;
+across file systems (state root and worktree apart) xattrs are not copied and a bound socket's name
+is not carried; a tree copied across file systems holds one descriptor pair per level (a chain
+deeper than RLIMIT_NOFILE/2 fails the commit, and stays in the layer, nothing lost); overlayfs's own
+xattrs (origin, impure) are stripped from each moved path's top only.
 """
 from __future__ import annotations
 

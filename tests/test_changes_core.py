@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -39,6 +40,7 @@ for dirpath, dirs, files in os.walk(root):
         p = os.path.join(dirpath, name); st = os.lstat(p); rel = os.path.relpath(p, root)
         if stat.S_ISLNK(st.st_mode): body = ["link", os.readlink(p), st.st_mtime_ns]
         elif stat.S_ISDIR(st.st_mode): body = ["dir"]
+        elif not stat.S_ISREG(st.st_mode): body = ["other", stat.S_IFMT(st.st_mode), st.st_mtime_ns]
         else: body = ["file", hashlib.sha256(open(p, "rb").read()).hexdigest(), st.st_mtime_ns]
         out[rel] = [stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid] + body
 print(json.dumps(out))
@@ -58,6 +60,8 @@ def tree(root: str) -> dict:
                 body = ["link", os.readlink(p), st.st_mtime_ns]
             elif stat.S_ISDIR(st.st_mode):
                 body = ["dir"]
+            elif not stat.S_ISREG(st.st_mode):
+                body = ["other", stat.S_IFMT(st.st_mode), st.st_mtime_ns]
             else:
                 with open(p, "rb") as f:
                     body = ["file", hashlib.sha256(f.read()).hexdigest(), st.st_mtime_ns]
@@ -173,12 +177,19 @@ def test_a_directory_rename_in_the_lower_is_a_copy_and_shows_as_deleted_plus_cre
     assert kinds["src"] == "deleted" and kinds["source"] == "created" and kinds["source/pkg/core.py"] == "created"
 
 
-def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env):
+@pytest.mark.parametrize("volatile", [False, True])
+def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env, monkeypatch, volatile):
+    """`run -- true`: a few rmdir calls (a volatile overlay leaves work/work/incompat/volatile/dirty)."""
+    if volatile:
+        monkeypatch.setattr(sys.modules[__name__], "OPTS", OPTS + ",volatile")
     project(env.wt)
     orig = tree(env.wt)
+    rmtree_used = []
+    real = changes._rm
+    monkeypatch.setattr(changes, "_rm", lambda p: rmtree_used.append(p) or real(p))
     cid, _, ch = env.cell("true; cat README > /dev/null")
     assert ch["files"] == 0 and not os.path.exists(changes.layer_dir(env.st, "R", cid)) and tree(env.wt) == orig
-    assert env.j.change_rows() == []
+    assert env.j.change_rows() == [] and rmtree_used == []  # the fast path, no tree walk
 
 
 def test_undo_refuses_with_75_naming_the_later_cell_and_force_overrides(env):
@@ -217,11 +228,20 @@ def test_a_controller_killed_during_the_commit_leaves_it_for_the_janitor_who_fin
     assert tree(env.wt) == orig
 
 
-def test_a_dead_cells_layer_is_committed_by_the_janitor_and_says_so(env):
+def test_a_dead_cells_layer_is_committed_by_the_janitor_and_says_so(env, tmp_path):
     project(env.wt)
+    env.j.register_controller({"id": "ctl-1", "kind": "run", "pid": 1, "pidfd_ino": None, "starttime": 1,
+                               "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    env.j.begin_cell({"run_id": "R", "cell_id": "c1", "agent_id": "A", "role": "executor", "token": "t",
+                      "controller_id": "ctl-1", "boot_id": "b", "cgroup": "{}", "tmpdir": None, "worktree": env.wt,
+                      "lock_path": None, "argv": '["sh"]', "exe": "/bin/sh", "created_at": time.time(), "grace": 1.0},
+                     [{"stage": "public_tool", "t": 0}])
     layer = changes.prepare(env.st, "R", "c1", worktree=env.wt, agent_id="A")
     seen = overlay_run(layer, env.wt, "rm -rf .git; echo left > left.txt")
-    done = changes.finish_all(env.st, env.j)  # the journal has no live row for c1: its tree is gone
+    assert changes.finish_all(env.st, env.j) == []  # the journal says c1 is starting: its controller may live
+    env.j.conclude_recovered([{"run_id": "R", "cell_id": "c1", "controller": "ctl-1", "entry": {"notes": []},
+                               "receipt": {}}], "j-1", time.time(), "/dev/null")
+    done = changes.finish_all(env.st, env.j)  # recovered: its tree is gone
     assert [(d["record_id"], d["action"]) for d in done] == [("c1", "committed")]
     assert done[0]["changes"]["record"] == "R/c1" and tree(env.wt) == seen
 
@@ -365,3 +385,19 @@ def test_a_normal_users_state_root_and_overlay_userxattr_commit_undo_and_redo(sh
     assert sorted(os.listdir(os.path.join(wt, "src"))) == ["n.py"]
     assert all(v[1] == NOBODY for v in r["after"].values())
     assert "user.overlay.opaque" not in os.listxattr(os.path.join(wt, "src"))
+
+
+def test_special_files_across_file_systems_a_fifo_is_kept_a_bound_socket_is_not(tmpfs_state, tmp_path):
+    wt = str(tmp_path / "wt")
+    e = Env(os.path.join(tmpfs_state, "state"), wt)
+    try:
+        project(wt, repo=False)
+        sock = "import socket; s = socket.socket(socket.AF_UNIX); s.bind('sock')"
+        cid, seen, ch = e.cell(f"mkfifo fifo; {sys.executable} -c \"{sock}\"")
+        assert seen["sock"][3:5] == ["other", stat.S_IFSOCK]  # the cell saw its socket
+        assert stat.S_ISFIFO(os.lstat(os.path.join(wt, "fifo")).st_mode)
+        assert not os.path.lexists(os.path.join(wt, "sock"))  # a socket's name means nothing once its process is gone
+        changes.undo(e.st, e.j, [f"R/{cid}"])
+        assert not os.path.lexists(os.path.join(wt, "fifo"))
+    finally:
+        e.close()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agnsup import changes
-from agnsup.errors import AmbiguousId, ChangeConflict, NotReversible, UnknownId, exit_code
+from agnsup.errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId, exit_code
 from agnsup.journal import Journal
 
 ROOT = os.geteuid() == 0
@@ -262,6 +262,7 @@ def test_the_worktree_root_mode_change_is_recorded_only_against_what_prepare_saw
 def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     base = 100000
     c = env.cell()
+    os.chown(c.upper, base, base)  # the upper's root as a mapped cell's layer holds it on disk
     p = write(os.path.join(c.upper, "made"), "m\n", mode=0o4755)
     os.chown(p, base + 1000, base + 1000)
     os.chmod(p, 0o4755)
@@ -271,6 +272,7 @@ def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     st = os.stat(os.path.join(env.wt, "made"))
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o4755)
     assert os.stat(os.path.join(env.wt, "d")).st_uid == 0
+    assert os.stat(env.wt).st_uid == 0  # the root's owner is not taken for a change
 
 
 # -- undo, redo, refusals --------------------------------------------------------------------------------
@@ -573,6 +575,7 @@ def test_drop_paths_forgets_what_protect_settle_quarantined(env):
 def test_unsupported_names_a_state_root_that_cannot_hold_an_upper_layer(env, monkeypatch):
     assert changes.unsupported(env.st, env.wt) is None
     assert changes.unsupported(env.st, os.path.join(env.wt, "nope")) == f"the worktree {env.wt}/nope is not a directory"
+    os.unlink(os.path.join(env.st, "changes", ".xattr-probe"))  # as a state root never probed
     monkeypatch.setattr(changes, "_UNSUPPORTED_CACHE", {})
     monkeypatch.setattr(changes, "fs_type", lambda p: 0x6969)
     why = changes.unsupported(env.st, env.wt)
@@ -588,6 +591,7 @@ def test_the_probe_is_cached_on_disk_so_a_new_process_pays_one_getxattr(env, mon
     calls = []
     real = os.setxattr
     monkeypatch.setattr(os, "setxattr", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(changes, "fs_type", lambda p: calls.append(p))
     assert changes.unsupported(env.st, env.wt) is None and calls == []
 
 
@@ -623,6 +627,133 @@ def test_a_forced_undo_through_a_swapped_directory_neither_reads_nor_removes_out
     write(os.path.join(outside, "x"), "precious\n")
     os.rename(os.path.join(env.wt, "a"), os.path.join(env.wt, "a.real"))
     os.symlink(outside, os.path.join(env.wt, "a"))
-    with pytest.raises(changes.UnsafePath):
+    with pytest.raises(ChangeConflict, match="changed outside agnsup since: a/x"):
+        env.undo(c.id)
+    with pytest.raises(StateError, match="undo of R/.* stopped: .*symlink"):
         env.undo(c.id, force=True)
     assert read(os.path.join(outside, "x")) == "precious\n"
+
+
+def test_importing_changes_costs_no_heavy_module_on_the_run_path():
+    """commit() runs in every `agnsup run`: the modules test_startup_cost.py calls heavy stay out."""
+    import subprocess
+    import sys
+    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", "import agnsup.changes"], capture_output=True,
+                        text=True, timeout=60)
+    mods = {line.rpartition("|")[2].strip() for line in cp.stderr.splitlines() if line.startswith("import time:")}
+    assert "agnsup.changes" in mods
+    assert not mods & {"shutil", "typing", "secrets", "difflib", "ctypes", "sqlite3", "_sqlite3", "tempfile"}
+
+
+def test_an_undo_that_died_before_its_plan_leaves_nothing_and_the_janitor_clears_it(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+    c.end()
+    after = tree(env.wt)
+
+    def die(*a, **k):
+        raise Crash("before the plan")
+    monkeypatch.setattr(changes, "_write_json", die)
+    with pytest.raises(Crash):
+        env.undo(c.id)
+    monkeypatch.undo()
+    assert tree(env.wt) == after
+    assert [d for d in changes.finish_all(env.st, env.j)] == []
+    assert sorted(os.listdir(os.path.join(env.st, "changes", "R"))) == [c.id]
+    assert os.listdir(os.path.join(env.st, "changes", "pending")) == []
+    env.undo(c.id)  # and the undo itself still works
+    assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_a_quarantined_replacement_leaves_the_pre_image_to_undo(env):
+    """settle moved a file the cell replaced out of the worktree: undo brings the original back."""
+    write(os.path.join(env.wt, ".mcp.json"), "{}\n")
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, ".mcp.json"), '{"evil": 1}\n')
+    c.end()
+    os.rename(os.path.join(env.wt, ".mcp.json"), str(env.wt) + ".quarantined")
+    changes.drop_paths(env.st, "R", c.id, [".mcp.json"])
+    rec = record_of(changes.layer_dir(env.st, "R", c.id))
+    assert [(e["path"], e["change"]) for e in rec["entries"]] == [(".mcp.json", "deleted")]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, ".mcp.json")) == "{}\n"
+
+
+def test_a_rebuilt_journal_indexes_the_records_on_disk_again_with_their_undo_state(env, tmp_path):
+    project(env.wt)
+    a, b = env.cell(), env.cell()
+    write(copy_up(env.wt, a.upper, "README"), "a\n")
+    a.end()
+    write(os.path.join(b.upper, "new"), "b\n")
+    b.end()
+    env.undo(a.id)
+    fresh = Journal(str(tmp_path / "rebuilt.db"))
+    try:
+        added = changes.reindex(env.st, fresh)
+        assert len(added) == 3 and added[:2] == [f"R/{a.id}", f"R/{b.id}"]
+        assert fresh.change_row("R", a.id)["state"] == "undone"
+        assert [r["record_id"] for r in changes.select(fresh, run_id="R")] == [b.id]
+        assert changes.reindex(env.st, fresh) == []
+    finally:
+        fresh.close()
+
+
+def test_a_cell_whose_commit_has_not_finished_is_named_so_not_as_unchanged(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+
+    def fail(step):
+        if step == "plan_written":
+            raise OSError(5, "Input/output error")
+    monkeypatch.setattr(changes, "_step_hook", fail)
+    with pytest.raises(OSError):
+        changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.setattr(changes, "_step_hook", None)
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A",
+                         "changes": {"mode": "at_exit", "files": None, "error": "Input/output error"}}, None)
+    with pytest.raises(NotReversible, match="not committed yet .Input/output error.: the janitor finishes"):
+        env.undo(c.id)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["finished"]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_an_empty_layer_on_a_state_root_gone_read_only_is_still_nothing_changed(env, monkeypatch):
+    c = env.cell()
+
+    def erofs(*a, **k):
+        raise OSError(30, "Read-only file system")
+    for name in ("rmdir", "unlink"):
+        monkeypatch.setattr(os, name, erofs)
+    ch = changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.undo()
+    assert ch["files"] == 0 and "record" not in ch
+    assert os.path.isdir(c.layer.dir)  # left for the janitor
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A", "changes": ch}, None)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["empty"]
+    assert not os.path.exists(c.layer.dir)
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_recorded_and_removed(env):
+    """A cell can make a directory chain deeper than Python's recursion limit: its record is still
+    written, and dropping the record (retention) still frees it."""
+    c = env.cell()
+    fd = os.open(c.upper, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # sys.getrecursionlimit() is 1000
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    ch = c.end()
+    assert ch["files"] == 1101
+    env.undo(c.id)  # the undo moves the chain into the undo record's before/ (one rename)
+    assert os.listdir(env.wt) == []
+    assert len(changes.prune(env.st, env.j, keep=0, keep_bytes=0)) == 2
+    assert sorted(os.listdir(os.path.join(env.st, "changes"))) == [".xattr-probe", "pending"] or \
+        not os.path.exists(os.path.join(env.st, "changes", "R"))

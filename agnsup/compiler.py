@@ -505,6 +505,8 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
         options = (("idmap", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
     else:
         options = ()
+    if not required:
+        options += (("live_ok",),)  # a kernel that refuses the overlay here: the cell runs live, and says so
     return {**out, "mode": "at_exit", "why": None, "layer": layer_dir(state_root, spec.run_id, spec.cell_id),
             "options": options}
 

@@ -367,6 +367,10 @@ class _Janitor:
         layer = changes.layer_dir(self.state.path, run, cell)
         if not any(os.path.lexists(os.path.join(layer, n)) for n in ("upper", "plan.json")):
             return  # it did not capture (live, read-only, never started), or it was committed already
+        from .broker import layer_ran_live
+        live = layer_ran_live(layer)
+        if live is not None:
+            c.entry["notes"].append(live)
         try:
             summary = changes.commit(self.state.path, run, cell, c.row["worktree"], agent_id=c.row["agent_id"],
                                      id_shift=layer_shift(layer))
@@ -375,9 +379,11 @@ class _Janitor:
             c.entry["notes"].append(f"its worktree changes could not be committed yet ({e}); the next janitor "
                                     "finishes the commit")
             return
-        c.entry["changes"] = summary
+        c.entry["changes"] = summary if live is None else {"mode": "live", "why": live}
         n = summary.get("files") or 0
-        if n:
+        if live is not None:
+            pass
+        elif n:
             c.entry["notes"].append(f"committed {n} change(s) the cell left in its worktree {c.row['worktree']} "
                                     f"(undo with agnsup undo {cell} --run {run})")
         else:

@@ -289,7 +289,7 @@ def test_a_normal_users_cell_captures_its_changes(tmp_path):
         assert (st.st_uid, st.st_gid) == (user.uid, user.gid)
         with open(os.path.join(state, "cells", "r1", "c1", "receipt.json")) as f:
             ch = json.load(f)["changes"]
-        assert ch["mode"] == "at_exit" and ch["record"] == "r1/c1" and ch["files"] == 4
+        assert ch["mode"] == "at_exit" and ch["record"] == "r1/c1" and ch["files"] == 4, ch
         # what the user's overlay kept its whiteouts and opaque marks in: user.* xattrs, gone after the commit
         assert not os.path.exists(os.path.join(state, "changes", "r1", "c1", "upper"))
         assert not user.left()
@@ -390,3 +390,48 @@ def test_what_protect_quarantines_after_the_commit_leaves_the_record(agnsup, tmp
     assert [q["path"] for q in r["protected"]["quarantined"]] == [".vscode"]
     with open(os.path.join(agnsup.state, "changes", "r1", "c1", "record.json")) as f:
         assert [e["path"] for e in json.load(f)["entries"]] == ["keep.txt"]
+
+
+def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
+    """mounts.overlay over `wt` in a forked child's own mount namespace, then a write to wt/probe: what it
+    said ("ok" or the error)."""
+    from agnsup.linux import mounts
+    from agnsup.linux import sys as lsys
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lsys.unshare(lsys.CLONE_NEWNS)
+            lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+            lfd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+            mounts.overlay(wt, lfd, options)
+            with open(os.path.join(wt, "probe"), "w") as f:
+                f.write("x")
+            os.write(w, b"ok")
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    said = os.read(r, 4096)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_an_overlay_the_kernel_refuses_runs_the_cell_live_and_says_why_unless_reversible_is_required(
+        tmp_path, outside):
+    from agnsup import broker
+    from agnsup.linux import mounts
+    wt = os.path.join(outside, "wt")
+    os.mkdir(wt)
+    layer = str(tmp_path / "layer")
+    os.makedirs(os.path.join(layer, "upper"))  # no work/: the kernel refuses the overlay (ENOENT)
+    said = _overlay_in_a_child(wt, layer, ())
+    assert b"No such file" in said and not os.path.exists(os.path.join(wt, "probe"))  # required: the cell fails
+    assert broker.layer_ran_live(layer) is None
+    assert _overlay_in_a_child(wt, layer, (("live_ok",),)) == b"ok"
+    assert os.path.exists(os.path.join(wt, "probe"))  # written live, straight to the worktree
+    why = broker.layer_ran_live(layer)
+    assert why.startswith("the kernel refused the worktree's overlay here (") and "ran live" in why
+    assert os.path.exists(os.path.join(layer, mounts.LAYER_LIVE))

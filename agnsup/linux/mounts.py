@@ -45,9 +45,9 @@ The recipe, in order:
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
            cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
            none in the worktree is followed: the only value userxattr allows), index, metacopy and
-           xino off; volatile: no syncfs of the state root's whole file system when the overlay
-           goes, 10-20 ms here, a live cell's writes are not synced either; userxattr inside a
-           normal user's user namespace), moved onto the worktree right
+           xino off; volatile as root: no syncfs of the state root's whole file system when the
+           overlay goes, 10-20 ms here, a live cell's writes are not synced either; userxattr
+           inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
            others, while its mount is read-write). A mapped cell's layer goes in through an
            id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
@@ -75,6 +75,8 @@ KINDS = ("clone", "idclone", "tmpcopy", "root", "hide", "mask", "attach", "dev",
 # overlay: the file in the layer directory that says the upper was not id-mapped ("UID_SHIFT GID_SHIFT": the
 # commit turns host owners BASE+n back into n, changes.commit's id_shift)
 LAYER_SHIFT = "id_shift"
+# overlay: the file in the layer directory that says the kernel refused the overlay and the cell ran live (why)
+LAYER_LIVE = "ran_live"
 
 
 # kind:     one of KINDS
@@ -82,7 +84,7 @@ LAYER_SHIFT = "id_shift"
 # key:      names a clone for a later attach; dev: the size of /dev/shm in bytes
 # readonly: root: read-only (else only private); clone: a read-only copy
 # points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices;
-#           overlay: its options, each a tuple: ("userxattr",), ("idmap", uid_shift, gid_shift)
+#           overlay: its options, each a tuple: ("userxattr",), ("idmap", uid_shift, gid_shift), ("live_ok",)
 # (overlay: path = the worktree, key = the clone of the layer directory holding upper/ and work/)
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
@@ -178,9 +180,13 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     work directory: an id-mapped layer whose map lacks the overlay's creator answers EOVERFLOW)."""
     opts = {"lowerdir": _escape_layer(lower), "upperdir": os.path.join(layer, "upper"),
             "workdir": os.path.join(layer, "work"), "redirect_dir": "nofollow", "index": "off", "metacopy": "off",
-            "xino": "off", "volatile": None}
+            "xino": "off"}
     if userxattr:
         opts["userxattr"] = None
+    else:
+        # not in a normal user's namespace: there the kernel's work/work (mode 000) would then hold
+        # incompat/volatile, which that user cannot remove after the cell
+        opts["volatile"] = None
     fd = lsys.fsmount_new("overlay", opts)
     if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
         os.close(fd)
@@ -199,7 +205,12 @@ def overlay(target: str, layer_fd: int, options: tuple, layer_userns_fd: int | N
     layers: the fds are closed right after). Where the kernel refuses that clone or an overlay
     on it, the layer goes in as it is: the upper's root then gets the host owner a mapped cell
     sees its worktree's root as (+ the shifts), and LAYER_SHIFT in the layer directory tells the
-    commit to shift every owner back."""
+    commit to shift every owner back.
+
+    ("live_ok",): where the kernel refuses the overlay itself (a worktree's file system it will not
+    take as a lower layer, ...), the cell runs on the plain worktree, live, and LAYER_LIVE in the
+    layer directory says why (the receipt then does); without it (isolation.require "reversible")
+    the refusal fails the cell's setup."""
     flags = {o[0]: o[1:] for o in options}
     userxattr = "userxattr" in flags
     shift = flags.get("idmap")
@@ -230,7 +241,16 @@ def overlay(target: str, layer_fd: int, options: tuple, layer_userns_fd: int | N
             with open(tmp, "w") as f:
                 f.write(f"{shift[0]} {shift[1]}\n")
             os.replace(tmp, os.path.join(layer, LAYER_SHIFT))
-        ov = _overlay_fs(target, layer, userxattr)
+        try:
+            ov = _overlay_fs(target, layer, userxattr)
+        except OSError as e:
+            if "live_ok" not in flags:
+                raise
+            tmp = os.path.join(layer, LAYER_LIVE + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{e.strerror or e}\n")
+            os.replace(tmp, os.path.join(layer, LAYER_LIVE))
+            return
         try:
             lsys.move_mount_fd(ov, target)
         finally:

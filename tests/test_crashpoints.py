@@ -121,16 +121,18 @@ def test_a_cell_whose_controller_died_while_it_ran_has_its_changes_committed_by_
                                                                                             tmp_path, policy_dir):
     write_role(policy_dir, "quick", limits__grace="0.5")
     agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
-    cell = "x-died-running"
+    cell = "x-died-running-" + os.urandom(4).hex()  # its processes are looked up host-wide by cell id
     argv = ["sh", "-c", WRITES[2].replace("exit 0", "exec sleep 1000")]
     p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, "--", *argv,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    upper = os.path.join(agnsup.state, "changes", "default", cell, "upper")
-    wait_for(lambda: os.path.exists(os.path.join(upper, "d", "f3")) or p.poll() is not None, what="the writes")
-    assert p.poll() is None
-    assert os.listdir(worktree) == []  # in the cell's layer only, while it runs
-    p.kill()
-    p.wait(10)
+    try:
+        upper = os.path.join(agnsup.state, "changes", "default", cell, "upper")
+        wait_for(lambda: os.path.exists(os.path.join(upper, "d", "f3")) or p.poll() is not None, what="the writes")
+        assert p.poll() is None
+        assert os.listdir(worktree) == []  # in the cell's layer only, while it runs
+    finally:
+        p.kill()
+        p.wait(10)
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == [cell]
     assert _assert_converged(agnsup, cell)["state"] == "recovered"

@@ -179,6 +179,19 @@ def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
     from .cells import listing, tree_text
     cells = listing(_root(obj), run_id, show_all)
+    if any(c["state"] not in ("waiting", "starting", "running") for c in cells):
+        j = _journal(obj)  # a cell that ended may have changes kept: kept, undone or dropped now
+        try:
+            states = _change_states(j, run_id)
+        finally:
+            if j is not None:
+                j.close()
+        for c in cells:
+            row = states.get((c["run_id"], c["cell_id"]))
+            if row is not None:
+                c["changes"] = {"record": f"{row['run_id']}/{row['record_id']}", "files": row["files"],
+                                "state": {"committed": "kept"}.get(row["state"], row["state"]),
+                                "undone_by": row["undone_by"]}
     if as_json:
         click.echo(json.dumps(cells, indent=2))
     elif not cells:
@@ -206,6 +219,10 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                    or "no refused calls")
         return
     items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
+    states = _change_states(j, run_id) if any(isinstance(r.get("changes"), dict) for r in items) else {}
+    for r in items:
+        if states and isinstance(r.get("changes"), dict):
+            r["changes"] = _with_state(r["changes"], states)
     if _echo_json(as_json, items, sort_keys=True):
         return
     for r in items:
@@ -217,10 +234,210 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                 from .egress.summary import lines
                 for line in lines(r["network"]):
                     click.echo("  " + line)
+            line = changes_line(r)
+            if line:
+                click.echo("  " + line)
         else:
             click.echo(json.dumps(r, sort_keys=True))
     if not items:
         click.echo("no receipts")
+
+
+def changes_line(r: dict) -> str | None:
+    """A receipt's `changes` section in one line (receipts, ps): what the cell changed and
+    the command that undoes it; None when the receipt has none (a read-only or old cell)."""
+    ch = r.get("changes")
+    if not isinstance(ch, dict):
+        return None
+    if ch.get("mode") == "live":
+        why = ch.get("why") or ch.get("reason")
+        return "changes: live, not captured" + (f" ({why})" if why else " (no diff or undo)")
+    if not ch.get("files"):
+        return "changes: none"
+    parts = [f"{ch[k]} {k}" for k in ("created", "modified", "deleted") if ch.get(k)]
+    other = ch["files"] - sum(ch.get(k) or 0 for k in ("created", "modified", "deleted"))
+    if other > 0:
+        parts.append(f"{other} other")
+    run, _, cell = (ch.get("record") or f"{r.get('run_id')}/{r.get('cell_id')}").rpartition("/")
+    where = "" if run == "default" else f" --run {run}"
+    state = ch.get("state")  # kept / undone / dropped when the caller looked it up in the journal
+    if state in ("undone", "dropped"):
+        return f"changes: {', '.join(parts)} ({state})"
+    return f"changes: {', '.join(parts)}, {_size(ch.get('bytes') or 0)} (undo: agnsup undo {cell}{where})"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_CHANGE_MARK = {"created": "A", "modified": "M", "deleted": "D", "replaced": "R", "mode": "m"}
+
+
+def _kind(side: dict | None) -> str:
+    t = (side or {}).get("type") or "absent"
+    return {"dir": "dir", "symlink": "symlink", "file": "", "absent": "", "other": "special"}.get(t, t)
+
+
+def _entry_line(e: dict) -> str:
+    """One changed path: its mark, its path, and what kind of change beyond the content."""
+    before, after = e.get("before") or {}, e.get("after") or {}
+    path = e["path"] + ("/" if "dir" in (before.get("type"), after.get("type")) else "")
+    notes = []
+    kinds = {_kind(before), _kind(after)} - {""}
+    if kinds:
+        notes.append("/".join(sorted(kinds)))
+    if after.get("type") == "symlink" and after.get("target") is not None:
+        notes.append(f"-> {after['target']}")
+    if before.get("mode") is not None and after.get("mode") is not None and before["mode"] != after["mode"]:
+        notes.append(f"mode {before['mode'] & 0o7777:o} -> {after['mode'] & 0o7777:o}")
+    if "added" in e or "removed" in e:
+        notes.append(f"+{e.get('added', 0)} -{e.get('removed', 0)}")
+    elif e.get("sizes") is not None or e.get("binary"):
+        sizes = e.get("sizes") or [before.get("size"), after.get("size")]
+        notes.append("binary " + " -> ".join("-" if s is None else _size(s) for s in sizes))
+    return f"{_CHANGE_MARK.get(e.get('change'), '?')} {path}" + (f"  ({', '.join(notes)})" if notes else "")
+
+
+def diff_text(d: dict, stat: bool) -> list[str]:
+    """`agnsup diff` for a terminal: a header, the file list (--stat: with +/- lines or sizes),
+    then (without --stat) the unified diff of every text file."""
+    entries = d.get("entries") or []
+    counts = d.get("counts") or {}
+    said = ", ".join(f"{v} {k}" for k, v in counts.items() if v) or f"{len(entries)} path(s)"
+    head = f"record {d.get('record')}" + (f" ({d['kind']}" + (f", {d['state']}" if d.get("state") else "") + ")"
+                                           if d.get("kind") else "")
+    out = [f"{head}: {said}"]
+    if d.get("undoes"):
+        out[0] += f"; undoes {d['undoes']}"
+    out += ["  " + _entry_line(e) for e in entries]
+    if stat:
+        return out
+    for e in entries:
+        text = e.get("diff")
+        if text:
+            out.append(text.rstrip("\n"))
+        for note in ("note", "why"):
+            if e.get(note):
+                out.append(f"# {e['path']}: {e[note]}")
+    return out
+
+
+@main.command()
+@click.argument("cell_id", metavar="CELL")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="The cell's run (only needed when the id names cells in several runs).")
+@click.option("--stat", is_flag=True, help="The file list with +/- lines per text file and sizes for binary "
+                                           "ones, without the text.")
+@click.option("--json", "as_json", is_flag=True, help="The record's entries as JSON (keys: docs/cli.md).")
+@click.pass_obj
+def diff(obj, cell_id, run_id, stat, as_json):
+    """What CELL changed in its worktree: each path created (A), modified (M),
+    deleted (D), replaced by another kind (R) or whose mode changed (m), then a
+    unified diff of every text file (sizes for binary ones). CELL may be an undo
+    record's id (undo-...), which shows what that undo restored.
+
+    Exit 0; 1 for an id the journal never saw, a cell that changed nothing,
+    ran live (not captured) or whose record was dropped.
+
+    \b
+    Examples:
+      agnsup diff c-1a2b3c4d
+      agnsup diff c-1a2b3c4d --stat
+      agnsup diff c-1a2b3c4d --run R --json
+    """
+    from .service import diff_changes
+    state = _state(obj)
+    j = state.journal()
+    try:
+        d = diff_changes(state, j, cell_id, run_id, stat)
+    finally:
+        j.close()
+    if not _echo_json(as_json, d):
+        click.echo("\n".join(diff_text(d, stat)))
+
+
+def undo_text(result: dict) -> list[str]:
+    """`agnsup undo` for a terminal: one line per record undone, then the undo's own record
+    id and the command that redoes it."""
+    out = []
+    for rec in result.get("records") or []:
+        rid, run = rec.get("record"), rec.get("run_id")
+        target = rec.get("undoes")
+        n = rec.get("files", len(rec.get("paths") or [])) if "files" in rec else len(rec.get("entries") or [])
+        where = "" if run in (None, "default") else f" --run {run}"
+        what = f"undid {target}" if target else "undid"
+        out.append(f"{what}: {n} path(s) restored in {rec.get('worktree')}")
+        out.append(f"  this undo is record {rid} (undo it to redo: agnsup undo {rid}{where})")
+    if not out:
+        out.append("nothing undone")
+    return out
+
+
+@main.command()
+@click.argument("cell_id", metavar="[CELL]", required=False)
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="Undo every cell of run R that has changes kept, newest first (with CELL: the cell's run).")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
+              help="Undo every cell of agent A (of run R with --run), newest first.")
+@click.option("--force", is_flag=True,
+              help="Undo even when a later cell, or something outside agnsup, changed the same paths since "
+                   "(their change is overwritten; it stays in their own record).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"undone", "records"} (keys: docs/cli.md).')
+@click.pass_obj
+def undo(obj, cell_id, run_id, agent_id, force, as_json):
+    """Put back what CELL changed in its worktree, exactly as it was before
+    the cell ran (the files it created go, the ones it deleted or changed come
+    back, modes and symlinks too, .git included). With --run or --agent: every
+    cell of that run or agent with changes kept, newest first.
+
+    The undo is itself a record: its id (undo-...) is printed, and undoing it
+    redoes the cell's changes.
+
+    Exit 0; 75 when a later cell (named) or something outside agnsup changed
+    the same paths since (nothing is touched; --force overrides); 1 for an id
+    the journal never saw, a cell that changed nothing, ran live, was already
+    undone or whose record was dropped, or a worktree that moved.
+
+    \b
+    Examples:
+      agnsup undo c-1a2b3c4d
+      agnsup undo --run R                # the whole run, newest first
+      agnsup undo --agent A --run R
+      agnsup undo undo-0123456789ab      # redo
+    """
+    from .service import undo_changes
+    state = _state(obj)
+    j = state.journal()
+    try:
+        result = undo_changes(state, j, cell_id, run_id, agent_id, force)
+    finally:
+        j.close()
+    if not _echo_json(as_json, result):
+        click.echo("\n".join(undo_text(result)))
+
+
+def _change_states(j, run_id: str | None = None) -> dict:
+    """{(run_id, record_id): journal row} of the change records (one query): their state now
+    (kept, undone, dropped). A receipt is written when its cell ended and never rewritten."""
+    if j is None:
+        return {}
+    from .service import _change_rows
+    return {(r["run_id"], r["record_id"]): r for r in _change_rows(j, run_id)}
+
+
+def _with_state(ch, states: dict):
+    """A receipt's `changes` section plus `state` (kept, undone, dropped) and `undone_by`."""
+    if not isinstance(ch, dict) or not ch.get("record"):
+        return ch
+    row = states.get(tuple(ch["record"].rsplit("/", 1)))
+    if row is None:
+        return ch
+    return {**ch, "state": {"committed": "kept"}.get(row["state"], row["state"]),
+            **({"undone_by": row["undone_by"]} if row["undone_by"] else {})}
 
 
 @main.command()

@@ -236,6 +236,27 @@ class Supervisor:
         from .cells import listing
         return listing(self.state, run_id, include_ended)
 
+    # -- reversible cells (issue 26) --------------------------------------------
+    def diff(self, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
+        """What cell `cell_id` (or an undo record, `undo-...`) changed in its worktree, from its
+        record: {"record", "kind", "state", "counts", "entries": [{"path", "change", "before",
+        "after", "diff" (unified text) or "sizes" (binary)}]}; with `stat`, "added"/"removed"
+        line counts instead of the text. `run_id` is needed only when the id names cells in
+        several runs. Raises UnknownId / AmbiguousId (the id), NotReversible (nothing changed,
+        ran live, record dropped), as `agnsup diff` refuses (exit 1)."""
+        return diff_changes(self.state, self.ctl.journal, cell_id, run_id, stat)
+
+    def undo(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
+             force: bool = False) -> dict:
+        """Restore the pre-cell state of what one cell changed (`cell_id` [+ `run_id`]), or of every
+        cell with changes kept in a run (`run_id`) or of an agent (`agent_id` [+ `run_id`]), newest
+        first. Returns {"undone": [...], "records": [the new undo records]}; undo of an undo record
+        (its id, `undo-...`) is a redo. Refusals, with nothing changed on disk: ChangeConflict
+        (exit 75: a later cell, or something outside agnsup, changed the same paths since; `force`
+        overrides), NotReversible (nothing to undo, already undone, dropped, a live cell, a
+        worktree that moved), UnknownId / AmbiguousId, UsageError (no scope, or cell and agent)."""
+        return undo_changes(self.state, self.ctl.journal, cell_id, run_id, agent_id, force)
+
     # -- live I/O (request options stdin, pty, stream) ------------------------
     def _running(self, run_id: str, cell_id: str) -> _Running:
         with self._guard:
@@ -394,3 +415,101 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
             delay = min(delay * 1.5, 0.25)
     finally:
         journal.close()
+
+
+# -- reversible cells (issue 26): the one path diff and undo take from every front door --------
+# The CLI, Supervisor.diff/undo and the MCP tools all come here, so they resolve ids and refuse
+# alike; changes.py does the work and owns the record's format.
+UNDO_LOCK_TIMEOUT = 30.0  # seconds an undo waits for the worktree lock of a cell still running there
+
+
+def _record_runs(journal, record_id: str) -> list[str]:
+    """The runs holding a cell or a change record (an undo's `undo-...` id) with this id."""
+    runs = set(journal.cell_runs(record_id))
+    runs.update(r["run_id"] for r in _change_rows(journal, record_id=record_id))
+    return sorted(runs)
+
+
+def _change_rows(journal, run_id: str | None = None, record_id: str | None = None) -> list:
+    """Rows of the journal's `changes` table (rev-core's index of the records), any state."""
+    rows = getattr(journal, "change_rows", None)
+    if rows is not None:
+        return rows(run_id=run_id, record_id=record_id)
+    import sqlite3
+    where = [(c, v) for c, v in (("run_id", run_id), ("record_id", record_id)) if v is not None]
+    q = "SELECT * FROM changes" + (" WHERE " + " AND ".join(f"{c}=?" for c, _ in where) if where else "")
+    try:
+        return journal._all(q, tuple(v for _, v in where))
+    except Exception as e:  # noqa: BLE001 - a journal from before the table: no record anywhere
+        if isinstance(getattr(e, "__cause__", None), sqlite3.Error) or "no such table" in str(e):
+            return []
+        raise
+
+
+def record_run(journal, record_id: str, run_id: str | None = None) -> str:
+    """The run of cell (or undo record) `record_id`: `run_id` when given, else the one run
+    holding it. UnknownId for an id the journal never saw, AmbiguousId for one in several runs."""
+    from .errors import AmbiguousId
+    from .state import check_id
+    check_id("cell", record_id)
+    if run_id is not None:
+        check_id("run", run_id)
+        if journal.cell(run_id, record_id) is None and not _change_rows(journal, run_id, record_id):
+            raise UnknownId(f"no cell {record_id!r} in run {run_id!r} in the journal")
+        return run_id
+    runs = _record_runs(journal, record_id)
+    if not runs:
+        raise UnknownId(f"no cell {record_id!r} in the journal")
+    if len(runs) > 1:
+        raise AmbiguousId(f"cell id {record_id!r} names cells in {len(runs)} runs ({', '.join(runs)}): add --run R")
+    return runs[0]
+
+
+def diff_changes(state, journal, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
+    """What cell (or undo record) `cell_id` changed in its worktree: changes.diff's dict."""
+    from . import changes
+    run_id = record_run(journal, cell_id, run_id)
+    return changes.diff(state, journal, cell_id, run_id, stat)
+
+
+def undo_targets(journal, cell_id: str | None = None, run_id: str | None = None,
+                 agent_id: str | None = None) -> list[str]:
+    """The records an undo names, as "run/record" ids: one cell's (or undo record's: a redo),
+    or every cell record still in force of a run or an agent (changes.select: newest first).
+    An undo record in force is not undone by --run/--agent: it is itself a restoration."""
+    from . import changes
+    from .errors import NotReversible
+    from .state import check_id
+    if cell_id is not None:
+        if agent_id is not None:
+            raise UsageError("give CELL [--run R], or --run R, or --agent A [--run R]")
+        return [f"{record_run(journal, cell_id, run_id)}/{cell_id}"]
+    if run_id is None and agent_id is None:
+        raise UsageError("say what to undo: CELL [--run R], --run R, or --agent A [--run R]")
+    if run_id is not None:
+        check_id("run", run_id)
+        if journal.run(run_id) is None:
+            raise UnknownId(f"no run {run_id!r} in the journal")
+    if agent_id is not None:
+        check_id("agent", agent_id)
+        known = journal.has_agent(run_id, agent_id) if run_id is not None else any(
+            c["agent_id"] == agent_id for c in journal.cells())
+        if not known:
+            raise UnknownId(f"no agent {agent_id!r}{f' in run {run_id!r}' if run_id else ''} in the journal")
+    rows = [r for r in changes.select(journal, run_id=run_id, agent_id=agent_id) if r["kind"] == "cell"]
+    if not rows:
+        scope = " and ".join(f"{k} {v}" for k, v in (("agent", agent_id), ("run", run_id)) if v)
+        raise NotReversible(f"nothing to undo for {scope}: none of its cells has changes kept "
+                            "(they changed nothing, ran live, or were undone or dropped already)")
+    return [f"{r['run_id']}/{r['record_id']}" for r in rows]
+
+
+def undo_changes(state, journal, cell_id: str | None = None, run_id: str | None = None,
+                 agent_id: str | None = None, force: bool = False) -> dict:
+    """Undo what a cell, a run's cells or an agent's cells changed: changes.undo's dict
+    ({"undone", "records": the new undo records}). Refusals: UnknownId/AmbiguousId (the id),
+    NotReversible (nothing to undo, dropped, live, a worktree that moved), ChangeConflict
+    (a later change to the same paths; force overrides); nothing changed on disk then."""
+    from . import changes
+    refs = undo_targets(journal, cell_id, run_id, agent_id)
+    return changes.undo(state, journal, refs, force=force)

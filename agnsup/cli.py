@@ -425,8 +425,7 @@ def _change_states(j, run_id: str | None = None) -> dict:
     (kept, undone, dropped). A receipt is written when its cell ended and never rewritten."""
     if j is None:
         return {}
-    from .service import _change_rows
-    return {(r["run_id"], r["record_id"]): r for r in _change_rows(j, run_id)}
+    return {(r["run_id"], r["record_id"]): r for r in j.change_rows(run_id=run_id)}
 
 
 def _with_state(ch, states: dict):

@@ -418,98 +418,88 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
 
 
 # -- reversible cells (issue 26): the one path diff and undo take from every front door --------
-# The CLI, Supervisor.diff/undo and the MCP tools all come here, so they resolve ids and refuse
-# alike; changes.py does the work and owns the record's format.
-UNDO_LOCK_TIMEOUT = 30.0  # seconds an undo waits for the worktree lock of a cell still running there
+# The CLI, Supervisor.diff/undo and the MCP tools all come here, so they resolve ids, lock and
+# refuse alike; changes.py does the work and owns the record's format.
+UNDO_LOCK_TIMEOUT = 30.0  # seconds an undo waits for the worktree lock a running cell holds
 
 
-def _record_runs(journal, record_id: str) -> list[str]:
-    """The runs holding a cell or a change record (an undo's `undo-...` id) with this id."""
-    runs = set(journal.cell_runs(record_id))
-    runs.update(r["run_id"] for r in _change_rows(journal, record_id=record_id))
-    return sorted(runs)
-
-
-def _change_rows(journal, run_id: str | None = None, record_id: str | None = None) -> list:
-    """Rows of the journal's `changes` table (rev-core's index of the records), any state."""
-    rows = getattr(journal, "change_rows", None)
-    if rows is not None:
-        return rows(run_id=run_id, record_id=record_id)
-    import sqlite3
-    where = [(c, v) for c, v in (("run_id", run_id), ("record_id", record_id)) if v is not None]
-    q = "SELECT * FROM changes" + (" WHERE " + " AND ".join(f"{c}=?" for c, _ in where) if where else "")
-    try:
-        return journal._all(q, tuple(v for _, v in where))
-    except Exception as e:  # noqa: BLE001 - a journal from before the table: no record anywhere
-        if isinstance(getattr(e, "__cause__", None), sqlite3.Error) or "no such table" in str(e):
-            return []
-        raise
-
-
-def record_run(journal, record_id: str, run_id: str | None = None) -> str:
-    """The run of cell (or undo record) `record_id`: `run_id` when given, else the one run
-    holding it. UnknownId for an id the journal never saw, AmbiguousId for one in several runs."""
-    from .errors import AmbiguousId
+def _check_ids(cell_id: str | None, run_id: str | None, agent_id: str | None = None) -> None:
     from .state import check_id
-    check_id("cell", record_id)
-    if run_id is not None:
-        check_id("run", run_id)
-        if journal.cell(run_id, record_id) is None and not _change_rows(journal, run_id, record_id):
-            raise UnknownId(f"no cell {record_id!r} in run {run_id!r} in the journal")
-        return run_id
-    runs = _record_runs(journal, record_id)
-    if not runs:
-        raise UnknownId(f"no cell {record_id!r} in the journal")
-    if len(runs) > 1:
-        raise AmbiguousId(f"cell id {record_id!r} names cells in {len(runs)} runs ({', '.join(runs)}): add --run R")
-    return runs[0]
+    for kind, value in (("cell", cell_id), ("run", run_id), ("agent", agent_id)):
+        if value is not None:
+            check_id(kind, value)
 
 
 def diff_changes(state, journal, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
     """What cell (or undo record) `cell_id` changed in its worktree: changes.diff's dict."""
     from . import changes
-    run_id = record_run(journal, cell_id, run_id)
+    _check_ids(cell_id, run_id)
     return changes.diff(state, journal, cell_id, run_id, stat)
 
 
 def undo_targets(journal, cell_id: str | None = None, run_id: str | None = None,
                  agent_id: str | None = None) -> list[str]:
-    """The records an undo names, as "run/record" ids: one cell's (or undo record's: a redo),
-    or every cell record still in force of a run or an agent (changes.select: newest first).
-    An undo record in force is not undone by --run/--agent: it is itself a restoration."""
+    """The records an undo names: one cell's (or an undo record's: a redo), as "run/record" or
+    the bare id (changes resolves it: UnknownId, AmbiguousId, NotReversible saying why), or
+    every record in force of a run or an agent that moves forward (changes.select, newest first:
+    a cell's or a redo; an undo in force is a restoration and stays)."""
     from . import changes
     from .errors import NotReversible
-    from .state import check_id
+    _check_ids(cell_id, run_id, agent_id)
     if cell_id is not None:
         if agent_id is not None:
             raise UsageError("give CELL [--run R], or --run R, or --agent A [--run R]")
-        return [f"{record_run(journal, cell_id, run_id)}/{cell_id}"]
+        return [f"{run_id}/{cell_id}" if run_id else cell_id]
     if run_id is None and agent_id is None:
         raise UsageError("say what to undo: CELL [--run R], --run R, or --agent A [--run R]")
-    if run_id is not None:
-        check_id("run", run_id)
-        if journal.run(run_id) is None:
-            raise UnknownId(f"no run {run_id!r} in the journal")
-    if agent_id is not None:
-        check_id("agent", agent_id)
-        known = journal.has_agent(run_id, agent_id) if run_id is not None else any(
-            c["agent_id"] == agent_id for c in journal.cells())
-        if not known:
-            raise UnknownId(f"no agent {agent_id!r}{f' in run {run_id!r}' if run_id else ''} in the journal")
-    rows = [r for r in changes.select(journal, run_id=run_id, agent_id=agent_id) if r["kind"] == "cell"]
+    if run_id is not None and journal.run(run_id) is None:
+        raise UnknownId(f"no run {run_id!r} in the journal")
+    if agent_id is not None and not (journal.has_agent(run_id, agent_id) if run_id is not None else
+                                     journal.change_rows(agent_id=agent_id) or any(
+                                         c["agent_id"] == agent_id for c in journal.cells())):
+        raise UnknownId(f"no agent {agent_id!r}{f' in run {run_id!r}' if run_id else ''} in the journal")
+    rows = changes.select(journal, run_id=run_id, agent_id=agent_id)
     if not rows:
-        scope = " and ".join(f"{k} {v}" for k, v in (("agent", agent_id), ("run", run_id)) if v)
-        raise NotReversible(f"nothing to undo for {scope}: none of its cells has changes kept "
-                            "(they changed nothing, ran live, or were undone or dropped already)")
+        scope = " of ".join(f"{k} {v}" for k, v in (("agent", agent_id), ("run", run_id)) if v)
+        raise NotReversible(f"nothing to undo for {scope}: no cell of it has changes in force (it changed "
+                            "nothing, ran live, or was undone or dropped already)")
     return [f"{r['run_id']}/{r['record_id']}" for r in rows]
 
 
+def _worktrees(journal, refs: list[str]) -> list[str]:
+    """The worktrees the records live in (from the journal's index; an id it cannot place yet
+    is left for changes.undo to refuse)."""
+    trees = set()
+    for ref in refs:
+        run_id, _, record_id = ref.rpartition("/")
+        for r in journal.change_rows(run_id=run_id or None, record_id=record_id):
+            if r["worktree"]:
+                trees.add(r["worktree"])
+    return sorted(trees)
+
+
 def undo_changes(state, journal, cell_id: str | None = None, run_id: str | None = None,
-                 agent_id: str | None = None, force: bool = False) -> dict:
+                 agent_id: str | None = None, force: bool = False,
+                 lock_timeout: float | None = UNDO_LOCK_TIMEOUT, notify=None) -> dict:
     """Undo what a cell, a run's cells or an agent's cells changed: changes.undo's dict
     ({"undone", "records": the new undo records}). Refusals: UnknownId/AmbiguousId (the id),
     NotReversible (nothing to undo, dropped, live, a worktree that moved), ChangeConflict
-    (a later change to the same paths; force overrides); nothing changed on disk then."""
-    from . import changes
+    (a later change to the same paths; force overrides), LockTimeout (a cell still runs in
+    the worktree); nothing changed on disk then.
+
+    The undo holds each worktree's lock, exclusive, as a writing cell does: a cell running
+    there sees its lower layer change under it otherwise (overlayfs: undefined), and its
+    commit at exit would interleave with the undo's."""
+    from . import changes, locks
     refs = undo_targets(journal, cell_id, run_id, agent_id)
-    return changes.undo(state, journal, refs, force=force)
+    held: list[tuple[str, int]] = []
+    try:
+        for wt in _worktrees(journal, refs):
+            path = state.worktree_lock(locks.worktree_key(wt))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            held.append((path, locks.acquire(path, True, lock_timeout, f"worktree {wt}",
+                                             f"agnsup undo (pid {os.getpid()})", notify, tree=wt)))
+        return changes.undo(state, journal, refs, force=force)
+    finally:
+        for path, fd in reversed(held):
+            locks.release(path, fd)

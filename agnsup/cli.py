@@ -689,6 +689,7 @@ def spawn(obj, socket_path, follow, command, **options):
     stderr as it comes, ^C to the cell's process group; exit status the cell's.
     """
     from .serve import main_follow, main_spawn
+    options["long_lived"] = True  # a server or watcher: under filesystem.changes "auto" its writes land live
     if follow:
         sys.exit(main_follow(obj["state_dir"], socket_path, list(command), options))
     click.echo(json.dumps(main_spawn(obj["state_dir"], socket_path, list(command), options)))

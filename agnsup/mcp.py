@@ -411,7 +411,7 @@ def build_server(sessions: Sessions):
         return await wait_for(ctx, h["cell_id"], None, cancel_on_abort=True)
 
     async def spawn(ctx, args):
-        return await start(ctx, args.pop("argv"), {**args, "stream": True})
+        return await start(ctx, args.pop("argv"), {**args, "stream": True, "long_lived": True})
 
     async def read_output(ctx, args):
         cell_id, session = args["cell_id"], of(ctx)

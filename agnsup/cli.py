@@ -189,9 +189,9 @@ def ps(obj, run_id, show_all, as_json):
         for c in cells:
             row = states.get((c["run_id"], c["cell_id"]))
             if row is not None:
+                st, by = _record_state(row, states)
                 c["changes"] = {"record": f"{row['run_id']}/{row['record_id']}", "files": row["files"],
-                                "state": {"committed": "kept"}.get(row["state"], row["state"]),
-                                "undone_by": row["undone_by"]}
+                                "state": st, **({"undone_by": by} if st == "undone" else {})}
     if as_json:
         click.echo(json.dumps(cells, indent=2))
     elif not cells:
@@ -243,27 +243,35 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
         click.echo("no receipts")
 
 
+def _undo_cmd(record: str) -> str:
+    """The command that undoes record "run/id" (--run only when the run is not the default one)."""
+    run, _, rid = record.rpartition("/")
+    return f"agnsup undo {rid}" + ("" if run in ("", "default") else f" --run {run}")
+
+
 def changes_line(r: dict) -> str | None:
-    """A receipt's `changes` section in one line (receipts, ps): what the cell changed and
-    the command that undoes it; None when the receipt has none (a read-only or old cell)."""
+    """A receipt's `changes` section in one line (receipts): what the cell changed and the
+    command that undoes it; None when the receipt has none (a read-only or older cell)."""
     ch = r.get("changes")
     if not isinstance(ch, dict):
         return None
     if ch.get("mode") == "live":
         why = ch.get("why") or ch.get("reason")
-        return "changes: live, not captured" + (f" ({why})" if why else " (no diff or undo)")
+        return "changes: live, not recorded" + (f" ({why})" if why else "") + ": no diff or undo"
     if not ch.get("files"):
         return "changes: none"
     parts = [f"{ch[k]} {k}" for k in ("created", "modified", "deleted") if ch.get(k)]
     other = ch["files"] - sum(ch.get(k) or 0 for k in ("created", "modified", "deleted"))
     if other > 0:
         parts.append(f"{other} other")
-    run, _, cell = (ch.get("record") or f"{r.get('run_id')}/{r.get('cell_id')}").rpartition("/")
-    where = "" if run == "default" else f" --run {run}"
-    state = ch.get("state")  # kept / undone / dropped when the caller looked it up in the journal
-    if state in ("undone", "dropped"):
-        return f"changes: {', '.join(parts)} ({state})"
-    return f"changes: {', '.join(parts)}, {_size(ch.get('bytes') or 0)} (undo: agnsup undo {cell}{where})"
+    record = ch.get("record") or f"{r.get('run_id')}/{r.get('cell_id')}"
+    state = ch.get("state")  # the journal's word now (receipts adds it): kept, undone, redone, dropped
+    if state == "undone" and ch.get("undone_by"):
+        redo = _undo_cmd(record.rpartition("/")[0] + "/" + ch["undone_by"])
+        return f"changes: {', '.join(parts)}: undone by {ch['undone_by']} (redo: {redo})"
+    if state == "dropped":
+        return f"changes: {', '.join(parts)}: record dropped (retention), no longer undoable"
+    return f"changes: {', '.join(parts)}, {_size(ch.get('bytes') or 0)} (undo: {_undo_cmd(record)})"
 
 
 def _size(n: int) -> str:
@@ -275,54 +283,66 @@ def _size(n: int) -> str:
 
 
 _CHANGE_MARK = {"created": "A", "modified": "M", "deleted": "D", "replaced": "R", "mode": "m"}
+_COUNT_ORDER = ("created", "modified", "deleted", "replaced", "mode")
 
 
-def _kind(side: dict | None) -> str:
-    t = (side or {}).get("type") or "absent"
-    return {"dir": "dir", "symlink": "symlink", "file": "", "absent": "", "other": "special"}.get(t, t)
+def _sizes(e: dict) -> str:
+    b, a = (list(e.get("sizes") or []) + [None, None])[:2]
+    if (e.get("before") or {}).get("type") in (None, "absent"):
+        return _size(a or 0)
+    if (e.get("after") or {}).get("type") in (None, "absent"):
+        return f"was {_size(b or 0)}"
+    return f"{_size(b or 0)} -> {_size(a or 0)}"
 
 
 def _entry_line(e: dict) -> str:
-    """One changed path: its mark, its path, and what kind of change beyond the content."""
+    """One changed path: its mark, its path, and what changed beyond the content."""
     before, after = e.get("before") or {}, e.get("after") or {}
-    path = e["path"] + ("/" if "dir" in (before.get("type"), after.get("type")) else "")
+    types = [t for t in (before.get("type"), after.get("type")) if t not in (None, "absent", "file")]
+    path = e["path"] + ("/" if "dir" in types else "")
     notes = []
-    kinds = {_kind(before), _kind(after)} - {""}
-    if kinds:
-        notes.append("/".join(sorted(kinds)))
+    if types:
+        notes.append(" -> ".join(dict.fromkeys(types)) if e.get("change") != "replaced" else
+                     f"{before.get('type')} -> {after.get('type')}")
     if after.get("type") == "symlink" and after.get("target") is not None:
         notes.append(f"-> {after['target']}")
     if before.get("mode") is not None and after.get("mode") is not None and before["mode"] != after["mode"]:
         notes.append(f"mode {before['mode'] & 0o7777:o} -> {after['mode'] & 0o7777:o}")
-    if "added" in e or "removed" in e:
+    if before.get("uid") is not None and after.get("uid") is not None and \
+            (before["uid"], before.get("gid")) != (after["uid"], after.get("gid")):
+        notes.append(f"owner {before['uid']}:{before.get('gid')} -> {after['uid']}:{after.get('gid')}")
+    if e.get("note"):
+        notes.append(f"{_sizes(e)}; {e['note']}")
+    elif e.get("binary"):
+        notes.append(f"binary, {_sizes(e)}")
+    elif "added" in e or "removed" in e:
         notes.append(f"+{e.get('added', 0)} -{e.get('removed', 0)}")
-    elif e.get("sizes") is not None or e.get("binary"):
-        sizes = e.get("sizes") or [before.get("size"), after.get("size")]
-        notes.append("binary " + " -> ".join("-" if s is None else _size(s) for s in sizes))
     return f"{_CHANGE_MARK.get(e.get('change'), '?')} {path}" + (f"  ({', '.join(notes)})" if notes else "")
 
 
 def diff_text(d: dict, stat: bool) -> list[str]:
-    """`agnsup diff` for a terminal: a header, the file list (--stat: with +/- lines or sizes),
-    then (without --stat) the unified diff of every text file."""
+    """`agnsup diff` for a terminal: a header, the file list (A created, M modified, D deleted,
+    R replaced by another kind, m mode or owner only; --stat: +/- lines or sizes), then
+    (without --stat) the unified diff of every text file and one line per binary one."""
     entries = d.get("entries") or []
     counts = d.get("counts") or {}
-    said = ", ".join(f"{v} {k}" for k, v in counts.items() if v) or f"{len(entries)} path(s)"
-    head = f"record {d.get('record')}" + (f" ({d['kind']}" + (f", {d['state']}" if d.get("state") else "") + ")"
-                                           if d.get("kind") else "")
-    out = [f"{head}: {said}"]
-    if d.get("undoes"):
-        out[0] += f"; undoes {d['undoes']}"
+    said = ", ".join(f"{counts[k]} {k}" for k in _COUNT_ORDER if counts.get(k)) or f"{len(entries)} path(s)"
+    extra = ", ".join(f"{counts[k]} {k}{'s' if counts[k] > 1 else ''}" for k in ("dir", "symlink") if counts.get(k))
+    state = {"committed": "in force"}.get(d.get("state"), d.get("state"))
+    kind = "undo record" if d.get("kind") == "undo" else "cell"
+    head = f"{kind} {d.get('record')}" + (f", undoes {d['undoes']}" if d.get("undoes") else "") + \
+        (f" ({state}" + (f" by {d['undone_by']}" if d.get("undone_by") else "") + ")" if state else "")
+    out = [f"{head}: {said}" + (f" ({extra})" if extra else "") + (f" in {d['worktree']}" if d.get("worktree") else "")]
     out += ["  " + _entry_line(e) for e in entries]
     if stat:
         return out
     for e in entries:
-        text = e.get("diff")
-        if text:
-            out.append(text.rstrip("\n"))
-        for note in ("note", "why"):
-            if e.get(note):
-                out.append(f"# {e['path']}: {e[note]}")
+        if e.get("diff"):
+            out.append(e["diff"].rstrip("\n"))
+        elif e.get("binary"):
+            b = "/dev/null" if (e.get("before") or {}).get("type") in (None, "absent") else f"a/{e['path']}"
+            a = "/dev/null" if (e.get("after") or {}).get("type") in (None, "absent") else f"b/{e['path']}"
+            out.append(f"Binary files {b} and {a} differ ({_sizes(e)})")
     return out
 
 
@@ -365,16 +385,12 @@ def undo_text(result: dict) -> list[str]:
     id and the command that redoes it."""
     out = []
     for rec in result.get("records") or []:
-        rid, run = rec.get("record"), rec.get("run_id")
-        target = rec.get("undoes")
-        n = rec.get("files", len(rec.get("paths") or [])) if "files" in rec else len(rec.get("entries") or [])
-        where = "" if run in (None, "default") else f" --run {run}"
-        what = f"undid {target}" if target else "undid"
-        out.append(f"{what}: {n} path(s) restored in {rec.get('worktree')}")
-        out.append(f"  this undo is record {rid} (undo it to redo: agnsup undo {rid}{where})")
-    if not out:
-        out.append("nothing undone")
-    return out
+        rid = rec.get("record") or ""
+        run = rid.rpartition("/")[0]
+        what = f"{run}/{rec['undoes']}" if rec.get("undoes") else "?"
+        out.append(f"undid {what}: {rec.get('files', 0)} path(s) put back as they were in {rec.get('worktree')}")
+        out.append(f"  this undo is record {rid.rpartition('/')[2]} (undo it to redo: {_undo_cmd(rid)})")
+    return out or ["nothing undone"]
 
 
 @main.command()
@@ -428,15 +444,30 @@ def _change_states(j, run_id: str | None = None) -> dict:
     return {(r["run_id"], r["record_id"]): r for r in j.change_rows(run_id=run_id)}
 
 
+def _record_state(row, states: dict) -> tuple[str, str | None]:
+    """(kept | undone | redone | dropped, the undo record now in force or None) of a record's
+    row, following undo -> redo -> undo ... through `states` (_change_states)."""
+    cur, flips = row, 0
+    while cur["state"] == "undone" and cur["undone_by"] and flips < 1000:
+        nxt = states.get((cur["run_id"], cur["undone_by"]))
+        if nxt is None:
+            break
+        cur, flips = nxt, flips + 1
+    if flips == 0:
+        return {"committed": "kept"}.get(row["state"], row["state"]), None
+    return ("undone" if flips % 2 else "redone"), cur["record_id"]
+
+
 def _with_state(ch, states: dict):
-    """A receipt's `changes` section plus `state` (kept, undone, dropped) and `undone_by`."""
+    """A receipt's `changes` section plus `state` (kept, undone, redone, dropped) and
+    `undone_by` (the undo record in force) from the journal now."""
     if not isinstance(ch, dict) or not ch.get("record"):
         return ch
     row = states.get(tuple(ch["record"].rsplit("/", 1)))
     if row is None:
         return ch
-    return {**ch, "state": {"committed": "kept"}.get(row["state"], row["state"]),
-            **({"undone_by": row["undone_by"]} if row["undone_by"] else {})}
+    state, by = _record_state(row, states)
+    return {**ch, "state": state, **({"undone_by": by} if state == "undone" else {})}
 
 
 @main.command()

@@ -402,9 +402,11 @@ def undo_text(result: dict) -> list[str]:
 @click.option("--force", is_flag=True,
               help="Undo even when a later cell, or something outside agnsup, changed the same paths since "
                    "(their change is overwritten; it stays in their own record).")
+@click.option("--lock-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for the worktree lock a running cell holds (then exit 75).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"undone", "records"} (keys: docs/cli.md).')
 @click.pass_obj
-def undo(obj, cell_id, run_id, agent_id, force, as_json):
+def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
     """Put back what CELL changed in its worktree, exactly as it was before
     the cell ran (the files it created go, the ones it deleted or changed come
     back, modes and symlinks too, .git included). With --run or --agent: every
@@ -413,8 +415,12 @@ def undo(obj, cell_id, run_id, agent_id, force, as_json):
     The undo is itself a record: its id (undo-...) is printed, and undoing it
     redoes the cell's changes.
 
+    The undo takes the worktree's lock as a writing cell does: it waits for a
+    cell still running there (up to --lock-timeout).
+
     Exit 0; 75 when a later cell (named) or something outside agnsup changed
-    the same paths since (nothing is touched; --force overrides); 1 for an id
+    the same paths since (nothing is touched; --force overrides), or the
+    worktree lock stayed held past --lock-timeout; 1 for an id
     the journal never saw, a cell that changed nothing, ran live, was already
     undone or whose record was dropped, or a worktree that moved.
 
@@ -429,7 +435,7 @@ def undo(obj, cell_id, run_id, agent_id, force, as_json):
     state = _state(obj)
     j = state.journal()
     try:
-        result = undo_changes(state, j, cell_id, run_id, agent_id, force)
+        result = undo_changes(state, j, cell_id, run_id, agent_id, force, lock_timeout)
     finally:
         j.close()
     if not _echo_json(as_json, result):

@@ -258,6 +258,8 @@ def changes_line(r: dict) -> str | None:
     if ch.get("mode") == "live":
         why = ch.get("why") or ch.get("reason")
         return "changes: live, not recorded" + (f" ({why})" if why else "") + ": no diff or undo"
+    if ch.get("error"):  # the commit did not finish: the janitor finishes it
+        return f"changes: {ch['error']}"
     if not ch.get("files"):
         return "changes: none"
     parts = [f"{ch[k]} {k}" for k in ("created", "modified", "deleted") if ch.get(k)]

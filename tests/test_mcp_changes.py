@@ -117,6 +117,10 @@ def test_diff_and_undo_tools_show_and_put_back_what_a_cell_changed(state, worktr
 
 
 def test_a_spawned_cell_runs_live_and_undo_says_so_while_an_agents_cells_undo_together(state, worktree):
+    from conftest import Agnsup
+    Agnsup(state)("run", "--workdir", worktree, "--run-id", "other", "--cell", "theirs", "--", "sh", "-c",
+                  "echo theirs > theirs", check=0)
+
     async def main():
         async with session(state, worktree, "--run-id", "m2") as s:
             h = value(await s.call_tool("spawn", {"argv": ["sh", "-c", "echo served > live.txt"]}))
@@ -126,6 +130,13 @@ def test_a_spawned_cell_runs_live_and_undo_says_so_while_an_agents_cells_undo_to
             v = value(res)
             assert res.is_error and v["error_type"] == "NotReversible" and "ran live" in v["error"]
             assert os.path.exists(os.path.join(worktree, "live.txt"))  # a long-lived cell's writes stay
+
+            # another run's cell (the user's, another session's) is not this session's to see or undo
+            for tool in ("diff", "undo"):
+                res = await s.call_tool(tool, {"cell_id": "theirs"})
+                assert res.is_error and value(res)["error_type"] == "UnknownId", value(res)
+            assert os.path.exists(os.path.join(worktree, "theirs"))
+            os.unlink(os.path.join(worktree, "theirs"))
 
             for agent, name in (("builder", "b1"), ("tester", "t1"), ("builder", "b2")):
                 value(await s.call_tool("run_shell", {"command": f"echo {name} > {name}", "agent_id": agent}))

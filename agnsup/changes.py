@@ -255,10 +255,15 @@ def _info(path: str, st=None, full: bool = False) -> dict:
     return out
 
 
-def _same_content(a: str, b: str, size: int) -> bool:
+def _same_content(a: str, wt: str, rel: str, size: int) -> bool:
+    """File `a` (ours: the upper, a before/) holds what the worktree's `rel` holds."""
     if size == 0:
         return True
-    with open(a, "rb") as fa, open(b, "rb") as fb:
+    try:
+        fb = _open_in(wt, rel)
+    except OSError:
+        return False
+    with open(a, "rb") as fa, open(fb, "rb") as fb:
         while True:
             x, y = fa.read(1 << 20), fb.read(1 << 20)
             if x != y:
@@ -318,33 +323,142 @@ def _rm(path: str) -> None:
         shutil.rmtree(path)
 
 
-def _copy_meta(src_st, dst: str) -> None:
-    os.lchown(dst, src_st.st_uid, src_st.st_gid)
-    if not S.S_ISLNK(src_st.st_mode):
-        os.chmod(dst, S.S_IMODE(src_st.st_mode))
-    os.utime(dst, ns=(src_st.st_atime_ns, src_st.st_mtime_ns), follow_symlinks=False)
+# -- the worktree is reached one component at a time, never through a symlink ------------------------------
+# The controller commits (as root, often) into a directory an agent writes: a live cell of the same
+# agent could swap a directory of the worktree for a symlink to /etc between the scan and a rename.
+# Every operation under the worktree therefore goes through a directory file descriptor opened with
+# O_NOFOLLOW per component (openat(2)); a swapped component fails with ELOOP/ENOTDIR instead.
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
 
 
-def _copy(src: str, dst: str) -> None:
-    """Copy a file, symlink, special file or whole tree across file systems, keeping owner,
-    mode and times (xattrs are not kept: issue26.md)."""
-    st = os.lstat(src)
+class UnsafePath(OSError):
+    """A component of a worktree path is no longer a directory (a symlink, a file)."""
+
+
+def _wt_parent(wt: str, rel: str, create: bool = False) -> int:
+    """A descriptor of the worktree directory that holds `rel` ('' and top-level: the worktree)."""
+    fd = os.open(wt, _DIR)
+    try:
+        for part in rel.split("/")[:-1]:
+            try:
+                nfd = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nfd = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePath(e.errno, f"a directory of the worktree became a symlink or a file: {rel}") from None
+        raise
+    return fd
+
+
+def _open_in(wt: str, rel: str) -> int:
+    """The worktree file `rel`, opened for reading without following a symlink anywhere."""
+    fd = _wt_parent(wt, rel)
+    try:
+        return os.open(os.path.basename(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _lstat_at(dfd: int | None, name: str):
+    try:
+        return os.lstat(name, dir_fd=dfd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _rm_at(dfd: int | None, name: str) -> None:
+    st = _lstat_at(dfd, name)
+    if st is None:
+        return
+    if S.S_ISDIR(st.st_mode):
+        if dfd is None:
+            _rm(name)
+        else:
+            shutil.rmtree(name, dir_fd=dfd)  # fd-based: follows no symlink (shutil._rmtree_safe_fd)
+    else:
+        os.unlink(name, dir_fd=dfd)
+
+
+def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:
+    """Owner, mode (not a symlink's) and times of `name`, following no symlink: the mode through an
+    O_PATH descriptor's /proc link, as chmod(2) has no working AT_SYMLINK_NOFOLLOW on Linux."""
+    os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
+    if mode is not None:
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            if not S.S_ISLNK(os.fstat(pfd).st_mode):
+                os.chmod(f"/proc/self/fd/{pfd}", mode)
+        finally:
+            os.close(pfd)
+    if mtime is not None:
+        os.utime(name, ns=mtime, dir_fd=dfd, follow_symlinks=False)
+
+
+def _copy_at(sfd: int | None, src: str, dfd: int | None, dst: str) -> None:
+    """Copy a file, symlink, special file or whole tree across file systems, keeping owner, mode and
+    times (xattrs are not kept: issue26.md), reading and writing through directory descriptors."""
+    st = os.lstat(src, dir_fd=sfd)
     m = st.st_mode
     if S.S_ISDIR(m):
-        os.mkdir(dst, 0o700)
-        for e in os.scandir(src):
-            _copy(e.path, os.path.join(dst, e.name))
+        os.mkdir(dst, 0o700, dir_fd=dfd)
+        s2 = os.open(src, _NOFOLLOW_DIR, dir_fd=sfd)
+        try:
+            d2 = os.open(dst, _NOFOLLOW_DIR, dir_fd=dfd)
+            try:
+                for name in sorted(os.listdir(s2)):
+                    _copy_at(s2, name, d2, name)
+            finally:
+                os.close(d2)
+        finally:
+            os.close(s2)
     elif S.S_ISLNK(m):
-        os.symlink(os.readlink(src), dst)
+        os.symlink(os.readlink(src, dir_fd=sfd), dst, dir_fd=dfd)
     elif S.S_ISREG(m):
-        shutil.copyfile(src, dst, follow_symlinks=False)
+        fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+        try:
+            fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                _copy_data(fi, fo, st.st_size)
+            finally:
+                os.close(fo)
+        finally:
+            os.close(fi)
     elif S.S_ISFIFO(m):
-        os.mkfifo(dst, 0o600)
+        os.mkfifo(dst, 0o600, dir_fd=dfd)
     elif S.S_ISCHR(m) or S.S_ISBLK(m):
-        os.mknod(dst, S.S_IFMT(m) | 0o600, st.st_rdev)
-    else:  # a socket: its name only means something to the process that bound it
+        os.mknod(dst, S.S_IFMT(m) | 0o600, st.st_rdev, dir_fd=dfd)
+    else:  # a socket: its name means something only to the process that bound it
         return
-    _copy_meta(st, dst)
+    _set_meta_at(dfd, dst, st.st_uid, st.st_gid, None if S.S_ISLNK(m) else S.S_IMODE(m),
+                 (st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_data(fi: int, fo: int, size: int) -> None:
+    left = size
+    try:
+        while left > 0:
+            n = os.copy_file_range(fi, fo, min(left, 1 << 30))
+            if n == 0:
+                break
+            left -= n
+        if left <= 0:
+            return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    while True:  # whatever copy_file_range did not (a file that grew, a kernel that refuses it)
+        b = os.read(fi, 1 << 20)
+        if not b:
+            return
+        os.write(fo, b)
 
 
 def _dev(path: str) -> int:
@@ -369,68 +483,79 @@ def _step(name: str) -> None:
 #   {"op": "meta", "path": rel, "before": info, "to": {mode, uid, gid, mtime_ns?}}
 def _put(wt: str, rec: str, i: int, op: dict) -> None:
     rel, src = op["path"], op["src"]
-    w = os.path.join(wt, rel)
     b = os.path.join(rec, "before", rel)
-    tmp = os.path.join(os.path.dirname(w), f".agnsup-{os.path.basename(rec)}-{i}")
+    wfd = _wt_parent(wt, rel, create=src is not None)
+    try:
+        _put_at(wfd, os.path.basename(rel), b, src, f".agnsup-{os.path.basename(rec)}-{i}", op.get("strip"))
+    finally:
+        os.close(wfd)
+
+
+def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool) -> None:
+    """One put, `name` in the worktree directory `wfd`; `tmp`: the name of a cross-fs copy beside it."""
     if src is not None and _lstat(src) is None:  # installed, or copied and its source removed
-        if _lstat(tmp) is not None:
-            os.rename(tmp, w)
+        if _lstat_at(wfd, tmp) is not None:
+            os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
         return
-    if src is not None and _lstat(tmp) is not None:  # a complete cross-fs copy: finish it
+    if src is not None and _lstat_at(wfd, tmp) is not None:  # a complete cross-fs copy: finish it
         _rm(src)
         _step("put.src_removed")
-        os.rename(tmp, w)
+        os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
         return
     # (1) save the worktree's version
     if _lstat(b) is not None:
-        if _lstat(w) is not None:  # a cross-fs save that had not finished removing the original
-            _rm(w)
-    elif _lstat(w) is not None:
+        _rm_at(wfd, name)  # a cross-fs save that had not finished removing the original
+    elif _lstat_at(wfd, name) is not None:
         os.makedirs(os.path.dirname(b), mode=0o700, exist_ok=True)
-        if os.lstat(w).st_dev == _dev(b):
-            os.rename(w, b)
+        if os.fstat(wfd).st_dev == _dev(b):
+            os.rename(name, b, src_dir_fd=wfd)
         else:
             part = b + ".agnsup-part"
             _rm(part)
-            _copy(w, part)
+            _copy_at(wfd, name, None, part)
             os.rename(part, b)
             _step("put.saved_copy")
-            _rm(w)
+            _rm_at(wfd, name)
     _step("put.saved")
     if src is None:
         return
     # (2) install the new version
-    if op.get("strip"):
+    if strip:
         _strip_overlay_xattrs(src)
-    parent = os.path.dirname(w)
-    if _lstat(parent) is None:  # only when forced over a later change that removed the parent
-        os.makedirs(parent, exist_ok=True)
-    if os.lstat(src).st_dev == os.lstat(parent).st_dev:
-        os.rename(src, w)
+    if os.lstat(src).st_dev == os.fstat(wfd).st_dev:
+        os.rename(src, name, dst_dir_fd=wfd)
     else:
         part = tmp + ".part"
-        _rm(part)
-        _copy(src, part)
-        os.rename(part, tmp)
+        _rm_at(wfd, part)
+        _copy_at(None, src, wfd, part)
+        os.rename(part, tmp, src_dir_fd=wfd, dst_dir_fd=wfd)
         _step("put.copied")
         _rm(src)
         _step("put.src_removed")
-        os.rename(tmp, w)
+        os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
     _step("put.installed")
 
 
 def _meta(wt: str, op: dict) -> None:
-    w = os.path.join(wt, op["path"])
-    st = _lstat(w)
-    if st is None:
+    rel, to = op["path"], op["to"]
+    if rel == "":  # the worktree root itself (agnsup's own path, not the agent's)
+        os.chown(wt, to["uid"], to["gid"])
+        os.chmod(wt, to["mode"])
+        _step("meta")
         return
-    to = op["to"]
-    if (st.st_uid, st.st_gid) != (to["uid"], to["gid"]):
-        os.lchown(w, to["uid"], to["gid"])
-    if not S.S_ISLNK(st.st_mode) and S.S_IMODE(st.st_mode) != to["mode"]:
-        os.chmod(w, to["mode"])
-    if to.get("mtime_ns") is not None:
-        os.utime(w, ns=(st.st_atime_ns, to["mtime_ns"]), follow_symlinks=False)
+    try:
+        wfd = _wt_parent(wt, rel)
+    except FileNotFoundError:
+        return
+    try:
+        name = os.path.basename(rel)
+        st = _lstat_at(wfd, name)
+        if st is None:
+            return
+        mtime = (st.st_atime_ns, to["mtime_ns"]) if to.get("mtime_ns") is not None else None
+        _set_meta_at(wfd, name, to["uid"], to["gid"], None if S.S_ISLNK(st.st_mode) else to["mode"], mtime)
+    finally:
+        os.close(wfd)
     _step("meta")
 
 
@@ -502,7 +627,7 @@ def _make_record(rec: str, plan: dict) -> dict:
                     continue  # a directory of a replaced tree, the same in both
                 change = "mode"
             elif bi["type"] == "file" and bi["size"] == ai["size"] and _same_content(
-                    os.path.join(before_dir, p), os.path.join(wt, p), bi["size"]):
+                    os.path.join(before_dir, p), wt, p, bi["size"]):
                 change = "mode"
                 if all(bi[k] == ai[k] for k in ("mode", "uid", "gid", "mtime_ns")):
                     change = "modified" if p == rel else None
@@ -594,7 +719,7 @@ def _scan(upper: str, wt: str, rel: str, ops: list, metas: list) -> None:
         if lo is not None and S.S_IFMT(lo.st_mode) == S.S_IFMT(u.st_mode):
             same = False
             if S.S_ISREG(u.st_mode):
-                same = u.st_size == lo.st_size and _same_content(src, os.path.join(wt, r), u.st_size)
+                same = u.st_size == lo.st_size and _same_content(src, wt, r, u.st_size)
             elif S.S_ISLNK(u.st_mode):
                 same = os.readlink(src) == os.readlink(os.path.join(wt, r))
             if same:
@@ -612,11 +737,17 @@ def _worktree_id(wt: str) -> list[int] | None:
     return [st.st_dev, st.st_ino] if st is not None else None
 
 
-def _empty_layer(d: str) -> bool:
+def _empty_layer(d: str, worktree: str) -> bool:
+    """Nothing in the upper, and its root as the worktree's (else the cell may have changed the
+    root's own mode or owner: the slow path reads meta.json to tell)."""
+    upper = os.path.join(d, "upper")
     try:
-        return not os.listdir(os.path.join(d, "upper"))
+        if os.listdir(upper):
+            return False
+        u, w = os.stat(upper), os.stat(worktree)
     except FileNotFoundError:
         return False
+    return (u.st_mode, u.st_uid, u.st_gid) == (w.st_mode, w.st_uid, w.st_gid)
 
 
 def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
@@ -659,7 +790,7 @@ def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_i
         return _summary(_apply(state_root, rec, {"worktree": worktree, "ops": []}))
     if not os.path.isdir(rec):
         raise UnknownId(f"no change layer for cell {cell_id} of run {run_id}")
-    if _empty_layer(rec):
+    if _empty_layer(rec, worktree):
         _drop_layer(state_root, run_id, cell_id)
         return _summary(None)
     upper = os.path.join(rec, "upper")
@@ -929,6 +1060,11 @@ def _index(root: str, journal, record: dict) -> None:
     _unmark_pending(root, record["run_id"], record["record"])
 
 
+def settled(state_root: str, run_id: str, record_id: str) -> None:
+    """The record's journal row is in (journal.conclude_cell): the janitor need not look at it again."""
+    _unmark_pending(state_root, run_id, record_id)
+
+
 def summary_row(summary: dict) -> dict | None:
     """The journal row a cell receipt's `changes` section stands for (journal.conclude_cell)."""
     if not summary or not summary.get("record"):
@@ -1009,7 +1145,7 @@ def finish_all(state_root: str, journal) -> list[dict]:
 
 
 # -- diff -------------------------------------------------------------------------------------------------
-def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own_before: bool) -> tuple[str | None, str]:
+def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own_before: bool):
     """A path of `want`'s version: (the file holding it, or None; why not). Looked for in the record's
     before/ (when `own_before`), the worktree, then the before/ of later records of the same worktree."""
     if want["type"] != "file":
@@ -1017,24 +1153,28 @@ def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own
     cands = []
     if own_before:
         cands.append(os.path.join(layer_dir(root, row["run_id"], row["record_id"]), "before", rel))
-    cands.append(os.path.join(record["worktree"], rel))
+    cands.append((record["worktree"], rel))
     for r in journal.change_rows(worktree=row["worktree"], after=row["created_at"]):
         if r["state"] != "dropped":
             cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
     for c in cands:
-        if _matches(_info(c), want, strict=False):
+        if _matches(_info(os.path.join(*c) if isinstance(c, tuple) else c), want, strict=False):
             return c, ""
     return None, "changed since (no copy of this version is kept)"
 
 
-def _read_text(path: str | None, size: int) -> tuple[list[str] | None, bool]:
-    """(lines, is_text); lines None when there is nothing to read."""
+def _read_text(path, size: int) -> tuple[list[str] | None, bool]:
+    """(lines, is_text); lines None when there is nothing to read. `path`: ours, or (worktree, rel)
+    (opened following no symlink)."""
     if path is None:
         return [], True
     if size > DIFF_MAX:
         return None, False
-    with open(path, "rb") as f:
-        data = f.read(DIFF_MAX + 1)
+    try:
+        with open(_open_in(*path) if isinstance(path, tuple) else path, "rb") as f:
+            data = f.read(DIFF_MAX + 1)
+    except OSError:
+        return None, False
     if b"\0" in data[:8192]:
         return None, False
     try:
@@ -1112,11 +1252,10 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
     rows = journal.change_rows(states=("committed", "undone"))  # oldest first
     n, total = len(rows), sum(r["bytes_saved"] or 0 for r in rows)
     dropped = []
-    for r in rows:
+    for r in rows:  # a row exists only once its record is complete (conclude_cell, _index)
         if n <= keep and total <= keep_bytes:
             break
-        if os.path.exists(_pending(root, r["run_id"], r["record_id"])):
-            continue
+        _unmark_pending(root, r["run_id"], r["record_id"])
         d = layer_dir(root, r["run_id"], r["record_id"])
         journal.set_change_state([(r["run_id"], r["record_id"])], "dropped")
         _rm(d)

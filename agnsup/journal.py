@@ -286,11 +286,16 @@ class Journal:
             self._add_receipt(db, "cell", run_id, cell_id, receipt)
             self.event(db, "state." + receipt["state"], run_id, cell_id, reason=receipt["reason"],
                        exit_code=receipt["exit_code"])
+            row = None
             if (receipt.get("changes") or {}).get("record"):  # a change record (changes.commit): indexed here
                 from .changes import summary_row
-                self.add_change(summary_row({"agent_id": receipt.get("agent_id"), **receipt["changes"]}), db)
+                row = summary_row({"agent_id": receipt.get("agent_id"), **receipt["changes"]})
+                self.add_change(row, db)
             if end_controller:
                 self.end_controller(end_controller, db)
+        if row is not None:  # journal.db lives in the state root: the record's pending marker can go
+            from .changes import settled
+            settled(os.path.dirname(self.path), row["run_id"], row["record_id"])
 
     def _set(self, db, run_id: str, cell_id: str, fields: dict) -> None:
         assert "state" not in fields, "cell states change only through _move_cell"

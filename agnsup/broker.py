@@ -683,21 +683,12 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
 
 
 def _prepare_layer(state_root: str, plan):
-    """The capturing cell's layer directory (changes.prepare), its upper's root given the worktree
-    root's owner and mode: the overlay's root directory takes them from there (a mapped cell sees
-    them through its id map, or gets them shifted: mounts.overlay)."""
-    import stat
+    """The capturing cell's layer directory (changes.prepare; its upper's root gets the worktree
+    root's owner and mode there: the overlay's root directory shows them)."""
     from . import changes
     spec = plan.spec
-    layer = changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
-                            agent_id=spec.agent_id)
-    st = os.stat(spec.worktree)
-    try:
-        os.chown(layer.upper, st.st_uid, st.st_gid)
-    except PermissionError:
-        pass  # a normal user's controller: its own, as the worktree is as a rule
-    os.chmod(layer.upper, stat.S_IMODE(st.st_mode))
-    return layer
+    return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
+                           agent_id=spec.agent_id)
 
 
 def layer_shift(layer: str) -> int | None:

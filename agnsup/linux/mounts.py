@@ -43,8 +43,9 @@ The recipe, in order:
   overlay  a cell that captures its changes (agnsup/changes.py, docs/architecture.md "Reversible
            cells"): an overlayfs made with fsopen/fsconfig/fsmount (lowerdir = the worktree as
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
-           cell's layer directory under the state root; redirect_dir, index, metacopy and xino
-           off; userxattr inside a normal user's user namespace), moved onto the worktree right
+           cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
+           none in the worktree is followed: the only value userxattr allows), index, metacopy and
+           xino off; userxattr inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
            others, while its mount is read-write). A mapped cell's layer goes in through an
            id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
@@ -174,7 +175,7 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     the kernel made it read-only (it does so, with only a kernel log line, when it cannot use the
     work directory: an id-mapped layer whose map lacks the overlay's creator answers EOVERFLOW)."""
     opts = {"lowerdir": _escape_layer(lower), "upperdir": os.path.join(layer, "upper"),
-            "workdir": os.path.join(layer, "work"), "redirect_dir": "off", "index": "off", "metacopy": "off",
+            "workdir": os.path.join(layer, "work"), "redirect_dir": "nofollow", "index": "off", "metacopy": "off",
             "xino": "off"}
     if userxattr:
         opts["userxattr"] = None

@@ -291,3 +291,16 @@ def test_the_python_api_diffs_and_undoes_with_the_same_refusals(state, repo):
             sup.undo("c1", run_id="api")
         redo = sup.undo(out["records"][-1]["record"].split("/")[1], run_id="api")
         assert redo["undone"] and os.path.exists(os.path.join(repo, "f.txt"))
+
+
+def test_cleanup_of_a_run_frees_its_records(agnsup, repo):
+    run(agnsup, repo, "echo r > r.txt", "--run-id", "R", "--cell", "r1")
+    run(agnsup, repo, "echo s > s.txt", "--run-id", "S", "--cell", "s1")
+    out = agnsup.json("cleanup", "--run", "R", "--json")
+    assert {"kind": "changes", "path": "R/r1"} in out["items"]
+    assert not os.path.exists(os.path.join(agnsup.state, "changes", "R"))
+    assert "dropped" in one_line(agnsup("undo", "r1", check=1)) and os.path.exists(os.path.join(repo, "r.txt"))
+    assert "record dropped" in agnsup("receipts", "--run", "R", check=0).out
+    again = agnsup.json("cleanup", "--run", "R", "--json")
+    assert not [i for i in again["items"] if i["kind"] == "changes"]
+    agnsup("undo", "s1", check=0)  # another run's record is untouched

@@ -341,6 +341,8 @@ def diff_text(d: dict, stat: bool) -> list[str]:
     for e in entries:
         if e.get("diff"):
             out.append(e["diff"].rstrip("\n"))
+        elif e.get("note"):
+            out.append(f"{e['path']}: {e['note']} ({_sizes(e)})")
         elif e.get("binary"):
             b = "/dev/null" if (e.get("before") or {}).get("type") in (None, "absent") else f"a/{e['path']}"
             a = "/dev/null" if (e.get("after") or {}).get("type") in (None, "absent") else f"b/{e['path']}"

@@ -253,7 +253,7 @@ def changes_line(r: dict) -> str | None:
     """A receipt's `changes` section in one line (receipts): what the cell changed and the
     command that undoes it; None when the receipt has none (a read-only or older cell)."""
     ch = r.get("changes")
-    if not isinstance(ch, dict):
+    if not isinstance(ch, dict) or ch.get("mode") == "none":  # none: a read-only worktree, nothing to say
         return None
     if ch.get("mode") == "live":
         why = ch.get("why") or ch.get("reason")

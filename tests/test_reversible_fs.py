@@ -230,3 +230,24 @@ def _user_case(kind, user, wt):
     _changed_then_undone(user, wt, cell, expected, lambda: user.json("receipts", "--json"))
     assert user.left() == []
     assert all(v[2] == user.uid for v in listing(wt).values()), "a path of the user's worktree changed owner"
+
+
+def test_the_test_file_systems_come_down_even_when_a_test_fails_half_way(tmp_path):
+    """tests/fsimages.py's promise: every mount and loop device it made is gone after close(), also when
+    the test raised with them mounted and busy-free."""
+    parent = str(tmp_path / "imgs")
+    os.makedirs(parent)
+    made = {}
+    with pytest.raises(RuntimeError):
+        with Images(parent) as imgs:
+            for kind in (*KINDS, "overlay"):
+                made[kind] = imgs.make(kind)
+                assert fs_type(made[kind]) == kind
+            loops = list(imgs.loops)
+            raise RuntimeError("the test failed half-way")
+    with open("/proc/self/mountinfo") as f:
+        mounted = f.read()
+    assert not any(m in mounted for m in made.values()), mounted
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert not any(dev + ":" in attached for dev in loops), attached
+    assert not any(name.endswith(".img") for name in os.listdir(parent))

@@ -9,7 +9,9 @@ Points (../shared/spec/authority-blackout.md, "Crash points"):
   after_intent, after_cgroup, child_setup, after_exec,
   journal_tx (inside the transaction that records the leader's identity),
   cancel_grace, cancel_frozen, cleanup_before_rmdir, cleanup_tmp_half,
-  janitor_after_kill
+  janitor_after_kill,
+  changes_mid_commit (changes.py: a commit or undo after its first step),
+  changes_before_record (every step done, record.json not yet written)
 """
 import os
 import signal

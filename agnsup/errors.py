@@ -11,6 +11,10 @@
     ├── NoServer                125  no serve controller listens on the socket
     ├── LockTimeout              75  the worktree lock was not free in time (EX_TEMPFAIL)
     ├── UnknownId                 1  an id the journal never saw (cancel, cleanup, wait)
+    ├── NotReversible             1  diff/undo of a record that cannot be: nothing changed,
+    │                                dropped, a live cell, a worktree that moved or is gone
+    ├── ChangeConflict           75  undo would overwrite a later change (a later cell's, or
+    │                                one made outside agnsup): names it; --force overrides
     ├── RunNotActive            125  a start refused: the run was cancelled, or the cell
     │                                id is taken (125, not 1: `run` must not look like
     │                                a command that exited 1)
@@ -78,6 +82,14 @@ class UnknownId(AgnsupError):
     pass
 
 
+class NotReversible(AgnsupError):
+    """diff/undo refused: nothing to restore, or no safe way to (the message says which)."""
+
+
+class ChangeConflict(AgnsupError):
+    """undo refused: a later cell, or something outside agnsup, changed the same paths since."""
+
+
 class RunNotActive(AgnsupError):
     pass
 
@@ -111,7 +123,7 @@ class NotFound(AgnsupError):
 
 
 EXIT_CODES: dict[type, int] = {
-    AgnsupError: 125, LockTimeout: 75, WaitTimeout: 75, UnknownId: 1, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
+    AgnsupError: 125, LockTimeout: 75, WaitTimeout: 75, UnknownId: 1, NotReversible: 1, ChangeConflict: 75, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
     CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
 }
 

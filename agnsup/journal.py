@@ -286,8 +286,16 @@ class Journal:
             self._add_receipt(db, "cell", run_id, cell_id, receipt)
             self.event(db, "state." + receipt["state"], run_id, cell_id, reason=receipt["reason"],
                        exit_code=receipt["exit_code"])
+            row = None
+            if (receipt.get("changes") or {}).get("record"):  # a change record (changes.commit): indexed here
+                from .changes import summary_row
+                row = summary_row({"agent_id": receipt.get("agent_id"), **receipt["changes"]})
+                self.add_change(row, db)
             if end_controller:
                 self.end_controller(end_controller, db)
+        if row is not None:  # journal.db lives in the state root: the record's pending marker can go
+            from .changes import settled
+            settled(os.path.dirname(self.path), row["run_id"], row["record_id"])
 
     def _set(self, db, run_id: str, cell_id: str, fields: dict) -> None:
         assert "state" not in fields, "cell states change only through _move_cell"
@@ -336,6 +344,53 @@ class Journal:
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
                    (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))
+
+    # -- change records (agnsup/changes.py) ------------------------------------
+    def add_change(self, row: dict, db=None) -> None:
+        """A change record's row (once: a janitor finishing a record the controller already indexed
+        changes nothing); an undo record marks the record it undoes `undone`."""
+        with self._within(db) as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO changes(run_id, record_id, agent_id, cell_id, kind, undoes, worktree, state, "
+                "created_at, files, bytes_saved, paths) VALUES (?,?,?,?,?,?,?,'committed',?,?,?,?)",
+                (row["run_id"], row["record_id"], row.get("agent_id"), row.get("cell_id"), row.get("kind", "cell"),
+                 row.get("undoes"), row.get("worktree"), row["created_at"], row.get("files", 0),
+                 row.get("bytes_saved", 0), json.dumps(row.get("paths") or [])))
+            if cur.rowcount and row.get("undoes"):
+                db.execute("UPDATE changes SET state='undone', undone_by=? WHERE run_id=? AND record_id=? "
+                           "AND state='committed'", (row["record_id"], row["run_id"], row["undoes"]))
+            if cur.rowcount:
+                self.event(db, "change." + row.get("kind", "cell"), row["run_id"], row.get("cell_id"),
+                           record=row["record_id"], undoes=row.get("undoes"), files=row.get("files", 0))
+
+    def change_row(self, run_id: str, record_id: str):
+        return self._one("SELECT * FROM changes WHERE run_id=? AND record_id=?", (run_id, record_id))
+
+    def change_rows(self, run_id=None, record_id=None, agent_id=None, cell_id=None, state=None, states=None,
+                    worktree=None, after=None) -> list:
+        """Change records, oldest first, filtered by whichever arguments are given (`after`: created later)."""
+        where, args = [], []
+        for col, val in (("run_id", run_id), ("record_id", record_id), ("agent_id", agent_id),
+                         ("cell_id", cell_id), ("state", state), ("worktree", worktree)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        if states:
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            args.extend(states)
+        if after is not None:
+            where.append("created_at > ?")
+            args.append(after)
+        q = "SELECT * FROM changes" + (" WHERE " + " AND ".join(where) if where else "")
+        return self._all(q + " ORDER BY created_at, seq", tuple(args))
+
+    def set_change_state(self, keys: list[tuple[str, str]], state: str) -> None:
+        """(run_id, record_id) pairs to `state` (retention: 'dropped')."""
+        if not keys:
+            return
+        with self.tx() as db:
+            db.executemany("UPDATE changes SET state=? WHERE run_id=? AND record_id=?",
+                           [(state, r, c) for r, c in keys])
 
     # -- cancel and cleanup ---------------------------------------------------
     @staticmethod

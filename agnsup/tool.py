@@ -102,10 +102,10 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    from . import supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
+    from . import changes, supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
     try:
-        plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused},
-                                     other_roots)
+        plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused,
+                                                             "_reversible": changes.unsupported}, other_roots)
     except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
         refuse(e)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),

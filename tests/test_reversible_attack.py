@@ -134,17 +134,17 @@ def test_an_obfuscated_delete_passes_the_gate_destroys_and_undo_restores_the_tre
     assert not _git_ok(project), f"{form} left the git history readable"
     assert listing(project) != before
 
-    # the receipt says what was captured
-    [r] = [x for x in agnsup.json("receipts", "--json") if x["cell_id"] == cell]
-    ch = r.get("changes") or {}
-    assert ch.get("mode") == "at_exit" and ch.get("files", 0) > 0, ch
-
     # 3. undo gives the tree back byte for byte, and git works again
     cp = agnsup("undo", cell, "--json", env=env, timeout=120)
     assert cp.returncode == 0, cp.out + cp.err
     after = listing(project)
     assert after == before, listing_diff(before, after)
     assert _git_ok(project)
+
+    # the receipt said what was captured, and the record is now undone
+    [r] = [x for x in agnsup.json("receipts", "--json") if x["cell_id"] == cell]
+    ch = r.get("changes") or {}
+    assert ch.get("mode") == "at_exit" and ch.get("deleted", 0) + ch.get("modified", 0) > 0, ch
 
 
 def test_without_undo_the_destroyed_worktree_stays_destroyed(template, tmp_path, agnsup):

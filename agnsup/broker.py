@@ -76,6 +76,8 @@ class Cell(Record):
     protect_start: tuple | None = None  # (protected paths' identities, lifted paths' digests) at start (protect.py)
     protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
     cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
+    layer: object = None         # changes.Layer: the overlay's upper and work, while a capturing cell runs
+    changes: dict | None = None  # the receipt's `changes` section (changes.commit's summary, or live/none and why)
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -301,6 +303,8 @@ class Controller:
         if ids is not None:  # process.user, a mapped cell: the cell's HOME is its own
             os.chown(os.path.join(plan.tmpdir, "home"), *ids)
         os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
+        if plan.captures():
+            cell.layer = _prepare_layer(self.state.path, plan)
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
         # no limit is reported that is not in force: each missing one is named, or refused
@@ -507,8 +511,46 @@ class Controller:
         outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
                                         kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
+        self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
         self._settle_protected(cell)
-        return self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
+        receipt = self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
+        self._prune_changes(cell)
+        return receipt
+
+    def _commit_changes(self, cell: Cell) -> None:
+        """A capturing cell's tree is dead: what it wrote lands in the worktree, the pre-images in its
+        record (changes.commit); the receipt's `changes` section says what. A cell that runs live (or
+        has a read-only worktree) gets the section that says so. A commit that fails leaves its plan
+        for the janitor (changes.finish_all) and the receipt names the error; the cell's end is
+        recorded all the same."""
+        plan = cell.plan
+        if plan is None or not plan.changes:
+            return
+        if cell.layer is None:
+            if plan.changes.get("mode") != "at_exit":
+                cell.changes = {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
+            return
+        from . import changes
+        spec = cell.spec
+        try:
+            cell.changes = changes.commit(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
+                                          agent_id=spec.agent_id, id_shift=layer_shift(cell.layer.dir))
+        except Exception as e:  # noqa: BLE001 - the cell has ended: its end is recorded whatever the commit did
+            cell.changes = {"mode": "at_exit", "files": None, "error": f"the commit did not finish: {e}; the "
+                            "janitor finishes it (agnsup janitor)", "record": f"{spec.run_id}/{spec.cell_id}"}
+        cell.layer = None
+
+    def _prune_changes(self, cell: Cell) -> None:
+        """Retention after a commit that kept a record: the oldest records past the role's
+        filesystem.changes_keep / changes_keep_bytes are dropped (changes.prune)."""
+        if not cell.changes or not cell.changes.get("record") or not cell.changes.get("files"):
+            return
+        from . import changes
+        try:
+            changes.prune(self.state, self.journal, cell.plan.changes["keep"], cell.plan.changes["keep_bytes"])
+        except Exception as e:  # noqa: BLE001 - retention never fails a cell that ended
+            import sys
+            print(f"agnsup: changes retention failed, continuing: {e}", file=sys.stderr, flush=True)
 
     def _settle_protected(self, cell: Cell) -> None:
         """The tree is dead: what it planted where tools run files on their own leaves the
@@ -522,6 +564,7 @@ class Controller:
         if cell.protected["quarantined"]:
             self.journal.add_event("protected.quarantined", cell.spec.run_id, cell.spec.cell_id,
                                    paths=cell.protected["quarantined"])
+            _drop_quarantined(self.state.path, cell.spec, cell.changes, cell.protected["quarantined"])
 
     def fail(self, cell: Cell, error: AgnsupError) -> dict:
         """A cell that never ran (or whose start could not be recorded): undo what exists, record why."""
@@ -533,8 +576,11 @@ class Controller:
             reaper.Tree(self.backend, target, cell.child.pidfd).kill()
             supervisor.collect(cell.child)
         self._close_fds(cell)
+        self._commit_changes(cell)  # what a cell killed before its start was recorded may have written
         r = reaper.reap(self.backend, target)
-        return self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
+        receipt = self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
+        self._prune_changes(cell)
+        return receipt
 
     def _close_fds(self, cell: Cell) -> None:
         self._stop_egress(cell)
@@ -634,6 +680,53 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
             os.close(slave)
             raise
     return master, slave
+
+
+def _prepare_layer(state_root: str, plan):
+    """The capturing cell's layer directory (changes.prepare; its upper's root gets the worktree
+    root's owner and mode there: the overlay's root directory shows them)."""
+    from . import changes
+    spec = plan.spec
+    return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
+                           agent_id=spec.agent_id)
+
+
+def layer_shift(layer: str) -> int | None:
+    """The id shift the commit applies (changes.commit id_shift): the host uid BASE a mapped cell's files
+    were written as when its layer could not be id-mapped (mounts.LAYER_SHIFT: "UID_BASE GID_BASE"), else
+    None. The upper's own root, which mounts.overlay gave the shifted owner of the worktree's root, gets
+    its on-disk owner back here (idempotent), so the commit sees no change of the worktree root's owner."""
+    from .linux.mounts import LAYER_SHIFT
+    from .linux.userns import COUNT
+    try:
+        with open(os.path.join(layer, LAYER_SHIFT)) as f:
+            ubase, gbase = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    upper = os.path.join(layer, "upper")
+    try:
+        st = os.lstat(upper)
+        uid = st.st_uid - ubase if ubase <= st.st_uid < ubase + COUNT else st.st_uid
+        gid = st.st_gid - gbase if gbase <= st.st_gid < gbase + COUNT else st.st_gid
+        if (uid, gid) != (st.st_uid, st.st_gid):
+            os.lchown(upper, uid, gid)
+    except FileNotFoundError:
+        pass  # committed already (a resumed plan)
+    return ubase
+
+
+def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: list) -> None:
+    """protect.settle moved paths the cell planted out of the worktree after the commit: its record
+    stops claiming them (changes.drop_paths)."""
+    if not summary or not summary.get("record"):
+        return
+    from . import changes
+    paths = [q["path"] if isinstance(q, dict) else q for q in quarantined]
+    try:
+        changes.drop_paths(state_root, spec.run_id, spec.cell_id, paths)
+    except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
+        import sys
+        print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)
 
 
 def _protect_baseline(plan) -> tuple[dict, dict]:

@@ -65,6 +65,8 @@ class ExecutionPlan(Record):
     run_shown: list[str] = Factory(list)    # ... and what of the host's came back into it, read-only
     sockets_masked: list[str] = Factory(list)  # host sockets bound elsewhere, masked at cell start
     sockets_allowed: list[str] = Factory(list)  # filesystem.unix_sockets (real paths)
+    changes: dict = Factory(dict)           # reversible cells (changes_mode): {"mode": "at_exit" | "live" | "none",
+                                            # "why", "role": filesystem.changes, "keep", "keep_bytes", "layer"}
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -78,6 +80,10 @@ class ExecutionPlan(Record):
                     "kills everything in a namespace whose init dies"}
         return {"mode": "kill", "in_force": False, "how": "no PID namespace here: only the leader has "
                 "PR_SET_PDEATHSIG(SIGKILL); what it started is left to the janitor's next run"}
+
+    def captures(self) -> bool:
+        """The cell runs over an overlay of its worktree whose changes land when it ends (agnsup/changes.py)."""
+        return self.changes.get("mode") == "at_exit"
 
     def cell_ids(self) -> tuple[int, int] | None:
         """The host (uid, gid) the cell's own files are owned by (its HOME, its stdio files): process.user's,
@@ -393,8 +399,11 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # attached under the key "tmp": as root the controller makes it (and measures it at the end); a normal
     # user's controller cannot make one outside the cell: its child does (tmpcopy), unmeasured.
     tmp_tmpfs = bool(host["_root"])
+    changes = changes_mode(fs, spec, wt, state_root, host, policy.isolation, conf)
+    # a capturing cell's layer directory (its overlay's upper and work), cloned while its mount is read-write
+    layer = [("clone", changes["layer"], "layer", False)] if changes["mode"] == "at_exit" else []
     ops: list[tuple] = [*([] if tmp_tmpfs else [("tmpcopy", tmpdir, "tmp", False, (policy.limits.tmp_max,))]),
-                        (written, wt, "worktree", fs.worktree == "ro"),
+                        (written, wt, "worktree", fs.worktree == "ro"), *layer,
                         *home_clones]
     ops.append(("root", "/", "", fs.root == "ro"))
     shm_max = policy.limits.shm_max or (policy.limits.memory_max // 2 if policy.limits.memory_max else SHM_DEFAULT)
@@ -412,6 +421,11 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         protect_ops, protected = protect.mount_ops(wt, protect.scan(wt), lifted)
         places += protect_ops
     places.sort(key=lambda op: op[1].count("/"))
+    if layer:
+        # right on the worktree's attach (its lower layer), before protect (which binds paths of the
+        # overlay's view) and the masks
+        at = places.index(("attach", wt, "worktree")) + 1
+        places.insert(at, ("overlay", wt, "layer", False, changes.pop("options")))
     # /run after everything else is in place (a worktree of "/" would otherwise bring the host's back),
     # with the mount points of what comes back beneath it made inside its tmpfs
     in_run = [op for op in places if op[0] == "attach" and any(_under(op[1], d) and op[1] != d for d in run_dirs)]
@@ -450,7 +464,49 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
         tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
         caches=caches, devices=devices, shm_max=shm_max, protected=protected, protected_lifted=lifted,
-        run_private=run_dirs, run_shown=run_shown, sockets_masked=sockets, sockets_allowed=allowed_sockets, **conf)
+        run_private=run_dirs, run_shown=run_shown, sockets_masked=sockets, sockets_allowed=allowed_sockets,
+        changes=changes, **conf)
+
+
+def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, conf: dict) -> dict:
+    """Whether this cell captures its worktree changes (filesystem.changes; docs/architecture.md
+    "Reversible cells"): {"mode": "at_exit" (an overlay, the changes land when it ends) | "live"
+    (writes go straight to the worktree) | "none" (a read-only worktree), "why": one line or None,
+    "role": the role's value, "keep", "keep_bytes"; at_exit adds "layer" (the layer directory) and
+    "options" (the overlay op's)}. Impossible here (host["_reversible"](state_root, wt) says why; a
+    state root inside the worktree): live, named in not_in_force, or refused (SetupError) when the
+    role requires "reversible", which also captures a long-lived cell."""
+    asked = fs.get("changes", "auto")
+    out = {"role": asked, "keep": fs.get("changes_keep", 200), "keep_bytes": fs.get("changes_keep_bytes", 2 << 30)}
+    required = "reversible" in iso.require
+    if fs.worktree != "rw":
+        return {**out, "mode": "none", "why": "the worktree is read-only (role filesystem.worktree = \"ro\"): "
+                "nothing to capture"}
+    if asked == "live":
+        return {**out, "mode": "live", "why": "role filesystem.changes = \"live\""}
+    if asked == "auto" and spec.long_lived and not required:
+        return {**out, "mode": "live", "why": "a long-lived cell (spawn) under filesystem.changes = \"auto\": "
+                "its writes are seen as they happen"}
+    state_real = os.path.realpath(state_root)
+    why = f"the state root {state_real} lies inside the worktree" if _under(state_real, wt) else None
+    probe = host.get("_reversible")
+    if why is None and probe is not None:
+        why = probe(state_root, wt)
+    if why is not None:
+        if required:
+            raise SetupError(f"role {spec.role} requires reversible, which is not available here: {why}",
+                             step="require")
+        conf["not_in_force"].append(f"reversible (the cell's writes land live, uncaptured): {why}")
+        return {**out, "mode": "live", "why": why}
+    from .changes import layer_dir
+    if not host["_root"]:
+        options = (("userxattr",),)  # mounted inside the cell's own user namespace: user.overlay.* xattrs
+    elif conf.get("mapped"):
+        options = (("idmap", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
+    else:
+        options = ()
+    return {**out, "mode": "at_exit", "why": None, "layer": layer_dir(state_root, spec.run_id, spec.cell_id),
+            "options": options}
 
 
 SHM_DEFAULT = 64 << 20  # a role with neither limits.shm_max nor memory_max: Docker's default /dev/shm

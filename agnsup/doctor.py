@@ -73,6 +73,72 @@ def _ns(flag: int):
     return lambda: lsys.unshare(flag | (_IN_USERNS if flag != lsys.CLONE_NEWUSER else 0))
 
 
+def reversible(state_root: str) -> dict:
+    """Can cells capture their worktree changes here (reversible cells, agnsup/changes.py)? The state
+    root's file system as an overlay's upper layer (changes.unsupported), then a real overlay made in a
+    throwaway child the way a cell makes it (mounts.overlay: in a user namespace of its own for a normal
+    user; a root controller's through the id-mapped layer as for a mapped cell, else shifted owners),
+    with one file written through it. {"available", "why_not"?, "idmapped_layer": True | False | None
+    (a normal user's cells have none), "live": what runs live anyway}."""
+    import shutil
+    import tempfile
+    from . import changes
+    live = ("long-lived cells (agnsup spawn, MCP spawn, sandboxd Start) under filesystem.changes = \"auto\", and "
+            "roles with changes = \"live\": their writes land as they happen, not captured; a read-only worktree "
+            "has nothing to capture")
+    out: dict = {"available": False, "idmapped_layer": None, "live": live}
+    try:
+        why = changes.unsupported(state_root, os.getcwd())
+    except Exception as e:  # noqa: BLE001 - a doctor reports, never fails
+        why = f"the check failed: {e}"
+    if why:
+        return {**out, "why_not": f"{why} (cells run live; isolation.require = [\"reversible\"] refuses them)"}
+    os.makedirs(os.path.join(state_root, "cache"), exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="doctor-overlay-", dir=os.path.join(state_root, "cache"))
+    try:
+        for d in ("lower", "layer/upper", "layer/work"):
+            os.makedirs(os.path.join(scratch, d))
+        root = os.geteuid() == 0
+        ok, err = supervisor.probe(lambda: _overlay_probe(scratch, root, False))
+        if not ok:
+            return {**out, "why_not": f"an overlay of a worktree cannot be made here: {err}"}
+        out["available"] = True
+        if root:
+            shutil.rmtree(os.path.join(scratch, "layer"))
+            for d in ("layer/upper", "layer/work"):
+                os.makedirs(os.path.join(scratch, d))
+            ok, err = supervisor.probe(lambda: _overlay_probe(scratch, root, True))
+            out["idmapped_layer"] = ok
+            if not ok:
+                out["idmapped_layer_why_not"] = (f"{err}: a mapped cell's layer goes in as it is and the commit "
+                                                 "shifts owners back")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def _overlay_probe(scratch: str, root: bool, idmapped: bool) -> None:
+    """In the throwaway child: an overlay over scratch/lower with scratch/layer, one file created through it,
+    found in the upper layer (mounts.overlay; an id-mapped layer must not fall back)."""
+    from .linux import mounts, userns
+    if not root:
+        lsys.unshare(lsys.CLONE_NEWUSER)
+        userns.write_id_maps("self", os.getuid(), os.getgid(), os.getuid(), os.getgid())
+    lsys.unshare(lsys.CLONE_NEWNS)
+    lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+    lower = os.path.join(scratch, "lower")
+    layer = os.path.join(scratch, "layer")
+    fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
+    options = (("userxattr",),) if not root else ((("idmap", 0, 0),) if idmapped else ())
+    mounts.overlay(lower, fd, options, supervisor.layer_userns() if idmapped else None)
+    if idmapped and os.path.exists(os.path.join(layer, mounts.LAYER_SHIFT)):
+        raise OSError("the kernel refused the id-mapped layer")
+    with open(os.path.join(lower, "probe"), "w") as f:
+        f.write("x")
+    if not os.path.exists(os.path.join(layer, "upper", "probe")):
+        raise OSError("a file written through the overlay is not in its upper layer")
+
+
 def report(state_root: str) -> dict:
     from . import backend as backends
     chosen = backends.choose(state_root)
@@ -109,7 +175,15 @@ def report(state_root: str) -> dict:
     conf = confinement()
     use["confinement"] = ", ".join(k for k, v in conf.items() if v["available"]) + " (as each role asks)"
     use["cell_identity"] = cell_identity(conf)
+    rev = reversible(state_root)
+    use["reversible"] = ("worktree writes of waited-for cells land when each ends, kept as records (agnsup diff, "
+                         "agnsup undo)" + ("" if rev["idmapped_layer"] is not False else
+                                           "; a mapped cell's layer is not id-mapped here: owners shifted at commit")
+                         + "; live: " + rev["live"]) if rev["available"] else \
+        f"NOT IN FORCE: {rev['why_not']}"
     without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
+    if not rev["available"]:
+        without.append(f"reversible ({rev['why_not']})")
     without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     return {
         "euid": os.geteuid(),
@@ -121,10 +195,11 @@ def report(state_root: str) -> dict:
         "seccomp": protections()["seccomp"] is None,
         "landlock_abi": ll,
         "confinement": conf,
+        "reversible": rev,
         "will_use": use,
         "does_without": without,
         "ok": ns["mount"]["available"] and mount_api_ok,
-        "host": host_report(chosen, layout, ns, mount_api_ok, conf, support),
+        "host": host_report(chosen, layout, ns, mount_api_ok, conf, support, rev),
     }
 
 
@@ -145,7 +220,8 @@ def container() -> str | None:
     return None
 
 
-def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, support: dict) -> dict:
+def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, support: dict,
+                rev: dict | None = None) -> dict:
     """The host kind, the backend chosen and why, and each guarantee: "in force", or "NOT IN FORCE: why;
     fix: the exact fix" (docs/hosts.md, section 4)."""
     root = os.geteuid() == 0
@@ -180,6 +256,9 @@ def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, suppor
                                                          "landlock_scopes": "Linux 6.12+ (Landlock ABI 6)",
                                                          "seccomp": "a kernel with seccomp filters"}.get(
             name, "agnsup run (single-threaded) or root" if name == "pid_namespace" else "-"))
+    if rev is not None:
+        put("reversible", rev["available"], rev.get("why_not", ""), "a state root on a local file system with "
+            "xattrs (ext4, xfs, btrfs, tmpfs): AGNSUP_STATE_DIR, --state-dir")
     return {"kind": ", ".join(kind), "backend": type(chosen).__name__, "why": getattr(chosen, "why", ""),
             "container": ctr, "guarantees": g}
 

@@ -16,11 +16,15 @@ or from another boot, and each of its cells not yet in a terminal state:
 2. journal the plan (event `recovery.kill`), kill (the tree through its cgroup,
    single processes through a checked pidfd: SIGSTOP all, then SIGKILL), verify;
    scan again until a scan finds none;
-3. release through the one reap path (cgroup dirs, temp dir), remove the
-   worktree lock file if nobody holds it;
+3. a cell that captured its worktree changes (reversible cells, agnsup/changes.py):
+   what it left in its overlay's upper layer is committed into the worktree (the
+   worktree ends as the cell left it, never half-merged; undoable with `agnsup undo`),
+   and the receipt says so; then release through the one reap path (cgroup dirs,
+   temp dir), remove the worktree lock file if nobody holds it;
 4. in one transaction: the cell -> `recovered`, its run -> `recovered` when no
    other cell of it lives, a `recovery` receipt row; the receipt file is
-   <state>/recovery/<janitor id>.json.
+   <state>/recovery/<janitor id>.json;
+5. every change layer, commit or undo left in flight (changes.finish_all) finished.
 
 Every cell of every dead controller goes through these steps together: one
 /proc scan per kill round serves all cells, one transaction journals a round's
@@ -192,6 +196,11 @@ class _Janitor:
             # transaction for the plans of a round and one for the outcome
             self._recover(cells)
         self._end_controllers(dead)
+        finished = self._finish_changes()
+        if finished:
+            report["changes"] = finished
+            if self.receipt is not None:
+                self.receipt["changes"] = finished
         for ctl, _ in dead:
             report["controllers"].append({"id": ctl["id"], "ended": ctl["ended"], "why_dead": ctl["why_dead"]})
             for c in ctl["cells"]:
@@ -316,6 +325,7 @@ class _Janitor:
                                                 "not to the cell: not touched")
                     c.target = reaper.Target(run_id=c.row["run_id"], cell_id=c.row["cell_id"], tmpdir=c.row["tmpdir"],
                                              lock_path=c.row["lock_path"])
+                self._commit_changes(c)  # the tree is dead, the worktree lock not yet released
                 c.entry["released"] = reaper.release(self.backend, c.target)
                 self._settle_protected(c)
             except OSError as e:  # leave it for the next janitor; never mark what is not converged
@@ -346,6 +356,41 @@ class _Janitor:
                 if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
                     with suppress(OSError):  # the journal holds it
                         receipts.write(path, c["cell_receipt"])
+
+    def _commit_changes(self, c: _Cell) -> None:
+        """The cell captured its worktree changes and its controller died before committing them (or
+        during the commit): what it left lands in the worktree now, as its controller would have done
+        (broker.Controller._commit_changes); the commit resumes a plan an earlier attempt left."""
+        from . import changes
+        from .broker import layer_shift
+        run, cell = c.row["run_id"], c.row["cell_id"]
+        layer = changes.layer_dir(self.state.path, run, cell)
+        if not any(os.path.lexists(os.path.join(layer, n)) for n in ("upper", "plan.json")):
+            return  # it did not capture (live, read-only, never started), or it was committed already
+        try:
+            summary = changes.commit(self.state.path, run, cell, c.row["worktree"], agent_id=c.row["agent_id"],
+                                     id_shift=layer_shift(layer))
+        except Exception as e:  # noqa: BLE001 - left in flight: changes.finish_all (below, or the next janitor)
+            c.entry["changes"] = {"mode": "at_exit", "files": None, "error": str(e), "record": f"{run}/{cell}"}
+            c.entry["notes"].append(f"its worktree changes could not be committed yet ({e}); the next janitor "
+                                    "finishes the commit")
+            return
+        c.entry["changes"] = summary
+        n = summary.get("files") or 0
+        if n:
+            c.entry["notes"].append(f"committed {n} change(s) the cell left in its worktree {c.row['worktree']} "
+                                    f"(undo with agnsup undo {cell} --run {run})")
+        else:
+            c.entry["notes"].append("the cell changed nothing in its worktree")
+
+    def _finish_changes(self) -> list:
+        """Layers, commits and undos left in flight by processes that died (changes.finish_all)."""
+        from . import changes
+        try:
+            return changes.finish_all(self.state.path, self.j)
+        except Exception as e:  # noqa: BLE001 - recovery of the cells is done; the next janitor tries again
+            print(f"agnsup: janitor: unfinished changes not finished yet: {e}", file=sys.stderr, flush=True)
+            return []
 
     def _settle_protected(self, c: _Cell) -> None:
         """The tree is dead: what the cell planted where tools run files on their own leaves the

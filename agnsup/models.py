@@ -164,6 +164,27 @@ class FilesystemSection(_Strict):
                                     "read-only tmpfs and each socket bound elsewhere is masked at cell start. A "
                                     "listed path that is not an existing socket refuses the cell.")
 
+    changes: Literal["auto", "at_exit", "live"] = Field(
+        "auto", description="Reversible cells (docs/architecture.md): 'at_exit' runs the cell over an overlay of "
+        "its worktree and its changes land in the worktree when it ends (whatever the ending), each kept as a "
+        "record `agnsup diff` shows and `agnsup undo` reverses; 'live' writes go straight to the worktree, seen "
+        "by others as they happen and not captured; 'auto' is at_exit for calls that are waited for (run, the "
+        "API's run, MCP run_process/run_shell, serve, sandboxd exec) and live for long-lived cells (spawn, "
+        "sandboxd background processes). A read-only worktree has nothing to capture. Where the state root "
+        "cannot hold an overlay's upper layer the cell runs live and the receipt says why "
+        "(isolation.require = [\"reversible\"] refuses it instead).")
+    changes_keep: int = Field(200, ge=0, description="Most change records kept per state root; past it the "
+                              "oldest are dropped after each commit (0: none kept).")
+    changes_keep_bytes: int = Field(2 * 1024 ** 3, ge=0, description="Most bytes of pre-images the change "
+                                    "records of a state root keep ('2G'); past it the oldest are dropped.")
+
+    @field_validator("changes_keep_bytes", mode="before")
+    @classmethod
+    def _keep_size(cls, v):
+        if isinstance(v, bool):
+            raise ValueError(f"not a size: {v!r}")
+        return parse_size(v)
+
     _home_paths = field_validator("home_allow")(_each(_home_path))
     _device_paths = field_validator("devices")(_each(_device_path))
     _socket_paths = field_validator("unix_sockets")(_each(_socket_path))
@@ -290,8 +311,9 @@ class LimitsSection(_Strict):
 
 # "limits": every limit the role sets (memory_max, pids_max, cpu_weight, cpu_max) is in force here
 # "mapped_uid": a root controller's cell is uid 0 of a user namespace, an unprivileged uid on the host
+# "reversible": a cell that writes its worktree captures its changes (filesystem.changes; a long-lived cell too)
 PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities", "limits",
-               "mapped_uid")
+               "mapped_uid", "reversible")
 
 
 class IsolationSection(_Strict):
@@ -346,7 +368,7 @@ class IsolationSection(_Strict):
     def _consistent(self):
         needs = {"seccomp": self.seccomp, "landlock": self.landlock, "landlock_scopes": self.landlock,
                  "no_new_privs": self.no_new_privs, "pid_namespace": self.pid_namespace, "capabilities": True,
-                 "limits": True, "mapped_uid": not self.host_root}
+                 "limits": True, "mapped_uid": not self.host_root, "reversible": True}
         for p in self.require:
             if not needs[p]:
                 key = "landlock" if p == "landlock_scopes" else p
@@ -456,4 +478,11 @@ class Policy(_Strict):
         if self.network.mode in MODES and kept:
             raise ValueError(f"network.mode {self.network.mode!r} needs a cell that cannot rewire its network "
                              f"namespace, but isolation.capabilities keeps {', '.join(sorted(kept))}")
+        return self
+
+    @model_validator(mode="after")
+    def _reversible_needs_capture(self):
+        if "reversible" in self.isolation.require and self.filesystem.changes == "live":
+            raise ValueError('isolation.require lists "reversible" but filesystem.changes is "live" (writes are '
+                             'never captured): use "auto" or "at_exit"')
         return self

@@ -43,6 +43,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     r.update(argv_b64(spec.argv))
     if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed
         r["protected"] = cell.protected
+    if getattr(cell, "changes", None) is not None:  # reversible cells: what landed, the record, or why live
+        r["changes"] = cell.changes
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
@@ -79,6 +81,8 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
     r.update(argv_b64(argv))
     if entry.get("protected") is not None:  # janitor._settle_protected
         r["protected"] = entry["protected"]
+    if entry.get("changes") is not None:  # janitor._commit_changes: what the cell left, committed
+        r["changes"] = entry["changes"]
     r["duration"] = round(now - (row["started_at"] or row["created_at"]), 6)
     return r
 

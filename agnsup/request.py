@@ -103,6 +103,10 @@ class CellRequest(Record):
     # argv is ["sh", "-c", LINE] made by a front door from one shell command line
     # (MCP run_shell): the gate judges LINE as shell text, as tool run_shell.
     shell: bool = Opt(False, "bool")
+    # A long-lived cell (a server, a watcher: CLI/MCP spawn, sandboxd's background processes, the API's
+    # spawn when asked): under the role's `[filesystem] changes = "auto"` its worktree writes land as they
+    # happen (live), not when it ends; waited-for calls capture them (docs/architecture.md "Reversible cells").
+    long_lived: bool = Opt(False, "bool")
 
     @classmethod
     def options(cls) -> dict[str, Opt]:

@@ -22,6 +22,9 @@ IGNORE_TERM = ["sh", "-c", "trap '' TERM; exec sleep 1000"]
 # a tree: a background sleep plus a leader that lives on
 TREE = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exec sleep 1000"]
 QUICK = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exit 0"]
+# worktree changes the controller commits when the cell ends (reversible cells): more than one step
+WRITES = ["sh", "-c", "echo a > f1; echo b > f2; mkdir d; echo c > d/f3; exit 0"]
+WRITTEN = {"f1": "a\n", "f2": "b\n", "d/f3": "c\n"}
 
 CASES = {
     # point: (argv, extra run options)
@@ -34,6 +37,8 @@ CASES = {
     "cancel_frozen": (IGNORE_TERM, ["--timeout", "0.5"]),
     "cleanup_before_rmdir": (QUICK, []),
     "cleanup_tmp_half": (QUICK, []),
+    "changes_mid_commit": (WRITES, []),     # the commit's first step done: the janitor finishes the plan
+    "changes_before_record": (WRITES, []),  # every step done, no record.json yet
 }
 # points after which the cell's processes are still running when the controller dies
 SURVIVES = ("after_exec", "cancel_grace", "cancel_frozen")
@@ -81,6 +86,10 @@ def test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor(a
     assert rc == -signal.SIGKILL, f"crash point {point!r} was not reached (controller exited {rc}): {err}"
     row = cell_row(agnsup, cell)
     assert row["state"] in ("starting", "running"), row
+    if point.startswith("changes_"):  # a commit in flight: its plan on disk, the worktree not yet all there
+        assert os.path.exists(os.path.join(agnsup.state, "changes", "default", cell, "plan.json"))
+        if point == "changes_mid_commit":
+            assert sorted(os.listdir(worktree)) != ["d", "f1", "f2"]
     if point in SURVIVES:
         assert procs_with_env("AGNSUP_CELL_ID", cell), "the tree did not survive its controller: run invalid"
     rep = agnsup.json("janitor", "--json")
@@ -88,8 +97,44 @@ def test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor(a
     if point in SURVIVES:
         assert rep["killed"] and all(k["verified_dead"] for k in rep["killed"])
     assert _assert_converged(agnsup, cell)["state"] == "recovered"
+    if point.startswith("changes_"):
+        _assert_committed(agnsup, worktree, cell)
     again = agnsup.json("janitor", "--json")
     assert again["recovered"] == [] and again["killed"] == []
+
+
+def _assert_committed(agnsup, worktree, cell, run="default"):
+    """The worktree is as the cell left it (never half-merged), its record complete and undoable."""
+    for rel, text in WRITTEN.items():
+        with open(os.path.join(worktree, rel)) as f:
+            assert f.read() == text, rel
+    rec = os.path.join(agnsup.state, "changes", run, cell)
+    assert sorted(os.listdir(rec)) in (["record.json"], ["before", "record.json"]), os.listdir(rec)
+    with open(os.path.join(rec, "record.json")) as f:
+        assert sorted(e["path"] for e in json.load(f)["entries"]) == ["d", "d/f3", "f1", "f2"]
+    receipt = json.loads(agnsup("receipts", "--recovery", "--cell", cell, "--json", check=0).out)[0]["cell"]
+    assert receipt["changes"]["record"] == f"{run}/{cell}", receipt
+    assert any("undo" in n for n in receipt["notes"]), receipt["notes"]
+
+
+def test_a_cell_whose_controller_died_while_it_ran_has_its_changes_committed_by_the_janitor(agnsup, worktree,
+                                                                                            tmp_path, policy_dir):
+    write_role(policy_dir, "quick", limits__grace="0.5")
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    cell = "x-died-running"
+    argv = ["sh", "-c", WRITES[2].replace("exit 0", "exec sleep 1000")]
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, "--", *argv,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    upper = os.path.join(agnsup.state, "changes", "default", cell, "upper")
+    wait_for(lambda: os.path.exists(os.path.join(upper, "d", "f3")) or p.poll() is not None, what="the writes")
+    assert p.poll() is None
+    assert os.listdir(worktree) == []  # in the cell's layer only, while it runs
+    p.kill()
+    p.wait(10)
+    rep = agnsup.json("janitor", "--json")
+    assert rep["recovered"] == [cell]
+    assert _assert_converged(agnsup, cell)["state"] == "recovered"
+    _assert_committed(agnsup, worktree, cell)
 
 
 def test_a_janitor_killed_after_its_kill_leaves_a_state_the_next_one_finishes(agnsup, worktree, tmp_path,

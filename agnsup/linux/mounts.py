@@ -40,6 +40,20 @@ The recipe, in order:
            compiler orders hides and attaches by depth: the temp dir at /tmp
            before a worktree under /tmp, a hidden home before the runtime
            and worktree re-exposed inside it).
+  overlay  a cell that captures its changes (agnsup/changes.py, docs/architecture.md "Reversible
+           cells"): an overlayfs made with fsopen/fsconfig/fsmount (lowerdir = the worktree as
+           attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
+           cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
+           none in the worktree is followed: the only value userxattr allows), index, metacopy and
+           xino off; volatile: no syncfs of the state root's whole file system when the overlay
+           goes, 10-20 ms here, a live cell's writes are not synced either; userxattr inside a
+           normal user's user namespace), moved onto the worktree right
+           after its attach, before protect and mask (the layer directory is cloned with the
+           others, while its mount is read-write). A mapped cell's layer goes in through an
+           id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
+           host root, at COUNT), so what the cell writes is owned on disk as if it had written
+           the worktree; where the kernel refuses that, the plain layer and a note that the commit
+           shifts owners back (LAYER_SHIFT). An overlay that comes up read-only is an error.
   protect  a path inside the attached worktree bound onto itself (a clone of
            the cell's own view of it): read-only for the files tools run on
            their own, read-write for a git directory, which only becomes a
@@ -57,22 +71,29 @@ from collections import namedtuple
 
 from . import sys as lsys
 
-KINDS = ("clone", "idclone", "tmpcopy", "root", "hide", "mask", "attach", "dev", "protect", "empty")
+KINDS = ("clone", "idclone", "tmpcopy", "root", "hide", "mask", "attach", "dev", "protect", "empty", "overlay")
+# overlay: the file in the layer directory that says the upper was not id-mapped ("UID_SHIFT GID_SHIFT": the
+# commit turns host owners BASE+n back into n, changes.commit's id_shift)
+LAYER_SHIFT = "id_shift"
 
 
 # kind:     one of KINDS
 # path:     source for clone, target otherwise
 # key:      names a clone for a later attach; dev: the size of /dev/shm in bytes
 # readonly: root: read-only (else only private); clone: a read-only copy
-# points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices
+# points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices;
+#           overlay: its options, each a tuple: ("userxattr",), ("idmap", uid_shift, gid_shift)
+# (overlay: path = the worktree, key = the clone of the layer directory holding upper/ and work/)
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
 
-def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) -> None:
+def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None,
+          layer_userns_fd: int | None = None) -> None:
     """Run in the child after unshare(CLONE_NEWNS); raises OSError naming the step.
     `userns_fd`: the cells' user namespace, for idclone; `premade`: {key: detached mount fd} the
-    controller made (the cell's /tmp tmpfs), attached like a clone."""
+    controller made (the cell's /tmp tmpfs), attached like a clone; `layer_userns_fd`: the user
+    namespace a mapped cell's overlay layer is id-mapped through (supervisor.layer_userns)."""
     clones: dict[str, int] = dict(premade or {})
     for op in ops:
         op = MountOp(*op)
@@ -107,6 +128,8 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) 
                 _mask(op.path)
             elif op.kind == "protect":
                 _protect(op.path, op.readonly)
+            elif op.kind == "overlay":
+                overlay(op.path, clones.pop(op.key), op.points, layer_userns_fd)
             elif op.kind == "attach":
                 if not os.path.exists(op.path):  # a file clone lands on an existing file point
                     os.makedirs(op.path, exist_ok=True)
@@ -142,6 +165,78 @@ def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
         os.umask(old)
     # Per-mount read-only: nothing is stacked on the tmpfs yet, so the path names it.
     lsys.mount(None, path, None, lsys.MS_REMOUNT | lsys.MS_BIND | lsys.MS_RDONLY | flags)
+
+
+def _escape_layer(path: str) -> str:
+    """A path as one overlayfs lowerdir entry: ':' separates layers there, '\\' escapes."""
+    return path.replace("\\", "\\\\").replace(":", "\\:")
+
+
+def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
+    """A detached overlay mount of `lower` with `layer`/upper and `layer`/work; OSError(EROFS) when
+    the kernel made it read-only (it does so, with only a kernel log line, when it cannot use the
+    work directory: an id-mapped layer whose map lacks the overlay's creator answers EOVERFLOW)."""
+    opts = {"lowerdir": _escape_layer(lower), "upperdir": os.path.join(layer, "upper"),
+            "workdir": os.path.join(layer, "work"), "redirect_dir": "nofollow", "index": "off", "metacopy": "off",
+            "xino": "off", "volatile": None}
+    if userxattr:
+        opts["userxattr"] = None
+    fd = lsys.fsmount_new("overlay", opts)
+    if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+        os.close(fd)
+        raise OSError(30, "the overlay came up read-only (the kernel could not use its work directory)")
+    return fd
+
+
+def overlay(target: str, layer_fd: int, options: tuple, layer_userns_fd: int | None = None) -> None:
+    """Cover `target` (the worktree just attached) with an overlay whose lower layer is that
+    attached worktree and whose upper and work directories are in the layer directory cloned as
+    `layer_fd` (taken with the other clones, while its mount was still read-write; consumed here).
+
+    ("idmap", uid_shift, gid_shift) in `options` (a mapped cell): the layer goes in through a
+    clone of it id-mapped by `layer_userns_fd`, referenced as /proc/self/fd/N: never attached,
+    nothing in the cell reaches it but through the overlay (which keeps private clones of its
+    layers: the fds are closed right after). Where the kernel refuses that clone or an overlay
+    on it, the layer goes in as it is: the upper's root then gets the host owner a mapped cell
+    sees its worktree's root as (+ the shifts), and LAYER_SHIFT in the layer directory tells the
+    commit to shift every owner back."""
+    flags = {o[0]: o[1:] for o in options}
+    userxattr = "userxattr" in flags
+    shift = flags.get("idmap")
+    layer = f"/proc/self/fd/{layer_fd}"
+    try:
+        if shift is not None and layer_userns_fd is not None:
+            ov = None
+            fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
+            try:
+                lsys.mount_setattr(layer, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd,
+                                   userns_fd=layer_userns_fd, recursive=False)
+                ov = _overlay_fs(target, f"/proc/self/fd/{fd}", userxattr)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            if ov is not None:
+                try:
+                    lsys.move_mount_fd(ov, target)
+                finally:
+                    os.close(ov)
+                return
+        if shift is not None:
+            upper = os.path.join(layer, "upper")
+            st = os.lstat(upper)
+            os.chown(upper, st.st_uid + shift[0], st.st_gid + shift[1])
+            tmp = os.path.join(layer, LAYER_SHIFT + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{shift[0]} {shift[1]}\n")
+            os.replace(tmp, os.path.join(layer, LAYER_SHIFT))
+        ov = _overlay_fs(target, layer, userxattr)
+        try:
+            lsys.move_mount_fd(ov, target)
+        finally:
+            os.close(ov)
+    finally:
+        os.close(layer_fd)
 
 
 def _protect(path: str, readonly: bool) -> None:

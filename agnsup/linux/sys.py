@@ -259,18 +259,24 @@ _SYS_FSOPEN = 430
 _SYS_FSCONFIG = 431
 _SYS_FSMOUNT = 432
 FSOPEN_CLOEXEC = 0x1
+FSCONFIG_SET_FLAG = 0
 FSCONFIG_SET_STRING = 1
 FSCONFIG_CMD_CREATE = 6
 FSMOUNT_CLOEXEC = 0x1
 
 
 def fsmount_new(fstype: str, options: dict[str, str], attrs: int = 0) -> int:
-    """A fresh `fstype` with `options` (fsconfig strings: size, mode, uid...), as a detached mount fd
+    """A fresh `fstype` with `options` (fsconfig strings: size, mode, uid...; a value of None sets a flag
+    option such as overlay's userxattr), as a detached mount fd
     with mount attributes `attrs` (MOUNT_ATTR_*); move_mount_fd attaches it, possibly in another mount
     namespace (the cell's), and the fd keeps the file system reachable after that namespace is gone."""
     fs = _check(_syscall(_SYS_FSOPEN, fstype.encode(), ctypes.c_uint(FSOPEN_CLOEXEC)), "fsopen", fstype)
     try:
         for key, value in options.items():
+            if value is None:
+                _check(_syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_SET_FLAG), key.encode(), None,
+                                ctypes.c_int(0)), f"fsconfig {key}", fstype)
+                continue
             _check(_syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(),
                             str(value).encode(), ctypes.c_int(0)), f"fsconfig {key}={value}", fstype)
         _check(_syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_CMD_CREATE), None, None,

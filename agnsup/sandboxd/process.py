@@ -212,7 +212,7 @@ class ProcessService:
             live = {"stdin": True, "pty": {"cols": request.pty.cols or 80, "rows": request.pty.rows or 24}}
         else:
             live = {"stdin": True, "stream": True}
-        p = self._spawn(request.config, context, **live)
+        p = self._spawn(request.config, context, long_lived=True, **live)  # a background process: live writes
         with self._guard:
             self.procs[p.process_id] = p  # before the init event: a WriteStdin right after it finds the process
         try:

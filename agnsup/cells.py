@@ -37,6 +37,8 @@ def tree_text(cells: list[dict]) -> list[str]:
             for c in cs:
                 pid = c["pid"] if c["pid"] is not None else "-"
                 extra = f" exit={c['exit_code']}" if c["exit_code"] is not None else ""
+                if c.get("changes"):  # agnsup ps adds it (issue 26): the cell's change record, kept/undone/dropped
+                    extra += f" changes={c['changes']['files']}:{c['changes']['state']}"
                 lines.append(f"    cell {c['cell_id']:<14} {c['state']:<10} pid={pid}{extra}  "
                              f"{' '.join(c['argv'])[:60]}")
     return lines

@@ -179,6 +179,19 @@ def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
     from .cells import listing, tree_text
     cells = listing(_root(obj), run_id, show_all)
+    if any(c["state"] not in ("waiting", "starting", "running") for c in cells):
+        j = _journal(obj)  # a cell that ended may have changes kept: kept, undone or dropped now
+        try:
+            states = _change_states(j, run_id)
+        finally:
+            if j is not None:
+                j.close()
+        for c in cells:
+            row = states.get((c["run_id"], c["cell_id"]))
+            if row is not None:
+                st, by = _record_state(row, states)
+                c["changes"] = {"record": f"{row['run_id']}/{row['record_id']}", "files": row["files"],
+                                "state": st, **({"undone_by": by} if st == "undone" else {})}
     if as_json:
         click.echo(json.dumps(cells, indent=2))
     elif not cells:
@@ -206,6 +219,10 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                    or "no refused calls")
         return
     items = j.receipts("recovery" if recovery else "cell", run_id, cell_id) if j else []
+    states = _change_states(j, run_id) if any(isinstance(r.get("changes"), dict) for r in items) else {}
+    for r in items:
+        if states and isinstance(r.get("changes"), dict):
+            r["changes"] = _with_state(r["changes"], states)
     if _echo_json(as_json, items, sort_keys=True):
         return
     for r in items:
@@ -217,10 +234,250 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                 from .egress.summary import lines
                 for line in lines(r["network"]):
                     click.echo("  " + line)
+            line = changes_line(r)
+            if line:
+                click.echo("  " + line)
         else:
             click.echo(json.dumps(r, sort_keys=True))
     if not items:
         click.echo("no receipts")
+
+
+def _undo_cmd(record: str) -> str:
+    """The command that undoes record "run/id" (--run only when the run is not the default one)."""
+    run, _, rid = record.rpartition("/")
+    return f"agnsup undo {rid}" + ("" if run in ("", "default") else f" --run {run}")
+
+
+def changes_line(r: dict) -> str | None:
+    """A receipt's `changes` section in one line (receipts): what the cell changed and the
+    command that undoes it; None when the receipt has none (a read-only or older cell)."""
+    ch = r.get("changes")
+    if not isinstance(ch, dict) or ch.get("mode") == "none":  # none: a read-only worktree, nothing to say
+        return None
+    if ch.get("mode") == "live":
+        why = ch.get("why") or ch.get("reason")
+        return "changes: live, not recorded" + (f" ({why})" if why else "") + ": no diff or undo"
+    if ch.get("error"):  # the commit did not finish: the janitor finishes it
+        return f"changes: {ch['error']}"
+    if not ch.get("files"):
+        return "changes: none"
+    parts = [f"{ch[k]} {k}" for k in ("created", "modified", "deleted") if ch.get(k)]
+    other = ch["files"] - sum(ch.get(k) or 0 for k in ("created", "modified", "deleted"))
+    if other > 0:
+        parts.append(f"{other} other")
+    record = ch.get("record") or f"{r.get('run_id')}/{r.get('cell_id')}"
+    state = ch.get("state")  # the journal's word now (receipts adds it): kept, undone, redone, dropped
+    if state == "undone" and ch.get("undone_by"):
+        redo = _undo_cmd(record.rpartition("/")[0] + "/" + ch["undone_by"])
+        return f"changes: {', '.join(parts)}: undone by {ch['undone_by']} (redo: {redo})"
+    if state == "dropped":
+        return f"changes: {', '.join(parts)}: record dropped (retention), no longer undoable"
+    return f"changes: {', '.join(parts)}, {_size(ch.get('bytes') or 0)} (undo: {_undo_cmd(record)})"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+_CHANGE_MARK = {"created": "A", "modified": "M", "deleted": "D", "replaced": "R", "mode": "m"}
+_COUNT_ORDER = ("created", "modified", "deleted", "replaced", "mode")
+
+
+def _sizes(e: dict) -> str:
+    b, a = (list(e.get("sizes") or []) + [None, None])[:2]
+    if (e.get("before") or {}).get("type") in (None, "absent"):
+        return _size(a or 0)
+    if (e.get("after") or {}).get("type") in (None, "absent"):
+        return f"was {_size(b or 0)}"
+    return f"{_size(b or 0)} -> {_size(a or 0)}"
+
+
+def _entry_line(e: dict) -> str:
+    """One changed path: its mark, its path, and what changed beyond the content."""
+    before, after = e.get("before") or {}, e.get("after") or {}
+    types = [t for t in (before.get("type"), after.get("type")) if t not in (None, "absent", "file")]
+    path = e["path"] + ("/" if "dir" in types else "")
+    notes = []
+    if types:
+        notes.append(" -> ".join(dict.fromkeys(types)) if e.get("change") != "replaced" else
+                     f"{before.get('type')} -> {after.get('type')}")
+    if after.get("type") == "symlink" and after.get("target") is not None:
+        notes.append(f"-> {after['target']}")
+    if before.get("mode") is not None and after.get("mode") is not None and before["mode"] != after["mode"]:
+        notes.append(f"mode {before['mode'] & 0o7777:o} -> {after['mode'] & 0o7777:o}")
+    if before.get("uid") is not None and after.get("uid") is not None and \
+            (before["uid"], before.get("gid")) != (after["uid"], after.get("gid")):
+        notes.append(f"owner {before['uid']}:{before.get('gid')} -> {after['uid']}:{after.get('gid')}")
+    if e.get("note"):
+        notes.append(f"{_sizes(e)}; {e['note']}")
+    elif e.get("binary"):
+        notes.append(f"binary, {_sizes(e)}")
+    elif "added" in e or "removed" in e:
+        notes.append(f"+{e.get('added', 0)} -{e.get('removed', 0)}")
+    return f"{_CHANGE_MARK.get(e.get('change'), '?')} {path}" + (f"  ({', '.join(notes)})" if notes else "")
+
+
+def diff_text(d: dict, stat: bool) -> list[str]:
+    """`agnsup diff` for a terminal: a header, the file list (A created, M modified, D deleted,
+    R replaced by another kind, m mode or owner only; --stat: +/- lines or sizes), then
+    (without --stat) the unified diff of every text file and one line per binary one."""
+    entries = d.get("entries") or []
+    counts = d.get("counts") or {}
+    said = ", ".join(f"{counts[k]} {k}" for k in _COUNT_ORDER if counts.get(k)) or f"{len(entries)} path(s)"
+    extra = ", ".join(f"{counts[k]} {k}{'s' if counts[k] > 1 else ''}" for k in ("dir", "symlink") if counts.get(k))
+    state = {"committed": "in force"}.get(d.get("state"), d.get("state"))
+    kind = "undo record" if d.get("kind") == "undo" else "cell"
+    head = f"{kind} {d.get('record')}" + (f", undoes {d['undoes']}" if d.get("undoes") else "") + \
+        (f" ({state}" + (f" by {d['undone_by']}" if d.get("undone_by") else "") + ")" if state else "")
+    out = [f"{head}: {said}" + (f" ({extra})" if extra else "") + (f" in {d['worktree']}" if d.get("worktree") else "")]
+    out += ["  " + _entry_line(e) for e in entries]
+    if stat:
+        return out
+    for e in entries:
+        if e.get("diff"):
+            out.append(e["diff"].rstrip("\n"))
+        elif e.get("note"):
+            out.append(f"{e['path']}: {e['note']} ({_sizes(e)})")
+        elif e.get("binary"):
+            b = "/dev/null" if (e.get("before") or {}).get("type") in (None, "absent") else f"a/{e['path']}"
+            a = "/dev/null" if (e.get("after") or {}).get("type") in (None, "absent") else f"b/{e['path']}"
+            out.append(f"Binary files {b} and {a} differ ({_sizes(e)})")
+    return out
+
+
+@main.command()
+@click.argument("cell_id", metavar="CELL")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="The cell's run (only needed when the id names cells in several runs).")
+@click.option("--stat", is_flag=True, help="The file list with +/- lines per text file and sizes for binary "
+                                           "ones, without the text.")
+@click.option("--json", "as_json", is_flag=True, help="The record's entries as JSON (keys: docs/cli.md).")
+@click.pass_obj
+def diff(obj, cell_id, run_id, stat, as_json):
+    """What CELL changed in its worktree: each path created (A), modified (M),
+    deleted (D), replaced by another kind (R) or whose mode changed (m), then a
+    unified diff of every text file (sizes for binary ones). CELL may be an undo
+    record's id (undo-...), which shows what that undo restored.
+
+    Exit 0; 1 for an id the journal never saw, a cell that changed nothing,
+    ran live (not captured) or whose record was dropped.
+
+    \b
+    Examples:
+      agnsup diff c-1a2b3c4d
+      agnsup diff c-1a2b3c4d --stat
+      agnsup diff c-1a2b3c4d --run R --json
+    """
+    from .service import diff_changes
+    state = _state(obj)
+    j = state.journal()
+    try:
+        d = diff_changes(state, j, cell_id, run_id, stat)
+    finally:
+        j.close()
+    if not _echo_json(as_json, d):
+        click.echo("\n".join(diff_text(d, stat)))
+
+
+def undo_text(result: dict) -> list[str]:
+    """`agnsup undo` for a terminal: one line per record undone, then the undo's own record
+    id and the command that redoes it."""
+    out = []
+    for rec in result.get("records") or []:
+        rid = rec.get("record") or ""
+        run = rid.rpartition("/")[0]
+        what = f"{run}/{rec['undoes']}" if rec.get("undoes") else "?"
+        out.append(f"undid {what}: {rec.get('files', 0)} path(s) put back as they were in {rec.get('worktree')}")
+        out.append(f"  this undo is record {rid.rpartition('/')[2]} (undo it to redo: {_undo_cmd(rid)})")
+    return out or ["nothing undone"]
+
+
+@main.command()
+@click.argument("cell_id", metavar="[CELL]", required=False)
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R",
+              help="Undo every cell of run R that has changes kept, newest first (with CELL: the cell's run).")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
+              help="Undo every cell of agent A (of run R with --run), newest first.")
+@click.option("--force", is_flag=True,
+              help="Undo even when a later cell, or something outside agnsup, changed the same paths since "
+                   "(their change is overwritten; it stays in their own record).")
+@click.option("--lock-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for the worktree lock a running cell holds (then exit 75).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"undone", "records"} (keys: docs/cli.md).')
+@click.pass_obj
+def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
+    """Put back what CELL changed in its worktree, exactly as it was before
+    the cell ran (the files it created go, the ones it deleted or changed come
+    back, modes and symlinks too, .git included). With --run or --agent: every
+    cell of that run or agent with changes kept, newest first.
+
+    The undo is itself a record: its id (undo-...) is printed, and undoing it
+    redoes the cell's changes.
+
+    The undo takes the worktree's lock as a writing cell does: it waits for a
+    cell still running there (up to --lock-timeout).
+
+    Exit 0; 75 when a later cell (named) or something outside agnsup changed
+    the same paths since (nothing is touched; --force overrides), or the
+    worktree lock stayed held past --lock-timeout; 1 for an id
+    the journal never saw, a cell that changed nothing, ran live, was already
+    undone or whose record was dropped, or a worktree that moved.
+
+    \b
+    Examples:
+      agnsup undo c-1a2b3c4d
+      agnsup undo --run R                # the whole run, newest first
+      agnsup undo --agent A --run R
+      agnsup undo undo-0123456789ab      # redo
+    """
+    from .service import undo_changes
+    state = _state(obj)
+    j = state.journal()
+    try:
+        result = undo_changes(state, j, cell_id, run_id, agent_id, force, lock_timeout)
+    finally:
+        j.close()
+    if not _echo_json(as_json, result):
+        click.echo("\n".join(undo_text(result)))
+
+
+def _change_states(j, run_id: str | None = None) -> dict:
+    """{(run_id, record_id): journal row} of the change records (one query): their state now
+    (kept, undone, dropped). A receipt is written when its cell ended and never rewritten."""
+    if j is None:
+        return {}
+    return {(r["run_id"], r["record_id"]): r for r in j.change_rows(run_id=run_id)}
+
+
+def _record_state(row, states: dict) -> tuple[str, str | None]:
+    """(kept | undone | redone | dropped, the undo record now in force or None) of a record's
+    row, following undo -> redo -> undo ... through `states` (_change_states)."""
+    cur, flips = row, 0
+    while cur["state"] == "undone" and cur["undone_by"] and flips < 1000:
+        nxt = states.get((cur["run_id"], cur["undone_by"]))
+        if nxt is None:
+            break
+        cur, flips = nxt, flips + 1
+    if flips == 0:
+        return {"committed": "kept"}.get(row["state"], row["state"]), None
+    return ("undone" if flips % 2 else "redone"), cur["record_id"]
+
+
+def _with_state(ch, states: dict):
+    """A receipt's `changes` section plus `state` (kept, undone, redone, dropped) and
+    `undone_by` (the undo record in force) from the journal now."""
+    if not isinstance(ch, dict) or not ch.get("record"):
+        return ch
+    row = states.get(tuple(ch["record"].rsplit("/", 1)))
+    if row is None:
+        return ch
+    state, by = _record_state(row, states)
+    return {**ch, "state": state, **({"undone_by": by} if state == "undone" else {})}
 
 
 @main.command()
@@ -420,7 +677,7 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
-    signal, wait, cancel, ps, receipt. Every call that runs something is a cell of this
+    signal, wait, cancel, ps, receipt, diff, undo. Every call that runs something is a cell of this
     session's run under --role. Prints one JSON line {"ready": true, "run_id":
     ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
     When the client ends the session (or on SIGTERM/SIGINT), its cells are

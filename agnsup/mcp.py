@@ -147,8 +147,30 @@ SCHEMAS = {s["name"]: s for s in (
     _plain_tool("receipt", "The receipt of an ended cell of this session: what ran, under which policy and "
                 "isolation, how it ended, its resource usage and the decision that let it run.",
                 {"cell_id": _CELL}, ("cell_id",)),
+    _plain_tool("diff", "What an ended cell of this session changed in the worktree (files created, modified, "
+                "deleted, mode changes, symlinks, directories, .git included), whatever command did it: entries "
+                "[{path, change, before, after}] with a unified diff of each text file (diff) or its sizes when "
+                "binary; stat: true gives added/removed line counts instead of the text. Also takes an undo's "
+                "record id (undo-...). Refused (as an error) for a cell that changed nothing or ran live.",
+                {"cell_id": {"type": "string", "description": "A cell id of this session, or an undo record id "
+                                                              "(undo-...) from undo."},
+                 "stat": {"type": "boolean", "description": "Line counts per file instead of the diff text "
+                                                            "(default false)."}}, ("cell_id",)),
+    _plain_tool("undo", "Put back what cells of this session changed in the worktree, exactly as before they ran: "
+                "one cell (cell_id), one agent's cells (agent_id) or every cell of the session (run: true), newest "
+                "first. Returns undone and records: each new undo record has an id (undo-...); undo that id to "
+                "redo. Refused, with nothing touched, when a later cell or something outside agnsup changed the "
+                "same paths since (error_type ChangeConflict, exit_code 75, naming them; force: true overwrites "
+                "their change), or when there is nothing to undo (NotReversible).",
+                {"cell_id": {"type": "string", "description": "A cell id of this session, or an undo record id "
+                                                              "(undo-...) to redo what it undid."},
+                 "agent_id": {"type": "string", "description": "Undo every cell of this agent in this session."},
+                 "run": {"type": "boolean", "description": "Undo every cell of this session with changes kept."},
+                 "force": {"type": "boolean", "description": "Undo even over a later change to the same paths "
+                                                             "(default false)."}}),
 )}
-READ_ONLY = {"wait", "ps", "receipt", "read_output"}
+READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff"}
+DIFF_TEXT_MAX = 64 * 1024  # the diff text one tool result carries (run_process bounds stdout alike)
 
 
 # -- argument checks ------------------------------------------------------------
@@ -231,6 +253,24 @@ class Session:
         rec = self.sup.receipt(self.run_id, cell_id)
         return rec if rec is not None else {"cell_id": cell_id, "pending": True}
 
+    def diff(self, cell_id: str, stat: bool = False) -> dict:
+        """What a cell of this session (or an undo record) changed, its diff text bounded."""
+        d = self.sup.diff(cell_id, self.run_id, stat)
+        room = DIFF_TEXT_MAX
+        for e in d.get("entries") or []:
+            text = e.get("diff")
+            if isinstance(text, str) and len(text) > room:
+                e["diff"], e["diff_truncated"] = text[:room], True
+                d["truncated"] = True
+            room -= len(e.get("diff") or "")
+            room = max(room, 0)
+        return d
+
+    def undo(self, cell_id=None, agent_id=None, run: bool = False, force: bool = False) -> dict:
+        if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
+            raise UsageError("undo: give exactly one of cell_id, agent_id or run: true")
+        return self.sup.undo(cell_id=cell_id, run_id=self.run_id, agent_id=agent_id, force=bool(force))
+
     def end(self) -> None:
         """The session is over: cancel the cells it started that still run."""
         for cell_id in self.started:
@@ -286,6 +326,9 @@ def build_server(sessions: Sessions):
         d = value.get("decision")
         if d:  # a denial: its rule, reason and hint where a model looks first
             value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
+        for key in ("conflicts", "later", "paths"):  # an undo's refusal: what is in the way, when said
+            if key in e.details:
+                value[key] = e.details[key]
         return result(value, error=True)
 
     def of(ctx) -> Session:
@@ -422,9 +465,18 @@ def build_server(sessions: Sessions):
     async def receipt(ctx, args):
         return await to_thread.run_sync(of(ctx).receipt, args["cell_id"])
 
+    async def diff(ctx, args):
+        session = of(ctx)
+        return await to_thread.run_sync(lambda: session.diff(args["cell_id"], bool(args.get("stat"))))
+
+    async def undo(ctx, args):
+        session = of(ctx)
+        return await to_thread.run_sync(lambda: session.undo(args.get("cell_id"), args.get("agent_id"),
+                                                             bool(args.get("run")), bool(args.get("force"))))
+
     handlers = {"run_process": run_process, "run_shell": run_shell, "spawn": spawn, "wait": wait,
                 "read_output": read_output, "write_stdin": write_stdin, "resize": resize, "signal": signal_,
-                "cancel": cancel, "ps": ps, "receipt": receipt}
+                "cancel": cancel, "ps": ps, "receipt": receipt, "diff": diff, "undo": undo}
     assert set(handlers) == set(SCHEMAS)
 
     async def on_list_tools(ctx, params):

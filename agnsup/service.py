@@ -236,6 +236,27 @@ class Supervisor:
         from .cells import listing
         return listing(self.state, run_id, include_ended)
 
+    # -- reversible cells (issue 26) --------------------------------------------
+    def diff(self, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
+        """What cell `cell_id` (or an undo record, `undo-...`) changed in its worktree, from its
+        record: {"record", "kind", "state", "counts", "entries": [{"path", "change", "before",
+        "after", "diff" (unified text) or "sizes" (binary)}]}; with `stat`, "added"/"removed"
+        line counts instead of the text. `run_id` is needed only when the id names cells in
+        several runs. Raises UnknownId / AmbiguousId (the id), NotReversible (nothing changed,
+        ran live, record dropped), as `agnsup diff` refuses (exit 1)."""
+        return diff_changes(self.state, self.ctl.journal, cell_id, run_id, stat)
+
+    def undo(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
+             force: bool = False) -> dict:
+        """Restore the pre-cell state of what one cell changed (`cell_id` [+ `run_id`]), or of every
+        cell with changes kept in a run (`run_id`) or of an agent (`agent_id` [+ `run_id`]), newest
+        first. Returns {"undone": [...], "records": [the new undo records]}; undo of an undo record
+        (its id, `undo-...`) is a redo. Refusals, with nothing changed on disk: ChangeConflict
+        (exit 75: a later cell, or something outside agnsup, changed the same paths since; `force`
+        overrides), NotReversible (nothing to undo, already undone, dropped, a live cell, a
+        worktree that moved), UnknownId / AmbiguousId, UsageError (no scope, or cell and agent)."""
+        return undo_changes(self.state, self.ctl.journal, cell_id, run_id, agent_id, force)
+
     # -- live I/O (request options stdin, pty, stream) ------------------------
     def _running(self, run_id: str, cell_id: str) -> _Running:
         with self._guard:
@@ -394,3 +415,91 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
             delay = min(delay * 1.5, 0.25)
     finally:
         journal.close()
+
+
+# -- reversible cells (issue 26): the one path diff and undo take from every front door --------
+# The CLI, Supervisor.diff/undo and the MCP tools all come here, so they resolve ids, lock and
+# refuse alike; changes.py does the work and owns the record's format.
+UNDO_LOCK_TIMEOUT = 30.0  # seconds an undo waits for the worktree lock a running cell holds
+
+
+def _check_ids(cell_id: str | None, run_id: str | None, agent_id: str | None = None) -> None:
+    from .state import check_id
+    for kind, value in (("cell", cell_id), ("run", run_id), ("agent", agent_id)):
+        if value is not None:
+            check_id(kind, value)
+
+
+def diff_changes(state, journal, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
+    """What cell (or undo record) `cell_id` changed in its worktree: changes.diff's dict."""
+    from . import changes
+    _check_ids(cell_id, run_id)
+    return changes.diff(state, journal, cell_id, run_id, stat)
+
+
+def undo_targets(journal, cell_id: str | None = None, run_id: str | None = None,
+                 agent_id: str | None = None) -> list[str]:
+    """The records an undo names: one cell's (or an undo record's: a redo), as "run/record" or
+    the bare id (changes resolves it: UnknownId, AmbiguousId, NotReversible saying why), or
+    every record in force of a run or an agent that moves forward (changes.select, newest first:
+    a cell's or a redo; an undo in force is a restoration and stays)."""
+    from . import changes
+    from .errors import NotReversible
+    _check_ids(cell_id, run_id, agent_id)
+    if cell_id is not None:
+        if agent_id is not None:
+            raise UsageError("give CELL [--run R], or --run R, or --agent A [--run R]")
+        return [f"{run_id}/{cell_id}" if run_id else cell_id]
+    if run_id is None and agent_id is None:
+        raise UsageError("say what to undo: CELL [--run R], --run R, or --agent A [--run R]")
+    if run_id is not None and journal.run(run_id) is None:
+        raise UnknownId(f"no run {run_id!r} in the journal")
+    if agent_id is not None and not (journal.has_agent(run_id, agent_id) if run_id is not None else
+                                     journal.change_rows(agent_id=agent_id) or any(
+                                         c["agent_id"] == agent_id for c in journal.cells())):
+        raise UnknownId(f"no agent {agent_id!r}{f' in run {run_id!r}' if run_id else ''} in the journal")
+    rows = changes.select(journal, run_id=run_id, agent_id=agent_id)
+    if not rows:
+        scope = " of ".join(f"{k} {v}" for k, v in (("agent", agent_id), ("run", run_id)) if v)
+        raise NotReversible(f"nothing to undo for {scope}: no cell of it has changes in force (it changed "
+                            "nothing, ran live, or was undone or dropped already)")
+    return [f"{r['run_id']}/{r['record_id']}" for r in rows]
+
+
+def _worktrees(journal, refs: list[str]) -> list[str]:
+    """The worktrees the records live in (from the journal's index; an id it cannot place yet
+    is left for changes.undo to refuse)."""
+    trees = set()
+    for ref in refs:
+        run_id, _, record_id = ref.rpartition("/")
+        for r in journal.change_rows(run_id=run_id or None, record_id=record_id):
+            if r["worktree"]:
+                trees.add(r["worktree"])
+    return sorted(trees)
+
+
+def undo_changes(state, journal, cell_id: str | None = None, run_id: str | None = None,
+                 agent_id: str | None = None, force: bool = False,
+                 lock_timeout: float | None = UNDO_LOCK_TIMEOUT, notify=None) -> dict:
+    """Undo what a cell, a run's cells or an agent's cells changed: changes.undo's dict
+    ({"undone", "records": the new undo records}). Refusals: UnknownId/AmbiguousId (the id),
+    NotReversible (nothing to undo, dropped, live, a worktree that moved), ChangeConflict
+    (a later change to the same paths; force overrides), LockTimeout (a cell still runs in
+    the worktree); nothing changed on disk then.
+
+    The undo holds each worktree's lock, exclusive, as a writing cell does: a cell running
+    there sees its lower layer change under it otherwise (overlayfs: undefined), and its
+    commit at exit would interleave with the undo's."""
+    from . import changes, locks
+    refs = undo_targets(journal, cell_id, run_id, agent_id)
+    held: list[tuple[str, int]] = []
+    try:
+        for wt in _worktrees(journal, refs):
+            path = state.worktree_lock(locks.worktree_key(wt))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            held.append((path, locks.acquire(path, True, lock_timeout, f"worktree {wt}",
+                                             f"agnsup undo (pid {os.getpid()})", notify, tree=wt)))
+        return changes.undo(state, journal, refs, force=force)
+    finally:
+        for path, fd in reversed(held):
+            locks.release(path, fd)

@@ -183,7 +183,7 @@ class ApiStarter:
 
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
         h = self.sup.spawn(argv, role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id, workdir=worktree,
-                           on_controller_death="keep")
+                           on_controller_death="keep", changes="live")
         info = _stdout_json(self.state, run_id, cell_id)
         assert info["pid"] == h["pid"]
         return info
@@ -196,6 +196,7 @@ class ApiStarter:
 
 
 # These cells outlive their controller (on_controller_death = keep): the trees report
-# their pids from the host's PID namespace, and the tests kill and watch them by those.
-KEEP = ("--on-controller-death", "keep")
+# their pids from the host's PID namespace, and the tests kill and watch them by those; their
+# heartbeats in the worktree are read as they are written (changes = live: not captured).
+KEEP = ("--on-controller-death", "keep", "--changes", "live")
 STARTERS = {"run": CliStarter, "serve": ServeStarter, "api": ApiStarter}

@@ -1,0 +1,157 @@
+"""Fourteen spellings of "delete the worktree" that the gate lets through, each undone (issue 26).
+
+No text gate reads every spelling: each form below passes `agnsup check` and really destroys a worktree
+holding a source tree and a git repository (src/ gone or emptied, .git's history unreadable). The capture
+does not read the command: it is the kernel's view of what the cell wrote (an overlay of the worktree), so
+`agnsup undo CELL` gives the tree back byte for byte (paths, types, modes, owners, sizes, sha256, symlink
+targets) and `git log` / `git fsck` work again.
+
+The guarantee, removed: REV_PROOF_CHANGES=live runs the same cells with the role's
+`[filesystem] changes = "live"` (writes straight to the worktree, not captured): every case fails (undo
+refuses a live cell, and the tree stays destroyed). The cost is one worktree template per module, copied
+per case.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import write_role
+from fsimages import listing, listing_diff
+
+RM = "rm -rf src .git"  # what every form below spells differently
+HEX = RM.encode().hex()
+B64 = base64.b64encode(RM.encode()).decode()
+
+ATTACKS = {
+    "base64_pipe_sh": f"echo {B64} | base64 -d | sh",
+    "sh_c_command_substitution": "sh -c \"$(printf '%s%s -%s%s src .git' r m r f)\"",
+    "python_shutil_rmtree": "python3 -c 'import shutil\nfor p in (\"src\", \".git\"): shutil.rmtree(p, True)'",
+    "shell_function": "tidy() { \"$1\" -rf src .git; }; tidy rm",
+    "copied_rm": "cp /bin/rm /tmp/zap && /tmp/zap -rf src .git",
+    "symlinked_rm": "ln -s /bin/rm /tmp/zap && /tmp/zap -rf src .git",
+    "ifs_games": "IFS=_; c=rm_-rf_src_.git; $c",
+    "perl_pack": f"perl -e 'system(pack(\"H*\", \"{HEX}\"))'",
+    "script_file": "printf '#!/bin/sh\\nrm -rf src .git\\n' > /tmp/tidy.sh && sh /tmp/tidy.sh",
+    "makefile_target": "printf 'tidy:\\n\\trm -rf src .git\\n' > /tmp/mk && make -s -f /tmp/mk tidy",
+    "tar_remove_files": "tar --remove-files -cf /tmp/all.tar src .git",
+    "ls_while_read": "ls -A | while read -r f; do rm -rf \"$f\"; done",
+    "truncate_every_file": "find . -type f -print0 | xargs -0 truncate -s0",
+    "moved_out_of_the_worktree": "mkdir /tmp/away && mv src .git /tmp/away/",
+}
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main"]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> str:
+    """A small project, made once: src/ (text, binary, an executable, a symlink, an empty directory,
+    a nested package) and a git repository of three commits, some objects packed, some loose."""
+    root = str(tmp_path_factory.mktemp("attack") / "template")
+    os.makedirs(os.path.join(root, "src", "pkg", "sub"))
+    os.makedirs(os.path.join(root, "src", "empty"))
+    for i in range(5):
+        with open(os.path.join(root, "src", "pkg", f"m{i}.py"), "w") as f:
+            f.write(f"def f{i}():\n    return {i}\n" * 20)
+    with open(os.path.join(root, "src", "pkg", "sub", "data.bin"), "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    with open(os.path.join(root, "src", "run.sh"), "w") as f:
+        f.write("#!/bin/sh\necho run\n")
+    os.chmod(os.path.join(root, "src", "run.sh"), 0o755)
+    os.chmod(os.path.join(root, "src", "pkg", "sub"), 0o750)
+    os.symlink("pkg/m0.py", os.path.join(root, "src", "entry.py"))
+    with open(os.path.join(root, "README.md"), "w") as f:
+        f.write("# project\n")
+
+    def git(*args):
+        subprocess.run([*GIT, *args], cwd=root, check=True, capture_output=True, timeout=60)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    git("repack", "-qad")  # history in a pack, the later commits' objects loose
+    with open(os.path.join(root, "src", "pkg", "m1.py"), "a") as f:
+        f.write("# two\n")
+    git("commit", "-qam", "two")
+    with open(os.path.join(root, "README.md"), "a") as f:
+        f.write("three\n")
+    git("commit", "-qam", "three")
+    return root
+
+
+@pytest.fixture
+def project(template, tmp_path) -> str:
+    wt = str(tmp_path / "wt")
+    subprocess.run(["cp", "-a", template, wt], check=True, timeout=60)
+    return wt
+
+
+def _git_ok(wt: str) -> bool:
+    for args in (["log", "--oneline"], ["fsck", "--full", "--no-progress"]):
+        if subprocess.run([*GIT, *args], cwd=wt, capture_output=True, timeout=60).returncode != 0:
+            return False
+    return True
+
+
+def _role_args(policy_dir) -> list[str]:
+    """The default role; REV_PROOF_CHANGES=live (or another mode) runs the cells under a copy of it
+    with `[filesystem] changes` set so (how this file proves it fails when capture is off)."""
+    mode = os.environ.get("REV_PROOF_CHANGES")
+    if not mode:
+        return []
+    write_role(policy_dir, "attack", filesystem__changes=json.dumps(mode))
+    return ["--role", "attack"]
+
+
+@pytest.mark.parametrize("form", list(ATTACKS), ids=list(ATTACKS))
+def test_an_obfuscated_delete_passes_the_gate_destroys_and_undo_restores_the_tree(form, project, agnsup,
+                                                                                 policy_dir):
+    script = ATTACKS[form]
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    role = _role_args(policy_dir)
+    before = listing(project)
+    assert _git_ok(project)
+
+    # 1. the gate cannot read this spelling: it lets it through
+    cp = agnsup("check", *role, "--workdir", project, "--json", "--", "sh", "-c", script, env=env)
+    assert cp.returncode == 0 and json.loads(cp.out)["allowed"] is True, cp.out + cp.err
+
+    # 2. it really destroys: src/ gone or emptied, and git's history unreadable
+    cell = f"atk-{form.replace('_', '-')}"[:40]
+    cp = agnsup("run", *role, "--cell", cell, "--workdir", project, "--", "sh", "-c", script, env=env,
+                timeout=120)
+    # the command's own status (rm, tar, truncate cannot remove the protected .git/config and hooks, which
+    # are read-only in the cell): anything but agnsup's own failures (timeout, setup, denied, not found)
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    src = os.path.join(project, "src")
+    src_files = [v for p, v in listing(src).items() if v[0] == "file"] if os.path.isdir(src) else []
+    assert not src_files or all(v[4] == 0 for v in src_files), f"{form} left src/ intact"
+    assert not _git_ok(project), f"{form} left the git history readable"
+    assert listing(project) != before
+
+    # 3. undo gives the tree back byte for byte, and git works again
+    cp = agnsup("undo", cell, "--json", env=env, timeout=120)
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(project)
+
+    # the receipt said what was captured, and the record is now undone
+    [r] = [x for x in agnsup.json("receipts", "--json") if x["cell_id"] == cell]
+    ch = r.get("changes") or {}
+    assert ch.get("mode") == "at_exit" and ch.get("deleted", 0) + ch.get("modified", 0) > 0, ch
+
+
+def test_without_undo_the_destroyed_worktree_stays_destroyed(template, tmp_path, agnsup):
+    """The control: the same copy left alone after one form is not restored by anything else (no stray
+    rollback hides in the cell's teardown)."""
+    wt = str(tmp_path / "wt")
+    shutil.copytree(template, wt, symlinks=True)
+    cp = agnsup("run", "--cell", "control", "--workdir", wt, "--", "sh", "-c", ATTACKS["ifs_games"])
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert not os.path.exists(os.path.join(wt, "src")) and not _git_ok(wt)

@@ -507,7 +507,7 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
     if not host["_root"]:
         options = (("userxattr",),)  # mounted inside the cell's own user namespace: user.overlay.* xattrs
     elif conf.get("mapped"):
-        options = (("idmap", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
+        options = (("shift", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
     else:
         options = ()
     if not required:

@@ -106,7 +106,7 @@ def test_a_mapped_cell_maps_its_layer_and_a_normal_users_cell_uses_user_xattrs(t
     mapped = plan(tmp_path, host={**HOST, "mapped_uid": None, "_idmap": lambda path: None})
     uid, gid, _ = cell_range()
     assert mapped.mapped is not None
-    assert next(op for op in mapped.mount_ops if op[0] == "overlay")[4] == (("idmap", uid, gid), ("live_ok",))
+    assert next(op for op in mapped.mount_ops if op[0] == "overlay")[4] == (("shift", uid, gid), ("live_ok",))
     user = plan(tmp_path, host={**HOST, "_root": False})
     assert next(op for op in user.mount_ops if op[0] == "overlay")[4] == (("userxattr",), ("live_ok",))
 

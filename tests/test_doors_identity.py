@@ -342,8 +342,10 @@ def test_tmp_is_a_capped_tmpfs_off_the_state_roots_disk_and_the_receipt_counts_i
                                                                                     state):
     write_role(policy_dir, "tmpcap", limits__tmp_max='"1M"')
     marker = os.path.join(worktree, "fill-now")
-    p = agnsup.popen("run", "--role", "tmpcap", "--workdir", worktree, "--", "python3", "-c", TMP_FILL, marker,
-                     env={"AGNSUP_POLICY_DIR": str(policy_dir)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # live: the cell waits for the marker the test writes into its worktree (a captured cell would not see it)
+    p = agnsup.popen("run", "--role", "tmpcap", "--workdir", worktree, "--changes", "live", "--", "python3", "-c",
+                     TMP_FILL, marker, env={"AGNSUP_POLICY_DIR": str(policy_dir)}, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
     try:
         first = p.stdout.readline() + p.stdout.readline()
         assert b"kept written" in first, first

@@ -170,8 +170,9 @@ def test_a_socket_made_under_run_after_a_long_running_cell_started_is_out_of_its
     late_dir = os.path.join(host_dirs["/run"], "late")
     late_sock = os.path.join(late_dir, "late.sock")
     a = hostile.agnsup
-    p = a.popen("run", "--role", "hostile", "--workdir", hostile.worktree, "--", "python3", "-c", P_LATE, go,
-                late_sock, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # live: the long-running cell waits for the `go` file the test writes into its worktree
+    p = a.popen("run", "--role", "hostile", "--workdir", hostile.worktree, "--changes", "live", "--", "python3", "-c",
+                P_LATE, go, late_sock, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stdout.readline() == b"started\n"
         os.mkdir(late_dir, 0o755)  # the directory and the socket are both newer than the cell
@@ -358,8 +359,8 @@ def test_a_serve_started_after_a_long_running_cell_in_a_new_state_root_refuses_i
     go = os.path.join(hostile.worktree, "go")
     probe = P_LATE.replace("sys.argv[1:] = paths\n", "sys.argv[1:] = [paths[0], '{\"op\": \"ping\"}']\n") \
         .replace(P_CONNECT, P_ASK)
-    p = hostile.agnsup.popen("run", "--role", "hostile", "--workdir", hostile.worktree, "--", "python3", "-c", probe,
-                             go, sock, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = hostile.agnsup.popen("run", "--role", "hostile", "--workdir", hostile.worktree, "--changes", "live", "--",
+                             "python3", "-c", probe, go, sock, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     s = None
     try:
         assert p.stdout.readline() == b"started\n"

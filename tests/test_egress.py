@@ -448,7 +448,7 @@ def test_a_sigkilled_controller_leaves_the_cell_without_network_and_nothing_to_c
     p = net.site["http"]
     flag = os.path.join(net.worktree, "flag")
     ctl = net.popen("run", "--role", "pkgs", "--cell", "killed", "--workdir", net.worktree,
-                    "--on-controller-death", "keep", "--", sys.executable,
+                    "--on-controller-death", "keep", "--changes", "live", "--", sys.executable,  # its flag, read live
                     "-c", KILLED, str(p), flag, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 60

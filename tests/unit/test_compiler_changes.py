@@ -101,7 +101,7 @@ def test_a_state_root_inside_the_worktree_cannot_be_its_upper_layer(tmp_path):
     assert p.changes["mode"] == "live" and "inside the worktree" in p.changes["why"]
 
 
-def test_a_mapped_cell_maps_its_layer_and_a_normal_users_cell_uses_user_xattrs(tmp_path):
+def test_a_mapped_cell_shifts_its_layer_and_a_normal_users_cell_uses_user_xattrs(tmp_path):
     from agnsup.linux.userns import cell_range
     mapped = plan(tmp_path, host={**HOST, "mapped_uid": None, "_idmap": lambda path: None})
     uid, gid, _ = cell_range()

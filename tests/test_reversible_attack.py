@@ -155,3 +155,85 @@ def test_without_undo_the_destroyed_worktree_stays_destroyed(template, tmp_path,
     cp = agnsup("run", "--cell", "control", "--workdir", wt, "--", "sh", "-c", ATTACKS["ifs_games"])
     assert cp.returncode not in (124, 125, 126, 127), cp.err
     assert not os.path.exists(os.path.join(wt, "src")) and not _git_ok(wt)
+
+
+@pytest.fixture
+def var_state(tmp_path):
+    """A state root outside /tmp (the cell's /tmp is a tmpfs of its own, so a state root under the test's
+    tmp_path is not even in the cell's view: here it is, where a real one is, e.g. /var/lib/agnsup)."""
+    import tempfile
+
+    from conftest import _cleanup_cgroups
+    root = tempfile.mkdtemp(prefix="agnsup-proof-state.", dir="/var/tmp")
+    yield root
+    leaked = _cleanup_cgroups(root)
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leaked, leaked
+
+
+def test_a_cell_cannot_destroy_the_records_that_undo_it(project, var_state):
+    """The second cell, after the first deleted src/, goes for the records too (the state root's path
+    spelled in base64, every record.json the file system shows, its own overlay's layers named in
+    /proc/self/mountinfo) and then .git: the records are out of its reach, and undo of the run takes
+    the worktree back to before the first cell."""
+    from conftest import Agnsup
+    agnsup = Agnsup(var_state)
+    before = listing(project)
+    cp = agnsup("run", "--cell", "first", "--workdir", project, "--", "sh", "-c", ATTACKS["perl_pack"])
+    assert not os.path.exists(os.path.join(project, "src")) and not _git_ok(project), cp.err
+    records = os.path.join(var_state, "changes")
+    kept = listing(records)
+    assert any(p.endswith("record.json") for p in kept), kept
+
+    b64 = base64.b64encode(var_state.encode()).decode()
+    wipe = (f"s=$(echo {b64} | base64 -d); ls -la \"$s\" \"$s/changes\"; rm -rf \"$s\"/changes \"$s\"/*; "
+            "find / -xdev -name record.json -path '*changes*' -exec rm -f {} + ; "
+            "for l in $(sed -n 's/.*upperdir=\\([^,]*\\).*workdir=\\([^,]*\\).*/\\1 \\2/p' /proc/self/mountinfo); "
+            "do rm -rf \"$l\" \"$l/..\"; done; "
+            "echo mine > planted.txt; rm -rf .git README.md")
+    cp = agnsup("check", "--workdir", project, "--json", "--", "sh", "-c", wipe)
+    assert cp.returncode == 0, cp.out + cp.err
+    cp = agnsup("run", "--cell", "second", "--workdir", project, "--", "sh", "-c", wipe)
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert not os.path.exists(os.path.join(project, "README.md"))
+    now = listing(records)
+    assert {p: v for p, v in now.items() if p in kept} == kept, listing_diff(kept, now)
+
+    cp = agnsup("undo", "--run", "default", "--json", timeout=120)
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(project)
+
+
+@pytest.mark.parametrize("what", ["src", ".git/objects"])  # .git itself holds read-only protected paths
+def test_undo_and_redo_of_a_directory_swapped_for_a_symlink_never_write_through_it(what, project, agnsup,
+                                                                                   tmp_path):
+    """A cell replaces a directory of the worktree with a symlink to a directory outside it (a victim the
+    host can write): the commit lands the symlink, and neither diff, undo nor redo follows it: the
+    victim is the same bytes after each, and the directory comes back whole."""
+    victim = str(tmp_path / "victim")
+    os.makedirs(os.path.join(victim, "keep"))
+    for name in ("m0.py", "keep/precious.txt", "HEAD"):
+        with open(os.path.join(victim, name), "w") as f:
+            f.write(f"victim {name}\n")
+    spared = listing(victim)
+    before = listing(project)
+    cp = agnsup("run", "--cell", "swap", "--workdir", project, "--", "sh", "-c", f"rm -rf {what} && ln -s {victim} {what}")
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert os.readlink(os.path.join(project, what)) == victim
+    assert agnsup("diff", "swap", "--json").returncode == 0
+    assert listing(victim) == spared
+
+    cp = agnsup("undo", "swap", "--json")
+    assert cp.returncode == 0, cp.out + cp.err
+    assert listing(victim) == spared
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+
+    [rec] = json.loads(cp.out)["records"]
+    run_id, undo_id = rec["record"].split("/")
+    cp = agnsup("undo", undo_id, "--run", run_id, "--json")  # redo: the symlink again, the victim untouched
+    assert cp.returncode == 0, cp.out + cp.err
+    assert os.readlink(os.path.join(project, what)) == victim
+    assert listing(victim) == spared

@@ -350,15 +350,26 @@ def diff_text(d: dict, stat: bool) -> list[str]:
     return out
 
 
+def _cell_arg(cell_id: str | None, cell_opt: str | None, required: bool) -> str | None:
+    """CELL as the argument or as --cell/--cell-id (cli.md: both spellings of every id)."""
+    if cell_id is not None and cell_opt is not None and cell_id != cell_opt:
+        raise click.UsageError(f"two cells given: {cell_id} and --cell {cell_opt}")
+    cell = cell_id if cell_id is not None else cell_opt
+    if cell is None and required:
+        raise click.UsageError("Missing argument 'CELL'.")
+    return cell
+
+
 @main.command()
-@click.argument("cell_id", metavar="CELL")
+@click.argument("cell_id", metavar="CELL", required=False)
+@click.option("--cell", "--cell-id", "cell_opt", default=None, metavar="C", hidden=True)
 @click.option("--run", "--run-id", "run_id", default=None, metavar="R",
               help="The cell's run (only needed when the id names cells in several runs).")
 @click.option("--stat", is_flag=True, help="The file list with +/- lines per text file and sizes for binary "
                                            "ones, without the text.")
 @click.option("--json", "as_json", is_flag=True, help="The record's entries as JSON (keys: docs/cli.md).")
 @click.pass_obj
-def diff(obj, cell_id, run_id, stat, as_json):
+def diff(obj, cell_id, cell_opt, run_id, stat, as_json):
     """What CELL changed in its worktree: each path created (A), modified (M),
     deleted (D), replaced by another kind (R) or whose mode changed (m), then a
     unified diff of every text file (sizes for binary ones). CELL may be an undo
@@ -374,6 +385,7 @@ def diff(obj, cell_id, run_id, stat, as_json):
       agnsup diff c-1a2b3c4d --run R --json
     """
     from .service import diff_changes
+    cell_id = _cell_arg(cell_id, cell_opt, True)
     state = _state(obj)
     j = state.journal()
     try:
@@ -399,6 +411,7 @@ def undo_text(result: dict) -> list[str]:
 
 @main.command()
 @click.argument("cell_id", metavar="[CELL]", required=False)
+@click.option("--cell", "--cell-id", "cell_opt", default=None, metavar="C", hidden=True)
 @click.option("--run", "--run-id", "run_id", default=None, metavar="R",
               help="Undo every cell of run R that has changes kept, newest first (with CELL: the cell's run).")
 @click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
@@ -410,7 +423,7 @@ def undo_text(result: dict) -> list[str]:
               help="How long to wait for the worktree lock a running cell holds (then exit 75).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"undone", "records"} (keys: docs/cli.md).')
 @click.pass_obj
-def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
+def undo(obj, cell_id, cell_opt, run_id, agent_id, force, lock_timeout, as_json):
     """Put back what CELL changed in its worktree, exactly as it was before
     the cell ran (the files it created go, the ones it deleted or changed come
     back, modes and symlinks too, .git included). With --run or --agent: every
@@ -436,6 +449,7 @@ def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
       agnsup undo undo-0123456789ab      # redo
     """
     from .service import undo_changes
+    cell_id = _cell_arg(cell_id, cell_opt, False)
     state = _state(obj)
     j = state.journal()
     try:

@@ -213,8 +213,9 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
         if code != 125:
             js = a(*args, "--json")
             assert json.loads(js.out)["exit_code"] == code, (args, js.out)
+    assert a.json("diff", "--cell-id", "twice", "--run-id", "R2", "--json")["record"] == "R2/twice"  # both spellings
     # run and --run R3: the id is no longer ambiguous
-    a("undo", "twice", "--run", "R3", check=0)
+    a("undo", "--cell", "twice", "--run", "R3", check=0)
     assert not os.path.exists(os.path.join(repo, "y.txt"))
 
 

@@ -330,10 +330,12 @@ def diff_text(d: dict, stat: bool) -> list[str]:
     counts = d.get("counts") or {}
     said = ", ".join(f"{counts[k]} {k}" for k in _COUNT_ORDER if counts.get(k)) or f"{len(entries)} path(s)"
     extra = ", ".join(f"{counts[k]} {k}{'s' if counts[k] > 1 else ''}" for k in ("dir", "symlink") if counts.get(k))
-    state = {"committed": "in force"}.get(d.get("state"), d.get("state"))
+    now = d.get("now") or {"state": d.get("state"), "by": d.get("undone_by")}
+    state = {"committed": "in force", "kept": "in force", "redone": "redone, in force"}.get(now["state"], now["state"])
     kind = "undo record" if d.get("kind") == "undo" else "cell"
     head = f"{kind} {d.get('record')}" + (f", undoes {d['undoes']}" if d.get("undoes") else "") + \
-        (f" ({state}" + (f" by {d['undone_by']}" if d.get("undone_by") else "") + ")" if state else "")
+        (f" ({state}" + (f" by {now['by']}" if now.get("by") and now["state"] == "undone" else "") + ")"
+         if state else "")
     out = [f"{head}: {said}" + (f" ({extra})" if extra else "") + (f" in {d['worktree']}" if d.get("worktree") else "")]
     out += ["  " + _entry_line(e) for e in entries]
     if stat:
@@ -469,17 +471,8 @@ def _change_states(j, run_id: str | None = None) -> dict:
 
 
 def _record_state(row, states: dict) -> tuple[str, str | None]:
-    """(kept | undone | redone | dropped, the undo record now in force or None) of a record's
-    row, following undo -> redo -> undo ... through `states` (_change_states)."""
-    cur, flips = row, 0
-    while cur["state"] == "undone" and cur["undone_by"] and flips < 1000:
-        nxt = states.get((cur["run_id"], cur["undone_by"]))
-        if nxt is None:
-            break
-        cur, flips = nxt, flips + 1
-    if flips == 0:
-        return {"committed": "kept"}.get(row["state"], row["state"]), None
-    return ("undone" if flips % 2 else "redone"), cur["record_id"]
+    from .service import record_state
+    return record_state(row, lambda run, rid: states.get((run, rid)))
 
 
 def _with_state(ch, states: dict):

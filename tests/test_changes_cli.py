@@ -130,6 +130,7 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     assert redo["undone"] == [f"default/{undo_id}"] and redo["records"][0]["undoes"] == undo_id
     assert listing(repo) == after
     assert agnsup.json("ps", "--all", "--json")[0]["changes"]["state"] == "redone"
+    assert agnsup("diff", "wreck", "--stat", check=0).out.startswith("cell default/wreck (redone, in force): ")
     agnsup("undo", "wreck", check=0)  # the cell's id still undoes what is in force (the redo)
     assert listing(repo) == before
 

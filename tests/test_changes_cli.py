@@ -88,8 +88,8 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     head, *rows = text.splitlines()
     assert head.startswith("cell default/wreck (in force): ") and "created" in head and "deleted" in head
     for mark in ("M README.md  (mode 644 -> 600, +1 -0)", "A new.txt  (+1 -0)", "D src/  (dir)",
-                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)", "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)",
-                 "D src/app.py  (+0 -1)"):
+                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)",
+                 "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)", "D src/app.py  (+0 -1)"):
         assert "  " + mark in rows, (mark, text)
     assert any(r.startswith("  ") and " app  (symlink, -> README.md" in r for r in rows), text
     assert "--- a/README.md\n+++ b/README.md\n" in text and "+bye\n" in text

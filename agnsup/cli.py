@@ -633,8 +633,9 @@ def wait(obj, cell_id, run_id, timeout, as_json):
 @click.pass_obj
 def cleanup(obj, run_id, as_json):
     """Reclaim what the run's ended cells left (cgroup directories, temp dirs,
-    worktree locks). Cells still running are not touched (exit 1; cancel them
-    first). A second call reports cleaned: 0."""
+    worktree locks, and once none runs, the run's change records: its cells
+    can no longer be undone). Cells still running are not touched (exit 1;
+    cancel them first). A second call reports cleaned: 0."""
     from . import cancel as cancelmod
     from .errors import CellsStillRunning
     try:

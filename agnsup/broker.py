@@ -692,14 +692,27 @@ def _prepare_layer(state_root: str, plan):
 
 
 def layer_shift(layer: str) -> int | None:
-    """The id shift the commit applies (changes.commit id_shift): the host uid BASE a mapped cell's
-    files were written as, when its layer could not be id-mapped (mounts.LAYER_SHIFT), else None."""
+    """The id shift the commit applies (changes.commit id_shift): the host uid BASE a mapped cell's files
+    were written as when its layer could not be id-mapped (mounts.LAYER_SHIFT: "UID_BASE GID_BASE"), else
+    None. The upper's own root, which mounts.overlay gave the shifted owner of the worktree's root, gets
+    its on-disk owner back here (idempotent), so the commit sees no change of the worktree root's owner."""
     from .linux.mounts import LAYER_SHIFT
+    from .linux.userns import COUNT
     try:
         with open(os.path.join(layer, LAYER_SHIFT)) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+            ubase, gbase = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
         return None
+    upper = os.path.join(layer, "upper")
+    try:
+        st = os.lstat(upper)
+        uid = st.st_uid - ubase if ubase <= st.st_uid < ubase + COUNT else st.st_uid
+        gid = st.st_gid - gbase if gbase <= st.st_gid < gbase + COUNT else st.st_gid
+        if (uid, gid) != (st.st_uid, st.st_gid):
+            os.lchown(upper, uid, gid)
+    except FileNotFoundError:
+        pass  # committed already (a resumed plan)
+    return ubase
 
 
 def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: list) -> None:

@@ -204,6 +204,9 @@ def cleanup(state, run_id: str) -> dict:
             items += [{**it, "cell_id": r["cell_id"]} for it in done.released]
         if not running and backend.trees:
             items += [{"kind": "cgroup", "path": d} for d in backend.prune(backend.scope(run_id))]
+        if not running:  # the run's change records (issue 26): their space freed, no longer undoable
+            from . import changes
+            items += [{"kind": "changes", "path": rec} for rec in changes.free_run(state, j, run_id)]
         j.finish_run(run_id, items)
         out = {"cleaned": len(items), "items": items, "run_id": run_id, "run_state": j.run(run_id)["state"],
                "running": running}

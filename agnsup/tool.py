@@ -102,10 +102,14 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    from . import changes, supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
+    from . import supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
+
+    def reversible(state_root: str, worktree: str) -> str | None:  # asked only of a cell that would capture
+        from .changes import unsupported
+        return unsupported(state_root, worktree)
     try:
         plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused,
-                                                             "_reversible": changes.unsupported}, other_roots)
+                                                             "_reversible": reversible}, other_roots)
     except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
         refuse(e)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
@@ -214,6 +218,8 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     hint = network_hint(receipt)
     if hint:
         result["network_hint"] = hint
+    if receipt.get("changes") and receipt["changes"].get("mode") != "none":  # issue 26: what it changed, undoable
+        result["changes"] = receipt["changes"]
     if capture:
         # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
         from .redact import for_receipt

@@ -88,8 +88,8 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     head, *rows = text.splitlines()
     assert head.startswith("cell default/wreck (in force): ") and "created" in head and "deleted" in head
     for mark in ("M README.md  (mode 644 -> 600, +1 -0)", "A new.txt  (+1 -0)", "D src/  (dir)",
-                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)", "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)",
-                 "D src/app.py  (+0 -1)"):
+                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)",
+                 "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)", "D src/app.py  (+0 -1)"):
         assert "  " + mark in rows, (mark, text)
     assert any(r.startswith("  ") and " app  (symlink, -> README.md" in r for r in rows), text
     assert "--- a/README.md\n+++ b/README.md\n" in text and "+bye\n" in text
@@ -130,6 +130,7 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     assert redo["undone"] == [f"default/{undo_id}"] and redo["records"][0]["undoes"] == undo_id
     assert listing(repo) == after
     assert agnsup.json("ps", "--all", "--json")[0]["changes"]["state"] == "redone"
+    assert agnsup("diff", "wreck", "--stat", check=0).out.startswith("cell default/wreck (redone, in force): ")
     agnsup("undo", "wreck", check=0)  # the cell's id still undoes what is in force (the redo)
     assert listing(repo) == before
 
@@ -213,8 +214,9 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
         if code != 125:
             js = a(*args, "--json")
             assert json.loads(js.out)["exit_code"] == code, (args, js.out)
+    assert a.json("diff", "--cell-id", "twice", "--run-id", "R2", "--json")["record"] == "R2/twice"  # both spellings
     # run and --run R3: the id is no longer ambiguous
-    a("undo", "twice", "--run", "R3", check=0)
+    a("undo", "--cell", "twice", "--run", "R3", check=0)
     assert not os.path.exists(os.path.join(repo, "y.txt"))
 
 
@@ -291,3 +293,16 @@ def test_the_python_api_diffs_and_undoes_with_the_same_refusals(state, repo):
             sup.undo("c1", run_id="api")
         redo = sup.undo(out["records"][-1]["record"].split("/")[1], run_id="api")
         assert redo["undone"] and os.path.exists(os.path.join(repo, "f.txt"))
+
+
+def test_cleanup_of_a_run_frees_its_records(agnsup, repo):
+    run(agnsup, repo, "echo r > r.txt", "--run-id", "R", "--cell", "r1")
+    run(agnsup, repo, "echo s > s.txt", "--run-id", "S", "--cell", "s1")
+    out = agnsup.json("cleanup", "--run", "R", "--json")
+    assert {"kind": "changes", "path": "R/r1"} in out["items"]
+    assert not os.path.exists(os.path.join(agnsup.state, "changes", "R"))
+    assert "dropped" in one_line(agnsup("undo", "r1", check=1)) and os.path.exists(os.path.join(repo, "r.txt"))
+    assert "record dropped" in agnsup("receipts", "--run", "R", check=0).out
+    again = agnsup.json("cleanup", "--run", "R", "--json")
+    assert not [i for i in again["items"] if i["kind"] == "changes"]
+    agnsup("undo", "s1", check=0)  # another run's record is untouched

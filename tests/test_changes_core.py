@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -217,11 +218,20 @@ def test_a_controller_killed_during_the_commit_leaves_it_for_the_janitor_who_fin
     assert tree(env.wt) == orig
 
 
-def test_a_dead_cells_layer_is_committed_by_the_janitor_and_says_so(env):
+def test_a_dead_cells_layer_is_committed_by_the_janitor_and_says_so(env, tmp_path):
     project(env.wt)
+    env.j.register_controller({"id": "ctl-1", "kind": "run", "pid": 1, "pidfd_ino": None, "starttime": 1,
+                               "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    env.j.begin_cell({"run_id": "R", "cell_id": "c1", "agent_id": "A", "role": "executor", "token": "t",
+                      "controller_id": "ctl-1", "boot_id": "b", "cgroup": "{}", "tmpdir": None, "worktree": env.wt,
+                      "lock_path": None, "argv": '["sh"]', "exe": "/bin/sh", "created_at": time.time(), "grace": 1.0},
+                     [{"stage": "public_tool", "t": 0}])
     layer = changes.prepare(env.st, "R", "c1", worktree=env.wt, agent_id="A")
     seen = overlay_run(layer, env.wt, "rm -rf .git; echo left > left.txt")
-    done = changes.finish_all(env.st, env.j)  # the journal has no live row for c1: its tree is gone
+    assert changes.finish_all(env.st, env.j) == []  # the journal says c1 is starting: its controller may live
+    env.j.conclude_recovered([{"run_id": "R", "cell_id": "c1", "controller": "ctl-1", "entry": {"notes": []},
+                               "receipt": {}}], "j-1", time.time(), "/dev/null")
+    done = changes.finish_all(env.st, env.j)  # recovered: its tree is gone
     assert [(d["record_id"], d["action"]) for d in done] == [("c1", "committed")]
     assert done[0]["changes"]["record"] == "R/c1" and tree(env.wt) == seen
 

@@ -67,6 +67,8 @@ def test_diff_and_undo_tools_show_and_put_back_what_a_cell_changed(state, worktr
             v = value(await s.call_tool("run_shell", {"command": "rm -rf src; echo more >> notes.txt; echo n > new"}))
             cell = v["cell_id"]
             assert v["exit_code"] == 0 and not os.path.exists(os.path.join(worktree, "src"))
+            assert v["changes"]["record"] == f"m1/{cell}" and v["changes"]["deleted"] == 2  # the model sees it
+            assert "not recorded" in tools["spawn"].description and "undo" in tools["run_shell"].description
             after = tree(worktree)
 
             d = value(await s.call_tool("diff", {"cell_id": cell}))
@@ -144,3 +146,18 @@ def test_a_spawned_cell_runs_live_and_undo_says_so_while_an_agents_cells_undo_to
             assert len(u["undone"]) == 2 and u["undone"][0].endswith(u["records"][0]["undoes"])
             assert sorted(os.listdir(worktree)) == ["live.txt", "t1"]
     anyio.run(main)
+
+
+def test_the_diff_tool_bounds_the_text_it_returns():
+    """A cell that rewrote a large text file must not flood the model's context: 64 KiB of diff text
+    in all, the entries cut marked."""
+    from agnsup.mcp import DIFF_TEXT_MAX, Session
+
+    class Sup:
+        def diff(self, cell_id, run_id, stat):
+            return {"record": f"{run_id}/{cell_id}", "entries": [
+                {"path": f"f{i}", "change": "modified", "diff": "+" + "x" * 40000 + "\n"} for i in range(3)]}
+    d = Session(Sup(), "r", "executor", "/nonexistent").diff("c")
+    texts = [e["diff"] for e in d["entries"]]
+    assert sum(map(len, texts)) == DIFF_TEXT_MAX and d["truncated"]
+    assert [bool(e.get("diff_truncated")) for e in d["entries"]] == [False, True, True]

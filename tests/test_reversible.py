@@ -293,3 +293,86 @@ def test_a_normal_users_cell_captures_its_changes(tmp_path):
         # what the user's overlay kept its whiteouts and opaque marks in: user.* xattrs, gone after the commit
         assert not os.path.exists(os.path.join(state, "changes", "r1", "c1", "upper"))
         assert not user.left()
+
+
+def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit(tmp_path, outside):
+    """mounts.overlay without the layer's id map (as where the kernel refuses it): the overlay still comes
+    up writable for the cell, the layer says it was shifted, and the commit leaves the owners the id-mapped
+    layer gives: what the cell (uid 0 of the cells' namespace) made is on-disk 0, the rest as it was."""
+    from agnsup import broker, changes, supervisor
+    from agnsup.linux import mounts, userns
+    from agnsup.linux import sys as lsys
+    wt = os.path.join(outside, "wt")
+    os.makedirs(os.path.join(wt, "sub"))
+    with open(os.path.join(wt, "a"), "w") as f:
+        f.write("a\n")
+    os.chown(os.path.join(wt, "sub"), 1000, 1000)
+    state = str(tmp_path / "state")
+    os.mkdir(state, 0o700)
+    layer = changes.prepare(state, "r1", "c1", None, worktree=wt, agent_id="a")
+    base, gbase, _ = userns.cell_range()
+    ns = supervisor.cell_userns()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lsys.unshare(lsys.CLONE_NEWNS)
+            lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+            fd = lsys.open_tree(wt, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+            lsys.mount_setattr(wt, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=ns)
+            lsys.move_mount_fd(fd, wt)
+            lfd = lsys.open_tree(layer.dir, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+            mounts.overlay(wt, lfd, (("idmap", base, gbase),), None)  # no layer namespace: the fallback
+            lsys.setns(ns, lsys.CLONE_NEWUSER)
+            os.setgroups([])
+            os.setresgid(0, 0, 0)
+            os.setresuid(0, 0, 0)
+            with open(os.path.join(wt, "a"), "a") as f:
+                f.write("more\n")
+            with open(os.path.join(wt, "n"), "w") as f:
+                f.write("n\n")
+            os.mkdir(os.path.join(wt, "d"))
+            with open(os.path.join(wt, "sub", "x"), "w") as f:
+                f.write("x\n")
+            os.write(w, b"ok")
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    said = os.read(r, 4096)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert said == b"ok", said
+    assert os.path.exists(os.path.join(layer.dir, mounts.LAYER_SHIFT))
+    assert os.lstat(os.path.join(layer.upper, "n")).st_uid == base  # written as the host's BASE
+    summary = changes.commit(state, "r1", "c1", wt, agent_id="a", id_shift=broker.layer_shift(layer.dir))
+    assert summary["files"] == 4, summary
+    owners = {rel: (os.lstat(os.path.join(wt, rel)).st_uid, os.lstat(os.path.join(wt, rel)).st_gid)
+              for rel in (".", "a", "n", "d", "sub", "sub/x")}
+    assert owners == {".": (0, 0), "a": (0, 0), "n": (0, 0), "d": (0, 0), "sub": (1000, 1000), "sub/x": (0, 0)}
+    with open(os.path.join(wt, "a")) as f:
+        assert f.read() == "a\nmore\n"
+
+
+def test_a_spawned_cell_writes_live_and_a_served_run_is_captured(agnsup, tmp_path, outside):
+    """filesystem.changes = "auto": `agnsup spawn` (a server, a watcher) writes its worktree as it runs,
+    seen by everyone; a call that is waited for (serve's run) lands its changes when it ends."""
+    from agnsup.serve import Client
+    from scenario import STARTERS, wait_for
+    wt = project(os.path.join(outside, "wt"))
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        agnsup.json("spawn", "--cell", "s1", "--workdir", wt, "--", "sh", "-c", "echo live > served.txt; exec sleep 60")
+        wait_for(lambda: os.path.exists(os.path.join(wt, "served.txt")), what="the spawned cell's write, live")
+        with Client(s.ready["socket"]) as c:
+            c.call("cancel", cell_id="s1", run_id="default")
+            res = c.call("run", argv=["sh", "-c", "echo later > ran.txt"], workdir=wt, cell_id="s2")
+        assert res["exit_code"] == 0
+        assert os.path.exists(os.path.join(wt, "ran.txt"))
+    finally:
+        s.close()
+    live = receipt(agnsup.state, "default", "s1")["changes"]
+    assert live["mode"] == "live" and "long-lived" in live["why"]
+    ran = receipt(agnsup.state, "default", "s2")["changes"]
+    assert ran["mode"] == "at_exit" and ran["record"] == "default/s2" and ran["paths"] == ["ran.txt"]

@@ -45,7 +45,9 @@ The recipe, in order:
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
            cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
            none in the worktree is followed: the only value userxattr allows), index, metacopy and
-           xino off; userxattr inside a normal user's user namespace), moved onto the worktree right
+           xino off; volatile: no syncfs of the state root's whole file system when the overlay
+           goes, 10-20 ms here, a live cell's writes are not synced either; userxattr inside a
+           normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
            others, while its mount is read-write). A mapped cell's layer goes in through an
            id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
@@ -176,7 +178,7 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     work directory: an id-mapped layer whose map lacks the overlay's creator answers EOVERFLOW)."""
     opts = {"lowerdir": _escape_layer(lower), "upperdir": os.path.join(layer, "upper"),
             "workdir": os.path.join(layer, "work"), "redirect_dir": "nofollow", "index": "off", "metacopy": "off",
-            "xino": "off"}
+            "xino": "off", "volatile": None}
     if userxattr:
         opts["userxattr"] = None
     fd = lsys.fsmount_new("overlay", opts)

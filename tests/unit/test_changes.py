@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agnsup import changes
-from agnsup.errors import AmbiguousId, ChangeConflict, NotReversible, UnknownId, exit_code
+from agnsup.errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId, exit_code
 from agnsup.journal import Journal
 
 ROOT = os.geteuid() == 0
@@ -262,6 +262,7 @@ def test_the_worktree_root_mode_change_is_recorded_only_against_what_prepare_saw
 def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     base = 100000
     c = env.cell()
+    os.chown(c.upper, base, base)  # the upper's root as a mapped cell's layer holds it on disk
     p = write(os.path.join(c.upper, "made"), "m\n", mode=0o4755)
     os.chown(p, base + 1000, base + 1000)
     os.chmod(p, 0o4755)
@@ -271,6 +272,7 @@ def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     st = os.stat(os.path.join(env.wt, "made"))
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o4755)
     assert os.stat(os.path.join(env.wt, "d")).st_uid == 0
+    assert os.stat(env.wt).st_uid == 0  # the root's owner is not taken for a change
 
 
 # -- undo, redo, refusals --------------------------------------------------------------------------------
@@ -573,6 +575,7 @@ def test_drop_paths_forgets_what_protect_settle_quarantined(env):
 def test_unsupported_names_a_state_root_that_cannot_hold_an_upper_layer(env, monkeypatch):
     assert changes.unsupported(env.st, env.wt) is None
     assert changes.unsupported(env.st, os.path.join(env.wt, "nope")) == f"the worktree {env.wt}/nope is not a directory"
+    os.unlink(os.path.join(env.st, "changes", ".xattr-probe"))  # as a state root never probed
     monkeypatch.setattr(changes, "_UNSUPPORTED_CACHE", {})
     monkeypatch.setattr(changes, "fs_type", lambda p: 0x6969)
     why = changes.unsupported(env.st, env.wt)
@@ -588,6 +591,7 @@ def test_the_probe_is_cached_on_disk_so_a_new_process_pays_one_getxattr(env, mon
     calls = []
     real = os.setxattr
     monkeypatch.setattr(os, "setxattr", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(changes, "fs_type", lambda p: calls.append(p))
     assert changes.unsupported(env.st, env.wt) is None and calls == []
 
 
@@ -623,6 +627,19 @@ def test_a_forced_undo_through_a_swapped_directory_neither_reads_nor_removes_out
     write(os.path.join(outside, "x"), "precious\n")
     os.rename(os.path.join(env.wt, "a"), os.path.join(env.wt, "a.real"))
     os.symlink(outside, os.path.join(env.wt, "a"))
-    with pytest.raises(changes.UnsafePath):
+    with pytest.raises(ChangeConflict, match="changed outside agnsup since: a/x"):
+        env.undo(c.id)
+    with pytest.raises(StateError, match="undo of R/.* stopped: .*symlink"):
         env.undo(c.id, force=True)
     assert read(os.path.join(outside, "x")) == "precious\n"
+
+
+def test_importing_changes_costs_no_heavy_module_on_the_run_path():
+    """commit() runs in every `agnsup run`: the modules test_startup_cost.py calls heavy stay out."""
+    import subprocess
+    import sys
+    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", "import agnsup.changes"], capture_output=True,
+                        text=True, timeout=60)
+    mods = {line.rpartition("|")[2].strip() for line in cp.stderr.splitlines() if line.startswith("import time:")}
+    assert "agnsup.changes" in mods
+    assert not mods & {"shutil", "typing", "secrets", "difflib", "ctypes", "sqlite3", "_sqlite3", "tempfile"}

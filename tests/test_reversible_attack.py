@@ -45,7 +45,8 @@ ATTACKS = {
     "moved_out_of_the_worktree": "mkdir /tmp/away && mv src .git /tmp/away/",
 }
 
-GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main"]
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main",
+       "-c", "safe.directory=*"]  # a normal user's worktree, read by root
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +238,57 @@ def test_undo_and_redo_of_a_directory_swapped_for_a_symlink_never_write_through_
     assert cp.returncode == 0, cp.out + cp.err
     assert os.readlink(os.path.join(project, what)) == victim
     assert listing(victim) == spared
+
+
+def test_a_destroyer_that_outlives_the_command_is_dead_before_the_commit_and_undone(project, agnsup):
+    """The command double-forks a setsid daemon that deletes the tree and then keeps writing, and exits
+    as soon as the daemon has started: the cell's tree is killed before the commit (the state fixture
+    fails the test if a process or cgroup is left), everything it did is in the record, and undo restores
+    the tree. Nothing writes the worktree after `agnsup run` returned."""
+    before = listing(project)
+    script = ("mkfifo /tmp/up; "
+              "setsid sh -c 'rm -rf src .git/objects; echo up > /tmp/up; while :; do echo x >> log; done' "
+              "</dev/null >/dev/null 2>&1 & "
+              "read line < /tmp/up; exit 0")
+    cp = agnsup("run", "--cell", "daemon", "--workdir", project, "--", "sh", "-c", script)
+    assert cp.returncode == 0, cp.err
+    assert not os.path.exists(os.path.join(project, "src")) and os.path.exists(os.path.join(project, "log"))
+    size = os.path.getsize(os.path.join(project, "log"))
+    [r] = [x for x in agnsup.json("receipts", "--json") if x["cell_id"] == "daemon"]
+    assert r["changes"]["mode"] == "at_exit" and r["changes"]["deleted"] > 0, r["changes"]
+    assert os.path.getsize(os.path.join(project, "log")) == size  # nothing of the cell writes any more
+    cp = agnsup("undo", "daemon")
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(project)
+
+
+@pytest.fixture(scope="module")
+def user():
+    if os.geteuid() != 0:
+        pytest.skip("ENV_BLOCKED: root (the test makes a user)")
+    from test_unprivileged import User, _venv
+    with User(_venv()) as u:
+        yield u
+
+
+@pytest.mark.parametrize("form", ["ifs_games", "python_shutil_rmtree", "truncate_every_file"])
+def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
+    """Rootless: the overlay is mounted in the user's cell's own user namespace (userxattr), its record
+    under the user's state root; the same destruction, the same byte-for-byte undo, owners kept."""
+    wt = os.path.join(user.own_dir("attack"), form)
+    subprocess.run(["cp", "-a", template, wt], check=True, timeout=60)
+    subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", wt], check=True, timeout=60)
+    before = listing(wt)
+    assert _git_ok(wt)
+    cell = f"u-{form.replace('_', '-')}"
+    cp = user("run", "--cell", cell, "--workdir", wt, "--", "sh", "-c", ATTACKS[form])
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert not _git_ok(wt) and listing(wt) != before
+    cp = user("undo", cell)
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(wt)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(wt)
+    assert user.left() == []

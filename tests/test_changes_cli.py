@@ -190,7 +190,8 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
     assert a.json("receipts", "--cell", "lived", "--json")[0]["changes"]["mode"] == "live"
     run(a, repo, "echo x > x.txt", "--cell", "twice", "--run-id", "R2")
     run(a, repo, "echo y > y.txt", "--cell", "twice", "--run-id", "R3")
-    now = listing(repo)
+    now, records = listing(repo), listing(os.path.join(agnsup.state, "changes"))
+    rows = a.json("ps", "--all", "--json")
     for args, code, says in (
             (["undo", "nosuch"], 1, "no cell or change record 'nosuch'"),
             (["diff", "nosuch"], 1, "no cell or change record 'nosuch'"),
@@ -211,9 +212,11 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
         cp = a(*args)
         assert cp.returncode == code and says in one_line(cp), (args, cp.returncode, cp.err)
         assert listing(repo) == now, args
+        assert listing(os.path.join(agnsup.state, "changes")) == records, args  # no undo record begun
         if code != 125:
             js = a(*args, "--json")
             assert json.loads(js.out)["exit_code"] == code, (args, js.out)
+    assert a.json("ps", "--all", "--json") == rows  # the journal says the same of every cell
     assert a.json("diff", "--cell-id", "twice", "--run-id", "R2", "--json")["record"] == "R2/twice"  # both spellings
     # run and --run R3: the id is no longer ambiguous
     a("undo", "--cell", "twice", "--run", "R3", check=0)

@@ -158,8 +158,11 @@ def test_undo_refuses_a_change_made_outside_agnsup_since(agnsup, repo):
     line = one_line(agnsup("undo", "w", check=75))
     assert "changed outside agnsup since: out.txt" in line
     assert listing(repo) == now
-    agnsup("undo", "w", "--force", check=0)
+    out = agnsup.json("undo", "w", "--force", "--json")
     assert not os.path.exists(os.path.join(repo, "out.txt"))
+    # --force loses nothing: the undo's own record kept what it overwrote, the edit by hand included
+    agnsup("undo", out["records"][0]["record"].split("/")[1], check=0)
+    assert listing(repo) == now
 
 
 def test_undo_a_run_or_an_agent_newest_first(agnsup, repo):

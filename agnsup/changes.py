@@ -32,6 +32,12 @@ The overlay is mounted with redirect_dir=off, index=off, metacopy=off (issue26.m
 the upper layer then holds only whole files, whole new directories (opaque when
 they replace something), merged directories and whiteouts (character device 0/0).
 Renames show as deleted + created (the kernel does not say).
+
+Limits (documented, not hidden): a hard link the cell made between two names becomes two files;
+across file systems (state root and worktree apart) xattrs are not copied and a bound socket's name
+is not carried; a tree copied across file systems holds one descriptor pair per level (a chain
+deeper than RLIMIT_NOFILE/2 fails the commit, and stays in the layer, nothing lost); overlayfs's own
+xattrs (origin, impure) are stripped from each moved path's top only.
 """
 from __future__ import annotations
 
@@ -44,8 +50,9 @@ import time
 from . import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
-__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "commit", "finish_all", "diff", "undo", "select",
-           "prune", "drop_paths", "ChangeConflict", "NotReversible"]
+__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "commit", "finish_all", "diff", "undo",
+           "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row", "UnsafePath",
+           "ChangeConflict", "NotReversible"]
 
 VERSION = 1
 # journal.TERMINAL_CELL, spelled here: importing the journal module would load SQLite into every cell child
@@ -232,8 +239,9 @@ def _probe(root: str) -> str | None:
 def _write_json(path: str, data, sync: bool = True) -> None:
     """Atomically (a temporary name, then rename); fsynced (file and directory) when `sync`."""
     tmp = path + ".tmp"
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))  # dumps: the C encoder (dump streams in Python)
     with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True, separators=(",", ":"))
+        f.write(text)
         if sync:
             f.flush()
             os.fsync(f.fileno())
@@ -417,18 +425,39 @@ def _open_dir_at(dfd: int | None, name: str) -> int:
 
 
 def _empty(fd: int) -> None:
-    with os.scandir(fd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    for name, is_dir in entries:
-        if is_dir:
+    """Empty the directory `fd` with two descriptors and no recursion, however deep the tree (a cell
+    can make a chain deeper than Python's recursion limit or RLIMIT_NOFILE): each subdirectory's own
+    subdirectories are renamed up into `fd` (renameat(2) within the tree), its files unlinked, and the
+    then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
+    n = 0
+    while True:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        if not entries:
+            return
+        for name, is_dir in entries:
+            if not is_dir:
+                os.unlink(name, dir_fd=fd)
+                continue
             sub = _open_dir_at(fd, name)
             try:
-                _empty(sub)
+                with os.scandir(sub) as it:
+                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                for iname, idir in inner:
+                    if not idir:
+                        os.unlink(iname, dir_fd=sub)
+                        continue
+                    while True:  # up into fd, under a name no entry of fd has
+                        n += 1
+                        try:
+                            os.rename(iname, f".agnsup-rm-{n}", src_dir_fd=sub, dst_dir_fd=fd)
+                            break
+                        except OSError as e:
+                            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                                raise
             finally:
                 os.close(sub)
             os.rmdir(name, dir_fd=fd)
-        else:
-            os.unlink(name, dir_fd=fd)
 
 
 def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:
@@ -557,7 +586,8 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
             part = b + ".agnsup-part"
             _rm(part)
             _copy_at(wfd, name, None, part)
-            os.rename(part, b)
+            if _lstat(part) is not None:  # else a socket: nothing a copy could keep
+                os.rename(part, b)
             _step("put.saved_copy")
             _rm_at(wfd, name)
     _step("put.saved")
@@ -572,6 +602,9 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         part = tmp + ".part"
         _rm_at(wfd, part)
         _copy_at(None, src, wfd, part)
+        if _lstat_at(wfd, part) is None:  # a socket the cell left bound: its name cannot be copied
+            _rm(src)
+            return
         os.rename(part, tmp, src_dir_fd=wfd, dst_dir_fd=wfd)
         _step("put.copied")
         _rm(src)
@@ -632,14 +665,17 @@ def _apply(state_root: str, rec: str, plan: dict) -> dict:
 
 
 def _walk(root: str, rel: str, out: dict) -> None:
-    """out[rel] = lstat of root/rel and of everything under it (a directory's children sorted)."""
-    st = _lstat(os.path.join(root, rel))
-    if st is None:
-        return
-    out[rel] = st
-    if S.S_ISDIR(st.st_mode):
-        for name in sorted(os.listdir(os.path.join(root, rel))):
-            _walk(root, f"{rel}/{name}" if rel else name, out)
+    """out[rel] = lstat of root/rel and of everything under it, parents first (iterative: a tree
+    deeper than Python's recursion limit is still recorded)."""
+    stack = [rel]
+    while stack:
+        r = stack.pop()
+        st = _lstat(os.path.join(root, r))
+        if st is None:
+            continue
+        out[r] = st
+        if S.S_ISDIR(st.st_mode):
+            stack.extend(f"{r}/{n}" if r else n for n in sorted(os.listdir(os.path.join(root, r)), reverse=True))
 
 
 def _make_record(rec: str, plan: dict) -> dict:
@@ -796,22 +832,36 @@ def _empty_layer(d: str, worktree: str) -> bool:
 
 
 def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
-    """The layer of a cell that changed nothing: a handful of rmdir calls, no record."""
+    """The layer of a cell that changed nothing: a handful of rmdir calls, no record. Best effort:
+    a state root that went read-only (the kill switch's case) does not turn "nothing changed" into
+    an error; what is left, the janitor removes (finish_all: an empty upper again)."""
     d = layer_dir(state_root, run_id, record_id)
     try:
-        for p in ("work/work", "work", "upper"):  # work/work: the kernel's, root-owned, mode 000, empty
+        # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
+        # (overlayfs.rst, "Volatile mount")
+        try:
+            os.unlink(os.path.join(d, "work/work/incompat/volatile/dirty"))
+        except FileNotFoundError:
+            pass
+        for p in ("work/work/incompat/volatile", "work/work/incompat", "work/work", "work", "upper"):
             try:
                 os.rmdir(os.path.join(d, p))
             except FileNotFoundError:
                 pass
         os.rmdir(d)
     except OSError:
-        _rm(d)
+        try:
+            _rm(d)
+        except OSError:  # a read-only or full state root: nothing changed, the janitor removes it later
+            return
     try:
         os.rmdir(os.path.dirname(d))  # the run's directory, when this was its only record
     except OSError:
         pass
-    _unmark_pending(state_root, run_id, record_id)
+    try:
+        _unmark_pending(state_root, run_id, record_id)
+    except OSError:
+        pass
 
 
 def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,
@@ -902,6 +952,11 @@ def _explain_missing(state_root: str, journal, record_id: str, run_id: str | Non
                                 f"recorded{' (' + why + ')' if why else ''}; nothing to undo")
         if cell["state"] not in TERMINAL_CELL:
             raise NotReversible(f"cell {record_id} of run {r} is still {cell['state']}: its changes land when it ends")
+        d = layer_dir(state_root, r, record_id)
+        if any(os.path.lexists(os.path.join(d, n)) for n in ("plan.json", "upper", "record.json")):
+            raise NotReversible(f"the changes of cell {record_id} of run {r} are not committed yet"
+                                f"{' (' + str(ch['error']) + ')' if ch.get('error') else ''}: the janitor finishes "
+                                "the commit (agnsup janitor)")
         if rcpts and not ch:
             raise NotReversible(f"cell {record_id} of run {r} has no change record (it could not write the "
                                 "worktree, or ran before agnsup recorded changes)")
@@ -1193,8 +1248,40 @@ def finish_all(state_root: str, journal) -> list[dict]:
     return out
 
 
+def reindex(state_root: str, journal) -> list[str]:
+    """A rebuilt journal (agnsup journal repair) indexes the records on disk again: every complete
+    record.json, oldest first, so that an undo record marks the record it undid. Returns "run/record"
+    ids added (a record whose row exists is left as it is)."""
+    root = _root(state_root)
+    top = os.path.join(root, "changes")
+    found = []
+    try:
+        runs = [r for r in os.listdir(top) if r != "pending" and not r.startswith(".")]
+    except FileNotFoundError:
+        return []
+    for run_id in runs:
+        try:
+            rids = os.listdir(os.path.join(top, run_id))
+        except (NotADirectoryError, FileNotFoundError):
+            continue
+        for rid in rids:
+            d = layer_dir(root, run_id, rid)
+            if os.path.exists(os.path.join(d, "plan.json")):
+                continue  # in flight: finish_all's
+            try:
+                found.append(_read_json(os.path.join(d, "record.json")))
+            except (OSError, ValueError):
+                continue
+    added = []
+    for rec in sorted(found, key=lambda r: r["created_at"]):
+        if journal.change_row(rec["run_id"], rec["record"]) is None:
+            journal.add_change(_row_of(rec))
+            added.append(f"{rec['run_id']}/{rec['record']}")
+    return added
+
+
 # -- diff -------------------------------------------------------------------------------------------------
-def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own_before: bool):
+def _content_at(root: str, later: list, row, record: dict, rel: str, want: dict, own_before: bool):
     """A path of `want`'s version: (the file holding it, or None; why not). Looked for in the record's
     before/ (when `own_before`), the worktree, then the before/ of later records of the same worktree."""
     if want["type"] != "file":
@@ -1203,9 +1290,8 @@ def _content_at(root: str, journal, row, record: dict, rel: str, want: dict, own
     if own_before:
         cands.append(os.path.join(layer_dir(root, row["run_id"], row["record_id"]), "before", rel))
     cands.append((record["worktree"], rel))
-    for r in journal.change_rows(worktree=row["worktree"], after=row["created_at"]):
-        if r["state"] != "dropped":
-            cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
+    for r in later:
+        cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
     for c in cands:
         if _matches(_info(os.path.join(*c) if isinstance(c, tuple) else c), want, strict=False):
             return c, ""
@@ -1247,13 +1333,15 @@ def diff(state, journal, record_id: str, run_id: str | None = None, stat: bool =
            "undone_by": row["undone_by"], "worktree": record["worktree"], "counts": record["counts"],
            "bytes": record["bytes"], "entries": []}
     own_before = row["state"] != "undone"  # an undo moved the pre-images back into the worktree
+    later = [r for r in journal.change_rows(worktree=row["worktree"], after=row["created_at"])
+             if r["state"] != "dropped"]  # where a later record keeps a version this one made
     for e in record["entries"]:
         b, a = e["before"], e["after"]
         item = {"path": e["path"], "change": e["change"], "before": b, "after": a}
         if "file" in (b["type"], a["type"]) and e["change"] != "mode":
-            bp, bwhy = _content_at(root, journal, row, record, e["path"], b, own_before) if b["type"] == "file" \
+            bp, bwhy = _content_at(root, later, row, record, e["path"], b, own_before) if b["type"] == "file" \
                 else (None, "")
-            ap, awhy = _content_at(root, journal, row, record, e["path"], a, False) if a["type"] == "file" \
+            ap, awhy = _content_at(root, later, row, record, e["path"], a, False) if a["type"] == "file" \
                 else (None, "")
             if bwhy or awhy:
                 item["note"] = bwhy or awhy

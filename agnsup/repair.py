@@ -104,8 +104,9 @@ def repair(state, backend=None) -> dict:
                 continue
             j.import_cell(r, rpath)
             imported.append(f"{run_id}/{cell_id}")
+        from . import changes  # the change records on disk (issue 26): indexed again
         out = {"quarantined": moved, "imported": imported, "skipped": skipped,
-               "problems_before": report["problems"]}
+               "changes": changes.reindex(state.path, j), "problems_before": report["problems"]}
         j.add_event("repair", **{k: v for k, v in out.items() if k != "problems_before"}, problems=report["problems"])
     finally:
         j.close()

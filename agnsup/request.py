@@ -106,7 +106,10 @@ class CellRequest(Record):
     # A long-lived cell (a server, a watcher: CLI/MCP spawn, sandboxd's background processes, the API's
     # spawn when asked): under the role's `[filesystem] changes = "auto"` its worktree writes land as they
     # happen (live), not when it ends; waited-for calls capture them (docs/architecture.md "Reversible cells").
-    long_lived: bool = Opt(False, "bool")
+    long_lived: bool = Opt(False, "bool", "--long-lived", help="A long-lived cell (a dev server, a watcher): "
+                           "under the role's filesystem.changes = \"auto\" its worktree writes land as they happen, "
+                           "seen by others and seeing theirs, instead of when it ends; not captured (agnsup undo "
+                           "cannot reverse them). spawn implies it.")
 
     @classmethod
     def options(cls) -> dict[str, Opt]:

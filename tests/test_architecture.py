@@ -27,7 +27,7 @@ LAYERS = [  # top to bottom
     ("broker", ["agnsup.broker"]),
     ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.output",
                                "agnsup.locks", "agnsup.egress", "agnsup.protect"]),
-    ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.state", "agnsup.migrations"]),
+    ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.changes", "agnsup.state", "agnsup.migrations"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
                           "agnsup.crashpoints", "agnsup.policies", "agnsup.redact"]),
 ]

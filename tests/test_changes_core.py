@@ -40,6 +40,7 @@ for dirpath, dirs, files in os.walk(root):
         p = os.path.join(dirpath, name); st = os.lstat(p); rel = os.path.relpath(p, root)
         if stat.S_ISLNK(st.st_mode): body = ["link", os.readlink(p), st.st_mtime_ns]
         elif stat.S_ISDIR(st.st_mode): body = ["dir"]
+        elif not stat.S_ISREG(st.st_mode): body = ["other", stat.S_IFMT(st.st_mode), st.st_mtime_ns]
         else: body = ["file", hashlib.sha256(open(p, "rb").read()).hexdigest(), st.st_mtime_ns]
         out[rel] = [stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid] + body
 print(json.dumps(out))
@@ -59,6 +60,8 @@ def tree(root: str) -> dict:
                 body = ["link", os.readlink(p), st.st_mtime_ns]
             elif stat.S_ISDIR(st.st_mode):
                 body = ["dir"]
+            elif not stat.S_ISREG(st.st_mode):
+                body = ["other", stat.S_IFMT(st.st_mode), st.st_mtime_ns]
             else:
                 with open(p, "rb") as f:
                     body = ["file", hashlib.sha256(f.read()).hexdigest(), st.st_mtime_ns]
@@ -174,12 +177,19 @@ def test_a_directory_rename_in_the_lower_is_a_copy_and_shows_as_deleted_plus_cre
     assert kinds["src"] == "deleted" and kinds["source"] == "created" and kinds["source/pkg/core.py"] == "created"
 
 
-def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env):
+@pytest.mark.parametrize("volatile", [False, True])
+def test_an_empty_cell_over_a_real_overlay_leaves_no_record_and_no_directory(env, monkeypatch, volatile):
+    """`run -- true`: a few rmdir calls (a volatile overlay leaves work/work/incompat/volatile/dirty)."""
+    if volatile:
+        monkeypatch.setattr(sys.modules[__name__], "OPTS", OPTS + ",volatile")
     project(env.wt)
     orig = tree(env.wt)
+    rmtree_used = []
+    real = changes._rm
+    monkeypatch.setattr(changes, "_rm", lambda p: rmtree_used.append(p) or real(p))
     cid, _, ch = env.cell("true; cat README > /dev/null")
     assert ch["files"] == 0 and not os.path.exists(changes.layer_dir(env.st, "R", cid)) and tree(env.wt) == orig
-    assert env.j.change_rows() == []
+    assert env.j.change_rows() == [] and rmtree_used == []  # the fast path, no tree walk
 
 
 def test_undo_refuses_with_75_naming_the_later_cell_and_force_overrides(env):
@@ -375,3 +385,19 @@ def test_a_normal_users_state_root_and_overlay_userxattr_commit_undo_and_redo(sh
     assert sorted(os.listdir(os.path.join(wt, "src"))) == ["n.py"]
     assert all(v[1] == NOBODY for v in r["after"].values())
     assert "user.overlay.opaque" not in os.listxattr(os.path.join(wt, "src"))
+
+
+def test_special_files_across_file_systems_a_fifo_is_kept_a_bound_socket_is_not(tmpfs_state, tmp_path):
+    wt = str(tmp_path / "wt")
+    e = Env(os.path.join(tmpfs_state, "state"), wt)
+    try:
+        project(wt, repo=False)
+        sock = "import socket; s = socket.socket(socket.AF_UNIX); s.bind('sock')"
+        cid, seen, ch = e.cell(f"mkfifo fifo; {sys.executable} -c \"{sock}\"")
+        assert seen["sock"][3:5] == ["other", stat.S_IFSOCK]  # the cell saw its socket
+        assert stat.S_ISFIFO(os.lstat(os.path.join(wt, "fifo")).st_mode)
+        assert not os.path.lexists(os.path.join(wt, "sock"))  # a socket's name means nothing once its process is gone
+        changes.undo(e.st, e.j, [f"R/{cid}"])
+        assert not os.path.lexists(os.path.join(wt, "fifo"))
+    finally:
+        e.close()

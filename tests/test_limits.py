@@ -52,7 +52,7 @@ def heartbeat(agnsup, tmp_path):
             "while not os.path.exists('stop'):\n"
             "    print('beat', flush=True)\n"
             "    time.sleep(0.05)\n")
-    p = agnsup.popen("run", "--cell", "heartbeat", "--workdir", str(wt), "--", "python3", "-c", prog,
+    p = agnsup.popen("run", "--cell", "heartbeat", "--workdir", str(wt), "--long-lived", "--", "python3", "-c", prog,
                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     beats: list[float] = []
 

@@ -376,3 +376,17 @@ def test_a_spawned_cell_writes_live_and_a_served_run_is_captured(agnsup, tmp_pat
     assert live["mode"] == "live" and "long-lived" in live["why"]
     ran = receipt(agnsup.state, "default", "s2")["changes"]
     assert ran["mode"] == "at_exit" and ran["record"] == "default/s2" and ran["paths"] == ["ran.txt"]
+
+
+def test_what_protect_quarantines_after_the_commit_leaves_the_record(agnsup, tmp_path, outside):
+    """A cell that creates a file tools run on their own (.vscode/ where there was none): the commit lands
+    it, protect.settle moves it out to the cell's quarantine, and the record no longer claims it (an undo
+    would otherwise fight the quarantine); the rest of what the cell wrote stays recorded."""
+    wt = project(os.path.join(outside, "wt"))
+    agnsup("run", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c",
+           "mkdir .vscode && echo '{}' > .vscode/tasks.json && echo ok > keep.txt", check=0)
+    assert not os.path.exists(os.path.join(wt, ".vscode")) and os.path.exists(os.path.join(wt, "keep.txt"))
+    r = receipt(agnsup.state, "r1", "c1")
+    assert [q["path"] for q in r["protected"]["quarantined"]] == [".vscode"]
+    with open(os.path.join(agnsup.state, "changes", "r1", "c1", "record.json")) as f:
+        assert [e["path"] for e in json.load(f)["entries"]] == ["keep.txt"]

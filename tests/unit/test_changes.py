@@ -643,3 +643,117 @@ def test_importing_changes_costs_no_heavy_module_on_the_run_path():
     mods = {line.rpartition("|")[2].strip() for line in cp.stderr.splitlines() if line.startswith("import time:")}
     assert "agnsup.changes" in mods
     assert not mods & {"shutil", "typing", "secrets", "difflib", "ctypes", "sqlite3", "_sqlite3", "tempfile"}
+
+
+def test_an_undo_that_died_before_its_plan_leaves_nothing_and_the_janitor_clears_it(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+    c.end()
+    after = tree(env.wt)
+
+    def die(*a, **k):
+        raise Crash("before the plan")
+    monkeypatch.setattr(changes, "_write_json", die)
+    with pytest.raises(Crash):
+        env.undo(c.id)
+    monkeypatch.undo()
+    assert tree(env.wt) == after
+    assert [d for d in changes.finish_all(env.st, env.j)] == []
+    assert sorted(os.listdir(os.path.join(env.st, "changes", "R"))) == [c.id]
+    assert os.listdir(os.path.join(env.st, "changes", "pending")) == []
+    env.undo(c.id)  # and the undo itself still works
+    assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_a_quarantined_replacement_leaves_the_pre_image_to_undo(env):
+    """settle moved a file the cell replaced out of the worktree: undo brings the original back."""
+    write(os.path.join(env.wt, ".mcp.json"), "{}\n")
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, ".mcp.json"), '{"evil": 1}\n')
+    c.end()
+    os.rename(os.path.join(env.wt, ".mcp.json"), str(env.wt) + ".quarantined")
+    changes.drop_paths(env.st, "R", c.id, [".mcp.json"])
+    rec = record_of(changes.layer_dir(env.st, "R", c.id))
+    assert [(e["path"], e["change"]) for e in rec["entries"]] == [(".mcp.json", "deleted")]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, ".mcp.json")) == "{}\n"
+
+
+def test_a_rebuilt_journal_indexes_the_records_on_disk_again_with_their_undo_state(env, tmp_path):
+    project(env.wt)
+    a, b = env.cell(), env.cell()
+    write(copy_up(env.wt, a.upper, "README"), "a\n")
+    a.end()
+    write(os.path.join(b.upper, "new"), "b\n")
+    b.end()
+    env.undo(a.id)
+    fresh = Journal(str(tmp_path / "rebuilt.db"))
+    try:
+        added = changes.reindex(env.st, fresh)
+        assert len(added) == 3 and added[:2] == [f"R/{a.id}", f"R/{b.id}"]
+        assert fresh.change_row("R", a.id)["state"] == "undone"
+        assert [r["record_id"] for r in changes.select(fresh, run_id="R")] == [b.id]
+        assert changes.reindex(env.st, fresh) == []
+    finally:
+        fresh.close()
+
+
+def test_a_cell_whose_commit_has_not_finished_is_named_so_not_as_unchanged(env, monkeypatch):
+    project(env.wt)
+    c = env.cell()
+    write(copy_up(env.wt, c.upper, "README"), "new\n")
+
+    def fail(step):
+        if step == "plan_written":
+            raise OSError(5, "Input/output error")
+    monkeypatch.setattr(changes, "_step_hook", fail)
+    with pytest.raises(OSError):
+        changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.setattr(changes, "_step_hook", None)
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A",
+                         "changes": {"mode": "at_exit", "files": None, "error": "Input/output error"}}, None)
+    with pytest.raises(NotReversible, match="not committed yet .Input/output error.: the janitor finishes"):
+        env.undo(c.id)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["finished"]
+    env.undo(c.id)
+    assert read(os.path.join(env.wt, "README")) == "readme\n"
+
+
+def test_an_empty_layer_on_a_state_root_gone_read_only_is_still_nothing_changed(env, monkeypatch):
+    c = env.cell()
+
+    def erofs(*a, **k):
+        raise OSError(30, "Read-only file system")
+    for name in ("rmdir", "unlink"):
+        monkeypatch.setattr(os, name, erofs)
+    ch = changes.commit(env.st, "R", c.id, env.wt, agent_id="A")
+    monkeypatch.undo()
+    assert ch["files"] == 0 and "record" not in ch
+    assert os.path.isdir(c.layer.dir)  # left for the janitor
+    env.j.conclude_cell({"run_id": "R", "cell_id": c.id, "state": "exited", "ended_at": time.time(), "exit_code": 0,
+                         "signal": None, "reason": "exited", "agent_id": "A", "changes": ch}, None)
+    assert [d["action"] for d in changes.finish_all(env.st, env.j)] == ["empty"]
+    assert not os.path.exists(c.layer.dir)
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_recorded_and_removed(env):
+    """A cell can make a directory chain deeper than Python's recursion limit: its record is still
+    written, and dropping the record (retention) still frees it."""
+    c = env.cell()
+    fd = os.open(c.upper, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # sys.getrecursionlimit() is 1000
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    ch = c.end()
+    assert ch["files"] == 1101
+    env.undo(c.id)  # the undo moves the chain into the undo record's before/ (one rename)
+    assert os.listdir(env.wt) == []
+    assert len(changes.prune(env.st, env.j, keep=0, keep_bytes=0)) == 2
+    assert sorted(os.listdir(os.path.join(env.st, "changes"))) == [".xattr-probe", "pending"] or \
+        not os.path.exists(os.path.join(env.st, "changes", "R"))

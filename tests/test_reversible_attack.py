@@ -286,6 +286,8 @@ def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
     cp = user("run", "--cell", cell, "--workdir", wt, "--", "sh", "-c", ATTACKS[form])
     assert cp.returncode not in (124, 125, 126, 127), cp.err
     assert not _git_ok(wt) and listing(wt) != before
+    [r] = [x for x in user.json("receipts", "--json") if x["cell_id"] == cell]
+    assert r["changes"]["mode"] == "at_exit" and not r["changes"].get("error"), r["changes"]
     cp = user("undo", cell)
     assert cp.returncode == 0, cp.out + cp.err
     after = listing(wt)

@@ -108,6 +108,7 @@ def _changed_then_undone(run, wt: str, cell: str, expected_after: dict, receipts
         doctor = json.loads(run("doctor", "--json").out).get("reversible") or {}
         assert doctor.get("available") is False and doctor.get("why_not"), (ch, doctor)
         pytest.skip(f"ENV_BLOCKED: {ch['why']} (doctor: {doctor['why_not']})")
+    assert not ch.get("error"), ch  # the commit finished (else the janitor would have to)
     after = listing(wt)
     # .git/index caches each file's inode, device and times: the one path whose bytes differ between any
     # two runs of the same commands; git status reads it back as clean in both

@@ -10,6 +10,10 @@ The guarantee, removed: REV_PROOF_CHANGES=live runs the same cells with the role
 `[filesystem] changes = "live"` (writes straight to the worktree, not captured): every case fails (undo
 refuses a live cell, and the tree stays destroyed). The cost is one worktree template per module, copied
 per case.
+
+Beyond the spellings: a cell that goes for the records themselves (they are out of its reach), a
+directory swapped for a symlink to a host directory (diff, undo and redo never write through it), a
+destroyer that outlives its command (dead before the commit), and three forms as a normal user.
 """
 from __future__ import annotations
 

@@ -532,12 +532,17 @@ class Controller:
             return
         from . import changes
         spec = cell.spec
+        live = layer_ran_live(cell.layer.dir)
         try:
             cell.changes = changes.commit(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
-                                          agent_id=spec.agent_id, id_shift=layer_shift(cell.layer.dir))
+                                          agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
         except Exception as e:  # noqa: BLE001 - the cell has ended: its end is recorded whatever the commit did
             cell.changes = {"mode": "at_exit", "files": None, "error": f"the commit did not finish: {e}; the "
                             "janitor finishes it (agnsup janitor)", "record": f"{spec.run_id}/{spec.cell_id}"}
+        if live is not None:  # the kernel refused the overlay: its (empty) layer is gone, its writes landed live
+            cell.changes = {"mode": "live", "why": live}
+            cell.isolation["not_in_force"] = [*cell.isolation.get("not_in_force", []),
+                                              f"reversible (the cell's writes landed live, uncaptured): {live}"]
         cell.layer = None
 
     def _prune_changes(self, cell: Cell) -> None:
@@ -688,31 +693,22 @@ def _prepare_layer(state_root: str, plan):
     from . import changes
     spec = plan.spec
     return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
-                           agent_id=spec.agent_id)
+                           agent_id=spec.agent_id, id_shift=_id_shift(plan))
 
 
-def layer_shift(layer: str) -> int | None:
-    """The id shift the commit applies (changes.commit id_shift): the host uid BASE a mapped cell's files
-    were written as when its layer could not be id-mapped (mounts.LAYER_SHIFT: "UID_BASE GID_BASE"), else
-    None. The upper's own root, which mounts.overlay gave the shifted owner of the worktree's root, gets
-    its on-disk owner back here (idempotent), so the commit sees no change of the worktree root's owner."""
-    from .linux.mounts import LAYER_SHIFT
-    from .linux.userns import COUNT
+def _id_shift(plan) -> int | None:
+    """A mapped cell writes its layer as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
+    return plan.mapped["uid"] if plan.mapped else None
+
+
+def layer_ran_live(layer: str) -> str | None:
+    """Why the kernel refused a capturing cell's overlay, which then ran live (mounts.LAYER_LIVE), else None."""
+    from .linux.mounts import LAYER_LIVE
     try:
-        with open(os.path.join(layer, LAYER_SHIFT)) as f:
-            ubase, gbase = (int(x) for x in f.read().split()[:2])
-    except (OSError, ValueError):
+        with open(os.path.join(layer, LAYER_LIVE)) as f:
+            return f"the kernel refused the worktree's overlay here ({f.read().strip()}): the cell ran live"
+    except OSError:
         return None
-    upper = os.path.join(layer, "upper")
-    try:
-        st = os.lstat(upper)
-        uid = st.st_uid - ubase if ubase <= st.st_uid < ubase + COUNT else st.st_uid
-        gid = st.st_gid - gbase if gbase <= st.st_gid < gbase + COUNT else st.st_gid
-        if (uid, gid) != (st.st_uid, st.st_gid):
-            os.lchown(upper, uid, gid)
-    except FileNotFoundError:
-        pass  # committed already (a resumed plan)
-    return ubase
 
 
 def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: list) -> None:

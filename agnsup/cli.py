@@ -118,8 +118,6 @@ def _cell_options(f):
         kw = {"help": o.help, "metavar": o.metavar}
         if o.kind == "env":
             kw.update(multiple=True)
-        elif o.kind == "bool":
-            kw.update(is_flag=True, default=o.default)
         else:
             kw.update(default=o.default, show_default=o.default is not None, type=_CLICK_TYPES.get(o.kind))
         opts.append(click.option(*o.flags, name, **kw))

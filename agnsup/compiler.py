@@ -476,14 +476,19 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
     "options" (the overlay op's)}. Impossible here (host["_reversible"](state_root, wt) says why; a
     state root inside the worktree): live, named in not_in_force, or refused (SetupError) when the
     role requires "reversible", which also captures a long-lived cell."""
-    asked = fs.get("changes", "auto")
-    out = {"role": asked, "keep": fs.get("changes_keep", 200), "keep_bytes": fs.get("changes_keep_bytes", 2 << 30)}
+    role = fs.get("changes", "auto")
+    asked = spec.changes or role  # the call's (CLI --changes, the API's changes=) over the role's
+    out = {"role": role, "keep": fs.get("changes_keep", 200), "keep_bytes": fs.get("changes_keep_bytes", 2 << 30)}
     required = "reversible" in iso.require
     if fs.worktree != "rw":
         return {**out, "mode": "none", "why": "the worktree is read-only (role filesystem.worktree = \"ro\"): "
                 "nothing to capture"}
+    if asked == "live" and required:
+        raise SetupError(f"role {spec.role} requires reversible: a live cell (changes = \"live\") is not",
+                         step="require")
     if asked == "live":
-        return {**out, "mode": "live", "why": "role filesystem.changes = \"live\""}
+        return {**out, "mode": "live", "why": "changes = \"live\" (this call)" if spec.changes
+                else "role filesystem.changes = \"live\""}
     if asked == "auto" and spec.long_lived and not required:
         return {**out, "mode": "live", "why": "a long-lived cell (spawn) under filesystem.changes = \"auto\": "
                 "its writes are seen as they happen"}
@@ -502,9 +507,11 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
     if not host["_root"]:
         options = (("userxattr",),)  # mounted inside the cell's own user namespace: user.overlay.* xattrs
     elif conf.get("mapped"):
-        options = (("idmap", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
+        options = (("shift", conf["mapped"]["uid"], conf["mapped"]["gid"]),)
     else:
         options = ()
+    if not required:
+        options += (("live_ok",),)  # a kernel that refuses the overlay here: the cell runs live, and says so
     return {**out, "mode": "at_exit", "why": None, "layer": layer_dir(state_root, spec.run_id, spec.cell_id),
             "options": options}
 

@@ -76,17 +76,15 @@ def _ns(flag: int):
 def reversible(state_root: str) -> dict:
     """Can cells capture their worktree changes here (reversible cells, agnsup/changes.py)? The state
     root's file system as an overlay's upper layer (changes.unsupported), then a real overlay made in a
-    throwaway child the way a cell makes it (mounts.overlay: in a user namespace of its own for a normal
-    user; a root controller's through the id-mapped layer as for a mapped cell, else shifted owners),
-    with one file written through it. {"available", "why_not"?, "idmapped_layer": True | False | None
-    (a normal user's cells have none), "live": what runs live anyway}."""
+    throwaway child the way a cell makes it (mounts.overlay; in a user namespace of its own for a normal
+    user), with one file written through it. {"available", "why_not"?, "live": what runs live anyway}."""
     import shutil
     import tempfile
     from . import changes
     live = ("long-lived cells (agnsup spawn, MCP spawn, sandboxd Start) under filesystem.changes = \"auto\", and "
             "roles with changes = \"live\": their writes land as they happen, not captured; a read-only worktree "
             "has nothing to capture")
-    out: dict = {"available": False, "idmapped_layer": None, "live": live}
+    out: dict = {"available": False, "live": live}
     try:
         why = changes.unsupported(state_root, os.getcwd())
     except Exception as e:  # noqa: BLE001 - a doctor reports, never fails
@@ -98,28 +96,18 @@ def reversible(state_root: str) -> dict:
     try:
         for d in ("lower", "layer/upper", "layer/work"):
             os.makedirs(os.path.join(scratch, d))
-        root = os.geteuid() == 0
-        ok, err = supervisor.probe(lambda: _overlay_probe(scratch, root, False))
+        ok, err = supervisor.probe(lambda: _overlay_probe(scratch, os.geteuid() == 0))
         if not ok:
             return {**out, "why_not": f"an overlay of a worktree cannot be made here: {err}"}
         out["available"] = True
-        if root:
-            shutil.rmtree(os.path.join(scratch, "layer"))
-            for d in ("layer/upper", "layer/work"):
-                os.makedirs(os.path.join(scratch, d))
-            ok, err = supervisor.probe(lambda: _overlay_probe(scratch, root, True))
-            out["idmapped_layer"] = ok
-            if not ok:
-                out["idmapped_layer_why_not"] = (f"{err}: a mapped cell's layer goes in as it is and the commit "
-                                                 "shifts owners back")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
-def _overlay_probe(scratch: str, root: bool, idmapped: bool) -> None:
+def _overlay_probe(scratch: str, root: bool) -> None:
     """In the throwaway child: an overlay over scratch/lower with scratch/layer, one file created through it,
-    found in the upper layer (mounts.overlay; an id-mapped layer must not fall back)."""
+    found in the upper layer (mounts.overlay)."""
     from .linux import mounts, userns
     if not root:
         lsys.unshare(lsys.CLONE_NEWUSER)
@@ -129,10 +117,7 @@ def _overlay_probe(scratch: str, root: bool, idmapped: bool) -> None:
     lower = os.path.join(scratch, "lower")
     layer = os.path.join(scratch, "layer")
     fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
-    options = (("userxattr",),) if not root else ((("idmap", 0, 0),) if idmapped else ())
-    mounts.overlay(lower, fd, options, supervisor.layer_userns() if idmapped else None)
-    if idmapped and os.path.exists(os.path.join(layer, mounts.LAYER_SHIFT)):
-        raise OSError("the kernel refused the id-mapped layer")
+    mounts.overlay(lower, fd, () if root else (("userxattr",),))
     with open(os.path.join(lower, "probe"), "w") as f:
         f.write("x")
     if not os.path.exists(os.path.join(layer, "upper", "probe")):
@@ -177,9 +162,7 @@ def report(state_root: str) -> dict:
     use["cell_identity"] = cell_identity(conf)
     rev = reversible(state_root)
     use["reversible"] = ("worktree writes of waited-for cells land when each ends, kept as records (agnsup diff, "
-                         "agnsup undo)" + ("" if rev["idmapped_layer"] is not False else
-                                           "; a mapped cell's layer is not id-mapped here: owners shifted at commit")
-                         + "; live: " + rev["live"]) if rev["available"] else \
+                         "agnsup undo); live: " + rev["live"]) if rev["available"] else \
         f"NOT IN FORCE: {rev['why_not']}"
     without = [f"{k} ({v['why_not']})" for k, v in conf.items() if not v["available"]]
     if not rev["available"]:

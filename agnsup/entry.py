@@ -50,12 +50,6 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         name, eq, value = a.partition("=")
         if name not in options and name != "--state-dir":
             return None
-        if name in options and options[name][1] == "bool":  # a flag (--long-lived): no value
-            if eq:
-                return None
-            opts[options[name][0]] = True
-            i += 1
-            continue
         if not eq:
             if i + 1 >= len(argv):
                 return None

@@ -44,6 +44,7 @@ KINDS = {
     "dict": (lambda v: v is None or _strings(v), "an object of strings"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "death": (lambda v: v is None or v in ("kill", "keep"), '"kill" or "keep"'),
+    "changes": (lambda v: v is None or v in ("at_exit", "live"), '"at_exit" or "live"'),
     "pty": (lambda v: v is None or (isinstance(v, dict) and set(v) == {"cols", "rows"}
                                     and all(_size(x) for x in v.values())),
             'null or {"cols": N, "rows": N} with N from 1 to 65535'),
@@ -87,6 +88,10 @@ class CellRequest(Record):
                                           help="kill: the cell dies with its controller at once; keep: it "
                                                "outlives it until the janitor runs (default: the role's "
                                                "process.on_controller_death).")
+    changes: str | None = Opt(None, "changes", "--changes", metavar="at_exit|live",
+                              help="at_exit: the cell works on an overlay of its worktree whose changes land "
+                                   "when it ends (agnsup diff/undo); live: its writes land as they happen, "
+                                   "uncaptured (default: the role's filesystem.changes).")
     # Not spelled on the command line: the caller's environment (serve gets its
     # client's), whether output is captured, and which front door asked.
     host_env: dict | None = Opt(None, "dict")
@@ -106,10 +111,7 @@ class CellRequest(Record):
     # A long-lived cell (a server, a watcher: CLI/MCP spawn, sandboxd's background processes, the API's
     # spawn when asked): under the role's `[filesystem] changes = "auto"` its worktree writes land as they
     # happen (live), not when it ends; waited-for calls capture them (docs/architecture.md "Reversible cells").
-    long_lived: bool = Opt(False, "bool", "--long-lived", help="A long-lived cell (a dev server, a watcher): "
-                           "under the role's filesystem.changes = \"auto\" its worktree writes land as they happen, "
-                           "seen by others and seeing theirs, instead of when it ends; not captured (agnsup undo "
-                           "cannot reverse them). spawn implies it.")
+    long_lived: bool = Opt(False, "bool")
 
     @classmethod
     def options(cls) -> dict[str, Opt]:

@@ -53,6 +53,7 @@ class CellSpec(Record):
     interpreter: list = Factory(list)  # what that venv's pyvenv.cfg names outside it (re-exposed read-only)
     tool_env_dropped: list = Factory(list)  # toolconfig.ENV_KEYS left out for holding credentials
     long_lived: bool = False       # request.long_lived: filesystem.changes "auto" runs it live
+    changes: str | None = None     # request.changes: at_exit | live for this call, else the role's
 
 
 def new_cell_id() -> str:
@@ -112,7 +113,8 @@ def build(call, policy) -> CellSpec:
                     env=env, env_sources=src, token=token,
                     on_controller_death=call.on_controller_death or policy.process.on_controller_death,
                     worktree=worktree, venv=venv, interpreter=venv_interpreter(venv) if venv else [],
-                    tool_env_dropped=tool_dropped, long_lived=getattr(call, "long_lived", False))
+                    tool_env_dropped=tool_dropped, long_lived=getattr(call, "long_lived", False),
+                    changes=getattr(call, "changes", None))
 
 
 def expand_path(entries, venv: str | None) -> list[str]:

@@ -121,7 +121,6 @@ class _Confinement(Record):
     filter: object = None    # seccomp.Filter
     ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
     userns_fd: int | None = None  # a mapped cell: the cells' user namespace (cell_userns), kept by the controller
-    layer_userns_fd: int | None = None  # a mapped cell that captures: its overlay layer's id map (layer_userns)
     premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
@@ -147,7 +146,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
         _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
-                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd, conf.layer_userns_fd,
+                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd,
                         *(conf.premade or {}).values()})
         at.name = "setsid"
         os.setsid()
@@ -176,7 +175,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         # never the host's (issue 25); inside the user namespace for a normal user's cell
         lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
         at.name = "mounts"
-        mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade, conf.layer_userns_fd)
+        mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
         if plan.new_netns:
             at.name = "loopback"
             netns.loopback_up()
@@ -310,11 +309,6 @@ def _prepare(plan) -> _Confinement:
         conf.init_name = pidinit.own_name_plan()
     if plan.mapped is not None:
         conf.userns_fd = cell_userns()
-        if any(op[0] == "overlay" for op in plan.mount_ops):
-            try:
-                conf.layer_userns_fd = layer_userns()
-            except OSError:
-                pass  # the overlay goes in without the id map; the commit shifts owners back (mounts.overlay)
     if plan.tmp_tmpfs:
         conf.premade = {"tmp": make_tmp(plan)}
     if plan.egress is not None:
@@ -392,39 +386,6 @@ def cell_userns() -> int:
         _userns_exited.append(pid)
         _reap_exited_userns_children()
     _cell_userns.append(fd)
-    return fd
-
-
-_layer_userns: list[int] = []  # the fd of the layer user namespace (layer_userns), made once per controller process
-
-
-def layer_userns() -> int:
-    """The user namespace a mapped cell's overlay layer is id-mapped through (mounts.overlay): the cells'
-    map (0..COUNT-1 inside = the cells' range outside) plus COUNT inside = host root, the overlay's
-    creator, whose own files in the layer (its work directory, whiteouts) need an on-disk owner there
-    (without it the kernel answers EOVERFLOW and mounts the overlay read-only). No process ever runs
-    in it: a throwaway child unshares it and exits; the controller keeps only the fd, and only as the
-    id map of a detached mount. Host root stays unmapped in the cells' own namespace."""
-    if _layer_userns:
-        return _layer_userns[0]
-    pid, ready_r, done_w = _userns_child()
-    try:
-        if os.read(ready_r, 1) != b"1":
-            raise OSError(errno.EPERM, "the throwaway child could not unshare a user namespace")
-        uid, gid, count = userns.cell_range()
-        for name, outside in (("uid_map", uid), ("gid_map", gid)):
-            mfd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(mfd, f"0 {outside} {count}\n{count} 0 1\n".encode())  # one write(2): the whole map
-            finally:
-                os.close(mfd)
-        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.close(ready_r)
-        os.close(done_w)
-        _userns_exited.append(pid)
-        _reap_exited_userns_children()
-    _layer_userns.append(fd)
     return fd
 
 

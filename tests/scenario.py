@@ -109,7 +109,7 @@ class CliStarter:
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
         err = open(self.tmp / f"ctl-{cell_id}.err", "wb")
         p = self.agnsup.popen("run", "--role", role, "--run-id", run_id, "--agent", agent_id, "--cell", cell_id,
-                              "--workdir", worktree, *KEEP, *LIVE, "--", *argv, stdout=subprocess.PIPE, stderr=err)
+                              "--workdir", worktree, *KEEP, "--", *argv, stdout=subprocess.PIPE, stderr=err)
         err.close()
         self.procs[cell_id] = p
         line = p.stdout.readline()
@@ -183,7 +183,7 @@ class ApiStarter:
 
     def start(self, run_id, agent_id, cell_id, worktree, argv, role="networked") -> dict:
         h = self.sup.spawn(argv, role=role, run_id=run_id, agent_id=agent_id, cell_id=cell_id, workdir=worktree,
-                           on_controller_death="keep", long_lived=True)
+                           on_controller_death="keep", changes="live")
         info = _stdout_json(self.state, run_id, cell_id)
         assert info["pid"] == h["pid"]
         return info
@@ -196,9 +196,7 @@ class ApiStarter:
 
 
 # These cells outlive their controller (on_controller_death = keep): the trees report
-# their pids from the host's PID namespace, and the tests kill and watch them by those.
-KEEP = ("--on-controller-death", "keep")
-# Their heartbeats are files in the worktree the tests watch while the tree runs: long-lived cells, whose
-# writes land as they happen (filesystem.changes = "auto"; a captured cell's land when it ends).
-LIVE = ("--long-lived",)
+# their pids from the host's PID namespace, and the tests kill and watch them by those; their
+# heartbeats in the worktree are read as they are written (changes = live: not captured).
+KEEP = ("--on-controller-death", "keep", "--changes", "live")
 STARTERS = {"run": CliStarter, "serve": ServeStarter, "api": ApiStarter}

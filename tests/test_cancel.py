@@ -124,8 +124,8 @@ def test_a_second_cell_on_a_held_worktree_waits_until_the_first_ends(agnsup, wor
     # the first cell holds the worktree until the test lets it go, after it saw the second one wait:
     # no fixed sleep to outlast the second controller's start-up (seconds on an emulated CPU)
     release = os.path.join(worktree, ".release")
-    first = agnsup.popen("run", "--cell", "w1", "--workdir", worktree, "--timeout", "120", "--long-lived", "--",
-                         "sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done")
+    first = agnsup.popen("run", "--cell", "w1", "--workdir", worktree, "--timeout", "120", "--changes", "live", "--",
+                         "sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done")  # live: it sees .release
     errf = tmp_path / "w2.err"
     second = None
     try:

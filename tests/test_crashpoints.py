@@ -25,6 +25,7 @@ QUICK = ["sh", "-c", "sleep 1000 & echo x > /tmp/scratch; exit 0"]
 # worktree changes the controller commits when the cell ends (reversible cells): more than one step
 WRITES = ["sh", "-c", "echo a > f1; echo b > f2; mkdir d; echo c > d/f3; exit 0"]
 WRITTEN = {"f1": "a\n", "f2": "b\n", "d/f3": "c\n"}
+CAPTURED = ["--changes", "at_exit"]  # (KEEP runs the other trees live: their heartbeats are read as written)
 
 CASES = {
     # point: (argv, extra run options)
@@ -37,8 +38,8 @@ CASES = {
     "cancel_frozen": (IGNORE_TERM, ["--timeout", "0.5"]),
     "cleanup_before_rmdir": (QUICK, []),
     "cleanup_tmp_half": (QUICK, []),
-    "changes_mid_commit": (WRITES, []),     # the commit's first step done: the janitor finishes the plan
-    "changes_before_record": (WRITES, []),  # every step done, no record.json yet
+    "changes_mid_commit": (WRITES, CAPTURED),     # the commit's first step done: the janitor finishes the plan
+    "changes_before_record": (WRITES, CAPTURED),  # every step done, no record.json yet
 }
 # points after which the cell's processes are still running when the controller dies
 SURVIVES = ("after_exec", "cancel_grace", "cancel_frozen")
@@ -48,7 +49,7 @@ def _crash_run(agnsup, tmp_path, point, cell, argv, opts, worktree, env=None):
     """`agnsup run` with the crash point set; stdio to files (the tree keeps them open)."""
     out = open(tmp_path / f"{cell}.out", "wb")
     err = open(tmp_path / f"{cell}.err", "wb")
-    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *opts, *KEEP, "--", *argv,
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, *opts, "--", *argv,
                      env={"AGNSUP_TEST_CRASH_AT": point, **(env or {})}, stdin=subprocess.DEVNULL,
                      stdout=out, stderr=err)
     out.close()
@@ -121,16 +122,18 @@ def test_a_cell_whose_controller_died_while_it_ran_has_its_changes_committed_by_
                                                                                             tmp_path, policy_dir):
     write_role(policy_dir, "quick", limits__grace="0.5")
     agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
-    cell = "x-died-running"
+    cell = "x-died-running-" + os.urandom(4).hex()  # its processes are looked up host-wide by cell id
     argv = ["sh", "-c", WRITES[2].replace("exit 0", "exec sleep 1000")]
-    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, "--", *argv,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    upper = os.path.join(agnsup.state, "changes", "default", cell, "upper")
-    wait_for(lambda: os.path.exists(os.path.join(upper, "d", "f3")) or p.poll() is not None, what="the writes")
-    assert p.poll() is None
-    assert os.listdir(worktree) == []  # in the cell's layer only, while it runs
-    p.kill()
-    p.wait(10)
+    p = agnsup.popen("run", "--role", "quick", "--workdir", worktree, "--cell", cell, *KEEP, *CAPTURED, "--",
+                     *argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        upper = os.path.join(agnsup.state, "changes", "default", cell, "upper")
+        wait_for(lambda: os.path.exists(os.path.join(upper, "d", "f3")) or p.poll() is not None, what="the writes")
+        assert p.poll() is None
+        assert os.listdir(worktree) == []  # in the cell's layer only, while it runs
+    finally:
+        p.kill()
+        p.wait(10)
     rep = agnsup.json("janitor", "--json")
     assert rep["recovered"] == [cell]
     assert _assert_converged(agnsup, cell)["state"] == "recovered"

@@ -25,7 +25,7 @@ from scenario import (KEEP, SCRIPT, alive, bindable, cell_row, growing, kill_exa
 # -- helpers ---------------------------------------------------------------
 def start_stubborn(agnsup, worktree, cell, tmp_path, stripped=True, extra_env=None):
     """`agnsup run --role networked --cell CELL -- python3 <wt>/stubborn_tree.py ...`: (Popen, info)."""
-    args = ["run", "--role", "networked", "--workdir", worktree, "--cell", cell, *KEEP, "--long-lived", "--",
+    args = ["run", "--role", "networked", "--workdir", worktree, "--cell", cell, *KEEP, "--",
             *stubborn_argv(worktree, cell, term_wait=5)]
     if stripped:  # True, or the flag to use ("--stripped-in-session" keeps it in the leader's session)
         args.append(stripped if isinstance(stripped, str) else "--stripped")

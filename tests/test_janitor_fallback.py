@@ -97,8 +97,7 @@ def test_the_normal_end_of_a_cell_without_cgroup_kills_the_whole_tree(agnsup, wo
     hb = os.path.join(worktree, "hb-n1")
     go = os.path.join(worktree, "go")
     err = open(tmp_path / "ctl.err", "wb")
-    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "n1", *KEEP, "--long-lived",
-                     "--", "sh", "-c",
+    p = agnsup.popen("run", "--role", "networked", "--workdir", worktree, "--cell", "n1", *KEEP, "--", "sh", "-c",
                      f"python3 stubborn_tree.py --heartbeat {hb} --stripped-in-session & "
                      f"while [ ! -e {go} ]; do sleep 0.1; done", env=NONE, stdout=subprocess.PIPE, stderr=err)
     err.close()

@@ -52,8 +52,9 @@ def heartbeat(agnsup, tmp_path):
             "while not os.path.exists('stop'):\n"
             "    print('beat', flush=True)\n"
             "    time.sleep(0.05)\n")
-    p = agnsup.popen("run", "--cell", "heartbeat", "--workdir", str(wt), "--long-lived", "--", "python3", "-c", prog,
-                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # read as it beats: a live cell (a captured one's writes land when it ends)
+    p = agnsup.popen("run", "--cell", "heartbeat", "--workdir", str(wt), "--changes", "live", "--", "python3", "-c",
+                     prog, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     beats: list[float] = []
 
     def read():

@@ -289,17 +289,18 @@ def test_a_normal_users_cell_captures_its_changes(tmp_path):
         assert (st.st_uid, st.st_gid) == (user.uid, user.gid)
         with open(os.path.join(state, "cells", "r1", "c1", "receipt.json")) as f:
             ch = json.load(f)["changes"]
-        assert ch["mode"] == "at_exit" and ch["record"] == "r1/c1" and ch["files"] == 4
+        assert ch["mode"] == "at_exit" and ch["record"] == "r1/c1" and ch["files"] == 4, ch
         # what the user's overlay kept its whiteouts and opaque marks in: user.* xattrs, gone after the commit
         assert not os.path.exists(os.path.join(state, "changes", "r1", "c1", "upper"))
         assert not user.left()
 
 
-def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit(tmp_path, outside):
-    """mounts.overlay without the layer's id map (as where the kernel refuses it): the overlay still comes
-    up writable for the cell, the layer says it was shifted, and the commit leaves the owners the id-mapped
-    layer gives: what the cell (uid 0 of the cells' namespace) made is on-disk 0, the rest as it was."""
-    from agnsup import broker, changes, supervisor
+def test_a_mapped_cells_layer_is_shifted_back_at_commit(tmp_path, outside):
+    """mounts.overlay for a mapped cell, in a forked child as the cell's setup does: what the cell (uid 0 of
+    the cells' namespace) writes is host BASE+n in the upper, the overlay's root shows the worktree root's
+    owner, and the commit leaves the owners the cell's id map means: what it made is on-disk 0, the rest
+    as it was, the worktree root unchanged."""
+    from agnsup import changes, supervisor
     from agnsup.linux import mounts, userns
     from agnsup.linux import sys as lsys
     wt = os.path.join(outside, "wt")
@@ -309,8 +310,8 @@ def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit
     os.chown(os.path.join(wt, "sub"), 1000, 1000)
     state = str(tmp_path / "state")
     os.mkdir(state, 0o700)
-    layer = changes.prepare(state, "r1", "c1", None, worktree=wt, agent_id="a")
     base, gbase, _ = userns.cell_range()
+    layer = changes.prepare(state, "r1", "c1", None, worktree=wt, agent_id="a", id_shift=base)
     ns = supervisor.cell_userns()
     r, w = os.pipe()
     pid = os.fork()
@@ -322,11 +323,13 @@ def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit
             lsys.mount_setattr(wt, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=ns)
             lsys.move_mount_fd(fd, wt)
             lfd = lsys.open_tree(layer.dir, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
-            mounts.overlay(wt, lfd, (("idmap", base, gbase),), None)  # no layer namespace: the fallback
+            mounts.overlay(wt, lfd, (("shift", base, gbase),))
             lsys.setns(ns, lsys.CLONE_NEWUSER)
             os.setgroups([])
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
+            if os.stat(wt).st_uid != 0:  # the overlay's root: the cell's own worktree root, as without capture
+                raise AssertionError(f"the worktree root is uid {os.stat(wt).st_uid} in the cell")
             with open(os.path.join(wt, "a"), "a") as f:
                 f.write("more\n")
             with open(os.path.join(wt, "n"), "w") as f:
@@ -344,9 +347,8 @@ def test_a_mapped_cells_layer_the_kernel_cannot_id_map_is_shifted_back_at_commit
     os.close(r)
     os.waitpid(pid, 0)
     assert said == b"ok", said
-    assert os.path.exists(os.path.join(layer.dir, mounts.LAYER_SHIFT))
     assert os.lstat(os.path.join(layer.upper, "n")).st_uid == base  # written as the host's BASE
-    summary = changes.commit(state, "r1", "c1", wt, agent_id="a", id_shift=broker.layer_shift(layer.dir))
+    summary = changes.commit(state, "r1", "c1", wt, agent_id="a", id_shift=base)
     assert summary["files"] == 4, summary
     owners = {rel: (os.lstat(os.path.join(wt, rel)).st_uid, os.lstat(os.path.join(wt, rel)).st_gid)
               for rel in (".", "a", "n", "d", "sub", "sub/x")}
@@ -390,3 +392,48 @@ def test_what_protect_quarantines_after_the_commit_leaves_the_record(agnsup, tmp
     assert [q["path"] for q in r["protected"]["quarantined"]] == [".vscode"]
     with open(os.path.join(agnsup.state, "changes", "r1", "c1", "record.json")) as f:
         assert [e["path"] for e in json.load(f)["entries"]] == ["keep.txt"]
+
+
+def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
+    """mounts.overlay over `wt` in a forked child's own mount namespace, then a write to wt/probe: what it
+    said ("ok" or the error)."""
+    from agnsup.linux import mounts
+    from agnsup.linux import sys as lsys
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lsys.unshare(lsys.CLONE_NEWNS)
+            lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+            lfd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+            mounts.overlay(wt, lfd, options)
+            with open(os.path.join(wt, "probe"), "w") as f:
+                f.write("x")
+            os.write(w, b"ok")
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    said = os.read(r, 4096)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_an_overlay_the_kernel_refuses_runs_the_cell_live_and_says_why_unless_reversible_is_required(
+        tmp_path, outside):
+    from agnsup import broker
+    from agnsup.linux import mounts
+    wt = os.path.join(outside, "wt")
+    os.mkdir(wt)
+    layer = str(tmp_path / "layer")
+    os.makedirs(os.path.join(layer, "upper"))  # no work/: the kernel refuses the overlay (ENOENT)
+    said = _overlay_in_a_child(wt, layer, ())
+    assert b"No such file" in said and not os.path.exists(os.path.join(wt, "probe"))  # required: the cell fails
+    assert broker.layer_ran_live(layer) is None
+    assert _overlay_in_a_child(wt, layer, (("live_ok",),)) == b"ok"
+    assert os.path.exists(os.path.join(wt, "probe"))  # written live, straight to the worktree
+    why = broker.layer_ran_live(layer)
+    assert why.startswith("the kernel refused the worktree's overlay here (") and "ran live" in why
+    assert os.path.exists(os.path.join(layer, mounts.LAYER_LIVE))

@@ -45,15 +45,16 @@ The recipe, in order:
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
            cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
            none in the worktree is followed: the only value userxattr allows), index, metacopy and
-           xino off; volatile: no syncfs of the state root's whole file system when the overlay
-           goes, 10-20 ms here, a live cell's writes are not synced either; userxattr inside a
-           normal user's user namespace), moved onto the worktree right
+           xino off; volatile as root: no syncfs of the state root's whole file system when the
+           overlay goes, 10-20 ms here, a live cell's writes are not synced either; userxattr
+           inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
-           others, while its mount is read-write). A mapped cell's layer goes in through an
-           id-mapped clone (the layer user namespace: the cells' map plus the overlay's creator,
-           host root, at COUNT), so what the cell writes is owned on disk as if it had written
-           the worktree; where the kernel refuses that, the plain layer and a note that the commit
-           shifts owners back (LAYER_SHIFT). An overlay that comes up read-only is an error.
+           others, while its mount is read-write). What a mapped cell writes lands in the upper
+           as host ids BASE+n; the commit shifts them back (id_shift), so the worktree ends
+           as if the cell had written it through its id map. (An id-mapped layer would do that
+           in the kernel, and 6.18 takes one whose map also holds the overlay's creator, host
+           root; it costs a user namespace, a fork, per controller process.) An overlay that
+           comes up read-only is an error; one the kernel refuses runs the cell live.
   protect  a path inside the attached worktree bound onto itself (a clone of
            the cell's own view of it): read-only for the files tools run on
            their own, read-write for a git directory, which only becomes a
@@ -72,9 +73,8 @@ from collections import namedtuple
 from . import sys as lsys
 
 KINDS = ("clone", "idclone", "tmpcopy", "root", "hide", "mask", "attach", "dev", "protect", "empty", "overlay")
-# overlay: the file in the layer directory that says the upper was not id-mapped ("UID_SHIFT GID_SHIFT": the
-# commit turns host owners BASE+n back into n, changes.commit's id_shift)
-LAYER_SHIFT = "id_shift"
+# overlay: the file in the layer directory that says the kernel refused the overlay and the cell ran live (why)
+LAYER_LIVE = "ran_live"
 
 
 # kind:     one of KINDS
@@ -82,18 +82,16 @@ LAYER_SHIFT = "id_shift"
 # key:      names a clone for a later attach; dev: the size of /dev/shm in bytes
 # readonly: root: read-only (else only private); clone: a read-only copy
 # points:   hide, empty: (path, is_dir) mount points to make inside the tmpfs; dev: the role's host devices;
-#           overlay: its options, each a tuple: ("userxattr",), ("idmap", uid_shift, gid_shift)
+#           overlay: its options, each a tuple: ("userxattr",), ("shift", uid_shift, gid_shift), ("live_ok",)
 # (overlay: path = the worktree, key = the clone of the layer directory holding upper/ and work/)
 # (collections.namedtuple, not typing.NamedTuple: `typing` costs ~5 ms per start)
 MountOp = namedtuple("MountOp", ("kind", "path", "key", "readonly", "points"), defaults=("", True, ()))
 
 
-def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None,
-          layer_userns_fd: int | None = None) -> None:
+def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) -> None:
     """Run in the child after unshare(CLONE_NEWNS); raises OSError naming the step.
     `userns_fd`: the cells' user namespace, for idclone; `premade`: {key: detached mount fd} the
-    controller made (the cell's /tmp tmpfs), attached like a clone; `layer_userns_fd`: the user
-    namespace a mapped cell's overlay layer is id-mapped through (supervisor.layer_userns)."""
+    controller made (the cell's /tmp tmpfs), attached like a clone."""
     clones: dict[str, int] = dict(premade or {})
     for op in ops:
         op = MountOp(*op)
@@ -129,7 +127,7 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None,
             elif op.kind == "protect":
                 _protect(op.path, op.readonly)
             elif op.kind == "overlay":
-                overlay(op.path, clones.pop(op.key), op.points, layer_userns_fd)
+                overlay(op.path, clones.pop(op.key), op.points)
             elif op.kind == "attach":
                 if not os.path.exists(op.path):  # a file clone lands on an existing file point
                     os.makedirs(op.path, exist_ok=True)
@@ -178,9 +176,13 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     work directory: an id-mapped layer whose map lacks the overlay's creator answers EOVERFLOW)."""
     opts = {"lowerdir": _escape_layer(lower), "upperdir": os.path.join(layer, "upper"),
             "workdir": os.path.join(layer, "work"), "redirect_dir": "nofollow", "index": "off", "metacopy": "off",
-            "xino": "off", "volatile": None}
+            "xino": "off"}
     if userxattr:
         opts["userxattr"] = None
+    else:
+        # not in a normal user's namespace: there the kernel's work/work (mode 000) would then hold
+        # incompat/volatile, which that user cannot remove after the cell
+        opts["volatile"] = None
     fd = lsys.fsmount_new("overlay", opts)
     if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
         os.close(fd)
@@ -188,55 +190,51 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
     return fd
 
 
-def overlay(target: str, layer_fd: int, options: tuple, layer_userns_fd: int | None = None) -> None:
+def overlay(target: str, layer_fd: int, options: tuple) -> None:
     """Cover `target` (the worktree just attached) with an overlay whose lower layer is that
     attached worktree and whose upper and work directories are in the layer directory cloned as
     `layer_fd` (taken with the other clones, while its mount was still read-write; consumed here).
 
-    ("idmap", uid_shift, gid_shift) in `options` (a mapped cell): the layer goes in through a
-    clone of it id-mapped by `layer_userns_fd`, referenced as /proc/self/fd/N: never attached,
-    nothing in the cell reaches it but through the overlay (which keeps private clones of its
-    layers: the fds are closed right after). Where the kernel refuses that clone or an overlay
-    on it, the layer goes in as it is: the upper's root then gets the host owner a mapped cell
-    sees its worktree's root as (+ the shifts), and LAYER_SHIFT in the layer directory tells the
-    commit to shift every owner back."""
+    ("shift", uid_shift, gid_shift) in `options` (a mapped cell, uid 0 of the cells' namespace =
+    host uid_shift): what the cell writes lands in the upper as host ids shift+n, so the upper's own
+    root (the overlay's root directory: its owner is what the cell sees its worktree root as) gets
+    the worktree root's owner shifted the same way; the commit shifts every owner back
+    (changes.commit id_shift, noted by changes.prepare): on disk the worktree ends as if the cell
+    had written it through its id map.
+
+    ("live_ok",): where the kernel refuses the overlay itself (a worktree's file system it will not
+    take as a lower layer, ...), the cell runs on the plain worktree, live, and LAYER_LIVE in the
+    layer directory says why (the receipt then does); without it (isolation.require "reversible")
+    the refusal fails the cell's setup."""
     flags = {o[0]: o[1:] for o in options}
-    userxattr = "userxattr" in flags
-    shift = flags.get("idmap")
     layer = f"/proc/self/fd/{layer_fd}"
     try:
-        if shift is not None and layer_userns_fd is not None:
-            ov = None
-            fd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)
-            try:
-                lsys.mount_setattr(layer, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd,
-                                   userns_fd=layer_userns_fd, recursive=False)
-                ov = _overlay_fs(target, f"/proc/self/fd/{fd}", userxattr)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-            if ov is not None:
-                try:
-                    lsys.move_mount_fd(ov, target)
-                finally:
-                    os.close(ov)
-                return
+        shift = flags.get("shift")
         if shift is not None:
             upper = os.path.join(layer, "upper")
             st = os.lstat(upper)
             os.chown(upper, st.st_uid + shift[0], st.st_gid + shift[1])
-            tmp = os.path.join(layer, LAYER_SHIFT + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(f"{shift[0]} {shift[1]}\n")
-            os.replace(tmp, os.path.join(layer, LAYER_SHIFT))
-        ov = _overlay_fs(target, layer, userxattr)
+        try:
+            ov = _overlay_fs(target, layer, "userxattr" in flags)
+        except OSError as e:
+            if "live_ok" not in flags:
+                raise
+            _note(layer, LAYER_LIVE, str(e.strerror or e))
+            return
         try:
             lsys.move_mount_fd(ov, target)
         finally:
             os.close(ov)
     finally:
         os.close(layer_fd)
+
+
+def _note(layer: str, name: str, text: str) -> None:
+    """A small file in the layer directory, whole or not at all."""
+    tmp = os.path.join(layer, name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, os.path.join(layer, name))
 
 
 def _protect(path: str, readonly: bool) -> None:

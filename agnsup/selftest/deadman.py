@@ -52,7 +52,8 @@ import json, sys, time
 from agnsup import Supervisor
 state, wt, argv = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sup = Supervisor(state)
-h = sup.spawn(argv, role="networked", run_id="R-api", cell_id="c-api", workdir=wt, on_controller_death=sys.argv[4])
+h = sup.spawn(argv, role="networked", run_id="R-api", cell_id="c-api", workdir=wt, on_controller_death=sys.argv[4],
+              changes="live")
 print(json.dumps(h), flush=True)
 time.sleep(600)
 """
@@ -86,7 +87,7 @@ class DeadMan:
         argv = self.tree_argv(wt)
         if kind == "run":
             ctl = self.procs.start([self.bin, "run", "--role", "networked", "--run-id", f"R-{kind}", "--cell",
-                                    f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--", *argv],
+                                    f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--changes", "live", "--", *argv],
                                    env=self.env, stdout=-1, cwd=wt)
             return ctl, json.loads(ctl.stdout.readline() or "null")
         if kind == "serve":
@@ -94,7 +95,7 @@ class DeadMan:
             if not ctl.stdout.readline():
                 raise RuntimeError("agnsup serve did not start")
             rc, out, err = self.agnsup("spawn", "--role", "networked", "--run-id", f"R-{kind}", "--cell",
-                                       f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--", *argv)
+                                       f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--changes", "live", "--", *argv)
             if rc != 0:
                 raise RuntimeError(f"agnsup spawn failed: {err.strip()[-300:]}")
         else:

@@ -95,13 +95,16 @@ class Scenario:
     @staticmethod
     def _role(decoy_dir: str) -> str:
         """The packaged networked role (ports visible from the host), with a short
-        grace period, the decoy's directory denied and on_controller_death = keep."""
+        grace period, the decoy's directory denied, on_controller_death = keep and
+        changes = live (the heartbeats are read from the host while the cells run)."""
         from ..policy import _packaged_dir
         with open(os.path.join(_packaged_dir(), "networked.toml")) as f:
             src = f.read()
         src = src.replace('name = "networked"', 'name = "selftest"')
         src = re.sub(r"(?m)^grace = .*$", f"grace = {GRACE}", src)
         src = re.sub(r"(?m)^deny = \[", f"deny = [{json.dumps(decoy_dir)}, ", src)
+        # the blackout scenario watches heartbeats in the worktrees as they are written: live, not captured
+        src = re.sub(r'(?m)^changes = .*$', 'changes = "live"', src)
         # the blackout scenario proves the janitor: the tree must outlive its controller
         return re.sub(r'(?m)^on_controller_death = .*$', 'on_controller_death = "keep"', src)
 

@@ -43,7 +43,7 @@ def test_a_waited_for_cell_runs_over_an_overlay_attached_right_on_its_worktree(t
     assert p.mount_ops.index(("clone", layer, "layer", False)) < kinds(p).index("root")
     # the overlay comes right after the worktree's attach, before protect and every mask
     at = p.mount_ops.index(("attach", wt, "worktree"))
-    assert p.mount_ops[at + 1] == ("overlay", wt, "layer", False, ())
+    assert p.mount_ops[at + 1] == ("overlay", wt, "layer", False, (("live_ok",),))
     assert all(i > at + 1 for i, k in enumerate(kinds(p)) if k in ("protect", "mask"))
     assert p.changes["keep"] == 200 and p.changes["keep_bytes"] == 2 << 30
 
@@ -87,8 +87,10 @@ def test_require_reversible_refuses_a_cell_that_cannot_capture(tmp_path, monkeyp
     role = role_file(tmp_path, monkeypatch, "strict", isolation='require = ["reversible"]')
     with pytest.raises(SetupError, match="requires reversible.*NFS"):
         plan(tmp_path, role, host={**HOST, "_reversible": lambda s, w: "NFS"})
-    # and captures a long-lived cell instead of letting it write live
-    assert plan(tmp_path, role, long_lived=True).captures()
+    # and captures a long-lived cell instead of letting it write live; a kernel that refuses the overlay
+    # then fails the cell (no live_ok) instead of letting it run live
+    p = plan(tmp_path, role, long_lived=True)
+    assert p.captures() and next(op for op in p.mount_ops if op[0] == "overlay")[4] == ()
 
 
 def test_a_state_root_inside_the_worktree_cannot_be_its_upper_layer(tmp_path):
@@ -104,9 +106,9 @@ def test_a_mapped_cell_maps_its_layer_and_a_normal_users_cell_uses_user_xattrs(t
     mapped = plan(tmp_path, host={**HOST, "mapped_uid": None, "_idmap": lambda path: None})
     uid, gid, _ = cell_range()
     assert mapped.mapped is not None
-    assert next(op for op in mapped.mount_ops if op[0] == "overlay")[4] == (("idmap", uid, gid),)
+    assert next(op for op in mapped.mount_ops if op[0] == "overlay")[4] == (("shift", uid, gid), ("live_ok",))
     user = plan(tmp_path, host={**HOST, "_root": False})
-    assert next(op for op in user.mount_ops if op[0] == "overlay")[4] == (("userxattr",),)
+    assert next(op for op in user.mount_ops if op[0] == "overlay")[4] == (("userxattr",), ("live_ok",))
 
 
 def test_the_role_keys_are_validated(tmp_path, monkeypatch):

@@ -431,8 +431,14 @@ def _empty(fd: int) -> None:
     then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
     n = 0
     while True:
-        with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        # a fresh descriptor each pass: btrfs does not show a second read of the same open directory the
+        # entries renamed into it after the first (its per-file last_index; ext4, xfs and tmpfs do)
+        pass_fd = os.open(".", _NOFOLLOW_DIR, dir_fd=fd)
+        try:
+            with os.scandir(pass_fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        finally:
+            os.close(pass_fd)
         if not entries:
             return
         for name, is_dir in entries:

@@ -538,7 +538,7 @@ class Controller:
                                           agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
         except Exception as e:  # noqa: BLE001 - the cell has ended: its end is recorded whatever the commit did
             cell.changes = {"mode": "at_exit", "files": None, "error": f"the commit did not finish: {e}; the "
-                            "janitor finishes it (agnsup janitor)", "record": f"{spec.run_id}/{spec.cell_id}"}
+                            "janitor finishes it (agnsup janitor)", "pending": f"{spec.run_id}/{spec.cell_id}"}
         if live is not None:  # the kernel refused the overlay: its (empty) layer is gone, its writes landed live
             cell.changes = {"mode": "live", "why": live}
             cell.isolation["not_in_force"] = [*cell.isolation.get("not_in_force", []),

@@ -376,7 +376,7 @@ class _Janitor:
             summary = changes.commit(self.state.path, run, cell, c.row["worktree"], agent_id=c.row["agent_id"],
                                      id_shift=shift)
         except Exception as e:  # noqa: BLE001 - left in flight: changes.finish_all (below, or the next janitor)
-            c.entry["changes"] = {"mode": "at_exit", "files": None, "error": str(e), "record": f"{run}/{cell}"}
+            c.entry["changes"] = {"mode": "at_exit", "files": None, "error": str(e), "pending": f"{run}/{cell}"}
             c.entry["notes"].append(f"its worktree changes could not be committed yet ({e}); the next janitor "
                                     "finishes the commit")
             return

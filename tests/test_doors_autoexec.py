@@ -553,7 +553,7 @@ def test_the_janitor_quarantines_what_a_cell_planted_when_its_controller_was_kil
         p.kill()  # SIGKILL: no finish, no settle by the controller
         p.wait(10)
         p.stdout.close()
-    assert os.path.exists(os.path.join(worktree, ".mcp.json"))
+    assert not os.path.exists(os.path.join(worktree, ".mcp.json"))  # captured: in its layer until the janitor
     rep = agnsup.json("janitor", "--json")
     assert len(rep["recovered"]) == 1
     assert not os.path.exists(os.path.join(worktree, ".mcp.json"))

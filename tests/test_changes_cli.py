@@ -312,3 +312,24 @@ def test_cleanup_of_a_run_frees_its_records(agnsup, repo):
     again = agnsup.json("cleanup", "--run", "R", "--json")
     assert not [i for i in again["items"] if i["kind"] == "changes"]
     agnsup("undo", "s1", check=0)  # another run's record is untouched
+
+
+def test_a_host_git_status_after_the_cell_does_not_block_its_undo(agnsup, repo):
+    """git's index is a stat cache: `git status` on the host rewrites it after every cell. An undo
+    replaces it without calling that a change made outside agnsup; the redo brings back what it
+    replaced (fails when .git/index drift counts: exit 75, "changed outside agnsup since")."""
+    before = listing(repo)
+    run(agnsup, repo, "echo more >> README.md && git -c user.name=t -c user.email=t@e commit -qam three")
+    cell = agnsup.json("receipts", "--json")[-1]["cell_id"]
+    index = os.path.join(repo, ".git", "index")
+    stamp = os.stat(index)
+    os.utime(os.path.join(repo, "src", "app.py"), (time.time() + 5, time.time() + 5))  # not the cell's file
+    assert git(repo, "status", "--porcelain").returncode == 0
+    assert os.stat(index).st_ino != stamp.st_ino  # git refreshed its index: a new file renamed into place
+    undone = agnsup.json("undo", cell, "--json")
+    after = listing(repo)
+    assert {k: v for k, v in after.items() if k != ".git/index"} == \
+        {k: v for k, v in before.items() if k != ".git/index"}
+    assert git(repo, "fsck").returncode == 0 and git(repo, "log", "-1", "--format=%s").stdout.strip() == "two"
+    agnsup.json("undo", undone["records"][0]["record"].split("/")[1], "--json")  # the redo
+    assert git(repo, "log", "-1", "--format=%s").stdout.strip() == "three"

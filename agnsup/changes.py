@@ -431,8 +431,14 @@ def _empty(fd: int) -> None:
     then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
     n = 0
     while True:
-        with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        # a fresh descriptor each pass: btrfs does not show a second read of the same open directory the
+        # entries renamed into it after the first (its per-file last_index; ext4, xfs and tmpfs do)
+        pass_fd = os.open(".", _NOFOLLOW_DIR, dir_fd=fd)
+        try:
+            with os.scandir(pass_fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        finally:
+            os.close(pass_fd)
         if not entries:
             return
         for name, is_dir in entries:
@@ -983,6 +989,13 @@ def _matches(cur: dict, want: dict, strict: bool = True) -> bool:
     return all(cur.get(k) == want.get(k) for k in keys)
 
 
+def _git_index(path: str) -> bool:
+    """git's index (of the worktree or a linked one): a stat cache `git status` refreshes on the host
+    after every cell, which would otherwise make each undo a "changed outside agnsup" refusal."""
+    return path == ".git/index" or path.endswith("/.git/index") or \
+        (path.startswith(".git/worktrees/") and path.endswith("/index"))
+
+
 def _drift(record: dict, rec_dir: str) -> list[str]:
     """Paths where the worktree is no longer as the record left it: a different type, mode, owner,
     size, time or inode, or a path under a directory the record put in place that it did not make."""
@@ -990,6 +1003,8 @@ def _drift(record: dict, rec_dir: str) -> list[str]:
     known = {e["path"] for e in record["entries"]}
     bad = []
     for e in record["entries"]:
+        if _git_index(e["path"]):
+            continue  # a cache every host `git status` rewrites: undo replaces it (the undo record keeps it)
         p = os.path.join(wt, e["path"]) if e["path"] else wt
         if not _matches(_info(p, full=True), e["after"]):
             bad.append(e["path"])

@@ -330,10 +330,12 @@ def diff_text(d: dict, stat: bool) -> list[str]:
     counts = d.get("counts") or {}
     said = ", ".join(f"{counts[k]} {k}" for k in _COUNT_ORDER if counts.get(k)) or f"{len(entries)} path(s)"
     extra = ", ".join(f"{counts[k]} {k}{'s' if counts[k] > 1 else ''}" for k in ("dir", "symlink") if counts.get(k))
-    state = {"committed": "in force"}.get(d.get("state"), d.get("state"))
+    now = d.get("now") or {"state": d.get("state"), "by": d.get("undone_by")}
+    state = {"committed": "in force", "kept": "in force", "redone": "redone, in force"}.get(now["state"], now["state"])
     kind = "undo record" if d.get("kind") == "undo" else "cell"
     head = f"{kind} {d.get('record')}" + (f", undoes {d['undoes']}" if d.get("undoes") else "") + \
-        (f" ({state}" + (f" by {d['undone_by']}" if d.get("undone_by") else "") + ")" if state else "")
+        (f" ({state}" + (f" by {now['by']}" if now.get("by") and now["state"] == "undone" else "") + ")"
+         if state else "")
     out = [f"{head}: {said}" + (f" ({extra})" if extra else "") + (f" in {d['worktree']}" if d.get("worktree") else "")]
     out += ["  " + _entry_line(e) for e in entries]
     if stat:
@@ -350,15 +352,26 @@ def diff_text(d: dict, stat: bool) -> list[str]:
     return out
 
 
+def _cell_arg(cell_id: str | None, cell_opt: str | None, required: bool) -> str | None:
+    """CELL as the argument or as --cell/--cell-id (cli.md: both spellings of every id)."""
+    if cell_id is not None and cell_opt is not None and cell_id != cell_opt:
+        raise click.UsageError(f"two cells given: {cell_id} and --cell {cell_opt}")
+    cell = cell_id if cell_id is not None else cell_opt
+    if cell is None and required:
+        raise click.UsageError("Missing argument 'CELL'.")
+    return cell
+
+
 @main.command()
-@click.argument("cell_id", metavar="CELL")
+@click.argument("cell_id", metavar="CELL", required=False)
+@click.option("--cell", "--cell-id", "cell_opt", default=None, metavar="C", hidden=True)
 @click.option("--run", "--run-id", "run_id", default=None, metavar="R",
               help="The cell's run (only needed when the id names cells in several runs).")
 @click.option("--stat", is_flag=True, help="The file list with +/- lines per text file and sizes for binary "
                                            "ones, without the text.")
 @click.option("--json", "as_json", is_flag=True, help="The record's entries as JSON (keys: docs/cli.md).")
 @click.pass_obj
-def diff(obj, cell_id, run_id, stat, as_json):
+def diff(obj, cell_id, cell_opt, run_id, stat, as_json):
     """What CELL changed in its worktree: each path created (A), modified (M),
     deleted (D), replaced by another kind (R) or whose mode changed (m), then a
     unified diff of every text file (sizes for binary ones). CELL may be an undo
@@ -374,6 +387,7 @@ def diff(obj, cell_id, run_id, stat, as_json):
       agnsup diff c-1a2b3c4d --run R --json
     """
     from .service import diff_changes
+    cell_id = _cell_arg(cell_id, cell_opt, True)
     state = _state(obj)
     j = state.journal()
     try:
@@ -399,6 +413,7 @@ def undo_text(result: dict) -> list[str]:
 
 @main.command()
 @click.argument("cell_id", metavar="[CELL]", required=False)
+@click.option("--cell", "--cell-id", "cell_opt", default=None, metavar="C", hidden=True)
 @click.option("--run", "--run-id", "run_id", default=None, metavar="R",
               help="Undo every cell of run R that has changes kept, newest first (with CELL: the cell's run).")
 @click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
@@ -410,7 +425,7 @@ def undo_text(result: dict) -> list[str]:
               help="How long to wait for the worktree lock a running cell holds (then exit 75).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"undone", "records"} (keys: docs/cli.md).')
 @click.pass_obj
-def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
+def undo(obj, cell_id, cell_opt, run_id, agent_id, force, lock_timeout, as_json):
     """Put back what CELL changed in its worktree, exactly as it was before
     the cell ran (the files it created go, the ones it deleted or changed come
     back, modes and symlinks too, .git included). With --run or --agent: every
@@ -436,6 +451,7 @@ def undo(obj, cell_id, run_id, agent_id, force, lock_timeout, as_json):
       agnsup undo undo-0123456789ab      # redo
     """
     from .service import undo_changes
+    cell_id = _cell_arg(cell_id, cell_opt, False)
     state = _state(obj)
     j = state.journal()
     try:
@@ -455,17 +471,8 @@ def _change_states(j, run_id: str | None = None) -> dict:
 
 
 def _record_state(row, states: dict) -> tuple[str, str | None]:
-    """(kept | undone | redone | dropped, the undo record now in force or None) of a record's
-    row, following undo -> redo -> undo ... through `states` (_change_states)."""
-    cur, flips = row, 0
-    while cur["state"] == "undone" and cur["undone_by"] and flips < 1000:
-        nxt = states.get((cur["run_id"], cur["undone_by"]))
-        if nxt is None:
-            break
-        cur, flips = nxt, flips + 1
-    if flips == 0:
-        return {"committed": "kept"}.get(row["state"], row["state"]), None
-    return ("undone" if flips % 2 else "redone"), cur["record_id"]
+    from .service import record_state
+    return record_state(row, lambda run, rid: states.get((run, rid)))
 
 
 def _with_state(ch, states: dict):
@@ -626,8 +633,9 @@ def wait(obj, cell_id, run_id, timeout, as_json):
 @click.pass_obj
 def cleanup(obj, run_id, as_json):
     """Reclaim what the run's ended cells left (cgroup directories, temp dirs,
-    worktree locks). Cells still running are not touched (exit 1; cancel them
-    first). A second call reports cleaned: 0."""
+    worktree locks, and once none runs, the run's change records: its cells
+    can no longer be undone). Cells still running are not touched (exit 1;
+    cancel them first). A second call reports cleaned: 0."""
     from . import cancel as cancelmod
     from .errors import CellsStillRunning
     try:

@@ -96,7 +96,8 @@ def _plain_tool(name: str, description: str, props: dict, required: tuple[str, .
 _RAN = ("Returns exit_code, state (exited, failed, timeout, cancelled, killed), reason, stdout, stderr "
         "(the first 64 KiB each; *_truncated says when there was more), cell_id and the receipt's path. A "
         "command's own non-zero exit is a result, not an error; a refusal (denied: rule, reason, hint) is a "
-        "tool error. Long calls send progress notifications.")
+        "tool error. Long calls send progress notifications. What the command changed in the worktree lands when "
+        "it ends and is recorded (changes: counts and paths): the diff tool shows it, undo takes it back.")
 SCHEMAS = {s["name"]: s for s in (
     _cell_tool("run_process", "Run one command (an argv list, no shell) as a supervised, isolated cell of this "
                "session and wait for it. The command gets an environment built from nothing, a private /tmp and "
@@ -106,7 +107,8 @@ SCHEMAS = {s["name"]: s for s in (
                 "shell text. " + _RAN),
     _spawn_tool("spawn", "Start one command (an argv list) as a cell of this session and return at once with "
                 "its cell_id and pid; then read_output, write_stdin (with stdin: true), signal, wait, receipt or "
-                "cancel with that cell_id. For servers, watchers, interactive programs and long builds."),
+                "cancel with that cell_id. For servers, watchers, interactive programs and long builds. Its writes "
+                "reach the worktree as they happen and are not recorded: undo cannot take them back."),
     _plain_tool("read_output", "Read a spawned cell's output incrementally: the chunks from seq `since` on, in "
                 "order, as text (stream stdout, stderr, or tty for a pty cell); call again with since = next. "
                 "Waits up to timeout seconds for output; ended: true once all output was read and the cell's "

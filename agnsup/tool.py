@@ -218,6 +218,8 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     hint = network_hint(receipt)
     if hint:
         result["network_hint"] = hint
+    if receipt.get("changes") and receipt["changes"].get("mode") != "none":  # issue 26: what it changed, undoable
+        result["changes"] = receipt["changes"]
     if capture:
         # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
         from .redact import for_receipt

@@ -9,8 +9,10 @@ root of its own (their journals may differ in schema). Every round runs each cas
 order of the sides alternating, so both see the same moments of a shared machine's load:
 
   true      `agnsup run -- true` in a worktree of FILES files (the overlay's set-up and an empty commit)
-  write 1M  a cell writing 1 MB into one file of that worktree (created once, then rewritten: each commit
-            moves the pre-image into the record)
+  write 1M  a cell writing 1 MB of new bytes (/dev/urandom) into one file of that worktree (created once,
+            then rewritten: each commit keeps the 1 MB pre-image in the record)
+  (these two also for the after build with capture off, role `changes = "live"`: what the build adds that
+  is not the capture)
   pytest    a real small project's test suite (more-itertools' sdist, ~660 tests) in its own worktree,
             run by PY (an interpreter with pytest: this checkout's .venv), warm (its __pycache__ made)
   npm       `npm install --offline` of lodash's tarball (1,058 files, 5 MB) into a fresh node_modules
@@ -80,10 +82,11 @@ class Side:
     def __init__(self, name: str, binary: str, state: str):
         self.name, self.binary, self.state = name, binary, state
         self.env = {**os.environ, "AGNSUP_STATE_DIR": state}
+        self.role: list[str] = []
 
     def run(self, args: list[str], check: bool = True) -> float:
         """Milliseconds from posix_spawn to the reaped exit of `agnsup ARGS` (output to /dev/null)."""
-        argv = [self.binary, *args]
+        argv = [self.binary, *args[:1], *self.role, *args[1:]]
         actions = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
         t = time.perf_counter()
         pid = os.posix_spawn(argv[0], argv, self.env, file_actions=actions)
@@ -116,11 +119,15 @@ def interleave(sides: list[Side], rounds: int, case: list[str], reset=None) -> d
 
 
 def table(title: str, times: dict[str, list[float]], goal: str) -> None:
-    b, a = times["before"], times["after"]
-    mb, ma = statistics.median(b), statistics.median(a)
-    qb, qa = statistics.quantiles(b, n=4)[0], statistics.quantiles(a, n=4)[0]
-    print(f"{title:44} {mb:9.2f} {ma:9.2f} {ma - mb:+8.2f} {ma / mb:6.3f}   {qb:9.2f} {qa:9.2f} {qa - qb:+8.2f}"
-          f"   {goal}")
+    b = times["before"]
+    mb, qb = statistics.median(b), statistics.quantiles(b, n=4)[0]
+    for name, a in times.items():
+        if name == "before":
+            continue
+        ma, qa = statistics.median(a), statistics.quantiles(a, n=4)[0]
+        label = title if name == "after" else f"  the same, {name}"
+        print(f"{label:44} {mb:9.2f} {ma:9.2f} {ma - mb:+8.2f} {ma / mb:6.3f}   {qb:9.2f} {qa:9.2f} {qa - qb:+8.2f}"
+              f"   {goal if name == 'after' else ''}")
 
 
 def main() -> None:
@@ -139,6 +146,22 @@ def main() -> None:
     try:
         sides = [Side("before", o.before, os.path.join(base, "state-before")),
                  Side("after", o.after, os.path.join(base, "state-after"))]
+        # the after build with capture off (role changes = "live"): what the build adds that is not capture
+        live = Side("after, changes=live", o.after, os.path.join(base, "state-live"))
+        pol = os.path.join(base, "policies")
+        os.makedirs(pol)
+        try:
+            import importlib.resources
+            src = (importlib.resources.files("agnsup.policies") / "executor.toml").read_text()
+            src = src.replace('name = "executor"', 'name = "bench-live"')
+            src = "\n".join('changes = "live"' if line.startswith("changes = ") else line for line in src.splitlines())
+            with open(os.path.join(pol, "bench-live.toml"), "w") as f:
+                f.write(src + "\n")
+            live.env["AGNSUP_POLICY_DIR"] = pol
+            live.role = ["--role", "bench-live"]
+            three = [*sides, live] if 'changes = "live"' in src else sides
+        except (ImportError, FileNotFoundError):
+            three = sides
         big = os.path.join(base, "big")
         t = time.perf_counter()
         make_worktree(big, o.files)
@@ -148,11 +171,11 @@ def main() -> None:
               f"   {'p25 bef':>9} {'p25 aft':>9} {'delta':>8}   goal")
         if "true" in only:
             table("agnsup run -- true, 100k-file worktree".replace("100k", f"{o.files // 1000}k"),
-                  interleave(sides, o.rounds, ["run", "--workdir", big, "--", "true"]), "<= +5 ms")
+                  interleave(three, o.rounds, ["run", "--workdir", big, "--", "true"]), "<= +5 ms")
         if "write" in only:
             table("a cell writing 1 MB in one file",
-                  interleave(sides, o.rounds, ["run", "--workdir", big, "--", "sh", "-c",
-                                               "head -c 1048576 /dev/zero > one.bin"]), "<= +10 ms")
+                  interleave(three, o.rounds, ["run", "--workdir", big, "--", "sh", "-c",
+                                               "head -c 1048576 /dev/urandom > one.bin"]), "<= +10 ms")
         if "pytest" in only:
             proj = os.path.join(base, "pyproj")
             os.makedirs(proj)
@@ -197,7 +220,7 @@ def main() -> None:
         else:
             print("space: no change records under the after side's state root (capture not in this build?)")
     finally:
-        for s in sides:
+        for s in (*sides, live):
             subprocess.run([s.binary, "cleanup", "--run", "default"], env=s.env, capture_output=True)
             try:  # the state roots' cgroup trees (as the tests' fixtures do)
                 from agnsup import backend

@@ -88,8 +88,8 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     head, *rows = text.splitlines()
     assert head.startswith("cell default/wreck (in force): ") and "created" in head and "deleted" in head
     for mark in ("M README.md  (mode 644 -> 600, +1 -0)", "A new.txt  (+1 -0)", "D src/  (dir)",
-                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)", "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)",
-                 "D src/app.py  (+0 -1)"):
+                 "D .git/HEAD  (+0 -1)", "A empty/  (dir)", "A empty/dir/  (dir)",
+                 "M data.bin  (binary, 2.0 KiB -> 4.9 KiB)", "D src/app.py  (+0 -1)"):
         assert "  " + mark in rows, (mark, text)
     assert any(r.startswith("  ") and " app  (symlink, -> README.md" in r for r in rows), text
     assert "--- a/README.md\n+++ b/README.md\n" in text and "+bye\n" in text
@@ -130,6 +130,7 @@ def test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then
     assert redo["undone"] == [f"default/{undo_id}"] and redo["records"][0]["undoes"] == undo_id
     assert listing(repo) == after
     assert agnsup.json("ps", "--all", "--json")[0]["changes"]["state"] == "redone"
+    assert agnsup("diff", "wreck", "--stat", check=0).out.startswith("cell default/wreck (redone, in force): ")
     agnsup("undo", "wreck", check=0)  # the cell's id still undoes what is in force (the redo)
     assert listing(repo) == before
 
@@ -157,8 +158,11 @@ def test_undo_refuses_a_change_made_outside_agnsup_since(agnsup, repo):
     line = one_line(agnsup("undo", "w", check=75))
     assert "changed outside agnsup since: out.txt" in line
     assert listing(repo) == now
-    agnsup("undo", "w", "--force", check=0)
+    out = agnsup.json("undo", "w", "--force", "--json")
     assert not os.path.exists(os.path.join(repo, "out.txt"))
+    # --force loses nothing: the undo's own record kept what it overwrote, the edit by hand included
+    agnsup("undo", out["records"][0]["record"].split("/")[1], check=0)
+    assert listing(repo) == now
 
 
 def test_undo_a_run_or_an_agent_newest_first(agnsup, repo):
@@ -189,7 +193,8 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
     assert a.json("receipts", "--cell", "lived", "--json")[0]["changes"]["mode"] == "live"
     run(a, repo, "echo x > x.txt", "--cell", "twice", "--run-id", "R2")
     run(a, repo, "echo y > y.txt", "--cell", "twice", "--run-id", "R3")
-    now = listing(repo)
+    now, records = listing(repo), listing(os.path.join(agnsup.state, "changes"))
+    rows = a.json("ps", "--all", "--json")
     for args, code, says in (
             (["undo", "nosuch"], 1, "no cell or change record 'nosuch'"),
             (["diff", "nosuch"], 1, "no cell or change record 'nosuch'"),
@@ -210,11 +215,14 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed_on_disk(agnsup
         cp = a(*args)
         assert cp.returncode == code and says in one_line(cp), (args, cp.returncode, cp.err)
         assert listing(repo) == now, args
+        assert listing(os.path.join(agnsup.state, "changes")) == records, args  # no undo record begun
         if code != 125:
             js = a(*args, "--json")
             assert json.loads(js.out)["exit_code"] == code, (args, js.out)
+    assert a.json("ps", "--all", "--json") == rows  # the journal says the same of every cell
+    assert a.json("diff", "--cell-id", "twice", "--run-id", "R2", "--json")["record"] == "R2/twice"  # both spellings
     # run and --run R3: the id is no longer ambiguous
-    a("undo", "twice", "--run", "R3", check=0)
+    a("undo", "--cell", "twice", "--run", "R3", check=0)
     assert not os.path.exists(os.path.join(repo, "y.txt"))
 
 
@@ -304,3 +312,24 @@ def test_cleanup_of_a_run_frees_its_records(agnsup, repo):
     again = agnsup.json("cleanup", "--run", "R", "--json")
     assert not [i for i in again["items"] if i["kind"] == "changes"]
     agnsup("undo", "s1", check=0)  # another run's record is untouched
+
+
+def test_a_host_git_status_after_the_cell_does_not_block_its_undo(agnsup, repo):
+    """git's index is a stat cache: `git status` on the host rewrites it after every cell. An undo
+    replaces it without calling that a change made outside agnsup; the redo brings back what it
+    replaced (fails when .git/index drift counts: exit 75, "changed outside agnsup since")."""
+    before = listing(repo)
+    run(agnsup, repo, "echo more >> README.md && git -c user.name=t -c user.email=t@e commit -qam three")
+    cell = agnsup.json("receipts", "--json")[-1]["cell_id"]
+    index = os.path.join(repo, ".git", "index")
+    stamp = os.stat(index)
+    os.utime(os.path.join(repo, "src", "app.py"), (time.time() + 5, time.time() + 5))  # not the cell's file
+    assert git(repo, "status", "--porcelain").returncode == 0
+    assert os.stat(index).st_ino != stamp.st_ino  # git refreshed its index: a new file renamed into place
+    undone = agnsup.json("undo", cell, "--json")
+    after = listing(repo)
+    assert {k: v for k, v in after.items() if k != ".git/index"} == \
+        {k: v for k, v in before.items() if k != ".git/index"}
+    assert git(repo, "fsck").returncode == 0 and git(repo, "log", "-1", "--format=%s").stdout.strip() == "two"
+    agnsup.json("undo", undone["records"][0]["record"].split("/")[1], "--json")  # the redo
+    assert git(repo, "log", "-1", "--format=%s").stdout.strip() == "three"

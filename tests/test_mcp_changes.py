@@ -67,6 +67,8 @@ def test_diff_and_undo_tools_show_and_put_back_what_a_cell_changed(state, worktr
             v = value(await s.call_tool("run_shell", {"command": "rm -rf src; echo more >> notes.txt; echo n > new"}))
             cell = v["cell_id"]
             assert v["exit_code"] == 0 and not os.path.exists(os.path.join(worktree, "src"))
+            assert v["changes"]["record"] == f"m1/{cell}" and v["changes"]["deleted"] == 2  # the model sees it
+            assert "not recorded" in tools["spawn"].description and "undo" in tools["run_shell"].description
             after = tree(worktree)
 
             d = value(await s.call_tool("diff", {"cell_id": cell}))

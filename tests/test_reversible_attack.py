@@ -8,8 +8,13 @@ targets) and `git log` / `git fsck` work again.
 
 The guarantee, removed: REV_PROOF_CHANGES=live runs the same cells with the role's
 `[filesystem] changes = "live"` (writes straight to the worktree, not captured): every case fails (undo
-refuses a live cell, and the tree stays destroyed). The cost is one worktree template per module, copied
-per case.
+refuses a live cell, and the tree stays destroyed; so do the records, symlink and daemon cases below;
+measured: 18 failed, the 4 left are the control and the normal user's, which do not read it). The cost is
+one worktree template per module, copied per case.
+
+Beyond the spellings: a cell that goes for the records themselves (they are out of its reach), a
+directory swapped for a symlink to a host directory (diff, undo and redo never write through it), a
+destroyer that outlives its command (dead before the commit), and three forms as a normal user.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ ATTACKS = {
     "moved_out_of_the_worktree": "mkdir /tmp/away && mv src .git /tmp/away/",
 }
 
-GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main"]
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main",
+       "-c", "safe.directory=*"]  # a normal user's worktree, read by root
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +161,145 @@ def test_without_undo_the_destroyed_worktree_stays_destroyed(template, tmp_path,
     cp = agnsup("run", "--cell", "control", "--workdir", wt, "--", "sh", "-c", ATTACKS["ifs_games"])
     assert cp.returncode not in (124, 125, 126, 127), cp.err
     assert not os.path.exists(os.path.join(wt, "src")) and not _git_ok(wt)
+
+
+@pytest.fixture
+def var_state(tmp_path):
+    """A state root outside /tmp (the cell's /tmp is a tmpfs of its own, so a state root under the test's
+    tmp_path is not even in the cell's view: here it is, where a real one is, e.g. /var/lib/agnsup)."""
+    import tempfile
+
+    from conftest import _cleanup_cgroups
+    root = tempfile.mkdtemp(prefix="agnsup-proof-state.", dir="/var/tmp")
+    yield root
+    leaked = _cleanup_cgroups(root)
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leaked, leaked
+
+
+def test_a_cell_cannot_destroy_the_records_that_undo_it(project, var_state, policy_dir):
+    """The second cell, after the first deleted src/, goes for the records too (the state root's path
+    spelled in base64, every record.json the file system shows, its own overlay's layers named in
+    /proc/self/mountinfo) and then .git: the records are out of its reach, and undo of the run takes
+    the worktree back to before the first cell."""
+    from conftest import Agnsup
+    agnsup = Agnsup(var_state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    role = _role_args(policy_dir)
+    before = listing(project)
+    cp = agnsup("run", *role, "--cell", "first", "--workdir", project, "--", "sh", "-c", ATTACKS["perl_pack"])
+    assert not os.path.exists(os.path.join(project, "src")) and not _git_ok(project), cp.err
+    records = os.path.join(var_state, "changes")
+    kept = listing(records)
+    assert any(p.endswith("record.json") for p in kept), kept
+
+    b64 = base64.b64encode(var_state.encode()).decode()
+    wipe = (f"s=$(echo {b64} | base64 -d); ls -la \"$s\" \"$s/changes\"; rm -rf \"$s\"/changes \"$s\"/*; "
+            "find / -xdev -name record.json -path '*changes*' -exec rm -f {} + ; "
+            "for l in $(sed -n 's/.*upperdir=\\([^,]*\\).*workdir=\\([^,]*\\).*/\\1 \\2/p' /proc/self/mountinfo); "
+            "do rm -rf \"$l\" \"$l/..\"; done; "
+            "echo mine > planted.txt; rm -rf .git README.md")
+    cp = agnsup("check", *role, "--workdir", project, "--json", "--", "sh", "-c", wipe)
+    assert cp.returncode == 0, cp.out + cp.err
+    cp = agnsup("run", *role, "--cell", "second", "--workdir", project, "--", "sh", "-c", wipe)
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert not os.path.exists(os.path.join(project, "README.md"))
+    now = listing(records)
+    assert {p: v for p, v in now.items() if p in kept} == kept, listing_diff(kept, now)
+
+    cp = agnsup("undo", "--run", "default", "--json", timeout=120)
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(project)
+
+
+@pytest.mark.parametrize("what", ["src", ".git/objects"])  # .git itself holds read-only protected paths
+def test_undo_and_redo_of_a_directory_swapped_for_a_symlink_never_write_through_it(what, project, agnsup,
+                                                                                   tmp_path, policy_dir):
+    """A cell replaces a directory of the worktree with a symlink to a directory outside it (a victim the
+    host can write): the commit lands the symlink, and neither diff, undo nor redo follows it: the
+    victim is the same bytes after each, and the directory comes back whole."""
+    victim = str(tmp_path / "victim")
+    os.makedirs(os.path.join(victim, "keep"))
+    for name in ("m0.py", "keep/precious.txt", "HEAD"):
+        with open(os.path.join(victim, name), "w") as f:
+            f.write(f"victim {name}\n")
+    spared = listing(victim)
+    before = listing(project)
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    cp = agnsup("run", *_role_args(policy_dir), "--cell", "swap", "--workdir", project, "--", "sh", "-c",
+                f"rm -rf {what} && ln -s {victim} {what}")
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert os.readlink(os.path.join(project, what)) == victim
+    assert agnsup("diff", "swap", "--json").returncode == 0
+    assert listing(victim) == spared
+
+    cp = agnsup("undo", "swap", "--json")
+    assert cp.returncode == 0, cp.out + cp.err
+    assert listing(victim) == spared
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+
+    [rec] = json.loads(cp.out)["records"]
+    run_id, undo_id = rec["record"].split("/")
+    cp = agnsup("undo", undo_id, "--run", run_id, "--json")  # redo: the symlink again, the victim untouched
+    assert cp.returncode == 0, cp.out + cp.err
+    assert os.readlink(os.path.join(project, what)) == victim
+    assert listing(victim) == spared
+
+
+def test_a_destroyer_that_outlives_the_command_is_dead_before_the_commit_and_undone(project, agnsup, policy_dir):
+    """The command double-forks a setsid daemon that deletes the tree and then keeps writing, and exits
+    as soon as the daemon has started: the cell's tree is killed before the commit (the state fixture
+    fails the test if a process or cgroup is left), everything it did is in the record, and undo restores
+    the tree. Nothing writes the worktree after `agnsup run` returned."""
+    before = listing(project)
+    script = ("mkfifo /tmp/up; "
+              "setsid sh -c 'rm -rf src .git/objects; echo up > /tmp/up; while :; do echo x >> log; done' "
+              "</dev/null >/dev/null 2>&1 & "
+              "read line < /tmp/up; exit 0")
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    cp = agnsup("run", *_role_args(policy_dir), "--cell", "daemon", "--workdir", project, "--", "sh", "-c", script)
+    assert cp.returncode == 0, cp.err
+    assert not os.path.exists(os.path.join(project, "src")) and os.path.exists(os.path.join(project, "log"))
+    size = os.path.getsize(os.path.join(project, "log"))
+    [r] = [x for x in agnsup.json("receipts", "--json") if x["cell_id"] == "daemon"]
+    assert r["changes"]["mode"] == "at_exit" and r["changes"]["deleted"] > 0, r["changes"]
+    assert os.path.getsize(os.path.join(project, "log")) == size  # nothing of the cell writes any more
+    cp = agnsup("undo", "daemon")
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(project)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(project)
+
+
+@pytest.fixture(scope="module")
+def user():
+    if os.geteuid() != 0:
+        pytest.skip("ENV_BLOCKED: root (the test makes a user)")
+    from test_unprivileged import User, _venv
+    with User(_venv()) as u:
+        yield u
+
+
+@pytest.mark.parametrize("form", ["ifs_games", "python_shutil_rmtree", "truncate_every_file"])
+def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
+    """Rootless: the overlay is mounted in the user's cell's own user namespace (userxattr), its record
+    under the user's state root; the same destruction, the same byte-for-byte undo, owners kept."""
+    wt = os.path.join(user.own_dir("attack"), form)
+    subprocess.run(["cp", "-a", template, wt], check=True, timeout=60)
+    subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", wt], check=True, timeout=60)
+    before = listing(wt)
+    assert _git_ok(wt)
+    cell = f"u-{form.replace('_', '-')}"
+    cp = user("run", "--cell", cell, "--workdir", wt, "--", "sh", "-c", ATTACKS[form])
+    assert cp.returncode not in (124, 125, 126, 127), cp.err
+    assert not _git_ok(wt) and listing(wt) != before
+    [r] = [x for x in user.json("receipts", "--json") if x["cell_id"] == cell]
+    assert r["changes"]["mode"] == "at_exit" and not r["changes"].get("error"), r["changes"]
+    cp = user("undo", cell)
+    assert cp.returncode == 0, cp.out + cp.err
+    after = listing(wt)
+    assert after == before, listing_diff(before, after)
+    assert _git_ok(wt)
+    assert user.left() == []

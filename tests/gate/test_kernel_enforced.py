@@ -225,7 +225,7 @@ def test_the_gate_knows_the_kernel_the_compiler_builds(role, tmp_path):
     os.makedirs(state)
     spec = types.SimpleNamespace(workdir=str(tmp_path), run_id="r", cell_id="c", timeout=None, role=role,
                                  on_controller_death="kill", worktree=str(tmp_path), interpreter=[],
-                                 tool_env_dropped=[], env={})
+                                 tool_env_dropped=[], env={}, long_lived=False, changes=None)
     from agnsup.linux.host import protections
     plan = compiler.compile_plan(spec, pol, state, protections())
     k = governance.kernel_of(pol, state)

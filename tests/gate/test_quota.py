@@ -145,7 +145,10 @@ def test_a_second_concurrent_cell_of_one_agent_is_denied_and_another_agents_cell
     quota_role(policy_dir, "solo", max_concurrent_per_agent=1)
     w = _dirs(tmp_path, 3)
     gate = os.path.join(w[0], "release")
-    first = agnsup.popen("run", "--role", "solo", "--agent", "a", "--cell", "c1", "--workdir", w[0], "--",
+    # live: the cell waits for a file the host creates in its worktree (a capturing cell's overlay
+    # need not see the lower layer change under it)
+    first = agnsup.popen("run", "--role", "solo", "--agent", "a", "--cell", "c1", "--workdir", w[0],
+                         "--changes", "live", "--",
                          "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done", env=env)
     try:
         _wait_running(state, "c1")
@@ -194,9 +197,10 @@ def test_cells_racing_for_the_last_slot_of_a_run_get_exactly_one_start(agnsup, s
     env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
     quota_role(policy_dir, "single", max_concurrent_per_run=1)
     w = _dirs(tmp_path, 4)
-    # the release file lies in each worktree: a cell sees its worktree, not the host's /tmp
+    # the release file lies in each worktree: a cell sees its worktree, not the host's /tmp (live: a
+    # capturing cell's overlay need not see what the host adds to the worktree under it)
     procs = [agnsup.popen("run", "--role", "single", "--agent", f"a{i}", "--cell", f"c{i}", "--workdir", w[i],
-                          "--", "sh", "-c", "while [ ! -e release ]; do sleep 0.05; done", env=env,
+                          "--changes", "live", "--", "sh", "-c", "while [ ! -e release ]; do sleep 0.05; done", env=env,
                           stderr=subprocess.PIPE) for i in range(4)]
     try:
         # every loser exits 126 on its own; the winner waits for the release file

@@ -1426,8 +1426,21 @@ def free_run(state, journal, run_id: str) -> list[str]:
     root = _root(state)
     rows = [r for r in journal.change_rows(run_id=run_id) if r["state"] != "dropped"]
     journal.set_change_state([(r["run_id"], r["record_id"]) for r in rows], "dropped")
-    d = os.path.join(root, "changes", run_id)
-    _rm(d)
+    # a layer whose commit has not happened yet (a read-only state root, a swapped path) holds a
+    # cell's only copy of its work: it stays for the janitor, and so does the run's directory
+    run_dir = os.path.join(root, "changes", run_id)
+    for path in [layer_dir(root, run_id, r["record_id"]) for r in rows] + [run_dir]:
+        try:
+            if path == run_dir:
+                os.rmdir(path)
+            else:
+                _rm(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise StateError(f"could not free the change records of run {run_id} under {root}: "
+                                 f"{e.strerror or e}") from None
     for r in rows:
         _unmark_pending(root, run_id, r["record_id"])
     return [f"{run_id}/{r['record_id']}" for r in rows]

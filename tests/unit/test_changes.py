@@ -559,6 +559,20 @@ def test_prune_drops_the_oldest_records_first_and_frees_their_space(env):
     assert not os.path.exists(os.path.join(env.st, "changes", "R"))
 
 
+def test_cleanup_frees_the_runs_records_but_never_a_layer_not_yet_committed(env):
+    """A layer whose commit has not happened (a read-only state root, a refused path) is the cell's
+    only copy of its work: `cleanup --run` frees the records, leaves the layer for the janitor."""
+    kept = env.cell()
+    write(os.path.join(kept.upper, "done.txt"), "landed\n")
+    kept.end()
+    waiting = env.cell()
+    write(os.path.join(waiting.upper, "work.txt"), "an afternoon\n")
+    assert changes.free_run(env.st, env.j, "R") == [f"R/{kept.id}"]
+    assert not os.path.exists(changes.layer_dir(env.st, "R", kept.id))
+    with open(os.path.join(waiting.upper, "work.txt")) as f:
+        assert f.read() == "an afternoon\n"
+
+
 def test_drop_paths_forgets_what_protect_settle_quarantined(env):
     c = env.cell()
     write(os.path.join(c.upper, ".git/hooks/pre-commit"), "evil\n")

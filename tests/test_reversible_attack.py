@@ -303,3 +303,25 @@ def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
     assert after == before, listing_diff(before, after)
     assert _git_ok(wt)
     assert user.left() == []
+
+
+# ---------------------------------------------------------------- the selftest door
+
+@pytest.mark.parametrize("user", [None, 65534])
+def test_the_worktree_selftest_door_holds_here_and_opens_with_capture_off(user, monkeypatch):
+    """`agnsup selftest --isolation`'s WORKTREE_DESTROYED: HELD here (the undo gives back every path),
+    OPEN when the probe's cell runs live (the door is judged by the undo, not by the receipt)."""
+    from agnsup import tool
+    from agnsup.selftest import doors_worktree, isolation
+    h = isolation.Harness(keep=False, user=user)
+    try:
+        g = doors_worktree.RUNNERS["WORKTREE_DESTROYED"](h)
+        assert g["status"] == "PASS", g
+        assert "put back all" in g["evidence"], g
+        real = tool.run_process
+        monkeypatch.setattr(tool, "run_process", lambda *a, **k: real(*a, changes="live", **k))
+        shutil.rmtree(os.path.join(h.root, "reversible"))
+        g = doors_worktree.RUNNERS["WORKTREE_DESTROYED"](h)
+        assert g["status"] == "FAIL" and "ran live" in g["evidence"], g
+    finally:
+        h.close()

@@ -585,7 +585,8 @@ RUNNERS = {"HOST_ENV_LEAK": gate_host_env_leak, "HOME_VISIBILITY": gate_home_vis
 GATES = tuple(RUNNERS)  # the gates' names, in spec/isolation.md's order
 
 
-DOOR_MODULES = ("doors_sockets", "doors_tcppeer", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec")
+DOOR_MODULES = ("doors_sockets", "doors_tcppeer", "doors_kernel", "doors_dev", "doors_identity", "doors_autoexec",
+                "doors_worktree")
 
 
 @functools.lru_cache(maxsize=1)

@@ -844,7 +844,12 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
     d = layer_dir(state_root, run_id, record_id)
     try:
         # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
-        # (overlayfs.rst, "Volatile mount")
+        # (overlayfs.rst, "Volatile mount"); a normal user (no CAP_DAC_OVERRIDE) opens it up first
+        if os.geteuid() != 0:
+            try:
+                os.chmod(os.path.join(d, "work/work"), 0o700)
+            except FileNotFoundError:
+                pass
         try:
             os.unlink(os.path.join(d, "work/work/incompat/volatile/dirty"))
         except FileNotFoundError:

@@ -45,7 +45,7 @@ The recipe, in order:
            attached just before: a mapped cell's is the id-mapped view; upperdir and workdir in the
            cell's layer directory under the state root; redirect_dir nofollow (no redirect is made,
            none in the worktree is followed: the only value userxattr allows), index, metacopy and
-           xino off; volatile as root: no syncfs of the state root's whole file system when the
+           xino off; volatile: no syncfs of the state root's whole file system when the
            overlay goes, 10-20 ms here, a live cell's writes are not synced either; userxattr
            inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
@@ -179,10 +179,9 @@ def _overlay_fs(lower: str, layer: str, userxattr: bool) -> int:
             "xino": "off"}
     if userxattr:
         opts["userxattr"] = None
-    else:
-        # not in a normal user's namespace: there the kernel's work/work (mode 000) would then hold
-        # incompat/volatile, which that user cannot remove after the cell
-        opts["volatile"] = None
+    # volatile: no syncfs of the state root's whole file system when the overlay goes (10-20 ms of every
+    # capturing cell here); the kernel then leaves work/work/incompat/volatile (mode 000: changes opens it)
+    opts["volatile"] = None
     fd = lsys.fsmount_new("overlay", opts)
     if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
         os.close(fd)

@@ -416,12 +416,18 @@ def _open_dir_at(dfd: int | None, name: str) -> int:
     try:
         return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
     except PermissionError:
-        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-        try:
-            os.chmod(f"/proc/self/fd/{pfd}", 0o700)
-        finally:
-            os.close(pfd)
+        _open_up_at(dfd, name)
         return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
+
+
+def _open_up_at(dfd: int | None, name: str) -> None:
+    """Mode 0700 on the directory `name`, never through a symlink: what a normal user needs to read,
+    rename or empty a directory of mode 000 it owns (overlayfs's work/work)."""
+    pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+    finally:
+        os.close(pfd)
 
 
 def _empty(fd: int) -> None:
@@ -453,11 +459,17 @@ def _empty(fd: int) -> None:
                     if not idir:
                         os.unlink(iname, dir_fd=sub)
                         continue
+                    opened = False
                     while True:  # up into fd, under a name no entry of fd has
                         n += 1
                         try:
                             os.rename(iname, f".agnsup-rm-{n}", src_dir_fd=sub, dst_dir_fd=fd)
                             break
+                        except PermissionError:  # moving a directory rewrites its "..": it must be writable
+                            if opened:
+                                raise
+                            _open_up_at(sub, iname)
+                            opened = True
                         except OSError as e:
                             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                                 raise

@@ -320,7 +320,11 @@ def shared_tmp():
 
 
 def as_user(uid: int, fn, *args) -> None:
-    """Run fn(*args) in a forked child with the user's ids only (the controller of a normal user)."""
+    """Run fn(*args) in a forked child with the user's ids only (the controller of a normal user).
+    What the child imports is imported first: this interpreter's library may lie where that user
+    cannot read (pyenv under /root)."""
+    import ctypes  # noqa: F401 - linux/sys.py's, imported lazily by changes
+    import importlib.readers  # noqa: F401 - the journal's migrations (importlib.resources)
     pid = os.fork()
     if pid == 0:
         code = 1

@@ -292,6 +292,8 @@ def test_a_normal_users_cell_captures_its_changes(tmp_path):
         assert ch["mode"] == "at_exit" and ch["record"] == "r1/c1" and ch["files"] == 4, ch
         # what the user's overlay kept its whiteouts and opaque marks in: user.* xattrs, gone after the commit
         assert not os.path.exists(os.path.join(state, "changes", "r1", "c1", "upper"))
+        # the work directory too: the kernel's mode-000 work/work and the volatile mount's incompat/ in it
+        assert sorted(os.listdir(os.path.join(state, "changes", "r1", "c1"))) == ["before", "record.json"]
         assert not user.left()
 
 

@@ -8,7 +8,7 @@ way round (a record of kind "undo": undo of an undo is a redo).
 
     <state>/changes/<run_id>/<record_id>/
         upper/ work/      while the cell runs (removed after commit)
-        plan.json         while applying (fsynced before the first step; removed after)
+        plan.json         while applying (written before the first step; removed after)
         before/<rel>      the pre-image of every changed path that existed before
         record.json       written atomically, last: the record (the truth; the journal indexes it)
     <state>/changes/pending/<run_id>+<record_id>
@@ -236,8 +236,11 @@ def _probe(root: str) -> str | None:
 
 
 # -- small file-system helpers -------------------------------------------------------------------------
-def _write_json(path: str, data, sync: bool = True) -> None:
-    """Atomically (a temporary name, then rename); fsynced (file and directory) when `sync`."""
+def _write_json(path: str, data, sync: bool = False) -> None:
+    """Atomically (a temporary name, then rename); fsynced (file and directory) when `sync`. The plan
+    and the record are not: the page cache outlives any death of the controller (SIGKILL, OOM), which
+    is what they guard against; a power loss is the machine's, as for the volatile overlay and every
+    write a live cell makes (each fsync waited 5-15 ms here behind the file system's other dirty data)."""
     tmp = path + ".tmp"
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))  # dumps: the C encoder (dump streams in Python)
     with open(tmp, "w") as f:

@@ -1117,7 +1117,6 @@ def undo(state, journal, record_ids, force: bool = False) -> dict:
     if not force:
         newer_paths: list[tuple[dict, dict]] = []  # records of this undo, newer than the one checked
         for row, rec in records:
-            paths = [e["path"] for e in rec["entries"]]
             mine = {p for p in _drift(rec, layer_dir(root, row["run_id"], row["record_id"]))
                     if not any(_under(p, q) or _under(q, p) for _, n in newer_paths for q in
                                (e["path"] for e in n["entries"]))}

@@ -161,3 +161,14 @@ def write_role(policy_dir, name: str, **overrides) -> str:
     with open(path, "w") as f:
         f.write(src)
     return path
+
+
+@pytest.fixture(scope="module")
+def user():
+    """A throwaway normal user with this project's venv (test_unprivileged.User), removed after the
+    module (files that need more of it define their own `user`)."""
+    if os.geteuid() != 0:
+        pytest.skip("ENV_BLOCKED: root (the test makes a user)")
+    from test_unprivileged import User, _venv
+    with User(_venv()) as u:
+        yield u

@@ -1,36 +1,13 @@
 """The MCP tools `diff` and `undo` (issue 26), driven by the official MCP SDK's own client over
 stdio: what a cell of the session changed, put back; a redo; the refusals as tool errors a model
 can act on (a later cell named, nothing to undo, a spawned cell that ran live)."""
-import json
 import os
-import sys
-from contextlib import asynccontextmanager
 
 import pytest
 
 anyio = pytest.importorskip("anyio")
 mcp = pytest.importorskip("mcp")
-from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
-import mcp_types as types  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
-
-
-@asynccontextmanager
-async def session(state, worktree, *args, client="Test Client"):
-    params = StdioServerParameters(command=BIN, args=["--state-dir", state, "mcp", "--workdir", worktree, *args],
-                                   env={"AGNSUP_STATE_DIR": state})
-    with open(os.devnull, "w") as err:
-        async with stdio_client(params, errlog=err) as (read, write):
-            async with ClientSession(read, write, client_info=types.Implementation(name=client, version="1")) as s:
-                await s.initialize()
-                yield s
-
-
-def value(res) -> dict:
-    v = json.loads(res.content[0].text)
-    assert res.structured_content == (v if isinstance(v, dict) else {"items": v})
-    return v
+from test_mcp import session, value  # noqa: E402  (one MCP client session, one result reader)
 
 
 def tree(root: str) -> dict:

@@ -11,7 +11,6 @@ import os
 import shutil
 import stat
 import subprocess
-import time
 import zipfile
 
 import pytest
@@ -315,39 +314,29 @@ def test_a_mapped_cells_layer_is_shifted_back_at_commit(tmp_path, outside):
     base, gbase, _ = userns.cell_range()
     layer = changes.prepare(state, "r1", "c1", None, worktree=wt, agent_id="a", id_shift=base)
     ns = supervisor.cell_userns()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            lsys.unshare(lsys.CLONE_NEWNS)
-            lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
-            fd = lsys.open_tree(wt, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
-            lsys.mount_setattr(wt, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=ns)
-            lsys.move_mount_fd(fd, wt)
-            lfd = lsys.open_tree(layer.dir, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
-            mounts.overlay(wt, lfd, (("shift", base, gbase),))
-            lsys.setns(ns, lsys.CLONE_NEWUSER)
-            os.setgroups([])
-            os.setresgid(0, 0, 0)
-            os.setresuid(0, 0, 0)
-            if os.stat(wt).st_uid != 0:  # the overlay's root: the cell's own worktree root, as without capture
-                raise AssertionError(f"the worktree root is uid {os.stat(wt).st_uid} in the cell")
-            with open(os.path.join(wt, "a"), "a") as f:
-                f.write("more\n")
-            with open(os.path.join(wt, "n"), "w") as f:
-                f.write("n\n")
-            os.mkdir(os.path.join(wt, "d"))
-            with open(os.path.join(wt, "sub", "x"), "w") as f:
-                f.write("x\n")
-            os.write(w, b"ok")
-        except BaseException as e:  # noqa: BLE001
-            os.write(w, repr(e).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    said = os.read(r, 4096)
-    os.close(r)
-    os.waitpid(pid, 0)
+
+    def as_the_cell():
+        lsys.unshare(lsys.CLONE_NEWNS)
+        lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+        fd = lsys.open_tree(wt, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+        lsys.mount_setattr(wt, attr_set=lsys.MOUNT_ATTR_IDMAP, propagation=lsys.MS_PRIVATE, fd=fd, userns_fd=ns)
+        lsys.move_mount_fd(fd, wt)
+        lfd = lsys.open_tree(layer.dir, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+        mounts.overlay(wt, lfd, (("shift", base, gbase),))
+        lsys.setns(ns, lsys.CLONE_NEWUSER)
+        os.setgroups([])
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        if os.stat(wt).st_uid != 0:  # the overlay's root: the cell's own worktree root, as without capture
+            raise AssertionError(f"the worktree root is uid {os.stat(wt).st_uid} in the cell")
+        with open(os.path.join(wt, "a"), "a") as f:
+            f.write("more\n")
+        with open(os.path.join(wt, "n"), "w") as f:
+            f.write("n\n")
+        os.mkdir(os.path.join(wt, "d"))
+        with open(os.path.join(wt, "sub", "x"), "w") as f:
+            f.write("x\n")
+    said = _in_a_child(as_the_cell)
     assert said == b"ok", said
     assert os.lstat(os.path.join(layer.upper, "n")).st_uid == base  # written as the host's BASE
     summary = changes.commit(state, "r1", "c1", wt, agent_id="a", id_shift=base)
@@ -396,21 +385,14 @@ def test_what_protect_quarantines_after_the_commit_leaves_the_record(agnsup, tmp
         assert [e["path"] for e in json.load(f)["entries"]] == ["keep.txt"]
 
 
-def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
-    """mounts.overlay over `wt` in a forked child's own mount namespace, then a write to wt/probe: what it
-    said ("ok" or the error)."""
-    from agnsup.linux import mounts
-    from agnsup.linux import sys as lsys
+def _in_a_child(fn) -> bytes:
+    """fn() in a forked child (its own mount namespace, its own ids, as a cell's setup): b"ok", or the
+    repr of what it raised."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            lsys.unshare(lsys.CLONE_NEWNS)
-            lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
-            lfd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
-            mounts.overlay(wt, lfd, options)
-            with open(os.path.join(wt, "probe"), "w") as f:
-                f.write("x")
+            fn()
             os.write(w, b"ok")
         except BaseException as e:  # noqa: BLE001
             os.write(w, repr(e).encode())
@@ -421,6 +403,22 @@ def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
     os.close(r)
     os.waitpid(pid, 0)
     return said
+
+
+def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
+    """mounts.overlay over `wt` in a forked child's own mount namespace, then a write to wt/probe: what it
+    said ("ok" or the error)."""
+    from agnsup.linux import mounts
+    from agnsup.linux import sys as lsys
+
+    def overlay_and_write():
+        lsys.unshare(lsys.CLONE_NEWNS)
+        lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+        lfd = lsys.open_tree(layer, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC | lsys.AT_RECURSIVE)
+        mounts.overlay(wt, lfd, options)
+        with open(os.path.join(wt, "probe"), "w") as f:
+            f.write("x")
+    return _in_a_child(overlay_and_write)
 
 
 def test_an_overlay_the_kernel_refuses_runs_the_cell_live_and_says_why_unless_reversible_is_required(

@@ -273,15 +273,6 @@ def test_a_destroyer_that_outlives_the_command_is_dead_before_the_commit_and_und
     assert _git_ok(project)
 
 
-@pytest.fixture(scope="module")
-def user():
-    if os.geteuid() != 0:
-        pytest.skip("ENV_BLOCKED: root (the test makes a user)")
-    from test_unprivileged import User, _venv
-    with User(_venv()) as u:
-        yield u
-
-
 @pytest.mark.parametrize("form", ["ifs_games", "python_shutil_rmtree", "truncate_every_file"])
 def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
     """Rootless: the overlay is mounted in the user's cell's own user namespace (userxattr), its record

@@ -215,15 +215,6 @@ def test_a_state_root_that_cannot_hold_an_upper_layer_runs_live_named_by_receipt
 
 # --- a normal user's cell (rootless) -----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def user():
-    if os.geteuid() != 0:
-        pytest.skip("ENV_BLOCKED: root (the test makes a user)")
-    from test_unprivileged import User, _venv
-    with User(_venv()) as u:
-        yield u
-
-
 @pytest.mark.parametrize("kind", ["home", *KINDS])
 def test_a_normal_users_cell_is_captured_and_undone(kind, user):
     """The user's worktree in its home (the host's file system) or on a file system of its own; the

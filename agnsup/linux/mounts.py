@@ -206,7 +206,19 @@ def overlay(target: str, layer_fd: int, options: tuple) -> None:
     layer directory says why (the receipt then does); without it (isolation.require "reversible")
     the refusal fails the cell's setup."""
     flags = {o[0]: o[1:] for o in options}
-    layer = f"/proc/self/fd/{layer_fd}"
+    # The layer goes in attached, not as its detached clone: before 6.15 overlayfs cannot take a layer
+    # from a detached mount ("failed to clone upperpath": the Debian 12 and Ubuntu 24.04 kernels). It is
+    # attached for the moment of the overlay's creation on a scratch point in the cell's own /tmp (a
+    # tmpfs of its own by now; /tmp itself is never a worktree), then detached: the overlay keeps its
+    # private copy of the mount.
+    layer = f"/tmp/.agnsup-layer-{os.getpid()}"
+    os.mkdir(layer, 0o700)
+    try:
+        lsys.move_mount_fd(layer_fd, layer)
+    except BaseException:
+        os.rmdir(layer)
+        os.close(layer_fd)
+        raise
     try:
         shift = flags.get("shift")
         if shift is not None:
@@ -226,6 +238,8 @@ def overlay(target: str, layer_fd: int, options: tuple) -> None:
             os.close(ov)
     finally:
         os.close(layer_fd)
+        lsys.umount(layer)
+        os.rmdir(layer)
 
 
 def _note(layer: str, name: str, text: str) -> None:

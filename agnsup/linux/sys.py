@@ -100,6 +100,13 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
            "mount", target)
 
 
+MNT_DETACH = 2
+
+
+def umount(target: str, flags: int = MNT_DETACH) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), "umount2", target)
+
+
 def open_tree(path: str, flags: int, dfd: int = AT_FDCWD) -> int:
     """A detached copy of the mount at `path` (OPEN_TREE_CLONE), as an fd."""
     return _check(_syscall(_SYS_OPEN_TREE, ctypes.c_int(dfd), path.encode(), ctypes.c_uint(flags)),

@@ -49,7 +49,8 @@ The recipe, in order:
            overlay goes, 10-20 ms here, a live cell's writes are not synced either; userxattr
            inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
-           others, while its mount is read-write). What a mapped cell writes lands in the upper
+           others, while its mount is read-write, and attached on a scratch point in the cell's
+           /tmp for the moment the overlay is made: 6.12 takes no layer from a detached mount). What a mapped cell writes lands in the upper
            as host ids BASE+n; the commit shifts them back (id_shift), so the worktree ends
            as if the cell had written it through its id map. (An id-mapped layer would do that
            in the kernel, and 6.18 takes one whose map also holds the overlay's creator, host

@@ -307,6 +307,8 @@ def test_the_worktree_selftest_door_holds_here_and_opens_with_capture_off(user, 
     h = isolation.Harness(keep=False, user=user)
     try:
         g = doors_worktree.RUNNERS["WORKTREE_DESTROYED"](h)
+        if g["status"].startswith("ENV_BLOCKED"):  # the selftest's scratch cannot hold an upper (9p, overlayfs)
+            pytest.skip(f"{g['status']}: {g['evidence']}")
         assert g["status"] == "PASS", g
         assert "put back all" in g["evidence"], g
         real = tool.run_process

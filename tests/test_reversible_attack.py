@@ -26,7 +26,7 @@ import subprocess
 
 import pytest
 
-from conftest import write_role
+from conftest import skip_unless_capturable, write_role
 from fsimages import listing, listing_diff
 
 RM = "rm -rf src .git"  # what every form below spells differently
@@ -277,6 +277,7 @@ def test_a_destroyer_that_outlives_the_command_is_dead_before_the_commit_and_und
 def test_a_normal_users_obfuscated_delete_is_undone(form, template, user):
     """Rootless: the overlay is mounted in the user's cell's own user namespace (userxattr), its record
     under the user's state root; the same destruction, the same byte-for-byte undo, owners kept."""
+    skip_unless_capturable(user.home)  # the user's state root is in its home
     wt = os.path.join(user.own_dir("attack"), form)
     subprocess.run(["cp", "-a", template, wt], check=True, timeout=60)
     subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", wt], check=True, timeout=60)

@@ -42,6 +42,7 @@ probe per open controller when there is nothing to do.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -81,7 +82,10 @@ def on_start(state, journal=None) -> dict | None:
     try:
         report = run_janitor(state, journal)
     except (AgnsupError, OSError) as e:
-        print(f"agnsup: janitor: recovery failed, continuing: {e}", file=sys.stderr, flush=True)
+        # a full or read-only state root: the controller's own start fails on it next, in one line that
+        # says so (a second line here would say the same); the next start tries recovery again
+        if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            print(f"agnsup: janitor: recovery failed, continuing: {e}", file=sys.stderr, flush=True)
         return None
     if report["recovered"]:
         print(f"agnsup: janitor recovered {len(report['recovered'])} cell(s) of dead controller(s) "

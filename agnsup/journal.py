@@ -22,6 +22,7 @@ partial index and the queries it serves are spelled from one constant.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -146,8 +147,15 @@ class Journal:
             raise self._failed(e, f"journal {self.path}: cannot read: {e}") from None
 
     def _failed(self, e: Exception, message: str) -> StateError:
-        """An SQLite error as agnsup's: JournalDamaged (and the file marked) when corrupt, else StateError."""
-        return self._damaged(str(e)) if _corrupt(e) else StateError(message)
+        """An SQLite error as agnsup's: JournalDamaged (and the file marked) when corrupt, else StateError
+        (with the errno of a full or read-only state root, as an OSError would carry it)."""
+        if _corrupt(e):
+            return self._damaged(str(e))
+        err = StateError(message)
+        code = getattr(e, "sqlite_errorcode", None)
+        if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY):
+            err.errno = errno.ENOSPC if code == sqlite3.SQLITE_FULL else errno.EROFS
+        return err
 
     def _damaged(self, why: str) -> JournalDamaged:
         """SQLite found the file corrupt: mark it, so that no later command writes into it."""

@@ -15,6 +15,8 @@ seed + i; the table names it, so `agnsup selftest --seed S` replays a run.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import os
 import random
@@ -69,11 +71,46 @@ def cleanup_cgroups(state: str) -> list[str]:
         return []
 
 
+# Held (flock) by the run that made a work dir, for as long as it runs: the kernel drops it however that
+# process dies. A work dir whose lock can be taken belongs to a run that was killed (a SIGKILLed
+# `agnsup selftest`, an interrupted test): its cgroup tree and files are swept by the next run.
+RUN_LOCK = "selftest.lock"
+
+
+def _hold(work: str) -> int:
+    fd = os.open(os.path.join(work, RUN_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def sweep_dead_runs(parent: str) -> list[str]:
+    """Remove what killed runs left under `parent` (their private cgroup root first); a run alive,
+    or kept with --keep (no lock file), is left alone. Returns the work dirs removed."""
+    removed = []
+    for work in glob.glob(os.path.join(parent, "agnsup-selftest-[0-9]*-*")):
+        try:
+            fd = os.open(os.path.join(work, RUN_LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its run is alive
+        finally:
+            os.close(fd)
+        cleanup_cgroups(os.path.join(work, "state"))
+        shutil.rmtree(work, ignore_errors=True)
+        removed.append(work)
+    return removed
+
+
 def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, blocked: str, **extra) -> dict:
     """One seeded run in its own work dir, state root and (when possible) PID
     namespace. `extra` goes to the scenario's config: tests use it to run some
     phases only, or to sabotage a run and prove a gate fires."""
+    sweep_dead_runs(_work_parent())
     work = tempfile.mkdtemp(prefix=f"agnsup-selftest-{seed}-", dir=_work_parent())
+    held = _hold(work)
     state = os.path.join(work, "state")
     cfg = {"seed": seed, "work": os.path.join(work, "run"), "state": state, "agnsup": _agnsup_bin(),
            "pidns": prefix is not None, "pidns_blocked": blocked, **extra}
@@ -110,8 +147,10 @@ def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, bloc
     result["work"] = work
     if keep and result["status"] != PASS:
         result["kept"] = work
+        os.unlink(os.path.join(work, RUN_LOCK))  # kept for inspection: no later run sweeps it
     else:
         shutil.rmtree(work, ignore_errors=True)
+    os.close(held)
     return result
 
 

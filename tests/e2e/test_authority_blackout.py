@@ -100,3 +100,32 @@ def test_selftest_exit_status_and_table_name_the_seed():
     assert cp.returncode == 0, out
     assert f"seed {SEED}" in out and "kernel:" in out and "cgroups:" in out
     assert out.count(" PASS") >= len(GATES) and "PASS: 1/1 runs passed every gate" in out
+
+
+def test_a_killed_selftest_leaves_nothing_the_next_run_does_not_sweep(tmp_path):
+    """`agnsup selftest` SIGKILLed mid-run (an interrupted test: subprocess.run kills its child) leaves its
+    work dir and a private cgroup tree with live cells in it; the next run's sweep (its lock is free)
+    kills and removes them. Fails without the sweep: the cgroup tree stays."""
+    import glob
+    import signal
+    import time
+    from agnsup.linux import cgroup
+    from agnsup.selftest import blackout
+    env = {**os.environ, "AGNSUP_SELFTEST_DIR": str(tmp_path)}
+    p = subprocess.Popen([BIN, "selftest", "--runs", "1", "--seed", str(SEED)], env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    roots = []
+    try:
+        deadline = time.monotonic() + 120
+        while not roots and time.monotonic() < deadline:
+            roots = [r for w in glob.glob(str(tmp_path / "agnsup-selftest-*"))
+                     for r in glob.glob(f"/sys/fs/cgroup/*/{cgroup.root_name(os.path.join(w, 'state'))}/run-*")]
+            time.sleep(0.1)
+        assert roots, "the selftest never made its cells' cgroups"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the selftest, its unshare and scenario: what this test started
+        p.wait()
+    (work,) = glob.glob(str(tmp_path / "agnsup-selftest-*"))
+    assert os.path.isdir(roots[0])  # left behind by the killed run
+    assert blackout.sweep_dead_runs(str(tmp_path)) == [work]
+    assert not os.path.exists(work) and not any(os.path.exists(os.path.dirname(r)) for r in roots)

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 need=()
 for pkg in bubblewrap hyperfine redis-server memcached make netcat-openbsd socat gawk busybox curl wget git util-linux iproute2 \
-           tmux openssh-client gnupg xfsprogs btrfs-progs; do
+           tmux openssh-client gnupg e2fsprogs xfsprogs btrfs-progs; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -79,6 +79,19 @@ def receipt(state: str, run: str, cell: str) -> dict:
         return json.load(f)
 
 
+
+def while_it_waits(p, holds, line: bytes) -> tuple[bytes, bytes]:
+    """`p`: a cell (its controller) that prints "ready" and waits for a line on stdin. `holds()` must be
+    true while it waits (what it wrote is still in its layer); then the line lets it end: (out, err)."""
+    try:
+        assert p.stdout.readline() == b"ready\n", p.stderr.read() if p.poll() is not None else ""
+        assert holds()
+        return p.communicate(line, timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
 def test_every_kind_of_change_lands_when_the_cell_ends_and_not_before(agnsup, tmp_path, outside):
     wt = project(os.path.join(outside, "wt"))
     before = listing(wt)
@@ -87,15 +100,8 @@ def test_every_kind_of_change_lands_when_the_cell_ends_and_not_before(agnsup, tm
               "printf 'x%.0s' $(seq 1000) > new.txt; echo ready; read line; echo done")
     p = agnsup.popen("run", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c", script,
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert p.stdout.readline() == b"ready\n"
-        # everything is written in the cell, nothing yet in the worktree
-        assert listing(wt) == before
-        out, err = p.communicate(b"go\n", timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    # everything is written in the cell, nothing yet in the worktree
+    out, err = while_it_waits(p, lambda: listing(wt) == before, b"go\n")
     assert p.returncode == 0, err
     after = listing(wt)
     assert not os.path.exists(os.path.join(wt, "src"))
@@ -278,14 +284,8 @@ def test_a_normal_users_cell_captures_its_changes(tmp_path):
                               "echo more >> keep.txt; rm gone.txt; mkdir d; echo new > d/n; echo ready; read line"],
                              env=env, cwd=user.work, preexec_fn=user._enter, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            assert p.stdout.readline() == b"ready\n", p.stderr.read() if p.poll() is not None else ""
-            assert os.path.exists(os.path.join(wt, "gone.txt")) and not os.path.exists(os.path.join(wt, "d"))
-            out, err = p.communicate(b"\n", timeout=60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        out, err = while_it_waits(p, lambda: os.path.exists(os.path.join(wt, "gone.txt"))
+                                  and not os.path.exists(os.path.join(wt, "d")), b"\n")
         assert p.returncode == 0, err
         with open(os.path.join(wt, "keep.txt")) as f:
             assert f.read() == "keep\nmore\n"

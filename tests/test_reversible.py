@@ -79,7 +79,6 @@ def receipt(state: str, run: str, cell: str) -> dict:
         return json.load(f)
 
 
-
 def while_it_waits(p, holds, line: bytes) -> tuple[bytes, bytes]:
     """`p`: a cell (its controller) that prints "ready" and waits for a line on stdin. `holds()` must be
     true while it waits (what it wrote is still in its layer); then the line lets it end: (out, err)."""

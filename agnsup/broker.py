@@ -532,17 +532,12 @@ class Controller:
             return
         from . import changes
         spec = cell.spec
-        live = layer_ran_live(cell.layer.dir)
-        try:
-            cell.changes = changes.commit(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
-                                          agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
-        except Exception as e:  # noqa: BLE001 - the cell has ended: its end is recorded whatever the commit did
-            cell.changes = {"mode": "at_exit", "files": None, "error": f"the commit did not finish: {e}; the "
-                            "janitor finishes it (agnsup janitor)", "pending": f"{spec.run_id}/{spec.cell_id}"}
-        if live is not None:  # the kernel refused the overlay: its (empty) layer is gone, its writes landed live
-            cell.changes = {"mode": "live", "why": live}
+        cell.changes = changes.land(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
+                                    agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
+        if cell.changes["mode"] == "live":  # the kernel refused the overlay: its writes landed live
             cell.isolation["not_in_force"] = [*cell.isolation.get("not_in_force", []),
-                                              f"reversible (the cell's writes landed live, uncaptured): {live}"]
+                                              f"reversible (the cell's writes landed live, uncaptured): "
+                                              f"{cell.changes['why']}"]
         cell.layer = None
 
     def _prune_changes(self, cell: Cell) -> None:
@@ -699,16 +694,6 @@ def _prepare_layer(state_root: str, plan):
 def _id_shift(plan) -> int | None:
     """A mapped cell writes its layer as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
     return plan.mapped["uid"] if plan.mapped else None
-
-
-def layer_ran_live(layer: str) -> str | None:
-    """Why the kernel refused a capturing cell's overlay, which then ran live (mounts.LAYER_LIVE), else None."""
-    from .linux.mounts import LAYER_LIVE
-    try:
-        with open(os.path.join(layer, LAYER_LIVE)) as f:
-            return f"the kernel refused the worktree's overlay here ({f.read().strip()}): the cell ran live"
-    except OSError:
-        return None
 
 
 def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: list) -> None:

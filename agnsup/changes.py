@@ -50,7 +50,7 @@ import time
 from . import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
-__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "commit", "finish_all", "diff", "undo",
+__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "land", "ran_live", "commit", "finish_all", "diff", "undo",
            "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row", "UnsafePath",
            "ChangeConflict", "NotReversible"]
 
@@ -888,6 +888,34 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
         _unmark_pending(state_root, run_id, record_id)
     except OSError:
         pass
+
+
+def land(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,
+         id_shift: int | None = None) -> dict:
+    """A capturing cell's tree is dead (its controller's end, or the janitor's for a dead controller):
+    commit what it left and return the receipt's `changes` section. Where the kernel refused the overlay
+    (mounts.LAYER_LIVE: it ran live) the section says so; a commit that fails stays in flight for the
+    janitor (finish_all) and the section names the error: the cell's end is recorded all the same.
+    `id_shift`: a mapped cell's (else the one prepare() noted)."""
+    live = ran_live(layer_dir(state_root, run_id, cell_id))
+    if id_shift is None:
+        id_shift = _pending_meta(state_root, run_id, cell_id).get("id_shift")
+    try:
+        summary = commit(state_root, run_id, cell_id, worktree, agent_id=agent_id, id_shift=id_shift)
+    except Exception as e:  # noqa: BLE001 - the cell has ended whatever the commit did
+        return {"mode": "at_exit", "files": None, "error": f"the commit did not finish: {e}; the janitor "
+                "finishes it (agnsup janitor)", "pending": f"{run_id}/{cell_id}"}
+    return summary if live is None else {"mode": "live", "why": live}
+
+
+def ran_live(layer: str) -> str | None:
+    """Why the kernel refused a capturing cell's overlay, which then ran live (mounts.LAYER_LIVE), else None."""
+    from .linux.mounts import LAYER_LIVE
+    try:
+        with open(os.path.join(layer, LAYER_LIVE)) as f:
+            return f"the kernel refused the worktree's overlay here ({f.read().strip()}): the cell ran live"
+    except OSError:
+        return None
 
 
 def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,

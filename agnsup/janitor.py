@@ -370,24 +370,13 @@ class _Janitor:
         layer = changes.layer_dir(self.state.path, run, cell)
         if not any(os.path.lexists(os.path.join(layer, n)) for n in ("upper", "plan.json")):
             return  # it did not capture (live, read-only, never started), or it was committed already
-        from .broker import layer_ran_live
-        live = layer_ran_live(layer)
-        if live is not None:
-            c.entry["notes"].append(live)
-        try:
-            # the id shift changes.prepare noted (a mapped cell's layer holds host ids BASE+n)
-            shift = changes._pending_meta(self.state.path, run, cell).get("id_shift")
-            summary = changes.commit(self.state.path, run, cell, c.row["worktree"], agent_id=c.row["agent_id"],
-                                     id_shift=shift)
-        except Exception as e:  # noqa: BLE001 - left in flight: changes.finish_all (below, or the next janitor)
-            c.entry["changes"] = {"mode": "at_exit", "files": None, "error": str(e), "pending": f"{run}/{cell}"}
-            c.entry["notes"].append(f"its worktree changes could not be committed yet ({e}); the next janitor "
-                                    "finishes the commit")
-            return
-        c.entry["changes"] = summary if live is None else {"mode": "live", "why": live}
-        n = summary.get("files") or 0
-        if live is not None:
-            pass
+        ch = changes.land(self.state.path, run, cell, c.row["worktree"], agent_id=c.row["agent_id"])
+        c.entry["changes"] = ch
+        n = ch.get("files") or 0
+        if ch["mode"] == "live":
+            c.entry["notes"].append(ch["why"])
+        elif ch.get("error"):
+            c.entry["notes"].append(f"its worktree changes could not be committed yet ({ch['error']})")
         elif n:
             c.entry["notes"].append(f"committed {n} change(s) the cell left in its worktree {c.row['worktree']} "
                                     f"(undo with agnsup undo {cell} --run {run})")

@@ -431,7 +431,7 @@ def _overlay_in_a_child(wt: str, layer: str, options: tuple) -> bytes:
 
 def test_an_overlay_the_kernel_refuses_runs_the_cell_live_and_says_why_unless_reversible_is_required(
         tmp_path, outside):
-    from agnsup import broker
+    from agnsup import changes
     from agnsup.linux import mounts
     wt = os.path.join(outside, "wt")
     os.mkdir(wt)
@@ -439,9 +439,9 @@ def test_an_overlay_the_kernel_refuses_runs_the_cell_live_and_says_why_unless_re
     os.makedirs(os.path.join(layer, "upper"))  # no work/: the kernel refuses the overlay (ENOENT)
     said = _overlay_in_a_child(wt, layer, ())
     assert b"No such file" in said and not os.path.exists(os.path.join(wt, "probe"))  # required: the cell fails
-    assert broker.layer_ran_live(layer) is None
+    assert changes.ran_live(layer) is None
     assert _overlay_in_a_child(wt, layer, (("live_ok",),)) == b"ok"
     assert os.path.exists(os.path.join(wt, "probe"))  # written live, straight to the worktree
-    why = broker.layer_ran_live(layer)
+    why = changes.ran_live(layer)
     assert why.startswith("the kernel refused the worktree's overlay here (") and "ran live" in why
     assert os.path.exists(os.path.join(layer, mounts.LAYER_LIVE))

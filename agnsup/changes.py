@@ -1109,20 +1109,33 @@ def _check_undoable(state_root: str, journal, row) -> dict:
     return record
 
 
+def chain(row, lookup) -> list:
+    """`row` and the records that undid it in turn (its undo, that undo's redo, ...), as far as the
+    journal goes; `lookup(run_id, record_id)` gives a row or None."""
+    out = [row]
+    while out[-1]["state"] == "undone" and out[-1]["undone_by"] and len(out) < 1000:
+        nxt = lookup(out[-1]["run_id"], out[-1]["undone_by"])
+        if nxt is None:
+            break
+        out.append(nxt)
+    return out
+
+
+def record_state(row, lookup) -> tuple[str, str | None]:
+    """(kept | undone | redone | dropped, the undo record now in force or None) of a record's journal
+    row, the chain followed (the row's own state says only "undone" once an undo touched it)."""
+    c = chain(row, lookup)
+    if len(c) == 1:
+        return {"committed": "kept"}.get(row["state"], row["state"]), None
+    return ("undone" if len(c) % 2 == 0 else "redone"), c[-1]["record_id"]
+
+
 def _in_force(journal, row):
     """A record undone and then redone is in force as its redo record: `undo CELL` after
-    `undo CELL; undo undo-X` undoes the redo (the cell's own pre-images went back with the first undo)."""
-    seen = set()
-    while row["state"] == "undone" and row["undone_by"] and (row["run_id"], row["record_id"]) not in seen:
-        seen.add((row["run_id"], row["record_id"]))
-        u = journal.change_row(row["run_id"], row["undone_by"])
-        if u is None or u["state"] != "undone" or not u["undone_by"]:
-            break
-        redo = journal.change_row(u["run_id"], u["undone_by"])
-        if redo is None:
-            break
-        row = redo
-    return row
+    `undo CELL; undo undo-X` undoes the redo (the cell's own pre-images went back with the first undo).
+    A record whose last undo is in force is itself (undo then refuses it as already undone)."""
+    c = chain(row, journal.change_row)
+    return c[-1] if len(c) % 2 == 1 else c[-2]
 
 
 def undo(state, journal, record_ids, force: bool = False) -> dict:

@@ -471,7 +471,7 @@ def _change_states(j, run_id: str | None = None) -> dict:
 
 
 def _record_state(row, states: dict) -> tuple[str, str | None]:
-    from .service import record_state
+    from .changes import record_state
     return record_state(row, lambda run, rid: states.get((run, rid)))
 
 

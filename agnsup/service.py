@@ -430,21 +430,6 @@ def _check_ids(cell_id: str | None, run_id: str | None, agent_id: str | None = N
             check_id(kind, value)
 
 
-def record_state(row, lookup) -> tuple[str, str | None]:
-    """(kept | undone | redone | dropped, the undo record now in force or None) of a change
-    record's journal row, following undo -> redo -> undo ...; `lookup(run_id, record_id)` gives
-    a row or None. The row's own state says only "undone" once an undo touched it."""
-    cur, flips = row, 0
-    while cur["state"] == "undone" and cur["undone_by"] and flips < 1000:
-        nxt = lookup(cur["run_id"], cur["undone_by"])
-        if nxt is None:
-            break
-        cur, flips = nxt, flips + 1
-    if flips == 0:
-        return {"committed": "kept"}.get(row["state"], row["state"]), None
-    return ("undone" if flips % 2 else "redone"), cur["record_id"]
-
-
 def diff_changes(state, journal, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:
     """What cell (or undo record) `cell_id` changed in its worktree: changes.diff's dict, plus
     "now": {"state": kept | undone | redone, "by": the undo record in force} (the chain followed)."""
@@ -454,7 +439,7 @@ def diff_changes(state, journal, cell_id: str, run_id: str | None = None, stat: 
     run, _, rid = d["record"].rpartition("/")
     row = journal.change_row(run, rid)
     if row is not None:
-        now, by = record_state(row, journal.change_row)
+        now, by = changes.record_state(row, journal.change_row)
         d["now"] = {"state": now, "by": by}
     return d
 

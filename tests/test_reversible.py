@@ -202,10 +202,12 @@ def test_the_overlay_is_the_cells_worktree_and_nothing_else_sees_its_layer(agnsu
     wt = project(os.path.join(outside, "wt"))
     probe = (f"awk '$5 == \"{wt}\" {{for (i = 7; i <= NF; i++) if ($i == \"-\") {{print $(i + 1); break}}}}' "
              "/proc/self/mountinfo | tail -1; "
-             f"ls -A {agnsup.state} 2>/dev/null | wc -l; test -w . && echo writable")
+             f"ls -A {agnsup.state} 2>/dev/null | wc -l; test -w . && echo writable; "
+             # the layer's scratch attach (mounts.overlay) is gone before the command runs
+             "awk '$5 ~ /agnsup-layer/' /proc/self/mountinfo | wc -l; ls -A /tmp | grep agnsup-layer | wc -l")
     cp = agnsup("run", "--run", "r1", "--cell", "c1", "--workdir", wt, "--", "sh", "-c", probe, check=0)
-    top, listed, writable = cp.out.split()
-    assert top == "overlay" and listed == "0" and writable == "writable"
+    top, listed, writable, mounted, left = cp.out.split()
+    assert top == "overlay" and listed == "0" and writable == "writable" and mounted == left == "0", cp.out
 
 
 def _wheel(where: str) -> str:

@@ -181,6 +181,8 @@ class Daemon:
                 forced.append(f"containerd {pid} left running")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        # dockerd keeps its own network namespace bound at exec-root/netns/default and leaves it on exit
+        unmount_under(os.path.join(self.root, "exec", "netns"))
         left = unmount_under(self.root)
         if left:
             forced.append("mounts left: " + ", ".join(left))

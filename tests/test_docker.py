@@ -19,7 +19,6 @@ import os
 import re
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
 
@@ -180,8 +179,8 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
 def test_a_normal_user_in_the_recipe_container_runs_a_cell_with_a_state_root_of_its_own(engine):
     """uid 65534 in the recipe's container, its state root under /tmp: a cell in a user namespace of its
     own (needs ctr-recipe: the mask's read-only remount must keep Docker's nosuid on /dev)."""
-    cp = engine.run(*recipe(), "--user", "65534:65534", "-e", "HOME=/tmp", "-e", "AGNSUP_STATE_DIR=/tmp/state",
-                    "--workdir", "/tmp", cmd=["agnsup", "run", "--", "sh", "-c", "echo hello; id -u"])
+    cp = engine.run(*recipe(), "--user", "65534:65534", "-e", "HOME=/tmp/home", "-e", "AGNSUP_STATE_DIR=/tmp/state",
+                    cmd=["sh", "-c", "mkdir /tmp/home /tmp/p && cd /tmp/p && agnsup run -- sh -c 'echo hello; id -u'"])
     assert (cp.returncode, cp.stdout) == (0, "hello\n65534\n"), cp.stderr[-2000:]
 
 
@@ -220,84 +219,120 @@ def _events(d, cid: str, since: str) -> list[dict]:
     return [json.loads(line) for line in cp.stdout.splitlines() if line.strip()]
 
 
-def test_sandboxd_from_the_images_entrypoint_answers_and_docker_stop_ends_it_within_its_grace(engine):
-    """The image's own ENTRYPOINT and CMD (ports overridden to free loopback ones, --network host): /v1/health
-    answers, the k8s-agent-sandbox client's Execute runs a cell; `docker stop -t G` with a cell still running
-    ends sandboxd by SIGTERM, its cell cancelled and the journal closed, within G (the daemon's own record:
-    exit code 0, not 137, and the kill -> die events)."""
-    pytest.importorskip("grpc", reason="ENV_BLOCKED: grpcio is not installed (the k8s extra)")
-    pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
-    from k8s_agent_sandbox.commands.command_executor import CommandExecutor
-    from k8s_agent_sandbox.connector import SandboxConnector
-    from k8s_agent_sandbox.models import SandboxdInClusterConnectionConfig
-    d = engine.d
-    grpc_port, rest_port = _free_port(), _free_port()
-    vol = f"agnsup-state-{os.urandom(3).hex()}"
-    cmd = ["agnsup", "sandboxd", "--grpc", f"127.0.0.1:{grpc_port}", "--rest", f"127.0.0.1:{rest_port}",
-           "--workdir", "/workspace"]
-    since = str(int(time.time()) - 1)
-    cid = d.docker("run", "-d", "--network", "host", *CELLS, "-v", f"{vol}:/var/lib/agnsup", engine.image,
-                   *cmd).stdout.strip()
-    grace = 20
+# The k8s-agent-sandbox client, run next to sandboxd (`docker exec`: the container's PID namespace, as a
+# sidecar with shareProcessNamespace or `kubectl exec`), from this venv's site-packages mounted read-only
+# (the image has grpcio and protobuf, not the client package). sandboxd's peer check traces a loopback
+# client's socket to its process: a client it cannot see is refused (see the test after this one).
+CLIENT = """
+import json, sys, urllib.request
+from k8s_agent_sandbox.commands.command_executor import CommandExecutor
+from k8s_agent_sandbox.connector import SandboxConnector
+from k8s_agent_sandbox.models import SandboxdInClusterConnectionConfig
+grpc_port, rest_port, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+with urllib.request.urlopen(f"http://127.0.0.1:{rest_port}/v1/health", timeout=10) as r:
+    health = [r.status, json.loads(r.read())["status"]]
+config = SandboxdInClusterConnectionConfig(mode="in-cluster-pod-ip", grpc_port=grpc_port, rest_port=rest_port)
+conn = SandboxConnector("local", "default", config, k8s_helper=None, get_pod_ip=lambda: "127.0.0.1")
+try:
+    print(json.dumps({"health": health}), flush=True)
+    r = CommandExecutor(conn, None, "test").run(script)
+    print(json.dumps({"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr}), flush=True)
+finally:
+    conn.close()
+"""
+
+
+class Sandboxd:
+    """The image's ENTRYPOINT and CMD with the ports overridden to free loopback ones, --network host, its
+    state root on a named volume (so the journal can be read after the container ended)."""
+
+    def __init__(self, engine):
+        pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
+        import k8s_agent_sandbox
+        self.d, self.image = engine.d, engine.image
+        self.site = os.path.dirname(os.path.dirname(k8s_agent_sandbox.__file__))
+        self.grpc_port, self.rest_port = _free_port(), _free_port()
+        self.vol = f"agnsup-state-{os.urandom(3).hex()}"
+        self.since = str(int(time.time()) - 1)
+        self.cid = self.d.docker(
+            "run", "-d", "--network", "host", *CELLS, "-v", f"{self.vol}:/var/lib/agnsup",
+            "-v", f"{self.site}:/hostsite:ro", self.image, "agnsup", "sandboxd", "--grpc", f"127.0.0.1:{self.grpc_port}",
+            "--rest", f"127.0.0.1:{self.rest_port}", "--workdir", "/workspace").stdout.strip()
+        for _ in range(600):
+            if '"ready": true' in self.d.docker("logs", self.cid, check=False).stdout:
+                break
+            if self.d.inspect(self.cid, "{{.State.Running}}") != "true":
+                pytest.fail("sandboxd ended at start: " + self.d.docker("logs", self.cid, check=False).stderr[-2000:])
+            time.sleep(0.1)
+        else:
+            pytest.fail("sandboxd never said ready: " + self.d.docker("logs", self.cid, check=False).stderr[-2000:])
+
+    def client(self, script: str, popen: bool = False):
+        argv = [containers.DOCKER, "exec", "-e", "PYTHONPATH=/hostsite", self.cid, "python3", "-c", CLIENT,
+                str(self.grpc_port), str(self.rest_port), script]
+        env = {**os.environ, "DOCKER_HOST": self.d.host}
+        if popen:
+            return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cp = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        return [json.loads(line) for line in cp.stdout.splitlines()]
+
+    def close(self):
+        self.d.docker("rm", "-f", "-v", self.cid, check=False)
+        self.d.docker("volume", "rm", "-f", self.vol, check=False)
+
+
+@pytest.fixture
+def sandboxd(engine):
+    s = Sandboxd(engine)
+    yield s
+    s.close()
+
+
+def test_sandboxd_from_the_images_entrypoint_answers_and_docker_stop_ends_it_within_its_grace(sandboxd):
+    """/v1/health answers and the k8s-agent-sandbox client's Execute runs a cell; `docker stop -t G` with a
+    cell still running ends sandboxd by SIGTERM within G (the daemon's own record: exit code 0, not 137, and
+    its kill -> die events), its cell cancelled by sandboxd's shutdown and the journal left consistent (a
+    fresh agnsup on the same volume reads it: a SIGKILLed server would have left the cell running)."""
+    s, d, grace = sandboxd, sandboxd.d, 20
+    health, r = s.client("echo out; echo err >&2; exit 3")
+    assert health == {"health": [200, "ok"]}
+    assert r == {"exit_code": 3, "stdout": "out\n", "stderr": "err\n"}
+    long = s.client("sleep 300", popen=True)
     try:
-        health = None
         for _ in range(300):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{rest_port}/v1/health", timeout=2) as r:
-                    health = (r.status, r.read())
-                    break
-            except OSError:
-                if d.inspect(cid, "{{.State.Running}}") != "true":
-                    pytest.fail("sandboxd ended at start: " + d.docker("logs", cid, check=False).stderr[-2000:])
-                time.sleep(0.2)
-        assert health and health[0] == 200, health
-        config = SandboxdInClusterConnectionConfig(mode="in-cluster-pod-ip", grpc_port=grpc_port, rest_port=rest_port)
-        conn = SandboxConnector("local", "default", config, k8s_helper=None, get_pod_ip=lambda: "127.0.0.1")
-        commands = CommandExecutor(conn, None, "test")
-        long_done = {}
-        try:
-            r = commands.run("echo out; echo err >&2; exit 3")
-            assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
-            # a cell still running when docker stop comes: Execute in a thread, seen running before the stop
-            t = threading.Thread(target=lambda: long_done.setdefault("r", _swallow(commands.run, "sleep 300")),
-                                 daemon=True)
-            t.start()
-            for _ in range(200):
-                ps = d.docker("exec", cid, "agnsup", "ps", "--json", check=False).stdout
-                if '"sleep"' in ps or "sleep 300" in ps:
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail("the long cell never showed in agnsup ps: " + ps)
-            d.docker("stop", "-t", str(grace), cid, timeout=grace + 60)
-            t.join(30)
-        finally:
-            conn.close()
-        state = json.loads(d.inspect(cid, "{{json .State}}"))
-        assert state["ExitCode"] in (0, 143) and not state["OOMKilled"], state  # 137: docker had to SIGKILL it
-        ev = _events(d, cid, since)
-        kills = [e for e in ev if e.get("status") == "kill"]
-        dies = [e for e in ev if e.get("status") == "die"]
-        assert kills and kills[0]["Actor"]["Attributes"]["signal"] == "15" and dies, ev
-        took = (dies[-1]["timeNano"] - kills[0]["timeNano"]) / 1e9
-        assert took < grace, f"sandboxd took {took:.1f} s of its {grace} s grace"
-        assert d.docker("logs", cid).stdout.count('"ready": true') == 1
-        # the journal, read by a fresh agnsup on the same volume: the long cell was cancelled by sandboxd's
-        # shutdown (a SIGKILLed server would have left it for the janitor), and nothing runs
-        rows = json.loads(d.docker("run", "--rm", "--network", "none", "-v", f"{vol}:/var/lib/agnsup",
-                                   "--entrypoint", "agnsup", engine.image, "ps", "--all", "--json").stdout)
-        by_state = {row["cell_id"]: row["state"] for row in rows}
-        assert sorted(by_state.values()) == ["cancelled", "exited"], by_state
+            rows = json.loads(d.docker("exec", s.cid, "agnsup", "ps", "--json").stdout)
+            if any(row["state"] == "running" for row in rows):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the long cell never ran: {rows}")
+        d.docker("stop", "-t", str(grace), s.cid, timeout=grace + 60)
     finally:
-        d.docker("rm", "-f", cid, check=False)
-        d.docker("volume", "rm", "-f", vol, check=False)
+        long.communicate(timeout=60)
+    state = json.loads(d.inspect(s.cid, "{{json .State}}"))
+    assert state["ExitCode"] == 0 and not state["OOMKilled"], state  # 137: docker had to SIGKILL it
+    ev = _events(d, s.cid, s.since)
+    kills = [e for e in ev if e.get("status") == "kill"]
+    dies = [e for e in ev if e.get("status") == "die"]
+    assert kills and kills[0]["Actor"]["Attributes"]["signal"] == "15" and len(dies) == 1, ev
+    took = (dies[0]["timeNano"] - kills[0]["timeNano"]) / 1e9
+    assert took < grace, f"sandboxd took {took:.1f} s of its {grace} s grace"
+    rows = json.loads(d.docker("run", "--rm", "--network", "none", "-v", f"{s.vol}:/var/lib/agnsup", "--entrypoint",
+                               "agnsup", s.image, "ps", "--all", "--json").stdout)
+    assert sorted(row["state"] for row in rows) == ["cancelled", "exited"], rows
 
 
-def _swallow(fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # the long Execute ends with the server: what it got is not this test's question
-        return e
+def test_a_client_on_the_host_is_refused_by_sandboxds_peer_check_over_network_host(sandboxd):
+    """The same server, called from this (host) process over the shared loopback: sandboxd cannot trace the
+    client's socket to a process in its own PID namespace and fails closed (403, rule sandboxd.peer). In a
+    pod the standard's client comes from another pod's address, beyond this check; a sidecar over 127.0.0.1
+    without shareProcessNamespace is refused the same way (issue 27: for the lead)."""
+    import urllib.error
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{sandboxd.rest_port}/v1/health", timeout=10)
+    body = json.loads(e.value.read())
+    assert e.value.code == 403 and body["rule"] == "sandboxd.peer", body
 
 
 # -- what does not start here

@@ -36,7 +36,7 @@ def recipe() -> list[str]:
     """The flags of the `docker run` line in deploy/Dockerfile's comment (the recipe users copy): the test
     runs what the file says, so the two cannot drift apart."""
     with open(os.path.join(REPO, "deploy", "Dockerfile")) as f:
-        comment = " ".join(line[1:].strip().rstrip("\\") for line in f if line.startswith("#"))
+        comment = " ".join(" ".join(line[1:].rstrip().rstrip("\\").split()) for line in f if line.startswith("#"))
     m = re.search(r"docker run ((?:-\S+(?: (?!-)\S+)? )+)", comment)
     assert m, "deploy/Dockerfile's comment has no `docker run` line"
     flags = m.group(1).split()
@@ -54,7 +54,6 @@ def recipe() -> list[str]:
             continue
         out.append(f)
         i += 1
-    # the image name ended the regex's match; what came before it that takes no value is the last flag
     return out
 
 
@@ -131,7 +130,7 @@ def test_the_documented_recipe_runs_a_cell_and_doctor_inside_says_ok(engine):
 def test_sys_admin_and_net_admin_run_a_cell_under_dockers_default_seccomp_profile(engine):
     """No seccomp=unconfined: with CAP_SYS_ADMIN in the container's set, Docker's default profile allows
     unshare, mount and the new mount API (the Dockerfile's old comment said it refused them)."""
-    cp = engine.run(*CELLS, cmd=["agnsup", "run", "--", "echo", "hello"])
+    cp = engine.run(*CELLS, cmd=["agnsup", "run", "--", "echo", "hello"], entrypoint=False)
     assert (cp.returncode, cp.stdout) == (0, "hello\n"), cp.stderr[-2000:]
     status = engine.run(*CELLS, cmd=["grep", "^Seccomp:", "/proc/self/status"], entrypoint=False)
     assert status.stdout.split() == ["Seccomp:", "2"], status.stdout  # the default profile is on
@@ -162,7 +161,7 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
     policies.mkdir()
     write_role(policies, "lean", isolation__reduced=json.dumps(REDUCED))
     os.chmod(tmp_path, 0o755)
-    cp = engine.run("-v", f"{policies}:/policies:ro", "-e", "AGNSUP_POLICY_DIR=/policies",
+    cp = engine.run("-v", f"{policies}:/policies:ro", "-e", "AGNSUP_POLICY_DIR=/policies", entrypoint=False,
                     cmd=["sh", "-c", "agnsup run --role lean --receipt /tmp/r.json -- echo reduced-ok && cat /tmp/r.json"])
     assert cp.returncode == 0 and cp.stdout.startswith("reduced-ok\n"), cp.stderr[-2000:]
     receipt = json.loads(cp.stdout.split("\n", 1)[1])
@@ -177,10 +176,12 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
 
 
 def test_a_normal_user_in_the_recipe_container_runs_a_cell_with_a_state_root_of_its_own(engine):
-    """uid 65534 in the recipe's container, its state root under /tmp: a cell in a user namespace of its
-    own (needs ctr-recipe: the mask's read-only remount must keep Docker's nosuid on /dev)."""
-    cp = engine.run(*recipe(), "--user", "65534:65534", "-e", "HOME=/tmp/home", "-e", "AGNSUP_STATE_DIR=/tmp/state",
-                    cmd=["sh", "-c", "mkdir /tmp/home /tmp/p && cd /tmp/p && agnsup run -- sh -c 'echo hello; id -u'"])
+    """uid 65534 in the recipe's container, its state root and home under /var/tmp: a cell in a user
+    namespace of its own (needs ctr-recipe: the mask's read-only remount must keep Docker's nosuid on /dev).
+    A home under /tmp fails otherwise ("mount step attach /tmp/home/.npm: Read-only file system")."""
+    cp = engine.run(*recipe(), "--user", "65534:65534", "-e", "HOME=/var/tmp/home", "-e", "AGNSUP_STATE_DIR=/var/tmp/state",
+                    cmd=["sh", "-c", "mkdir /var/tmp/home /var/tmp/p && cd /var/tmp/p && agnsup run -- sh -c 'echo hello; id -u'"],
+                    entrypoint=False)
     assert (cp.returncode, cp.stdout) == (0, "hello\n65534\n"), cp.stderr[-2000:]
 
 

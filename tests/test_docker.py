@@ -175,11 +175,17 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
 # -- a normal user inside the container
 
 
+# A normal user's cell mounts its PID namespace's own /proc, which the kernel refuses while the engine masks
+# files of /proc (mount_too_revealing; ctr-recipe's one-line refusal names it): measured, the recipe needs this
+# too for a normal user (Kubernetes: securityContext.procMount: Unmasked)
+ROOTLESS = ["--security-opt", "systempaths=unconfined"]
+
+
 def test_a_normal_user_in_the_recipe_container_runs_a_cell_with_a_state_root_of_its_own(engine):
     """uid 65534 in the recipe's container, its state root and home under /var/tmp: a cell in a user
     namespace of its own (needs ctr-recipe: the mask's read-only remount must keep Docker's nosuid on /dev).
     A home under /tmp fails otherwise ("mount step attach /tmp/home/.npm: Read-only file system")."""
-    cp = engine.run(*recipe(), "--user", "65534:65534", "-e", "HOME=/var/tmp/home", "-e", "AGNSUP_STATE_DIR=/var/tmp/state",
+    cp = engine.run(*recipe(), *ROOTLESS, "--user", "65534:65534", "-e", "HOME=/var/tmp/home", "-e", "AGNSUP_STATE_DIR=/var/tmp/state",
                     cmd=["sh", "-c", "mkdir /var/tmp/home /var/tmp/p && cd /var/tmp/p && agnsup run -- sh -c 'echo hello; id -u'"],
                     entrypoint=False)
     assert (cp.returncode, cp.stdout) == (0, "hello\n65534\n"), cp.stderr[-2000:]
@@ -364,8 +370,7 @@ def test_the_lanes_daemon_leaves_networking_alone_and_removes_all_it_made():
 
         def inside(*argv):
             return subprocess.run(["nsenter", f"--net={ns}", *argv], capture_output=True, text=True).stdout
-        containers.base_image(d)  # from the cached rootfs: nothing from a registry
-        cp = d.docker("run", "--network", "none", containers.BASE_TAG, "true", check=False)
+        cp = d.docker("run", "--network", "none", *containers.tiny_image(d), "/bin/true", check=False)
         assert cp.returncode == 0, cp.stderr
         assert inside("cat", "/proc/sys/net/ipv4/ip_forward").strip() == "0"
         assert [line.split()[0] for line in inside("ip", "-br", "link").splitlines()] == ["lo"]

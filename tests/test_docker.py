@@ -148,6 +148,9 @@ def test_a_default_container_refuses_a_cell_in_one_line_naming_the_step_and_both
     (line,) = lines
     assert "cell setup failed at step '" in line, line
     assert "--cap-add SYS_ADMIN" in line and "isolation.reduced" in line, line
+    # and doctor in the same container is not more optimistic than run (needs ctr-doctor)
+    cp = engine.run(cmd=["agnsup", "doctor"], entrypoint=False)
+    assert not re.search(r"^status:\s+ok", cp.stdout, re.M), cp.stdout
 
 
 REDUCED = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]

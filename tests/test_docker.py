@@ -5,11 +5,12 @@ session's own under /var/tmp, no bridge, no iptables, no IP forwarding; everythi
 end, and the session checks the host's links, iptables rules, IP forwarding and mounts did not change).
 Containers run only with `--network none` or `--network host`.
 
-Which branch each test needs until the lead merges (issue27.md, "Who does what"):
-- ctr-recipe: the documented recipe (no NET_ADMIN: the cell's loopback in a user namespace of its own) and
-  the normal user's cell (the mask's read-only remount keeps /dev's nosuid).
+Which branch each test needs until the lead merges (issue27.md, "Who does what"), measured 2026-12-06 on
+ctr-lane alone (4 fail, 5 pass, 1 ENV_BLOCKED skip) and merged with ctr-recipe + ctr-reduced + ctr-doctor
+(9 pass, 1 ENV_BLOCKED skip: --privileged):
+- ctr-recipe: the documented recipe without NET_ADMIN (on main: step 'loopback') and the normal user's cell
+  (on main: "mount step mask /etc/shadow", /dev's nosuid).
 - ctr-reduced: the default container's one-line refusal with both fixes, and `isolation.reduced`.
-- ctr-doctor: doctor inside the recipe container says ok only when a cell ran (it does on main too).
 The rest passes on main.
 """
 from __future__ import annotations

@@ -170,7 +170,8 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
     write_role(policies, "lean", isolation__reduced=json.dumps(REDUCED))
     os.chmod(tmp_path, 0o755)
     cp = engine.run("-v", f"{policies}:/policies:ro", "-e", "AGNSUP_POLICY_DIR=/policies", entrypoint=False,
-                    cmd=["sh", "-c", "agnsup run --role lean --receipt /tmp/r.json -- echo reduced-ok && cat /tmp/r.json"])
+                    cmd=["sh", "-c", "agnsup run --role lean --receipt /tmp/r.json -- echo reduced-ok "
+                                     "&& cat /tmp/r.json"])
     assert cp.returncode == 0 and cp.stdout.startswith("reduced-ok\n"), cp.stderr[-2000:]
     receipt = json.loads(cp.stdout.split("\n", 1)[1])
     assert set(receipt["reduced"]) <= set(REDUCED) and receipt["reduced"], receipt.get("reduced")
@@ -193,8 +194,10 @@ def test_a_normal_user_in_the_recipe_container_runs_a_cell_with_a_state_root_of_
     """uid 65534 in the recipe's container, its state root and home under /var/tmp: a cell in a user
     namespace of its own (needs ctr-recipe: the mask's read-only remount must keep Docker's nosuid on /dev).
     A home under /tmp fails otherwise ("mount step attach /tmp/home/.npm: Read-only file system")."""
-    cp = engine.run(*recipe(), *ROOTLESS, "--user", "65534:65534", "-e", "HOME=/var/tmp/home", "-e", "AGNSUP_STATE_DIR=/var/tmp/state",
-                    cmd=["sh", "-c", "mkdir /var/tmp/home /var/tmp/p && cd /var/tmp/p && agnsup run -- sh -c 'echo hello; id -u'"],
+    cp = engine.run(*recipe(), *ROOTLESS, "--user", "65534:65534", "-e", "HOME=/var/tmp/home",
+                    "-e", "AGNSUP_STATE_DIR=/var/tmp/state",
+                    cmd=["sh", "-c", "mkdir /var/tmp/home /var/tmp/p && cd /var/tmp/p && "
+                                     "agnsup run -- sh -c 'echo hello; id -u'"],
                     entrypoint=False)
     assert (cp.returncode, cp.stdout) == (0, "hello\n65534\n"), cp.stderr[-2000:]
 
@@ -262,7 +265,8 @@ class Sandboxd:
     state root on a named volume (so the journal can be read after the container ended)."""
 
     def __init__(self, engine):
-        pytest.importorskip("k8s_agent_sandbox", reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
+        pytest.importorskip("k8s_agent_sandbox",
+                            reason="ENV_BLOCKED: k8s-agent-sandbox is not installed (the test extra)")
         import k8s_agent_sandbox
         self.d, self.image = engine.d, engine.image
         self.site = os.path.dirname(os.path.dirname(k8s_agent_sandbox.__file__))
@@ -271,8 +275,9 @@ class Sandboxd:
         self.since = str(int(time.time()) - 1)
         self.cid = self.d.docker(
             "run", "-d", "--network", "host", *CELLS, "-v", f"{self.vol}:/var/lib/agnsup",
-            "-v", f"{self.site}:/hostsite:ro", self.image, "agnsup", "sandboxd", "--grpc", f"127.0.0.1:{self.grpc_port}",
-            "--rest", f"127.0.0.1:{self.rest_port}", "--workdir", "/workspace").stdout.strip()
+            "-v", f"{self.site}:/hostsite:ro", self.image,
+            "agnsup", "sandboxd", "--grpc", f"127.0.0.1:{self.grpc_port}", "--rest", f"127.0.0.1:{self.rest_port}",
+            "--workdir", "/workspace").stdout.strip()
         for _ in range(600):
             if '"ready": true' in self.d.docker("logs", self.cid, check=False).stdout:
                 break

@@ -337,6 +337,7 @@ def test_sandboxd_from_the_images_entrypoint_answers_and_docker_stop_ends_it_wit
     dies = [e for e in ev if e.get("status") == "die"]
     assert kills and kills[0]["Actor"]["Attributes"]["signal"] == "15" and len(dies) == 1, ev
     took = (dies[0]["timeNano"] - kills[0]["timeNano"]) / 1e9
+    print(f"docker stop: SIGTERM -> exit in {took:.2f} s (grace {grace} s), exit code {state['ExitCode']}")
     assert took < grace, f"sandboxd took {took:.1f} s of its {grace} s grace"
     rows = json.loads(d.docker("run", "--rm", "--network", "none", "-v", f"{s.vol}:/var/lib/agnsup", "--entrypoint",
                                "agnsup", s.image, "ps", "--all", "--json").stdout)

@@ -222,6 +222,18 @@ def test_the_images_state_volume_lets_a_cell_capture_its_changes(engine):
     assert any("reversible" in m for m in receipt["isolation"]["not_in_force"]), receipt["isolation"]
 
 
+def test_a_read_only_state_volume_is_refused_in_one_line(engine):
+    """The state root on a volume mounted read-only (issue 27, bad input): exit 125, one line naming it."""
+    vol = f"agnsup-ro-{os.urandom(3).hex()}"
+    try:
+        cp = engine.run(*CELLS, "-v", f"{vol}:/var/lib/agnsup:ro", cmd=["agnsup", "run", "--", "true"],
+                        entrypoint=False)
+    finally:
+        engine.d.docker("volume", "rm", "-f", vol, check=False)
+    assert cp.returncode == 125 and cp.stdout == "", cp.stderr
+    assert cp.stderr.count("\n") == 1 and "read-only" in cp.stderr and "/var/lib/agnsup" in cp.stderr, cp.stderr
+
+
 # -- sandboxd as the image runs it
 
 

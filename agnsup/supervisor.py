@@ -14,6 +14,8 @@ spawn() forks one child and runs the cell recipe in it, in order:
         (root: the namespaces stay the host's; a mapped cell joins the cells' user namespace
         only in confine, below, so it owns none of them)
     unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
+        (a root controller without CAP_NET_ADMIN: the network namespace is one cell_netns made,
+        owned by a user namespace of the cell's own, with lo up already: joined by setns)
     build the mount namespace from the plan's operations
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
@@ -57,7 +59,7 @@ from .errors import CancelledBeforeStart, NotExecutable, NotFound, SetupError, e
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import landlock, mounts, netns, pidfd, pidinit, proc, seccomp, userns
+from .linux import host, landlock, mounts, netns, pidfd, pidinit, proc, seccomp, userns
 from .linux import sys as lsys
 from .record import Record
 
@@ -124,6 +126,7 @@ class _Confinement(Record):
     premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
+    netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
 
 
 class _Step:
@@ -146,7 +149,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
         _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
-                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd,
+                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd, conf.netns_fd,
                         *(conf.premade or {}).values()})
         at.name = "setsid"
         os.setsid()
@@ -173,10 +176,16 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         at.name = "unshare"
         # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
         # never the host's (issue 25); inside the user namespace for a normal user's cell
-        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
+        own_netns = conf.netns_fd is not None
+        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns and not own_netns
+                                                             else 0))
+        if own_netns:
+            at.name = "network_namespace"
+            lsys.setns(conf.netns_fd, lsys.CLONE_NEWNET)  # its lo is up already
+            os.close(conf.netns_fd)
         at.name = "mounts"
         mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
-        if plan.new_netns:
+        if plan.new_netns and not own_netns:
             at.name = "loopback"
             netns.loopback_up()
         if conf.egress:
@@ -314,7 +323,62 @@ def _prepare(plan) -> _Confinement:
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])
+    if plan.new_netns and conf.ids is None and not host.net_admin():
+        try:
+            conf.netns_fd = cell_netns()
+        except BaseException:
+            _close_conf(conf)
+            raise
     return conf
+
+
+def _close_conf(conf: _Confinement) -> None:
+    """The controller's copies of what it made for a child (after the fork, or when there is none)."""
+    if conf.ruleset:
+        conf.ruleset.close()
+    if conf.egress:
+        conf.egress.close()
+    for premade in (conf.premade or {}).values():
+        os.close(premade)
+    if conf.netns_fd is not None:
+        os.close(conf.netns_fd)
+        conf.netns_fd = None
+
+
+def cell_netns() -> int:
+    """A network namespace for one cell of a root controller that lacks CAP_NET_ADMIN, owned by a user
+    namespace of its own (linux/netns.py), its lo up: an fd the child joins by setns. A throwaway child
+    makes both, says so and waits; we open /proc/CHILD/ns/net, and it exits (the fd keeps the namespace
+    until the cell is in it). One fork per cell, only on such hosts."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            os.close(done_w)
+            try:
+                netns.own_user_and_net_namespace(userns.netns_owner())
+                os.write(ready_w, b"1")
+            except OSError as e:
+                os.write(ready_w, f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
+            os.read(done_r, 1)  # EOF: the controller has the fd (or gave up, or exited)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        answer = os.read(ready_r, 4096)  # one write before it waits; b"": it died first
+        if answer != b"1":
+            code, _, msg = answer.decode(errors="replace").partition("\0")
+            raise OSError(int(code) if code.isdigit() else errno.EPERM,
+                          f"a network namespace of the cell's own: {msg or 'the helper exited'}")
+        return os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(done_w)
+        _userns_exited.append(pid)  # reaped without waiting for it, as cell_userns's helper
+        _reap_exited_userns_children()
 
 
 def make_tmp(plan) -> int:
@@ -482,12 +546,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         for fd in (barrier_r, barrier_w, err_r, err_w, status_r, status_w):
             if fd is not None:
                 os.close(fd)
-        if conf.ruleset:
-            conf.ruleset.close()
-        if conf.egress:
-            conf.egress.close()
-        for premade in (conf.premade or {}).values():
-            os.close(premade)
+        _close_conf(conf)
         if conf.ids is not None and e.errno in _USERNS_REFUSED:
             raise _userns_refused(e.strerror or str(e), e.errno) from None
         raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
@@ -500,6 +559,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         conf.ruleset.close()
     if conf.egress:
         conf.egress.after_fork()
+    if conf.netns_fd is not None:
+        os.close(conf.netns_fd)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK, handoff=conf.egress,
                   tmp_fd=(conf.premade or {}).get("tmp"))

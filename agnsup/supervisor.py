@@ -326,10 +326,22 @@ def _prepare(plan) -> _Confinement:
     if plan.new_netns and conf.ids is None and not host.net_admin():
         try:
             conf.netns_fd = cell_netns()
-        except BaseException:
+        except BaseException as e:
             _close_conf(conf)
+            if isinstance(e, OSError):
+                raise _netns_refused(e) from None
             raise
     return conf
+
+
+def _netns_refused(e: OSError) -> SetupError:
+    """The one line for a root controller without CAP_NET_ADMIN whose cells cannot have a user namespace
+    of their own to own their network namespace, with both fixes."""
+    return SetupError(f"cell setup failed at step 'network_namespace': {e.strerror or e}: a cell's loopback needs "
+                      "CAP_NET_ADMIN, which this controller lacks, or a user namespace of the cell's own, which "
+                      "this host refuses; fix: give agnsup CAP_NET_ADMIN (a container: --cap-add NET_ADMIN), or "
+                      'accept a reduced cell: isolation.reduced = ["network_namespace"] (docs/hosts.md)',
+                      step="network_namespace", errno=e.errno)
 
 
 def _close_conf(conf: _Confinement) -> None:

@@ -8,17 +8,20 @@
   cell a network namespace owned by a user namespace of its own, lo up (linux/netns.py). Reproduced here by
   starting agnsup with CAP_NET_ADMIN out of its bounding set (setpriv).
 """
+import errno
 import http.server
 import json
 import os
+import platform
 import socket
 import subprocess
+import sys
 import threading
 
 import pytest
 
 from agnsup.linux import sys as lsys
-from conftest import BIN, Agnsup, write_role
+from conftest import BIN, Agnsup, seccomp_launcher, write_role
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (the test makes a user and a "
                                                           "mount namespace)")
@@ -82,11 +85,11 @@ print(os.readlink("/proc/self/ns/net"))
 '''
 
 
-def _no_net_admin(agnsup, *args, env=None, timeout=120):
+def _no_net_admin(agnsup, *args, env=None, timeout=120, launcher=()):
     """agnsup as root whose bounding set (so every capability set after exec) lacks CAP_NET_ADMIN."""
     if not os.access("/usr/bin/setpriv", os.X_OK):
         pytest.skip("ENV_BLOCKED: /usr/bin/setpriv (util-linux) to start agnsup without CAP_NET_ADMIN")
-    cp = subprocess.run([*NO_NET_ADMIN, BIN, *args], env={**agnsup.env, **(env or {})}, capture_output=True,
+    cp = subprocess.run([*NO_NET_ADMIN, *launcher, BIN, *args], env={**agnsup.env, **(env or {})}, capture_output=True,
                         text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     cp.out, cp.err = cp.stdout, cp.stderr
     return cp
@@ -157,3 +160,18 @@ def test_an_allowlist_cell_reaches_an_allowed_name_through_the_proxy_without_net
     assert cp.out == "hello from pkg.test\ndirect-refused\n", (cp.out, cp.err)
     r = _receipt(agnsup.state)
     assert r["network"]["allowed"] == 1, r["network"]
+
+
+def test_without_net_admin_or_a_user_namespace_the_refusal_names_both_fixes(agnsup, worktree):
+    """A host that also refuses the cell's own user namespace (here a seccomp filter on unshare, as a
+    container's profile may): one line, the step, and both fixes."""
+    if platform.machine() != "x86_64":
+        pytest.skip("ENV_BLOCKED: the test's seccomp launcher names x86_64's unshare")
+    launcher = os.path.join(worktree, "..", "refuse_unshare.py")
+    with open(launcher, "w") as f:
+        f.write(seccomp_launcher({272: errno.EPERM}))  # x86_64 unshare
+    cp = _no_net_admin(agnsup, "run", "--workdir", worktree, "--", "true", launcher=(sys.executable, launcher))
+    assert cp.returncode == 125, cp.err
+    assert len(cp.err.strip().splitlines()) == 1, cp.err
+    assert "step 'network_namespace'" in cp.err and "--cap-add NET_ADMIN" in cp.err, cp.err
+    assert 'isolation.reduced = ["network_namespace"]' in cp.err, cp.err

@@ -360,37 +360,38 @@ def _close_conf(conf: _Confinement) -> None:
 def cell_netns() -> int:
     """A network namespace for one cell of a root controller that lacks CAP_NET_ADMIN, owned by a user
     namespace of its own (linux/netns.py), its lo up: an fd the child joins by setns. A throwaway child
-    makes both, says so and waits; we open /proc/CHILD/ns/net, and it exits (the fd keeps the namespace
-    until the cell is in it). One fork per cell, only on such hosts."""
-    ready_r, ready_w = os.pipe()
-    done_r, done_w = os.pipe()
+    makes both, opens its own /proc/self/ns/net and sends us the fd (SCM_RIGHTS: we could not open its
+    /proc entry ourselves, as its euid is the namespace's owner now and a container's root has no
+    CAP_SYS_PTRACE), then exits; the fd keeps the namespace until the cell is in it. One fork per cell,
+    only on such hosts."""
+    import socket  # ~5 ms of imports: only on a host that needs this
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(ready_r)
-            os.close(done_w)
+            ours.close()
             try:
                 netns.own_user_and_net_namespace(userns.netns_owner())
-                os.write(ready_w, b"1")
+                fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                socket.send_fds(theirs, [b"1"], [fd])
             except OSError as e:
-                os.write(ready_w, f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
-            os.read(done_r, 1)  # EOF: the controller has the fd (or gave up, or exited)
+                theirs.send(f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
         finally:
             os._exit(0)
-    os.close(ready_w)
-    os.close(done_r)
+    theirs.close()
     try:
-        answer = os.read(ready_r, 4096)  # one write before it waits; b"": it died first
-        if answer != b"1":
-            code, _, msg = answer.decode(errors="replace").partition("\0")
-            raise OSError(int(code) if code.isdigit() else errno.EPERM,
-                          f"a network namespace of the cell's own: {msg or 'the helper exited'}")
-        return os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        answer, fds, _flags, _addr = socket.recv_fds(ours, 4096, 1, socket.MSG_CMSG_CLOEXEC)  # b"": it died before saying anything
     finally:
-        os.close(ready_r)
-        os.close(done_w)
-        _userns_exited.append(pid)  # reaped without waiting for it, as cell_userns's helper
+        ours.close()
+        _userns_exited.append(pid)  # it exits by itself: reaped without waiting, as cell_userns's helper
         _reap_exited_userns_children()
+    if answer == b"1" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    code, _, msg = answer.decode(errors="replace").partition("\0")
+    raise OSError(int(code) if code.isdigit() else errno.EPERM,
+                  f"a network namespace of the cell's own: {msg or 'the helper exited'}")
 
 
 def make_tmp(plan) -> int:

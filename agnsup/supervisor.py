@@ -685,6 +685,15 @@ def _child_error(plan, report: bytes) -> Exception:
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
     if step == "user_namespace":
         return _userns_refused(msg, code)
+    if step == "proc" and code == errno.EPERM and os.geteuid() != 0:
+        # the kernel mounts a new proc in a user namespace only where one is fully visible already
+        # (mount_too_revealing): a container engine's masks over /proc files (/proc/keys, ...) forbid it
+        return SetupError(f"cell setup failed at step 'proc': {msg}: a normal user's cell mounts its PID "
+                          "namespace's own /proc, which the kernel refuses while files of /proc are masked (a "
+                          "container engine's masked paths); fix: run the container with --security-opt "
+                          "systempaths=unconfined (Kubernetes: securityContext.procMount: Unmasked), run agnsup as "
+                          'root, or accept a reduced cell: isolation.reduced = ["pid_namespace"] (docs/hosts.md)',
+                          step=step, errno=code)
     if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
         # what is needed, not only what failed (issue 12 item 11)
         return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "

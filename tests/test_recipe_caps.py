@@ -38,6 +38,27 @@ def _in_a_container_like_mount_namespace(user):
     return enter
 
 
+def test_where_proc_has_masked_files_a_normal_users_cell_names_the_fix(user):
+    """A container engine masks files of /proc (Docker: /proc/keys, /proc/timer_list, ... under /dev/null);
+    the kernel then refuses a new proc in a user namespace (mount_too_revealing), and a normal user's PID
+    namespace has no /proc of its own: one line with the fixes (Docker's systempaths=unconfined)."""
+    wt = user.own_dir("wt-proc")
+
+    def enter():
+        lsys.unshare(lsys.CLONE_NEWNS)
+        lsys.mount(None, "/", None, lsys.MS_REC | lsys.MS_PRIVATE)
+        lsys.mount("/dev/null", "/proc/keys", None, lsys.MS_BIND)  # as Docker's masked paths
+        user._enter()
+    p = subprocess.Popen([user.agnsup, "run", "--workdir", wt, "--", "true"], env=user.env, cwd=user.work,
+                         preexec_fn=enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 125, err
+    assert len(err.strip().splitlines()) == 1 and "step 'proc'" in err, err
+    assert "systempaths=unconfined" in err and "procMount: Unmasked" in err, err
+    assert user.left() == []
+
+
 def test_a_normal_users_cell_masks_files_where_dev_is_nosuid(user):
     """The mask of a file (/etc/shadow: a bind of /dev/null, then read-only) keeps the nosuid the
     kernel locked on /dev: without that the cell fails at step 'mounts' (checked by removing the fix)."""

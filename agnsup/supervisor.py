@@ -364,8 +364,9 @@ def cell_netns() -> int:
     /proc entry ourselves, as its euid is the namespace's owner now and a container's root has no
     CAP_SYS_PTRACE), then exits; the fd keeps the namespace until the cell is in it. One fork per cell,
     only on such hosts."""
-    import socket  # ~5 ms of imports: only on a host that needs this
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    import _socket  # not `socket` (tens of ms of imports on a busy host): a socketpair and SCM_RIGHTS
+    import struct
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
@@ -373,14 +374,19 @@ def cell_netns() -> int:
             try:
                 netns.own_user_and_net_namespace(userns.netns_owner())
                 fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                socket.send_fds(theirs, [b"1"], [fd])
+                theirs.sendmsg([b"1"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))])
             except OSError as e:
                 theirs.send(f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
         finally:
             os._exit(0)
     theirs.close()
+    fds: list[int] = []
     try:
-        answer, fds, _flags, _addr = socket.recv_fds(ours, 4096, 1, socket.MSG_CMSG_CLOEXEC)  # b"": it died before saying anything
+        # b"": it died before saying anything
+        answer, ancillary, _flags, _addr = ours.recvmsg(4096, _socket.CMSG_SPACE(4), _socket.MSG_CMSG_CLOEXEC)
+        for level, kind, data in ancillary:
+            if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
+                fds += struct.unpack(f"{len(data) // 4}i", data[:len(data) // 4 * 4])
     finally:
         ours.close()
         _userns_exited.append(pid)  # it exits by itself: reaped without waiting, as cell_userns's helper

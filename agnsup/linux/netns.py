@@ -11,7 +11,7 @@ namespace owned by a user namespace of the cell's own (supervisor.cell_netns): a
 in one unshare (the new user namespace owns the new network namespace, and its creator holds every
 capability there), brings lo up, and the cell's child joins the network namespace by setns; the child
 itself stays in the controller's user namespace, so its mounts, ids and files are as before. The owner of
-that user namespace is NETNS_OWNER, not root: a process whose euid is the owner's holds every capability
+that user namespace is userns.netns_owner(), not root: a process whose euid is the owner's holds every capability
 in it (user_namespaces(7)), and a cell that runs as host root must not gain CAP_NET_ADMIN over its
 namespace that way; with another owner, what it holds there is what it holds in the controller's.
 """

@@ -262,8 +262,9 @@ def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, suppor
             name, (fix_for("pid_namespace", ev) or ("agnsup run (single-threaded) or root" if not root else
                                                      "CAP_SYS_ADMIN")) if name == "pid_namespace" else "-"))
     if rev is not None:
-        put("reversible", rev["available"], rev.get("why_not", ""), "a state root on a local file system with "
-            "xattrs (ext4, xfs, btrfs, tmpfs): AGNSUP_STATE_DIR, --state-dir")
+        refused = "cannot be made here" in rev.get("why_not", "")  # the overlay probe itself was refused
+        put("reversible", rev["available"], rev.get("why_not", ""), (refused and fix_for("mount", ev)) or
+            "a state root on a local file system with xattrs (ext4, xfs, btrfs, tmpfs): AGNSUP_STATE_DIR, --state-dir")
     return {"kind": ", ".join(kind), "backend": type(chosen).__name__, "why": getattr(chosen, "why", ""),
             "container": ctr, "guarantees": g}
 

@@ -266,7 +266,9 @@ def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, suppor
         put("reversible", rev["available"], rev.get("why_not", ""), (refused and fix_for("mount", ev)) or
             "a state root on a local file system with xattrs (ext4, xfs, btrfs, tmpfs): AGNSUP_STATE_DIR, --state-dir")
     return {"kind": ", ".join(kind), "backend": type(chosen).__name__, "why": getattr(chosen, "why", ""),
-            "container": ctr, "guarantees": g}
+            # "container": the cgroup-namespace reading as before; every marker found: container_kinds
+            "container": "cgroup namespace" if "cgroup namespace" in ev["container"] else None,
+            "container_kinds": ev["container"], "guarantees": g}
 
 
 def format_text(r: dict) -> str:
@@ -492,7 +494,7 @@ def probe_cells(state_root: str, roles: list[str] | None = None, ev: dict | None
                                      capture=True, entry="doctor", state_dir=state_root, timeout=PROBE_TIMEOUT)
                 res = {"ran": r.get("exit_code") == 0, "exit_code": r.get("exit_code")}
                 rec = _receipt(r.get("receipt"))
-                if rec.get("cgroup", {}).get("v2"):
+                if (rec.get("cgroup") or {}).get("v2"):
                     res["cgroup"] = rec["cgroup"]["v2"]
                 if not res["ran"]:
                     res.update(step="exec", error=f"`true` ended {r.get('state')} with exit {r.get('exit_code')}"

@@ -148,8 +148,8 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
     use = {
         "backend": type(chosen).__name__,
         "tracking_and_kill": chosen.describe(kernel_at_least(5, 14)),
-        "limits": {c: f"cgroup {'v1' if c in chosen.roots() else 'v2'}" if why is None else f"NOT IN FORCE: {why}; fix: {chosen.limit_fix(c)}"
-                   for c, why in support.items()},
+        "limits": {c: f"cgroup {'v1' if c in chosen.roots() else 'v2'}" if why is None else
+                   f"NOT IN FORCE: {why}; fix: {cgroup_fix(ev) or chosen.limit_fix(c)}" for c, why in support.items()},
         "mount_namespace": "private, read-only root, masked state root" if ns["mount"]["available"] and mount_api_ok
         else "UNAVAILABLE: cells cannot start",
         "network_deny": "network namespace with loopback only" if ns["network"]["available"]
@@ -392,15 +392,16 @@ _PIECE = {"pid_namespace": "pid_namespace", "pid": "pid_namespace", "network": "
           "confinement": "mount_namespace", "new_mount_api": "mount_namespace", "cgroup": "cgroup"}
 
 
-def _ctr_flag(ev: dict, cap: str | None, seccomp: bool = False) -> str:
+def _ctr_flag(ev: dict, cap: str | list[str] | None, seccomp: bool = False) -> str:
     """The container's own setting that gives `cap` (or lifts its seccomp profile), as its kind spells it."""
+    caps = [cap] if isinstance(cap, str) else list(cap or [])
     if "kubernetes" in ev["container"]:
         if seccomp:
             return "securityContext.seccompProfile.type: Unconfined in the pod spec"
-        return f"securityContext.capabilities.add: [\"{cap}\"] in the pod spec"
+        return "securityContext.capabilities.add: [" + ", ".join(f'"{c}"' for c in caps) + "] in the pod spec"
     if seccomp:
         return "run the container with --security-opt seccomp=unconfined"
-    return f"run the container with --cap-add {cap}"
+    return "run the container with " + " ".join(f"--cap-add {c}" for c in caps)
 
 
 def fix_for(step: str, ev: dict, code: int | None = None) -> str | None:
@@ -421,15 +422,20 @@ def fix_for(step: str, ev: dict, code: int | None = None) -> str | None:
             return ("the container's seccomp profile refuses a normal user's user namespace: "
                     f"{_ctr_flag(ev, None, seccomp=True)}, or run agnsup as root in it") + reduced
         return None  # the user-namespace fix run gives is right (supervisor._userns_refused)
-    if piece == "network_namespace" and "NET_ADMIN" in ev["caps_missing"]:
+    if piece == "network_namespace" and "NET_ADMIN" in ev["caps_missing"] and "SYS_ADMIN" not in ev["caps_missing"]:
         why = "bringing up the cell's loopback needs CAP_NET_ADMIN, which this process lacks (CapEff)"
         return f"{why}: " + (_ctr_flag(ev, "NET_ADMIN") if in_ctr else "run agnsup with CAP_NET_ADMIN") + reduced
     if piece is None:
         return None
     if "SYS_ADMIN" in ev["caps_missing"]:
-        why = "namespaces and mounts need CAP_SYS_ADMIN, which this process lacks (CapEff)"
+        # a cell's network namespace also needs its loopback up: CAP_NET_ADMIN, named with it when missing
+        caps = ["SYS_ADMIN"] + (["NET_ADMIN"] if piece == "network_namespace" and "NET_ADMIN" in ev["caps_missing"]
+                                else [])
+        why = ("namespaces and mounts need CAP_SYS_ADMIN" + (" (and the cell's loopback CAP_NET_ADMIN)"
+                                                             if len(caps) > 1 else "") +
+               ", which this process lacks (CapEff)")
         if in_ctr:
-            return (f"{why}: {_ctr_flag(ev, 'SYS_ADMIN')} (Docker's default seccomp profile allows unshare and "
+            return (f"{why}: {_ctr_flag(ev, caps)} (Docker's default seccomp profile allows unshare and "
                     "mount once SYS_ADMIN is added; deploy/Dockerfile)" + reduced)
         return f"{why}: run agnsup as root with its full capabilities" + reduced
     if ev["seccomp_filter"]:

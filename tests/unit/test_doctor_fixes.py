@@ -108,3 +108,10 @@ def test_the_text_names_each_role_that_did_not_run_with_its_step_error_and_fix()
            "NET_ADMIN" in lines
     assert any(line.startswith("  role networked: ran") for line in lines)
     assert doctor.cells_text({"probed": False}) == ["cells:           not probed (--no-probe)"]
+
+
+def test_a_network_namespace_refused_for_want_of_sys_admin_names_sys_admin_and_the_loopbacks_net_admin():
+    fix = doctor.fix_for("network", DEFAULT_DOCKER, errno.EPERM)
+    assert "--cap-add SYS_ADMIN --cap-add NET_ADMIN" in fix and 'isolation.reduced = ["network_namespace"]' in fix
+    k8s = {**DEFAULT_DOCKER, "container": ["kubernetes"]}
+    assert 'capabilities.add: ["SYS_ADMIN", "NET_ADMIN"]' in doctor.fix_for("network", k8s)

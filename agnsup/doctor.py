@@ -174,6 +174,14 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
     static_ok = ns["mount"]["available"] and mount_api_ok
     cells = probe_cells(state_root, roles, ev, progress) if probe else {}
     failed = [r for r, v in cells.items() if not v["ran"]]
+    # the probe cells are run's: where they lived is where run's cells live (issue 27: a normal user's
+    # doctor said Untracked where run used the delegated subtree); a disagreement is a bug, said as one
+    own = chosen.roots().get("v2")
+    astray = [f"{r}: {v['cgroup']}" for r, v in cells.items() if v.get("cgroup") and not
+              (own and v["cgroup"].startswith(own + "/"))]
+    if astray:
+        without.append(f"doctor's backend ({type(chosen).__name__}, root {own or 'none'}) is not the one run used "
+                       f"(its cells lived in {'; '.join(astray)}): a bug, please report it")
     status = "cannot run cells" if not static_ok or (cells and len(failed) == len(cells)) else \
         "some roles cannot run" if failed else "ok" if probe else "not probed"
     host = host_report(chosen, layout, ns, mount_api_ok, conf, support, rev, ev)

@@ -1,8 +1,14 @@
 """`agnsup doctor` reports what this host really has."""
 import json
 import os
+import subprocess
+import sys
 
+import pytest
+
+from agnsup import doctor, policy
 from agnsup.linux import cgroup
+from conftest import BIN, seccomp_launcher
 
 
 def test_doctor_reports_the_detected_cgroup_layout_and_namespaces(agnsup):
@@ -35,8 +41,6 @@ def test_mountinfo_parsing_of_a_pure_v2_host():
 
 
 # ------------------------------------------------------------- doctor is never more optimistic than run (issue 27)
-from agnsup import doctor, policy  # noqa: E402
-from conftest import seccomp_launcher  # noqa: E402
 
 
 def test_doctor_starts_a_cell_per_role_as_run_does_and_leaves_nothing_behind(agnsup, state, tmp_path):
@@ -64,12 +68,8 @@ def test_doctor_starts_a_cell_per_role_as_run_does_and_leaves_nothing_behind(agn
 def _compare_with_run(agnsup, worktree, launcher: list[str]) -> dict:
     """doctor --json and `run --role R -- true` per role, both under `launcher`: doctor never says a role's
     cell runs when run's does not, nor ok when one does not."""
-    env_bin = [*launcher]
-    import subprocess
-    from conftest import BIN
-
     def call(*args):
-        return subprocess.run([*env_bin, BIN, *args], env=agnsup.env, cwd=worktree, capture_output=True, text=True,
+        return subprocess.run([*launcher, BIN, *args], env=agnsup.env, cwd=worktree, capture_output=True, text=True,
                               timeout=120, stdin=subprocess.DEVNULL)
     cp = call("doctor", "--json")
     r = json.loads(cp.stdout)
@@ -103,7 +103,6 @@ NO_UNSHARE = seccomp_launcher({272: 1})  # unshare(2): EPERM, as a container's s
 
 
 def test_under_a_seccomp_filter_that_refuses_unshare_doctor_names_the_filter_not_the_kernel(agnsup, worktree):
-    import sys
     r = _compare_with_run(agnsup, worktree, [sys.executable, "-c", NO_UNSHARE])
     assert r["status"] == "cannot run cells" and r["ok"] is False
     assert r["evidence"]["seccomp_filter"] is True and "under a seccomp filter" in r["host"]["kind"]
@@ -118,16 +117,22 @@ def test_under_a_seccomp_filter_that_refuses_unshare_doctor_names_the_filter_not
     for k in ("mount_namespace", "pid_namespace"):
         assert "kernel with the new mount API" not in g[k] and "single-threaded" not in g[k], g[k]
     assert "mount_namespace" in r["reduced"] and "pid_namespace" in r["reduced"]
-    text = subprocess_text(agnsup, worktree, [sys.executable, "-c", NO_UNSHARE])
+    text = subprocess.run([sys.executable, "-c", NO_UNSHARE, BIN, "doctor"], env=agnsup.env, cwd=worktree,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL).stdout
     assert "status:          CANNOT RUN CELLS on this host" in text and "\nreduced:         " in text
     assert "  role executor: cell setup failed at step " in text
 
 
-def subprocess_text(agnsup, worktree, launcher) -> str:
-    import subprocess
-    from conftest import BIN
-    return subprocess.run([*launcher, BIN, "doctor"], env=agnsup.env, cwd=worktree, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL).stdout
+@pytest.fixture(scope="module")
+def user():
+    """conftest's throwaway user with a delegated subtree, where one can be made (the lanes' guests may
+    have no useradd)."""
+    import shutil
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("ENV_BLOCKED: root and useradd (the test makes a user and delegates a cgroup subtree to it)")
+    from test_unprivileged import User, _venv
+    with User(_venv()) as u:
+        yield u
 
 
 def test_a_normal_user_with_a_delegated_subtree_doctor_and_run_agree_on_backend_and_layout(user):

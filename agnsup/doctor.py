@@ -395,6 +395,7 @@ def evidence() -> dict:
 # The piece of isolation.reduced a failed step costs (issue 27: mount_namespace, network_namespace,
 # pid_namespace, cgroup).
 _PIECE = {"pid_namespace": "pid_namespace", "pid": "pid_namespace", "network": "network_namespace",
+          "network_namespace": "network_namespace", "mount_namespace": "mount_namespace",
           "loopback": "network_namespace", "netns": "network_namespace", "egress": "network_namespace",
           "mount": "mount_namespace", "mounts": "mount_namespace", "unshare": "mount_namespace",
           "confinement": "mount_namespace", "new_mount_api": "mount_namespace", "cgroup": "cgroup"}
@@ -577,17 +578,14 @@ def reduced_pieces(ns: dict, mount_api_ok: bool, conf: dict, chosen, cells: dict
     """What a role with `isolation.reduced` would lose here (issue 27: "mount_namespace",
     "network_namespace", "pid_namespace", "cgroup"), each only where this host refuses it.
 
-    CALL SITE FOR ctr-reduced: the compiler's own reading (compiler.reduced_pieces) decides what a
-    reduced cell drops; until that branch is merged this is doctor's reading of the same evidence
-    (its namespace probes, the backend, the probe cells' failed steps). The lead wires the call."""
+    CALL SITE FOR ctr-reduced: the compiler's own reading, compiler.reduced_pieces(policy, host, backend)
+    (policy None: a role that lists all four), decides what a reduced cell drops, so doctor says what a
+    cell would do. Until that branch is merged, doctor's own reading of the same evidence (its namespace
+    probes, the backend, the probe cells' failed steps)."""
     from . import compiler
     theirs = getattr(compiler, "reduced_pieces", None)
     if theirs is not None:
-        try:
-            return list(theirs(None, {"namespaces": ns, "new_mount_api": mount_api_ok, "confinement": conf,
-                                      "backend": chosen}))
-        except TypeError:  # another signature: doctor's own reading below, until the lead wires it
-            pass
+        return list(theirs(None, backend=chosen))
     out = []
     if not (ns["mount"]["available"] and mount_api_ok):
         out.append("mount_namespace")

@@ -182,8 +182,11 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
     if astray:
         without.append(f"doctor's backend ({type(chosen).__name__}, root {own or 'none'}) is not the one run used "
                        f"(its cells lived in {'; '.join(astray)}): a bug, please report it")
-    status = "cannot run cells" if not static_ok or (cells and len(failed) == len(cells)) else \
-        "some roles cannot run" if failed else "ok" if probe else "not probed"
+    # probed, the cells are the truth (a role with isolation.reduced runs where namespaces are refused)
+    if probe:
+        status = "ok" if not failed else "cannot run cells" if len(failed) == len(cells) else "some roles cannot run"
+    else:
+        status = "not probed" if static_ok else "cannot run cells"
     host = host_report(chosen, layout, ns, mount_api_ok, conf, support, rev, ev)
     return {
         "euid": os.geteuid(),
@@ -198,7 +201,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
         "reversible": rev,
         "will_use": use,
         "does_without": without,
-        "ok": static_ok and not failed,
+        "ok": status in ("ok", "not probed"),
         "status": status,
         "probed": probe,
         "cells": cells,

@@ -172,6 +172,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
         without.append(f"reversible ({rev['why_not']})")
     without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     static_ok = ns["mount"]["available"] and mount_api_ok
+    ev["refused"] = reduced_pieces(ns, mount_api_ok, conf, chosen, {})  # named by each fix's reduced key
     cells = probe_cells(state_root, roles, ev, progress) if probe else {}
     failed = [r for r, v in cells.items() if not v["ran"]]
     # the probe cells are run's: where they lived is where run's cells live (issue 27: a normal user's
@@ -426,7 +427,12 @@ def fix_for(step: str, ev: dict, code: int | None = None) -> str | None:
     if code is not None and code not in (E.EPERM, E.EACCES, E.ENOSYS, E.EINVAL):
         return None
     in_ctr = bool(ev["container"])
-    reduced = (f"; or accept a reduced cell: isolation.reduced = [\"{piece}\"] (docs/hosts.md)" if piece else "")
+    # the key names every piece this host refuses (ev["refused"]: report's reduced line), not only this step's:
+    # a cell reduced by one piece would stop at the next refused one
+    listed = ev.get("refused") or []
+    names = listed if piece in listed else [piece]
+    reduced = ("; or accept a reduced cell: isolation.reduced = [" + ", ".join(f'"{p}"' for p in names) +
+               "] (docs/hosts.md)" if piece else "")
     if piece == "cgroup":
         return cgroup_fix(ev)
     if not ev["root"]:

@@ -115,3 +115,11 @@ def test_a_network_namespace_refused_for_want_of_sys_admin_names_sys_admin_and_t
     assert "--cap-add SYS_ADMIN --cap-add NET_ADMIN" in fix and 'isolation.reduced = ["network_namespace"]' in fix
     k8s = {**DEFAULT_DOCKER, "container": ["kubernetes"]}
     assert 'capabilities.add: ["SYS_ADMIN", "NET_ADMIN"]' in doctor.fix_for("network", k8s)
+
+
+def test_the_reduced_key_in_a_fix_names_every_piece_the_host_refuses():
+    refused = {**DEFAULT_DOCKER, "refused": ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]}
+    fix = doctor.fix_for("confinement", refused, errno.EPERM)
+    assert 'isolation.reduced = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]' in fix, fix
+    # a step whose piece the host does not refuse as a whole (a loopback): that piece alone
+    assert 'isolation.reduced = ["network_namespace"]' in doctor.fix_for("loopback", {**RECIPE_DOCKER, "refused": []})

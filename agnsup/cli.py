@@ -489,12 +489,22 @@ def _with_state(ch, states: dict):
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--no-probe", is_flag=True, help="Start no cell (status then says \"not probed\").")
 @click.pass_obj
-def doctor(obj, as_json):
+def doctor(obj, as_json, no_probe):
     """What this host offers (cgroups, namespaces, pidfs, seccomp, Landlock)
-    and which isolation agnsup will use or must do without."""
+    and which isolation agnsup will use or must do without; then a trivial
+    cell per role, started as `agnsup run` starts it and removed after:
+    status ok only when each ran. Exit 1 when a cell cannot run here."""
+    import time
     from .doctor import format_text, report
-    r = report(_root(obj).path)
+    t0 = time.monotonic()
+
+    def progress(role, res):  # on stderr once it takes more than a second
+        if time.monotonic() - t0 > 1.0:
+            click.echo(f"agnsup doctor: cell of role {role}: {'ran' if res['ran'] else 'FAILED at ' + res['step']}",
+                       err=True)
+    r = report(_root(obj).path, probe=not no_probe, progress=progress)
     click.echo(json.dumps(r, indent=2) if as_json else format_text(r))
     sys.exit(0 if r["ok"] else 1)
 

@@ -28,6 +28,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "cgroup": cell.place.paths() or None if cell.place else None,
         "cgroup_inode": cell.place.inode if cell.place else None,
         "isolation": cell.isolation,
+        "reduced": (cell.isolation or {}).get("reduced", []),  # isolation.reduced pieces this cell ran without
         "limits": {**(plan.limits if plan else {}), "applied": cell.place.limits if cell.place else {},
                    "timeout": plan.timeout if plan else None, "grace": plan.grace if plan else None},
         "pids": {"leader": cell.identity.get("pid"), "pgid": cell.identity.get("pgid"),

@@ -172,10 +172,15 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             userns.write_id_maps("self", uid, gid, uid, gid)
         at.name = "unshare"
         # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
-        # never the host's (issue 25); inside the user namespace for a normal user's cell
-        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns else 0))
-        at.name = "mounts"
-        mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
+        # never the host's (issue 25); inside the user namespace for a normal user's cell. A reduced cell
+        # (isolation.reduced, where the host refuses them) has none of them: no unshare at all
+        flags = (lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC if plan.mount_namespace else 0) | \
+            (lsys.CLONE_NEWNET if plan.new_netns else 0)
+        if flags:
+            lsys.unshare(flags)
+        if plan.mount_namespace:
+            at.name = "mounts"
+            mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
         if plan.new_netns:
             at.name = "loopback"
             netns.loopback_up()
@@ -254,9 +259,10 @@ def _confine(at: _Step, plan, conf: _Confinement) -> None:
     """The command's own confinement, after the mount namespace is built (docs/isolation.md)."""
     if conf.ruleset:
         at.name = "landlock_rules"
-        conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
-        conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
-        conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed already)
+        if plan.mount_namespace:  # a reduced cell without one: these are the host's, never writable to it
+            conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+            conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
+            conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed)
         for path, _ in plan.devices:         # a mapped cell's role devices are nodes made in its own /dev
             conf.ruleset.allow_path(path)
         for op in plan.mount_ops:            # the worktree's overlay root is a new inode (reversible cells)
@@ -424,6 +430,87 @@ def idmap_refused(path: str) -> str | None:
     return _idmap_by_dev[dev]
 
 
+_ns_refused: dict = {}  # namespaces_refused(), once per controller process
+
+
+def namespaces_refused() -> dict:
+    """{"mount_namespace" | "network_namespace" | "pid_namespace": None when this host gives a cell one, else
+    why not}: tried once per controller process in one throwaway child, the way a cell makes them (a normal
+    user's inside a user namespace of its own; the mount namespace with the new mount API a cell's /tmp is
+    made with). Asked only for a role that lists isolation.reduced, or to name the fix of a refused cell:
+    a full host's `agnsup run` never pays for it."""
+    if _ns_refused:
+        return dict(_ns_refused)
+    root = os.geteuid() == 0
+    tries = (("mount_namespace", lambda: (lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC),
+                                           os.close(lsys.fsmount_new("tmpfs", {"size": "4096"})))),
+             ("network_namespace", lambda: lsys.unshare(lsys.CLONE_NEWNET)),
+             ("pid_namespace", lambda: lsys.unshare(lsys.CLONE_NEWPID)))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            out = []
+            try:
+                if not root:
+                    lsys.unshare(lsys.CLONE_NEWUSER)
+                    userns.write_id_maps("self", os.getuid(), os.getgid(), os.getuid(), os.getgid())
+                first = None
+            except OSError as e:
+                first = f"no user namespace for a normal user's cell: {e.strerror or e}"
+            for name, fn in tries:
+                why = first
+                if why is None:
+                    try:
+                        fn()
+                    except OSError as e:
+                        why = e.strerror or str(e)
+                out.append(f"{name}\0{why or ''}")
+            os.write(w, "\n".join(out).encode(errors="replace"))
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = _read_all(r).decode(errors="replace")
+    _reap(pid)
+    for line in got.splitlines():
+        name, _, why = line.partition("\0")
+        _ns_refused[name] = why or None
+    for name, _ in tries:
+        _ns_refused.setdefault(name, "the probe child reported nothing")
+    return dict(_ns_refused)
+
+
+# The reduced pieces a refused child step stands for (a cell that needs them and whose role does not list them).
+_STEP_PIECES = {"unshare": None, "pid_namespace": ("pid_namespace",), "confinement": ("mount_namespace",),
+                "mounts": ("mount_namespace",), "proc": ("pid_namespace",)}
+
+
+def reduced_refusal(step: str, msg: str, code: int | None, plan=None) -> SetupError | None:
+    """The one line for a cell the host refuses a namespace (Docker's default seccomp profile, a missing
+    CAP_SYS_ADMIN, gVisor, a locked-down runner) whose role does not accept running without it: the piece,
+    and both fixes, the container's flag or isolation.reduced (docs/isolation.md, "Reduced cells"). None when
+    `step`/`code` is not such a refusal, or when the host gives every namespace (another cause)."""
+    if code not in (errno.EPERM, errno.EACCES, errno.ENOSYS) or step not in _STEP_PIECES:
+        return None
+    refused = [p for p, why in namespaces_refused().items() if why]
+    if not refused:
+        return None
+    accepted = set(getattr(plan, "reduced_accepted", ()) or ())
+    pieces = [p for p in refused if p not in accepted] or refused
+    root = os.geteuid() == 0
+    why = ("the container's seccomp profile or a missing CAP_SYS_ADMIN refuses namespaces" if root else
+           "namespaces are refused to this user here (no user namespace: a sysctl, an LSM, or a seccomp profile)")
+    flag = ("run the container with --cap-add SYS_ADMIN (deploy/Dockerfile)" if root else
+            "let this user create user namespaces (see `agnsup doctor`), or run agnsup as root")
+    listed = ", ".join(f'"{p}"' for p in sorted(set(pieces) | accepted, key=_REDUCIBLE_ORDER.index))
+    return SetupError(f"cell setup failed at step {step!r}: {msg} ({why}); fix: {flag}, or accept a reduced cell: "
+                      f"isolation.reduced = [{listed}] (docs/hosts.md)", step=step, errno=code)
+
+
+_REDUCIBLE_ORDER = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]
+
+
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
@@ -439,8 +526,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     try:
         conf = _prepare(plan)
     except OSError as e:
-        raise SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
-                         errno=e.errno) from None
+        raise reduced_refusal("confinement", e.strerror or str(e), e.errno, plan) or \
+            SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
+                       errno=e.errno) from None
     barrier_r, barrier_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r = status_w = None
@@ -490,8 +578,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             os.close(premade)
         if conf.ids is not None and e.errno in _USERNS_REFUSED:
             raise _userns_refused(e.strerror or str(e), e.errno) from None
-        raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
-                         errno=e.errno) from None
+        raise reduced_refusal("pid_namespace", e.strerror or str(e), e.errno, plan) or \
+            SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
+                       errno=e.errno) from None
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:
@@ -611,6 +700,8 @@ def _child_error(plan, report: bytes) -> Exception:
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
     if step == "user_namespace":
         return _userns_refused(msg, code)
+    if os.geteuid() == 0 and (refused := reduced_refusal(step, msg, code, plan)) is not None:
+        return refused
     if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
         # what is needed, not only what failed (issue 12 item 11)
         return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
@@ -654,8 +745,9 @@ def _userns_refused(msg: str, code: int | None) -> SetupError:
                                              "as AppArmor, or a seccomp filter: a container needs its runtime's "
                                              "user-namespace support); or run agnsup as root")
     return SetupError(f"cell setup failed at step 'user_namespace': {msg}: a normal user's cell gets its mount, "
-                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}",
-                      step="user_namespace", errno=code)
+                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}; or accept "
+                      'a reduced cell: isolation.reduced = ["mount_namespace", "network_namespace", "pid_namespace"] '
+                      "(docs/hosts.md)", step="user_namespace", errno=code)
 
 
 def _clone_into_cgroup(path: str | None, flags: int) -> tuple[int | None, int | None]:

@@ -843,17 +843,23 @@ REDUCED_LOSS = {
 }
 
 
-def reduced_pieces(policy, host: dict | None = None, backend=None) -> list[str]:
-    """The pieces a cell of `policy` (policy.Frozen) runs without on this host: those its
+REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")  # models.REDUCIBLE
+
+
+def reduced_pieces(policy=None, host: dict | None = None, backend=None) -> list[str]:
+    """The pieces a cell of `policy` (policy.Frozen; None: a role listing all four) runs without on this
+    host: those its
     isolation.reduced lists that the host refuses (host["_namespaces"]() or supervisor.namespaces_refused;
-    "cgroup" when `backend` has no tree). [] for a role that lists none, or on a full host. For
+    "cgroup" when `backend`, or host["backend"], has no tree). [] for a role that lists none, or on a full host. For
     `agnsup doctor`'s `reduced:` line; a cell's receipt has the same under `reduced`."""
-    accepted = list(policy.isolation.get("reduced", ()))
+    accepted = list(REDUCIBLE_ORDER if policy is None else policy.isolation.get("reduced", ()))
     if not accepted:
         return []
-    if host is None:
+    host = dict(host or {})
+    if "_namespaces" not in host:
         from . import supervisor
-        host = {"_namespaces": supervisor.namespaces_refused}
+        host["_namespaces"] = supervisor.namespaces_refused
+    backend = backend if backend is not None else host.get("backend")
     out = [p for p in NAMESPACE_PIECES if p in accepted and (_refused_here(host).get(p))]
     if "mount_namespace" in out and "pid_namespace" in accepted and "pid_namespace" not in out:
         out.append("pid_namespace")  # its /proc needs the mount namespace

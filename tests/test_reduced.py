@@ -229,7 +229,7 @@ def test_killing_a_reduced_cells_controller_kills_its_leader_and_the_janitor_rec
         host("janitor", check=0)
         assert procs_with_env("AGNSUP_CELL_ID", "dm") == []
         rec = [r for r in json.loads(host("receipts", "--json", check=0).stdout) if r["cell_id"] == "dm"]
-        assert rec and rec[0]["state"] == "recovered", rec
+        assert rec and rec[0]["state"] == "recovered" and rec[0]["reduced"] == ALL, rec
         assert bg_pid() in [k.get("pid") for k in rec[0]["recovery"]["killed"]], rec[0]["recovery"]
     finally:
         if ctl.poll() is None:
@@ -243,3 +243,75 @@ def test_the_cells_own_seccomp_filter_is_stacked_on_the_containers(host, worktre
     cp, r = _sh(host, "reduced", worktree, "sc", "grep ^Seccomp_filters: /proc/self/status")
     assert cp.stdout.split() == ["Seccomp_filters:", "2"], cp.stdout  # the profile's, then the cell's own
     assert r["isolation"]["seccomp"] is True
+
+
+# -- the same, in a real default Docker container (Docker's own seccomp profile, no capability added)
+
+IMAGE = "agnsup:reduced-test"  # in the test's own daemon (tests/containers.py), removed with it
+IN_CONTAINER = r'''
+set -u
+mkdir -p /tmp/wt && cd /tmp/wt
+sleep 300 & BY=$!
+attack='for f in /etc/planted /tmp/planted /var/lib/agnsup/planted "$TMPDIR/mine" ./mine; do
+  if touch "$f" 2>/dev/null; then echo "wrote $f"; else echo "refused $f"; fi; done
+kill -0 $PPID 2>/dev/null && echo "signalled controller" || echo "refused controller"
+kill -TERM '$BY' 2>/dev/null && echo "signalled bystander" || echo "refused bystander"
+echo "canary $(env | grep -c REDUCED_CANARY)"
+echo "session $$ $(cut -d" " -f5,6 /proc/$$/stat)"'
+echo "== reduced"; agnsup run --role reduced --cell a -- sh -c "$attack"; echo "exit $?"
+kill -0 $BY 2>/dev/null && echo "bystander alive"
+rm -f /etc/planted /tmp/planted /var/lib/agnsup/planted
+echo "== control"; agnsup run --role nolandlock --cell a0 -- sh -c "$attack"; echo "exit $?"
+echo "== gate"; agnsup run --role reduced -- git push --force 2>/dev/null; echo "exit $?"
+echo "== deadman"
+agnsup run --role reduced --cell dm -- sh -c 'sleep 300 & echo $! > /tmp/wt/bg; exec sleep 301' & CTL=$!
+while [ ! -s /tmp/wt/bg ]; do sleep 0.1; done
+LEADER=$(agnsup ps --json | python3 -c 'import json,sys; print([c["pid"] for c in json.load(sys.stdin) if c["cell_id"] == "dm"][0])')
+kill -KILL $CTL; sleep 1
+kill -0 $LEADER 2>/dev/null && echo "leader alive" || echo "leader dead"
+kill -0 $(cat /tmp/wt/bg) 2>/dev/null && echo "orphan alive" || echo "orphan dead"
+agnsup janitor >/dev/null; echo "janitor exit $?"
+kill -0 $(cat /tmp/wt/bg) 2>/dev/null && echo "orphan alive" || echo "orphan dead"
+echo "== receipts"; agnsup receipts --json | python3 -c 'import json,sys; [print(json.dumps({k: r.get(k) for k in ("cell_id", "state", "reduced")} | {"landlock": (r.get("isolation") or {}).get("landlock"), "seccomp": (r.get("isolation") or {}).get("seccomp")})) for r in json.load(sys.stdin)]'
+'''
+
+
+@pytest.mark.timeout(900)
+def test_in_a_default_docker_container_a_reduced_cell_holds_what_it_must(tmp_path):
+    """Docker 20.10's default profile, no flag: the reduced role runs; writes outside the worktree and its
+    own tmp (/etc, /tmp, the state root) are refused, the controller and a bystander cannot be signalled, the
+    environment is from nothing, the cell has its own session, the gate judges, the leader dies with a
+    SIGKILLed controller and the janitor kills what it left; the control (no Landlock) writes and signals."""
+    import containers
+    why = containers.installed()
+    if why:
+        pytest.skip(why)
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    write_role(policies, "nolandlock", isolation__reduced=json.dumps(ALL), isolation__landlock="false")
+    (tmp_path / "attack.sh").write_text(IN_CONTAINER)
+    os.chmod(tmp_path, 0o755)
+    with containers.Daemon() as d:
+        containers.base_image(d)
+        containers.build_image(d, tag=IMAGE)  # this checkout's deploy/Dockerfile
+        cp = d.docker("run", "--rm", "--network", "none", "-v", f"{tmp_path}:/t:ro", "-e", "AGNSUP_POLICY_DIR=/t/policies",
+                      "-e", "REDUCED_CANARY=c4n4ry", IMAGE, "sh", "/t/attack.sh", check=False, timeout=300)
+    out = cp.stdout if isinstance(cp.stdout, str) else cp.stdout.decode()
+    print(out)
+    part = dict(p.split("\n", 1) for p in out.split("== ")[1:])
+    assert part["reduced"].splitlines() == [
+        "refused /etc/planted", "refused /tmp/planted", "refused /var/lib/agnsup/planted",
+        part["reduced"].splitlines()[3], "wrote ./mine", "refused controller", "refused bystander", "canary 0",
+        part["reduced"].splitlines()[8], "exit 0", "bystander alive"], out
+    assert part["reduced"].splitlines()[3].startswith("wrote /var/lib/agnsup/cells/default/a/tmp/mine")
+    pid, pgid, sid = part["reduced"].splitlines()[8].split()[1:]
+    assert pid == pgid == sid, part["reduced"]
+    assert part["control"].splitlines()[:5] == ["wrote /etc/planted", "wrote /tmp/planted",
+                                                "wrote /var/lib/agnsup/planted", part["control"].splitlines()[3],
+                                                "wrote ./mine"], out
+    assert "signalled controller" in part["control"] and "signalled bystander" in part["control"]
+    assert part["gate"].strip() == "exit 126", out
+    assert part["deadman"].splitlines() == ["leader dead", "orphan alive", "janitor exit 0", "orphan dead"], out
+    receipts = {r["cell_id"]: r for r in map(json.loads, part["receipts"].splitlines())}
+    assert receipts["a"]["reduced"] == ALL and receipts["a"]["landlock"] and receipts["a"]["seccomp"], receipts
+    assert receipts["dm"]["state"] == "recovered" and receipts["dm"]["reduced"] == ALL, receipts

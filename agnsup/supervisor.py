@@ -444,7 +444,8 @@ def namespaces_refused() -> dict:
     root = os.geteuid() == 0
     tries = (("mount_namespace", lambda: (lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC),
                                            os.close(lsys.fsmount_new("tmpfs", {"size": "4096"})))),
-             ("network_namespace", lambda: lsys.unshare(lsys.CLONE_NEWNET)),
+             # its loopback too: a namespace whose lo cannot come up (no CAP_NET_ADMIN) is refused all the same
+             ("network_namespace", _netns_with_loopback),
              ("pid_namespace", lambda: lsys.unshare(lsys.CLONE_NEWPID)))
     r, w = os.pipe()
     pid = os.fork()
@@ -484,6 +485,14 @@ def namespaces_refused() -> dict:
 # The reduced pieces a refused child step stands for (a cell that needs them and whose role does not list them).
 _STEP_PIECES = {"unshare": None, "pid_namespace": ("pid_namespace",), "confinement": ("mount_namespace",),
                 "mounts": ("mount_namespace",), "proc": ("pid_namespace",)}
+
+
+def _netns_with_loopback() -> None:
+    lsys.unshare(lsys.CLONE_NEWNET)
+    try:
+        netns.loopback_up()
+    except OSError as e:
+        raise OSError(e.errno, f"bringing lo up in a new network namespace: {e.strerror}") from None
 
 
 def reduced_refusal(step: str, msg: str, code: int | None, plan=None) -> SetupError | None:

@@ -315,3 +315,21 @@ def test_in_a_default_docker_container_a_reduced_cell_holds_what_it_must(tmp_pat
     receipts = {r["cell_id"]: r for r in map(json.loads, part["receipts"].splitlines())}
     assert receipts["a"]["reduced"] == ALL and receipts["a"]["landlock"] and receipts["a"]["seccomp"], receipts
     assert receipts["dm"]["state"] == "recovered" and receipts["dm"]["reduced"] == ALL, receipts
+
+
+def test_a_normal_users_reduced_cell_runs_without_any_namespace_and_holds_its_writes(user):
+    """A normal user where namespaces are refused (no user namespace: Docker's profile, an LSM): the reduced
+    role needs none, not even a user namespace of its own; Landlock still holds its writes."""
+    launcher = (user.python, "-c", DEFAULT_PROFILE)
+    outside = user.own_dir("outside")
+    cp = user("run", "--workdir", user.work, "--", "true", launcher=launcher)
+    assert cp.returncode == 125 and "isolation.reduced = [" in cp.stderr, cp.stderr
+    script = (f'touch "{outside}/escaped" 2>/dev/null && echo "wrote outside" || echo "refused outside"; '
+              'touch ./mine "$TMPDIR/mine" && echo "wrote own"')
+    cp = user("run", "--role", "reduced", "--workdir", user.work, "--cell", "u1", "--", "sh", "-c", script,
+              launcher=launcher)
+    assert cp.returncode == 0 and cp.stdout.splitlines() == ["refused outside", "wrote own"], cp.stdout + cp.stderr
+    r = user.json("receipts", "--json", "--cell", "u1")[0]
+    assert r["reduced"][:3] == ["mount_namespace", "network_namespace", "pid_namespace"]
+    assert r["isolation"]["user_namespace"] is False and r["isolation"]["landlock"] is True
+    assert user.left() == []

@@ -14,7 +14,8 @@ spawn() forks one child and runs the cell recipe in it, in order:
         (root: the namespaces stay the host's; a mapped cell joins the cells' user namespace
         only in confine, below, so it owns none of them)
     unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
-    build the mount namespace from the plan's operations
+        (a reduced cell, isolation.reduced: only those the host gives; none at all in a default container)
+    build the mount namespace from the plan's operations (a reduced cell without one: none)
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
         listener to the controller (agnsup/egress/handoff.py)

@@ -124,7 +124,12 @@ def test_a_reduced_role_on_a_full_host_gets_full_isolation(agnsup, worktree, sta
 
 def test_the_gate_still_judges_a_reduced_cell(host, worktree):
     host("run", "--role", "reduced", "--workdir", worktree, "--", "git", "push", "--force", check=126)
-    assert [x["kind"] for x in refusals(host.state)] == ["denied"], refusals(host.state)
+    # what a full cell's mask or network namespace would refuse anyway, the reduced role's gate refuses early
+    # (governance.kernel_enforced = "deny"): no mask or namespace refuses it in a reduced cell
+    cp = host("run", "--role", "reduced", "--workdir", worktree, "--", "cat", "/etc/shadow", check=126)
+    assert "denied by sandbox.deny_path" in cp.stderr
+    host("run", "--role", "reduced", "--workdir", worktree, "--", "curl", "https://example.org", check=126)
+    assert [x["kind"] for x in refusals(host.state)] == ["denied"] * 3, refusals(host.state)
 
 
 # -- what still holds, by attack
@@ -142,7 +147,9 @@ def test_a_reduced_cell_writes_only_its_worktree_and_its_own_tmp(host, worktree,
     outside = tmp_path / "outside"
     outside.mkdir()
     host_tmp = f"/tmp/agnsup-reduced-{os.getpid()}-{time.monotonic_ns()}"
-    script = (f'for f in "{outside}/escaped" "{host_tmp}" "{host.state}/planted" "$TMPDIR/mine" ./mine; do '
+    with open(os.path.join(worktree, "targets"), "w") as f:  # read by the cell: the gate refuses literals early
+        f.write(f"{outside}/escaped {host_tmp} {host.state}/planted")
+    script = ('for f in $(cat targets) "$TMPDIR/mine" ./mine; do '
               'if touch "$f" 2>/dev/null; then echo "wrote $f"; else echo "refused $f"; fi; done')
     try:
         cp, r = _sh(host, "reduced", worktree, "lw", script, env=roles)
@@ -252,7 +259,9 @@ IN_CONTAINER = r'''
 set -u
 mkdir -p /tmp/wt && cd /tmp/wt
 sleep 300 & BY=$!
-attack='for f in /etc/planted /tmp/planted /var/lib/agnsup/planted "$TMPDIR/mine" ./mine; do
+# the targets read from a file: the reduced role's gate (kernel_enforced = "deny") refuses literal ones early
+echo /etc/planted /tmp/planted /var/lib/agnsup/planted > /tmp/wt/targets
+attack='for f in $(cat targets) "$TMPDIR/mine" ./mine; do
   if touch "$f" 2>/dev/null; then echo "wrote $f"; else echo "refused $f"; fi; done
 kill -0 $PPID 2>/dev/null && echo "signalled controller" || echo "refused controller"
 kill -TERM '$BY' 2>/dev/null && echo "signalled bystander" || echo "refused bystander"
@@ -324,7 +333,12 @@ def test_a_normal_users_reduced_cell_runs_without_any_namespace_and_holds_its_wr
     outside = user.own_dir("outside")
     cp = user("run", "--workdir", user.work, "--", "true", launcher=launcher)
     assert cp.returncode == 125 and "isolation.reduced = [" in cp.stderr, cp.stderr
-    script = (f'touch "{outside}/escaped" 2>/dev/null && echo "wrote outside" || echo "refused outside"; '
+    # the path read from a file: the gate (kernel_enforced = "deny") refuses the literal early; the kernel is tested
+    target = os.path.join(user.work, "target")
+    with open(target, "w") as f:
+        f.write(f"{outside}/escaped")
+    os.chown(target, user.uid, user.gid)
+    script = ('touch "$(cat target)" 2>/dev/null && echo "wrote outside" || echo "refused outside"; '
               'touch ./mine "$TMPDIR/mine" && echo "wrote own"')
     cp = user("run", "--role", "reduced", "--workdir", user.work, "--cell", "u1", "--", "sh", "-c", script,
               launcher=launcher)

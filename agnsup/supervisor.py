@@ -14,7 +14,9 @@ spawn() forks one child and runs the cell recipe in it, in order:
         (root: the namespaces stay the host's; a mapped cell joins the cells' user namespace
         only in confine, below, so it owns none of them)
     unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
-        (a reduced cell, isolation.reduced: only those the host gives; none at all in a default container)
+        (a root controller without CAP_NET_ADMIN: the network namespace is one cell_netns made,
+        owned by a user namespace of the cell's own, with lo up already: joined by setns;
+        a reduced cell, isolation.reduced: only those the host gives; none at all in a default container)
     build the mount namespace from the plan's operations (a reduced cell without one: none)
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
@@ -58,7 +60,7 @@ from .errors import CancelledBeforeStart, NotExecutable, NotFound, SetupError, e
 # Everything the child needs is imported here, before fork: after the mount
 # namespace is built the package itself may be hidden (installed under /tmp or
 # a masked path), so the child must not import anything.
-from .linux import landlock, mounts, netns, pidfd, pidinit, proc, seccomp, userns
+from .linux import host, landlock, mounts, netns, pidfd, pidinit, proc, seccomp, userns
 from .linux import sys as lsys
 from .record import Record
 
@@ -125,6 +127,7 @@ class _Confinement(Record):
     premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
+    netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
 
 
 class _Step:
@@ -147,7 +150,7 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
                 if fd is not None and fd != target:
                     os.dup2(fd, target)
         _close_all_but({barrier_r, err_w, status_w, conf.ruleset.fd if conf.ruleset else None,
-                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd,
+                        conf.egress.child_fd() if conf.egress else None, conf.userns_fd, conf.netns_fd,
                         *(conf.premade or {}).values()})
         at.name = "setsid"
         os.setsid()
@@ -175,14 +178,19 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
         # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
         # never the host's (issue 25); inside the user namespace for a normal user's cell. A reduced cell
         # (isolation.reduced, where the host refuses them) has none of them: no unshare at all
+        own_netns = conf.netns_fd is not None
         flags = (lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC if plan.mount_namespace else 0) | \
-            (lsys.CLONE_NEWNET if plan.new_netns else 0)
+            (lsys.CLONE_NEWNET if plan.new_netns and not own_netns else 0)
         if flags:
             lsys.unshare(flags)
+        if own_netns:
+            at.name = "network_namespace"
+            lsys.setns(conf.netns_fd, lsys.CLONE_NEWNET)  # its lo is up already
+            os.close(conf.netns_fd)
         if plan.mount_namespace:
             at.name = "mounts"
             mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
-        if plan.new_netns:
+        if plan.new_netns and not own_netns:
             at.name = "loopback"
             netns.loopback_up()
         if conf.egress:
@@ -321,7 +329,81 @@ def _prepare(plan) -> _Confinement:
     if plan.egress is not None:
         from .egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         conf.egress = Handoff(plan.egress["proxy_port"])
+    if plan.new_netns and conf.ids is None and not host.net_admin():
+        try:
+            conf.netns_fd = cell_netns()
+        except BaseException as e:
+            _close_conf(conf)
+            if isinstance(e, OSError):
+                raise _netns_refused(e) from None
+            raise
     return conf
+
+
+def _netns_refused(e: OSError) -> SetupError:
+    """The one line for a root controller without CAP_NET_ADMIN whose cells cannot have a user namespace
+    of their own to own their network namespace, with both fixes."""
+    return SetupError(f"cell setup failed at step 'network_namespace': {e.strerror or e}: a cell's loopback needs "
+                      "CAP_NET_ADMIN, which this controller lacks, or a user namespace of the cell's own, which "
+                      "this host refuses; fix: give agnsup CAP_NET_ADMIN (a container: --cap-add NET_ADMIN), or "
+                      'accept a reduced cell: isolation.reduced = ["network_namespace"] (docs/hosts.md)',
+                      step="network_namespace", errno=e.errno)
+
+
+def _close_conf(conf: _Confinement) -> None:
+    """The controller's copies of what it made for a child (after the fork, or when there is none)."""
+    if conf.ruleset:
+        conf.ruleset.close()
+    if conf.egress:
+        conf.egress.close()
+    for premade in (conf.premade or {}).values():
+        os.close(premade)
+    if conf.netns_fd is not None:
+        os.close(conf.netns_fd)
+        conf.netns_fd = None
+
+
+def cell_netns() -> int:
+    """A network namespace for one cell of a root controller that lacks CAP_NET_ADMIN, owned by a user
+    namespace of its own (linux/netns.py), its lo up: an fd the child joins by setns. A throwaway child
+    makes both, opens its own /proc/self/ns/net and sends us the fd (SCM_RIGHTS: we could not open its
+    /proc entry ourselves, as its euid is the namespace's owner now and a container's root has no
+    CAP_SYS_PTRACE), then exits; the fd keeps the namespace until the cell is in it. One fork per cell,
+    only on such hosts."""
+    import _socket  # not `socket` (tens of ms of imports on a busy host): a socketpair and SCM_RIGHTS
+    import struct
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ours.close()
+            try:
+                netns.own_user_and_net_namespace(userns.netns_owner())
+                fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                theirs.sendmsg([b"1"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))])
+            except OSError as e:
+                theirs.send(f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
+        finally:
+            os._exit(0)
+    theirs.close()
+    fds: list[int] = []
+    try:
+        # b"": it died before saying anything
+        answer, ancillary, _flags, _addr = ours.recvmsg(4096, _socket.CMSG_SPACE(4), _socket.MSG_CMSG_CLOEXEC)
+        for level, kind, data in ancillary:
+            if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
+                fds += struct.unpack(f"{len(data) // 4}i", data[:len(data) // 4 * 4])
+    finally:
+        ours.close()
+        _userns_exited.append(pid)  # it exits by itself: reaped without waiting, as cell_userns's helper
+        _reap_exited_userns_children()
+    if answer == b"1" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    code, _, msg = answer.decode(errors="replace").partition("\0")
+    raise OSError(int(code) if code.isdigit() else errno.EPERM,
+                  f"a network namespace of the cell's own: {msg or 'the helper exited'}")
 
 
 def make_tmp(plan) -> int:
@@ -580,12 +662,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         for fd in (barrier_r, barrier_w, err_r, err_w, status_r, status_w):
             if fd is not None:
                 os.close(fd)
-        if conf.ruleset:
-            conf.ruleset.close()
-        if conf.egress:
-            conf.egress.close()
-        for premade in (conf.premade or {}).values():
-            os.close(premade)
+        _close_conf(conf)
         if conf.ids is not None and e.errno in _USERNS_REFUSED:
             raise _userns_refused(e.strerror or str(e), e.errno) from None
         raise reduced_refusal("pid_namespace", e.strerror or str(e), e.errno, plan) or \
@@ -599,6 +676,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         conf.ruleset.close()
     if conf.egress:
         conf.egress.after_fork()
+    if conf.netns_fd is not None:
+        os.close(conf.netns_fd)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=_JOIN_CLONE3 if born else _JOIN_FORK, handoff=conf.egress,
                   tmp_fd=(conf.premade or {}).get("tmp"))
@@ -710,6 +789,15 @@ def _child_error(plan, report: bytes) -> Exception:
         return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
     if step == "user_namespace":
         return _userns_refused(msg, code)
+    if step == "proc" and code == errno.EPERM and os.geteuid() != 0:
+        # the kernel mounts a new proc in a user namespace only where one is fully visible already
+        # (mount_too_revealing): a container engine's masks over /proc files (/proc/keys, ...) forbid it
+        return SetupError(f"cell setup failed at step 'proc': {msg}: a normal user's cell mounts its PID "
+                          "namespace's own /proc, which the kernel refuses while files of /proc are masked (a "
+                          "container engine's masked paths); fix: run the container with --security-opt "
+                          "systempaths=unconfined (Kubernetes: securityContext.procMount: Unmasked), run agnsup as "
+                          'root, or accept a reduced cell: isolation.reduced = ["pid_namespace"] (docs/hosts.md)',
+                          step=step, errno=code)
     if os.geteuid() == 0 and (refused := reduced_refusal(step, msg, code, plan)) is not None:
         return refused
     if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:

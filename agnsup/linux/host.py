@@ -55,3 +55,26 @@ def _userns_pid() -> str | None:
     from . import userns
     blocked = userns.blocked_by_sysctl()
     return f"no user namespace for a normal user: {blocked[0]}" if blocked else None
+
+
+CAP_NET_ADMIN = 12
+_net_admin: list = []  # [bool], once known
+
+
+def net_admin() -> bool:
+    """Does this process hold CAP_NET_ADMIN (its effective set, /proc/self/status CapEff)? Read once per
+    process. A root controller without it (Docker's recipe adds SYS_ADMIN only) cannot bring up the
+    loopback of a network namespace its own user namespace owns: its cells' network namespaces are then
+    owned by a user namespace of their own (supervisor.cell_netns)."""
+    if not _net_admin:
+        eff = 0
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("CapEff:"):
+                        eff = int(line.split()[1], 16)
+                        break
+        except (OSError, ValueError):
+            pass
+        _net_admin.append(bool(eff >> CAP_NET_ADMIN & 1))
+    return _net_admin[0]

@@ -274,7 +274,11 @@ def _mask(path: str) -> None:
                    "size=4k,mode=000")
     else:
         lsys.mount("/dev/null", path, None, lsys.MS_BIND)
-        lsys.mount(None, path, None, lsys.MS_BIND | lsys.MS_REMOUNT | lsys.MS_RDONLY)
+        # Read-only by mount_setattr, which changes that one flag: a remount (MS_REMOUNT|MS_BIND) sets
+        # every per-mount flag anew, and where the kernel locked the source's nosuid, nodev or noexec (a
+        # container's nosuid /dev seen from a normal user's own user namespace: mount_namespaces(7)) one
+        # that drops it is refused with EPERM.
+        lsys.mount_setattr(path, attr_set=lsys.MOUNT_ATTR_RDONLY, recursive=False)
 
 
 # The host nodes every cell keeps: harmless to any uid (0666 on every host), and what

@@ -138,3 +138,12 @@ def write_cell_maps(pid: int) -> None:
     uid_map, gid_map = cell_map_lines()
     _write_once(f"/proc/{pid}/uid_map", uid_map)
     _write_once(f"/proc/{pid}/gid_map", gid_map)
+
+
+def netns_owner() -> int:
+    """The host uid that owns the user namespaces made for a root controller's cells' network namespaces
+    when the controller lacks CAP_NET_ADMIN (linux/netns.py): the last id of the cells' range, which no
+    process runs as in the controller's user namespace (a mapped cell runs as BASE+n inside the cells'
+    user namespace, where ownership gives it nothing), so none holds capabilities there by ownership."""
+    uid, _, count = cell_range()
+    return uid + count - 1

@@ -525,16 +525,17 @@ def namespaces_refused() -> dict:
     if _ns_refused:
         return dict(_ns_refused)
     root = os.geteuid() == 0
-    tries = (("mount_namespace", lambda: (lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC),
-                                           os.close(lsys.fsmount_new("tmpfs", {"size": "4096"})))),
-             # its loopback too: a namespace whose lo cannot come up (no CAP_NET_ADMIN) is refused all the same
-             ("network_namespace", _netns_with_loopback),
-             ("pid_namespace", lambda: lsys.unshare(lsys.CLONE_NEWPID)))
+    # in this order: the network's own user namespace (a root controller without CAP_NET_ADMIN) comes last
+    tries = (("mount_namespace", _mount_namespace_probe),
+             ("pid_namespace", _pid_namespace_probe),
+             ("network_namespace", _netns_with_loopback))
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
+            global _host_mnt_ns
+            _host_mnt_ns = os.readlink("/proc/self/ns/mnt")
             out = []
             try:
                 if not root:
@@ -570,7 +571,49 @@ _STEP_PIECES = {"unshare": None, "pid_namespace": ("pid_namespace",), "confineme
                 "mounts": ("mount_namespace",), "proc": ("pid_namespace",)}
 
 
+def _mount_namespace_probe() -> None:
+    """In namespaces_refused's child: a mount namespace (private from here on: nothing reaches the host's)
+    and a tmpfs by the new mount API, as a cell's /tmp is made."""
+    lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC)
+    lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+    os.close(lsys.fsmount_new("tmpfs", {"size": "4096"}))
+
+
+def _pid_namespace_probe() -> None:
+    """A PID namespace, and (in the private mount namespace _mount_namespace_probe made, when it could) its
+    own /proc mounted by its PID 1, as a cell's init does: a container engine's masked /proc files make the
+    kernel refuse that mount in a user namespace (mount_too_revealing)."""
+    lsys.unshare(lsys.CLONE_NEWPID)
+    if os.readlink("/proc/self/ns/mnt") == _host_mnt_ns:
+        return  # no mount namespace here: the cell's PID namespace goes with it (compiler._reduced)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+        except OSError as e:
+            os.write(w, (e.strerror or str(e)).encode(errors="replace"))
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    err = _read_all(r).decode(errors="replace")
+    _reap(pid)
+    if err:
+        raise OSError(errno.EPERM, f"its own /proc: {err}")
+
+
+_host_mnt_ns = ""  # the mount namespace the probe child started in (set in it)
+
+
 def _netns_with_loopback() -> None:
+    """A network namespace whose lo comes up, made as a cell's is: a root controller without CAP_NET_ADMIN
+    makes it owned by a user namespace of its own (cell_netns, linux/netns.py)."""
+    if os.geteuid() == 0 and not host.net_admin():
+        netns.own_user_and_net_namespace(userns.netns_owner())
+        return
     lsys.unshare(lsys.CLONE_NEWNET)
     try:
         netns.loopback_up()

@@ -322,6 +322,7 @@ class Controller:
             **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
         }
         cell.isolation["not_in_force"] = [*cell.isolation["not_in_force"], *gaps]
+        cell.isolation.update(plan.reduced_by(backend, cell.isolation["not_in_force"]))  # isolation.reduced "cgroup"
         st = stage("backend", layout=backend.kind, cgroup=cell.place.paths(), cgroup_inode=cell.place.inode,
                    isolation=cell.isolation)
         cell.trace.append(st)

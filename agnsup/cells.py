@@ -39,6 +39,22 @@ def tree_text(cells: list[dict]) -> list[str]:
                 extra = f" exit={c['exit_code']}" if c["exit_code"] is not None else ""
                 if c.get("changes"):  # agnsup ps adds it (issue 26): the cell's change record, kept/undone/dropped
                     extra += f" changes={c['changes']['files']}:{c['changes']['state']}"
+                if c.get("reduced"):  # agnsup ps adds it (issue 27): what a reduced cell runs without
+                    extra += f" reduced={','.join(c['reduced'])}"
                 lines.append(f"    cell {c['cell_id']:<14} {c['state']:<10} pid={pid}{extra}  "
                              f"{' '.join(c['argv'])[:60]}")
     return lines
+
+
+def reduced_of(journal, cells: list[dict]) -> None:
+    """Each cell's `reduced` (isolation.reduced pieces it runs without, docs/isolation.md "Reduced cells"),
+    from its journaled backend stage, into the dicts (a key only for a reduced cell). Live cells only: an
+    ended cell's receipt says it (agnsup receipts), and `ps --all` stays one query."""
+    for c in cells:
+        if c["state"] not in ("waiting", "starting", "running"):
+            continue
+        for ev in journal.events(c["run_id"], c["cell_id"]):
+            if ev["kind"] == "stage.backend" and ev["data"]:
+                got = (json.loads(ev["data"]).get("isolation") or {}).get("reduced")
+                if got:
+                    c["reduced"] = got

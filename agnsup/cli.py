@@ -179,6 +179,15 @@ def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
     from .cells import listing, tree_text
     cells = listing(_root(obj), run_id, show_all)
+    if any(c["state"] in ("waiting", "starting", "running") for c in cells):
+        from .cells import reduced_of
+        j = _journal(obj)
+        try:
+            if j is not None:
+                reduced_of(j, cells)  # what a reduced cell runs without (isolation.reduced)
+        finally:
+            if j is not None:
+                j.close()
     if any(c["state"] not in ("waiting", "starting", "running") for c in cells):
         j = _journal(obj)  # a cell that ended may have changes kept: kept, undone or dropped now
         try:
@@ -234,6 +243,9 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
                 from .egress.summary import lines
                 for line in lines(r["network"]):
                     click.echo("  " + line)
+            if r.get("reduced"):  # isolation.reduced: what this cell ran without (docs/isolation.md)
+                click.echo("  reduced: " + ", ".join(r["reduced"]) + " (isolation.not_in_force says what each "
+                           "takes away)")
             line = changes_line(r)
             if line:
                 click.echo("  " + line)

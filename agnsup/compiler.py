@@ -67,6 +67,9 @@ class ExecutionPlan(Record):
     sockets_allowed: list[str] = Factory(list)  # filesystem.unix_sockets (real paths)
     changes: dict = Factory(dict)           # reversible cells (changes_mode): {"mode": "at_exit" | "live" | "none",
                                             # "why", "role": filesystem.changes, "keep", "keep_bytes", "layer"}
+    mount_namespace: bool = True            # the cell's own mount (and IPC) namespace; False: a reduced cell
+    reduced: list[str] = Factory(list)      # what this cell runs without (isolation.reduced the host refuses)
+    reduced_accepted: list[str] = Factory(list)  # the role's isolation.reduced (what it would accept losing)
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""
@@ -80,6 +83,14 @@ class ExecutionPlan(Record):
                     "kills everything in a namespace whose init dies"}
         return {"mode": "kill", "in_force": False, "how": "no PID namespace here: only the leader has "
                 "PR_SET_PDEATHSIG(SIGKILL); what it started is left to the janitor's next run"}
+
+    def reduced_by(self, backend, not_in_force: list[str]) -> dict:
+        """The receipt's isolation `reduced` and `not_in_force` once the backend is known: a role that lists
+        "cgroup" in isolation.reduced, on a backend without a tree (Untracked), runs without one, named."""
+        if "cgroup" not in self.reduced_accepted or backend.trees:
+            return {"reduced": self.reduced}
+        return {"reduced": [*self.reduced, "cgroup"],
+                "not_in_force": [*not_in_force, f"cgroup (reduced: {REDUCED_LOSS['cgroup']}): {backend.why}"]}
 
     def captures(self) -> bool:
         """The cell runs over an overlay of its worktree whose changes land when it ends (agnsup/changes.py)."""
@@ -117,6 +128,9 @@ class ExecutionPlan(Record):
             "user_namespace": self.user_namespace,
             "on_controller_death": self.on_controller_death(),
             "not_in_force": self.not_in_force,
+            "reduced": self.reduced,
+            **({} if self.mount_namespace else {"mount_namespace": False, "private_tmp": False,
+                                                "ipc_namespace": False, "readonly_root": False}),
             "home": self.home, "home_hidden": self.home_hidden, "home_exposed": self.home_exposed,
             "home_config": self.home_config,
             "caches": [{"host": h, "cell": c} for h, c, _ in self.caches],
@@ -364,6 +378,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     `other_roots`: the host's other state roots (StateRoot.other_roots), hidden too."""
     fs = policy.filesystem
     wt = spec.worktree or spec.workdir
+    reduced, host = _reduced(policy, spec, host)
+    if "mount_namespace" in reduced:
+        return _reduced_plan(spec, policy, state_root, host, reduced)
     state_real = os.path.realpath(state_root)
     if wt == state_real or wt.startswith(state_real + "/"):
         raise UsageError(f"workdir {wt} is inside the state root {state_real}, which cells never see")
@@ -449,13 +466,15 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
     lim = policy.limits
-    proxied = policy.network.mode in ("allowlist", "internal")
+    spec, net = _reduced_network(spec, policy, reduced, conf)
+    proxied = net in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
         conf["egress_rules"] = Rules.of(policy.network)
     return ExecutionPlan(
         spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
-        new_netns=policy.network.mode in NETNS_MODES, network=policy.network.mode,
+        new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
+        reduced_accepted=list(policy.isolation.get("reduced", ())),
         egress=policy.network.as_dict() if proxied else None,
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
         tmp_tmpfs=tmp_tmpfs,
@@ -695,10 +714,12 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     return links, files, report
 
 
-def _runtime_links(spec: CellSpec) -> list[tuple]:
-    """@runtime in the cell is spec.RUNTIME_BIN, a directory in its /tmp linking agnsup's own commands."""
+def _runtime_links(spec: CellSpec, tmpdir: str | None = None) -> list[tuple]:
+    """@runtime in the cell is spec.RUNTIME_BIN, a directory in its /tmp linking agnsup's own commands
+    (`tmpdir`: a reduced cell's /tmp is that directory itself)."""
     from .spec import CELL_TMP, RUNTIME_BIN, RUNTIME_COMMANDS, runtime_host_dir
-    if RUNTIME_BIN not in spec.env.get("PATH", "").split(":"):
+    where = RUNTIME_BIN if tmpdir is None else tmpdir + RUNTIME_BIN[len(CELL_TMP):]
+    if where not in spec.env.get("PATH", "").split(":"):
         return []
     rel = os.path.relpath(RUNTIME_BIN, CELL_TMP)
     return [(os.path.join(rel, c), os.path.join(runtime_host_dir(), c)) for c in RUNTIME_COMMANDS]
@@ -721,7 +742,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
             raise SetupError(f"role {spec.role} requires {p}, which is not available here: {host[p]}",
                              step="require")
     missing = [f"{p}: {host[p]}" for p, on in wanted.items() if on and host.get(p) and p != "capabilities"]
-    if wanted["pid_namespace"] and host["pid_namespace"]:
+    if wanted["pid_namespace"] and host["pid_namespace"] and "pid_namespace" not in iso.get("reduced", ()):
         raise SetupError(f"role {spec.role} asks for a PID namespace: {host['pid_namespace']}", step="pid_namespace")
     root = host["_root"]
     out: dict = {"not_in_force": missing, "pid_namespace": bool(wanted["pid_namespace"]),
@@ -759,8 +780,10 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
     else:
         # the capabilities a user namespace gives the child (for its mounts) leave the bounding set
         # too; the command, not root in there, has none after execve (capabilities(7))
-        out["user_namespace"] = True
-        out["drop_caps"] = list(range(host["_cap_last"] + 1))
+        # (a reduced cell that has none of its namespaces has no user namespace either: nothing to drop)
+        own = host.get("_own_namespaces", True)
+        out["user_namespace"] = own
+        out["drop_caps"] = list(range(host["_cap_last"] + 1)) if own else []
     return out
 
 
@@ -803,3 +826,160 @@ def _ids(user, group, role: str) -> tuple[int, int]:
         return uid, grp.getgrnam(group).gr_gid
     except KeyError:
         raise SetupError(f"role {role}: process.group {group!r} is not a group on this host", step="user") from None
+
+
+# -- reduced cells (isolation.reduced; docs/isolation.md, "Reduced cells") ------------------------------
+
+NAMESPACE_PIECES = ("mount_namespace", "network_namespace", "pid_namespace")
+# What each piece takes away, as the receipt's not_in_force says it.
+REDUCED_LOSS = {
+    "mount_namespace": "no mount namespace: no private /tmp (TMPDIR and HOME are a directory under the state root), "
+                       "no read-only root, no hidden homes, deny paths or state root (the host's files are readable), "
+                       "no IPC namespace; writes are held by Landlock alone",
+    "network_namespace": "no network namespace: the cell has the host's network",
+    "pid_namespace": "no PID namespace: the cell sees the host's processes; only the leader dies with the controller "
+                     "(PR_SET_PDEATHSIG), what it started is left to the janitor",
+    "cgroup": "no cgroup tree: tracked by session + token, no limits, no atomic tree kill",
+}
+
+
+REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")  # models.REDUCIBLE
+
+
+def reduced_pieces(policy=None, host: dict | None = None, backend=None) -> list[str]:
+    """The pieces a cell of `policy` (policy.Frozen; None: a role listing all four) runs without on this
+    host: those its
+    isolation.reduced lists that the host refuses (host["_namespaces"]() or supervisor.namespaces_refused;
+    "cgroup" when `backend`, or host["backend"], has no tree). [] for a role that lists none, or on a full host. For
+    `agnsup doctor`'s `reduced:` line; a cell's receipt has the same under `reduced`."""
+    accepted = list(REDUCIBLE_ORDER if policy is None else policy.isolation.get("reduced", ()))
+    if not accepted:
+        return []
+    host = dict(host or {})
+    if "_namespaces" not in host:
+        from . import supervisor
+        host["_namespaces"] = supervisor.namespaces_refused
+    backend = backend if backend is not None else host.get("backend")
+    out = [p for p in NAMESPACE_PIECES if p in accepted and (_refused_here(host).get(p))]
+    if "mount_namespace" in out and "pid_namespace" in accepted and "pid_namespace" not in out:
+        out.append("pid_namespace")  # its /proc needs the mount namespace
+    if "cgroup" in accepted and backend is not None and not backend.trees:
+        out.append("cgroup")
+    return [p for p in (*NAMESPACE_PIECES, "cgroup") if p in out]
+
+
+def _refused_here(host: dict) -> dict:
+    probe = host.get("_namespaces")
+    return probe() if probe is not None else {}
+
+
+def _reduced(policy, spec: CellSpec, host: dict) -> tuple[dict, dict]:
+    """({piece: why} this cell runs without, the host facts as the rest of the compiler must see them).
+    Asked of the host only when the role lists isolation.reduced (a probe once per controller process:
+    supervisor.namespaces_refused); a role that lists none costs nothing here."""
+    accepted = policy.isolation.get("reduced", ())
+    if not any(p in accepted for p in NAMESPACE_PIECES):
+        return {}, host
+    refused = _refused_here(host)
+    out = {p: refused[p] for p in NAMESPACE_PIECES if p in accepted and refused.get(p)}
+    if "mount_namespace" in out and "pid_namespace" not in out and not refused.get("pid_namespace"):
+        if policy.isolation.pid_namespace or spec.on_controller_death == "kill":
+            if "pid_namespace" not in accepted:
+                raise SetupError(f"role {spec.role} accepts running without a mount namespace, which this host "
+                                 f"refuses ({out['mount_namespace']}), but not without the PID namespace that needs "
+                                 "one (its /proc); fix: isolation.reduced also lists \"pid_namespace\"",
+                                 step="pid_namespace")
+            out["pid_namespace"] = "a PID namespace needs the mount namespace for its /proc"
+    if not out:
+        return {}, host
+    host = dict(host)
+    if "pid_namespace" in out:
+        host["pid_namespace"] = out["pid_namespace"]
+    if "mount_namespace" in out:
+        host["mapped_uid"] = "no mount namespace (a reduced cell): its worktree cannot be id-mapped"
+        host["_reversible"] = lambda *_: "no mount namespace (a reduced cell): no overlay of the worktree"
+    # a normal user's cell makes its namespaces in a user namespace of its own: none to make, none needed
+    pid_wanted = policy.isolation.pid_namespace or spec.on_controller_death == "kill"
+    host["_own_namespaces"] = "mount_namespace" not in out or (
+        policy.network.mode in NETNS_MODES and "network_namespace" not in out) or (
+        pid_wanted and "pid_namespace" not in out)
+    return out, host
+
+
+def _reduced_notes(reduced: dict, conf: dict) -> None:
+    for p, why in reduced.items():
+        conf["not_in_force"].append(f"{p} (reduced: {REDUCED_LOSS[p]}): {why}")
+
+
+def _reduced_network(spec: CellSpec, policy, reduced: dict, conf: dict) -> tuple[CellSpec, str]:
+    """(the spec, the network the cell has): the role's mode, or "host" for a reduced cell without a
+    network namespace of its own (whose proxy variables would point at the host's loopback: dropped)."""
+    from .record import replace
+    _reduced_notes(reduced, conf)
+    mode = policy.network.mode
+    if "network_namespace" not in reduced or mode not in NETNS_MODES:
+        return spec, mode
+    conf["not_in_force"].append(f"network.mode {mode!r} (the cell has the host's network instead)")
+    if mode in ("allowlist", "internal"):
+        from .egress import proxy_env
+        drop = set(proxy_env(policy.network.proxy_port))
+        spec = replace(spec, env={k: v for k, v in spec.env.items() if k not in drop},
+                       env_sources={k: v for k, v in spec.env_sources.items() if k not in drop})
+    return spec, "host"
+
+
+def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: dict) -> ExecutionPlan:
+    """The plan of a cell without a mount namespace (isolation.reduced lists it, the host refuses it):
+    no mount operations; its /tmp is its directory under the state root (HOME, TMPDIR, @runtime point
+    there), the only place besides the worktree (rw) that Landlock lets it write."""
+    from .record import replace
+    from .spec import CELL_TMP
+    fs, lim = policy.filesystem, policy.limits
+    wt = spec.worktree or spec.workdir
+    cell_dir = os.path.join(state_root, "cells", spec.run_id, spec.cell_id)
+    tmpdir = os.path.join(cell_dir, "tmp")
+    home = os.path.expanduser("~")
+
+    def moved(v: str) -> str:  # a path in the cell's /tmp -> the same under tmpdir
+        return tmpdir + v[len(CELL_TMP):] if _under(v, CELL_TMP) else v
+    env = {k: (":".join(moved(d) for d in v.split(":")) if k == "PATH" else moved(v) if k in ("HOME", "TMPDIR")
+               else v) for k, v in spec.env.items()}
+    spec = replace(spec, env=env, exe=moved(spec.exe))
+    devices = host_devices(fs, spec.role)
+    conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host, [p for p, _ in devices],
+                        state_root)
+    changes = changes_mode(fs, spec, wt, state_root, host, policy.isolation, conf)
+    lost = []
+    if fs.worktree == "rw":
+        lost.append("protected paths (.git/hooks, .git/config, .vscode, ...) are writable like the rest of the "
+                    "worktree")
+    if fs.cache != "none":
+        lost.append(f"filesystem.cache = {fs.cache!r} (no mount for the caches: they die with the cell)")
+    if fs.deny:
+        lost.append("filesystem.deny (" + ", ".join(fs.deny) + ") is readable")
+    lost.append("the host's unix sockets are reachable (none masked, /run not private)")
+    if fs.home == "hidden":
+        lost.append("filesystem.home = \"hidden\": the homes are readable")
+    if host["landlock"] or not policy.isolation.landlock:
+        lost.append("writes outside the worktree and the cell's /tmp: nothing but the uid's own permissions "
+                    "holds them (no Landlock)")
+    conf["not_in_force"].extend(f"{x} (reduced: no mount namespace)" for x in lost)
+    home_links, home_files, home_config = _home_config(fs, spec, home, wt)
+    from .redact import config_of as redact_config
+    spec, net = _reduced_network(spec, policy, reduced, conf)
+    proxied = net in ("allowlist", "internal")
+    if proxied:
+        from .netpolicy import Rules
+        conf["egress_rules"] = Rules.of(policy.network)
+    return ExecutionPlan(
+        spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=[], mount_namespace=False,
+        new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
+        reduced_accepted=list(policy.isolation.get("reduced", ())),
+        egress=policy.network.as_dict() if proxied else None,
+        limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
+        tmp_tmpfs=False, grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
+        worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=[],
+        home=fs.home, redact=redact_config(policy.governance),
+        tmp_links=_runtime_links(spec, tmpdir) + home_links, tmp_files=home_files, home_config=home_config,
+        caches=[], devices=devices, shm_max=0, protected=[], protected_lifted=list(fs.writable_protected),
+        changes=changes, **conf)

@@ -314,6 +314,9 @@ class LimitsSection(_Strict):
 # "reversible": a cell that writes its worktree captures its changes (filesystem.changes; a long-lived cell too)
 PROTECTIONS = ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities", "limits",
                "mapped_uid", "reversible")
+# isolation.reduced: what an operator accepts losing WHERE THE HOST REFUSES IT (a default container's seccomp
+# profile, a locked-down CI runner): never where it is available (docs/isolation.md, "Reduced cells")
+REDUCIBLE = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")
 
 
 class IsolationSection(_Strict):
@@ -346,6 +349,12 @@ class IsolationSection(_Strict):
                                   "stay closed to it. Ignored when agnsup is not root or process.user is set.")
     require: list[str] = Field(default_factory=list, description="Protections that must be in force or the cell "
                                "does not start (exit 125): " + ", ".join(PROTECTIONS) + ".")
+    reduced: list[str] = Field(default_factory=list, description="What the operator accepts losing where this host "
+                               "refuses it (" + ", ".join(REDUCIBLE) + "): a cell then runs without that piece, "
+                               "and its receipt names it (top-level `reduced`, isolation.not_in_force); where the "
+                               "host offers a piece the cell gets it all the same. Unlisted, a refused piece "
+                               "refuses the cell (exit 125), naming the piece and both fixes. docs/isolation.md, "
+                               "\"Reduced cells\".")
 
     @field_validator("capabilities")
     @classmethod
@@ -363,6 +372,9 @@ class IsolationSection(_Strict):
         lambda p: None if p.startswith("/") or p == "~" or p.startswith("~/") else f"{p!r} is not an absolute path"))
     _known_protections = field_validator("require")(_each(
         lambda p: None if p in PROTECTIONS else f"{p!r} is not a protection (one of: {', '.join(PROTECTIONS)})"))
+    _known_reducible = field_validator("reduced")(_each(
+        lambda p: None if p in REDUCIBLE else f"{p!r} is not a piece a cell can run without (one of: "
+        f"{', '.join(REDUCIBLE)})"))
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -373,6 +385,9 @@ class IsolationSection(_Strict):
             if not needs[p]:
                 key = "landlock" if p == "landlock_scopes" else p
                 raise ValueError(f"require lists {p!r} but isolation.{key} is false")
+        if "pid_namespace" in self.require and "pid_namespace" in self.reduced:
+            raise ValueError("require and reduced both list 'pid_namespace': a role either needs it or accepts "
+                             "running without it")
         if (self.seccomp or self.landlock) and not self.no_new_privs:
             raise ValueError("seccomp and landlock need no_new_privs = true (the cell drops CAP_SYS_ADMIN)")
         return self

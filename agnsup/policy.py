@@ -26,14 +26,14 @@ import os
 from .digest import sha256
 from .errors import PolicyError
 
-CACHE_VERSION = "14"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
+CACHE_VERSION = "15"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
 #                     6: network lists; 7: git, redaction, destinations; 8: process.on_controller_death;
 #                     9: limits ranges (pids_max/memory_max >= 1, timeout > 0);
 #                     10: env.path @venv, filesystem.home_config, filesystem.cache(_tools);
 #                     11: isolation.require "limits"; 12: filesystem.devices, limits.shm_max,
 #                     filesystem.writable_protected, filesystem.unix_sockets; 13: isolation.host_root,
 #                     require "mapped_uid", limits.tmp_max; 14: filesystem.changes(_keep, _keep_bytes),
-#                     require "reversible"
+#                     require "reversible"; 15: isolation.reduced
 PRESET_SECTIONS = ("governance", "network", "filesystem", "limits", "quota")
 # Lists a preset and a role join (both deny or protect): a role adds entries, never drops one.
 JOINED_LISTS = ("governance.deny_commands", "filesystem.deny", "network.deny", "governance.redact")

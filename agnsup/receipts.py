@@ -28,6 +28,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "cgroup": cell.place.paths() or None if cell.place else None,
         "cgroup_inode": cell.place.inode if cell.place else None,
         "isolation": cell.isolation,
+        "reduced": (cell.isolation or {}).get("reduced", []),  # isolation.reduced pieces this cell ran without
         "limits": {**(plan.limits if plan else {}), "applied": cell.place.limits if cell.place else {},
                    "timeout": plan.timeout if plan else None, "grace": plan.grace if plan else None},
         "pids": {"leader": cell.identity.get("pid"), "pgid": cell.identity.get("pgid"),
@@ -78,6 +79,9 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
          "recovery": {"janitor": janitor, "receipt": recovery_path, "killed": entry.get("killed", []),
                       "spared": entry.get("spared", []), "released": entry.get("released", []),
                       "notes": entry.get("notes", [])}}
+    # what a reduced cell ran without (isolation.reduced), as its journaled backend stage said it
+    r["reduced"] = next(((st.get("isolation") or {}).get("reduced") or [] for st in chain
+                         if isinstance(st, dict) and st.get("stage") == "backend"), [])
     r.update(argv_b64(argv))
     if entry.get("protected") is not None:  # janitor._settle_protected
         r["protected"] = entry["protected"]

@@ -15,8 +15,9 @@ spawn() forks one child and runs the cell recipe in it, in order:
         only in confine, below, so it owns none of them)
     unshare the mount and IPC (and, unless the role has the host's network, network) namespaces
         (a root controller without CAP_NET_ADMIN: the network namespace is one cell_netns made,
-        owned by a user namespace of the cell's own, with lo up already: joined by setns)
-    build the mount namespace from the plan's operations
+        owned by a user namespace of the cell's own, with lo up already: joined by setns;
+        a reduced cell, isolation.reduced: only those the host gives; none at all in a default container)
+    build the mount namespace from the plan's operations (a reduced cell without one: none)
     bring loopback up in the new network namespace
     allowlist/internal roles: listen on the proxy port inside it and hand the
         listener to the controller (agnsup/egress/handoff.py)
@@ -175,16 +176,20 @@ def _child(plan, backend, place, barrier_r: int, err_w: int, stdio: tuple | None
             userns.write_id_maps("self", uid, gid, uid, gid)
         at.name = "unshare"
         # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
-        # never the host's (issue 25); inside the user namespace for a normal user's cell
+        # never the host's (issue 25); inside the user namespace for a normal user's cell. A reduced cell
+        # (isolation.reduced, where the host refuses them) has none of them: no unshare at all
         own_netns = conf.netns_fd is not None
-        lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC | (lsys.CLONE_NEWNET if plan.new_netns and not own_netns
-                                                             else 0))
+        flags = (lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC if plan.mount_namespace else 0) | \
+            (lsys.CLONE_NEWNET if plan.new_netns and not own_netns else 0)
+        if flags:
+            lsys.unshare(flags)
         if own_netns:
             at.name = "network_namespace"
             lsys.setns(conf.netns_fd, lsys.CLONE_NEWNET)  # its lo is up already
             os.close(conf.netns_fd)
-        at.name = "mounts"
-        mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
+        if plan.mount_namespace:
+            at.name = "mounts"
+            mounts.apply(plan.mount_ops, conf.userns_fd, conf.premade)
         if plan.new_netns and not own_netns:
             at.name = "loopback"
             netns.loopback_up()
@@ -263,9 +268,10 @@ def _confine(at: _Step, plan, conf: _Confinement) -> None:
     """The command's own confinement, after the mount namespace is built (docs/isolation.md)."""
     if conf.ruleset:
         at.name = "landlock_rules"
-        conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
-        conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
-        conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed already)
+        if plan.mount_namespace:  # a reduced cell without one: these are the host's, never writable to it
+            conf.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+            conf.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
+            conf.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed)
         for path, _ in plan.devices:         # a mapped cell's role devices are nodes made in its own /dev
             conf.ruleset.allow_path(path)
         for op in plan.mount_ops:            # the worktree's overlay root is a new inode (reversible cells)
@@ -507,6 +513,139 @@ def idmap_refused(path: str) -> str | None:
     return _idmap_by_dev[dev]
 
 
+_ns_refused: dict = {}  # namespaces_refused(), once per controller process
+
+
+def namespaces_refused() -> dict:
+    """{"mount_namespace" | "network_namespace" | "pid_namespace": None when this host gives a cell one, else
+    why not}: tried once per controller process in one throwaway child, the way a cell makes them (a normal
+    user's inside a user namespace of its own; the mount namespace with the new mount API a cell's /tmp is
+    made with). Asked only for a role that lists isolation.reduced, or to name the fix of a refused cell:
+    a full host's `agnsup run` never pays for it."""
+    if _ns_refused:
+        return dict(_ns_refused)
+    root = os.geteuid() == 0
+    # in this order: the network's own user namespace (a root controller without CAP_NET_ADMIN) comes last
+    tries = (("mount_namespace", _mount_namespace_probe),
+             ("pid_namespace", _pid_namespace_probe),
+             ("network_namespace", _netns_with_loopback))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            global _host_mnt_ns
+            _host_mnt_ns = os.readlink("/proc/self/ns/mnt")
+            out = []
+            try:
+                if not root:
+                    lsys.unshare(lsys.CLONE_NEWUSER)
+                    userns.write_id_maps("self", os.getuid(), os.getgid(), os.getuid(), os.getgid())
+                first = None
+            except OSError as e:
+                first = f"no user namespace for a normal user's cell: {e.strerror or e}"
+            for name, fn in tries:
+                why = first
+                if why is None:
+                    try:
+                        fn()
+                    except OSError as e:
+                        why = e.strerror or str(e)
+                out.append(f"{name}\0{why or ''}")
+            os.write(w, "\n".join(out).encode(errors="replace"))
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = _read_all(r).decode(errors="replace")
+    _reap(pid)
+    for line in got.splitlines():
+        name, _, why = line.partition("\0")
+        _ns_refused[name] = why or None
+    for name, _ in tries:
+        _ns_refused.setdefault(name, "the probe child reported nothing")
+    return dict(_ns_refused)
+
+
+# The reduced pieces a refused child step stands for (a cell that needs them and whose role does not list them).
+_STEP_PIECES = {"unshare": None, "pid_namespace": ("pid_namespace",), "confinement": ("mount_namespace",),
+                "mounts": ("mount_namespace",), "proc": ("pid_namespace",)}
+
+
+def _mount_namespace_probe() -> None:
+    """In namespaces_refused's child: a mount namespace (private from here on: nothing reaches the host's)
+    and a tmpfs by the new mount API, as a cell's /tmp is made."""
+    lsys.unshare(lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC)
+    lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)
+    os.close(lsys.fsmount_new("tmpfs", {"size": "4096"}))
+
+
+def _pid_namespace_probe() -> None:
+    """A PID namespace, and (in the private mount namespace _mount_namespace_probe made, when it could) its
+    own /proc mounted by its PID 1, as a cell's init does: a container engine's masked /proc files make the
+    kernel refuse that mount in a user namespace (mount_too_revealing)."""
+    lsys.unshare(lsys.CLONE_NEWPID)
+    if os.readlink("/proc/self/ns/mnt") == _host_mnt_ns:
+        return  # no mount namespace here: the cell's PID namespace goes with it (compiler._reduced)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
+        except OSError as e:
+            os.write(w, (e.strerror or str(e)).encode(errors="replace"))
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    err = _read_all(r).decode(errors="replace")
+    _reap(pid)
+    if err:
+        raise OSError(errno.EPERM, f"its own /proc: {err}")
+
+
+_host_mnt_ns = ""  # the mount namespace the probe child started in (set in it)
+
+
+def _netns_with_loopback() -> None:
+    """A network namespace whose lo comes up, made as a cell's is: a root controller without CAP_NET_ADMIN
+    makes it owned by a user namespace of its own (cell_netns, linux/netns.py)."""
+    if os.geteuid() == 0 and not host.net_admin():
+        netns.own_user_and_net_namespace(userns.netns_owner())
+        return
+    lsys.unshare(lsys.CLONE_NEWNET)
+    try:
+        netns.loopback_up()
+    except OSError as e:
+        raise OSError(e.errno, f"bringing lo up in a new network namespace: {e.strerror}") from None
+
+
+def reduced_refusal(step: str, msg: str, code: int | None, plan=None) -> SetupError | None:
+    """The one line for a cell the host refuses a namespace (Docker's default seccomp profile, a missing
+    CAP_SYS_ADMIN, gVisor, a locked-down runner) whose role does not accept running without it: the piece,
+    and both fixes, the container's flag or isolation.reduced (docs/isolation.md, "Reduced cells"). None when
+    `step`/`code` is not such a refusal, or when the host gives every namespace (another cause)."""
+    if code not in (errno.EPERM, errno.EACCES, errno.ENOSYS) or step not in _STEP_PIECES:
+        return None
+    refused = [p for p, why in namespaces_refused().items() if why]
+    if not refused:
+        return None
+    accepted = set(getattr(plan, "reduced_accepted", ()) or ())
+    pieces = [p for p in refused if p not in accepted] or refused
+    root = os.geteuid() == 0
+    why = ("the container's seccomp profile or a missing CAP_SYS_ADMIN refuses namespaces" if root else
+           "namespaces are refused to this user here (no user namespace: a sysctl, an LSM, or a seccomp profile)")
+    flag = ("run the container with --cap-add SYS_ADMIN (deploy/Dockerfile)" if root else
+            "let this user create user namespaces (see `agnsup doctor`), or run agnsup as root")
+    listed = ", ".join(f'"{p}"' for p in sorted(set(pieces) | accepted, key=_REDUCIBLE_ORDER.index))
+    return SetupError(f"cell setup failed at step {step!r}: {msg} ({why}); fix: {flag}, or accept a reduced cell: "
+                      f"isolation.reduced = [{listed}] (docs/hosts.md)", step=step, errno=code)
+
+
+_REDUCIBLE_ORDER = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]
+
+
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
@@ -522,8 +661,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     try:
         conf = _prepare(plan)
     except OSError as e:
-        raise SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
-                         errno=e.errno) from None
+        raise reduced_refusal("confinement", e.strerror or str(e), e.errno, plan) or \
+            SetupError(f"cell setup failed at step 'confinement': {e.strerror or e}", step="confinement",
+                       errno=e.errno) from None
     barrier_r, barrier_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r = status_w = None
@@ -568,8 +708,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         _close_conf(conf)
         if conf.ids is not None and e.errno in _USERNS_REFUSED:
             raise _userns_refused(e.strerror or str(e), e.errno) from None
-        raise SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
-                         errno=e.errno) from None
+        raise reduced_refusal("pid_namespace", e.strerror or str(e), e.errno, plan) or \
+            SetupError(f"cell setup failed at step 'pid_namespace': {e.strerror or e}", step="pid_namespace",
+                       errno=e.errno) from None
     os.close(barrier_r)
     os.close(err_w)
     if status_w is not None:
@@ -700,6 +841,8 @@ def _child_error(plan, report: bytes) -> Exception:
                           "systempaths=unconfined (Kubernetes: securityContext.procMount: Unmasked), run agnsup as "
                           'root, or accept a reduced cell: isolation.reduced = ["pid_namespace"] (docs/hosts.md)',
                           step=step, errno=code)
+    if os.geteuid() == 0 and (refused := reduced_refusal(step, msg, code, plan)) is not None:
+        return refused
     if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
         # what is needed, not only what failed (issue 12 item 11)
         return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
@@ -743,8 +886,9 @@ def _userns_refused(msg: str, code: int | None) -> SetupError:
                                              "as AppArmor, or a seccomp filter: a container needs its runtime's "
                                              "user-namespace support); or run agnsup as root")
     return SetupError(f"cell setup failed at step 'user_namespace': {msg}: a normal user's cell gets its mount, "
-                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}",
-                      step="user_namespace", errno=code)
+                      f"network and PID namespaces only inside a user namespace of its own; fix: {fix}; or accept "
+                      'a reduced cell: isolation.reduced = ["mount_namespace", "network_namespace", "pid_namespace"] '
+                      "(docs/hosts.md)", step="user_namespace", errno=code)
 
 
 def _clone_into_cgroup(path: str | None, flags: int) -> tuple[int | None, int | None]:

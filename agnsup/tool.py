@@ -109,7 +109,8 @@ def prepare(state, journal, request: CellRequest):
         return unsupported(state_root, worktree)
     try:
         plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused,
-                                                             "_reversible": reversible}, other_roots)
+                                                             "_reversible": reversible,
+                                                             "_namespaces": supervisor.namespaces_refused}, other_roots)
     except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
         refuse(e)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),

@@ -506,8 +506,10 @@ def test_without_network_namespaces_an_allowlist_role_refuses_to_start(net, tmp_
                          net.worktree, "--", "sh", "-c", "echo ran > ran"], env=env, capture_output=True,
                         timeout=60)
     assert cp.returncode == 125, cp.stderr
-    assert cp.stderr.decode() == ("agnsup: cell setup failed at step 'unshare': unshare: Operation not "
-                                  "permitted\n")
+    # one line: the step, then both fixes (issue 27): the container's flag, or a reduced cell
+    assert cp.stderr.decode().startswith("agnsup: cell setup failed at step 'unshare': unshare: Operation not "
+                                         "permitted (") and cp.stderr.decode().count("\n") == 1
+    assert 'accept a reduced cell: isolation.reduced = ["network_namespace"]' in cp.stderr.decode()
     assert not os.path.exists(os.path.join(net.worktree, "ran"))
     r = _receipt(net.state, "nonet")
     assert r["state"] == "failed" and r["network"]["attempts"] == 0

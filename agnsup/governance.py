@@ -27,9 +27,16 @@ def kernel_of(policy, state_root: str | None):
     if "SYS_ADMIN" in kept:
         return Kernel()
     from .compiler import NETNS_MODES
-    return Kernel(netns=policy.network.mode in NETNS_MODES and "NET_ADMIN" not in kept,
-                  root_ro=fs.root == "ro", worktree_ro=fs.worktree == "ro",
-                  masked=tuple(fs.deny) + ((state_root,) if state_root else ()))
+    # isolation.reduced: a piece the role may run without is never claimed, whatever this host gives
+    # (the gate's decision does not depend on the host); without the mount namespace, Landlock alone
+    # keeps the read-only root and worktree read-only, and nothing masks a path
+    reduced = set(policy.isolation.reduced)
+    no_mounts = "mount_namespace" in reduced
+    ro_held = not no_mounts or policy.isolation.landlock
+    return Kernel(netns=policy.network.mode in NETNS_MODES and "NET_ADMIN" not in kept
+                  and "network_namespace" not in reduced,
+                  root_ro=fs.root == "ro" and ro_held, worktree_ro=fs.worktree == "ro" and ro_held,
+                  masked=() if no_mounts else tuple(fs.deny) + ((state_root,) if state_root else ()))
 
 
 def context(policy, worktree: str, state_root: str | None):

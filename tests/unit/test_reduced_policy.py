@@ -166,3 +166,22 @@ def test_the_cgroup_piece_is_named_once_the_backend_is_known(tmp_path, monkeypat
     assert got["not_in_force"][1].startswith("cgroup (reduced: no cgroup tree")
     ex, _ = plan(tmp_path, "executor", None)
     assert ex.reduced_by(NoTree(), ["x"]) == {"reduced": []}
+
+
+def test_the_gate_never_counts_on_a_piece_a_role_may_run_without(tmp_path, monkeypatch):
+    """governance.kernel_of: what the gate leaves to the kernel (a network tool under network deny, a read of
+    a masked path) is not left to it by a role that may run without the namespace that refuses it, whatever
+    this host gives; Landlock still holds the read-only root."""
+    from agnsup import governance
+    role(tmp_path, monkeypatch, "full", "", 'mode = "deny"')
+    full = governance.kernel_of(policy.load("full"), "/state")
+    assert full.netns and full.root_ro and "/state" in full.masked
+    role(tmp_path, monkeypatch, "red", f"reduced = {ALL}", 'mode = "deny"')
+    red = governance.kernel_of(policy.load("red"), "/state")
+    assert not red.netns and red.masked == () and red.root_ro
+    role(tmp_path, monkeypatch, "red_nolandlock", f"reduced = {ALL}\nlandlock = false\nseccomp = false",
+         'mode = "deny"')
+    assert not governance.kernel_of(policy.load("red_nolandlock"), "/state").root_ro
+    role(tmp_path, monkeypatch, "net_only", 'reduced = ["network_namespace"]', 'mode = "deny"')
+    net_only = governance.kernel_of(policy.load("net_only"), "/state")
+    assert not net_only.netns and "/state" in net_only.masked

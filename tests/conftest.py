@@ -182,3 +182,60 @@ def skip_unless_capturable(path: str) -> None:
     kind = kinds.get(changes.fs_type(path))
     if kind:
         pytest.skip(f"ENV_BLOCKED: {path} is on {kind}, which cannot hold an overlay upper layer (cells run live)")
+
+
+# -- the container lane's engine (tests/containers.py): one dockerd, one base and one agnsup image per session,
+# shared by tests/test_docker.py and tests/test_reduced.py; the session checks the host's networking is unchanged
+
+ENGINE_IMAGE = "agnsup:test"
+
+
+class Engine:
+    def __init__(self, d, image: str):
+        self.d, self.image = d, image
+
+    def run(self, *flags: str, cmd: tuple | list = (), network: str = "none", timeout: float = 120,
+            entrypoint: bool = True) -> subprocess.CompletedProcess:
+        """`docker run --rm` of the image with `flags` and `cmd` (through the image's ENTRYPOINT, which prints
+        doctor on stderr first, unless `entrypoint` is False)."""
+        argv = ["run", "--rm", "--network", network, *flags]
+        if not entrypoint:
+            argv += ["--entrypoint", cmd[0]]
+            cmd = cmd[1:]
+        return self.d.docker(*argv, self.image, *cmd, check=False, timeout=timeout)
+
+
+def _host_network() -> dict:
+    def out(*argv):
+        return subprocess.run(argv, capture_output=True, text=True).stdout
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        fwd = f.read().strip()
+    return {"links": out("ip", "-br", "link"), "addresses": out("ip", "-br", "addr"),
+            "iptables": out("iptables", "-S") + out("iptables", "-t", "nat", "-S"),
+            "ip6tables": out("ip6tables", "-S"), "ip_forward": fwd}
+
+
+@pytest.fixture(scope="session")
+def engine():
+    import containers  # tests/containers.py: only the sessions that use the engine import it
+    why = containers.installed()
+    if why:
+        pytest.skip(why)
+    before = _host_network()
+    d = containers.Daemon()
+    try:
+        d.__enter__()
+        try:
+            containers.base_rootfs()
+        except containers.DockerError as e:  # the Debian mirror out of reach: the lane cannot be made here
+            pytest.skip(f"ENV_BLOCKED: no base rootfs: {e}")
+        containers.base_image(d)
+        containers.build_image(d, REPO, ENGINE_IMAGE)
+        yield Engine(d, ENGINE_IMAGE)
+    finally:
+        root = d.root
+        forced = d.close()
+    after = _host_network()
+    assert after == before, f"the container lane changed the host's networking: {before} -> {after}"
+    assert root is None or (not os.path.exists(root) and not containers.mounts_under(root)), root
+    assert not forced, f"the daemon's teardown had to force: {forced}"

@@ -1,6 +1,6 @@
 """The container lane (issue 27): agnsup's image, built from deploy/Dockerfile, run by a real Docker engine.
 
-One daemon, one base image and one agnsup image per pytest session (tests/containers.py: a dockerd of the
+One daemon, one base image and one agnsup image per pytest session (conftest.engine over tests/containers.py: a dockerd of the
 session's own under /var/tmp, no bridge, no iptables, no IP forwarding; everything it made is removed at the
 end, and the session checks the host's links, iptables rules, IP forwarding and mounts did not change).
 Containers run only with `--network none` or `--network host`.
@@ -21,7 +21,6 @@ import re
 import socket
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
@@ -30,7 +29,6 @@ from conftest import REPO
 
 pytestmark = pytest.mark.timeout(900)  # the session's first test builds the image (cold: debootstrap too)
 
-IMAGE = "agnsup:test"
 
 
 def recipe() -> list[str]:
@@ -62,56 +60,6 @@ def recipe() -> list[str]:
 # SYS_ADMIN + NET_ADMIN under Docker's default seccomp profile runs a cell). The tests that are not about the
 # recipe itself (sandboxd, the state volume) use this, so that they prove their own point on main already.
 CELLS = ["--cgroupns=private", "--cap-add", "SYS_ADMIN", "--cap-add", "NET_ADMIN"]
-
-
-class Engine:
-    def __init__(self, d: containers.Daemon, image: str):
-        self.d, self.image = d, image
-
-    def run(self, *flags: str, cmd: tuple | list = (), network: str = "none", timeout: float = 120,
-            entrypoint: bool = True) -> subprocess.CompletedProcess:
-        """`docker run --rm` of the image with `flags` and `cmd` (through the image's ENTRYPOINT, which prints
-        doctor on stderr first, unless `entrypoint` is False)."""
-        argv = ["run", "--rm", "--network", network, *flags]
-        if not entrypoint:
-            argv += ["--entrypoint", cmd[0]]
-            cmd = cmd[1:]
-        return self.d.docker(*argv, self.image, *cmd, check=False, timeout=timeout)
-
-
-def _host_network() -> dict:
-    def out(*argv):
-        return subprocess.run(argv, capture_output=True, text=True).stdout
-    with open("/proc/sys/net/ipv4/ip_forward") as f:
-        fwd = f.read().strip()
-    return {"links": out("ip", "-br", "link"), "addresses": out("ip", "-br", "addr"),
-            "iptables": out("iptables", "-S") + out("iptables", "-t", "nat", "-S"),
-            "ip6tables": out("ip6tables", "-S"), "ip_forward": fwd}
-
-
-@pytest.fixture(scope="session")
-def engine():
-    why = containers.installed()
-    if why:
-        pytest.skip(why)
-    before = _host_network()
-    d = containers.Daemon()
-    try:
-        d.__enter__()
-        try:
-            containers.base_rootfs()
-        except containers.DockerError as e:  # the Debian mirror out of reach: the lane cannot be made here
-            pytest.skip(f"ENV_BLOCKED: no base rootfs: {e}")
-        containers.base_image(d)
-        containers.build_image(d, REPO, IMAGE)
-        yield Engine(d, IMAGE)
-    finally:
-        root = d.root
-        forced = d.close()
-    after = _host_network()
-    assert after == before, f"the container lane changed the host's networking: {before} -> {after}"
-    assert root is None or (not os.path.exists(root) and not containers.mounts_under(root)), root
-    assert not forced, f"the daemon's teardown had to force: {forced}"
 
 
 def _one_line(text: str) -> list[str]:

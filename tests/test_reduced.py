@@ -254,7 +254,6 @@ def test_the_cells_own_seccomp_filter_is_stacked_on_the_containers(host, worktre
 
 # -- the same, in a real default Docker container (Docker's own seccomp profile, no capability added)
 
-IMAGE = "agnsup:reduced-test"  # in the test's own daemon (tests/containers.py), removed with it
 IN_CONTAINER = r'''
 set -u
 mkdir -p /tmp/wt && cd /tmp/wt
@@ -286,25 +285,18 @@ echo "== receipts"; agnsup receipts --json | python3 -c 'import json,sys; [print
 
 
 @pytest.mark.timeout(900)
-def test_in_a_default_docker_container_a_reduced_cell_holds_what_it_must(tmp_path):
+def test_in_a_default_docker_container_a_reduced_cell_holds_what_it_must(tmp_path, engine):
     """Docker 20.10's default profile, no flag: the reduced role runs; writes outside the worktree and its
     own tmp (/etc, /tmp, the state root) are refused, the controller and a bystander cannot be signalled, the
     environment is from nothing, the cell has its own session, the gate judges, the leader dies with a
     SIGKILLed controller and the janitor kills what it left; the control (no Landlock) writes and signals."""
-    import containers
-    why = containers.installed()
-    if why:
-        pytest.skip(why)
     policies = tmp_path / "policies"
     policies.mkdir()
     write_role(policies, "nolandlock", isolation__reduced=json.dumps(ALL), isolation__landlock="false")
     (tmp_path / "attack.sh").write_text(IN_CONTAINER)
     os.chmod(tmp_path, 0o755)
-    with containers.Daemon() as d:
-        containers.base_image(d)
-        containers.build_image(d, tag=IMAGE)  # this checkout's deploy/Dockerfile
-        cp = d.docker("run", "--rm", "--network", "none", "-v", f"{tmp_path}:/t:ro", "-e", "AGNSUP_POLICY_DIR=/t/policies",
-                      "-e", "REDUCED_CANARY=c4n4ry", IMAGE, "sh", "/t/attack.sh", check=False, timeout=300)
+    cp = engine.run("-v", f"{tmp_path}:/t:ro", "-e", "AGNSUP_POLICY_DIR=/t/policies", "-e", "REDUCED_CANARY=c4n4ry",
+                    cmd=["sh", "/t/attack.sh"], timeout=300)  # through the entrypoint, as users run it
     out = cp.stdout if isinstance(cp.stdout, str) else cp.stdout.decode()
     print(out)
     part = dict(p.split("\n", 1) for p in out.split("== ")[1:])

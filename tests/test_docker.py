@@ -117,7 +117,8 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
     policies.mkdir()
     write_role(policies, "lean", isolation__reduced=json.dumps(REDUCED))
     os.chmod(tmp_path, 0o755)
-    cp = engine.run("-v", f"{policies}:/policies:ro", "-e", "AGNSUP_POLICY_DIR=/policies", entrypoint=False,
+    # through the image's entrypoint, as users run it: it sets AGNSUP_CGROUP_LAYOUT=none here (no writable cgroup2)
+    cp = engine.run("-v", f"{policies}:/policies:ro", "-e", "AGNSUP_POLICY_DIR=/policies",
                     cmd=["sh", "-c", "agnsup run --role lean --receipt /tmp/r.json -- echo reduced-ok "
                                      "&& cat /tmp/r.json"])
     assert cp.returncode == 0 and cp.stdout.startswith("reduced-ok\n"), cp.stderr[-2000:]
@@ -127,6 +128,9 @@ def test_a_default_container_with_the_reduced_opt_in_runs_and_its_receipt_names_
     for piece in receipt["reduced"]:
         assert piece in missing, (piece, missing)
     assert "pid_namespace" in receipt["reduced"]  # the default profile refuses unshare: it is missing here
+    # the limits' fix is the container's, not "unset AGNSUP_CGROUP_LAYOUT" (which would change nothing here)
+    assert "limit memory" in missing and "--cgroupns=private" in missing, missing
+    assert "unset AGNSUP_CGROUP_LAYOUT" not in missing, missing
 
 
 # -- a normal user inside the container

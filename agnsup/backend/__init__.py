@@ -91,8 +91,13 @@ class Backend:
 
     def limit_fix(self, controller: str) -> str:
         """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
-        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none" and _cgroups_writable_without_the_override():
             return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
+            # the image's entrypoint set it: nothing here is writable (a container on a hybrid or v1 host, an
+            # unprivileged pod); unsetting it would change nothing
+            return ("a writable cgroup2 of the container's own: --cgroupns=private on a pure cgroup v2 host, or "
+                    "a Kubernetes node on pure cgroup v2 (docs/hosts.md)")
         if os.geteuid() != 0 and os.path.isdir("/run/systemd/system"):
             import pwd
             user = pwd.getpwuid(os.geteuid()).pw_name
@@ -224,3 +229,13 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
            "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
     return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")
+
+
+def _cgroups_writable_without_the_override() -> bool:
+    """Would a cgroup tree be usable here if AGNSUP_CGROUP_LAYOUT=none were unset (this process's mountinfo)?"""
+    from ..linux.cgroup import detect_layout
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return detect_layout(f.read()).kind != "none"
+    except Exception:  # noqa: BLE001 - a fix's wording, never a failure
+        return False

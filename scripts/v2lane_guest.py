@@ -490,6 +490,8 @@ def _pod_engine(image: str) -> tuple[subprocess.Popen | None, str | None]:
     t = uptime()
     os.makedirs(POD, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=3g", "tmpfs", POD], check=True)
+    with open(f"{POD}/hosts", "w") as f:
+        f.write("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
     with open(f"{POD}/config.toml", "w") as f:
         f.write(f'version = 2\nroot = "{POD}/root"\nstate = "{POD}/state"\n'
                 # the CRI plugin is the kubelet's door; ctr talks to containerd's own API
@@ -530,6 +532,8 @@ def _pod_argv(ref: str, cid: str, caps: list[str], volumes: dict[str, str], env:
         out += ["--mount", f"type=bind,src={src},dst={dst},options=rbind:rw"]
     for k, v in env.items():
         out += ["--env", f"{k}={v}"]
+    # the kubelet writes each container's /etc/hosts (localhost); ctr does not, and this image has none
+    out += ["--mount", f"type=bind,src={POD}/hosts,dst=/etc/hosts,options=rbind:ro"]
     # ctr's COMMAND replaces the image's ENTRYPOINT too (a pod's `command:`): name the entrypoint
     return [*out, ref, cid, "/usr/local/bin/agnsup-entrypoint", *argv]
 
@@ -701,8 +705,9 @@ def s_pod(image: str, caps: list[str], isolation: bool, variants: bool) -> None:
             except subprocess.TimeoutExpired:
                 cd.kill()
                 cd.wait()
-        if os.path.exists(f"{POD}/containerd.log"):
-            subprocess.run(["cp", f"{POD}/containerd.log", os.path.join(OUT, "pod-containerd.log")])
+        for name in ("containerd.log", "xchg/doctor-pod.json", "xchg/isolation-pod.json"):
+            if os.path.exists(f"{POD}/{name}"):
+                subprocess.run(["cp", f"{POD}/{name}", os.path.join(OUT, "pod-" + os.path.basename(name))])
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -743,7 +748,8 @@ def main() -> int:
     elif init != "systemd":
         s_doctor(agnsup, root, "root")
         if a.pytest:
-            s_pytest(a.venv, a.src, shlex.split(a.pytest), reserve=2 * ISOLATION_S + BLACKOUT_RUN_S * min(a.runs, 1))
+            s_pytest(a.venv, a.src, shlex.split(a.pytest), reserve=2 * ISOLATION_S + BLACKOUT_RUN_S * min(a.runs, 1)
+                     + (POD_S if a.pod else 0))
         s_isolation(agnsup, root, "root")
         if a.isolation_user >= 0:
             make_user(a.venv)  # only for the o+x on the interpreter's path; the cells run as the uid given

@@ -56,8 +56,10 @@ def cell(wt: str, role: str, argv: list[str], name: str, extra=(), timeout=600):
     return cp, receipt(rfile)
 
 
-def c_doctor() -> None:
+def c_doctor(xchg: str) -> None:
     cp = run([AGNSUP, "doctor", "--json"], timeout=600)
+    with open(os.path.join(xchg, "doctor-pod.json"), "w") as f:
+        f.write(cp.stdout + ("\n--- stderr\n" + cp.stderr if cp.stderr else ""))
     try:
         rep = json.loads(cp.stdout)
     except ValueError:
@@ -67,12 +69,13 @@ def c_doctor() -> None:
     detail = (f"exit {cp.returncode}, status {rep.get('status')}, layout {cg.get('layout')}, v2 controllers "
               f"{' '.join(cg.get('v2_controllers') or []) or '-'}, agnsup root {cg.get('agnsup_root', {}).get('v2', '-')},"
               f" host {host.get('kind', host) if isinstance(host, dict) else host}, does without {rep.get('does_without')}")
-    emit("doctor", cp.returncode == 0 and cg.get("layout") == "v2", detail, report=rep)
+    emit("doctor", cp.returncode == 0 and cg.get("layout") == "v2", detail)
 
 
 def c_cgroup(wt: str) -> None:
     own = open("/proc/self/cgroup").read().strip()
-    cp, r = cell(wt, "executor", ["cat", "/proc/self/cgroup"], "where")
+    cp, r = cell(wt, "executor", ["sh", "-c", "grep Seccomp_filters /proc/self/status; cat /proc/self/cgroup"],
+                 "where")
     if r is None or cp.returncode != 0:
         return emit("cell_cgroup", False, f"`agnsup run -- cat /proc/self/cgroup`: {last_line(cp)}")
     inside = cp.stdout.strip().splitlines()[-1] if cp.stdout.strip() else ""
@@ -80,7 +83,8 @@ def c_cgroup(wt: str) -> None:
     # its own: below the container's root (the namespace's "/"), not the entrypoint's leaf, not the root itself
     ok = rel.startswith("/") and rel not in ("/", own[3:]) and r["isolation"].get("tracking") == "cgroup" or (
         rel.startswith("/") and rel not in ("/", own[3:]) and bool((r.get("cgroup") or {}).get("v2")))
-    emit("cell_cgroup", ok, f"cell {inside}, the probe's own {own}, receipt cgroup {(r.get('cgroup') or {}).get('v2')},"
+    filters = next((x.split()[-1] for x in cp.stdout.splitlines() if x.startswith("Seccomp_filters")), "?")
+    emit("cell_cgroup", ok, f"cell {inside}, seccomp filters on the cell {filters}, the probe's own {own}, receipt cgroup {(r.get('cgroup') or {}).get('v2')},"
          f" tracking {r['isolation'].get('tracking')}, not_in_force {r['isolation'].get('not_in_force')}")
 
 
@@ -156,8 +160,10 @@ def c_cancel(wt: str, xchg: str) -> None:
             ctl.wait()
 
 
-def c_isolation() -> None:
+def c_isolation(xchg: str) -> None:
     cp = run([AGNSUP, "selftest", "--isolation", "--json"], timeout=900)
+    with open(os.path.join(xchg, "isolation-pod.json"), "w") as f:
+        f.write(cp.stdout + ("\n--- stderr\n" + cp.stderr if cp.stderr else ""))
     try:
         rep = json.loads(cp.stdout)
     except ValueError:
@@ -185,10 +191,10 @@ def main() -> int:
     emit("container", True, f"cgroup {open('/proc/self/cgroup').read().strip()}, CapEff {caps}, Seccomp {seccomp}, "
          f"/sys/fs/cgroup controllers [{open('/sys/fs/cgroup/cgroup.controllers').read().strip()}], subtree_control "
          f"[{open('/sys/fs/cgroup/cgroup.subtree_control').read().strip()}], uid {os.getuid()}")
-    checks = [("doctor", c_doctor), ("cell_cgroup", lambda: c_cgroup(wt)), ("memory_max", lambda: c_memory(wt)),
+    checks = [("doctor", lambda: c_doctor(a.xchg)), ("cell_cgroup", lambda: c_cgroup(wt)), ("memory_max", lambda: c_memory(wt)),
               ("pids_max", lambda: c_pids(wt)), ("cancel", lambda: c_cancel(wt, a.xchg))]
     if a.isolation:
-        checks.append(("isolation", c_isolation))
+        checks.append(("isolation", lambda: c_isolation(a.xchg)))
     for name, fn in checks:
         t0 = time.monotonic()
         try:

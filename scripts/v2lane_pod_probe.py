@@ -66,10 +66,15 @@ def c_doctor(xchg: str) -> None:
         return emit("doctor", False, f"no JSON: {last_line(cp)}")
     cg = rep.get("cgroup", {})
     host = rep.get("host") or {}
-    detail = (f"exit {cp.returncode}, status {rep.get('status')}, layout {cg.get('layout')}, v2 controllers "
-              f"{' '.join(cg.get('v2_controllers') or []) or '-'}, agnsup root {cg.get('agnsup_root', {}).get('v2', '-')},"
-              f" host {host.get('kind', host) if isinstance(host, dict) else host}, does without {rep.get('does_without')}")
-    emit("doctor", cp.returncode == 0 and cg.get("layout") == "v2", detail)
+    weaker = {k: v for k, v in (host.get("guarantees") or {}).items() if v != "in force"}
+    detail = (f"exit {cp.returncode}, ok {rep.get('ok')}, status {rep.get('status', '-')}, layout {cg.get('layout')},"
+              f" v2 controllers {' '.join(cg.get('v2_controllers') or []) or '-'}, agnsup root "
+              f"{cg.get('agnsup_root', {}).get('v2', '-')}, host {host.get('kind')}, container {host.get('container')},"
+              f" not in force {weaker or 'none'}, does without {rep.get('does_without')}")
+    # a doctor that says the container runs cells with all its guarantees; the host line names the container
+    ok = (cp.returncode == 0 and rep.get("ok") is not False and cg.get("layout") == "v2" and bool(host.get("container"))
+          and not weaker)
+    emit("doctor", ok, detail)
 
 
 def c_cgroup(wt: str) -> None:

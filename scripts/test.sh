@@ -6,12 +6,26 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 need=()
+# docker.io (with containerd and runc) and debootstrap: the container lane (tests/test_docker.py,
+# tests/containers.py), which starts a Docker daemon of its own with no networking of its own
 for pkg in bubblewrap hyperfine redis-server memcached make netcat-openbsd socat gawk busybox curl wget git util-linux iproute2 \
-           tmux openssh-client gnupg e2fsprogs xfsprogs btrfs-progs; do
+           tmux openssh-client gnupg e2fsprogs xfsprogs btrfs-progs docker.io containerd runc debootstrap; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
-  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # docker.io and containerd start their system daemons when installed, and a system dockerd makes a bridge
+  # and iptables rules: a policy-rc.d that refuses every start (exit 101, invoke-rc.d(8); deb-systemd-invoke
+  # honours it too) keeps them stopped. Written only where there is none, and removed after.
+  rcd=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# scripts/test.sh: no daemon starts while it installs packages\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod 0755 /usr/sbin/policy-rc.d
+    rcd=/usr/sbin/policy-rc.d
+  fi
+  apt_rc=0
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; } || apt_rc=$?
+  [ -z "$rcd" ] || rm -f "$rcd"
+  [ "$apt_rc" = 0 ] || exit "$apt_rc"
 fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }

@@ -476,6 +476,7 @@ POD_S = 600                    # what the step takes at most here: import ~140 s
 # capabilities, a private cgroup namespace and the cgroup2 mount read-only as the CRI plugin mounts it (the
 # entrypoint remounts it read-write: CAP_SYS_ADMIN over the container's own cgroup namespace), the pod's own
 # network namespace with only lo (no CNI here), an emptyDir-like volume for the state root and the workspace.
+POD_NETNS = "v2lane-pod"       # the pod's network namespace, made as a CNI plugin would: lo up and an address
 POD_FLAGS = ["--with-ns", "cgroup:", "--seccomp",
              "--mount", "type=cgroup,src=cgroup,dst=/sys/fs/cgroup,options=ro:nosuid:nodev:noexec"]
 
@@ -523,8 +524,19 @@ def _pod_engine(image: str) -> tuple[subprocess.Popen | None, str | None]:
     return cd, ref
 
 
-def _pod_argv(ref: str, cid: str, caps: list[str], volumes: dict[str, str], env: dict[str, str], argv: list[str]):
-    out = ["run", "--rm", *POD_FLAGS, "--cgroup", POD_CGROUP.replace(POD_ID, cid),
+def _pod_netns() -> str:
+    """The pod's network namespace as a CNI plugin leaves it: lo up, and an address that is not loopback's
+    (TEST-NET-2, in guest memory only), so that the door about the host's own addresses is exercised."""
+    ip = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "/sbin/ip"
+    for argv in (["netns", "add", POD_NETNS], ["-n", POD_NETNS, "link", "set", "lo", "up"],
+                 ["-n", POD_NETNS, "addr", "add", "198.51.100.7/32", "dev", "lo"]):
+        subprocess.run([ip, *argv], check=True, capture_output=True)
+    return f"/run/netns/{POD_NETNS}"
+
+
+def _pod_argv(ref: str, cid: str, caps: list[str], volumes: dict[str, str], env: dict[str, str], argv: list[str],
+              netns: str = ""):
+    out = ["run", "--rm", *POD_FLAGS, *(["--with-ns", f"network:{netns}"] if netns else []), "--cgroup", POD_CGROUP.replace(POD_ID, cid),
            "--memory-limit", str(POD_MEMORY)]
     for c in caps:
         out += ["--cap-add", f"CAP_{c}"]
@@ -540,7 +552,7 @@ def _pod_argv(ref: str, cid: str, caps: list[str], volumes: dict[str, str], env:
 
 def _volumes(tag: str) -> dict[str, str]:
     vols = {}
-    for dst in ("/var/lib/agnsup", "/workspace"):  # emptyDir-like: the node's tmpfs, not the image's overlayfs
+    for dst in ("/var/lib/agnsup", "/workspace", "/var/tmp/agnsup-selftest"):  # emptyDir-like: the node's tmpfs, not the image's overlayfs
         src = f"{POD}/vol-{tag}{dst.replace('/', '-')}"
         os.makedirs(src, exist_ok=True)
         vols[dst] = src
@@ -584,8 +596,10 @@ def _pod_probe(ref: str, caps: list[str], isolation: bool) -> None:
     _role(f"{xchg}/policies", "tight", {"pids_max": "32"})
     seen: dict = {}
     _node_view(xchg, seen)
-    argv = _pod_argv(ref, POD_ID, caps, {**_volumes("main"), "/xchg": xchg}, {"AGNSUP_POLICY_DIR": "/xchg/policies"},
-                     ["python3", "/xchg/v2lane_pod_probe.py", "--xchg", "/xchg", *(["--isolation"] if isolation else [])])
+    argv = _pod_argv(ref, POD_ID, caps, {**_volumes("main"), "/xchg": xchg},
+                     {"AGNSUP_POLICY_DIR": "/xchg/policies", "V2LANE_POD_SCRATCH": "/var/tmp/agnsup-selftest"},
+                     ["python3", "/xchg/v2lane_pod_probe.py", "--xchg", "/xchg", *(["--isolation"] if isolation else [])],
+                     netns=_pod_netns())
     with open(os.path.join(OUT, "pod-ctr-run.txt"), "w") as f:
         f.write(shlex.join(["ctr", "-a", f"{POD}/containerd.sock", *argv]) + "\n")
     t = uptime()
@@ -698,6 +712,7 @@ def s_pod(image: str, caps: list[str], isolation: bool, variants: bool) -> None:
                 ctr("task", "kill", "-s", "SIGKILL", cid, timeout=60)
                 ctr("task", "rm", "-f", cid, timeout=60)
                 ctr("containers", "rm", cid, timeout=60)
+        subprocess.run(["ip", "netns", "del", POD_NETNS], capture_output=True)
         if cd is not None and cd.poll() is None:
             cd.terminate()  # our own containerd
             try:

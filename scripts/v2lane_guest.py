@@ -651,7 +651,8 @@ def _pod_probe(ref: str, caps: list[str], isolation: bool) -> None:
 
 
 # what a node gives without the recipe, measured each run (docs/hosts.md's table): (tag, added capabilities)
-POD_VARIANTS = [("sysadmin", ["SYS_ADMIN"]), ("default", [])]
+# (tag, added capabilities, the role: the shipped `reduced` role opts into what such a container refuses)
+POD_VARIANTS = [("sysadmin", ["SYS_ADMIN"], "executor"), ("default", [], "executor"), ("reduced", [], "reduced")]
 
 
 def _pod_variants(ref: str) -> None:
@@ -659,9 +660,9 @@ def _pod_variants(ref: str) -> None:
     the step (exit 125); never a hang or a silent success without its isolation."""
     t = uptime()
     seen, bad = [], []
-    for tag, caps in POD_VARIANTS:
+    for tag, caps, role in POD_VARIANTS:
         cid = f"{POD_ID}-{tag}"
-        argv = _pod_argv(ref, cid, caps, _volumes(tag), {}, ["agnsup", "run", "--", "true"])
+        argv = _pod_argv(ref, cid, caps, _volumes(tag), {}, ["agnsup", "run", "--role", role, "--", "true"])
         try:
             cp = subprocess.run(["ctr", "-a", f"{POD}/containerd.sock", *argv], capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
@@ -673,7 +674,7 @@ def _pod_variants(ref: str) -> None:
         save(f"pod-variant-{tag}.txt", cp)
         lines = [x for x in cp.stderr.splitlines() if not x.startswith(" ") and x.strip()]
         refusal = next((x for x in reversed(lines) if "cell setup failed" in x or "agnsup:" in x), "")
-        caps_s = "+".join(caps) or "no added capabilities"
+        caps_s = ("+".join(caps) or "no added capabilities") + f", role {role}"
         if cp.returncode == 0:
             seen.append(f"{caps_s}: runs")
         elif cp.returncode == 125 and refusal:
@@ -707,7 +708,7 @@ def s_pod(image: str, caps: list[str], isolation: bool, variants: bool) -> None:
             if variants:
                 _pod_variants(ref)
     finally:
-        for cid in (POD_ID, *(f"{POD_ID}-{tag}" for tag, _ in POD_VARIANTS)):
+        for cid in (POD_ID, *(f"{POD_ID}-{v[0]}" for v in POD_VARIANTS)):
             if cd is not None and cd.poll() is None:
                 ctr("task", "kill", "-s", "SIGKILL", cid, timeout=60)
                 ctr("task", "rm", "-f", cid, timeout=60)

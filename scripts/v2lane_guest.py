@@ -662,7 +662,9 @@ def _pod_variants(ref: str) -> None:
     seen, bad = [], []
     for tag, caps, role in POD_VARIANTS:
         cid = f"{POD_ID}-{tag}"
-        argv = _pod_argv(ref, cid, caps, _volumes(tag), {}, ["agnsup", "run", "--role", role, "--", "true"])
+        vols = _volumes(tag)
+        argv = _pod_argv(ref, cid, caps, vols, {},
+                         ["agnsup", "run", "--role", role, "--receipt", "/workspace/receipt.json", "--", "true"])
         try:
             cp = subprocess.run(["ctr", "-a", f"{POD}/containerd.sock", *argv], capture_output=True, text=True,
                                 timeout=300, stdin=subprocess.DEVNULL)
@@ -675,10 +677,16 @@ def _pod_variants(ref: str) -> None:
         lines = [x for x in cp.stderr.splitlines() if not x.startswith(" ") and x.strip()]
         refusal = next((x for x in reversed(lines) if "cell setup failed" in x or "agnsup:" in x), "")
         caps_s = ("+".join(caps) or "no added capabilities") + f", role {role}"
+        try:  # the receipt, from the node's side of the pod's volume
+            with open(os.path.join(vols["/workspace"], "receipt.json")) as f:
+                r = json.load(f)
+            without = f" (reduced {r.get('reduced') or []}, not_in_force {r['isolation'].get('not_in_force') or []})"
+        except (OSError, ValueError, KeyError):
+            without = ""
         if cp.returncode == 0:
-            seen.append(f"{caps_s}: runs")
+            seen.append(f"{caps_s}: runs{without}")
         elif cp.returncode == 125 and refusal:
-            seen.append(f"{caps_s}: exit 125, {refusal[:240]}")
+            seen.append(f"{caps_s}: exit 125, {refusal[:600]}")
         else:
             bad.append(tag)
             seen.append(f"{caps_s}: exit {cp.returncode}, {last_line(cp)}")

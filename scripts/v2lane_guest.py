@@ -751,7 +751,7 @@ def main() -> int:
     ap.add_argument("--isolation-user", type=int, default=65534)
     ap.add_argument("--budget", type=float, default=0, help="seconds every step must end within (0: no bound)")
     ap.add_argument("--pod", default="", metavar="IMAGE_TAR", help="the pod step, with this image (a `docker save`)")
-    ap.add_argument("--pod-caps", default="SYS_ADMIN,NET_ADMIN", help="capabilities the pod's container adds")
+    ap.add_argument("--pod-caps", default="SYS_ADMIN", help="capabilities the pod's container adds")
     ap.add_argument("--pod-only", action="store_true", help="only the pod step")
     a = ap.parse_args()
     SRC = a.src

@@ -464,6 +464,276 @@ def s_scope(agnsup: str, venv: str, who: Who, tag: str) -> None:
          f"AGNSUP_CGROUP_BASE={got['cgroup']} agnsup doctor: layout {got['doctor_layout_with_base']}")
 
 
+# ------------------------------------------------------------------------------------------------ the pod
+
+POD = "/tmp/v2lane-pod"        # containerd's root, state, socket and the pod's volumes: a tmpfs in guest memory
+POD_ID = "agnsup-pod"
+# cgroupfs-driver kubelet layout: /kubepods/<qos>/pod<uid>/<container>
+POD_CGROUP = f"/kubepods/burstable/pod-v2lane/{POD_ID}"
+POD_MEMORY = 1 << 30           # the container's memory limit (a pod's resources.limits.memory)
+POD_S = 600                    # what the step takes at most here: import ~140 s, the probe's checks, the variants
+# the recipe as a node runs it: containerd's default seccomp profile (Kubernetes' RuntimeDefault), the added
+# capabilities, a private cgroup namespace and the cgroup2 mount read-only as the CRI plugin mounts it (the
+# entrypoint remounts it read-write: CAP_SYS_ADMIN over the container's own cgroup namespace), the pod's own
+# network namespace with only lo (no CNI here), an emptyDir-like volume for the state root and the workspace.
+POD_NETNS = "v2lane-pod"       # the pod's network namespace, made as a CNI plugin would: lo up and an address
+POD_FLAGS = ["--with-ns", "cgroup:", "--seccomp",
+             "--mount", "type=cgroup,src=cgroup,dst=/sys/fs/cgroup,options=ro:nosuid:nodev:noexec"]
+
+
+def ctr(*argv, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(["ctr", "-a", f"{POD}/containerd.sock", *argv], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _pod_engine(image: str) -> tuple[subprocess.Popen | None, str | None]:
+    """containerd of its own (root, state, socket under POD), the image imported: (containerd, image ref)."""
+    t = uptime()
+    os.makedirs(POD, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=3g", "tmpfs", POD], check=True)
+    with open(f"{POD}/hosts", "w") as f:
+        f.write("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+    with open(f"{POD}/config.toml", "w") as f:
+        f.write(f'version = 2\nroot = "{POD}/root"\nstate = "{POD}/state"\n'
+                # the CRI plugin is the kubelet's door; ctr talks to containerd's own API
+                'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+                f'[grpc]\n  address = "{POD}/containerd.sock"\n[ttrpc]\n  address = "{POD}/containerd.sock.ttrpc"\n')
+    log = open(f"{POD}/containerd.log", "w")
+    cd = subprocess.Popen(["containerd", "--config", f"{POD}/config.toml"], stdout=log, stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and cd.poll() is None and not os.path.exists(f"{POD}/containerd.sock"):
+        time.sleep(0.2)
+    v = ctr("version", timeout=120)
+    if v.returncode != 0:
+        step("engine[pod]", "FAIL", uptime() - t, f"containerd did not answer: {last_line(v)} (log {POD}/containerd.log)")
+        return cd, None
+    up = uptime() - t
+    t1 = uptime()
+    imp = ctr("images", "import", image, timeout=1200)
+    ref = ctr("images", "ls", "-q").stdout.split()
+    ref = next((r for r in ref if "agnsup" in r), ref[0] if ref else None)
+    if imp.returncode != 0 or not ref:
+        step("engine[pod]", "FAIL", uptime() - t, f"ctr images import {image}: {last_line(imp)}")
+        return cd, None
+    runc = subprocess.run(["runc", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    server = next((x.split()[-1] for x in v.stdout.splitlines() if "Version:" in x), "?")
+    step("engine[pod]", "PASS", uptime() - t,
+         f"containerd {server} up in {up:.1f} s, {runc}; {ref} imported and unpacked in {uptime() - t1:.1f} s "
+         f"from {image} ({os.path.getsize(image) >> 20} MB)")
+    return cd, ref
+
+
+def _pod_netns() -> str:
+    """The pod's network namespace as a CNI plugin leaves it: lo up, and an address that is not loopback's
+    (TEST-NET-2, in guest memory only), so that the door about the host's own addresses is exercised."""
+    ip = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "/sbin/ip"
+    for argv in (["netns", "add", POD_NETNS], ["-n", POD_NETNS, "link", "set", "lo", "up"],
+                 ["-n", POD_NETNS, "addr", "add", "198.51.100.7/32", "dev", "lo"]):
+        subprocess.run([ip, *argv], check=True, capture_output=True)
+    return f"/run/netns/{POD_NETNS}"
+
+
+def _pod_argv(ref: str, cid: str, caps: list[str], volumes: dict[str, str], env: dict[str, str], argv: list[str],
+              netns: str = ""):
+    out = ["run", "--rm", *POD_FLAGS, *(["--with-ns", f"network:{netns}"] if netns else []), "--cgroup", POD_CGROUP.replace(POD_ID, cid),
+           "--memory-limit", str(POD_MEMORY)]
+    for c in caps:
+        out += ["--cap-add", f"CAP_{c}"]
+    for dst, src in volumes.items():
+        out += ["--mount", f"type=bind,src={src},dst={dst},options=rbind:rw"]
+    for k, v in env.items():
+        out += ["--env", f"{k}={v}"]
+    # the kubelet writes each container's /etc/hosts (localhost); ctr does not, and this image has none
+    out += ["--mount", f"type=bind,src={POD}/hosts,dst=/etc/hosts,options=rbind:ro"]
+    # ctr's COMMAND replaces the image's ENTRYPOINT too (a pod's `command:`): name the entrypoint
+    return [*out, ref, cid, "/usr/local/bin/agnsup-entrypoint", *argv]
+
+
+def _volumes(tag: str) -> dict[str, str]:
+    vols = {}
+    for dst in ("/var/lib/agnsup", "/workspace", "/var/tmp/agnsup-selftest"):  # emptyDir-like: the node's tmpfs, not the image's overlayfs
+        src = f"{POD}/vol-{tag}{dst.replace('/', '-')}"
+        os.makedirs(src, exist_ok=True)
+        vols[dst] = src
+    return vols
+
+
+def _node_view(xchg: str, results: dict) -> None:
+    """From the node: while the probe's k1 cell lives, where its process is in the node's cgroup tree."""
+    import threading
+
+    def watch():
+        deadline = time.monotonic() + POD_S
+        while time.monotonic() < deadline and not os.path.exists(f"{xchg}/k1.pid"):
+            time.sleep(0.2)
+        try:
+            pids = [p for p in os.listdir("/proc") if p.isdigit() and
+                    open(f"/proc/{p}/cmdline", "rb").read() == b"sleep\x003217\x00"]
+            node = open(f"/proc/{pids[0]}/cgroup").read().strip()[3:] if pids else None
+        except OSError as e:
+            node = None
+            results["error"] = str(e)
+        results["node"] = node
+        if node:
+            d = "/sys/fs/cgroup" + node
+            results["cell_memory_max"] = open(f"{d}/memory.max").read().strip() if os.path.exists(f"{d}/memory.max") else "-"
+            c = "/sys/fs/cgroup" + POD_CGROUP
+            results["container_memory_max"] = open(f"{c}/memory.max").read().strip()
+        open(f"{xchg}/k1.seen", "w").close()
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    results["thread"] = th
+
+
+def _pod_probe(ref: str, caps: list[str], isolation: bool) -> None:
+    xchg = f"{POD}/xchg"
+    os.makedirs(f"{xchg}/policies", exist_ok=True)
+    import shutil
+    shutil.copy(os.path.join(SRC, "scripts", "v2lane_pod_probe.py"), xchg)
+    _role(f"{xchg}/policies", "small", {"memory_max": '"64M"'})
+    _role(f"{xchg}/policies", "tight", {"pids_max": "32"})
+    seen: dict = {}
+    _node_view(xchg, seen)
+    argv = _pod_argv(ref, POD_ID, caps, {**_volumes("main"), "/xchg": xchg},
+                     {"AGNSUP_POLICY_DIR": "/xchg/policies", "V2LANE_POD_SCRATCH": "/var/tmp/agnsup-selftest"},
+                     ["python3", "/xchg/v2lane_pod_probe.py", "--xchg", "/xchg", *(["--isolation"] if isolation else [])],
+                     netns=_pod_netns())
+    with open(os.path.join(OUT, "pod-ctr-run.txt"), "w") as f:
+        f.write(shlex.join(["ctr", "-a", f"{POD}/containerd.sock", *argv]) + "\n")
+    t = uptime()
+    err = open(os.path.join(OUT, "pod-stderr.txt"), "w")  # the entrypoint's doctor, the container's stderr
+    p = subprocess.Popen(["ctr", "-a", f"{POD}/containerd.sock", *argv], stdout=subprocess.PIPE, stderr=err,
+                         stdin=subprocess.DEVNULL, text=True)
+    import threading
+    timer = threading.Timer(POD_S, lambda: ctr("task", "kill", "-s", "SIGKILL", POD_ID))  # a probe that hangs
+    timer.start()
+    got, pending, done = [], {}, False
+    with open(os.path.join(OUT, "pod-probe.jsonl"), "w") as log:
+        for line in p.stdout:
+            log.write(line)
+            log.flush()
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if "check" in ev:
+                pending = ev
+                if ev["check"] == "container":
+                    step("container[pod]", "PASS", uptime() - t, ev["detail"])
+            elif "timing" in ev and pending:
+                status = "PASS" if pending["ok"] else "ENV_BLOCKED" if pending["ok"] is None else "FAIL"
+                step(f"{pending['check']}[pod]", status, ev["seconds"], pending["detail"])
+                got.append(pending["check"])
+                pending = {}
+            elif ev.get("done"):
+                done = True
+    rc = p.wait()
+    timer.cancel()
+    if not done:
+        step("probe[pod]", "FAIL", uptime() - t, f"the probe did not finish (ctr run exit {rc}, after {got or 'nothing'});"
+             f" the container's stderr: {(open(os.path.join(OUT, 'pod-stderr.txt')).read().strip().splitlines() or ['-'])[-1][:300]}")
+    th = seen.pop("thread")
+    th.join(5)
+    node, inside = seen.get("node"), None
+    try:
+        inside = open(f"{xchg}/k1.pid").read().strip()
+    except OSError:
+        pass
+    # the cell's own cgroup, below the container's and not the entrypoint's leaf; the container sees the same
+    # cgroup at the path relative to its namespace's root (the container's cgroup)
+    ok = bool(node and inside) and node == POD_CGROUP + inside[3:] and not node.startswith(POD_CGROUP + "/init")
+    step("node_view[pod]", "PASS" if ok else "FAIL", 0,
+         f"the cell `sleep 3217`: {inside or '-'} in the container, {node or seen.get('error') or 'not found'} on the node"
+         f" (the container is {POD_CGROUP}, memory.max {seen.get('container_memory_max', '-')}; the cell's memory.max "
+         f"{seen.get('cell_memory_max', '-')})")
+
+
+# what a node gives without the recipe, measured each run (docs/hosts.md's table): (tag, added capabilities)
+# (tag, added capabilities, the role: the shipped `reduced` role opts into what such a container refuses)
+POD_VARIANTS = [("sysadmin", ["SYS_ADMIN"], "executor"), ("default", [], "executor"), ("reduced", [], "reduced")]
+
+
+def _pod_variants(ref: str) -> None:
+    """`agnsup run -- true` in containers with fewer capabilities: it runs, or it refuses in one line that names
+    the step (exit 125); never a hang or a silent success without its isolation."""
+    t = uptime()
+    seen, bad = [], []
+    for tag, caps, role in POD_VARIANTS:
+        cid = f"{POD_ID}-{tag}"
+        vols = _volumes(tag)
+        argv = _pod_argv(ref, cid, caps, vols, {},
+                         ["agnsup", "run", "--role", role, "--receipt", "/workspace/receipt.json", "--", "true"])
+        try:
+            cp = subprocess.run(["ctr", "-a", f"{POD}/containerd.sock", *argv], capture_output=True, text=True,
+                                timeout=300, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            ctr("task", "kill", "-s", "SIGKILL", cid)
+            bad.append(tag)
+            seen.append(f"{tag}: timed out")
+            continue
+        save(f"pod-variant-{tag}.txt", cp)
+        lines = [x for x in cp.stderr.splitlines() if not x.startswith(" ") and x.strip()]
+        refusal = next((x for x in reversed(lines) if "cell setup failed" in x or "agnsup:" in x), "")
+        caps_s = ("+".join(caps) or "no added capabilities") + f", role {role}"
+        try:  # the receipt, from the node's side of the pod's volume
+            with open(os.path.join(vols["/workspace"], "receipt.json")) as f:
+                r = json.load(f)
+            without = f" (reduced {r.get('reduced') or []}, not_in_force {r['isolation'].get('not_in_force') or []})"
+        except (OSError, ValueError, KeyError):
+            without = ""
+        if cp.returncode == 0:
+            seen.append(f"{caps_s}: runs{without}")
+        elif cp.returncode == 125 and refusal:
+            seen.append(f"{caps_s}: exit 125, {refusal[:600]}")
+        else:
+            bad.append(tag)
+            seen.append(f"{caps_s}: exit {cp.returncode}, {last_line(cp)}")
+    FACTS["pod_variants"] = seen
+    step("variants[pod]", "FAIL" if bad else "PASS", uptime() - t, "; ".join(seen))
+
+
+def s_pod(image: str, caps: list[str], isolation: bool, variants: bool) -> None:
+    """The pod's node stack: containerd + runc (`ctr run`, what a Kubernetes node runs) start the agnsup image
+    with a private cgroup namespace on this pure cgroup-v2 kernel; inside, through the image's entrypoint,
+    scripts/v2lane_pod_probe.py checks doctor, a cell's own cgroup, memory_max, pids_max and cancel (and the
+    isolation selftest), while the node looks at the cell's cgroup from outside."""
+    if not image or not os.path.exists(image):
+        return step("engine[pod]", "ENV_BLOCKED", 0, f"no image tar ({image or 'none given'}): scripts/v2lane --pod-image"
+                    " PATH, or `python -m tests.containers save PATH` on the host")
+    if left() < POD_S:
+        return cut("pod", f"it takes up to {POD_S} s")
+    missing = [b for b in ("containerd", "ctr", "runc", "containerd-shim-runc-v2")
+               if not any(os.access(os.path.join(d, b), os.X_OK) for d in os.environ["PATH"].split(":"))]
+    if missing:
+        return step("engine[pod]", "ENV_BLOCKED", 0, f"not installed on the host: {' '.join(missing)} (scripts/test.sh)")
+    cd, ref = None, None
+    try:
+        cd, ref = _pod_engine(image)
+        if ref:
+            _pod_probe(ref, caps, isolation)
+            if variants:
+                _pod_variants(ref)
+    finally:
+        for cid in (POD_ID, *(f"{POD_ID}-{v[0]}" for v in POD_VARIANTS)):
+            if cd is not None and cd.poll() is None:
+                ctr("task", "kill", "-s", "SIGKILL", cid, timeout=60)
+                ctr("task", "rm", "-f", cid, timeout=60)
+                ctr("containers", "rm", cid, timeout=60)
+        subprocess.run(["ip", "netns", "del", POD_NETNS], capture_output=True)
+        if cd is not None and cd.poll() is None:
+            cd.terminate()  # our own containerd
+            try:
+                cd.wait(60)
+            except subprocess.TimeoutExpired:
+                cd.kill()
+                cd.wait()
+        for name in ("containerd.log", "xchg/doctor-pod.json", "xchg/isolation-pod.json"):
+            if os.path.exists(f"{POD}/{name}"):
+                subprocess.run(["cp", f"{POD}/{name}", os.path.join(OUT, "pod-" + os.path.basename(name))])
+
+
 # ------------------------------------------------------------------------------------------------------ main
 
 FACTS: dict = {}
@@ -480,6 +750,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=5150)
     ap.add_argument("--isolation-user", type=int, default=65534)
     ap.add_argument("--budget", type=float, default=0, help="seconds every step must end within (0: no bound)")
+    ap.add_argument("--pod", default="", metavar="IMAGE_TAR", help="the pod step, with this image (a `docker save`)")
+    ap.add_argument("--pod-caps", default="SYS_ADMIN", help="capabilities the pod's container adds")
+    ap.add_argument("--pod-only", action="store_true", help="only the pod step")
     a = ap.parse_args()
     SRC = a.src
     if a.budget > 0:
@@ -494,16 +767,21 @@ def main() -> int:
     root = Who()
     os.chdir(a.src)
     give_lo_a_host_address()
-    if init != "systemd":
+    if a.pod_only:
+        s_pod(a.pod, [c for c in a.pod_caps.split(",") if c], isolation=True, variants=True)
+    elif init != "systemd":
         s_doctor(agnsup, root, "root")
         if a.pytest:
-            s_pytest(a.venv, a.src, shlex.split(a.pytest), reserve=2 * ISOLATION_S + BLACKOUT_RUN_S * min(a.runs, 1))
+            s_pytest(a.venv, a.src, shlex.split(a.pytest), reserve=2 * ISOLATION_S + BLACKOUT_RUN_S * min(a.runs, 1)
+                     + (POD_S if a.pod else 0))
         s_isolation(agnsup, root, "root")
         if a.isolation_user >= 0:
             make_user(a.venv)  # only for the o+x on the interpreter's path; the cells run as the uid given
             s_isolation(agnsup, root, f"uid{a.isolation_user}", a.isolation_user)
         if a.runs:
             s_blackout(agnsup, root, "root", a.runs, a.seed)
+        if a.pod:
+            s_pod(a.pod, [c for c in a.pod_caps.split(",") if c], isolation=True, variants=True)
     else:
         for who, tag in ((root, "systemd-root"), (None, "user")):
             if who is None:  # a normal user in a session of its own

@@ -169,11 +169,15 @@ class Attr(ctypes.Structure):
 attr = Attr(type=1, size=64, config=1, flags=1 | 32 | 64)  # task-clock, disabled, exclude kernel and hv
 refused("perf_event_open(task-clock of itself)", libc.syscall(nr["perf_event_open"], ctypes.byref(attr), 0, -1, -1, 0),
         os.close)
+# the query as a 64-bit 0xffffffff: a bare int goes as a C int, sign-extended to 0xffffffffffffffff, which the
+# default seccomp profiles of Docker and containerd (Kubernetes' RuntimeDefault) refuse: they allow personality
+# only for 0, 8, 0x20000, 0x20008 and 0xffffffff, compared on 64 bits (seen in a pod: a false "refused")
+QUERY = ctypes.c_ulong(0xFFFFFFFF)
 for flag, name in ((0x0400000, "READ_IMPLIES_EXEC"), (0x0040000, "ADDR_NO_RANDOMIZE")):
     if libc.syscall(nr["personality"], flag) < 0:
         refused(f"personality({name})", -1)
         continue
-    now = libc.syscall(nr["personality"], 0xFFFFFFFF)  # the query answers the persona in force
+    now = libc.syscall(nr["personality"], QUERY)  # the query answers the persona in force
     libc.syscall(nr["personality"], 0)
     if now & flag:
         worked.append(f"personality({name})")
@@ -182,7 +186,7 @@ for flag, name in ((0x0400000, "READ_IMPLIES_EXEC"), (0x0040000, "ADDR_NO_RANDOM
 # a bad mount fd and an empty handle: the kernel answers EBADF or EINVAL, so EPERM can only be the filter's
 handle = ctypes.create_string_buffer(136)
 refused("open_by_handle_at", libc.syscall(nr["open_by_handle_at"], -1, handle, os.O_RDONLY), os.close)
-if libc.syscall(nr["personality"], 0xFFFFFFFF) < 0 or libc.syscall(nr["personality"], 0) < 0:
+if libc.syscall(nr["personality"], QUERY) < 0 or libc.syscall(nr["personality"], 0) < 0:
     odd.append("personality(query) or personality(PER_LINUX) refused: everyday programs use them")
 ''' + _VERDICT
 

@@ -663,7 +663,8 @@ def _pod_variants(ref: str) -> None:
     for tag, caps, role in POD_VARIANTS:
         cid = f"{POD_ID}-{tag}"
         vols = _volumes(tag)
-        argv = _pod_argv(ref, cid, caps, vols, {},
+        # one cell each: the entrypoint's doctor without its probe cells (doctor[pod] proves those)
+        argv = _pod_argv(ref, cid, caps, vols, {"AGNSUP_ENTRYPOINT_DOCTOR": "no-probe"},
                          ["agnsup", "run", "--role", role, "--receipt", "/workspace/receipt.json", "--", "true"])
         try:
             cp = subprocess.run(["ctr", "-a", f"{POD}/containerd.sock", *argv], capture_output=True, text=True,

@@ -358,3 +358,16 @@ def test_the_lanes_daemon_leaves_networking_alone_and_removes_all_it_made():
     assert not os.path.exists(root) and not containers.mounts_under(root)
     assert not [top for top in os.listdir("/sys/fs/cgroup") if os.path.exists(f"/sys/fs/cgroup/{top}/{name}")]
     assert not os.path.exists(f"/proc/{d.pid}") or d.proc.returncode is not None
+
+
+def test_the_entrypoints_doctor_is_chosen_by_one_variable_and_a_bad_value_is_refused_in_one_line(engine):
+    """AGNSUP_ENTRYPOINT_DOCTOR: probe (default: doctor's cells), no-probe, off; anything else exits 125 in one line
+    before the command runs."""
+    probe = engine.run(cmd=["true"])
+    assert probe.returncode == 0 and "status:" in probe.stderr and "not probed" not in probe.stderr, probe.stderr
+    quick = engine.run("-e", "AGNSUP_ENTRYPOINT_DOCTOR=no-probe", cmd=["true"])
+    assert quick.returncode == 0 and "not probed" in quick.stderr, quick.stderr
+    off = engine.run("-e", "AGNSUP_ENTRYPOINT_DOCTOR=off", cmd=["echo", "ran"])
+    assert off.returncode == 0 and "status:" not in off.stderr and off.stdout == "ran\n", off.stderr
+    bad = engine.run("-e", "AGNSUP_ENTRYPOINT_DOCTOR=maybe", cmd=["echo", "ran"])
+    assert bad.returncode == 125 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad

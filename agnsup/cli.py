@@ -502,8 +502,11 @@ def _with_state(ch, states: dict):
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.option("--no-probe", is_flag=True, help="Start no cell (status then says \"not probed\").")
+@click.option("--role", "roles", multiple=True, metavar="ROLE",
+              help="Probe only this role (repeatable; default: every role --role accepts here), e.g. "
+                   "--role reduced where only the reduced role is used.")
 @click.pass_obj
-def doctor(obj, as_json, no_probe):
+def doctor(obj, as_json, no_probe, roles):
     """What this host offers (cgroups, namespaces, pidfs, seccomp, Landlock)
     and which isolation agnsup will use or must do without; then a trivial
     cell per role, started as `agnsup run` starts it and removed after:
@@ -516,7 +519,10 @@ def doctor(obj, as_json, no_probe):
         if time.monotonic() - t0 > 1.0:
             click.echo(f"agnsup doctor: cell of role {role}: {'ran' if res['ran'] else 'FAILED at ' + res['step']}",
                        err=True)
-    r = report(_root(obj).path, probe=not no_probe, progress=progress)
+    for role in roles:  # an unknown or broken role: one line, exit 125, as `run --role` says it
+        from .policy import load
+        load(role)
+    r = report(_root(obj).path, probe=not no_probe, progress=progress, roles=list(roles) or None)
     click.echo(json.dumps(r, indent=2) if as_json else format_text(r))
     sys.exit(0 if r["ok"] else 1)
 

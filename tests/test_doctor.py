@@ -65,6 +65,14 @@ def test_doctor_starts_a_cell_per_role_as_run_does_and_leaves_nothing_behind(agn
     assert "status:          not probed" in agnsup("doctor", "--no-probe", check=0).out
 
 
+def test_doctor_role_probes_only_the_roles_named_and_an_unknown_one_is_one_line_exit_125(agnsup):
+    """--role R (repeatable): an operator who runs only `reduced` where the other roles cannot run asks about it."""
+    r = json.loads(agnsup("doctor", "--json", "--role", "readonly", "--role", "reduced", check=0).out)
+    assert set(r["cells"]) == {"readonly", "reduced"} and r["status"] == "ok", r["cells"]
+    cp = agnsup("doctor", "--role", "no-such-role", check=125)
+    assert cp.err.strip().splitlines() == [cp.err.strip()] and "unknown role 'no-such-role'" in cp.err
+
+
 def _compare_with_run(agnsup, worktree, launcher: list[str]) -> dict:
     """doctor --json and `run --role R -- true` per role, both under `launcher`: doctor never says a role's
     cell runs when run's does not, nor ok when one does not."""

@@ -455,19 +455,24 @@ def hint(rule: str, ctx: GateContext) -> str:
             f"(\"*\" allows every git rule; a role on the regulated preset cannot).")
 
 
-def check(an: Analysis | None, ctx: GateContext) -> Finding:
-    if an is None:
-        return ok("git.pass")
-    allowed = set(ctx.git_allow)
-    if "*" in allowed:
-        return ok("git.pass")
+def findings(an: Analysis) -> list[tuple[str, str, Exec]]:
+    """(rule, what shows it, the git call) for every rule each git call of `an` falls under, in order."""
+    out = []
     for ex in an.execs:
-        if ex.prog != "git" and not ex.prog.startswith("git-"):
-            continue
-        for rule, why in rules_of(invocation(ex.argv), env_settings(ex.text), ex.from_stdin):
-            if rule not in allowed:
-                reason = RULES[rule] + (f" ({why})." if why else ".")
-                return deny(f"git.{rule}", reason, hint(rule, ctx), ex.text or " ".join(ex.argv))
+        if ex.prog == "git" or ex.prog.startswith("git-"):
+            out += [(rule, why, ex) for rule, why in rules_of(invocation(ex.argv), env_settings(ex.text),
+                                                             ex.from_stdin)]
+    return out
+
+
+def check(an: Analysis | None, ctx: GateContext) -> Finding:
+    allowed = set(ctx.git_allow)
+    if an is None or "*" in allowed:
+        return ok("git.pass")
+    for rule, why, ex in findings(an):
+        if rule not in allowed:
+            reason = RULES[rule] + (f" ({why})." if why else ".")
+            return deny(f"git.{rule}", reason, hint(rule, ctx), ex.text or " ".join(ex.argv))
     return ok("git.pass")
 
 

@@ -81,6 +81,7 @@ WRAPPERS = [
     "timeout 10 git reset --hard", "echo y | git reset --hard", "git status && git reset --hard",
     "echo $(git reset --hard)", "xargs git reset --hard < /dev/null", "nohup git reset --hard &",
     "G=git; $G reset --hard", "find . -name .git -execdir git reset --hard \\;",
+    "sudo GIT_DIR=.git git reset --hard", "sudo -E -u dev GIT_DIR=.git git reset --hard",
 ]
 
 SAFE = [
@@ -129,6 +130,12 @@ def test_a_history_or_work_destroying_git_command_is_its_named_git_rule(command,
 def test_git_is_seen_through_its_own_options_aliases_and_every_wrapper(command):
     d = judge_shell(command, CTX)
     assert d.rule in ("git.reset_hard", "git.clean"), d
+
+
+def test_sudo_passes_variables_before_the_command_and_the_command_is_still_judged():
+    # sudo(8) takes VAR=value words before the command as env(1) does: they were read as the program
+    assert judge_shell("sudo FOO=1 rm -rf /", CTX).rule == "hardline.rm_root"
+    assert judge_shell("sudo -u root A=1 B=2 git push origin :main", CTX).rule == "git.remote_delete"
 
 
 @pytest.mark.parametrize("command", SAFE)

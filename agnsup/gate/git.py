@@ -510,9 +510,101 @@ def env_settings(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
+# Config keys by pattern whose value git runs as a command (git-config(1), gitattributes(5)): a driver,
+# a tool, a helper. `*` is one subsection name.
+_SHELL_CONFIG_PATTERNS = LazyRe(
+    r"(?:pager|alias)\.[^.]+|filter\..+\.(?:clean|smudge|process)|diff\..+\.(?:textconv|command)|merge\..+\.driver"
+    r"|(?:difftool|mergetool|browser|man)\..+\.(?:cmd|path)|gpg\..+\.program|credential(?:\..+)?\.helper"
+    r"|remote\..+\.(?:receivepack|uploadpack)|core\.(?:alternaterefscommand|gitproxy|askpass)"
+    r"|uploadpack\.packobjectshook|sendemail\.(?:sendmailcmd|tocmd|cccmd)|interactive\.difffilter")
+# subcommand -> its options whose value git runs as a command (through the shell, or as a program on
+# the local side of a local transport)
+_CODE_OPTIONS = {
+    "rebase": ("-x", "--exec"), "push": ("--receive-pack", "--exec"), "send-pack": ("--receive-pack", "--exec"),
+    "fetch": ("--upload-pack",), "pull": ("--upload-pack",), "clone": ("-u", "--upload-pack"),
+    "ls-remote": ("--upload-pack",), "archive": ("--exec",), "difftool": ("-x", "--extcmd"),
+    "grep": ("-O", "--open-files-in-pager"),
+}
+
+
+def _runs_config(key: str, value: str) -> bool:
+    if key in SHELL_CONFIG:
+        return True
+    if key.startswith(("alias.", "credential")) and not value.startswith("!"):
+        return False  # an alias without `!` is git words (expanded above); a helper name is a git-credential-*
+    return bool(_SHELL_CONFIG_PATTERNS.fullmatch(key))
+
+
+def _option_values(args: list[str], names: tuple[str, ...]) -> list[str]:
+    out = []
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        for n in names:
+            if a == n and i + 1 < len(args):
+                out.append(args[i + 1])
+            elif n.startswith("--") and a.startswith(n + "="):
+                out.append(a[len(n) + 1:])
+            elif not n.startswith("--") and a.startswith(n) and len(a) > len(n):
+                out.append(a[len(n):])  # -xCMD
+    return out
+
+
+def _joined(words: list[str]) -> str:
+    """What git runs for a command given as words: one word is shell text, several are an argv."""
+    import shlex
+    return words[0] if len(words) == 1 else " ".join(shlex.quote(w) for w in words)
+
+
+def _subcommand_code(call: GitCall) -> list[tuple[str, str]]:
+    sub, args = call.sub, call.args
+    out = [(v, f"git {sub} option") for v in _option_values(args, _CODE_OPTIONS.get(sub, ()))]
+    pos = operands(args)
+    if sub == "submodule" and "foreach" in args:  # git submodule [--quiet] foreach [--recursive] <command>
+        rest = args[args.index("foreach") + 1:]
+        while rest and rest[0] in ("--recursive", "-q", "--quiet", "--"):
+            rest = rest[1:]
+        if rest:
+            out.append((_joined(rest), "git submodule foreach"))
+    elif sub == "bisect" and pos[:1] == ["run"] and len(args) > args.index("run") + 1:
+        import shlex  # git bisect run quotes its words into one command line (sq_quote_argv): an argv
+        out.append((" ".join(shlex.quote(w) for w in args[args.index("run") + 1:]), "git bisect run"))
+    elif sub == "config" and not any(a.startswith(("--get", "--unset", "--list", "--remove", "--rename"))
+                                     for a in args):
+        # a value written now that git runs later: `git config core.fsmonitor CMD`, `alias.x '!CMD'`
+        kv = operands(args, frozenset({"-f", "--file", "--blob", "--type", "--default", "--comment", "--value"}))
+        kv = kv[1:] if kv[:1] in (["set"], ["--append"]) else kv
+        if len(kv) >= 2 and _runs_config(kv[0].lower(), kv[1]):
+            out.append((kv[1].removeprefix("!"), f"git config {kv[0]}"))
+    out += [(_joined(_ext_argv(w[5:])), "git ext:: URL") for w in pos if w.startswith("ext::")]
+    return out
+
+
+def _ext_argv(spec: str) -> list[str]:
+    """git-remote-ext(1): `ext::sh -c rm% -rf% /` runs ["sh", "-c", "rm -rf /"]: a space separates
+    arguments, `% ` is a space inside one, `%%` a percent (`%s`, `%S`, `%G` are left as written)."""
+    words, cur, i = [], "", 0
+    while i < len(spec):
+        c = spec[i]
+        if c == "%" and i + 1 < len(spec) and spec[i + 1] in " %":
+            cur, i = cur + spec[i + 1], i + 2
+            continue
+        if c == " ":
+            if cur:
+                words.append(cur)
+            cur = ""
+        else:
+            cur += c
+        i += 1
+    return words + ([cur] if cur else [])
+
+
 def shell_code(ex: Exec) -> list[tuple[str, str]]:
-    """(code, where) for what this git call runs through the shell: a `!` alias, or a config
-    value git runs as a command (core.pager, core.sshCommand, ...)."""
+    """(code, where) for what this git call runs as a command: a `!` alias, a config value git runs
+    (core.pager, core.sshCommand, filter drivers, ...) given with -c or written with `git config`,
+    `submodule foreach`, `rebase --exec`, `bisect run`, `--upload-pack`/`--receive-pack`, ext:: URLs."""
     call = invocation(ex.argv)
     out = [(call.shell_alias, "git alias")] if call.shell_alias is not None else []
-    return out + [(v, f"git -c {k}") for k, v in call.config.items() if k in SHELL_CONFIG and v]
+    out += [(v.removeprefix("!"), f"git -c {k}") for k, v in call.settings
+            if v and k and _runs_config(k, v) and not k.startswith("alias.")]
+    return out + _subcommand_code(call)

@@ -322,3 +322,64 @@ def test_what_git_itself_deletes_or_forces_on_the_remote_is_what_the_gate_names(
     assert _rules(command) == rules  # ... and the gate names exactly that
     d = judge_shell(command, CTX)
     assert d.allowed is not bool(rules) and (not rules or d.rule[len("git."):] in rules), d
+
+
+# --- what git runs as a command -------------------------------------------------------------------------
+@pytest.mark.parametrize("command,rule", [
+    ("git submodule foreach 'rm -rf /'", "hardline.rm_root"),
+    ("git submodule --quiet foreach --recursive rm -rf ~", "hardline.rm_home"),
+    ("git submodule foreach 'git push origin :main'", "git.remote_delete"),
+    ("git rebase --exec 'rm -rf /' HEAD~3", "hardline.rm_root"), ("git rebase -x 'rm -rf ~' main", "hardline.rm_home"),
+    ("git bisect run rm -rf /", "hardline.rm_root"), ("git bisect run sh -c 'rm -rf ~'", "hardline.rm_home"),
+    ("git fetch --upload-pack='rm -rf /' origin", "hardline.rm_root"), ("git clone -u 'rm -rf ~' url", "hardline.rm_home"),
+    ("git push --receive-pack='rm -rf /' origin main", "hardline.rm_root"),
+    ("git ls-remote --upload-pack 'rm -rf /' origin", "hardline.rm_root"),
+    ("git -c protocol.ext.allow=always clone 'ext::sh -c rm% -rf% /' x", "hardline.rm_root"),
+    ("git -c filter.lfs.smudge='rm -rf /' checkout main", "hardline.rm_root"),
+    ("git -c credential.helper='!rm -rf ~' fetch", "hardline.rm_home"),
+    ("git -c diff.bin.textconv='curl http://169.254.169.254/' diff", "network.ssrf_metadata"),
+    ("git grep -O'rm -rf /' pattern", "hardline.rm_root"),
+    ("git config core.fsmonitor 'rm -rf ~'", "hardline.rm_home"), ("git config alias.x '!rm -rf /'", "hardline.rm_root"),
+    ("git config --global filter.x.clean 'rm -rf /'", "hardline.rm_root"),
+])
+def test_what_git_runs_as_a_command_is_judged_as_shell(command, rule):
+    assert judge_shell(command, CTX).rule == rule
+
+
+@pytest.mark.parametrize("command", [
+    "git bisect run make test", "git bisect run 'rm -rf /'",  # one word: a program of that name
+    "git rebase -i main", "git submodule update --init", "git -c credential.helper=store fetch",
+    "git config alias.st status", "git config --global core.pager less", "git clone ext::true x",
+    "git config --get core.fsmonitor",
+])
+def test_git_commands_that_run_nothing_dangerous_pass(command):
+    assert judge_shell(command, CTX).allowed, judge_shell(command, CTX)
+
+
+SHELL_RUN = [  # MARK: a file the code creates; git must create it, and the gate must see `touch MARK`
+    "git rebase -q --exec 'touch MARK' HEAD~1",
+    "git bisect start main main~1 >/dev/null && git bisect run touch MARK",
+    "git fetch -q --upload-pack='touch MARK; git-upload-pack' origin",
+    "git ls-remote --upload-pack='touch MARK; git-upload-pack' origin",
+    "git push -q --receive-pack='touch MARK; git-receive-pack' origin main",
+    "git clone -q -u 'touch MARK; git-upload-pack' ../remote.git c2",
+    "git -c protocol.ext.allow=always ls-remote 'ext::sh -c touch% MARK'",
+    "git config core.fsmonitor 'touch MARK' && git status",
+    "git -c core.fsmonitor='touch MARK' status",
+    "git -c alias.m='!touch MARK' m",
+]
+
+
+@pytest.mark.parametrize("command", SHELL_RUN)
+def test_the_code_git_runs_is_the_code_the_gate_reads(command, pushed, tmp_path):
+    template, env = pushed
+    work = tmp_path / "copy"
+    shutil.copytree(template, work, symlinks=True)
+    local = work / "local"
+    subprocess.run(["bash", "-c", "git commit -q --allow-empty -m 2"], cwd=local, env=env, check=True, timeout=30)
+    mark = str(tmp_path / "mark")
+    line = command.replace("MARK", mark)
+    subprocess.run(["bash", "-c", line], cwd=local, env=env, capture_output=True, timeout=60,
+                   stdin=subprocess.DEVNULL)
+    assert os.path.exists(mark), line  # git ran it ...
+    assert any(ex.prog == "touch" and mark in ex.argv for ex in analyze_shell(line).execs), line  # ... the gate read it

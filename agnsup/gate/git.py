@@ -530,8 +530,10 @@ _CODE_OPTIONS = {
 def _runs_config(key: str, value: str) -> bool:
     if key in SHELL_CONFIG:
         return True
-    if key.startswith(("alias.", "credential")) and not value.startswith("!"):
-        return False  # an alias without `!` is git words (expanded above); a helper name is a git-credential-*
+    if key.startswith("alias.") and not value.startswith("!"):
+        return False  # an alias without `!` is git words (expanded by invocation)
+    if key.startswith("credential") and not value.startswith(("!", "/")):
+        return False  # gitcredentials(7): a bare name runs git-credential-<name>; `!code` and a path run as given
     return bool(_SHELL_CONFIG_PATTERNS.fullmatch(key))
 
 

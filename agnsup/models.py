@@ -209,8 +209,8 @@ class FilesystemSection(_Strict):
 INTERNAL_CATEGORIES = ("loopback", "link-local", "private", "metadata", "multicast", "unspecified", "reserved",
                        "non-global")
 # governance.git_allow names: agnsup.gate.git.RULES (kept here as names so validation needs no gate import).
-GIT_RULES = ("force_push", "reset_hard", "clean", "discard_worktree", "branch_force_delete", "stash_drop",
-             "history_rewrite", "reflog_expire", "gc_prune", "update_ref_delete")
+GIT_RULES = ("force_push", "remote_delete", "reset_hard", "clean", "discard_worktree", "branch_force_delete",
+             "stash_drop", "history_rewrite", "reflog_expire", "gc_prune", "update_ref_delete")
 # governance.redact rule sets: agnsup/redact.py RULE_SETS.
 REDACT_SETS = ("host_secrets", "key_formats", "bearer_tokens", "private_keys")
 
@@ -434,9 +434,10 @@ class GovernanceSection(_Strict):
         "flag", description="An operand of a destructive command (rm -r, find -delete, chmod -R, dd of=, shred) "
         "known only at run time ($DIR, $(cmd), xargs input): 'flag' allows it with the flag "
         "hardline.unknown_operand, 'deny' refuses it.")
-    git_allow: list[str] = Field(default_factory=list, description="git rules (force_push, reset_hard, clean, "
-                                 "discard_worktree, branch_force_delete, stash_drop, history_rewrite, reflog_expire, "
-                                 "gc_prune, update_ref_delete) this role may run; '*' allows all. Empty: all refused.")
+    git_allow: list[str] = Field(default_factory=list, description="git rules (force_push, remote_delete, "
+                                 "reset_hard, clean, discard_worktree, branch_force_delete, stash_drop, "
+                                 "history_rewrite, reflog_expire, gc_prune, update_ref_delete) this role may run; "
+                                 "'*' allows all. Empty: all refused.")
     redact: list[str] = Field(default_factory=list, description="Rule sets applied to the output a caller gets back "
                               "(host_secrets, key_formats, bearer_tokens, private_keys); each redaction is counted "
                               "in the receipt by rule id.")

@@ -397,7 +397,7 @@ def _skip_wrapper(prog: str, words: list[str]) -> int:
             numeric = prog == "nice" and w[1:].lstrip("-").isdigit()  # `nice -5`: no value follows
             # an option that takes a value; `--opt=<(...)` is two words in the tree
             i += 2 if not numeric and (w in opts or (w.startswith("--") and w.endswith("="))) else 1
-        elif prog == "env" and "=" in w:
+        elif prog in ("env", "sudo") and "=" in w:  # sudo(8) also takes VAR=value before the command
             i += 1
         elif positionals:
             positionals -= 1

@@ -47,6 +47,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         r["changes"] = cell.changes
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
+    r["kernel_record"], r["kernel_stopped"] = kernel_record(cell.isolation or {}, r["limits"], usage, cell.network,
+                                                            cell.decision)
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
@@ -136,3 +138,96 @@ def limits_hit(usage: dict, output: dict) -> list[str]:
     seen = {"memory": usage.get("oom_kills"), "pids": usage.get("pids_max_events"),
             "cpu": usage.get("cpu_nr_throttled"), "output": output.get("exceeded")}
     return [limit for limit, counter in seen.items() if counter]
+
+
+# -- the kernel's record: what the kernel refused in the cell, whatever the gate said ----------------
+#
+# The gate judges text before a cell runs; the kernel refuses what the cell really does. The receipt's
+# `kernel_record` holds, per class, what the kernel (or the controller's proxy, which is the cell's only
+# way out under allowlist/internal) refused, from counters it keeps anyway, read when the cell ends:
+# nothing is traced or added to the run path. A class whose refusals leave no count says so
+# ("observable": false) with why, never 0. `kernel_stopped` lists what the kernel stopped in a cell the
+# gate let run, with the gate rule that bears on that class (a flag it raised) or null: the gate never saw it.
+
+# Gate rules that bear on each class: a flag of the cell's decision that starts with one of these
+# is the rule that saw it coming (`agnsup check --explain` says which rule would have refused it).
+KERNEL_CLASSES = {
+    "network": ("network.", "exfil.", "net.", "egress."),
+    "writes": ("sandbox.", "hardline.system_file_write", "hardline.block_device_write", "hardline.rm_root",
+               "hardline.chmod_system", "hardline.unknown_operand"),
+    "pids": ("hardline.fork_bomb", "hardline.resource_exhaustion", "hardline.unbounded_loop"),
+    "memory": ("hardline.resource_exhaustion",),
+}
+WRITES_NOT_OBSERVABLE = (
+    "a write the mount view (EROFS) or Landlock (EACCES) refuses fails inside the cell and the kernel keeps "
+    "no count of it; seeing each one would take ptrace or seccomp user notification on every file system "
+    "call. Landlock ABI 7 logs its denials to the audit subsystem only when the host's audit is enabled "
+    "and a reader holds CAP_AUDIT_READ: agnsup does not read audit")
+NETNS_NOT_OBSERVABLE = (
+    "the cell's own network namespace has only lo up: a connection that would leave it fails inside the "
+    "cell (ENETUNREACH) and the kernel keeps no count of it")
+HOST_NOT_OBSERVABLE = "host network: the kernel refuses no destination; the gate's judgement is the only one"
+
+
+def gate_rules(decision: dict | None, cls: str) -> list[str]:
+    """The rules of the gate's decision (flags and flagged notes) that bear on a kernel class."""
+    if not decision:
+        return []
+    seen = list(decision.get("flags") or []) + [n.get("rule", "") for n in decision.get("flagged") or []]
+    if not decision.get("allowed", True):
+        seen.append(decision.get("rule") or "")
+    return sorted({r for r in seen if r and r.startswith(KERNEL_CLASSES[cls])})
+
+
+def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | None,
+                  decision: dict | None) -> tuple[dict, list[dict]]:
+    """(kernel_record, kernel_stopped) for a cell receipt; see above. `usage`: the cgroup's counters
+    ({} for a cell that never ran); `network`: the receipt's proxy section (None without a proxy)."""
+    applied = limits.get("applied") or {}
+    ran = bool(usage)
+    rec: dict = {}
+    mode = isolation.get("network")
+    if network is not None:
+        refused = [{"name": d["name"], "port": d.get("port"), "rule": d["rule"], "count": d["count"]}
+                   for d in network.get("by_destination") or [] if d["decision"] == "refused"]
+        rec["network"] = {"mode": network.get("mode"), "observable": True, "source": "the controller's egress proxy",
+                          "attempts": network.get("attempts", 0), "allowed": network.get("allowed", 0),
+                          "refused": network.get("refused", 0), "failed": network.get("failed", 0),
+                          "refused_destinations": sorted(refused, key=lambda d: -d["count"])}
+    elif isolation.get("network_namespace"):
+        rec["network"] = {"mode": mode, "observable": False, "why": NETNS_NOT_OBSERVABLE}
+    else:
+        rec["network"] = {"mode": mode, "observable": False, "why": HOST_NOT_OBSERVABLE}
+    by = [w for w, on in (("mount view (read-only root)", isolation.get("readonly_root")),
+                          (f"landlock ABI {isolation.get('landlock_abi')}", isolation.get("landlock"))) if on]
+    rec["writes"] = {"enforced_by": by, "observable": False, "why": WRITES_NOT_OBSERVABLE}
+    v1 = not str(applied.get("memory", "")).startswith("v2")
+    for cls, key, limit, source in (("pids", "pids_max_events", "pids_max", "pids.events max"),
+                                    ("memory", "oom_kills", "memory_max",
+                                     "memory.oom_control oom_kill" if v1 else "memory.events oom_kill")):
+        res = cls
+        if res not in applied:
+            rec[cls] = {"limit": None, "observable": False, "why": f"no {res} hierarchy holds the cell's limit here"}
+        elif not ran or usage.get(key) is None:
+            rec[cls] = {"limit": limits.get(limit), "observable": False,
+                        "why": "the cell never ran" if not ran else f"this kernel has no {source} counter"}
+        else:
+            rec[cls] = {"limit": limits.get(limit), "observable": True, "source": source,
+                        ("refused_forks" if cls == "pids" else "oom_kills"): usage[key]}
+    stopped = []
+    net = rec["network"]
+    if net.get("refused"):
+        stopped.append(("network", "connections refused by the egress proxy", net["refused"]))
+    if rec["pids"].get("refused_forks"):
+        stopped.append(("pids", "forks refused at pids.max (the processes were never created)",
+                        rec["pids"]["refused_forks"]))
+    if rec["memory"].get("oom_kills"):
+        stopped.append(("memory", "processes killed by the OOM killer at memory.max", rec["memory"]["oom_kills"]))
+    allowed = (decision or {}).get("allowed", True)
+    kernel_stopped = []
+    for cls, what, count in stopped:
+        rules = gate_rules(decision, cls)
+        kernel_stopped.append({"class": cls, "what": what, "count": count,
+                               "gate": "flagged" if rules and allowed else "allowed" if allowed else "denied",
+                               "gate_rule": rules[0] if rules else None})
+    return rec, kernel_stopped

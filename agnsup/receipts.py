@@ -231,3 +231,50 @@ def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | No
                                "gate": "flagged" if rules and allowed else "allowed" if allowed else "denied",
                                "gate_rule": rules[0] if rules else None})
     return rec, kernel_stopped
+
+
+# The governance key that turns a flag of a class into a refusal (`agnsup check --explain`).
+_STRICTER = {"kernel_enforced": ("governance.kernel_enforced", "deny"),
+             "unknown_operand": ("governance.unknown_operands", "deny")}
+
+
+def kernel_explain(policy, decision: dict, strict: dict) -> dict:
+    """For `agnsup check --explain`: per kernel class, what the kernel refuses in a cell of the role
+    whatever the text says, the gate rules that bear on the command in that class (flags of
+    `decision`), and, where the role lets such a flag through, the setting that refuses it and the
+    rule that then decides (`strict`: the decision under those settings). A class with no rule is
+    one only the receipt's kernel_record can show."""
+    net, fs, lim = policy.network.mode, policy.filesystem, policy.limits
+    kernel = {
+        "network": {"deny": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
+                    "loopback": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
+                    "allowlist": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
+                                 "allow and records every attempt (kernel_record.network)",
+                    "internal": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
+                                "allow and records every attempt (kernel_record.network)",
+                    "host": "nothing: the cell has the host's network"}.get(net, net),
+        "writes": ("outside the worktree, /tmp and /dev/shm the mount view is read-only and Landlock (where the "
+                   "kernel has it) refuses writes" if fs.root == "ro" else "the root is writable: only Landlock "
+                   "(where the kernel has it) refuses writes outside the worktree")
+                  + ("; the worktree is read-only too" if fs.worktree != "rw" else ""),
+        "pids": f"a fork past pids.max = {lim.pids_max} fails" if lim.pids_max else "no pids limit",
+        "memory": f"the OOM killer ends the cell past memory.max = {lim.memory_max}" if lim.memory_max
+                  else "no memory limit",
+    }
+    out = {}
+    for cls, what in kernel.items():
+        rules = gate_rules(decision, cls)
+        e: dict = {"kernel": what, "gate_rules": rules}
+        for r in rules:
+            key = next((k for k in _STRICTER if r.endswith(k)), None)
+            if key and decision.get("allowed"):
+                setting, value = _STRICTER[key]
+                e["refused_with"] = f"{setting} = \"{value}\""
+                if not strict.get("allowed") and strict.get("rule", "").startswith(KERNEL_CLASSES[cls]):
+                    e["would_deny"] = strict["rule"]
+                break
+        if not rules:
+            e["note"] = ("no gate rule sees this in the command's text: only the receipt's kernel_record shows "
+                         "what the kernel refused")
+        out[cls] = e
+    return out

@@ -237,6 +237,9 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
             line = changes_line(r)
             if line:
                 click.echo("  " + line)
+            for k in r.get("kernel_stopped") or []:  # the kernel stopped what the gate let run
+                click.echo(f"  kernel stopped {k['class']}: {k['what']} x{k['count']} "
+                           f"(gate: {k['gate_rule'] or 'no rule'}; agnsup check --explain)")
         else:
             click.echo(json.dumps(r, sort_keys=True))
     if not items:

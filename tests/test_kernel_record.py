@@ -54,6 +54,8 @@ def test_a_fork_bomb_the_gate_let_run_is_in_the_kernel_record_as_forks_refused_a
     stopped = [s for s in r["kernel_stopped"] if s["class"] == "pids"]
     assert stopped == [{"class": "pids", "what": stopped[0]["what"], "count": pids["refused_forks"],
                         "gate": "allowed", "gate_rule": None}]
+    shown = agnsup("receipts", "--cell", "bomb", check=0).out
+    assert f"kernel stopped pids: {stopped[0]['what']} x{pids['refused_forks']} (gate: no rule" in shown, shown
 
 
 def test_a_memory_hog_is_in_the_kernel_record_as_oom_kills(agnsup, tight, worktree, tmp_path):

@@ -48,7 +48,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     r["kernel_record"], r["kernel_stopped"] = kernel_record(cell.isolation or {}, r["limits"], usage, cell.network,
-                                                            cell.decision)
+                                                            cell.decision, getattr(cell, "landlock_audit", None))
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
@@ -180,9 +180,11 @@ def gate_rules(decision: dict | None, cls: str) -> list[str]:
 
 
 def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | None,
-                  decision: dict | None) -> tuple[dict, list[dict]]:
+                  decision: dict | None, landlock: dict | None = None) -> tuple[dict, list[dict]]:
     """(kernel_record, kernel_stopped) for a cell receipt; see above. `usage`: the cgroup's counters
-    ({} for a cell that never ran); `network`: the receipt's proxy section (None without a proxy)."""
+    ({} for a cell that never ran); `network`: the receipt's proxy section (None without a proxy);
+    `landlock`: the cell's Landlock denials read from the audit log (linux/audit.py), or {"why"}
+    the host gave none, or None: not tried (no audit daemon, not root, Landlock ABI < 7)."""
     applied = limits.get("applied") or {}
     ran = bool(usage)
     rec: dict = {}
@@ -200,7 +202,15 @@ def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | No
         rec["network"] = {"mode": mode, "observable": False, "why": HOST_NOT_OBSERVABLE}
     by = [w for w, on in (("mount view (read-only root)", isolation.get("readonly_root")),
                           (f"landlock ABI {isolation.get('landlock_abi')}", isolation.get("landlock"))) if on]
-    rec["writes"] = {"enforced_by": by, "observable": False, "why": WRITES_NOT_OBSERVABLE}
+    if landlock and "denials" in landlock:
+        rec["writes"] = {"enforced_by": by, "observable": True, "source": "audit: Landlock's own records (ABI 7)",
+                         "landlock_denials": landlock["denials"],
+                         **{k: landlock[k] for k in ("by_class", "paths", "kernel_count", "lower_bound", "lost")
+                            if k in landlock},
+                         "not_counted": "writes the read-only mount view refuses (EROFS) before Landlock is asked"}
+    else:
+        why = f"{landlock['why']}: " if landlock and landlock.get("why") else ""
+        rec["writes"] = {"enforced_by": by, "observable": False, "why": why + WRITES_NOT_OBSERVABLE}
     v1 = not str(applied.get("memory", "")).startswith("v2")
     for cls, key, limit, source in (("pids", "pids_max_events", "pids_max", "pids.events max"),
                                     ("memory", "oom_kills", "memory_max",
@@ -218,6 +228,8 @@ def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | No
     net = rec["network"]
     if net.get("refused"):
         stopped.append(("network", "connections refused by the egress proxy", net["refused"]))
+    if rec["writes"].get("landlock_denials"):
+        stopped.append(("writes", "file system writes refused by Landlock", rec["writes"]["landlock_denials"]))
     if rec["pids"].get("refused_forks"):
         stopped.append(("pids", "forks refused at pids.max (the processes were never created)",
                         rec["pids"]["refused_forks"]))

@@ -196,3 +196,91 @@ def test_check_explain_names_the_rule_and_the_setting_that_would_refuse_it(agnsu
     assert out["kernel"]["writes"]["would_deny"].startswith("sandbox.")
     text = agnsup("check", "--explain", "--workdir", worktree, "--", "python3", "bomb.py", check=0).out
     assert "kernel, pids: a fork past pids.max = 4096 fails; gate: no rule" in text
+
+
+# -- Landlock denials through audit (Landlock ABI 7; the host's audit enabled) --------------------
+
+def _audit_enabled() -> int | None:
+    import struct
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9)
+    except OSError:
+        return None
+    with s:
+        s.bind((0, 0))
+        s.send(struct.pack("=IHHII", 16, 1000, 1, 1, 0))
+        s.settimeout(2)
+        d = s.recv(65536)
+        return struct.unpack_from("=I", d, 20)[0] if struct.unpack_from("=H", d, 4)[0] == 1000 else None
+
+
+def _audit_set(enabled: int) -> None:
+    import struct
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9) as s:
+        s.bind((0, 0))
+        body = struct.pack("=11I", 1, enabled, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # mask AUDIT_STATUS_ENABLED
+        s.send(struct.pack("=IHHII", 16 + len(body), 1001, 1 | 4, 2, 0) + body)
+        s.settimeout(2)
+        s.recv(65536)
+
+
+@pytest.fixture
+def audit_root(state, policy_dir, worktree):
+    """Root, Landlock ABI 7, the audit status readable; a role whose root is read-write (Landlock is then
+    what refuses writes outside the worktree); an agnsup told to read audit without an auditd."""
+    from agnsup.linux import landlock
+    if os.geteuid() != 0 or landlock.abi() < 7 or _audit_enabled() is None:
+        pytest.skip("ENV_BLOCKED: root, Landlock ABI 7 and the audit netlink socket")
+    write_role(policy_dir, "rwroot", filesystem__root='"rw"')
+    _probe(worktree, "writes.py", WRITES)
+    return Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir), "AGNSUP_TEST_AUDIT": "1"})
+
+
+@pytest.fixture
+def audit_on():
+    """The host's audit enabled for the test (no rule is added: only Landlock's own records flow),
+    the status it had put back."""
+    before = _audit_enabled()
+    if not before:
+        _audit_set(1)
+    yield
+    if not before:
+        _audit_set(0)
+    assert _audit_enabled() == before
+
+
+def test_with_the_hosts_audit_off_the_receipt_says_so(audit_root, worktree, tmp_path):
+    if _audit_enabled():
+        pytest.skip("ENV_BLOCKED: the host's audit is on")
+    rfile = tmp_path / "receipt.json"
+    audit_root("run", "--role", "rwroot", "--cell", "off", "--receipt", str(rfile), "--workdir", worktree,
+               "--changes", "live", "--", "python3", "writes.py", "/var/tmp/agnsup-kr-off", check=0)
+    w = _receipt(rfile)["kernel_record"]["writes"]
+    assert w["observable"] is False and w["why"].startswith("the host's audit is disabled: ")
+
+
+def test_landlock_denials_are_counted_per_cell_from_the_audit_log(audit_root, audit_on, worktree, tmp_path):
+    tag = os.urandom(3).hex()
+    mine = [f"/var/tmp/agnsup-kr-{tag}", f"/etc/agnsup-kr-{tag}", f"/opt/agnsup-kr-{tag}"]
+    other = [f"/var/tmp/agnsup-kr-other-{tag}-{i}" for i in range(5)]
+    slow = WRITES + "import time; time.sleep(1.5)\n"
+    _probe(worktree, "slow.py", slow)
+    # another cell refuses writes meanwhile: its denials are its own
+    p = audit_root.popen("run", "--role", "rwroot", "--cell", "other", "--receipt", str(tmp_path / "other.json"),
+                         "--workdir", worktree, "--changes", "live", "--", "python3", "slow.py", *other,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    cp = audit_root("run", "--role", "rwroot", "--cell", "mine", "--receipt", str(tmp_path / "mine.json"),
+                    "--workdir", worktree, "--changes", "live", "--", "python3", "slow.py", *mine, check=0)
+    out, err = p.communicate(timeout=60)
+    for line in cp.out.splitlines() + out.decode().splitlines():
+        path, what = line.split()
+        assert what == "EACCES", (line, cp.err, err)
+        assert not os.path.exists(path)
+    for cell, paths in (("mine", mine), ("other", other)):
+        r = _receipt(tmp_path / f"{cell}.json")
+        w = r["kernel_record"]["writes"]
+        assert w["observable"] and w["landlock_denials"] == len(paths), (cell, w)
+        assert w["kernel_count"] == len(paths) and w["by_class"] == {"fs.make_reg": len(paths)}, (cell, w)
+        assert sorted(x["path"] for x in w["paths"]) == sorted({os.path.dirname(x) for x in paths}), (cell, w)
+        assert {"class": "writes", "what": "file system writes refused by Landlock", "count": len(paths),
+                "gate": "allowed", "gate_rule": None} in r["kernel_stopped"]

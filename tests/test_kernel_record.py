@@ -263,16 +263,22 @@ def test_landlock_denials_are_counted_per_cell_from_the_audit_log(audit_root, au
     tag = os.urandom(3).hex()
     mine = [f"/var/tmp/agnsup-kr-{tag}", f"/etc/agnsup-kr-{tag}", f"/opt/agnsup-kr-{tag}"]
     other = [f"/var/tmp/agnsup-kr-other-{tag}-{i}" for i in range(5)]
-    slow = WRITES + "import time; time.sleep(1.5)\n"
-    _probe(worktree, "slow.py", slow)
-    # another cell refuses writes meanwhile: its denials are its own
+    # another cell (its own worktree: not queued behind this one's lock) refuses writes, and stays
+    # alive, its audit reader with it, until this cell has refused its own
+    owt = tmp_path / "other-wt"
+    owt.mkdir()
+    _probe(str(owt), "wait.py", WRITES + "import os, time\nwhile not os.path.exists('stop'):\n    time.sleep(0.05)\n")
     p = audit_root.popen("run", "--role", "rwroot", "--cell", "other", "--receipt", str(tmp_path / "other.json"),
-                         "--workdir", worktree, "--changes", "live", "--", "python3", "slow.py", *other,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    cp = audit_root("run", "--role", "rwroot", "--cell", "mine", "--receipt", str(tmp_path / "mine.json"),
-                    "--workdir", worktree, "--changes", "live", "--", "python3", "slow.py", *mine, check=0)
-    out, err = p.communicate(timeout=60)
-    for line in cp.out.splitlines() + out.decode().splitlines():
+                         "--workdir", str(owt), "--changes", "live", "--timeout", "60", "--", "python3", "-u",
+                         "wait.py", *other, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        lines = [p.stdout.readline().decode() for _ in other]
+        cp = audit_root("run", "--role", "rwroot", "--cell", "mine", "--receipt", str(tmp_path / "mine.json"),
+                        "--workdir", worktree, "--changes", "live", "--", "python3", "writes.py", *mine, check=0)
+    finally:
+        (owt / "stop").write_text("")
+        out, err = p.communicate(timeout=60)
+    for line in cp.out.splitlines() + lines:
         path, what = line.split()
         assert what == "EACCES", (line, cp.err, err)
         assert not os.path.exists(path)

@@ -27,8 +27,6 @@ the cost of a cell.
 from __future__ import annotations
 
 import os
-import select
-import time
 
 NETLINK_AUDIT = 9
 AUDIT_GET = 1000
@@ -121,6 +119,8 @@ class Reader:
 
     def collect(self) -> dict:
         """The cell's denials, once its tree is dead (its domain ends with its last process)."""
+        import select
+        import time
         self._drain()
         deadline = time.monotonic() + SETTLE
         while any(d["ours"] and d["denials"] is None for d in self.domains.values()):

@@ -161,8 +161,8 @@ KERNEL_CLASSES = {
 WRITES_NOT_OBSERVABLE = (
     "a write the mount view (EROFS) or Landlock (EACCES) refuses fails inside the cell and the kernel keeps "
     "no count of it; seeing each one would take ptrace or seccomp user notification on every file system "
-    "call. Landlock ABI 7 logs its denials to the audit subsystem only when the host's audit is enabled "
-    "and a reader holds CAP_AUDIT_READ: agnsup does not read audit")
+    "call. Landlock (ABI 7) logs its denials to the audit subsystem, which agnsup reads only as root, "
+    "where an audit daemon runs and the host's audit is enabled (docs/governance.md)")
 NETNS_NOT_OBSERVABLE = (
     "the cell's own network namespace has only lo up: a connection that would leave it fails inside the "
     "cell (ENETUNREACH) and the kernel keeps no count of it")

@@ -78,6 +78,8 @@ class Cell(Record):
     cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
     layer: object = None         # changes.Layer: the overlay's upper and work, while a capturing cell runs
     changes: dict | None = None  # the receipt's `changes` section (changes.commit's summary, or live/none and why)
+    audit: object = None         # linux.audit.Reader: the cell's Landlock denials, where the host audits
+    landlock_audit: dict | None = None  # what it read once the tree was dead, or {"why": ...} it reads nothing
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -222,6 +224,7 @@ class Controller:
             if plan.worktree_mode == "rw":
                 cell.protect_start = _protect_baseline(plan)
                 _keep_for_janitor(plan, cell.protect_start)
+            _open_audit(cell)
             try:
                 cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -585,6 +588,12 @@ class Controller:
 
     def _close_fds(self, cell: Cell) -> None:
         self._stop_egress(cell)
+        if cell.audit is not None:  # the tree is dead: its Landlock domain has ended, or ends now
+            try:
+                cell.landlock_audit = cell.audit.collect()
+            finally:
+                cell.audit.close()
+                cell.audit = None
         for end in (cell.input, cell.terminal):
             if end is not None:
                 end.close()
@@ -618,6 +627,22 @@ class Controller:
         if ends:
             self._ended = True
         return receipt
+
+
+def _open_audit(cell: Cell) -> None:
+    """A Landlock ABI 7 cell on a host that audits: subscribe to the audit log before the cell
+    exists, and name its domain (linux/audit.py). Elsewhere nothing is imported or called."""
+    plan = cell.plan
+    if plan.landlock_writable is None or plan.landlock_abi < 7:
+        return
+    from .linux import audit
+    if not audit.wanted():
+        return
+    cell.audit, why = audit.Reader.open()
+    if cell.audit is None:
+        cell.landlock_audit = {"why": why}
+    else:
+        plan.landlock_log_tag = cell.audit.tag
 
 
 def _users_own(fd: int) -> bool:

@@ -249,6 +249,9 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
             line = changes_line(r)
             if line:
                 click.echo("  " + line)
+            for k in r.get("kernel_stopped") or []:  # the kernel stopped what the gate let run
+                click.echo(f"  kernel stopped {k['class']}: {k['what']} x{k['count']} "
+                           f"(gate: {k['gate_rule'] or 'no rule'}; agnsup check --explain)")
         else:
             click.echo(json.dumps(r, sort_keys=True))
     if not items:
@@ -534,9 +537,12 @@ def doctor(obj, as_json, no_probe, roles):
               help="One shell command per line from FILE ('-' for stdin); one JSON decision per line out; "
                    "exit 126 if any line was denied.")
 @click.option("--json", "as_json", is_flag=True, help="The decision as JSON.")
+@click.option("--explain", is_flag=True,
+              help="Also what the kernel refuses in a cell of the role, class by class (network, writes, pids, "
+                   "memory), the gate rule that bears on CMD in each, and the setting that would refuse it.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
-def check(obj, role, workdir, batch, as_json, command):
+def check(obj, role, workdir, batch, as_json, explain, command):
     """The governance decision for CMD without running anything.
 
     Exit 0 when allowed, 126 when denied. With --batch, every non-empty line is
@@ -566,13 +572,25 @@ def check(obj, role, workdir, batch, as_json, command):
     if not command:
         raise click.UsageError("give a command after -- or --batch FILE")
     d, trail = gate_check("run_process", {"argv": list(command), "cwd": wt}, ctx)
-    if not _echo_json(as_json, {"command": list(command), **d.to_dict(), "trail": trail}):
+    out = {"command": list(command), **d.to_dict(), "trail": trail}
+    if explain:  # the same call under the settings that turn kernel-backed flags into refusals
+        from .receipts import kernel_explain
+        from .record import replace
+        strict, _ = gate_check("run_process", {"argv": list(command), "cwd": wt},
+                               replace(ctx, kernel_enforced="deny", unknown_operands="deny"))
+        out["kernel"] = kernel_explain(pol, d.to_dict(), strict.to_dict())
+    if not _echo_json(as_json, out):
         verdict = "allowed" if d.allowed else "DENIED"
         click.echo(f"{verdict}: {d.rule} (zone {d.zone}): {d.reason}")
         for n in d.flagged:
             click.echo(f"  flagged {n['rule']}: {n['reason']}")
         if not d.allowed and d.hint:
             click.echo(f"  if this is wrong: {d.hint}")
+        for cls, e in out.get("kernel", {}).items():
+            gate = ", ".join(e["gate_rules"]) or "no rule"
+            more = (f"; refused with {e['refused_with']}" + (f" ({e['would_deny']})" if e.get("would_deny") else "")
+                    if e.get("refused_with") else "")
+            click.echo(f"  kernel, {cls}: {e['kernel']}; gate: {gate}{more}")
     sys.exit(0 if d.allowed else 126)
 
 

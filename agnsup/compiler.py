@@ -32,6 +32,7 @@ class ExecutionPlan(Record):
     seccomp_refuse: tuple | None = None    # seccomp groups beyond "always"; None: no filter
     landlock_writable: list[str] | None = None  # host paths Landlock lets the cell write; None: no Landlock
     landlock_abi: int = 0
+    landlock_log_tag: str | None = None  # the broker's audit reader names the cell's domain (linux/audit.py)
     no_new_privs: bool = False
     cap_keep: list[int] | None = None      # what a root cell keeps; None: agnsup is not root
     uid: int | None = None                 # run the cell as this uid/gid

@@ -48,6 +48,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         r["changes"] = cell.changes
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
+    r["kernel_record"], r["kernel_stopped"] = kernel_record(cell.isolation or {}, r["limits"], usage, cell.network,
+                                                            cell.decision, getattr(cell, "landlock_audit", None))
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
@@ -140,3 +142,155 @@ def limits_hit(usage: dict, output: dict) -> list[str]:
     seen = {"memory": usage.get("oom_kills"), "pids": usage.get("pids_max_events"),
             "cpu": usage.get("cpu_nr_throttled"), "output": output.get("exceeded")}
     return [limit for limit, counter in seen.items() if counter]
+
+
+# -- the kernel's record: what the kernel refused in the cell, whatever the gate said ----------------
+#
+# The gate judges text before a cell runs; the kernel refuses what the cell really does. The receipt's
+# `kernel_record` holds, per class, what the kernel (or the controller's proxy, which is the cell's only
+# way out under allowlist/internal) refused, from counters it keeps anyway, read when the cell ends:
+# nothing is traced or added to the run path. A class whose refusals leave no count says so
+# ("observable": false) with why, never 0. `kernel_stopped` lists what the kernel stopped in a cell the
+# gate let run, with the gate rule that bears on that class (a flag it raised) or null: the gate never saw it.
+
+# Gate rules that bear on each class: a flag of the cell's decision that starts with one of these
+# is the rule that saw it coming (`agnsup check --explain` says which rule would have refused it).
+KERNEL_CLASSES = {
+    "network": ("network.", "exfil.", "net.", "egress."),
+    "writes": ("sandbox.", "hardline.system_file_write", "hardline.block_device_write", "hardline.rm_root",
+               "hardline.chmod_system", "hardline.unknown_operand"),
+    "pids": ("hardline.fork_bomb", "hardline.resource_exhaustion", "hardline.unbounded_loop"),
+    "memory": ("hardline.resource_exhaustion",),
+}
+WRITES_NOT_OBSERVABLE = (
+    "a write the mount view (EROFS) or Landlock (EACCES) refuses fails inside the cell and the kernel keeps "
+    "no count of it; seeing each one would take ptrace or seccomp user notification on every file system "
+    "call. Landlock (ABI 7) logs its denials to the audit subsystem, which agnsup reads only as root, "
+    "where an audit daemon runs and the host's audit is enabled (docs/governance.md)")
+NETNS_NOT_OBSERVABLE = (
+    "the cell's own network namespace has only lo up: a connection that would leave it fails inside the "
+    "cell (ENETUNREACH) and the kernel keeps no count of it")
+HOST_NOT_OBSERVABLE = "host network: the kernel refuses no destination; the gate's judgement is the only one"
+
+
+def gate_rules(decision: dict | None, cls: str) -> list[str]:
+    """The rules of the gate's decision (flags and flagged notes) that bear on a kernel class."""
+    if not decision:
+        return []
+    seen = list(decision.get("flags") or []) + [n.get("rule", "") for n in decision.get("flagged") or []]
+    if not decision.get("allowed", True):
+        seen.append(decision.get("rule") or "")
+    return sorted({r for r in seen if r and r.startswith(KERNEL_CLASSES[cls])})
+
+
+def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | None,
+                  decision: dict | None, landlock: dict | None = None) -> tuple[dict, list[dict]]:
+    """(kernel_record, kernel_stopped) for a cell receipt; see above. `usage`: the cgroup's counters
+    ({} for a cell that never ran); `network`: the receipt's proxy section (None without a proxy);
+    `landlock`: the cell's Landlock denials read from the audit log (linux/audit.py), or {"why"}
+    the host gave none, or None: not tried (no audit daemon, not root, Landlock ABI < 7)."""
+    applied = limits.get("applied") or {}
+    ran = bool(usage)
+    rec: dict = {}
+    mode = isolation.get("network")
+    if network is not None:
+        refused = [{"name": d["name"], "port": d.get("port"), "rule": d["rule"], "count": d["count"]}
+                   for d in network.get("by_destination") or [] if d["decision"] == "refused"]
+        rec["network"] = {"mode": network.get("mode"), "observable": True, "source": "the controller's egress proxy",
+                          "attempts": network.get("attempts", 0), "allowed": network.get("allowed", 0),
+                          "refused": network.get("refused", 0), "failed": network.get("failed", 0),
+                          "refused_destinations": sorted(refused, key=lambda d: -d["count"])}
+    elif isolation.get("network_namespace"):
+        rec["network"] = {"mode": mode, "observable": False, "why": NETNS_NOT_OBSERVABLE}
+    else:
+        rec["network"] = {"mode": mode, "observable": False, "why": HOST_NOT_OBSERVABLE}
+    by = [w for w, on in (("mount view (read-only root)", isolation.get("readonly_root")),
+                          (f"landlock ABI {isolation.get('landlock_abi')}", isolation.get("landlock"))) if on]
+    if landlock and "denials" in landlock:
+        rec["writes"] = {"enforced_by": by, "observable": True, "source": "audit: Landlock's own records (ABI 7)",
+                         "landlock_denials": landlock["denials"],
+                         **{k: landlock[k] for k in ("by_class", "paths", "kernel_count", "lower_bound", "lost")
+                            if k in landlock},
+                         "not_counted": "writes the read-only mount view refuses (EROFS) before Landlock is asked"}
+    else:
+        why = f"{landlock['why']}: " if landlock and landlock.get("why") else ""
+        rec["writes"] = {"enforced_by": by, "observable": False, "why": why + WRITES_NOT_OBSERVABLE}
+    v1 = not str(applied.get("memory", "")).startswith("v2")
+    for cls, key, limit, source in (("pids", "pids_max_events", "pids_max", "pids.events max"),
+                                    ("memory", "oom_kills", "memory_max",
+                                     "memory.oom_control oom_kill" if v1 else "memory.events oom_kill")):
+        res = cls
+        if res not in applied:
+            rec[cls] = {"limit": None, "observable": False, "why": f"no {res} hierarchy holds the cell's limit here"}
+        elif not ran or usage.get(key) is None:
+            rec[cls] = {"limit": limits.get(limit), "observable": False,
+                        "why": "the cell never ran" if not ran else f"this kernel has no {source} counter"}
+        else:
+            rec[cls] = {"limit": limits.get(limit), "observable": True, "source": source,
+                        ("refused_forks" if cls == "pids" else "oom_kills"): usage[key]}
+    stopped = []
+    net = rec["network"]
+    if net.get("refused"):
+        stopped.append(("network", "connections refused by the egress proxy", net["refused"]))
+    if rec["writes"].get("landlock_denials"):
+        stopped.append(("writes", "file system writes refused by Landlock", rec["writes"]["landlock_denials"]))
+    if rec["pids"].get("refused_forks"):
+        stopped.append(("pids", "forks refused at pids.max (the processes were never created)",
+                        rec["pids"]["refused_forks"]))
+    if rec["memory"].get("oom_kills"):
+        stopped.append(("memory", "processes killed by the OOM killer at memory.max", rec["memory"]["oom_kills"]))
+    allowed = (decision or {}).get("allowed", True)
+    kernel_stopped = []
+    for cls, what, count in stopped:
+        rules = gate_rules(decision, cls)
+        kernel_stopped.append({"class": cls, "what": what, "count": count,
+                               "gate": "flagged" if rules and allowed else "allowed" if allowed else "denied",
+                               "gate_rule": rules[0] if rules else None})
+    return rec, kernel_stopped
+
+
+# The governance key that turns a flag of a class into a refusal (`agnsup check --explain`).
+_STRICTER = {"kernel_enforced": ("governance.kernel_enforced", "deny"),
+             "unknown_operand": ("governance.unknown_operands", "deny")}
+
+
+def kernel_explain(policy, decision: dict, strict: dict) -> dict:
+    """For `agnsup check --explain`: per kernel class, what the kernel refuses in a cell of the role
+    whatever the text says, the gate rules that bear on the command in that class (flags of
+    `decision`), and, where the role lets such a flag through, the setting that refuses it and the
+    rule that then decides (`strict`: the decision under those settings). A class with no rule is
+    one only the receipt's kernel_record can show."""
+    net, fs, lim = policy.network.mode, policy.filesystem, policy.limits
+    kernel = {
+        "network": {"deny": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
+                    "loopback": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
+                    "allowlist": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
+                                 "allow and records every attempt (kernel_record.network)",
+                    "internal": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
+                                "allow and records every attempt (kernel_record.network)",
+                    "host": "nothing: the cell has the host's network"}.get(net, net),
+        "writes": ("outside the worktree, /tmp and /dev/shm the mount view is read-only and Landlock (where the "
+                   "kernel has it) refuses writes" if fs.root == "ro" else "the root is writable: only Landlock "
+                   "(where the kernel has it) refuses writes outside the worktree")
+                  + ("; the worktree is read-only too" if fs.worktree != "rw" else ""),
+        "pids": f"a fork past pids.max = {lim.pids_max} fails" if lim.pids_max else "no pids limit",
+        "memory": f"the OOM killer ends the cell past memory.max = {lim.memory_max}" if lim.memory_max
+                  else "no memory limit",
+    }
+    out = {}
+    for cls, what in kernel.items():
+        rules = gate_rules(decision, cls)
+        e: dict = {"kernel": what, "gate_rules": rules}
+        for r in rules:
+            key = next((k for k in _STRICTER if r.endswith(k)), None)
+            if key and decision.get("allowed"):
+                setting, value = _STRICTER[key]
+                e["refused_with"] = f"{setting} = \"{value}\""
+                if not strict.get("allowed") and strict.get("rule", "").startswith(KERNEL_CLASSES[cls]):
+                    e["would_deny"] = strict["rule"]
+                break
+        if not rules:
+            e["note"] = ("no gate rule sees this in the command's text: only the receipt's kernel_record shows "
+                         "what the kernel refused")
+        out[cls] = e
+    return out

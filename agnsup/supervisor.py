@@ -317,7 +317,7 @@ def _prepare(plan) -> _Confinement:
     if plan.seccomp_refuse is not None:
         conf.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
-        conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi)
+        conf.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi, log_tag=plan.landlock_log_tag)
     if plan.user_namespace:
         conf.ids = (os.getuid(), os.getgid())
     if plan.pid_namespace:

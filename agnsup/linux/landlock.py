@@ -26,7 +26,7 @@ import ctypes
 import os
 import stat
 
-from .sys import _check, _syscall  # one libc binding and one errno check for every syscall
+from .sys import _check, _syscall, prctl  # one libc binding and one errno check for every syscall
 
 _SYS_CREATE_RULESET = 444
 _SYS_ADD_RULE = 445
@@ -42,6 +42,8 @@ REFER = 1 << 13      # ABI 2
 TRUNCATE = 1 << 14   # ABI 3
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1                # ABI 6
+LOG_NEW_EXEC_ON = 1 << 1             # ABI 7: landlock_restrict_self flag, denials after an execve are audited
+_PR_SET_NAME = 15
 
 _WRITE_V1 = (WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_CHAR | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO
              | MAKE_BLOCK | MAKE_SYM)
@@ -74,8 +76,11 @@ class Ruleset:
     """A ruleset fd built in the controller; the child adds its last rules
     (mounts that only exist in its namespace), then restricts itself."""
 
-    def __init__(self, version: int, scopes: bool = True):
+    def __init__(self, version: int, scopes: bool = True, log_tag: str | None = None):
         self.version = version
+        # ABI 7, a controller reading the audit log (linux/audit.py): the creator's comm names the
+        # domain in its audit record, and denials after the execve are logged
+        self.log_tag = log_tag if version >= 7 else None
         self.handled = handled_writes(version)
         self.scoped = (SCOPE_SIGNAL | SCOPE_ABSTRACT_UNIX_SOCKET) if scopes and version >= 6 else 0
         attr = _RulesetAttr(self.handled, 0, self.scoped)
@@ -105,8 +110,13 @@ class Ruleset:
 
     def restrict_self(self) -> None:
         """Enter the domain (needs no_new_privs or CAP_SYS_ADMIN); closes the fd."""
+        flags = 0
+        if self.log_tag:
+            name = ctypes.create_string_buffer(self.log_tag.encode()[:15])
+            prctl(_PR_SET_NAME, ctypes.addressof(name))  # until the execve: the domain's record keeps it
+            flags = LOG_NEW_EXEC_ON
         try:
-            _check(_syscall(_SYS_RESTRICT_SELF, ctypes.c_int(self.fd), ctypes.c_uint32(0)), "landlock_restrict_self")
+            _check(_syscall(_SYS_RESTRICT_SELF, ctypes.c_int(self.fd), ctypes.c_uint32(flags)), "landlock_restrict_self")
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -117,8 +127,8 @@ class Ruleset:
             self.fd = -1
 
 
-def build(writable: list[str], version: int, scopes: bool = True) -> Ruleset:
-    rs = Ruleset(version, scopes)
+def build(writable: list[str], version: int, scopes: bool = True, log_tag: str | None = None) -> Ruleset:
+    rs = Ruleset(version, scopes, log_tag)
     try:
         for p in writable:
             rs.allow_path(p)

@@ -151,11 +151,13 @@ class Analysis(Record):
     dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
     unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
+    exfil: list[dict] = Factory(list)         # inline programs that read a credential and send (gate/inline.py)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
         self.unjudgeable.extend(other.unjudgeable)
+        self.exfil.extend(other.exfil)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
@@ -486,6 +488,9 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
             elif any(w.startswith(f) and len(w) > len(f) and f.startswith("-") and not f.startswith("--")
                      for f in flags):
                 code = w[2:]
+            elif prog.startswith(("perl", "ruby")) and re.fullmatch(r"-[a-zA-Z]+[eE]", w) \
+                    and w[1] not in "MmIrCdDx" and i + 1 < len(argv):
+                code = argv[i + 1]  # perl -ne CODE, ruby -pe CODE: an option cluster ending in -e
             if code is not None:
                 inline_code(code, an, depth, ex)
                 return
@@ -551,6 +556,7 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
     def lit(m: re.Match) -> str:
         return m.group(1) if m.group(1) is not None else m.group(2)
 
+    start = len(an.execs)
     for m in _ARGV_CALL.finditer(code):
         words = [a or b for a, b in re.findall(_STR, m.group(1))]
         if words:
@@ -572,3 +578,5 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
         an.fork_bomb = an.fork_bomb or (ex.text or code)
     if _NET_CODE.search(code):
         an.flags.add("network_in_code")
+    from . import inline  # the program as a program: a credential read and a send in one breath
+    inline.note(code, an, ex, an.execs[start:])

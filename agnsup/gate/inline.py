@@ -116,6 +116,8 @@ _PY_READS = frozenset({"open", "read_text", "read_bytes", "read", "readlines", "
                        "dotenv_values", "copyfile", "copy", "copy2", "loadtxt", "fromfile", "read_file", "getoutput",
                        "check_output", "b64encode", "expanduser", "load", "safe_load", "ConfigParser"})
 _ENV_WHOLE_USES = frozenset({"copy", "items", "keys", "values", "__repr__", "__str__"})
+_ENV_ENCODERS = frozenset({"json.dumps", "str", "repr", "pickle.dumps", "base64.b64encode", "zlib.compress",
+                           "marshal.dumps", "yaml.dump", "yaml.safe_dump", "urllib.parse.urlencode"})
 
 
 def _dotted(node, alias: dict[str, str]) -> str:
@@ -228,9 +230,18 @@ def _python(code: str) -> tuple[list[str], list[str], bool] | None:
                 continue  # os.environ["KEY"], "KEY" in os.environ
             if isinstance(p, ast.Attribute) and p.attr not in _ENV_WHOLE_USES:
                 continue  # os.environ.get("KEY"), .setdefault, .update, .pop
-            if isinstance(p, ast.Call) and _dotted(p.func, alias) in ("os.environ.get",):
-                continue
-            env_whole = True
+            # Taken whole into a send or an encoding of it (`requests.post(json=dict(os.environ))`,
+            # `json.dumps(os.environ)`); `subprocess.run(env=os.environ)` / `env = os.environ.copy()` hand it on.
+            a, hops = p, 0
+            while a is not None and hops < 12:
+                if isinstance(a, ast.keyword) and a.arg == "env":
+                    break
+                if isinstance(a, ast.Call):
+                    fn = _dotted(a.func, alias)
+                    if _py_sender(fn) or fn in _ENV_ENCODERS:
+                        env_whole = True
+                        break
+                a, hops = parents.get(id(a)), hops + 1
     if socket_used and socket_sends:
         sends.append("socket")
     if opens or any(s.startswith("/proc/") for s in strings):
@@ -251,7 +262,7 @@ _SCAN = {
         LazyRe(r"\b(?:readFileSync|readFile|createReadStream|openSync|Deno\.readTextFile(?:Sync)?|Deno\.readFile"
                r"|Bun\.file|fs\.promises)\b"),
         LazyRe(r"\b(?:JSON\.stringify\s*\(\s*process\.env\s*[,)]|Object\.(?:entries|keys|values|assign)\s*\(\s*"
-               r"(?:\{\s*\}\s*,\s*)?process\.env\s*\)|Deno\.env\.toObject\s*\(|\.\.\.process\.env\b"
+               r"(?:\{\s*\}\s*,\s*)?process\.env\s*\)|Deno\.env\.toObject\s*\("
                r"|(?:body|data|json)\s*:\s*process\.env\b)"),
         LazyRe(r"\bfetch\s*\(|\bhttps?\.(?:request|get)\s*\(|\bhttp2\.connect\b|\bnet\.(?:connect|createConnection"
                r"|Socket)\b|\btls\.connect\b|\bdgram\.createSocket\b|\baxios\b|\bgot(?:\.\w+)?\s*\(|XMLHttpRequest"

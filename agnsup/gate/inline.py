@@ -210,6 +210,11 @@ def _python(code: str) -> tuple[list[str], list[str], bool] | None:
                 opens = True
             if name in ("netrc.netrc",) and not n.args:
                 reads.append("~/.netrc (netrc.netrc())")
+            elif short in ("get_credentials", "get_frozen_credentials", "get_password") and (
+                    name.startswith(("boto3", "botocore", "keyring")) or not name):
+                reads.append(f"stored credentials ({name or short}())")  # boto3 session, keyring
+            elif name == "google.auth.default":
+                reads.append("stored credentials (google.auth.default())")
             if name in ("exec", "eval", "compile", "builtins.exec", "builtins.eval") and n.args \
                     and not isinstance(n.args[0], ast.Constant):
                 evaluates = True

@@ -95,6 +95,19 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "chpst": frozenset({"-u", "-U", "-e", "-n", "-l", "-L", "-m", "-d", "-o", "-p", "-f", "-c", "-r", "-t"}),
     "runcon": frozenset({"-u", "-r", "-t", "-l", "--user", "--role", "--type", "--range"}),
 }
+# Project runners: `<runner> [global opts] run [opts] CMD...` runs CMD; the options that take a value.
+RUNNERS: dict[str, frozenset[str]] = {
+    "uv": frozenset({"--with", "--with-editable", "--with-requirements", "-w", "--python", "-p", "--project",
+                     "--directory", "--env-file", "--extra", "--group", "--only-group", "--no-group", "--package",
+                     "--index", "--index-url", "--default-index", "--extra-index-url", "-i", "--find-links", "-f",
+                     "--config-file", "--cache-dir", "--python-preference", "--color", "--no-extra"}),
+    "poetry": frozenset({"-C", "--directory", "-P", "--project"}),
+    "pipenv": frozenset(), "pdm": frozenset({"-p", "--project"}), "rye": frozenset(),
+    "conda": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "mamba": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "micromamba": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "pixi": frozenset({"-e", "--environment", "--manifest-path"}),
+}
 # Wrappers followed by a fixed number of positional words before the command.
 WRAPPER_POSITIONALS = {"timeout": 1, "chroot": 1, "flock": 1, "taskset": 1, "chrt": 1, "faketime": 1}
 # GNU parallel (and its `sem`): options that take a separate value.
@@ -256,6 +269,18 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
                 words = words[:1] + split_words(spec) + rest
                 literal = [True] * len(words)
                 break
+        if prog in RUNNERS and "run" in words[1:4]:
+            # `uv run python -c ...`, `poetry run pytest`: the project's environment runs the rest
+            k = words.index("run", 1) + 1
+            while k < len(words) and words[k].startswith("-"):
+                if words[k] == "--":
+                    k += 1
+                    break
+                k += 2 if words[k] in RUNNERS[prog] else 1
+            if k < len(words):
+                via.append(prog)
+                words, literal = words[k:], literal[k:]
+                continue
         if prog == "doppler" and len(words) > 2 and words[1] == "run" and "--" in words:
             k = words.index("--")
             via.append("doppler")

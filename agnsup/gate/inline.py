@@ -383,6 +383,23 @@ def _exec_reads(ex) -> str:
     return next((w for w in words if credential_path(w)), "")
 
 
+_STDIN = LazyRe(r"\bsys\.stdin\b|\bfileinput\b|\bprocess\.stdin\b|readFileSync\s*\(\s*0\b|/dev/stdin|<STDIN>|<>"
+                 r"|\bSTDIN\b|\$stdin\b|\bARGF\b|\bgets\b|php://stdin|\bDeno\.stdin\b|\bBun\.stdin\b"
+                 r"|\binput\s*\(\s*\)|\bopen\s*\(\s*0\b")
+
+
+def _stdin_credential(code: str, an, ex) -> str:
+    """The credential a program that reads stdin gets there: `cat .env | python3 -c ...sys.stdin...`,
+    `python3 -c ... < ~/.netrc` ("" when none)."""
+    fed = next((t for op, t, _l in ex.redirects if op == "<" and credential_path(t)), "")
+    if fed:
+        return fed
+    if not _STDIN.search(code[:MAX_SCAN]):
+        return ""
+    # a reader of a credential earlier on the line (a pipe flows left to right)
+    return next((w for w in map(_exec_reads, an.execs) if w), "")
+
+
 def note(code: str, an, ex, ran: list) -> None:
     """Record in `an.exfil` an inline program (of `ex`) that reads a credential and sends.
 
@@ -398,6 +415,10 @@ def note(code: str, an, ex, ran: list) -> None:
         from .network import network_kind
         reads += [w for w in map(_exec_reads, ran) if w]
         sends += [f"`{e.prog}`" for e in ran if network_kind(e) in ("client", "tls", "upload")]
+    if sends and not reads:
+        fed = _stdin_credential(code, an, ex)
+        if fed:
+            reads.append(f"{fed} (on its stdin)")
     if reads and sends:
         an.exfil.append({"lang": lang, "prog": ex.prog, "reads": reads[0], "sends": sends[0],
                          "evidence": (ex.text or code)[:200]})

@@ -77,6 +77,7 @@ _CRED = LazyRe(
     r"|id_(?:rsa|dsa|ecdsa|ed25519)(?:_sk)?" + _END +
     r"|_netrc" + _END + r"|\.git-credentials" + _END + r"|\.npmrc" + _END + r"|\.pypirc" + _END +
     r"|\.pgpass" + _END + r"|\.my\.cnf" + _END + r"|\.vault-token" + _END +
+    r"|\.(?:bash|zsh|sh|python|psql|mysql|node_repl|rediscli)_history" + _END +  # typed tokens and passwords
     r"|application_default_credentials\.json" + _END + r"|credentials\.tfrc\.json" + _END +
     r"|\.(?:cargo|gem)/credentials(?:\.toml)?" + _END + r"|\.config/gh/hosts\.yml" + _END +
     r"|\.azure/(?:accessTokens\.json|msal_token_cache\.\w+)" + _END +

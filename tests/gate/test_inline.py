@@ -164,7 +164,8 @@ def test_removing_the_rule_lets_the_exfiltration_through(monkeypatch):
     ("~/.ssh/id_rsa.pub", False), ("~/.ssh/known_hosts", False), (".git-credentials", True), ("~/.npmrc", True),
     (".pypirc", True), ("~/.config/gcloud/credentials.db", True), ("~/.kube/config", True),
     ("~/.docker/config.json", True), ("/etc/shadow", True), ("/proc/self/environ", True), ("README.md", False),
-    ("environment.yml", False), ("src/env.py", False), ("", False),
+    ("environment.yml", False), ("src/env.py", False), ("", False), ("/root/.bash_history", True),
+    ("~/.zsh_history", True), (".envrc", False), ("history.txt", False),
 ])
 def test_credential_shaped_paths(path, expected):
     assert credential_path(path) is expected

@@ -409,9 +409,7 @@ def note(code: str, an, ex, ran: list) -> None:
     if not lang or not code:
         return
     options = " ".join(w for w in ex.argv[1:] if w != code)[:2000]
-    reads, sends, evaluates = program(code, lang, options)
-    if evaluates:
-        an.flags.add("dynamic_code")
+    reads, sends, _evaluates = program(code, lang, options)  # exec of generated text: g-unjudge's gate.unreadable_code
     if ran:
         from .network import network_kind
         reads += [w for w in map(_exec_reads, ran) if w]

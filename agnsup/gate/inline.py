@@ -90,8 +90,8 @@ def credential_path(s: str) -> bool:
     if not s or len(s) > 4096:
         return False
     s = s.replace("\\", "/")
-    if s.endswith(".pub"):
-        return False  # public keys are public
+    if s.endswith(".pub") or "://" in s:
+        return False  # public keys are public; a URL names a remote file, not one here
     m = _CRED.search(s)
     return bool(m) and "known_hosts" not in s[m.start():m.end() + 12]
 

@@ -166,6 +166,7 @@ def test_removing_the_rule_lets_the_exfiltration_through(monkeypatch):
     ("~/.docker/config.json", True), ("/etc/shadow", True), ("/proc/self/environ", True), ("README.md", False),
     ("environment.yml", False), ("src/env.py", False), ("", False), ("/root/.bash_history", True),
     ("~/.zsh_history", True), (".envrc", False), ("history.txt", False),
+    ("https://example.com/.env", False),
 ])
 def test_credential_shaped_paths(path, expected):
     assert credential_path(path) is expected

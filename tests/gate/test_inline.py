@@ -287,3 +287,15 @@ def test_a_project_runner_is_a_wrapper_for_allow_lists_too():
     assert judge_shell("uv run pytest -q", ctx).allowed
     assert judge_shell("uv run make", ctx).rule == "policy.not_allowed"
     assert judge_shell("uv pip list", ctx).allowed
+
+
+def test_the_shipped_roles_flag_under_executor_and_refuse_under_networked():
+    """executor (network deny, a cell with its own namespace, kernel_enforced flag) runs it with the flag;
+    networked (host network) refuses it; the regulated-style early refusal refuses it."""
+    from scripts.gate_corpus_report import contexts
+
+    ctxs = contexts()
+    for command in (EXFIL[0], EXFIL[-1], UPLOADS[0]):
+        assert any(f.startswith("exfil.") for f in judge_shell(command, ctxs["executor"]).flags)
+        assert judge_shell(command, ctxs["networked"]).rule.startswith("exfil.")
+        assert not judge_shell(command, ctxs["executor, kernel_enforced deny"]).allowed

@@ -104,6 +104,9 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
             f = sandbox.check(tool_name, args, zone, an, ctx)
         elif name == "network":
             f = network.check(tool_name, args, an, ctx, resolver=resolver)
+            if f.allowed and an is not None and an.execs:  # a program or a line that reads a credential and sends
+                from . import inline
+                f = inline.check(an, ctx, tool_name, f)
         elif name == "zone":
             f = zones.check(tool_name, zone, ctx)
         elif an is None or not ctx.quota:

@@ -95,6 +95,19 @@ WRAPPERS: dict[str, frozenset[str]] = {
     "chpst": frozenset({"-u", "-U", "-e", "-n", "-l", "-L", "-m", "-d", "-o", "-p", "-f", "-c", "-r", "-t"}),
     "runcon": frozenset({"-u", "-r", "-t", "-l", "--user", "--role", "--type", "--range"}),
 }
+# Project runners: `<runner> [global opts] run [opts] CMD...` runs CMD; the options that take a value.
+RUNNERS: dict[str, frozenset[str]] = {
+    "uv": frozenset({"--with", "--with-editable", "--with-requirements", "-w", "--python", "-p", "--project",
+                     "--directory", "--env-file", "--extra", "--group", "--only-group", "--no-group", "--package",
+                     "--index", "--index-url", "--default-index", "--extra-index-url", "-i", "--find-links", "-f",
+                     "--config-file", "--cache-dir", "--python-preference", "--color", "--no-extra"}),
+    "poetry": frozenset({"-C", "--directory", "-P", "--project"}),
+    "pipenv": frozenset(), "pdm": frozenset({"-p", "--project"}), "rye": frozenset(),
+    "conda": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "mamba": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "micromamba": frozenset({"-n", "--name", "-p", "--prefix", "--cwd"}),
+    "pixi": frozenset({"-e", "--environment", "--manifest-path"}),
+}
 # Wrappers followed by a fixed number of positional words before the command.
 WRAPPER_POSITIONALS = {"timeout": 1, "chroot": 1, "flock": 1, "taskset": 1, "chrt": 1, "faketime": 1}
 # GNU parallel (and its `sem`): options that take a separate value.
@@ -151,11 +164,13 @@ class Analysis(Record):
     dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
     unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
+    exfil: list[dict] = Factory(list)         # inline programs that read a credential and send (gate/inline.py)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
         self.unjudgeable.extend(other.unjudgeable)
+        self.exfil.extend(other.exfil)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
@@ -254,6 +269,18 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
                 words = words[:1] + split_words(spec) + rest
                 literal = [True] * len(words)
                 break
+        if prog in RUNNERS and "run" in words[1:4]:
+            # `uv run python -c ...`, `poetry run pytest`: the project's environment runs the rest
+            k = words.index("run", 1) + 1
+            while k < len(words) and words[k].startswith("-"):
+                if words[k] == "--":
+                    k += 1
+                    break
+                k += 2 if words[k] in RUNNERS[prog] else 1
+            if k < len(words):
+                via.append(prog)
+                words, literal = words[k:], literal[k:]
+                continue
         if prog == "doppler" and len(words) > 2 and words[1] == "run" and "--" in words:
             k = words.index("--")
             via.append("doppler")
@@ -486,6 +513,9 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
             elif any(w.startswith(f) and len(w) > len(f) and f.startswith("-") and not f.startswith("--")
                      for f in flags):
                 code = w[2:]
+            elif prog.startswith(("perl", "ruby")) and re.fullmatch(r"-[a-zA-Z]+[eE]", w) \
+                    and w[1] not in "MmIrCdDx" and i + 1 < len(argv):
+                code = argv[i + 1]  # perl -ne CODE, ruby -pe CODE: an option cluster ending in -e
             if code is not None:
                 inline_code(code, an, depth, ex)
                 return
@@ -551,6 +581,7 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
     def lit(m: re.Match) -> str:
         return m.group(1) if m.group(1) is not None else m.group(2)
 
+    start = len(an.execs)
     for m in _ARGV_CALL.finditer(code):
         words = [a or b for a, b in re.findall(_STR, m.group(1))]
         if words:
@@ -572,3 +603,5 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
         an.fork_bomb = an.fork_bomb or (ex.text or code)
     if _NET_CODE.search(code):
         an.flags.add("network_in_code")
+    from . import inline  # the program as a program: a credential read and a send in one breath
+    inline.note(code, an, ex, an.execs[start:])

@@ -258,8 +258,13 @@ class _Walker:
                 if c.type == "herestring_redirect":
                     arg = next((k for k in c.children if k.is_named), None)
                     stdin = word_value(arg, self)[0] + "\n" if arg is not None else None
-                elif c.type == "heredoc_redirect":
-                    return None
+                elif c.type == "heredoc_redirect":  # `cat <<EOF | python3 -`: the heredoc is what cat writes
+                    hd = next((k for k in c.children if k.type == "heredoc_body"), None)
+                    if hd is None:
+                        return None
+                    stdin = _text(hd)
+                    if any(k.type == "<<-" for k in c.children):
+                        stdin = "\n".join(line.lstrip("\t") for line in stdin.split("\n"))
             n = body
         if n is None or n.type != "command":
             return None
@@ -286,6 +291,8 @@ class _Walker:
             return stdin
         if prog in ("true", ":"):
             return ""
+        if prog == "tee":
+            return stdin  # tee passes what it reads on
         return None
 
     def assign(self, n) -> None:
@@ -334,8 +341,16 @@ class _Walker:
                     self.an.execs.append(Exec([":"], [True], (), redirects, bg, loop, self.cwd, _text(n)[:200]))
                 if body is not None:
                     self.visit(body, bg, loop)
+            # tree-sitter-bash hangs what follows a heredoc's start on its line (`cat <<EOF | python3 -`,
+            # `cat <<EOF && rm -rf /`) inside the heredoc_redirect: a pipe there reads what the statement writes.
+            for c in (n.children if stdin is not None else ()):  # only a heredoc or here-string sets stdin
+                if c.type == "heredoc_redirect":
+                    for k in c.children:
+                        if k.is_named and k.type not in ("heredoc_start", "heredoc_body", "heredoc_end", "word",
+                                                         "file_redirect", "herestring_redirect"):
+                            self.visit(k, bg, loop, self.output(n, None) if k.type == "pipeline" else None)
         elif t == "pipeline":
-            prev: str | None = None
+            prev: str | None = pipe_in
             kids = n.children
             for i, c in enumerate(kids):
                 if not c.is_named:
@@ -343,6 +358,10 @@ class _Walker:
                 cbg = bg or (i + 1 < len(kids) and kids[i + 1].type == "&")
                 self.visit(c, cbg, loop, prev)
                 prev = self.output(c, prev)
+        elif t == "list" and pipe_in is not None:  # `cat <<EOF | python3 - && x`: the pipe feeds the first
+            kids = [c for c in n.children if c.is_named]
+            for i, c in enumerate(kids):
+                self.visit(c, bg, loop, pipe_in if i == 0 else None)
         elif t == "variable_assignment":
             self._children(n, bg, loop)
             self.assign(n)

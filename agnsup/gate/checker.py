@@ -15,7 +15,7 @@ trail entry and the decision. Every denial names its evidence.
 
 from __future__ import annotations
 
-from . import git, hardline, network, policy, quota, sandbox, zones
+from . import git, hardline, network, policy, quota, sandbox, unreadable, zones
 from .commands import Analysis, analyze_argv, analyze_shell, split_words
 from .model import Decision, Finding, GateContext, deny, ok
 
@@ -91,9 +91,9 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
             f = hardline.check(an, home=ctx.home, worktree=ctx.worktree, unknown_operands=ctx.unknown_operands,
                                role=ctx.role) if an is not None else hardline.ok("hardline.pass")
         elif name == "gate":
-            if an is None or not an.unjudgeable:
+            if an is None or not (an.unjudgeable or an.unreadable_code):
                 continue
-            f = _unjudgeable(an)
+            f = _unjudgeable(an) if an.unjudgeable else unreadable.decide(an, ctx)
         elif name == "policy":
             f = policy.check(an, ctx)
         elif name == "git":

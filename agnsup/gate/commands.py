@@ -104,6 +104,8 @@ PARALLEL_OPTS = frozenset({"-j", "--jobs", "-P", "--max-procs", "-S", "--sshlogi
                            "--workdir", "--wd", "--basefile", "--bf", "--return", "--transfer", "--sshloginfile",
                            "--slf", "--halt", "--memfree", "--load", "--nice", "--id", "--tag-string"})
 PARALLEL_SOURCES = (":::", "::::", ":::+", "::::+")
+# Destroyers that take their operands as arguments only: known stdin given to them is judged as operands.
+_STDIN_BLIND = frozenset({"rm", "shred", "rmdir", "unlink"})
 MAX_EXPANDED = 16  # items of xargs -I / parallel ::: judged one by one (beyond: the first ones)
 
 INTERPRETERS = {
@@ -151,11 +153,16 @@ class Analysis(Record):
     dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
     unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
+    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs.
+    unreadable_code: list[tuple[str, str]] = Factory(list)   # decoded at run time (`base64 -d | sh`)
+    downloads: list[tuple[str, str]] = Factory(list)         # downloaded and run (`curl ... | sh`)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
         self.unjudgeable.extend(other.unjudgeable)
+        self.unreadable_code.extend(x for x in other.unreadable_code if x not in self.unreadable_code)
+        self.downloads.extend(x for x in other.downloads if x not in self.downloads)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
@@ -298,6 +305,13 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
     ex = Exec(words, literal, tuple(via), list(redirects or []), background, loop, cwd, text, from_stdin)
     an.execs.append(ex)
     prog = ex.prog
+    if prog in _STDIN_BLIND and stdin_code and not operands(words[1:]):
+        # `rm -rf < <(echo /)`: rm reads no operands on stdin, so this deletes nothing; but the line asks for
+        # `rm -rf /`, and no benign line feeds a destroyer's stdin: judge what it asks for.
+        items = split_words(stdin_code)[:MAX_EXPANDED]
+        if items:
+            an.execs.append(Exec(words + items, literal + [True] * len(items), tuple(via), list(redirects or []),
+                                 background, loop, cwd, text))
     _nested(ex, an, depth, stdin_code)
     if prog == "find":
         _find_exec(ex, an, depth)
@@ -435,6 +449,10 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
     else:
         an.dynamic.append(word)
         an.flags.add("dynamic_code")
+        from . import unreadable  # `sh -c "$(... | base64 -d)"`, `eval "$(curl ...)"`: what makes the code?
+        kind = unreadable.classify_text(word, depth)
+        if kind:
+            unreadable.record(an, kind, f"`{where}`", word)
 
 
 @functools.lru_cache(maxsize=256)
@@ -448,6 +466,10 @@ def _interp_flags(prog: str) -> tuple[str, ...] | None:
 def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     """Code inside this Exec's words: sh -c, eval, python -c, awk programs."""
     prog, argv, lit = ex.prog, ex.argv, ex.literal
+    if not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects):
+        from . import unreadable  # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
+        unreadable.expansion_words(ex, an, depth)
+        unreadable.powershell(ex, an)
     if prog == "git" or prog.startswith("git-"):
         from .git import shell_code  # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
         if all(lit):
@@ -550,6 +572,9 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
     """
     def lit(m: re.Match) -> str:
         return m.group(1) if m.group(1) is not None else m.group(2)
+
+    from . import unreadable  # `exec(bytes.fromhex(..))`, `eval(atob(..))`: code the program decodes or fetches
+    unreadable.inline(code, an, ex)
 
     for m in _ARGV_CALL.finditer(code):
         words = [a or b for a, b in re.findall(_STR, m.group(1))]

@@ -57,7 +57,7 @@ _D_DECODE = frozenset({"base64", "gbase64", "base32", "basenc", "gzip", "bzip2",
 # In an inline program: evaluating text, decoding text, fetching text.
 _EVAL = LazyRe(r"\b(?:exec|eval|compile|execfile|Function|instance_eval|class_eval|module_eval|runInThisContext|"
                r"runInNewContext|create_function|system|popen|execSync|spawnSync|iex|Invoke-Expression)\s*[(${'\"]"
-               r"|\beval\s+(?:pack|unpack|decode_base64|\$)|\|\s*(?:iex|Invoke-Expression)\b", re.I)
+               r"|\beval\s+(?:pack|unpack|decode_base64|\$)|\|\s*(?:iex|Invoke-Expression)\b|\(\s*eval\s*\)", re.I)
 _DECODE = LazyRe(r"\b(?:b64decode|b32decode|b16decode|a85decode|b85decode|urlsafe_b64decode|decodebytes|fromhex|"
                  r"unhexlify|a2b_base64|a2b_hex|decompress|marshal\.loads|pickle\.loads|rot13|rot_13|atob|"
                  r"decode_base64|decode64|base64_decode|hex2bin|gzinflate|gzuncompress|str_rot13|"

@@ -15,7 +15,7 @@ trail entry and the decision. Every denial names its evidence.
 
 from __future__ import annotations
 
-from . import git, hardline, network, policy, quota, sandbox, unreadable, zones
+from . import git, hardline, network, policy, quota, sandbox, zones
 from .commands import Analysis, analyze_argv, analyze_shell, split_words
 from .model import Decision, Finding, GateContext, deny, ok
 
@@ -93,7 +93,11 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
         elif name == "gate":
             if an is None or not (an.unjudgeable or an.unreadable_code):
                 continue
-            f = _unjudgeable(an) if an.unjudgeable else unreadable.decide(an, ctx)
+            if an.unjudgeable:
+                f = _unjudgeable(an)
+            else:
+                from .unreadable import decide  # decoded code run (`base64 -d | sh`): refused or flagged
+                f = decide(an, ctx)
         elif name == "policy":
             f = policy.check(an, ctx)
         elif name == "git":

@@ -63,10 +63,9 @@ _DECODE = LazyRe(r"\b(?:b64decode|b32decode|b16decode|a85decode|b85decode|urlsaf
                  r"decode_base64|decode64|base64_decode|hex2bin|gzinflate|gzuncompress|str_rot13|"
                  r"FromBase64String|unpack1?\s*\(\s*['\"][mH]|pack\s*\(\s*['\"][Hh]|codecs\.decode)\b"
                  r"|Buffer\.from\s*\([^)]*['\"](?:base64|hex|base64url)['\"]|\bchr\s*\(\s*\d+\s*\)\s*\+\s*chr", re.I)
-_FETCH = LazyRe(r"\b(?:urlopen|urlretrieve|requests\.(?:get|post)|httpx\.(?:get|post)|http\.client|"
-                r"fetch\s*\(|https?\.get|Net::HTTP|LWP::Simple|open-uri|URI\.open|file_get_contents\s*\(\s*['\"]https?:|"
-                r"iwr|irm|Invoke-WebRequest|Invoke-RestMethod|DownloadString|DownloadData|Net\.WebClient|"
-                r"curl_exec)", re.I)
+_FETCH = LazyRe(r"\b(?:urlopen|urlretrieve|requests\.(?:get|post)|httpx\.(?:get|post)|http\.client|https?\.get|"
+                r"Net::HTTP|LWP::Simple|open-uri|URI\.open|iwr|irm|Invoke-WebRequest|Invoke-RestMethod|DownloadString|"
+                r"DownloadData|Net\.WebClient|curl_exec)\b|\bfetch\s*\(|\bfile_get_contents\s*\(\s*['\"]https?:", re.I)
 _PS_ENCODED = frozenset({"-enc", "-encodedcommand", "-e", "-ec", "-en", "-encoded", "-encodedc"})
 
 
@@ -84,9 +83,9 @@ def decodes(ex) -> bool:
     if p in _ALWAYS_DECODE:
         return True
     short = [a for a in args if a.startswith("-") and not a.startswith("--")]
-    if p in _D_DECODE:
-        return any(a in ("--decode", "--decompress", "--decrypt", "-D") or (len(a) > 1 and "d" in a[1:])
-                   for a in short + [a for a in args if a.startswith("--")])
+    if p in _D_DECODE:  # -d in an option cluster (`-di`, `-dc`), -D (BSD base64), or the long spelling
+        return any(a in ("--decode", "--decompress", "--uncompress", "--decrypt") for a in args) or any(
+            "d" in a[1:] or a == "-D" for a in short)
     if p == "xxd":
         return any("r" in a[1:] for a in short) or "--revert" in args
     if p == "openssl":
@@ -154,8 +153,25 @@ def classify_text(text: str, depth: int) -> str:
     """What a substitution's text (`$(echo x | base64 -d)`, `<(curl -s u)`) produces, by the programs in it."""
     if not any(m in text for m in ("$(", "`", "<(")):
         return ""
+    # Cached by text: the walker meets a nested substitution once from each enclosing level's re-parse and
+    # once from its own walk, at different depths; uncached that is 2^levels parses (`eval $(eval $(...))`).
+    kind = _CLASSIFIED.get(text)
+    if kind is None:
+        if len(_CLASSIFIED) >= 512:
+            _CLASSIFIED.clear()
+        kind = _CLASSIFIED[text] = _classify_text(text, depth)
+    return kind
+
+
+_CLASSIFIED: dict[str, str] = {}
+
+
+def _classify_text(text: str, depth: int) -> str:
     body = text[2:-1] if text.startswith(("<(", ">(")) and text.endswith(")") else text
-    from .commands import analyze_shell  # shell text: the tree-sitter walker (already loaded when we get here)
+    from .commands import MAX_DEPTH, analyze_shell  # the tree-sitter walker (already loaded when we get here)
+
+    if depth + 1 > MAX_DEPTH:
+        return ""  # the walker refuses text nested this deep itself (gate.unjudgeable)
 
     try:
         sub = analyze_shell(body, depth + 1)
@@ -211,9 +227,10 @@ def code_words(ex) -> list[tuple[str, bool, str]]:
     family = "sh" if p in _SHELLS else ("source" if p in ("source", ".") else _interp(p))
     if not family:
         return out
-    for op, target, tl in ex.redirects:
-        if op == "<" and not tl:
-            out.append((target, tl, f"`{p} < {target[:40]}`"))
+    if reads_code_from_stdin(ex):  # `sh < <(curl ..)`; `python3 x.py < <(curl ..)` reads data, not code
+        for op, target, tl in ex.redirects:
+            if op == "<" and not tl:
+                out.append((target, tl, f"`{p} < {target[:40]}`"))
     if family == "source":
         if len(argv) > 1:
             out.append((argv[1], lit[1], f"`{p} {argv[1][:40]}`"))

@@ -6,7 +6,9 @@ Each check returns a Finding; the trail records every check that ran. A
 denial is a value carried to the receipt, never an exception: a call the
 gate cannot judge (text nested deeper than it follows, or an error inside a
 check) is denied as `gate.unjudgeable` with the reason, so one call is
-always one decision. A refusal the cell's kernel makes anyway
+always one decision. Code decoded at run time and run (`base64 -d | sh`;
+gate/unreadable.py) is `gate.unreadable_code`: refused or flagged by
+governance.unreadable. A refusal the cell's kernel makes anyway
 (GateContext.kernel, governance.kernel_enforced), or an operand known only
 at run time under governance.unknown_operands = "flag", is a pass with
 `flagged` notes: its rule id joins the decision's flags, the notes go to the

@@ -116,6 +116,10 @@ INTERPRETERS = {
     "ruby": ("-e",), "perl": ("-e", "-E"), "php": ("-r",), "lua": ("-e",),
 }
 AWKS = frozenset({"awk", "gawk", "mawk", "nawk"})
+# Programs that run a script operand, a `<` redirect or a -c/-e word as code (gate/unreadable.py code_words).
+_CODE_READERS = SHELLS | {"busybox", "source", "."}
+_CODE_PREFIXES = ("python", "pypy", "node", "perl", "ruby", "php", "lua", "deno", "bun", "pwsh", "powershell",
+                  "tclsh", "Rscript")
 
 
 class Exec(Record):
@@ -153,16 +157,18 @@ class Analysis(Record):
     dynamic: list[str] = Factory(list)        # program words we cannot know statically
     parsed_shell: bool = False                              # the shell parser was used
     unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
-    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs.
-    unreadable_code: list[tuple[str, str]] = Factory(list)   # decoded at run time (`base64 -d | sh`)
-    downloads: list[tuple[str, str]] = Factory(list)         # downloaded and run (`curl ... | sh`)
+    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs. Tuples, not
+    # Factory lists: almost every line has none, and an Analysis is built several times per judged line.
+    unreadable_code: tuple[tuple[str, str], ...] = ()   # decoded at run time (`base64 -d | sh`)
+    downloads: tuple[tuple[str, str], ...] = ()         # downloaded and run (`curl ... | sh`)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
         self.unjudgeable.extend(other.unjudgeable)
-        self.unreadable_code.extend(x for x in other.unreadable_code if x not in self.unreadable_code)
-        self.downloads.extend(x for x in other.downloads if x not in self.downloads)
+        if other.unreadable_code or other.downloads:
+            self.unreadable_code += tuple(x for x in other.unreadable_code if x not in self.unreadable_code)
+            self.downloads += tuple(x for x in other.downloads if x not in self.downloads)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
@@ -466,7 +472,8 @@ def _interp_flags(prog: str) -> tuple[str, ...] | None:
 def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     """Code inside this Exec's words: sh -c, eval, python -c, awk programs."""
     prog, argv, lit = ex.prog, ex.argv, ex.literal
-    if not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects):
+    if (prog in _CODE_READERS or prog.startswith(_CODE_PREFIXES)) and (
+            not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects)):
         from . import unreadable  # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
         unreadable.expansion_words(ex, an, depth)
         unreadable.powershell(ex, an)

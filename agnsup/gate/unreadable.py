@@ -188,9 +188,10 @@ def record(an, kind: str, how: str, evidence: str) -> None:
     """Note code the gate cannot read on the Analysis (an.unreadable or an.downloads)."""
     what = "downloaded from the network" if kind == DOWNLOADED else "decoded at run time"
     entry = (f"{how} runs code {what}, which the gate cannot read", evidence[:200])
-    target = an.downloads if kind == DOWNLOADED else an.unreadable_code
-    if entry not in target:
-        target.append(entry)
+    if kind == DOWNLOADED and entry not in an.downloads:
+        an.downloads += (entry,)
+    elif kind == DECODED and entry not in an.unreadable_code:
+        an.unreadable_code += (entry,)
 
 
 def inline(code: str, an, ex) -> None:

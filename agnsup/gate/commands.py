@@ -228,6 +228,11 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
         prog = prog_name(words[0])
         if not literal[0]:
             an.dynamic.append(words[0])
+            if "$(" in words[0] or "`" in words[0]:  # `$(echo cm0g.. | base64 -d)` runs the decoded words
+                from . import unreadable
+                kind = unreadable.classify_text(words[0], depth)
+                if kind:
+                    unreadable.record(an, kind, "a command word made at run time", text or words[0])
             break
         if prog == "command" and len(words) > 1 and words[1] in ("-v", "-V"):
             return  # `command -v git` looks a name up, runs nothing

@@ -330,13 +330,11 @@ class _Walker:
             if body is not None and body.type == "command":
                 self.command(body, redirects, bg, loop, stdin if stdin is not None else pipe_in,
                              text=_text(n)[:200])
-            elif body is not None and body.type in ("while_statement", "until_statement") and stdin is not None:
-                self.while_loop(body, bg, loop, stdin)  # `while read d; do ...; done < <(echo /)`
             else:
                 if redirects:
                     self.an.execs.append(Exec([":"], [True], (), redirects, bg, loop, self.cwd, _text(n)[:200]))
-                if body is not None:
-                    self.visit(body, bg, loop)
+                if body is not None:  # a loop gets what it reads: `while read d; do ...; done < <(echo /)`
+                    self.visit(body, bg, loop, stdin if body.type == "while_statement" else None)
         elif t == "pipeline":
             prev: str | None = None
             kids = n.children
@@ -503,9 +501,9 @@ class _Walker:
     def while_loop(self, n, bg, loop, stdin: str | None = None) -> None:
         cond = [c for i, c in enumerate(n.children) if n.field_name_for_child(i) == "condition" and c.is_named]
         body = n.child_by_field_name("body")
-        if stdin is not None and body is not None and n.type == "while_statement" and self.read_loop(cond, body,
-                                                                                                      bg, loop, stdin):
-            return
+        if stdin is not None and body is not None and n.type == "while_statement":
+            if self.read_loop(cond, body, bg, loop, stdin):
+                return
         forever = False
         if len(cond) == 1 and cond[0].type == "command":
             name = _cmd_name(cond[0])
@@ -522,7 +520,6 @@ class _Walker:
                 self.visit(body, bg, lid)
                 return
         self._children(n, bg, loop)
-
 
     def read_loop(self, cond, body, bg, loop, stdin: str) -> bool:
         """`while read [-r] VAR...; do BODY; done` over known lines (a here-string, `< <(echo /)`, `echo / |`):

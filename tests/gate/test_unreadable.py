@@ -256,3 +256,8 @@ def test_an_argv_list_is_judged_like_the_shell_line_it_runs():
     assert d.rule == "gate.unreadable_code", d
     d, _ = check("run_process", {"argv": ["pwsh", "-EncodedCommand", "ZQBjAGgAbwAgADEA"]}, LOCKED)
     assert d.rule == "gate.unreadable_code", d
+
+
+def test_a_read_loop_fed_known_lines_keeps_its_own_redirections():
+    d = judge_shell("while read d; do echo \"$d\"; done <<< x > /etc/passwd", OPEN)
+    assert (d.allowed, d.rule) == (False, "hardline.system_file_write"), d

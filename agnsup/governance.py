@@ -56,7 +56,8 @@ def context(policy, worktree: str, state_root: str | None):
         yellow_allow=gov.yellow_allow, unparseable=gov.unparseable,
         quota=limits_of(policy.quota), kernel=kernel_of(policy, state_root), kernel_enforced=gov.kernel_enforced,
         unknown_operands=gov.unknown_operands, git_allow=gov.git_allow,
-        allow_internal=policy.network.allow_internal, tunnels=policy.network.tunnels)
+        allow_internal=policy.network.allow_internal, tunnels=policy.network.tunnels,
+        unreadable=gov.unreadable, download_exec=policy.network.download_exec)
 
 
 def decide(tool: str, args: dict, policy, worktree: str, state_root: str | None = None):

@@ -237,6 +237,10 @@ class NetworkSection(_Strict):
                                       "or addresses and networks ('10.1.0.0/16', '::1'). Empty: public only.")
     tunnels: Literal["deny", "allow"] = Field("deny", description="With mode host: 'deny' refuses tunnels (ngrok, "
                                               "cloudflared, chisel, frpc, ssh -R/-D, ...), 'allow' runs them.")
+    download_exec: Literal["deny", "allow"] = Field(
+        "deny", description="Code downloaded and run as it arrives (curl ... | sh, bash <(curl ...), sh -c "
+        "\"$(curl ...)\", iex (iwr ...)) is flagged network.download_exec in every mode; with mode host 'deny' "
+        "refuses it, 'allow' runs it with the flag.")
 
     _entries = field_validator("allow", "deny")(_each(_net_entry))
 
@@ -426,6 +430,10 @@ class GovernanceSection(_Strict):
     unparseable: Literal["deny", "flag"] | None = Field(None, description="Shell text that does not parse: 'deny' "
                                                          "refuses it, 'flag' allows it with a flag; unset: locked "
                                                          "denies, open and readonly flag.")
+    unreadable: Literal["deny", "flag"] | None = Field(
+        None, description="Code decoded at run time and run (base64 -d | sh, sh -c \"$(xxd -r ...)\", "
+        "exec(bytes.fromhex(...)), pwsh -EncodedCommand): 'deny' refuses it (gate.unreadable_code), 'flag' allows "
+        "it with that flag; unset: locked and readonly deny, open flags.")
     kernel_enforced: Literal["flag", "deny"] = Field(
         "flag", description="A refusal the cell's kernel makes anyway (a network tool under network deny, a write "
         "under the read-only root, a read of a masked deny path): 'flag' allows it with a flag "

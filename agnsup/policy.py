@@ -45,6 +45,8 @@ STRICTNESS = {
     "governance.unparseable": (None, "flag", "deny"),
     "governance.kernel_enforced": ("flag", "deny"),
     "governance.unknown_operands": ("flag", "deny"),
+    "governance.unreadable": (None, "flag", "deny"),
+    "network.download_exec": ("allow", "deny"),
     "network.tunnels": ("allow", "deny"),
     # internal opens the private network (databases, admin consoles) to listed names;
     # allowlist opens listed names on the public internet, private addresses only with allow_private

@@ -6,7 +6,9 @@ Each check returns a Finding; the trail records every check that ran. A
 denial is a value carried to the receipt, never an exception: a call the
 gate cannot judge (text nested deeper than it follows, or an error inside a
 check) is denied as `gate.unjudgeable` with the reason, so one call is
-always one decision. A refusal the cell's kernel makes anyway
+always one decision. Code decoded at run time and run (`base64 -d | sh`;
+gate/unreadable.py) is `gate.unreadable_code`: refused or flagged by
+governance.unreadable. A refusal the cell's kernel makes anyway
 (GateContext.kernel, governance.kernel_enforced), or an operand known only
 at run time under governance.unknown_operands = "flag", is a pass with
 `flagged` notes: its rule id joins the decision's flags, the notes go to the
@@ -91,9 +93,13 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
             f = hardline.check(an, home=ctx.home, worktree=ctx.worktree, unknown_operands=ctx.unknown_operands,
                                role=ctx.role) if an is not None else hardline.ok("hardline.pass")
         elif name == "gate":
-            if an is None or not an.unjudgeable:
+            if an is None or not (an.unjudgeable or an.unreadable_code):
                 continue
-            f = _unjudgeable(an)
+            if an.unjudgeable:
+                f = _unjudgeable(an)
+            else:
+                from .unreadable import decide  # decoded code run (`base64 -d | sh`): refused or flagged
+                f = decide(an, ctx)
         elif name == "policy":
             f = policy.check(an, ctx)
         elif name == "git":

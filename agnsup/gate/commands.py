@@ -117,6 +117,8 @@ PARALLEL_OPTS = frozenset({"-j", "--jobs", "-P", "--max-procs", "-S", "--sshlogi
                            "--workdir", "--wd", "--basefile", "--bf", "--return", "--transfer", "--sshloginfile",
                            "--slf", "--halt", "--memfree", "--load", "--nice", "--id", "--tag-string"})
 PARALLEL_SOURCES = (":::", "::::", ":::+", "::::+")
+# Destroyers that take their operands as arguments only: known stdin given to them is judged as operands.
+_STDIN_BLIND = frozenset({"rm", "shred", "rmdir", "unlink"})
 MAX_EXPANDED = 16  # items of xargs -I / parallel ::: judged one by one (beyond: the first ones)
 
 INTERPRETERS = {
@@ -127,6 +129,10 @@ INTERPRETERS = {
     "ruby": ("-e",), "perl": ("-e", "-E"), "php": ("-r",), "lua": ("-e",),
 }
 AWKS = frozenset({"awk", "gawk", "mawk", "nawk"})
+# Programs that run a script operand, a `<` redirect or a -c/-e word as code (gate/unreadable.py code_words).
+_CODE_READERS = SHELLS | {"busybox", "source", "."}
+_CODE_PREFIXES = ("python", "pypy", "node", "perl", "ruby", "php", "lua", "deno", "bun", "pwsh", "powershell",
+                  "tclsh", "Rscript")
 
 
 class Exec(Record):
@@ -165,12 +171,19 @@ class Analysis(Record):
     parsed_shell: bool = False                              # the shell parser was used
     unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
     exfil: list[dict] = Factory(list)         # inline programs that read a credential and send (gate/inline.py)
+    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs. Tuples, not
+    # Factory lists: almost every line has none, and an Analysis is built several times per judged line.
+    unreadable_code: tuple[tuple[str, str], ...] = ()   # decoded at run time (`base64 -d | sh`)
+    downloads: tuple[tuple[str, str], ...] = ()         # downloaded and run (`curl ... | sh`)
 
     def merge(self, other: "Analysis") -> None:
         self.execs.extend(other.execs)
         self.unparseable.extend(other.unparseable)
         self.unjudgeable.extend(other.unjudgeable)
         self.exfil.extend(other.exfil)
+        if other.unreadable_code or other.downloads:
+            self.unreadable_code += tuple(x for x in other.unreadable_code if x not in self.unreadable_code)
+            self.downloads += tuple(x for x in other.downloads if x not in self.downloads)
         self.fork_bomb = self.fork_bomb or other.fork_bomb
         self.loops.update(other.loops)
         self.flags |= other.flags
@@ -230,6 +243,11 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
         prog = prog_name(words[0])
         if not literal[0]:
             an.dynamic.append(words[0])
+            if "$(" in words[0] or "`" in words[0]:  # `$(echo cm0g.. | base64 -d)` runs the decoded words
+                from . import unreadable
+                kind = unreadable.classify_text(words[0], depth)
+                if kind:
+                    unreadable.record(an, kind, "a command word made at run time", text or words[0])
             break
         if prog == "command" and len(words) > 1 and words[1] in ("-v", "-V"):
             return  # `command -v git` looks a name up, runs nothing
@@ -325,6 +343,13 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
     ex = Exec(words, literal, tuple(via), list(redirects or []), background, loop, cwd, text, from_stdin)
     an.execs.append(ex)
     prog = ex.prog
+    if prog in _STDIN_BLIND and stdin_code and not operands(words[1:]):
+        # `rm -rf < <(echo /)`: rm reads no operands on stdin, so this deletes nothing; but the line asks for
+        # `rm -rf /`, and no benign line feeds a destroyer's stdin: judge what it asks for.
+        items = split_words(stdin_code)[:MAX_EXPANDED]
+        if items:
+            an.execs.append(Exec(words + items, literal + [True] * len(items), tuple(via), list(redirects or []),
+                                 background, loop, cwd, text))
     _nested(ex, an, depth, stdin_code)
     if prog == "find":
         _find_exec(ex, an, depth)
@@ -462,6 +487,10 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
     else:
         an.dynamic.append(word)
         an.flags.add("dynamic_code")
+        from . import unreadable  # `sh -c "$(... | base64 -d)"`, `eval "$(curl ...)"`: what makes the code?
+        kind = unreadable.classify_text(word, depth)
+        if kind:
+            unreadable.record(an, kind, f"`{where}`", word)
 
 
 @functools.lru_cache(maxsize=256)
@@ -475,6 +504,11 @@ def _interp_flags(prog: str) -> tuple[str, ...] | None:
 def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     """Code inside this Exec's words: sh -c, eval, python -c, awk programs."""
     prog, argv, lit = ex.prog, ex.argv, ex.literal
+    if (prog in _CODE_READERS or prog.startswith(_CODE_PREFIXES)) and (
+            not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects)):
+        from . import unreadable  # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
+        unreadable.expansion_words(ex, an, depth)
+        unreadable.powershell(ex, an)
     if prog == "git" or prog.startswith("git-"):
         from .git import shell_code  # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
         if all(lit):
@@ -582,6 +616,9 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
         return m.group(1) if m.group(1) is not None else m.group(2)
 
     start = len(an.execs)
+    from . import unreadable  # `exec(bytes.fromhex(..))`, `eval(atob(..))`: code the program decodes or fetches
+    unreadable.inline(code, an, ex)
+
     for m in _ARGV_CALL.finditer(code):
         words = [a or b for a, b in re.findall(_STR, m.group(1))]
         if words:

@@ -118,6 +118,13 @@ class GateContext(Record, frozen=True):
     allow_internal: tuple[str, ...] = ()
     # With the host network: "deny" refuses tunnels (ngrok, cloudflared, chisel, frpc, ssh -R/-D), "allow" runs them.
     tunnels: str = "deny"
+    # Code decoded at run time and run (`base64 -d | sh`, `exec(bytes.fromhex(..))`; gate/unreadable.py):
+    # "deny" refuses it (gate.unreadable_code), "flag" allows it with that flag; None: locked and readonly
+    # deny, open flags.
+    unreadable: str | None = None
+    # Code downloaded and run (`curl ... | sh`) is flagged in every role (network.download_exec); with the
+    # host network "deny" refuses it, "allow" runs it with the flag.
+    download_exec: str = "deny"
 
     def flags_kernel_enforced(self, tool: str) -> bool:
         """Whether this call may turn a kernel-backed refusal into a flag."""

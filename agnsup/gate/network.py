@@ -104,6 +104,13 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
         h = h.rstrip(".").lower()
         if h and h not in hosts:
             hosts.append(h)
+        if "%" in h:
+            # WHATWG and curl's URL parser percent-decode the host: `%31%32%37.0.0.1` is 127.0.0.1.
+            from urllib.parse import unquote
+
+            d = unicodedata.normalize("NFKC", unquote(h, errors="replace").translate(_DOTS)).rstrip(".").lower()
+            if d and d not in hosts:
+                hosts.append(d)
     return scheme, (hosts[0] if hosts else ""), hosts
 
 
@@ -195,6 +202,8 @@ HINT_SSRF = ("Internal, loopback and metadata addresses are refused; list the ca
              "network.allow_internal (e.g. [\"loopback\"] or [\"10.1.0.0/16\"]) if it should reach them.")
 HINT_TUNNEL = ("A tunnel publishes the host's services or relays traffic past the role's network rules; set "
                "network.tunnels = 'allow' in the role if it should open one.")
+HINT_DOWNLOAD = ("Download the file first, read it (or have it reviewed), then run the file; or set "
+                 "network.download_exec = 'allow' in the role if it should run what a server sends.")
 HINT_DNS = ("Data in a DNS name leaves the host through any resolver; write the name literally (short labels) if "
             "this is a real lookup.")
 _REMOTE = LazyRe(r"^rsync://|^[^/:\s]+:")  # host:path, user@host:path, host::module
@@ -600,6 +609,12 @@ def check(tool: str, args: dict, an: Analysis | None, ctx: GateContext, resolver
         f, notes, extra = check_commands(an, ctx, tool)
         if f:
             return f
+        if an.downloads:  # `curl ... | sh` (gate/unreadable.py): code no one has read, from the network
+            why, evidence = an.downloads[0]
+            if ctx.network == "host" and ctx.download_exec != "allow":
+                return deny("network.download_exec", f"{why}, and role '{ctx.role}' has network: host with "
+                            "network.download_exec = 'deny'.", HINT_DOWNLOAD, evidence)
+            extra += ("network.download_exec",)
     pinned = ""
     for key in URL_KEYS:
         v = args.get(key)

@@ -25,6 +25,7 @@ import re
 import tree_sitter
 import tree_sitter_bash
 
+from . import unreadable
 from .commands import Analysis, Exec, prog_name, unwrap
 
 _PARSER: tree_sitter.Parser | None = None
@@ -339,8 +340,8 @@ class _Walker:
             else:
                 if redirects:
                     self.an.execs.append(Exec([":"], [True], (), redirects, bg, loop, self.cwd, _text(n)[:200]))
-                if body is not None:
-                    self.visit(body, bg, loop)
+                if body is not None:  # a loop gets what it reads: `while read d; do ...; done < <(echo /)`
+                    self.visit(body, bg, loop, stdin if body.type == "while_statement" else None)
             # tree-sitter-bash hangs what follows a heredoc's start on its line (`cat <<EOF | python3 -`,
             # `cat <<EOF && rm -rf /`) inside the heredoc_redirect: a pipe there reads what the statement writes.
             for c in (n.children if stdin is not None else ()):  # only a heredoc or here-string sets stdin
@@ -352,11 +353,15 @@ class _Walker:
         elif t == "pipeline":
             prev: str | None = pipe_in
             kids = n.children
+            first = len(self.an.execs)
             for i, c in enumerate(kids):
                 if not c.is_named:
                     continue
                 cbg = bg or (i + 1 < len(kids) and kids[i + 1].type == "&")
+                before = len(self.an.execs)
                 self.visit(c, cbg, loop, prev)
+                if prev is None and before > first:  # `... | base64 -d | sh`: code the line does not show
+                    unreadable.piped(self.an, self.an.execs[first:before], self.an.execs[before:], _text(n)[:200])
                 prev = self.output(c, prev)
         elif t == "list" and pipe_in is not None:  # `cat <<EOF | python3 - && x`: the pipe feeds the first
             kids = [c for c in n.children if c.is_named]
@@ -381,7 +386,7 @@ class _Walker:
         elif t == "function_definition":
             self.function(n, bg, loop)
         elif t in ("while_statement", "until_statement"):
-            self.while_loop(n, bg, loop)
+            self.while_loop(n, bg, loop, pipe_in)
         elif t == "process_substitution":
             self._children(n, bg, loop)
             body = [c for c in n.children if c.is_named]
@@ -413,6 +418,8 @@ class _Walker:
                         continue
                     out.append((op, val, lit))
                     self.visit(dest, bg, loop)
+                    if op == "<" and dest.type == "process_substitution" and val in self.psubs:
+                        stdin = self.psubs[val]  # `xargs rm -rf < <(echo /)`: the line shows what it reads
             elif c.type == "heredoc_redirect":
                 body = next((k for k in c.children if k.type == "heredoc_body"), None)
                 start = next((k for k in c.children if k.type == "heredoc_start"), None)
@@ -510,9 +517,12 @@ class _Walker:
                 self.an.fork_bomb = self.an.fork_bomb or _text(n)[:200]
             self.visit(body, bg, loop)
 
-    def while_loop(self, n, bg, loop) -> None:
+    def while_loop(self, n, bg, loop, stdin: str | None = None) -> None:
         cond = [c for i, c in enumerate(n.children) if n.field_name_for_child(i) == "condition" and c.is_named]
         body = n.child_by_field_name("body")
+        if stdin is not None and body is not None and n.type == "while_statement":
+            if self.read_loop(cond, body, bg, loop, stdin):
+                return
         forever = False
         if len(cond) == 1 and cond[0].type == "command":
             name = _cmd_name(cond[0])
@@ -529,6 +539,26 @@ class _Walker:
                 self.visit(body, bg, lid)
                 return
         self._children(n, bg, loop)
+
+    def read_loop(self, cond, body, bg, loop, stdin: str) -> bool:
+        """`while read [-r] VAR...; do BODY; done` over known lines (a here-string, `< <(echo /)`, `echo / |`):
+        the body is judged once per line (at most MAX_FOR_VALUES) with the variables set as read(1) sets them."""
+        if len(cond) != 1 or cond[0].type != "command" or _cmd_name(cond[0]) != "read":
+            return False
+        words = [word_value(c)[0] for i, c in enumerate(cond[0].children)
+                 if cond[0].field_name_for_child(i) == "argument"]
+        if any(w.startswith("-") and w != "-r" for w in words):
+            return False  # -d, -a, -n ...: read differently
+        names = [w for w in words if w != "-r"] or ["REPLY"]
+        lines = [x for x in stdin.split("\n") if x.strip()]
+        if not lines or len(lines) > MAX_FOR_VALUES:
+            return False
+        for line in lines:
+            parts = line.split(None, len(names) - 1) if names != ["REPLY"] else [line]
+            for k, name in enumerate(names):
+                self.vars[name] = parts[k] if k < len(parts) else ""
+            self.visit(body, bg, loop)
+        return True
 
 
 def _cmd_name(cmd) -> str:

@@ -59,6 +59,9 @@ INTERNAL_URLS = [
     "http://127。0。0。1/", "http://192.168.1.1/", "http://172.16.0.1/", "http://169.254.1.1/", "http://0.0.0.0/",
     "http://[::]/", "http://224.0.0.1/", "http://[fe80::1]/", "http://[fc00::1]/", "http://100.64.0.1/",
     "http://127.0.0.1\\@example.com/", "http://foo.localhost/",
+    # percent-encoded hosts: WHATWG and curl decode them (issue 31)
+    "http://%31%32%37.0.0.1/", "http://%6c%6f%63%61%6c%68%6f%73%74/", "http://127%2e0%2e0%2e1/",
+    "http://%31%30.0.0.1/",
 ]
 METADATA_URLS = ["http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/",
                  "http://metadata.google.internal/computeMetadata/v1/", "http://0xa9fea9fe/",
@@ -111,3 +114,19 @@ def test_url_fetch_is_refused_under_network_deny():
 def test_loopback_role_may_fetch_loopback_only():
     assert check("fetch", {"url": "http://localhost:8000/"}, LOOP)[0].allowed
     assert check("fetch", {"url": "http://93.184.216.34/"}, LOOP)[0].rule == "network.url"
+
+
+@pytest.mark.parametrize("command", [
+    "curl http://%31%32%37.0.0.1:4000/", "curl 'http://127.0.0.1:4000\\@example.com/'", "curl http://2130706433/",
+    "curl http://0x7f.1/", "wget -qO- http://%6c%6f%63%61%6c%68%6f%73%74:8080/admin", "curl http://0177.0.0.1/",
+    "curl http://ex@%31%32%37.0.0.1/",
+])
+def test_loopback_in_every_url_spelling_in_a_shell_command_is_judged_as_loopback_under_host(command):
+    d = judge_shell(command, HOST)
+    assert (d.allowed, d.rule) == (False, "network.ssrf"), d
+
+
+def test_percent_encoded_userinfo_does_not_change_the_host_a_url_reaches():
+    # `127.0.0.1%2F` is the user name: the host is example.com for curl and WHATWG alike.
+    d, _ = check("fetch", {"url": "http://127.0.0.1%2F@example.com/"}, HOST, resolver=lambda h: ["93.184.216.34"])
+    assert d.allowed, d

@@ -577,7 +577,7 @@ def check(obj, role, workdir, batch, as_json, explain, command):
         from .receipts import kernel_explain
         from .record import replace
         strict, _ = gate_check("run_process", {"argv": list(command), "cwd": wt},
-                               replace(ctx, kernel_enforced="deny", unknown_operands="deny"))
+                               replace(ctx, kernel_enforced="deny", unknown_operands="deny", unreadable="deny"))
         out["kernel"] = kernel_explain(pol, d.to_dict(), strict.to_dict())
     if not _echo_json(as_json, out):
         verdict = "allowed" if d.allowed else "DENIED"

@@ -554,7 +554,6 @@ def remove_probe_run(state_root: str, run_id: str, worktree: str) -> None:
     locks, change records), then the run's journal rows (the journal's own prune: a `pruned` row keeps
     each id taken), its cells' directories and receipts, the throwaway worktree and its caches."""
     import shutil
-    import time
     from . import cancel
     from .errors import AgnsupError
     from .locks import worktree_key

@@ -373,3 +373,23 @@ def test_unprivileged_use_says_what_is_needed_and_permission_denied_is_said_as_s
         assert cp.returncode == 125, (argv, cp.out, cp.err)
         line = _one_line(cp)
         assert "permission denied" in line and "owned by uid 0" in line and "you are uid 65534" in line, line
+
+
+def test_a_host_without_the_kernels_proc_is_one_line_exit_125_and_nothing_is_recorded(tmp_path):
+    """A container runtime that gives no procfs (here: a tmpfs over /proc in a mount namespace of the test's
+    own, with a garbage mountinfo): agnsup cannot know any process, says so in one line naming the fix, and
+    leaves no cell behind."""
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("ENV_BLOCKED: root and unshare(1) (a private mount namespace for the fake /proc)")
+    from conftest import BIN
+    state = tmp_path / "state"
+    script = ("mount -t tmpfs none /proc && mkdir -p /proc/self && echo garbage > /proc/self/mountinfo && "
+              f"exec {BIN} --state-dir {state} run -- true")
+    cp = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 125, cp
+    lines = cp.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/proc is not the kernel's procfs" in lines[0] and "mount proc" in lines[0], lines
+    assert cp.stdout == ""
+    assert not (state / "cells").exists() or os.listdir(state / "cells") == []

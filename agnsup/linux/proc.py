@@ -17,8 +17,13 @@ _boot_id: str | None = None
 def boot_id() -> str:
     global _boot_id
     if _boot_id is None:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            _boot_id = f.read().strip()
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
+        except OSError as e:  # no procfs (a runtime that gives none, a masked /proc): no process can be known
+            from ..errors import SetupError
+            raise SetupError(f"/proc is not the kernel's procfs here ({e.strerror}: {e.filename}): agnsup knows "
+                             "every process through it; mount proc on /proc (docs/hosts.md)", step="proc") from None
     return _boot_id
 
 

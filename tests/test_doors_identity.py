@@ -152,7 +152,10 @@ sys.exit(77 if escaped else 0)
 '''
     import socket
     sock_path = os.path.join(secrets.dir, "control.sock")
-    p = agnsup.popen("run", "--role", "executor", "--workdir", worktree, "--", "python3", "-c", probe,
+    # live: the marker the host makes below must reach the running cell (a capturing cell sees its worktree
+    # as it was when it started, and would wait out its 60 s deadline)
+    p = agnsup.popen("run", "--role", "executor", "--changes", "live", "--workdir", worktree, "--", "python3", "-c",
+                     probe,
                      *_split(late), marker, *_split(sock_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     listener = socket.socket(socket.AF_UNIX)
     try:

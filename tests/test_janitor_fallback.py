@@ -82,10 +82,10 @@ def test_the_layout_override_and_what_doctor_says(agnsup, monkeypatch):
     with pytest.raises(UsageError, match="only override is 'none'"):
         cgroup.detect_layout()
     monkeypatch.delenv("AGNSUP_CGROUP_LAYOUT")
-    rep = json.loads(agnsup("doctor", "--json", env=NONE, check=0).out)
+    rep = json.loads(agnsup("doctor", "--json", "--no-probe", env=NONE, check=0).out)
     assert rep["cgroup"]["layout"] == "none"
     assert rep["will_use"]["tracking_and_kill"].startswith("ENV_BLOCKED: cgroup: tracking session+token")
-    assert "ENV_BLOCKED: cgroup" in agnsup("doctor", env=NONE, check=0).out
+    assert "ENV_BLOCKED: cgroup" in agnsup("doctor", "--no-probe", env=NONE, check=0).out
     bad = agnsup("run", "--", "true", env={"AGNSUP_CGROUP_LAYOUT": "v7"})
     assert bad.returncode == 125 and bad.err.count("\n") == 1 and "AGNSUP_CGROUP_LAYOUT" in bad.err
 

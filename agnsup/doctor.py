@@ -172,7 +172,9 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
         without.append(f"reversible ({rev['why_not']})")
     without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     static_ok = ns["mount"]["available"] and mount_api_ok
-    ev["refused"] = reduced_pieces(ns, mount_api_ok, conf, chosen, {})  # named by each fix's reduced key
+    # what a role with isolation.reduced would lose here, as the compiler decides it (named by each fix's key)
+    from .compiler import reduced_pieces
+    ev["refused"] = reduced = reduced_pieces(None, backend=chosen)
     cells = probe_cells(state_root, roles, ev, progress) if probe else {}
     failed = [r for r, v in cells.items() if not v["ran"]]
     # the probe cells are run's: where they lived is where run's cells live (issue 27: a normal user's
@@ -206,7 +208,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
         "status": status,
         "probed": probe,
         "cells": cells,
-        "reduced": reduced_pieces(ns, mount_api_ok, conf, chosen, cells),
+        "reduced": reduced,
         "evidence": ev,
         "host": host,
     }
@@ -579,28 +581,3 @@ def remove_probe_run(state_root: str, run_id: str, worktree: str) -> None:
         shutil.rmtree(os.path.join(state_root, "cells", run_id), ignore_errors=True)
         shutil.rmtree(os.path.join(state_root, "caches", f"worktree-{worktree_key(worktree)}"), ignore_errors=True)
         shutil.rmtree(worktree, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------ reduced cells
-def reduced_pieces(ns: dict, mount_api_ok: bool, conf: dict, chosen, cells: dict) -> list[str]:
-    """What a role with `isolation.reduced` would lose here (issue 27: "mount_namespace",
-    "network_namespace", "pid_namespace", "cgroup"), each only where this host refuses it.
-
-    CALL SITE FOR ctr-reduced: the compiler's own reading, compiler.reduced_pieces(policy, host, backend)
-    (policy None: a role that lists all four), decides what a reduced cell drops, so doctor says what a
-    cell would do. Until that branch is merged, doctor's own reading of the same evidence (its namespace
-    probes, the backend, the probe cells' failed steps)."""
-    from . import compiler
-    theirs = getattr(compiler, "reduced_pieces", None)
-    if theirs is not None:
-        return list(theirs(None, backend=chosen))
-    out = []
-    if not (ns["mount"]["available"] and mount_api_ok):
-        out.append("mount_namespace")
-    if not ns["network"]["available"] or any(v.get("step") == "loopback" for v in cells.values()):
-        out.append("network_namespace")
-    if not ns["pid"]["available"] or not conf["pid_namespace"]["available"]:
-        out.append("pid_namespace")
-    if not chosen.trees:
-        out.append("cgroup")
-    return out

@@ -566,9 +566,11 @@ def namespaces_refused() -> dict:
     return dict(_ns_refused)
 
 
-# The reduced pieces a refused child step stands for (a cell that needs them and whose role does not list them).
-_STEP_PIECES = {"unshare": None, "pid_namespace": ("pid_namespace",), "confinement": ("mount_namespace",),
-                "mounts": ("mount_namespace",), "proc": ("pid_namespace",)}
+# The child steps where a host that refuses namespaces stops a cell whose role does not accept running without them.
+# isolation.reduced's pieces in the schema's order (models.REDUCIBLE; this layer may not import it or the
+# compiler: tests/unit/test_reduced_policy.py holds the copies equal)
+REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")
+_REFUSABLE_STEPS = frozenset({"unshare", "pid_namespace", "confinement", "mounts", "proc"})
 
 
 def _mount_namespace_probe() -> None:
@@ -626,7 +628,7 @@ def reduced_refusal(step: str, msg: str, code: int | None, plan=None) -> SetupEr
     CAP_SYS_ADMIN, gVisor, a locked-down runner) whose role does not accept running without it: the piece,
     and both fixes, the container's flag or isolation.reduced (docs/isolation.md, "Reduced cells"). None when
     `step`/`code` is not such a refusal, or when the host gives every namespace (another cause)."""
-    if code not in (errno.EPERM, errno.EACCES, errno.ENOSYS) or step not in _STEP_PIECES:
+    if code not in (errno.EPERM, errno.EACCES, errno.ENOSYS) or step not in _REFUSABLE_STEPS:
         return None
     refused = [p for p, why in namespaces_refused().items() if why]
     if not refused:
@@ -638,12 +640,10 @@ def reduced_refusal(step: str, msg: str, code: int | None, plan=None) -> SetupEr
            "namespaces are refused to this user here (no user namespace: a sysctl, an LSM, or a seccomp profile)")
     flag = ("run the container with --cap-add SYS_ADMIN (deploy/Dockerfile)" if root else
             "let this user create user namespaces (see `agnsup doctor`), or run agnsup as root")
-    listed = ", ".join(f'"{p}"' for p in sorted(set(pieces) | accepted, key=_REDUCIBLE_ORDER.index))
+    listed = ", ".join(f'"{p}"' for p in sorted(set(pieces) | accepted, key=REDUCIBLE_ORDER.index))
     return SetupError(f"cell setup failed at step {step!r}: {msg} ({why}); fix: {flag}, or accept a reduced cell: "
                       f"isolation.reduced = [{listed}] (docs/hosts.md)", step=step, errno=code)
 
-
-_REDUCIBLE_ORDER = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:

@@ -185,3 +185,8 @@ def test_the_gate_never_counts_on_a_piece_a_role_may_run_without(tmp_path, monke
     role(tmp_path, monkeypatch, "net_only", 'reduced = ["network_namespace"]', 'mode = "deny"')
     net_only = governance.kernel_of(policy.load("net_only"), "/state")
     assert not net_only.netns and "/state" in net_only.masked
+
+
+def test_the_order_of_pieces_is_the_schemas_everywhere():
+    from agnsup import models, supervisor
+    assert compiler.REDUCIBLE_ORDER == supervisor.REDUCIBLE_ORDER == models.REDUCIBLE

@@ -50,9 +50,9 @@ import time
 from . import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
-__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "land", "ran_live", "commit", "finish_all", "diff", "undo",
-           "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row", "UnsafePath",
-           "ChangeConflict", "NotReversible"]
+__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "land", "ran_live", "commit", "finish_all",
+           "diff", "undo", "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row",
+           "UnsafePath", "ChangeConflict", "NotReversible"]
 
 VERSION = 1
 # journal.TERMINAL_CELL, spelled here: importing the journal module would load SQLite into every cell child

@@ -123,7 +123,8 @@ class NotFound(AgnsupError):
 
 
 EXIT_CODES: dict[type, int] = {
-    AgnsupError: 125, LockTimeout: 75, WaitTimeout: 75, UnknownId: 1, NotReversible: 1, ChangeConflict: 75, RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
+    AgnsupError: 125, LockTimeout: 75, WaitTimeout: 75, UnknownId: 1, NotReversible: 1, ChangeConflict: 75,
+    RunNotActive: 125, AmbiguousId: 1, CellsStillRunning: 1,
     CancelledBeforeStart: 128 + 15, Denied: 126, NotExecutable: 126, NotFound: 127,
 }
 

@@ -135,8 +135,8 @@ def _without_journal(state, error, backend=None) -> dict:
     report = {"recovered": [], "killed": [], "skipped": [], "receipt": None, "controllers": [],
               "journal": error.message, "journaled": False}
     if held:
-        report["skipped"].append({"cell_id": "*", "reason": f"controller(s) {', '.join(held)} still live: without "
-                                                            "the journal their cells cannot be told apart; nothing killed"})
+        report["skipped"].append({"cell_id": "*", "reason": f"controller(s) {', '.join(held)} still live: without the "
+                                  "journal their cells cannot be told apart; nothing killed"})
         return report
     root = reaper.kill_root(backend, 0.0)
     report["root"] = root

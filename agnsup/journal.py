@@ -468,7 +468,8 @@ class Journal:
             for c in cells:
                 self._move_cell(db, c["run_id"], c["cell_id"], "recovered", reason=c.get("reason", "recovered"),
                                 ended_at=now, receipt_path=receipt_path)
-                self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor, controller=c["controller"])
+                self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor,
+                           controller=c["controller"])
             for c in cells:
                 run_id, entry = c["run_id"], c["entry"]
                 if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
@@ -602,7 +603,8 @@ class Journal:
                        (run_id, "recovered" if receipt.get("state") == "recovered" else "finished", started, t))
             cid = receipt.get("controller") or "unknown"
             db.execute("INSERT OR IGNORE INTO controllers(id, kind, pid, starttime, boot_id, lock_path, started_at, "
-                       "ended_at) VALUES (?, 'repaired', 0, 0, ?, '', ?, ?)", (cid, receipt.get("boot_id") or "", started, t))
+                       "ended_at) VALUES (?, 'repaired', 0, 0, ?, '', ?, ?)",
+                       (cid, receipt.get("boot_id") or "", started, t))
             db.execute(
                 "INSERT INTO cells(run_id, cell_id, agent_id, role, state, token, controller_id, boot_id, cgroup, "
                 "cgroup_ino, argv, exe, worktree, pid, starttime, pgid, created_at, started_at, ended_at, exit_code, "

@@ -264,8 +264,8 @@ def kernel_explain(policy, decision: dict, strict: dict) -> dict:
     kernel = {
         "network": {"deny": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
                     "loopback": "the cell's own network namespace (only lo up) refuses every connection that leaves it",
-                    "allowlist": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
-                                 "allow and records every attempt (kernel_record.network)",
+                    "allowlist": "only the controller's egress proxy leads out; it refuses what the role's lists do "
+                                 "not allow and records every attempt (kernel_record.network)",
                     "internal": "only the controller's egress proxy leads out; it refuses what the role's lists do not "
                                 "allow and records every attempt (kernel_record.network)",
                     "host": "nothing: the cell has the host's network"}.get(net, net),

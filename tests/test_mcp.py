@@ -71,7 +71,7 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
             v = value(await s.call_tool("run_shell", {"command": "echo a | tr a b > f && cat f"}))
             assert v["stdout"] == "b\n"
             chain = value(await s.call_tool("receipt", {"cell_id": v["cell_id"]}))["chain"]
-            assert (chain[0]["tool"], chain[0]["entry"]) == ("run_shell", "mcp")  # judged as the shell line 
+            assert (chain[0]["tool"], chain[0]["entry"]) == ("run_shell", "mcp")  # judged as the shell line
             with open(os.path.join(worktree, "f")) as f:
                 assert f.read() == "b\n"
 

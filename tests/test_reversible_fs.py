@@ -22,7 +22,7 @@ import subprocess
 import pytest
 
 from conftest import write_role
-from fsimages import KINDS, Images, fs_type, images, listing, listing_diff  # noqa: F401 - images is a fixture
+from fsimages import KINDS, Images, fs_type, images, listing, listing_diff  # noqa: F401 - images is a fixture (F811 where a test takes it)
 
 # The change set, as shell: every kind of change the record names. Dates fixed so git's objects are the
 # same bytes in the cell and in the reference run; the umask fixed so modes are.
@@ -153,7 +153,7 @@ MATRIX = [(k, w) for k in KINDS for w in ("same", "other")] + [("overlay", "othe
 
 
 @pytest.mark.parametrize("kind,where", MATRIX, ids=[f"{k}-state-{w}-fs" for k, w in MATRIX])
-def test_a_cells_changes_land_at_its_end_and_undo_restores_them(kind, where, images, tmp_path, agnsup):
+def test_a_cells_changes_land_at_its_end_and_undo_restores_them(kind, where, images, tmp_path, agnsup):  # noqa: F811
     mnt = images.make(kind)
     assert fs_type(mnt) == kind
     wt = os.path.join(mnt, "wt")
@@ -177,7 +177,7 @@ def test_a_cells_changes_land_at_its_end_and_undo_restores_them(kind, where, ima
 
 
 def test_a_state_root_that_cannot_hold_an_upper_layer_runs_live_named_by_receipt_and_doctor(
-        images, tmp_path, policy_dir, agnsup):
+        images, tmp_path, policy_dir, agnsup):  # noqa: F811 - fsimages' fixture
     """overlayfs cannot be an overlay's upper file system (a container's root is one): capture is
     impossible there, so the cell runs live and says why; require = ["reversible"] refuses it."""
     mnt = images.make("overlay")
@@ -221,11 +221,11 @@ def test_a_normal_users_cell_is_captured_and_undone(kind, user):
     state root in its home ($XDG_STATE_HOME/agnsup): the overlay is mounted in the cell's user
     namespace (userxattr), its upper under the user's state root."""
     # the images under the user's home (the test's tmp_path is root's, 0700: the user could not reach it)
-    with Images(user.own_dir(f"fs-{kind}")) as images:
+    with Images(user.own_dir(f"fs-{kind}")) as imgs:
         if kind == "home":
-            wt = os.path.join(images.parent, "wt")
+            wt = os.path.join(imgs.parent, "wt")
         else:
-            mnt = images.make(kind)
+            mnt = imgs.make(kind)
             os.chown(mnt, user.uid, user.gid)
             wt = os.path.join(mnt, "wt")
         _user_case(kind, user, wt)

@@ -206,8 +206,8 @@ class Proxy:
     def _judge_and_connect(self, host: str, port: int, rec: dict) -> socket.socket:
         """The shared matcher's verdict, then a connection to a judged address only."""
         v, dest, addrs = self.rules.judge(host, port, self.resolve, own=hostaddrs.local_addresses())
-        rec.update(requested=host, name=dest.name or (str(dest.address) if dest.address is not None else host), port=port,
-                   address=str(addrs[0]) if addrs else None)
+        rec.update(requested=host, name=dest.name or (str(dest.address) if dest.address is not None else host),
+                   port=port, address=str(addrs[0]) if addrs else None)
         if not v.allowed:
             if v.rule == "unresolved":
                 raise Refused("failed", v.rule, v.reason, socks_code=4, http_status=502)
@@ -378,8 +378,8 @@ class Proxy:
 
 
 def _record(seq: int, protocol: str) -> dict:
-    return {"seq": seq, "t": time.time(), "_t0": time.monotonic(), "protocol": protocol, "requested": None, "name": None,
-            "port": None, "address": None, "decision": "pending", "rule": None, "reason": None,
+    return {"seq": seq, "t": time.time(), "_t0": time.monotonic(), "protocol": protocol, "requested": None,
+            "name": None, "port": None, "address": None, "decision": "pending", "rule": None, "reason": None,
             "bytes_up": 0, "bytes_down": 0}
 
 

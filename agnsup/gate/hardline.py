@@ -374,7 +374,8 @@ def _cloud(ex: Exec, c: _Ctx) -> Finding | None:
         path = _command_path(args)
         if any(w.startswith(("delete", "purge")) for w in path):
             group = next((g for g in AZ_ITEM_GROUPS if tuple(path[:len(g)]) == g), None)
-            if group is None or (group in (("storage", "blob"), ("storage", "file")) and path[len(group):] != ["delete"]):
+            storage = group in (("storage", "blob"), ("storage", "file"))
+            if group is None or (storage and path[len(group):] != ["delete"]):
                 why = "az ... delete destroys cloud resources"
     elif prog in ("terraform", "tofu", "terragrunt", "pulumi", "cdk", "cdktf") and (
             "destroy" in ops or ("apply" in ops and "-destroy" in args)):

@@ -410,7 +410,7 @@ def destinations(ex: Exec) -> list[str]:
                 out.append(w.split(":", 1)[0] if not w.startswith("[") else w.split("]", 1)[0] + "]")
         out += dest
     elif _openssl_client(ex):
-        host, port = "", ""
+        host = ""
         for i, a in enumerate(args):
             nxt = args[i + 1] if i + 1 < len(args) else ""
             if a in ("-connect", "--connect", "-host"):
@@ -441,8 +441,8 @@ def dns_exfil_name(word: str, literal: bool) -> bool:
 
 def _kernel_note(what: str, ex: Exec, ctx: GateContext) -> dict:
     return {"rule": "network.kernel_enforced", "evidence": ex.text,
-            "reason": f"{what} under role '{ctx.role}''s network: {ctx.network}; allowed with a flag because the cell's own "
-                      "network namespace (only lo up) refuses every connection that would leave it "
+            "reason": f"{what} under role '{ctx.role}''s network: {ctx.network}; allowed with a flag because "
+                      "the cell's own network namespace (only lo up) refuses every connection that would leave it "
                       "(governance.kernel_enforced = 'flag')."}
 
 

@@ -116,7 +116,8 @@ class Ruleset:
             prctl(_PR_SET_NAME, ctypes.addressof(name))  # until the execve: the domain's record keeps it
             flags = LOG_NEW_EXEC_ON
         try:
-            _check(_syscall(_SYS_RESTRICT_SELF, ctypes.c_int(self.fd), ctypes.c_uint32(flags)), "landlock_restrict_self")
+            _check(_syscall(_SYS_RESTRICT_SELF, ctypes.c_int(self.fd), ctypes.c_uint32(flags)),
+                   "landlock_restrict_self")
         finally:
             os.close(self.fd)
             self.fd = -1

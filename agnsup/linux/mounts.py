@@ -50,12 +50,13 @@ The recipe, in order:
            inside a normal user's user namespace), moved onto the worktree right
            after its attach, before protect and mask (the layer directory is cloned with the
            others, while its mount is read-write, and attached on a scratch point in the cell's
-           /tmp for the moment the overlay is made: 6.12 takes no layer from a detached mount). What a mapped cell writes lands in the upper
-           as host ids BASE+n; the commit shifts them back (id_shift), so the worktree ends
-           as if the cell had written it through its id map. (An id-mapped layer would do that
-           in the kernel, and 6.18 takes one whose map also holds the overlay's creator, host
-           root; it costs a user namespace, a fork, per controller process.) An overlay that
-           comes up read-only is an error; one the kernel refuses runs the cell live.
+           /tmp for the moment the overlay is made: 6.12 takes no layer from a detached mount).
+           What a mapped cell writes lands in the upper as host ids BASE+n; the commit shifts
+           them back (id_shift), so the worktree ends as if the cell had written it through its
+           id map. (An id-mapped layer would do that in the kernel, and 6.18 takes one whose map
+           also holds the overlay's creator, host root; it costs a user namespace, a fork, per
+           controller process.) An overlay that comes up read-only is an error; one the kernel
+           refuses runs the cell live.
   protect  a path inside the attached worktree bound onto itself (a clone of
            the cell's own view of it): read-only for the files tools run on
            their own, read-write for a git directory, which only becomes a

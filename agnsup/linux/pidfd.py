@@ -58,7 +58,8 @@ def matches(fd: int, pid: int, pidfd_ino: int | None, starttime: int | None) -> 
     if pidfd_ino is not None and has_pidfs():
         ino = inode(fd)
         if ino != pidfd_ino:
-            return False, f"pid {pid} matches the journaled pid but its pidfd inode {ino} differs from {pidfd_ino}: reused"
+            return False, (f"pid {pid} matches the journaled pid but its pidfd inode {ino} differs from "
+                           f"{pidfd_ino}: reused")
     st = proc.stat(pid)
     if st is None:
         return False, f"pid {pid} is gone"

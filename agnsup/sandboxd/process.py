@@ -38,7 +38,8 @@ def status_of(e: AgnsupError):
                       (NotFound, grpc.StatusCode.NOT_FOUND), (UnknownId, grpc.StatusCode.NOT_FOUND),
                       (LockTimeout, grpc.StatusCode.UNAVAILABLE), (CancelledBeforeStart, grpc.StatusCode.CANCELLED),
                       (RunNotActive, grpc.StatusCode.FAILED_PRECONDITION),
-                      (UsageError, grpc.StatusCode.INVALID_ARGUMENT), (PolicyError, grpc.StatusCode.FAILED_PRECONDITION)):
+                      (UsageError, grpc.StatusCode.INVALID_ARGUMENT),
+                      (PolicyError, grpc.StatusCode.FAILED_PRECONDITION)):
         if isinstance(e, cls):
             return code
     return grpc.StatusCode.INTERNAL

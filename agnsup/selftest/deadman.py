@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -81,26 +80,28 @@ class DeadMan:
         return ["sh", "-c", RENAMED + f"exec python3 {wt}/stubborn-tree --heartbeat {wt}/hb --detached 2 "
                 "--stripped --term-wait 5"]
 
+    def cell_args(self, kind: str, wt: str) -> list[str]:
+        """run's and spawn's options for `kind`'s cell, up to the `--` before its command."""
+        return ["--role", "networked", "--run-id", f"R-{kind}", "--cell", f"c-{kind}", "--workdir", wt,
+                "--on-controller-death", self.mode, "--changes", "live", "--"]
+
     # -- one controller kind ----------------------------------------------
     def start(self, kind: str, wt: str):
         """(the controller process, the tree's report line) for `kind`."""
         argv = self.tree_argv(wt)
         if kind == "run":
-            ctl = self.procs.start([self.bin, "run", "--role", "networked", "--run-id", f"R-{kind}", "--cell",
-                                    f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--changes", "live", "--", *argv],
-                                   env=self.env, stdout=-1, cwd=wt)
+            ctl = self.procs.start([self.bin, "run", *self.cell_args(kind, wt), *argv], env=self.env, stdout=-1, cwd=wt)
             return ctl, json.loads(ctl.stdout.readline() or "null")
         if kind == "serve":
             ctl = self.procs.start([self.bin, "serve"], env=self.env, stdout=-1, stderr=-1, cwd=self.work)
             if not ctl.stdout.readline():
                 raise RuntimeError("agnsup serve did not start")
-            rc, out, err = self.agnsup("spawn", "--role", "networked", "--run-id", f"R-{kind}", "--cell",
-                                       f"c-{kind}", "--workdir", wt, "--on-controller-death", self.mode, "--changes", "live", "--", *argv)
+            rc, out, err = self.agnsup("spawn", *self.cell_args(kind, wt), *argv)
             if rc != 0:
                 raise RuntimeError(f"agnsup spawn failed: {err.strip()[-300:]}")
         else:
-            ctl = self.procs.start([sys.executable, "-c", API, self.state, wt, json.dumps(argv), self.mode], env=self.env,
-                                   stdout=-1, stderr=-1, cwd=wt)
+            ctl = self.procs.start([sys.executable, "-c", API, self.state, wt, json.dumps(argv), self.mode],
+                                   env=self.env, stdout=-1, stderr=-1, cwd=wt)
             if not ctl.stdout.readline():
                 raise RuntimeError("the Supervisor did not start its cell")
         out = os.path.join(self.state, "cells", f"R-{kind}", f"c-{kind}", "stdout")

@@ -158,7 +158,8 @@ def gate_control_socket(h) -> dict:
     d = _run_dir()
     if d is None:  # serve's socket belongs in the state root (masked in every cell), /run or /tmp (private)
         return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run (a normal user without a "
-                           "runtime directory /run/user/UID); tests/test_doors_sockets.py checks it as a normal user", "")
+                           "runtime directory /run/user/UID); tests/test_doors_sockets.py checks it as a normal user",
+                     "")
     from ..serve import Server
     sock = os.path.join(d, "serve.sock")
     state = os.path.join(h.root, "control-state")

@@ -82,8 +82,8 @@ def gate_worktree_destroyed(h) -> dict:
     if after != before:
         diff = sorted(set(before.items()) ^ set(after.items()))[:5]
         return _gate(name, "FAIL", f"the cell deleted src/ and .git's history; undo left the tree different: {diff}")
-    return _gate(name, "PASS", f"the cell deleted src/ and .git's history through shutil.rmtree (the gate let it through); "
-                 f"agnsup undo put back all {len(before)} paths exactly ({ch.get('files')} changed, "
+    return _gate(name, "PASS", "the cell deleted src/ and .git's history through shutil.rmtree (the gate let it "
+                 f"through); agnsup undo put back all {len(before)} paths exactly ({ch.get('files')} changed, "
                  f"record {undone['records'][0]['record'] if undone.get('records') else '?'})")
 
 

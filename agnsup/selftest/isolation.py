@@ -179,7 +179,7 @@ def _judge(name: str, res: dict, what: str) -> dict:
         return _gate(name, "FAIL", f"the probe could not run: {res['error']}")
     lines = (res.get("stdout", "") + res.get("stderr", "")).strip().splitlines()
     # what worked first: the table shows the start of the evidence
-    out = "; ".join(sorted(lines, key=lambda l: l.startswith(("refused", "tcp", "udp", "mount", "TIOC"))))
+    out = "; ".join(sorted(lines, key=lambda line: line.startswith(("refused", "tcp", "udp", "mount", "TIOC"))))
     if res["exit_code"] == 0:
         return _gate(name, "PASS", f"{what}: refused. {out}")
     if res["exit_code"] == ESCAPED:
@@ -282,7 +282,7 @@ class Harness:
 def _set_key(src: str, section: str, key: str, value: str) -> str:
     """Set `key = value` in [section] of a TOML text, adding the line or the section as needed."""
     lines = src.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.strip() == f"[{section}]"), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == f"[{section}]"), None)
     if start is None:
         return src.rstrip("\n") + f"\n\n[{section}]\n{key} = {value}\n"
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))

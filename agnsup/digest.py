@@ -7,10 +7,10 @@ import cost. hashlib stays the fallback where the built-in is absent.
 import os
 
 try:
-    from _sha256 import sha256  # CPython 3.11
+    from _sha256 import sha256  # type: ignore[import-not-found]  # CPython 3.11 (no stub: a private module)
 except ImportError:  # pragma: no cover - other builds, or 3.12+ (_sha2)
     try:
-        from _sha2 import sha256
+        from _sha2 import sha256  # type: ignore[import-not-found]
     except ImportError:
         from hashlib import sha256
 

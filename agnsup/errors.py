@@ -55,7 +55,7 @@ class PolicyError(AgnsupError):
 
 
 class StateError(AgnsupError):
-    pass
+    errno: int | None = None  # ENOSPC or EROFS: a full or read-only state root (journal.Journal._failed)
 
 
 class JournalDamaged(StateError):

@@ -35,7 +35,7 @@ try:
     # imports datetime for them (~2 ms on every `agnsup run`).
     import _sqlite3 as sqlite3
 except ImportError:  # pragma: no cover - an interpreter without the private name
-    import sqlite3
+    import sqlite3  # type: ignore[no-redef]  # the same module by its public name
 
 from .errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateError
 
@@ -298,6 +298,7 @@ class Journal:
             if (receipt.get("changes") or {}).get("record"):  # a change record (changes.commit): indexed here
                 from .changes import summary_row
                 row = summary_row({"agent_id": receipt.get("agent_id"), **receipt["changes"]})
+            if row is not None:
                 self.add_change(row, db)
             if end_controller:
                 self.end_controller(end_controller, db)
@@ -655,7 +656,7 @@ def damaged(path: str, why: str) -> JournalDamaged:
 
 def cells_on_disk(state_root: str) -> list[tuple[str, str]]:
     """(run_id, cell_id) of every cell directory under <state>/cells: what the journal must know."""
-    out = []
+    out: list[tuple[str, str]] = []
     top = os.path.join(state_root, "cells")
     try:
         runs = sorted(os.listdir(top))
@@ -680,7 +681,7 @@ def _size(path: str) -> int | None:
 # Closing *any* descriptor of a file drops every POSIX lock the process holds on it, SQLite's
 # own included (fcntl(2); sqlite.org/howtocorrupt.html 2.2): preflight must not open and
 # close such a file behind the connection's back, so it leaves the header to that connection.
-_CONNECTED: dict[tuple[int, int], int] = {}
+_CONNECTED: dict[tuple[int, int] | None, int] = {}
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -61,7 +61,7 @@ class Record:
         cls._factories = tuple((n, d.make) for n, d in defaults.items() if isinstance(d, Factory))
         cls._frozen = frozen or cls._frozen
         # a mutable record is compared by value: unhashable, like a dataclass
-        cls.__hash__ = Record._hash if cls._frozen else None
+        setattr(cls, "__hash__", Record._hash if cls._frozen else None)
 
     def __init__(self, *args, **kwargs) -> None:
         # Hot: the gate builds several records per judged line (agnsup check --batch): defaults

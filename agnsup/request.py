@@ -29,6 +29,19 @@ class Opt(Factory):
         self.schema, self.metavar = schema, metavar
 
 
+TYPE_CHECKING = False  # `import typing` would cost every `agnsup run` (tests/test_startup_cost.py)
+if TYPE_CHECKING:
+    from typing import TypeVar
+    T = TypeVar("T")
+
+    def opt(default: T, kind: str, *flags: str, help: str = "", schema: dict | None = None,
+            metavar: str | None = None) -> T:
+        """A field's Opt typed as its default, as dataclasses.field is: the class holds the Opt, a request the value."""
+        ...
+else:
+    opt = Opt
+
+
 # kind -> (accepts, what it should be): checked by CellRequest.make
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v not in (float("inf"),)
@@ -62,56 +75,56 @@ def _size(v) -> bool:
 class CellRequest(Record):
     """What a front door asks for: one command and how to run it."""
     argv: list[str]
-    role: str = Opt("executor", "str", "--role", help="Role policy (policies/ROLE.toml).",
+    role: str = opt("executor", "str", "--role", help="Role policy (policies/ROLE.toml).",
                     schema={"type": "string", "description": "Role policy to apply (executor, readonly, networked).",
                             "default": "executor"})
-    run_id: str = Opt("default", "str", "--run-id", "--run", help="Run this cell belongs to.")
-    agent_id: str = Opt("default", "str", "--agent", "--agent-id", help="Agent this cell belongs to.")
-    cell_id: str | None = Opt(None, "optstr", "--cell", "--cell-id", help="Cell id (default: generated, c-XXXXXXXX).")
-    workdir: str | None = Opt(None, "optstr", "--workdir", help="Directory the command runs in (default: the "
+    run_id: str = opt("default", "str", "--run-id", "--run", help="Run this cell belongs to.")
+    agent_id: str = opt("default", "str", "--agent", "--agent-id", help="Agent this cell belongs to.")
+    cell_id: str | None = opt(None, "optstr", "--cell", "--cell-id", help="Cell id (default: generated, c-XXXXXXXX).")
+    workdir: str | None = opt(None, "optstr", "--workdir", help="Directory the command runs in (default: the "
                               "current directory); the worktree is its enclosing project root (.git, .hg or "
                               ".agnsup-worktree), else the directory itself.", schema={"type": "string",
                                                              "description": "Worktree directory the command runs in."})
-    timeout: float | None = Opt(None, "pos", "--timeout", metavar="SECONDS", help="Stop the cell after SECONDS "
+    timeout: float | None = opt(None, "pos", "--timeout", metavar="SECONDS", help="Stop the cell after SECONDS "
                                 "(SIGTERM, grace, SIGKILL); exit 124.",
                                 schema={"type": "number", "exclusiveMinimum": 0,
                                         "description": "Seconds before the cell is stopped (exit 124)."})
-    lock_timeout: float | None = Opt(None, "nonneg", "--lock-timeout", metavar="SECONDS",
+    lock_timeout: float | None = opt(None, "nonneg", "--lock-timeout", metavar="SECONDS",
                                      help="Give up after SECONDS waiting for the worktree lock (exit 75).")
-    env: list[str] | dict = Opt([], "env", "--env", metavar="KEY=VALUE", help="Set a variable in the cell "
+    env: list[str] | dict = opt([], "env", "--env", metavar="KEY=VALUE", help="Set a variable in the cell "
                                 "(repeatable). KEY alone passes the host's value.",
                                 schema={"type": "object", "additionalProperties": {"type": "string"},
                                         "description": "Extra environment variables for this call."})
-    receipt_file: str | None = Opt(None, "optstr", "--receipt", metavar="FILE",
+    receipt_file: str | None = opt(None, "optstr", "--receipt", metavar="FILE",
                                    help="Also write the cell's receipt to FILE.")
-    on_controller_death: str | None = Opt(None, "death", "--on-controller-death", metavar="kill|keep",
+    on_controller_death: str | None = opt(None, "death", "--on-controller-death", metavar="kill|keep",
                                           help="kill: the cell dies with its controller at once; keep: it "
                                                "outlives it until the janitor runs (default: the role's "
                                                "process.on_controller_death).")
-    changes: str | None = Opt(None, "changes", "--changes", metavar="at_exit|live",
+    changes: str | None = opt(None, "changes", "--changes", metavar="at_exit|live",
                               help="at_exit: the cell works on an overlay of its worktree whose changes land "
                                    "when it ends (agnsup diff/undo); live: its writes land as they happen, "
                                    "uncaptured (default: the role's filesystem.changes).")
     # Not spelled on the command line: the caller's environment (serve gets its
     # client's), whether output is captured, and which front door asked.
-    host_env: dict | None = Opt(None, "dict")
-    capture: bool = Opt(True, "bool")
+    host_env: dict | None = opt(None, "dict")
+    capture: bool = opt(True, "bool")
     # Live I/O (Supervisor.read_output/write_stdin/resize, serve's output/stdin/resize ops).
     # stream and pty imply capture: the captured files stay the record.
-    stdin: bool = Opt(False, "bool", help="The cell's fd 0 is a pipe the supervisor writes (write_stdin) "
+    stdin: bool = opt(False, "bool", help="The cell's fd 0 is a pipe the supervisor writes (write_stdin) "
                       "instead of /dev/null.")
-    pty: dict | None = Opt(None, "pty", help='{"cols": N, "rows": N}: the cell\'s fds 0-2 and controlling '
+    pty: dict | None = opt(None, "pty", help='{"cols": N, "rows": N}: the cell\'s fds 0-2 and controlling '
                            'terminal are a pty; its output is the stream "tty".')
-    stream: bool = Opt(False, "bool", help="Keep the ordered output chunks for read_output (besides the "
+    stream: bool = opt(False, "bool", help="Keep the ordered output chunks for read_output (besides the "
                        "captured files).")
-    entry: str = Opt("api", "str")
+    entry: str = opt("api", "str")
     # argv is ["sh", "-c", LINE] made by a front door from one shell command line
     # (MCP run_shell): the gate judges LINE as shell text, as tool run_shell.
-    shell: bool = Opt(False, "bool")
+    shell: bool = opt(False, "bool")
     # A long-lived cell (a server, a watcher: CLI/MCP spawn, sandboxd's background processes, the API's
     # spawn when asked): under the role's `[filesystem] changes = "auto"` its worktree writes land as they
     # happen (live), not when it ends; waited-for calls capture them (docs/architecture.md "Reversible cells").
-    long_lived: bool = Opt(False, "bool")
+    long_lived: bool = opt(False, "bool")
 
     @classmethod
     def options(cls) -> dict[str, Opt]:

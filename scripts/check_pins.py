@@ -80,8 +80,8 @@ def probe(name: str, py: str, code: str, commands: list[list[str]], work: str) -
         r = run(cmd, cwd=tree)
         if r.returncode != 0:
             last = ((r.stderr + r.stdout).strip().splitlines() or ["(no output)"])[-1]
-            print(f"check --pins: {name}: {' '.join(cmd[1:] if cmd[0] == py else cmd[3:]) or cmd}: "
-                  f"exit {r.returncode}: {last}")
+            what = "the import probe" if cmd[0] == py else "agnsup " + " ".join(cmd[3:])
+            print(f"check --pins: {name}: {what}: exit {r.returncode}: {last}")
             failed += 1
     return failed
 

@@ -1,6 +1,8 @@
 """A fake backend: the kernel's part of a host (cgroup directories, processes,
 signals, the /proc view) in memory, behind the same interface as the real
-backends, so the layers above them are unit-tested without root or processes.
+backends, so the layers above them are unit-tested without root or processes;
+and a fake process layer (FakeProcesses) in place of the supervisor's spawn,
+release, abandon and collect, so the broker and service.Supervisor are too.
 
 tests/unit holds pure logic over this fake: no root, no cgroups, no cell
 processes; `pytest tests/unit` runs in seconds anywhere."""
@@ -8,9 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from agnsup.backend import Backend, Place
 from agnsup.linux import cgroup, session
+
+# The host's facts as the compiler reads them (linux/host.protections): everything in force, Landlock ABI 6
+# (no audit reader is opened), as root; "mapped_uid" set: no id-mapped mount is probed.
+HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
+        "capabilities": None, "mapped_uid": "not in unit tests", "_abi": 6, "_root": True, "_cap_last": 40}
 
 
 class FakeProc:
@@ -21,10 +29,14 @@ class FakeProc:
         self.signals: list[int] = []
         self.status: int | None = None   # its exit status once it exited by itself (exit)
         self.pidfd_w: int | None = None  # FakeProcesses: the write end of the pipe standing in for its pidfd
+        self.stdio: tuple = ()  # FakeProcesses: its fds 0-2 as it got them (copies, closed when it ends)
 
     def exit(self, status: int | None = None) -> None:
         """It ends (by itself with `status`, or by its last signal): its pidfd becomes readable."""
         self.alive, self.status = False, status
+        for fd in {*self.stdio} - {None}:
+            os.close(fd)
+        self.stdio = ()
         if self.pidfd_w is not None:
             os.close(self.pidfd_w)
             self.pidfd_w = None
@@ -177,16 +189,19 @@ class FakeProcesses:
         self.calls: list[tuple[str, int | None]] = []
         self.fail: dict[str, Exception] = {}
         self.on_release = None
+        self.forked_in: list[str] = []  # the threads the leaders were forked from
         self._pid = 5000
 
     def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False) -> FakeChild:
         def fork():
+            self.forked_in.append(threading.current_thread().name)
             if "spawn" in self.fail:
                 raise self.fail["spawn"]
             self._pid += 1
             r, w = os.pipe2(os.O_CLOEXEC)
             p = self.k.spawn(self._pid, start=self._pid * 10, dir=place.dir, token=plan.spec.token)
             p.pidfd_w = w
+            p.stdio = tuple(None if fd is None else os.dup(fd) for fd in stdio or ())
             return FakeChild(p.pid, r, {"pid": p.pid, "pidfd_ino": None, "starttime": p.starttime, "pgid": p.pid,
                                         "boot_id": "fake-boot"})
         self.calls.append(("spawn", None))

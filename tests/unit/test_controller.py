@@ -11,11 +11,8 @@ from agnsup.errors import CancelledBeforeStart, Denied, LockTimeout, NotFound, R
 from agnsup.request import CellRequest
 from agnsup.state import StateRoot
 
-from fake_backend import FakeBackend, FakeKernel, FakeProcesses
+from fake_backend import HOST, FakeBackend, FakeKernel, FakeProcesses
 
-# the host's facts for the compiler (tests/unit/test_plan_and_parsing.py's), ABI 6: no audit reader is opened
-HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
-        "capabilities": None, "_abi": 6, "_root": True, "_cap_last": 40}
 
 
 class World:

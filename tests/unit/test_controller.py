@@ -48,9 +48,12 @@ class World:
 
 
 class Waited:
-    """What finish reads of a Waiter whose leader ended by itself."""
-    reason = cancel_reason = kill_method = None
+    """What finish reads of a Waiter whose leader ended by itself (or that stopped it: `reason`)."""
+    cancel_reason = kill_method = None
     stop_signal = 15
+
+    def __init__(self, reason=None):
+        self.reason = reason
 
     def grace_until(self):
         return None
@@ -141,6 +144,66 @@ def test_a_cancel_between_the_identity_and_running_is_stopped_by_the_controllers
     assert w.k.procs[cell.child.pid].signals == [15]
     receipt = ctl.finish(cell, waiter.wait())
     assert (receipt["state"], receipt["exit_code"]) == ("cancelled", 143)
+
+
+def test_a_timeout_stays_a_timeout_though_a_cancel_came_after(w):
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    ctl.journal.record_cancel("cell", "R", None, "c1", "cancelled late")
+    w.k.deliver(cell.child.pid, 15)
+    receipt = ctl.finish(cell, Waited("timeout"))
+    assert (receipt["state"], receipt["exit_code"], receipt["reason"]) == ("timeout", 124, "timeout")
+
+
+def test_an_oom_kill_the_backend_counted_makes_the_cell_end_oom(w, monkeypatch):
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    monkeypatch.setattr(w.backend, "usage", lambda place: {"oom_kills": 1})
+    w.k.deliver(cell.child.pid, 9)
+    receipt = ctl.finish(cell, Waited())
+    assert (receipt["state"], receipt["reason"], receipt["usage"]["oom_kills"]) == ("killed", "oom", 1)
+
+
+def test_output_past_the_cap_written_just_before_the_end_ends_the_cell_output_limit(w):
+    ctl = w.controller()
+    prepared = w.prepared()
+    prepared.plan.limits["output_max"] = 4
+    cell = ctl.start(prepared, capture=True)
+    leader = w.k.procs[cell.child.pid]
+    os.write(leader.stdio[1], b"0123456789")
+    leader.exit(0)
+    receipt = ctl.finish(cell, Waited())
+    assert (receipt["state"], receipt["reason"], receipt["exit_code"]) == ("killed", "output_limit", 0)
+    with open(os.path.join(cell.plan.cell_dir, "stdout"), "rb") as f:
+        assert f.read() == b"0123"  # delivered up to the cap
+
+
+def test_what_a_capturing_cell_wrote_lands_in_the_worktree_when_it_ends(w):
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    assert cell.layer is not None  # the role captures: the overlay's upper layer is made before it starts
+    with open(os.path.join(cell.layer.upper, "new.txt"), "w") as f:  # as the cell's overlay would write it
+        f.write("made in the cell\n")
+    w.k.procs[cell.child.pid].exit(0)
+    receipt = ctl.finish(cell, Waited())
+    with open(os.path.join(w.wt, "new.txt")) as f:
+        assert f.read() == "made in the cell\n"
+    assert (receipt["changes"]["record"], receipt["changes"]["created"], receipt["changes"]["paths"]) == \
+        ("R/c1", 1, ["new.txt"])
+
+
+def test_a_cell_that_runs_but_whose_running_state_cannot_be_journaled_is_killed_and_failed(w, monkeypatch):
+    ctl = w.controller()
+
+    def refused(*a):
+        raise StateError("read-only state root")
+    monkeypatch.setattr(ctl.journal, "mark_running", refused)
+    with pytest.raises(StateError, match="read-only state root"):
+        ctl.start(w.prepared(), capture=True)
+    pid = w.procs.calls[1][1]
+    assert w.procs.calls == [("spawn", None), ("release", pid), ("collect", pid)]
+    assert w.k.procs[pid].signals == [9] and w.backend.kills == ["/fake/run-R/agent-A/cell-c1"]
+    assert ctl.journal.cell_state("R", "c1") == "failed"
 
 
 def test_a_cell_whose_setup_fails_is_concluded_failed_and_leaves_nothing_held(w):

@@ -163,17 +163,26 @@ def test_one_connection_answers_its_requests_in_order_notes_first_and_ends_at_eo
     assert w.ask("wait", run_id="R", cell_id="c2", timeout=WAIT)["state"] == "exited"
 
 
-def test_a_refused_peer_gets_one_line_and_no_request_is_read(w, monkeypatch):
-    seen = []
-    monkeypatch.setattr(serve, "peer_refusal", lambda conn, journal, what: seen.append(what) or "refused: a cell")
+def test_a_peer_that_is_a_cells_process_gets_one_refusal_line_journaled_and_no_request_is_read(w, monkeypatch):
+    from agnsup.linux import peer
+    checked = []
+
+    def a_cell(conn):
+        checked.append(conn)
+        return peer.Peer(4321, 0, 0, ["its cgroup is cell c9's"])
+    monkeypatch.setattr(peer, "check", a_cell)
     sock, f, t = _connection(w, b'{"op": "spawn", "argv": ["true"]}\n')
-    assert json.loads(f.readline()) == {"ok": False, "error": "refused: a cell", "error_type": "Denied",
-                                        "exit_code": 126}
+    line = ("serve: refused: the connecting process (pid 4321, uid 0) is a process of an agnsup cell "
+            "(its cgroup is cell c9's); cells never reach a control socket")
+    assert json.loads(f.readline()) == {"ok": False, "error": line, "error_type": "Denied", "exit_code": 126}
     try:
         rest = f.readline()
     except ConnectionResetError:  # it closed the connection with our request unread in it
         rest = b""
-    assert rest == b"" and seen == ["serve"] and w.procs.calls == []
+    assert rest == b"" and len(checked) == 1 and w.procs.calls == []
+    (refused,) = w.server.sup.ctl.journal.refusals()
+    assert (refused["kind"], refused["error"], refused["entry"], refused["peer"]["pid"]) == \
+        ("refused", line, "serve", 4321)
     t.join(WAIT)
     f.close()
     sock.close()
@@ -192,3 +201,55 @@ def test_the_client_raises_the_error_a_reply_carries_and_says_when_nobody_listen
     t.join(WAIT)
     with pytest.raises(NoServer, match="no serve controller listens at"):
         serve.Client(str(tmp_path / "nobody.sock"))
+
+
+def test_follow_prints_the_cells_output_as_it_comes_and_returns_its_result(w, capsys):
+    h = w.spawn(stream=True)
+    leader = w.k.procs[h["pid"]]
+    os.write(leader.stdio[1], b"to stdout\n")
+    os.write(leader.stdio[2], b"to stderr\n")
+    leader.exit(3)
+
+    def accept_one():
+        conn, _ = w.server.listener.accept()
+        w.server._handle(conn)
+    t = threading.Thread(target=accept_one, daemon=True)
+    t.start()
+    with serve.Client(w.server.path) as c:
+        res = serve._follow(c, {"run_id": "R", "cell_id": "c1"})
+    t.join(WAIT)
+    assert (res["state"], res["exit_code"]) == ("exited", 3)
+    assert capsys.readouterr() == ("to stdout\n", "to stderr\n")
+
+
+def test_a_control_socket_lives_only_where_no_cell_reaches_it(tmp_path):
+    state = str(tmp_path / "state")
+    for ok in (os.path.join(state, "x.sock"), "/run/agnsup-test.sock", "/tmp/x/agnsup.sock"):
+        assert serve.socket_place(ok, state, "--socket X") == ok
+    for bad in ("/var/lib/x.sock", "/tmpx/a.sock", "/run/../etc/a.sock", "/x.sock"):
+        with pytest.raises(UsageError, match="--socket X: a control socket must live where no cell can reach"):
+            serve.socket_place(bad, state, "--socket X")
+
+
+def test_a_listening_socket_is_born_0600_a_dead_ones_file_is_replaced_and_a_live_one_is_refused(tmp_path):
+    os.mkdir(tmp_path / ("d" * 110))
+    path = str(tmp_path / ("d" * 110) / "x.sock")  # past sun_path's 107 bytes: bound through its directory
+    first = serve.listen_unix(path, "serve controller")
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        with pytest.raises(UsageError, match=f"another serve controller already listens at {path}"):
+            serve.listen_unix(path, "serve controller")
+    finally:
+        first.close()
+    second = serve.listen_unix(path, "serve controller")  # the file of a listener that is gone
+    second.close()
+
+
+def test_the_spawn_request_carries_the_callers_directory_environment_and_absolute_receipt_path(tmp_path,
+                                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGNSUP_UNIT_MARK", "1")
+    req = serve.spawn_request(["make"], {"env": ("A",), "receipt_file": "r.json", "role": "executor"})
+    assert (req["argv"], req["env"], req["workdir"], req["receipt_file"], req["role"]) == \
+        (["make"], ["A"], os.path.realpath(tmp_path), str(tmp_path / "r.json"), "executor")
+    assert req["host_env"]["AGNSUP_UNIT_MARK"] == "1"

@@ -9,9 +9,9 @@ import termios
 
 import pytest
 
-from agnsup.errors import UnknownId, UsageError
+from agnsup.errors import CancelledBeforeStart, UnknownId, UsageError, WaitTimeout
 from agnsup.linux import host
-from agnsup.service import Supervisor
+from agnsup.service import Supervisor, wait_cell
 
 from fake_backend import HOST, FakeBackend, FakeKernel, FakeProcesses
 
@@ -129,6 +129,29 @@ def test_a_cell_in_a_held_worktree_is_queued_and_starts_once_the_lock_is_free(w)
     assert w.sup.wait("R", "c2", timeout=0) is None
     w.leader(first).exit(0)
     assert w.sup.wait("R", "c2", timeout=WAIT)["state"] == "exited"
+
+
+def test_a_signal_to_a_queued_cell_cancels_it_and_it_never_starts(w):
+    first = w.spawn("c1", capture=True)
+    w.spawn("c2", capture=True, lock_timeout=WAIT, notify=lambda line: None)
+    w.sup.signal("R", "c2", "INT")
+    with pytest.raises(CancelledBeforeStart):
+        w.sup.wait("R", "c2", timeout=WAIT)
+    assert len(w.procs.forked_in) == 1 and w.sup.ctl.journal.cell_state("R", "c2") == "cancelled"
+    w.leader(first).exit(0)
+    w.sup.wait("R", "c1", timeout=WAIT)
+
+
+def test_wait_cell_from_any_process_reads_the_result_from_the_journal(w):
+    h = w.spawn(capture=True)
+    with pytest.raises(WaitTimeout, match="c1 of run R is still running"):
+        wait_cell(w.sup.state.path, "c1", timeout=0)
+    w.leader(h).exit(2)
+    w.sup.wait("R", "c1", timeout=WAIT)
+    res = wait_cell(w.sup.state.path, "c1")
+    assert (res["run_id"], res["state"], res["exit_code"], res["stdout"]) == ("R", "exited", 2, "")
+    with pytest.raises(UnknownId):
+        wait_cell(w.sup.state.path, "nope")
 
 
 def test_live_io_stdin_reaches_the_cell_and_its_output_is_read_back_in_order(w):

@@ -298,6 +298,18 @@ def test_a_queued_cell_cancelled_while_it_waits_never_starts(w):
     assert len(w.procs.calls) == 2  # c1's spawn and release only
 
 
+def test_a_queued_cell_cancelled_before_its_lock_came_free_never_starts(w):
+    ctl = w.controller()
+    first = ctl.start(w.prepared("c1"), capture=True)
+    queued = ctl.start(w.prepared("c2"), capture=True, queue=True)
+    ctl.journal.record_cancel("cell", "R", None, "c2", "cancelled while queued")
+    w.k.procs[first.child.pid].exit(0)
+    ctl.finish(first, Waited())  # the lock is free: resume takes it at once, without waiting
+    with pytest.raises(CancelledBeforeStart):
+        ctl.resume(queued)
+    assert ctl.journal.cell_state("R", "c2") == "cancelled" and len(w.procs.calls) == 3
+
+
 def test_a_queued_cell_whose_lock_never_comes_fails_with_the_lock_timeout(w):
     ctl = w.controller()
     ctl.start(w.prepared("c1"), capture=True)

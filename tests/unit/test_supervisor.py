@@ -52,7 +52,8 @@ def test_spawn_returns_at_once_and_wait_gives_the_result_once_the_leader_ended(w
     res = w.sup.wait("R", "c1", timeout=WAIT)
     assert (res["state"], res["exit_code"], res["stdout"]) == ("exited", 4, "")
     assert w.sup.receipt("R", "c1")["exit_code"] == 4
-    again = w.sup.wait("R", "c1")  # the ended cell left memory: the journal answers the same
+    assert not w.sup._cells  # an ended cell leaves memory (issue 12 item 17)
+    again = w.sup.wait("R", "c1")  # so the journal answers: the same
     assert {k: again[k] for k in ("state", "exit_code", "receipt")} == \
         {k: res[k] for k in ("state", "exit_code", "receipt")}
 

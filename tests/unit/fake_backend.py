@@ -235,3 +235,18 @@ class FakeProcesses:
         for name in ("spawn", "release", "abandon", "collect"):
             monkeypatch.setattr(supervisor, name, getattr(self, name))
         return self
+
+
+class FakeHost:
+    """What the tests of the broker and the layers above start from: a worktree, a FakeKernel with its
+    FakeBackend, FakeProcesses in place of the process layer, and the host's facts fixed (HOST)."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        from agnsup.linux import host
+        monkeypatch.setattr(host, "protections", lambda: HOST)
+        self.wt = str(tmp_path / "wt")
+        os.mkdir(self.wt)
+        self.state_dir = str(tmp_path / "state")
+        self.k = FakeKernel()
+        self.backend = FakeBackend(self.k)
+        self.procs = FakeProcesses(self.k).install(monkeypatch)

@@ -11,18 +11,14 @@ from agnsup.errors import CancelledBeforeStart, Denied, LockTimeout, NotFound, R
 from agnsup.request import CellRequest
 from agnsup.state import StateRoot
 
-from fake_backend import HOST, FakeBackend, FakeKernel, FakeProcesses
+from fake_backend import HOST, FakeHost
 
 
 
-class World:
+class World(FakeHost):
     def __init__(self, tmp_path, monkeypatch):
-        self.wt = str(tmp_path / "wt")
-        os.mkdir(self.wt)
-        self.state = StateRoot(str(tmp_path / "state")).ensure()
-        self.k = FakeKernel()
-        self.backend = FakeBackend(self.k)
-        self.procs = FakeProcesses(self.k).install(monkeypatch)
+        super().__init__(tmp_path, monkeypatch)
+        self.state = StateRoot(self.state_dir).ensure()
         self.controllers = []
 
     def controller(self, **kw) -> broker.Controller:

@@ -11,22 +11,16 @@ import pytest
 
 from agnsup import serve
 from agnsup.errors import NoServer, UnknownId, UsageError, exit_code
-from agnsup.linux import host
 
-from fake_backend import HOST, FakeBackend, FakeKernel, FakeProcesses
+from fake_backend import FakeHost
 
 WAIT = 30  # seconds a request waits for a cell the test ended (never reached when it passes)
 
 
-class World:
+class World(FakeHost):
     def __init__(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(host, "protections", lambda: HOST)
-        self.wt = str(tmp_path / "wt")
-        os.mkdir(self.wt)
-        self.k = FakeKernel()
-        self.backend = FakeBackend(self.k)
-        self.procs = FakeProcesses(self.k).install(monkeypatch)
-        self.server = serve.Server(str(tmp_path / "state"), None, backend=self.backend)
+        super().__init__(tmp_path, monkeypatch)
+        self.server = serve.Server(self.state_dir, None, backend=self.backend)
         self.notes: list[str] = []
 
     def ask(self, op=None, line: bytes | None = None, **args) -> dict:
@@ -140,6 +134,16 @@ def _connection(w, sent: bytes = b""):
     return ours, ours.makefile("rwb"), t
 
 
+def _serve_one(w) -> threading.Thread:
+    """The server's listener accepts one connection and handles it, in a thread."""
+    def accept_one():
+        conn, _ = w.server.listener.accept()
+        w.server._handle(conn)
+    t = threading.Thread(target=accept_one, daemon=True)
+    t.start()
+    return t
+
+
 def test_one_connection_answers_its_requests_in_order_notes_first_and_ends_at_eof(w):
     first = w.spawn("c1", capture=True)
     sock, f, t = _connection(w)
@@ -189,11 +193,7 @@ def test_a_peer_that_is_a_cells_process_gets_one_refusal_line_journaled_and_no_r
 
 
 def test_the_client_raises_the_error_a_reply_carries_and_says_when_nobody_listens(w, tmp_path):
-    def accept_one():
-        conn, _ = w.server.listener.accept()
-        w.server._handle(conn)
-    t = threading.Thread(target=accept_one, daemon=True)
-    t.start()
+    t = _serve_one(w)
     with serve.Client(w.server.path) as c:
         assert c.call("ping")["controller"] == w.server.sup.controller_id
         with pytest.raises(UnknownId, match="no cell 'nope'"):
@@ -209,12 +209,7 @@ def test_follow_prints_the_cells_output_as_it_comes_and_returns_its_result(w, ca
     os.write(leader.stdio[1], b"to stdout\n")
     os.write(leader.stdio[2], b"to stderr\n")
     leader.exit(3)
-
-    def accept_one():
-        conn, _ = w.server.listener.accept()
-        w.server._handle(conn)
-    t = threading.Thread(target=accept_one, daemon=True)
-    t.start()
+    t = _serve_one(w)
     with serve.Client(w.server.path) as c:
         res = serve._follow(c, {"run_id": "R", "cell_id": "c1"})
     t.join(WAIT)

@@ -10,23 +10,17 @@ import termios
 import pytest
 
 from agnsup.errors import CancelledBeforeStart, UnknownId, UsageError, WaitTimeout
-from agnsup.linux import host
 from agnsup.service import Supervisor, wait_cell
 
-from fake_backend import HOST, FakeBackend, FakeKernel, FakeProcesses
+from fake_backend import FakeHost
 
 WAIT = 30  # seconds a test waits for a cell it ended (never reached when it passes)
 
 
-class World:
+class World(FakeHost):
     def __init__(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(host, "protections", lambda: HOST)
-        self.wt = str(tmp_path / "wt")
-        os.mkdir(self.wt)
-        self.k = FakeKernel()
-        self.backend = FakeBackend(self.k)
-        self.procs = FakeProcesses(self.k).install(monkeypatch)
-        self.sup = Supervisor(str(tmp_path / "state"), backend=self.backend)
+        super().__init__(tmp_path, monkeypatch)
+        self.sup = Supervisor(self.state_dir, backend=self.backend)
 
     def spawn(self, cell_id="c1", **options) -> dict:
         return self.sup.spawn(["true"], workdir=self.wt, run_id="R", agent_id="A", cell_id=cell_id, **options)

@@ -87,13 +87,12 @@ class _Forker:
 
 class Supervisor:
     def __init__(self, state_dir: str | None = None, kind: str = "serve", backend=None):
-        """`backend`: the cells' backend instead of the host's (backend.choose): the unit tests' fake."""
         from . import broker, janitor, repair
         from .state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
         self._forker = _Forker()
-        self._backend = backend
+        self._backend = backend  # the cells' (and cancel's) instead of the host's (backend.choose): tests' fake
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound

@@ -200,12 +200,12 @@ class Client:
 
 # -- server --------------------------------------------------------------------
 class Server:
-    def __init__(self, state_dir: str | None, socket_path: str | None):
+    def __init__(self, state_dir: str | None, socket_path: str | None, backend=None):
         from .service import Supervisor
         from .state import StateRoot
         if socket_path:  # before anything starts: a refused place leaves nothing behind
             socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
-        self.sup = Supervisor(state_dir, kind="serve")
+        self.sup = Supervisor(state_dir, kind="serve", backend=backend)
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
         try:
             self.listener = listen_unix(self.path, "serve controller")

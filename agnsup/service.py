@@ -86,13 +86,14 @@ class _Forker:
 
 
 class Supervisor:
-    def __init__(self, state_dir: str | None = None, kind: str = "serve"):
+    def __init__(self, state_dir: str | None = None, kind: str = "serve", backend=None):
         from . import broker, janitor, repair
         from .state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
         self._forker = _Forker()
-        self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker)
+        self._backend = backend  # the cells' (and cancel's) instead of the host's (backend.choose): tests' fake
+        self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
@@ -226,7 +227,8 @@ class Supervisor:
                everything: bool = False, grace: float | None = None) -> dict:
         from . import cancel as cancelmod
         scope = cancelmod.resolve(self.ctl.journal, cell_id, run_id, agent_id, everything)
-        return cancelmod.cancel(self.state, scope, grace, by=f"supervisor {self.ctl.id} (pid {os.getpid()})")
+        return cancelmod.cancel(self.state, scope, grace, by=f"supervisor {self.ctl.id} (pid {os.getpid()})",
+                                backend=self._backend)
 
     def cleanup(self, run_id: str) -> dict:
         from . import cancel as cancelmod
@@ -358,7 +360,7 @@ class Supervisor:
             from . import cancel as cancelmod
             for (run_id, cell_id), _ in live:
                 cancelmod.cancel(self.state, cancelmod.Scope("cell", run_id, None, cell_id), grace,
-                                 by=f"supervisor {self.ctl.id} shutting down")
+                                 by=f"supervisor {self.ctl.id} shutting down", backend=self._backend)
             for _, r in live:
                 r.done.wait(30)
         self.ctl.close()

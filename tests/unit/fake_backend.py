@@ -1,15 +1,24 @@
 """A fake backend: the kernel's part of a host (cgroup directories, processes,
 signals, the /proc view) in memory, behind the same interface as the real
-backends, so the layers above them are unit-tested without root or processes.
+backends, so the layers above them are unit-tested without root or processes;
+and a fake process layer (FakeProcesses) in place of the supervisor's spawn,
+release, abandon and collect, so the broker and service.Supervisor are too.
 
 tests/unit holds pure logic over this fake: no root, no cgroups, no cell
 processes; `pytest tests/unit` runs in seconds anywhere."""
 from __future__ import annotations
 
+import os
 import signal
+import threading
 
 from agnsup.backend import Backend, Place
 from agnsup.linux import cgroup, session
+
+# The host's facts as the compiler reads them (linux/host.protections): everything in force, Landlock ABI 6
+# (no audit reader is opened), as root; "mapped_uid" set: no id-mapped mount is probed.
+HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
+        "capabilities": None, "mapped_uid": "not in unit tests", "_abi": 6, "_root": True, "_cap_last": 40}
 
 
 class FakeProc:
@@ -18,6 +27,19 @@ class FakeProc:
         self.ignores_term, self.unkillable, self.comm = ignores_term, unkillable, comm
         self.alive, self.stopped = True, False
         self.signals: list[int] = []
+        self.status: int | None = None   # its exit status once it exited by itself (exit)
+        self.pidfd_w: int | None = None  # FakeProcesses: the write end of the pipe standing in for its pidfd
+        self.stdio: tuple = ()  # FakeProcesses: its fds 0-2 as it got them (copies, closed when it ends)
+
+    def exit(self, status: int | None = None) -> None:
+        """It ends (by itself with `status`, or by its last signal): its pidfd becomes readable."""
+        self.alive, self.status = False, status
+        for fd in {*self.stdio} - {None}:
+            os.close(fd)
+        self.stdio = ()
+        if self.pidfd_w is not None:
+            os.close(self.pidfd_w)
+            self.pidfd_w = None
 
 
 class FakeKernel:
@@ -43,8 +65,8 @@ class FakeKernel:
         p.signals.append(sig)
         if sig == signal.SIGSTOP:
             p.stopped = True
-        elif sig == signal.SIGKILL or (sig == signal.SIGTERM and not p.ignores_term):
-            p.alive = p.unkillable
+        elif (sig == signal.SIGKILL or (sig == signal.SIGTERM and not p.ignores_term)) and not p.unkillable:
+            p.exit()
         return True
 
     def live(self) -> list[FakeProc]:
@@ -144,3 +166,87 @@ class FakeBackend(Backend):
                 ("token" in cand["recheck"] and p.token == evidence.token):
             return True, "evidence holds"
         return False, "evidence gone"
+
+
+class FakeChild:
+    """What the process layer hands the broker for a leader it started (the fields of
+    supervisor.Child the layers above read)."""
+
+    def __init__(self, pid: int, pidfd: int, identity: dict):
+        self.pid, self.pidfd, self.identity = pid, pidfd, identity
+        self.cgroup_join, self.egress_listener, self.tmp_used = "fake", None, None
+
+
+class FakeProcesses:
+    """The process layer the broker calls (spawn, release, abandon, collect) over a FakeKernel:
+    a cell's leader is a FakeProc in its place's directory, its pidfd the read end of a pipe that
+    becomes readable when the FakeProc ends (so the real Waiter waits for it). `calls` records
+    what was done in order; `fail` = {"spawn" | "release": error} raises there, as a child whose
+    setup failed does; `on_release(child)` runs just before the command would exec."""
+
+    def __init__(self, kernel: FakeKernel):
+        self.k = kernel
+        self.calls: list[tuple[str, int | None]] = []
+        self.fail: dict[str, Exception] = {}
+        self.on_release = None
+        self.forked_in: list[str] = []  # the threads the leaders were forked from
+        self._pid = 5000
+
+    def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False) -> FakeChild:
+        def fork():
+            self.forked_in.append(threading.current_thread().name)
+            if "spawn" in self.fail:
+                raise self.fail["spawn"]
+            self._pid += 1
+            r, w = os.pipe2(os.O_CLOEXEC)
+            p = self.k.spawn(self._pid, start=self._pid * 10, dir=place.dir, token=plan.spec.token)
+            p.pidfd_w = w
+            p.stdio = tuple(None if fd is None else os.dup(fd) for fd in stdio or ())
+            return FakeChild(p.pid, r, {"pid": p.pid, "pidfd_ino": None, "starttime": p.starttime, "pgid": p.pid,
+                                        "boot_id": "fake-boot"})
+        self.calls.append(("spawn", None))
+        return forker(fork) if forker is not None else fork()
+
+    def release(self, plan, child) -> None:
+        self.calls.append(("release", child.pid))
+        if self.on_release is not None:
+            self.on_release(child)
+        if "release" in self.fail:  # its setup failed: it left, reaped by release
+            self.k.procs[child.pid].exit(127)
+            os.close(child.pidfd)
+            raise self.fail["release"]
+
+    def abandon(self, child, read_report: bool = False) -> bytes:
+        self.calls.append(("abandon", child.pid))
+        self.k.procs[child.pid].exit(None)  # it sees EOF at the barrier and leaves without exec
+        os.close(child.pidfd)
+        return b""
+
+    def collect(self, child) -> tuple[int | None, int | None]:
+        self.calls.append(("collect", child.pid))
+        os.close(child.pidfd)
+        p = self.k.procs[child.pid]
+        assert not p.alive, "collect of a leader that did not end"
+        return (p.status, None) if p.status is not None else (None, p.signals[-1] if p.signals else signal.SIGKILL)
+
+    def install(self, monkeypatch) -> "FakeProcesses":
+        """In place of the real process layer, where the broker calls it (the one line to change when it moves)."""
+        from agnsup import supervisor
+        for name in ("spawn", "release", "abandon", "collect"):
+            monkeypatch.setattr(supervisor, name, getattr(self, name))
+        return self
+
+
+class FakeHost:
+    """What the tests of the broker and the layers above start from: a worktree, a FakeKernel with its
+    FakeBackend, FakeProcesses in place of the process layer, and the host's facts fixed (HOST)."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        from agnsup.linux import host
+        monkeypatch.setattr(host, "protections", lambda: HOST)
+        self.wt = str(tmp_path / "wt")
+        os.mkdir(self.wt)
+        self.state_dir = str(tmp_path / "state")
+        self.k = FakeKernel()
+        self.backend = FakeBackend(self.k)
+        self.procs = FakeProcesses(self.k).install(monkeypatch)

@@ -42,9 +42,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv 2>/dev/null || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }
 fi
-# installed again only when pyproject.toml changed since (a stamp in .venv): the fast tier answers in seconds
+# installed again only when pyproject.toml changed since (a stamp in .venv) or agnsup is no longer this
+# checkout's editable install (scripts/demo.sh installs a copy): the fast tier answers in seconds
 stamp=$(sha256sum pyproject.toml | cut -c1-16)
-if [ "$(cat .venv/.agnsup-test-extra 2>/dev/null)" != "$stamp" ]; then
+if [ "$(cat .venv/.agnsup-test-extra 2>/dev/null)" != "$stamp" ] \
+   || ! compgen -G '.venv/lib/python3*/site-packages/__editable__*agnsup*' >/dev/null; then
   pip_rc=0
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' > .venv/pip.log 2>&1 || pip_rc=$?
   grep -v '^WARNING: Location' .venv/pip.log || true

@@ -91,6 +91,13 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_configure(config):
+    for line in ("kernel: needs root and the kernel: real cells, cgroups, namespaces (every test outside PURE)",
+                 "e2e: tests/e2e: drives the installed agnsup as a user would",
+                 "smoke: one kernel test per seam (SMOKE)"):
+        config.addinivalue_line("markers", line)
+
+
 def pytest_collection_modifyitems(config, items):
     smoke = set()
     for item in items:

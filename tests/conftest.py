@@ -37,10 +37,12 @@ def pytest_runtest_setup(item):
                     "kernel-tier file (tests/conftest.py, PURE)", pytrace=False)
 
 
-# -- the tiers (scripts/test.sh fast|smoke|all). A test is `kernel` (root, real cells, cgroups) unless it lies
+# -- the tiers (scripts/test.sh fast|smoke|kernel|all). A test is `kernel` (root, real cells, cgroups) unless it lies
 # in PURE, and a test in PURE that asks for a fixture of KERNEL_FIXTURES fails (above) instead of being sorted
 # out quietly, so the fast tier (`-m "not kernel"`) can neither grow a cell nor lose a test. `e2e`: tests/e2e.
 PURE = ("unit/", "gate/", "test_architecture.py", "test_netpolicy.py", "test_redact.py")
+FAST = "not kernel"  # the fast tier's -m (scripts/test.sh)
+HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_FIXTURES = {"state", "agnsup", "user", "engine"}  # a state root (its cgroups purged after), a made user, dockerd
 # `smoke`: one kernel test per seam, <= 3 minutes as root (a name without [params] takes every parameter)
 SMOKE = """
@@ -76,10 +78,6 @@ test_selftest_isolation.py::test_all_fifteen_gates_pass_on_this_host
 test_doors_sockets.py::test_a_cell_cannot_connect_to_host_sockets_under_var_lib_srv_run_or_in_its_worktree
 test_doors_autoexec.py::test_a_cell_cannot_plant_git_config_hooks_or_editor_files_that_the_host_runs
 """.split()
-
-
-FAST = "not kernel"  # the fast tier's -m (scripts/test.sh)
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_ignore_collect(collection_path, config):

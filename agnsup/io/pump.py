@@ -55,7 +55,7 @@ class Stream:
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
         self.counted = True     # against the cap: what the cell writes, not what the user types
         self.capped = True      # False: the cell's output to the user's own file or pipe, pumped only because
-                                # the cell could not reopen it (broker._stdio): never capped, as when direct
+                                # the cell could not reopen it (wiring.stdio): never capped, as when direct
         self.nonblock = True    # src is ours and O_NONBLOCK: it may be read until EAGAIN
         self.pending = b""
         self.eof = False

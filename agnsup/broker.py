@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-from . import crashpoints, home, locks, reaper, supervisor
+from . import changes, crashpoints, home, locks, protect, receipts, reaper, supervisor
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
 from .linux import pidfd, proc
@@ -89,22 +90,6 @@ class Cell(Record):
                              leader=self.identity or None, token=spec.token,
                              since=self.identity.get("starttime") or 0, tmpdir=self.plan.tmpdir,
                              lock_path=self.lock_path, lock_fd=self.lock_fd)
-
-    def output_info(self) -> dict:
-        from .digest import file_sha256
-        out = {"mode": "captured" if self.capture else "passthrough"}
-        out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
-        if not self.capture:
-            return out
-        for name in ("stdout", "stderr"):
-            p = os.path.join(self.plan.cell_dir, name)
-            try:
-                with open(p, "rb") as f:
-                    size, digest = file_sha256(f)
-                out[name] = {"bytes": size, "sha256": digest, "path": p}
-            except OSError:
-                out[name] = None
-        return out
 
 
 class Controller:
@@ -393,7 +378,6 @@ class Controller:
             if plan.changes.get("mode") != "at_exit":
                 cell.changes = {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
             return
-        from . import changes
         spec = cell.spec
         cell.changes = changes.land(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
                                     agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
@@ -408,11 +392,9 @@ class Controller:
         filesystem.changes_keep / changes_keep_bytes are dropped (changes.prune)."""
         if not cell.changes or not cell.changes.get("record") or not cell.changes.get("files"):
             return
-        from . import changes
         try:
             changes.prune(self.state, self.journal, cell.plan.changes["keep"], cell.plan.changes["keep_bytes"])
         except Exception as e:  # noqa: BLE001 - retention never fails a cell that ended
-            import sys
             print(f"agnsup: changes retention failed, continuing: {e}", file=sys.stderr, flush=True)
 
     def _settle_protected(self, cell: Cell) -> None:
@@ -420,7 +402,6 @@ class Controller:
         worktree for the cell's record directory (agnsup/protect.py); journaled when anything moved."""
         if cell.protect_start is None:
             return
-        from . import protect
         baseline, before = cell.protect_start
         cell.protected = protect.settle(cell.spec.worktree, baseline, cell.plan.protected_lifted, before,
                                         os.path.join(cell.plan.cell_dir, "quarantine"))
@@ -469,7 +450,6 @@ class Controller:
         return released
 
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
-        from . import receipts
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
@@ -507,7 +487,6 @@ def _open_audit(cell: Cell) -> None:
 def _prepare_layer(state_root: str, plan):
     """The capturing cell's layer directory (changes.prepare; its upper's root gets the worktree
     root's owner and mode there: the overlay's root directory shows them)."""
-    from . import changes
     spec = plan.spec
     return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
                            agent_id=spec.agent_id, id_shift=_id_shift(plan))
@@ -523,19 +502,16 @@ def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: 
     stops claiming them (changes.drop_paths)."""
     if not summary or not summary.get("record"):
         return
-    from . import changes
     paths = [q["path"] if isinstance(q, dict) else q for q in quarantined]
     try:
         changes.drop_paths(state_root, spec.run_id, spec.cell_id, paths)
     except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
-        import sys
         print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)
 
 
 def _protect_baseline(plan) -> tuple[dict, dict]:
     """The protected paths as the cell finds them (taken just before it starts), and the
     lifted ones' digests: what protect.settle compares with once the cell is dead."""
-    from . import protect
     found = protect.scan(plan.spec.worktree)
     lifted = plan.protected_lifted
     return protect.as_plan(found), (protect.digests(plan.spec.worktree, found, lifted) if lifted else {})
@@ -544,7 +520,6 @@ def _protect_baseline(plan) -> tuple[dict, dict]:
 def _keep_for_janitor(plan, start: tuple) -> None:
     """The start snapshot in the cell's record directory: a janitor that concludes the cell of a
     dead controller settles its protected paths from it (janitor.py)."""
-    import json
     with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
         json.dump({"worktree": plan.spec.worktree, "baseline": start[0], "digests": start[1],
                    "lifted": list(plan.protected_lifted)}, f)

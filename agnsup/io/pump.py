@@ -27,9 +27,18 @@ supervisor writes to the cell's fd 0 (write_stdin).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
 import stat
+import struct
+import termios
+import threading
+import time
+import tty
+from array import array
+
+from ..errors import StateError
 
 PIPE_BUF = 4096
 READ_SIZE = 262144      # one read of a full pipe, mostly
@@ -128,7 +137,6 @@ class Pump:
         if nonblock:
             os.set_blocking(src, False)
             if _is_fifo(src):
-                import fcntl
                 try:
                     fcntl.fcntl(src, fcntl.F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups per byte
                 except OSError:
@@ -280,7 +288,6 @@ class Pump:
 
         Called after the cell's tree is dead, so EOF comes at once; without a
         cgroup a stray writer could hold a pipe open, hence the deadline."""
-        import time
         self.draining = True
         deadline = time.monotonic() + timeout
         p = select.poll()
@@ -343,9 +350,6 @@ def at_a_terminal() -> bool:
 
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe `fd` (FIONREAD)."""
-    import fcntl
-    import struct
-    import termios
     try:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
@@ -358,16 +362,12 @@ class UserTerminal:
     its size copied to the cell's pty, its modes restored however the cell ends."""
 
     def __init__(self, fd: int, cell_master: int):
-        import termios
-        import tty
         self.fd, self.master = fd, cell_master
         self.saved = termios.tcgetattr(fd)
         tty.setraw(fd, termios.TCSANOW)
 
     def follow_size(self) -> None:
         """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
-        import fcntl
-        import termios
         if self.master is None:
             return
         try:
@@ -376,7 +376,6 @@ class UserTerminal:
             pass
 
     def restore(self) -> None:
-        import termios
         if self.saved is not None:
             try:
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
@@ -395,8 +394,6 @@ class Tape:
     dropped, so `since` may be anything from 0."""
 
     def __init__(self, files: dict[str, str]):
-        import threading
-        from array import array
         self.files = files                  # stream name -> captured file it is written to
         self.cond = threading.Condition()
         self.kind = bytearray()             # STREAMS index per entry
@@ -450,7 +447,6 @@ class Tape:
                     fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
                 chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
         except OSError as e:
-            from .errors import StateError
             raise StateError(f"the captured output is gone ({self.files.get(stream)}: {e.strerror})") from None
         finally:
             for fd in fds.values():
@@ -469,7 +465,6 @@ class Input:
     EOT = b"\x04"  # a pty's default VEOF: at the start of a line, read() returns 0 (termios(3))
 
     def __init__(self, fd: int, tty: bool):
-        import threading
         self.fd: int | None = fd
         self.tty = tty
         self.turn = threading.Lock()
@@ -526,7 +521,4 @@ class Input:
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
     """TIOCSWINSZ: the kernel sends SIGWINCH to the terminal's foreground process group."""
-    import fcntl
-    import struct
-    import termios
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

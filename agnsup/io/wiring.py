@@ -11,6 +11,7 @@ import os
 import stat
 import termios
 
+from ..digest import file_sha256
 from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize
 
 
@@ -78,6 +79,24 @@ def stdio(cell) -> tuple:
         for fd in owned:
             os.close(fd)
         raise
+
+
+def output_info(cell) -> dict:
+    """The receipt's `output`: captured or passed through, how (the pump's account, or direct), and
+    the captured files' sizes and digests."""
+    out = {"mode": "captured" if cell.capture else "passthrough"}
+    out.update(cell.pump.info() if cell.pump is not None else {"via": "direct", "limit": None})
+    if not cell.capture:
+        return out
+    for name in ("stdout", "stderr"):
+        p = os.path.join(cell.plan.cell_dir, name)
+        try:
+            with open(p, "rb") as f:
+                size, digest = file_sha256(f)
+            out[name] = {"bytes": size, "sha256": digest, "path": p}
+        except OSError:
+            out[name] = None
+    return out
 
 
 def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: list,

@@ -349,15 +349,16 @@ class Controller:
         if cell.pump is not None and cell.pump.overflowed and waiter.reason is None:
             reason = "output_limit"  # it wrote past the cap and ended before we read it: delivered up to the cap
         cancel_reason = waiter.cancel_reason
-        if why and reason != "timeout":
-            reason, cancel_reason = "cancelled", why  # cancelled from another process: the journal holds the first reason
+        if why and reason != "timeout":  # cancelled from another process: the journal holds the first reason
+            reason, cancel_reason = "cancelled", why
         usage = self.backend.usage(cell.place)
         if cell.child.tmp_used is not None:
             usage["tmp_bytes"] = cell.child.tmp_used  # the /tmp tmpfs when the cell ended (limits.tmp_max)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
-                                        kill_method=waiter.kill_method or left.method, leftover=left.left)
+        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal,
+                                        cancel_reason=cancel_reason, kill_method=waiter.kill_method or left.method,
+                                        leftover=left.left)
         self._close_fds(cell)
         self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
         self._settle_protected(cell)
@@ -456,7 +457,8 @@ class Controller:
             receipts.write(path, receipt)
         except OSError:
             path = None
-        ends = self.id if self.one_cell and self._registered else None  # its one cell is concluded: so is the controller
+        # a one-cell controller's one cell is concluded: so is the controller
+        ends = self.id if self.one_cell and self._registered else None
         try:
             self.journal.conclude_cell(receipt, path, end_controller=ends)
         except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded

@@ -87,18 +87,23 @@ class Stream:
             self.sock = None
 
 
-def _is_fifo(fd: int) -> bool:
+def stat_of(fd: int) -> os.stat_result | None:
+    """os.fstat(fd), or None when it fails (a descriptor that is not open)."""
     try:
-        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+        return os.fstat(fd)
     except OSError:
-        return False
+        return None
+
+
+def _is_fifo(fd: int) -> bool:
+    st = stat_of(fd)
+    return st is not None and stat.S_ISFIFO(st.st_mode)
 
 
 def _destination(fd: int) -> tuple[str, int, bool]:
     """(kind, the fd to write, whether that fd is ours to close) for destination `fd`."""
-    try:
-        st = os.fstat(fd)
-    except OSError:
+    st = stat_of(fd)
+    if st is None:
         return "gated", fd, False
     if stat.S_ISREG(st.st_mode):
         return "file", fd, False

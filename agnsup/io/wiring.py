@@ -12,7 +12,7 @@ import stat
 import termios
 
 from ..digest import file_sha256
-from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize
+from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize, stat_of
 
 
 def stdio(cell) -> tuple:
@@ -69,12 +69,11 @@ def stdio(cell) -> tuple:
         _cell_owns(cell.plan, *{fd for fd in child if fd is not None and fd not in (0, 1, 2)})
         return tuple(child), pump
     except BaseException:
-        if cell.input is not None:
-            if cell.input.fd in owned:
-                owned.remove(cell.input.fd)
-            cell.input.close()
-        if cell.terminal is not None:
-            cell.terminal.close()
+        for end in (cell.input, cell.terminal):  # one Input when a pty cell takes `stdin`: closing is idempotent
+            if end is not None:
+                if end.fd in owned:
+                    owned.remove(end.fd)
+                end.close()
         cell.input = cell.terminal = None
         for fd in owned:
             os.close(fd)
@@ -166,9 +165,8 @@ def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, dire
 
 def _users_own(fd: int) -> bool:
     """The controller's `fd` is a regular file, /dev/null or a pipe: handed to the cell as it is."""
-    try:
-        st = os.fstat(fd)
-    except OSError:
+    st = stat_of(fd)
+    if st is None:
         return False
     if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
         return True
@@ -177,20 +175,14 @@ def _users_own(fd: int) -> bool:
 
 def _reopenable(fd: int, ids: tuple[int, int]) -> bool:
     """Could a cell running as host `ids` open the controller's `fd` for writing by path (/dev/stdout)?"""
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    return bool(st.st_mode & 0o002) or (st.st_uid == ids[0] and bool(st.st_mode & 0o200)) or \
-        (st.st_gid == ids[1] and bool(st.st_mode & 0o020))
+    st = stat_of(fd)
+    return st is not None and (bool(st.st_mode & 0o002) or (st.st_uid == ids[0] and bool(st.st_mode & 0o200)) or
+                               (st.st_gid == ids[1] and bool(st.st_mode & 0o020)))
 
 
 def _same_file(a: int, b: int) -> bool:
-    try:
-        x, y = os.fstat(a), os.fstat(b)
-    except OSError:
-        return False
-    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+    x, y = stat_of(a), stat_of(b)
+    return x is not None and y is not None and (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
 
 
 def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True,

@@ -457,8 +457,7 @@ class Controller:
             receipts.write(path, receipt)
         except OSError:
             path = None
-        # a one-cell controller's one cell is concluded: so is the controller
-        ends = self.id if self.one_cell and self._registered else None
+        ends = self.id if self.one_cell and self._registered else None  # its one cell concluded: so is the controller
         try:
             self.journal.conclude_cell(receipt, path, end_controller=ends)
         except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded

@@ -1,5 +1,4 @@
-"""The cell's /tmp and HOME, made as the plan lists them (the spec builder and the compiler decide
-what: plan.tmp_links, tmp_files, caches; this module only writes it)."""
+"""The cell's /tmp and HOME as the plan lists them (plan.tmp_links, tmp_files, caches): written here, decided before."""
 from __future__ import annotations
 
 import os

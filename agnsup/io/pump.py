@@ -32,11 +32,7 @@ import os
 import select
 import stat
 import struct
-import termios
-import threading
 import time
-import tty
-from array import array
 
 from ..errors import StateError
 
@@ -355,6 +351,7 @@ def at_a_terminal() -> bool:
 
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe `fd` (FIONREAD)."""
+    import termios  # termios, tty, threading, array: only where a terminal or live I/O needs them (startup cost)
     try:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
@@ -367,12 +364,15 @@ class UserTerminal:
     its size copied to the cell's pty, its modes restored however the cell ends."""
 
     def __init__(self, fd: int, cell_master: int):
+        import termios
+        import tty
         self.fd, self.master = fd, cell_master
         self.saved = termios.tcgetattr(fd)
         tty.setraw(fd, termios.TCSANOW)
 
     def follow_size(self) -> None:
         """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
+        import termios
         if self.master is None:
             return
         try:
@@ -381,6 +381,7 @@ class UserTerminal:
             pass
 
     def restore(self) -> None:
+        import termios
         if self.saved is not None:
             try:
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
@@ -399,6 +400,8 @@ class Tape:
     dropped, so `since` may be anything from 0."""
 
     def __init__(self, files: dict[str, str]):
+        import threading
+        from array import array
         self.files = files                  # stream name -> captured file it is written to
         self.cond = threading.Condition()
         self.kind = bytearray()             # STREAMS index per entry
@@ -470,6 +473,7 @@ class Input:
     EOT = b"\x04"  # a pty's default VEOF: at the start of a line, read() returns 0 (termios(3))
 
     def __init__(self, fd: int, tty: bool):
+        import threading
         self.fd: int | None = fd
         self.tty = tty
         self.turn = threading.Lock()
@@ -526,4 +530,5 @@ class Input:
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
     """TIOCSWINSZ: the kernel sends SIGWINCH to the terminal's foreground process group."""
+    import termios
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

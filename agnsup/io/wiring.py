@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import termios
 
 from ..digest import file_sha256
 from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize, stat_of
@@ -98,8 +97,7 @@ def output_info(cell) -> dict:
     return out
 
 
-def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: list,
-          closed: list = ()) -> object:
+def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: list, closed: list = ()) -> object:
     """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends.
     `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped)."""
     tape = None
@@ -117,8 +115,7 @@ def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: li
         raise
 
 
-def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list,
-               closed=()) -> object:
+def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list, closed=()) -> object:
     if cell.pty is not None:
         # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
         master, slave = _cell_pty(None, cell.pty, raw_output=False)
@@ -194,6 +191,7 @@ def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = Tru
     cell's whole terminal (request `pty`) keeps a terminal's defaults.
     `suspend=False`: no ^Z (VSUSP): nothing above the cell does job control, so a
     stopped cell would hang the user's raw terminal."""
+    import termios  # only for a cell that gets a pty (startup cost)
     master, slave = os.openpty()
     if raw_output or not suspend:
         attrs = termios.tcgetattr(slave)

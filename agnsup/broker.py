@@ -6,8 +6,9 @@ liveness) and journals every cell it starts, in two phases: the intent row
 before any kernel object exists, the identity before the command may exec.
 
     start(prepared)   lock the worktree, journal the intent (run quotas judged inside
-                      that transaction), make the cell's place (backend), fork the leader
-                      (supervisor), journal its identity, let it exec
+                      that transaction), make the cell's place (backend; its /tmp: home.py)
+                      and its stdio (io.wiring), fork the leader (supervisor), journal its
+                      identity, let it exec
     waiter(cell)      the supervisor's wait loop, stopping the cell's tree (reaper.Tree)
     finish(cell, w)   what is left of the tree after the leader is reaped (reaper), the
                       outcome, the receipt; fail(cell, error) for a cell that never ran
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-from . import crashpoints, locks, reaper, supervisor
+from . import changes, crashpoints, home, locks, protect, receipts, reaper, supervisor
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
+from .io import wiring
 from .linux import pidfd, proc
 from .record import Factory, Record
 
@@ -66,9 +69,9 @@ class Cell(Record):
     stdin: bool = False          # fd 0 is a pipe (or the pty) the supervisor writes: `input`
     pty: dict | None = None      # {"cols", "rows"}: fds 0-2 and the controlling terminal are a pty
     stream: bool = False         # the pump keeps a Tape for read_output (implied by pty)
-    pump: object = None          # output.Pump when the role caps output or the cell is live
-    input: object = None         # output.Input: the supervisor's end of the cell's fd 0
-    terminal: object = None      # output.Input on the pty's master (pty cells)
+    pump: object = None          # io.pump.Pump when the role caps output or the cell is live
+    input: object = None         # io.pump.Input: the supervisor's end of the cell's fd 0
+    terminal: object = None      # io.pump.Input on the pty's master (pty cells)
     controlling_tty: bool = False  # agnsup run at a terminal: the cell's pty is its controlling terminal
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
@@ -87,22 +90,6 @@ class Cell(Record):
                              leader=self.identity or None, token=spec.token,
                              since=self.identity.get("starttime") or 0, tmpdir=self.plan.tmpdir,
                              lock_path=self.lock_path, lock_fd=self.lock_fd)
-
-    def output_info(self) -> dict:
-        from .digest import file_sha256
-        out = {"mode": "captured" if self.capture else "passthrough"}
-        out.update(self.pump.info() if self.pump is not None else {"via": "direct", "limit": None})
-        if not self.capture:
-            return out
-        for name in ("stdout", "stderr"):
-            p = os.path.join(self.plan.cell_dir, name)
-            try:
-                with open(p, "rb") as f:
-                    size, digest = file_sha256(f)
-                out[name] = {"bytes": size, "sha256": digest, "path": p}
-            except OSError:
-                out[name] = None
-        return out
 
 
 class Controller:
@@ -220,7 +207,7 @@ class Controller:
         try:
             self._make_place(cell)
             crashpoints.hit("after_cgroup")
-            stdio, cell.pump = self._stdio(cell)
+            stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
                 cell.protect_start = _protect_baseline(plan)
                 _keep_for_janitor(plan, cell.protect_start)
@@ -296,16 +283,7 @@ class Controller:
 
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
-        os.makedirs(os.path.join(plan.tmpdir, "home"), mode=0o700)
-        _make_home_files(plan)
-        for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
-            os.makedirs(host_dir, mode=0o700, exist_ok=True)
-            if plan.uid is not None:  # a mapped cell sees them through its id map: on-disk root is its root
-                os.chown(host_dir, plan.uid, plan.gid)
-        ids = plan.cell_ids()
-        if ids is not None:  # process.user, a mapped cell: the cell's HOME is its own
-            os.chown(os.path.join(plan.tmpdir, "home"), *ids)
-        os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
+        home.make(plan)
         if plan.captures():
             cell.layer = _prepare_layer(self.state.path, plan)
         if cell.place.node is not None:
@@ -339,140 +317,6 @@ class Controller:
         cell.trace.append(st)
         self.journal.commit_identity(cell.spec.run_id, cell.spec.cell_id, {**ident, "started_at": cell.started_at}, st)
 
-    def _stdio(self, cell: Cell) -> tuple:
-        """(the child's fds 0-2, None meaning inherit; the output pump or None).
-
-        Without an output cap the cell writes its destination directly: the
-        controller's stdio (run) or the log files (capture). With a cap it
-        writes pipes the supervisor pumps, counting bytes; a terminal on the
-        controller's side becomes a pty of the cell's own, so isatty() still
-        holds for the command but it never holds the user's terminal for output.
-        A live cell (stream, pty) is always pumped into its log files, keeping a
-        Tape; `stdin` makes fd 0 a pipe whose write end is `cell.input`."""
-        from .output import Input
-        cap = cell.plan.limits.get("output_max")
-        child: list = [None, None, None]
-        owned: list[int] = []  # closed here if anything fails
-        try:
-            if cell.stdin and cell.pty is None:
-                r, w = os.pipe()
-                owned += (r, w)
-                child[0] = r
-                cell.input = Input(w, tty=False)
-            elif cell.capture:
-                child[0] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                owned.append(child[0])
-            if cell.capture:
-                d = cell.plan.cell_dir
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600)}
-                owned.append(dst[1])
-                dst[2] = os.open(os.path.join(d, "stderr"), flags, 0o600)
-                owned.append(dst[2])
-                if cap is None and not cell.stream:
-                    _cell_owns(cell.plan, dst[1], dst[2])  # a shell reopens them (/dev/stdout)
-                    child[1], child[2] = dst[1], dst[2]
-                    return tuple(child), None
-            else:
-                # At a terminal the cell gets a pty of its own as stdin and controlling
-                # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
-                from .output import at_a_terminal
-                cell.controlling_tty = not cell.stdin and at_a_terminal()
-                # A cell that is not host root (mapped, process.user) could not reopen a file or pipe
-                # of the user's that only its owner may write by path (/dev/stdout is /proc/self/fd/1,
-                # a permission check on the inode): it writes a pipe of its own, pumped there, never capped.
-                ids = cell.plan.cell_ids()
-                closed = [] if ids is None else [n for n in (1, 2) if _users_own(n) and not _reopenable(n, ids)]
-                if cap is None and not cell.controlling_tty and not closed:
-                    return (tuple(child) if cell.stdin else None), None
-                dst = {1: 1, 2: 2}
-            # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
-            # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
-            direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n) and n not in closed]
-            if len(direct) == 2 and not cell.controlling_tty:
-                return (tuple(child) if cell.stdin else None), None
-            pump = self._pump(cell, cap, child, dst, owned, direct, [] if cell.capture else closed)
-            _cell_owns(cell.plan, *{fd for fd in child if fd is not None and fd not in (0, 1, 2)})
-            return tuple(child), pump
-        except BaseException:
-            if cell.input is not None:
-                if cell.input.fd in owned:
-                    owned.remove(cell.input.fd)
-                cell.input.close()
-            if cell.terminal is not None:
-                cell.terminal.close()
-            cell.input = cell.terminal = None
-            for fd in owned:
-                os.close(fd)
-            raise
-
-    def _pump(self, cell: Cell, cap: int | None, child: list, dst: dict, owned: list, direct: list,
-              closed: list = ()) -> object:
-        """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends.
-        `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped)."""
-        from .output import Pump, Tape
-        tape = None
-        if cell.stream:
-            d = cell.plan.cell_dir
-            tape = Tape({"stdout": os.path.join(d, "stdout"), "stderr": os.path.join(d, "stderr"),
-                         "tty": os.path.join(d, "stdout")})
-        ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
-        pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
-        pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
-        try:
-            return self._fill_pump(cell, pump, ttys, child, dst, owned, direct, closed)
-        except BaseException:
-            pump.close()
-            raise
-
-    @staticmethod
-    def _fill_pump(cell: Cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list,
-                   closed=()) -> object:
-        from .output import Input
-        if cell.pty is not None:
-            # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
-            master, slave = _cell_pty(None, cell.pty, raw_output=False)
-            child[0] = child[1] = child[2] = slave
-            owned.append(slave)
-            pump.add("tty", master, dst[1], own_dst=True)
-            owned.remove(dst[1])
-            cell.terminal = Input(os.dup(master), tty=True)  # resize; and write_stdin with `stdin`
-            if cell.stdin:
-                cell.input = cell.terminal
-            os.close(dst[2])
-            owned.remove(dst[2])
-            return pump
-        if cell.controlling_tty:
-            from .output import UserTerminal
-            master, slave = _cell_pty(0, raw_output=False, suspend=False)
-            child[0] = slave
-            for n in ttys:
-                child[n] = slave
-            owned.append(slave)
-            pump.add("tty", master, ttys[0] if ttys else 0)  # fd 0 of a terminal is open read-write
-            pump.add("stdin", os.dup(0), os.dup(master), own_dst=True, counted=False, nonblock=False)
-            pump.terminal = UserTerminal(0, os.dup(master))
-        elif ttys:
-            master, slave = _cell_pty(ttys[0])
-            for n in ttys:
-                child[n] = slave
-            owned.append(slave)
-            pump.add("tty", master, ttys[0])
-        if not cell.capture and not ttys and not direct and _same_file(1, 2):
-            r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
-            child[1] = child[2] = w
-            owned.append(w)
-            pump.add("stdout", r, 1, capped=1 not in closed)
-        for n, name in ((1, "stdout"), (2, "stderr")):
-            if child[n] is None and n not in direct:
-                r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n
-                child[n] = w
-                owned.append(w)
-                pump.add(name, r, dst[n], own_dst=cell.capture, capped=n not in closed)
-                if cell.capture:
-                    owned.remove(dst[n])
-        return pump
-
     # -- wait and finish --------------------------------------------------
     def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
         tree = reaper.Tree(self.backend, cell.target(), cell.child.pidfd)
@@ -505,15 +349,16 @@ class Controller:
         if cell.pump is not None and cell.pump.overflowed and waiter.reason is None:
             reason = "output_limit"  # it wrote past the cap and ended before we read it: delivered up to the cap
         cancel_reason = waiter.cancel_reason
-        if why and reason != "timeout":
-            reason, cancel_reason = "cancelled", why  # cancelled from another process: the journal holds the first reason
+        if why and reason != "timeout":  # cancelled from another process: the journal holds the first reason
+            reason, cancel_reason = "cancelled", why
         usage = self.backend.usage(cell.place)
         if cell.child.tmp_used is not None:
             usage["tmp_bytes"] = cell.child.tmp_used  # the /tmp tmpfs when the cell ended (limits.tmp_max)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
-                                        kill_method=waiter.kill_method or left.method, leftover=left.left)
+        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal,
+                                        cancel_reason=cancel_reason, kill_method=waiter.kill_method or left.method,
+                                        leftover=left.left)
         self._close_fds(cell)
         self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
         self._settle_protected(cell)
@@ -534,7 +379,6 @@ class Controller:
             if plan.changes.get("mode") != "at_exit":
                 cell.changes = {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
             return
-        from . import changes
         spec = cell.spec
         cell.changes = changes.land(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
                                     agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
@@ -549,11 +393,9 @@ class Controller:
         filesystem.changes_keep / changes_keep_bytes are dropped (changes.prune)."""
         if not cell.changes or not cell.changes.get("record") or not cell.changes.get("files"):
             return
-        from . import changes
         try:
             changes.prune(self.state, self.journal, cell.plan.changes["keep"], cell.plan.changes["keep_bytes"])
         except Exception as e:  # noqa: BLE001 - retention never fails a cell that ended
-            import sys
             print(f"agnsup: changes retention failed, continuing: {e}", file=sys.stderr, flush=True)
 
     def _settle_protected(self, cell: Cell) -> None:
@@ -561,7 +403,6 @@ class Controller:
         worktree for the cell's record directory (agnsup/protect.py); journaled when anything moved."""
         if cell.protect_start is None:
             return
-        from . import protect
         baseline, before = cell.protect_start
         cell.protected = protect.settle(cell.spec.worktree, baseline, cell.plan.protected_lifted, before,
                                         os.path.join(cell.plan.cell_dir, "quarantine"))
@@ -610,14 +451,13 @@ class Controller:
         return released
 
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
-        from . import receipts
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
             receipts.write(path, receipt)
         except OSError:
             path = None
-        ends = self.id if self.one_cell and self._registered else None  # its one cell is concluded: so is the controller
+        ends = self.id if self.one_cell and self._registered else None  # its one cell concluded: so is the controller
         try:
             self.journal.conclude_cell(receipt, path, end_controller=ends)
         except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded
@@ -645,73 +485,9 @@ def _open_audit(cell: Cell) -> None:
         plan.landlock_log_tag = cell.audit.tag
 
 
-def _users_own(fd: int) -> bool:
-    """The controller's `fd` is a regular file, /dev/null or a pipe: handed to the cell as it is."""
-    import stat
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-        return True
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
-
-
-def _reopenable(fd: int, ids: tuple[int, int]) -> bool:
-    """Could a cell running as host `ids` open the controller's `fd` for writing by path (/dev/stdout)?"""
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    return bool(st.st_mode & 0o002) or (st.st_uid == ids[0] and bool(st.st_mode & 0o200)) or \
-        (st.st_gid == ids[1] and bool(st.st_mode & 0o020))
-
-
-def _same_file(a: int, b: int) -> bool:
-    try:
-        x, y = os.fstat(a), os.fstat(b)
-    except OSError:
-        return False
-    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
-
-
-def _cell_pty(like: int | None, size: dict | None = None, raw_output: bool = True,
-              suspend: bool = True) -> tuple[int, int]:
-    """A pty for the cell, sized like the controller's terminal `like` or `size` ({"cols", "rows"}).
-
-    `raw_output`: output post-processing off (no ONLCR) so bytes reach the real
-    terminal unchanged, and it does its own processing there. A pty that is the
-    cell's whole terminal (request `pty`) keeps a terminal's defaults.
-    `suspend=False`: no ^Z (VSUSP): nothing above the cell does job control, so a
-    stopped cell would hang the user's raw terminal."""
-    import fcntl
-    import termios
-    master, slave = os.openpty()
-    if raw_output or not suspend:
-        attrs = termios.tcgetattr(slave)
-        if raw_output:
-            attrs[1] &= ~termios.OPOST
-        if not suspend:
-            attrs[6][termios.VSUSP] = b"\0"  # _POSIX_VDISABLE on Linux
-        termios.tcsetattr(slave, termios.TCSANOW, attrs)
-    try:
-        if size is not None:
-            from .output import set_winsize
-            set_winsize(master, size["cols"], size["rows"])
-        else:
-            fcntl.ioctl(master, termios.TIOCSWINSZ, fcntl.ioctl(like, termios.TIOCGWINSZ, b"\0" * 8))
-    except OSError:
-        if size is not None:
-            os.close(master)
-            os.close(slave)
-            raise
-    return master, slave
-
-
 def _prepare_layer(state_root: str, plan):
     """The capturing cell's layer directory (changes.prepare; its upper's root gets the worktree
     root's owner and mode there: the overlay's root directory shows them)."""
-    from . import changes
     spec = plan.spec
     return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
                            agent_id=spec.agent_id, id_shift=_id_shift(plan))
@@ -727,19 +503,16 @@ def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: 
     stops claiming them (changes.drop_paths)."""
     if not summary or not summary.get("record"):
         return
-    from . import changes
     paths = [q["path"] if isinstance(q, dict) else q for q in quarantined]
     try:
         changes.drop_paths(state_root, spec.run_id, spec.cell_id, paths)
     except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
-        import sys
         print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)
 
 
 def _protect_baseline(plan) -> tuple[dict, dict]:
     """The protected paths as the cell finds them (taken just before it starts), and the
     lifted ones' digests: what protect.settle compares with once the cell is dead."""
-    from . import protect
     found = protect.scan(plan.spec.worktree)
     lifted = plan.protected_lifted
     return protect.as_plan(found), (protect.digests(plan.spec.worktree, found, lifted) if lifted else {})
@@ -748,59 +521,6 @@ def _protect_baseline(plan) -> tuple[dict, dict]:
 def _keep_for_janitor(plan, start: tuple) -> None:
     """The start snapshot in the cell's record directory: a janitor that concludes the cell of a
     dead controller settles its protected paths from it (janitor.py)."""
-    import json
     with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
         json.dump({"worktree": plan.spec.worktree, "baseline": start[0], "digests": start[1],
                    "lifted": list(plan.protected_lifted)}, f)
-
-
-def _make_home_files(plan) -> None:
-    """What the plan puts in the cell's /tmp: @runtime's links, the HOME's tool configuration
-    (owned by the cell's uid when process.user sets one, like the HOME itself)."""
-    made = []
-    for rel, target in plan.tmp_links:
-        path = os.path.join(plan.tmpdir, rel)
-        made += _parents(plan.tmpdir, path)
-        os.symlink(target, path)
-    for _, _, rel in plan.caches:  # the caches' mount points, the cell's own like its HOME
-        path = os.path.join(plan.tmpdir, rel)
-        made += _parents(plan.tmpdir, os.path.join(path, "."))
-    for rel, text in plan.tmp_files:
-        path = os.path.join(plan.tmpdir, rel)
-        made += _parents(plan.tmpdir, path)
-        with open(path, "x") as f:
-            f.write(text)
-        made.append(path)
-    ids = plan.cell_ids()
-    if ids is not None:
-        for path in made:
-            os.lchown(path, *ids)
-
-
-def _cell_owns(plan, *fds: int) -> None:
-    """The cell's ends of its stdio (capture files, its pty slave, the pump's pipes) become its own, as
-    login(1) chowns a tty: a shell reopens them by path (`echo x > /dev/stdout` opens /proc/self/fd/1,
-    a permission check against the inode), and a cell that is not host root (process.user, a mapped
-    cell) would be refused a root-owned 0600 one. Never the user's own descriptors (handed on as they are)."""
-    import stat
-    ids = plan.cell_ids()
-    if ids is None:
-        return
-    for fd in fds:
-        st = os.fstat(fd)
-        # only what the controller made for this cell: a file, a pipe, a pty slave (Unix98 majors 136-143);
-        # never a shared device such as /dev/null
-        if stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode) or \
-                (stat.S_ISCHR(st.st_mode) and 136 <= os.major(st.st_rdev) <= 143):
-            os.fchown(fd, *ids)
-
-
-def _parents(tmpdir: str, path: str) -> list[str]:
-    """Make the missing directories between tmpdir and path (mode 0755); the ones made."""
-    made, d = [], os.path.dirname(path)
-    while d != tmpdir and not os.path.isdir(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    for d in reversed(made):
-        os.mkdir(d, 0o755)
-    return made

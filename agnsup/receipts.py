@@ -15,6 +15,7 @@ MAX_RETURNED_OUTPUT = 64 * 1024  # captured output a caller gets back (tool.ende
 
 
 def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+    from .io.wiring import output_info  # lazy: tool.py imports this module for a constant
     spec, plan = cell.spec, cell.plan
     r = {
         "kind": "cell", "version": RECEIPT_VERSION,
@@ -39,7 +40,7 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "exit_status": outcome.status, "signal": outcome.signal, "cancel_reason": outcome.cancel_reason,
         "kill_method": outcome.kill_method,
         "usage": usage, "released": released,
-        "output": cell.output_info(),
+        "output": output_info(cell),
     }
     r.update(argv_b64(spec.argv))
     if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed

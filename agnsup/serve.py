@@ -380,7 +380,7 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
     At a terminal (as `agnsup run` there): the cell gets a pty of the terminal's size and
     stdin; our terminal goes raw and its keys go to the cell (^C too, as a byte its pty
     turns into SIGINT), a resize here resizes the cell's pty; our modes come back at the end."""
-    from .output import at_a_terminal
+    from .io.pump import at_a_terminal
     from .state import StateRoot
     path = socket_path or default_socket(StateRoot(state_dir).path)
     interactive = at_a_terminal() and os.isatty(1)

@@ -275,7 +275,7 @@ class Supervisor:
         """{"chunks": [{"seq", "stream", "data"}], "next", "ended"} of a cell spawned with
         `stream` or `pty`: chunks with seq >= since, in the order the pump read them,
         waiting up to `timeout` seconds (None: until one comes or the output ends).
-        Every chunk since seq 0 stays readable (output.Tape: served from the captured files).
+        Every chunk since seq 0 stays readable (io.pump.Tape: served from the captured files).
         A role with output redaction gets it applied chunk by chunk (a secret split across two
         chunks can pass)."""
         r = self._running(run_id, cell_id)

@@ -1,5 +1,5 @@
-"""output.Tape: the order of a live cell's output over its captured files (no processes)."""
-from agnsup.output import CHUNK_MAX, Tape
+"""io.pump.Tape: the order of a live cell's output over its captured files (no processes)."""
+from agnsup.io.pump import CHUNK_MAX, Tape
 
 
 def _tape(tmp_path, out=b"", err=b""):

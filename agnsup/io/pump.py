@@ -27,9 +27,14 @@ supervisor writes to the cell's fd 0 (write_stdin).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
 import stat
+import struct
+import time
+
+from ..errors import StateError
 
 PIPE_BUF = 4096
 READ_SIZE = 262144      # one read of a full pipe, mostly
@@ -55,7 +60,7 @@ class Stream:
         self.name, self.src, self.dst, self.own_dst = name, src, dst, own_dst
         self.counted = True     # against the cap: what the cell writes, not what the user types
         self.capped = True      # False: the cell's output to the user's own file or pipe, pumped only because
-                                # the cell could not reopen it (broker._stdio): never capped, as when direct
+                                # the cell could not reopen it (wiring.stdio): never capped, as when direct
         self.nonblock = True    # src is ours and O_NONBLOCK: it may be read until EAGAIN
         self.pending = b""
         self.eof = False
@@ -78,18 +83,23 @@ class Stream:
             self.sock = None
 
 
-def _is_fifo(fd: int) -> bool:
+def stat_of(fd: int) -> os.stat_result | None:
+    """os.fstat(fd), or None when it fails (a descriptor that is not open)."""
     try:
-        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+        return os.fstat(fd)
     except OSError:
-        return False
+        return None
+
+
+def _is_fifo(fd: int) -> bool:
+    st = stat_of(fd)
+    return st is not None and stat.S_ISFIFO(st.st_mode)
 
 
 def _destination(fd: int) -> tuple[str, int, bool]:
     """(kind, the fd to write, whether that fd is ours to close) for destination `fd`."""
-    try:
-        st = os.fstat(fd)
-    except OSError:
+    st = stat_of(fd)
+    if st is None:
         return "gated", fd, False
     if stat.S_ISREG(st.st_mode):
         return "file", fd, False
@@ -128,7 +138,6 @@ class Pump:
         if nonblock:
             os.set_blocking(src, False)
             if _is_fifo(src):
-                import fcntl
                 try:
                     fcntl.fcntl(src, fcntl.F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups per byte
                 except OSError:
@@ -280,7 +289,6 @@ class Pump:
 
         Called after the cell's tree is dead, so EOF comes at once; without a
         cgroup a stray writer could hold a pipe open, hence the deadline."""
-        import time
         self.draining = True
         deadline = time.monotonic() + timeout
         p = select.poll()
@@ -343,9 +351,7 @@ def at_a_terminal() -> bool:
 
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe `fd` (FIONREAD)."""
-    import fcntl
-    import struct
-    import termios
+    import termios  # termios, tty, threading, array: only where a terminal or live I/O needs them (startup cost)
     try:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
@@ -366,7 +372,6 @@ class UserTerminal:
 
     def follow_size(self) -> None:
         """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
-        import fcntl
         import termios
         if self.master is None:
             return
@@ -450,7 +455,6 @@ class Tape:
                     fds[stream] = os.open(self.files[stream], os.O_RDONLY | os.O_CLOEXEC)
                 chunks.append({"seq": seq, "stream": stream, "data": os.pread(fds[stream], n, off)})
         except OSError as e:
-            from .errors import StateError
             raise StateError(f"the captured output is gone ({self.files.get(stream)}: {e.strerror})") from None
         finally:
             for fd in fds.values():
@@ -526,7 +530,5 @@ class Input:
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
     """TIOCSWINSZ: the kernel sends SIGWINCH to the terminal's foreground process group."""
-    import fcntl
-    import struct
     import termios
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

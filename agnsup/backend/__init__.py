@@ -159,8 +159,8 @@ class Backend:
         return pidfd.signal_if(cand["pid"], sig, lambda fd: recheck(fd, cand))
 
     def dead(self, pid: int, starttime: int) -> bool:
-        from ..linux import session
-        return session.dead(pid, starttime)
+        from ..linux import proc
+        return proc.dead(pid, starttime)
 
     def leader_matches(self, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool | None, str]:
         """Is `pid` the journaled leader? True, False (another process holds the number), None (gone)."""

@@ -12,6 +12,7 @@ import time
 from ..record import Record
 
 _boot_id: str | None = None
+READ_SIZE = 65536
 
 
 def boot_id() -> str:
@@ -27,6 +28,33 @@ def boot_id() -> str:
     return _boot_id
 
 
+def read(path: str) -> bytes | None:
+    """A whole /proc file (`path` below /proc), or None when it is gone or not ours to read."""
+    try:
+        fd = os.open("/proc/" + path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    try:
+        # one read gets all of a /proc file shorter than the buffer: no second read for EOF
+        data = os.read(fd, READ_SIZE)
+        if len(data) < READ_SIZE:
+            return data
+        chunks = [data]
+        while data:
+            data = os.read(fd, READ_SIZE)
+            chunks.append(data)
+        return b"".join(chunks)
+    except OSError:  # ESRCH and friends: the process went away between open and read
+        return None
+    finally:
+        os.close(fd)
+
+
+def text(path: str) -> str | None:
+    raw = read(path)
+    return None if raw is None else raw.decode(errors="replace")
+
+
 class Stat(Record, frozen=True):
     pid: int
     comm: str
@@ -37,37 +65,52 @@ class Stat(Record, frozen=True):
     starttime: int  # clock ticks since boot (field 22 of proc(5))
 
 
-def stat(pid: int | str) -> Stat | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
+def fields(pid: int | str) -> tuple | None:
+    """Stat's fields as a tuple (one per process in a janitor's scan: no record built)."""
+    raw = read(f"{pid}/stat")
+    if not raw:
         return None
-    lpar, rpar = raw.index("("), raw.rindex(")")
-    rest = raw[rpar + 2:].split()
+    lpar, rpar = raw.index(b"("), raw.rindex(b")")
+    rest = raw[rpar + 2:].split(None, 20)
     # rest[0] is field 3 (state); field N is rest[N - 3]
-    return Stat(pid=int(raw[:lpar]), comm=raw[lpar + 1:rpar], state=rest[0], ppid=int(rest[1]),
-                pgid=int(rest[2]), sid=int(rest[3]), starttime=int(rest[19]))
+    return (int(raw[:lpar]), raw[lpar + 1:rpar].decode(errors="replace"), rest[0].decode(), int(rest[1]),
+            int(rest[2]), int(rest[3]), int(rest[19]))
+
+
+def stat(pid: int | str) -> Stat | None:
+    f = fields(pid)
+    return Stat(*f) if f else None
 
 
 def is_zombie(pid: int) -> bool:
-    s = stat(pid)
-    return s is None or s.state in ("Z", "X")
+    f = fields(pid)
+    return f is None or f[2] in ("Z", "X")
+
+
+def dead(pid: int, start: int) -> bool:
+    """Gone, a zombie, or the pid is another process now."""
+    f = fields(pid)
+    return f is None or f[6] != start or f[2] in ("Z", "X")
 
 
 def cgroup_lines(pid: int | str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            return f.read().splitlines()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+    t = text(f"{pid}/cgroup")
+    return None if t is None else t.splitlines()
+
+
+def own_cgroup(lines: str | None = None) -> str | None:
+    """This process's cgroup2 path ("0::/a/b" -> "/a/b", from `lines` when given), or None on a v1-only host."""
+    lines = cgroup_lines("self") if lines is None else lines.splitlines()
+    return next((line[3:] for line in lines or () if line.startswith("0::")), None)
+
+
+def raw_environ(pid: int | str) -> bytes | None:
+    return read(f"{pid}/environ")
 
 
 def environ(pid: int | str) -> dict[str, str] | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    raw = raw_environ(pid)
+    if raw is None:
         return None
     env = {}
     for item in raw.split(b"\0"):

@@ -252,14 +252,13 @@ class _Janitor:
 
     def _end_controllers(self, dead: list[tuple[dict, str]]) -> None:
         """A controller is marked ended only once all its cells are terminal; one transaction for all."""
-        from .reaper import release_lock_file
         ended = [(ctl, lock) for ctl, lock in dead if not self.j.live_cells_of(ctl["id"])]
         if not ended:
             return
         self.j.end_controllers([ctl["id"] for ctl, _ in ended], self.id)
         for ctl, lock in ended:
             ctl["ended"] = True
-            rel = release_lock_file(lock)
+            rel = locks.remove_if_free(lock)
             if rel:
                 ctl["lock_released"] = rel
 

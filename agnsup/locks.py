@@ -184,3 +184,32 @@ def is_free(path: str, exclusive: bool = True) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def remove_if_free(path: str | None) -> dict | None:
+    """Remove a lock file nobody holds any more (a dead controller's worktree or
+    liveness lock). A lock some live process still holds is left alone: it is
+    theirs too. Returns what was released, or None."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return {"kind": "lock", "path": path, "left": "held by a live process"}
+        try:
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                return None  # already unlinked and recreated by someone else: not ours
+        except FileNotFoundError:
+            return None
+        try:
+            os.unlink(path)
+        except OSError as e:  # read-only state root: the lock is free, its file stays
+            return {"kind": "lock", "path": path, "left": f"not removed: {e.strerror}"}
+        return {"kind": "lock", "path": path}
+    finally:
+        os.close(fd)

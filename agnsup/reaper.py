@@ -360,10 +360,7 @@ def kill_root(backend, grace: float) -> dict:
     before = backend.members(root) if root is not None else []  # no tree under this state root: no cell lives
     if not before:
         return {"processes": 0, "kill": None, "empty": True, "note": ""}
-    backend.signal(root, signal.SIGTERM)
-    backend.wait_empty(root, grace)
-    method = backend.kill(root) if backend.populated(root) else None
-    empty = backend.wait_empty(root, 10.0)
+    method, empty = backend.kill_place(root, grace, VERIFY_TIMEOUT)
     return {"processes": len(before), "kill": method, "empty": empty, "note": ""}
 
 

@@ -32,6 +32,7 @@ and only `place`, `from_journal` and `usage` are asked of it):
     signal(place, sig) -> int                   every member, each through a checked pidfd
     kill(place) -> method                       the whole tree at once (or as close as the host allows)
     wait_empty(place, timeout) -> bool          verified empty (zombies count as gone)
+    kill_place(place, grace) -> (method, empty) SIGTERM and the grace (if given), kill, verify (the base's)
     usage(place) -> dict                        resource use, for the receipt
     remove(place) -> [dirs]                     the directories, deepest first, and empty ancestors
     prune(place) -> [dirs]                      only the empty ones (cleanup of a run)
@@ -42,6 +43,7 @@ and the process evidence every backend shares (the reaper's view of /proc):
 from __future__ import annotations
 
 import os
+import signal
 
 from ..record import Factory, Record
 
@@ -142,6 +144,16 @@ class Backend:
     def root(self) -> "Place | None":
         """This state root's own cgroup root, every cell below it (None: no cgroups here)."""
         return None
+
+    def kill_place(self, place: Place, grace: float | None = None, verify: float = 10.0) -> tuple[str | None, bool]:
+        """Every process in the tree of `place`, never one by pid alone: SIGTERM and up to `grace` s
+        first (None: none), then the tree's kill if any is left; (kill method or None, verified empty
+        within `verify` s). The reaper's kill switch and the purge of a private root both come here."""
+        if grace is not None:
+            self.signal(place, signal.SIGTERM)
+            self.wait_empty(place, grace)
+        method = self.kill(place) if self.populated(place) else None
+        return method, self.wait_empty(place, verify)
 
     def purge(self) -> list[str]:
         """Kill whatever is left under this state root's own cgroup root and remove it

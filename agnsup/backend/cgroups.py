@@ -315,9 +315,8 @@ class CgroupBackend(Backend):
             pids = cgroup.procs(p)
             if dirs or pids:
                 found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
-        if root and self.populated(root):
-            self.kill(root)  # this state root's own cgroup root: ours
-            self.wait_empty(root, 10.0)
+        if root:
+            self.kill_place(root)  # this state root's own cgroup root: ours
         for p in present.values():
             for d in cgroup.walk(p):
                 try:

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from . import backoff
 from .digest import sha256
 from .errors import LockTimeout
 
@@ -130,16 +131,16 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
         elif notify is not False:
             notify(line)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.01
-        while fd is None:
+        for delay in backoff.delays(0.01, 0.2):
             if deadline is not None and time.monotonic() >= deadline:
                 raise LockTimeout(f"the {what} lock is held by {holder(in_way)}; gave up after {timeout:g} s "
                                   "(--lock-timeout)")
             if poll is not None:
                 poll()
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
             fd, in_way = _attempt(path, exclusive, tree)
+            if fd is not None:
+                break
     if exclusive:
         _own(fd, owner, tree)
     return fd

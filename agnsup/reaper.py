@@ -32,7 +32,7 @@ import os
 import signal
 import time
 
-from . import crashpoints
+from . import backoff, crashpoints
 from .linux import fs
 from .record import Factory, Record
 
@@ -197,10 +197,8 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     if term:
         crashpoints.hit("cancel_grace")
     deadline = until if until is not None else time.monotonic() + (grace if term else 0.0)
-    delay = 0.002
-    while time.monotonic() < deadline and _busy(backend, jobs, thorough, exclude, scans):
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.05)
+    if time.monotonic() < deadline:
+        backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
     _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans)
     return [j.r for j in jobs]
 
@@ -278,13 +276,7 @@ def _covers(backend, scope, jobs) -> bool:
 
 
 def _wait_dead(backend, pid: int, start: int, deadline: float) -> bool:
-    delay = 0.0005
-    while not backend.dead(pid, start):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-    return True
+    return backoff.until(lambda: backend.dead(pid, start), deadline, 0.0005, 0.02)
 
 
 class Tree:

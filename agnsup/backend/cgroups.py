@@ -22,6 +22,7 @@ import signal
 import time
 
 from . import Backend, Place
+from .. import backoff
 from ..linux import cgroup
 
 CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu: what a limit needs
@@ -203,14 +204,8 @@ class CgroupBackend(Backend):
 
     def wait_empty(self, place: Place, timeout: float) -> bool:
         """Verified empty: zombies count as gone."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while self.populated(place) and not self._only_zombies(place):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        return True
+        return backoff.until(lambda: not self.populated(place) or self._only_zombies(place),
+                             time.monotonic() + timeout, 0.0005, 0.02)
 
     def _only_zombies(self, place: Place) -> bool:
         from ..linux import proc

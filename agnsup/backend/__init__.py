@@ -245,9 +245,8 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
 
 def _cgroups_writable_without_the_override() -> bool:
     """Would a cgroup tree be usable here if AGNSUP_CGROUP_LAYOUT=none were unset (this process's mountinfo)?"""
-    from ..linux.cgroup import detect_layout
+    from ..linux import cgroup, proc
     try:
-        with open("/proc/self/mountinfo") as f:
-            return detect_layout(f.read()).kind != "none"
+        return cgroup.detect_layout(proc.mountinfo()).kind != "none"
     except Exception:  # noqa: BLE001 - a fix's wording, never a failure
         return False

@@ -28,8 +28,10 @@ def boot_id() -> str:
     return _boot_id
 
 
-def read(path: str) -> bytes | None:
-    """A whole /proc file (`path` below /proc), or None when it is gone or not ours to read."""
+def read(path: str, one_shot: bool = False) -> bytes | None:
+    """A whole /proc file (`path` below /proc), or None when it is gone or not ours to read. `one_shot`:
+    a file the kernel hands over whole in one read when it fits (stat, environ); a table (mountinfo,
+    net/*: a seq_file) comes about a page per read(2), so it is read to EOF."""
     try:
         fd = os.open("/proc/" + path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
@@ -37,7 +39,7 @@ def read(path: str) -> bytes | None:
     try:
         # one read gets all of a /proc file shorter than the buffer: no second read for EOF
         data = os.read(fd, READ_SIZE)
-        if len(data) < READ_SIZE:
+        if one_shot and len(data) < READ_SIZE:
             return data
         chunks = [data]
         while data:
@@ -55,6 +57,36 @@ def text(path: str) -> str | None:
     return None if raw is None else raw.decode(errors="replace")
 
 
+def mountinfo() -> str:
+    """This process's mount table (proc(5) mountinfo); OSError where /proc is not procfs."""
+    with open("/proc/self/mountinfo") as f:
+        return f.read()
+
+
+def parse_status(text: str) -> dict[str, str]:
+    """/proc/PID/status text as {key: value} (CapEff, Seccomp, Seccomp_filters, ...)."""
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def status(pid: int | str = "self") -> dict[str, str] | None:
+    t = text(f"{pid}/status")
+    return None if t is None else parse_status(t)
+
+
+def sysctl(name: str, root: str = "/proc/sys") -> str | None:
+    """A kernel setting ("kernel/cap_last_cap"), stripped; None where this kernel has no such file."""
+    try:
+        with open(os.path.join(root, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def net(table: str) -> str:
+    """A table of this network namespace (net/tcp, net/unix, ...: proc(5)); "" where this kernel has none."""
+    return text("net/" + table) or ""
+
+
 class Stat(Record, frozen=True):
     pid: int
     comm: str
@@ -67,7 +99,7 @@ class Stat(Record, frozen=True):
 
 def fields(pid: int | str) -> tuple | None:
     """Stat's fields as a tuple (one per process in a janitor's scan: no record built)."""
-    raw = read(f"{pid}/stat")
+    raw = read(f"{pid}/stat", True)
     if not raw:
         return None
     lpar, rpar = raw.index(b"("), raw.rindex(b")")
@@ -80,6 +112,13 @@ def fields(pid: int | str) -> tuple | None:
 def stat(pid: int | str) -> Stat | None:
     f = fields(pid)
     return Stat(*f) if f else None
+
+
+def arg_env_bounds(pid: int | str = "self") -> tuple[int, int, int, int]:
+    """Where a process's argv and environment strings lie in its memory: arg_start, arg_end, env_start,
+    env_end (stat fields 48-51)."""
+    rest = (read(f"{pid}/stat", True) or b"").rsplit(b")", 1)[1].split()  # rest[0] is field 3
+    return int(rest[45]), int(rest[46]), int(rest[47]), int(rest[48])
 
 
 def is_zombie(pid: int) -> bool:
@@ -105,7 +144,7 @@ def own_cgroup(lines: str | None = None) -> str | None:
 
 
 def raw_environ(pid: int | str) -> bytes | None:
-    return read(f"{pid}/environ")
+    return read(f"{pid}/environ", True)
 
 
 def environ(pid: int | str) -> dict[str, str] | None:
@@ -118,6 +157,36 @@ def environ(pid: int | str) -> dict[str, str] | None:
             k, _, v = item.partition(b"=")
             env[k.decode(errors="replace")] = v.decode(errors="replace")
     return env
+
+
+def holders(link: str, uid: int) -> list[int]:
+    """The pids of the processes of `uid` (their /proc/PID's owner) with a descriptor that reads `link`
+    ("socket:[INODE]"): a scan of every such process's fds."""
+    out = []
+    with os.scandir("/proc") as it:
+        for e in it:
+            if not e.name.isdigit():
+                continue
+            try:
+                if e.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                fds = f"/proc/{e.name}/fd"
+                for fd in os.listdir(fds):
+                    if os.readlink(f"{fds}/{fd}") == link:
+                        out.append(int(e.name))
+                        break
+            except OSError:
+                continue  # gone, or not ours to look at (a non-dumpable process)
+    return out
+
+
+def own_pid() -> int:
+    """This process's pid as the PID namespace of the mounted /proc numbers it (the host's, when this
+    process is in a PID namespace of its own); getpid() when /proc cannot say."""
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()
 
 
 def pids() -> list[int]:

@@ -180,6 +180,20 @@ def holders(link: str, uid: int) -> list[int]:
     return out
 
 
+def ns(kind: str, pid: int | str = "self") -> int:
+    """A descriptor of a namespace of a process ("net", "user", "pid": for setns(2) or SCM_RIGHTS)."""
+    return os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def ns_id(kind: str, pid: int | str = "self") -> str:
+    """Which namespace it is ("mnt:[4026531841]"): equal for two processes in the same one."""
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def threads(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
 def own_pid() -> int:
     """This process's pid as the PID namespace of the mounted /proc numbers it (the host's, when this
     process is in a PID namespace of its own); getpid() when /proc cannot say."""

@@ -1,5 +1,4 @@
-"""Polling with growing sleeps: the one back-off every waiter uses (a first check costs no sleep;
-a long wait costs few wake-ups)."""
+"""Polling with growing sleeps: the one back-off of every wait (its first check costs no sleep)."""
 from __future__ import annotations
 
 import time
@@ -13,14 +12,14 @@ def delays(first: float, most: float, factor: float = 2.0):
         d = min(d * factor, most)
 
 
-def until(done, deadline: float | None, first: float, most: float) -> bool:
+def until(done, deadline: float, first: float, most: float) -> bool:
     """Call `done()` until it is true (True), sleeping `delays(first, most)` between calls, or until the
-    monotonic `deadline` passed (False; None: never). The last sleep ends at the deadline."""
+    monotonic `deadline` passed (False). The last sleep ends at the deadline."""
     for d in delays(first, most):
         if done():
             return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
             return False
-        time.sleep(d if left is None else min(d, left))
+        time.sleep(min(d, left))
     return False  # not reached: delays() never ends

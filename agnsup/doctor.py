@@ -374,13 +374,9 @@ def evidence() -> dict:
     root = os.geteuid() == 0
     missing = [] if cap is None or not root else \
         [n for n, bit in (("SYS_ADMIN", CAP_SYS_ADMIN), ("NET_ADMIN", CAP_NET_ADMIN)) if not cap >> bit & 1]
-    try:
-        writable = cgroup.detect_layout(proc.mountinfo()).kind != "none"  # ignores the env
-    except Exception:  # noqa: BLE001 - a doctor reports, never fails (OSError: no mountinfo)
-        writable = False
     return {"root": root, "container": kinds, "seccomp_filter": mode == 2, "caps_missing": missing,
-            "cgroup_off": os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none", "cgroup_writable": writable,
-            "kernel": os.uname().release}
+            "cgroup_off": os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none",
+            "cgroup_writable": cgroup.writable_here(), "kernel": os.uname().release}
 
 
 # The piece of isolation.reduced a failed step costs (issue 27: mount_namespace, network_namespace,

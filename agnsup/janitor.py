@@ -50,7 +50,7 @@ import time
 from contextlib import suppress
 
 from . import locks
-from .linux import proc
+from .linux import cgroup, proc, session
 
 LOCK_TIMEOUT = 120.0
 COMPACT_RECEIPT = 200  # processes; a larger recovery receipt is written on one line
@@ -280,7 +280,6 @@ class _Janitor:
     # -- the cells ---------------------------------------------------------
     def _recover(self, cells: list[_Cell]) -> None:
         from . import crashpoints, reaper
-        from .linux import session
         t0 = time.time()
         live = [c for c in cells if c.signals]
         for c in live:
@@ -321,7 +320,6 @@ class _Janitor:
                                             "process of it can be alive; no signal sent, only records and files "
                                             "converge")
                     paths = json.loads(c.row["cgroup"]) if c.row["cgroup"] else {}
-                    from .linux import cgroup
                     prim = cgroup.Node(paths).primary
                     if prim and os.path.exists(prim[1]):
                         c.entry["notes"].append(f"a cgroup exists at {prim[1]} but belongs to this boot, "

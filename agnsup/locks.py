@@ -200,11 +200,10 @@ def remove_if_free(path: str | None) -> dict | None:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return {"kind": "lock", "path": path, "left": "held by a live process"}
-        try:
             if os.fstat(fd).st_ino != os.stat(path).st_ino:
                 return None  # already unlinked and recreated by someone else: not ours
+        except BlockingIOError:
+            return {"kind": "lock", "path": path, "left": "held by a live process"}
         except FileNotFoundError:
             return None
         try:

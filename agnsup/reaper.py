@@ -28,12 +28,13 @@ gone is skipped, never an error.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import time
 
-from . import backoff, crashpoints
-from .linux import fs
+from . import backoff, crashpoints, locks
+from .linux import fs, pidfd, proc, session
 from .record import Factory, Record
 
 VERIFY_TIMEOUT = 10.0  # how long a killed tree (or process) gets to be gone
@@ -63,11 +64,9 @@ def from_row(backend, row) -> tuple[Target, str, list[int]]:
     look-alike tree (a directory at its path that is provably not the cell's). Its
     tree only through backend.from_journal (the journaled inode); its life begins
     at the leader's start, or, before an identity was committed, at its intent row."""
-    import json
     place, note, bystanders = backend.from_journal(json.loads(row["cgroup"]) if row["cgroup"] else None,
                                                    row["cgroup_ino"])
     leader = {"pid": row["pid"], "pidfd_ino": row["pidfd_ino"], "starttime": row["starttime"]} if row["pid"] else None
-    from .linux import proc
     since = row["starttime"] if row["starttime"] is not None else proc.wall_to_ticks(row["created_at"] - 1.0)
     return Target(run_id=row["run_id"], cell_id=row["cell_id"], place=place, leader=leader, token=row["token"],
                   since=since, tmpdir=row["tmpdir"], lock_path=row["lock_path"]), note, bystanders
@@ -168,7 +167,6 @@ class _Job:
 
 
 def _evidence(backend, t: Target):
-    from .linux import session
     leader = t.leader or {}
     lpid = leader.get("pid")
     ok, why = (backend.leader_matches(lpid, leader.get("pidfd_ino"), leader.get("starttime")) if lpid
@@ -292,7 +290,6 @@ class Tree:
         self.exclude = (target.leader["pid"],) if target.leader else ()
 
     def term(self, sig: int = signal.SIGTERM) -> None:
-        from .linux import pidfd
         if self.target.has_tree:
             self.backend.signal(self.target.place, sig)
             return
@@ -305,7 +302,6 @@ class Tree:
         return self.backend.oom_kills(self.target.place) if self.target.has_tree else None
 
     def kill(self) -> str:
-        from .linux import pidfd
         if self.target.has_tree:
             return self.backend.kill(self.target.place)
         pidfd.send(self.leader_fd, signal.SIGKILL)
@@ -329,7 +325,6 @@ def signal_group(leader_fd: int, sig: int) -> bool:
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    from .linux import pidfd
     return pidfd.send(leader_fd, sig)
 # -- without a journal (issue 12 item 3: the kill switch works from what survives) ----
 def live_under_root(backend) -> list[int]:
@@ -359,7 +354,6 @@ def kill_root(backend, grace: float) -> dict:
 # -- release --------------------------------------------------------------------
 def release(backend, t: Target) -> list[dict]:
     """Remove what the cell held: its cgroup directories, temp dir, worktree lock."""
-    from . import locks
     released: list[dict] = []
     if t.has_tree:
         crashpoints.hit("cleanup_before_rmdir")

@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import signal
 
+from ..linux import cgroup, pidfd, proc, session
 from ..record import Factory, Record
 
 
@@ -93,7 +94,7 @@ class Backend:
 
     def limit_fix(self, controller: str) -> str:
         """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
-        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none" and _cgroups_writable_without_the_override():
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none" and cgroup.writable_here():
             return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
         if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
             # the image's entrypoint set it: nothing here is writable (a container on a hybrid or v1 host, an
@@ -118,10 +119,9 @@ class Backend:
     def limit_gaps(self, place: Place, limits: dict) -> list[str]:
         """Each limit `limits` asks for that `place` does not have in force, with why and the fix:
         no limit is ever reported that is not in force (receipt not_in_force, isolation.require)."""
-        from ..linux.cgroup import wanted_controllers
         support = None
         out = []
-        for c in wanted_controllers(limits):
+        for c in cgroup.wanted_controllers(limits):
             if c in place.limits:
                 continue
             why = place.missing.get(c)
@@ -162,21 +162,17 @@ class Backend:
 
     # -- process evidence (one /proc view, shared by every backend) ---------
     def snapshot(self, exclude: tuple = ()):
-        from ..linux import session
         return session.Snapshot.take(exclude=(os.getpid(), *exclude))
 
     def signal_checked(self, cand: dict, sig: int, recheck) -> tuple[bool, str]:
         """Signal one process through a pidfd, once `recheck(fd, cand)` -> (ok, why) holds."""
-        from ..linux import pidfd
         return pidfd.signal_if(cand["pid"], sig, lambda fd: recheck(fd, cand))
 
     def dead(self, pid: int, starttime: int) -> bool:
-        from ..linux import proc
         return proc.dead(pid, starttime)
 
     def leader_matches(self, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool | None, str]:
         """Is `pid` the journaled leader? True, False (another process holds the number), None (gone)."""
-        from ..linux import pidfd
         try:
             fd = pidfd.open(pid)
         except OSError:  # EINVAL: the number is a thread's now, so not the leader's
@@ -190,7 +186,6 @@ class Backend:
 
     def recheck(self, fd: int, cand: dict, leader: dict | None, evidence) -> tuple[bool, str]:
         """After the pidfd is open: is it still the process the evidence found?"""
-        from ..linux import pidfd
         if "leader" in cand["recheck"] and leader is not None:
             return pidfd.matches(fd, cand["pid"], leader.get("pidfd_ino"), leader.get("starttime"))
         return evidence.recheck(cand["pid"], cand)
@@ -212,7 +207,6 @@ def choose(state_root: str, mountinfo: str | None = None) -> Backend:
 
 
 def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
-    from ..linux import cgroup
     layout = cgroup.detect_layout(mountinfo)
     live = mountinfo is None
     root = os.geteuid() == 0
@@ -241,12 +235,3 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
            "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
     return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")
-
-
-def _cgroups_writable_without_the_override() -> bool:
-    """Would a cgroup tree be usable here if AGNSUP_CGROUP_LAYOUT=none were unset (this process's mountinfo)?"""
-    from ..linux import cgroup, proc
-    try:
-        return cgroup.detect_layout(proc.mountinfo()).kind != "none"
-    except Exception:  # noqa: BLE001 - a fix's wording, never a failure
-        return False

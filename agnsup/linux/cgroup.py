@@ -98,6 +98,14 @@ def controllers_of(directory: str) -> tuple[str, ...] | None:
         return None
 
 
+def writable_here() -> bool:
+    """Would a cgroup tree be usable here, AGNSUP_CGROUP_LAYOUT aside (this process's mountinfo)?"""
+    try:
+        return detect_layout(proc.mountinfo()).kind != "none"  # mountinfo given: the environment is not read
+    except Exception:  # noqa: BLE001 - a fix's wording, a doctor's report: never a failure
+        return False
+
+
 def _delegated_base(v2: str, live: bool) -> bool:
     """A normal user cannot write the cgroup2 mount point, but AGNSUP_CGROUP_BASE may name a subtree
     delegated to it (backend/delegated.py checks the delegation itself, and names what is wrong)."""

@@ -37,7 +37,6 @@ def read(path: str, one_shot: bool = False) -> bytes | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     try:
-        # one read gets all of a /proc file shorter than the buffer: no second read for EOF
         data = os.read(fd, READ_SIZE)
         if one_shot and len(data) < READ_SIZE:
             return data
@@ -149,14 +148,8 @@ def raw_environ(pid: int | str) -> bytes | None:
 
 def environ(pid: int | str) -> dict[str, str] | None:
     raw = raw_environ(pid)
-    if raw is None:
-        return None
-    env = {}
-    for item in raw.split(b"\0"):
-        if b"=" in item:
-            k, _, v = item.partition(b"=")
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
-    return env
+    return None if raw is None else {k.decode(errors="replace"): v.decode(errors="replace")
+                                     for k, eq, v in (item.partition(b"=") for item in raw.split(b"\0")) if eq}
 
 
 def holders(link: str, uid: int) -> list[int]:
@@ -213,6 +206,5 @@ def clock_ticks() -> int:
 
 def wall_to_ticks(t: float) -> int:
     """A wall-clock time (time.time()) in the unit of Stat.starttime, on this boot."""
-    with open("/proc/uptime") as f:
-        up = float(f.read().split()[0])
+    up = float((text("uptime") or "").split()[0])
     return max(0, int((t - (time.time() - up)) * clock_ticks()))

@@ -55,10 +55,3 @@ def read_all(fd: int) -> bytes:
             chunks.append(b)
     finally:
         os.close(fd)
-
-
-def reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass

@@ -12,7 +12,7 @@ from ..linux import host, landlock, mounts, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..record import Record
 from . import clone, namespaces
-from .helpers import read_all, reap
+from .helpers import read_all
 from .steps import Setup, child as run_steps
 
 
@@ -51,8 +51,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
 
     def fork() -> tuple[int, int | None, bool]:
         s.in_userns = s.ids is not None and plan.pid_namespace
-        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace,
-                                       s.in_userns)
+        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns)
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
@@ -77,12 +76,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     os.close(s.err_w)
     if s.status_w is not None:
         os.close(s.status_w)
-    if s.ruleset:
-        s.ruleset.close()
-    if s.egress:
-        s.egress.after_fork()
-    if s.netns_fd is not None:
-        os.close(s.netns_fd)
+    _close_setup(s, forked=True)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=clone.JOIN_CLONE3 if born else clone.JOIN_FORK, handoff=s.egress,
                   tmp_fd=(s.premade or {}).get("tmp"))
@@ -141,7 +135,10 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
     os.close(child.barrier_fd)
     report = read_all(child.report_fd) if read_report else os.close(child.report_fd)
     _close(child)
-    reap(child.pid)
+    try:
+        os.waitpid(child.pid, 0)
+    except ChildProcessError:
+        pass
     return report or b""
 
 
@@ -269,13 +266,14 @@ def _prepare(plan, backend, place) -> Setup:
     return s
 
 
-def _close_setup(s: Setup) -> None:
-    """The controller's copies of what it made for a child (after the fork, or when there is none)."""
+def _close_setup(s: Setup, forked: bool = False) -> None:
+    """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
+    measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
     if s.ruleset:
         s.ruleset.close()
     if s.egress:
-        s.egress.close()
-    for premade in (s.premade or {}).values():
+        s.egress.after_fork() if forked else s.egress.close()
+    for premade in () if forked else (s.premade or {}).values():
         os.close(premade)
     if s.netns_fd is not None:
         os.close(s.netns_fd)

@@ -22,6 +22,7 @@ from ..linux import sys as lsys
 from ..record import Record
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
+_PROC_FLAGS = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
 
 
 class Setup(Record):
@@ -63,13 +64,6 @@ def child(s: Setup) -> None:
             os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
 
 
-def _pdeathsig(s: Setup) -> None:
-    if s.plan.dies_with_controller:
-        # the dead-man switch, first: the kernel SIGKILLs us when the controller's
-        # forking thread dies (prctl(2)); had it died already, the barrier sees EOF
-        lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _stdio(s: Setup) -> None:
     for target, fd in enumerate(s.stdio or ()):
         if fd is not None and fd != target:
@@ -83,35 +77,11 @@ def _stdio(s: Setup) -> None:
     os.closerange(low, _MAXFD)
 
 
-def _controlling_terminal(s: Setup) -> None:
-    if s.ctty is not None:
-        s.ctty()  # fd 0 (a pty) becomes the session's terminal; its foreground group is ours
-
-
-def _cgroup(s: Setup) -> None:
-    if s.place.node is not None and not s.born:  # born in its cgroup: the controller moves it into the rest
-        s.backend.attach(s.place, 0)
-
-
 def _signals(s: Setup) -> None:
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                 signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
-def _user_namespace(s: Setup) -> None:
-    # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
-    # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the
-    # host's; a mapped cell joins the cells' user namespace only in _cell_user, so it owns none of them
-    if s.ids is not None and not s.in_userns:
-        lsys.unshare(lsys.CLONE_NEWUSER)
-
-
-def _id_maps(s: Setup) -> None:
-    if s.ids is not None:
-        uid, gid = s.ids
-        userns.write_id_maps("self", uid, gid, uid, gid)
 
 
 def _unshare(s: Setup) -> None:
@@ -130,35 +100,10 @@ def _network_namespace(s: Setup) -> None:
         os.close(s.netns_fd)
 
 
-def _mounts(s: Setup) -> None:
-    if s.plan.mount_namespace:  # a reduced cell without one: none
-        mounts.apply(s.plan.mount_ops, s.userns_fd, s.premade)
-
-
-def _loopback(s: Setup) -> None:
-    if s.plan.new_netns and s.netns_fd is None:
-        netns.loopback_up()
-
-
 def _egress(s: Setup) -> None:
     if s.egress:  # listen on the proxy port in the cell's namespace, hand the listener over (egress/handoff.py)
         s.egress.in_child()
     crashpoints.hit("child_setup", s.controller)
-
-
-def _proc(s: Setup) -> None:
-    if s.plan.pid_namespace:  # the PID namespace's own /proc
-        lsys.mount("proc", "/proc", "proc", lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC)
-
-
-def _init_name(s: Setup) -> None:
-    if s.plan.pid_namespace:  # before the command exists: it never sees the controller's argv in /proc/1
-        pidinit.take_own_name(s.init_name, lsys.prctl)
-
-
-def _barrier_of_init(s: Setup) -> None:
-    if s.plan.pid_namespace:
-        _barrier(s)
 
 
 def _init(s: Setup) -> None:
@@ -230,71 +175,51 @@ def _user(s: Setup) -> None:
         os.setuid(s.plan.uid)  # from root to another uid: every capability set empties (capabilities(7))
 
 
-def _no_new_privs(s: Setup) -> None:
-    if s.plan.no_new_privs:
-        lsys.set_no_new_privs()
-
-
-def _landlock(s: Setup) -> None:
-    if s.ruleset:
-        s.ruleset.restrict_self()
-
-
-def _seccomp(s: Setup) -> None:
-    if s.filter:  # last: it refuses mount and unshare
-        s.filter.load()
-
-
 def _barrier(s: Setup) -> None:
     if os.read(s.barrier_r, 1) != b"1":
         os._exit(125)  # the controller died before recording us: never run unrecorded
     os.close(s.barrier_r)
 
 
-def _barrier_of_leader(s: Setup) -> None:
-    if not s.plan.pid_namespace:
-        _barrier(s)
-
-
-def _chdir(s: Setup) -> None:
-    os.chdir(s.plan.spec.workdir)
-
-
-def _exec(s: Setup) -> None:
-    os.execve(s.plan.spec.exe, s.plan.spec.argv, s.plan.spec.env)
-
-
 REFUSED = True  # a host that refuses namespaces stops a cell here (namespaces.reduced_refusal)
 
-STEPS = (  # (the name a failure reports, the step, REFUSED), in order
-    ("pdeathsig", _pdeathsig, False),            # on_controller_death = kill: dies with the controller
+STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step the plan does not ask for does nothing
+    # on_controller_death = kill, first: the kernel SIGKILLs us when the controller's forking thread dies
+    # (prctl(2)); had it died already, the barrier sees EOF
+    ("pdeathsig", lambda s: s.plan.dies_with_controller and lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL), False),
     ("stdio", _stdio, False),                    # fds 0-2; close every other fd but the pipes and the ruleset
     ("setsid", lambda s: os.setsid(), False),    # new session and process group
-    ("controlling_terminal", _controlling_terminal, False),
-    ("cgroup", _cgroup, False),                  # join the cell's cgroups (every hierarchy it was not born in)
+    ("controlling_terminal", lambda s: s.ctty and s.ctty(), False),  # fd 0 (a pty): its foreground group is ours
+    # join the cell's cgroups: every hierarchy it was not born in (born in one: the controller moves it)
+    ("cgroup", lambda s: s.place.node is not None and not s.born and s.backend.attach(s.place, 0), False),
     ("signals", _signals, False),                # default dispositions, empty mask
-    ("user_namespace", _user_namespace, False),  # not root: a user namespace of its own ...
-    ("id_maps", _id_maps, False),                # ... mapping our own uid and gid to themselves
+    # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
+    # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the
+    # host's; a mapped cell joins the cells' user namespace only at "cell_user", so it owns none of them
+    ("user_namespace", lambda s: s.ids is not None and not s.in_userns and lsys.unshare(lsys.CLONE_NEWUSER), False),
+    ("id_maps", lambda s: s.ids is not None and userns.write_id_maps("self", *s.ids, *s.ids), False),
     ("unshare", _unshare, REFUSED),              # mount and IPC (and, unless the host's network, network)
     ("network_namespace", _network_namespace, False),
-    ("mounts", _mounts, REFUSED),                # the mount namespace, from the plan's operations
-    ("loopback", _loopback, False),
+    ("mounts", lambda s: s.plan.mount_namespace and mounts.apply(s.plan.mount_ops, s.userns_fd, s.premade), REFUSED),
+    ("loopback", lambda s: s.plan.new_netns and s.netns_fd is None and netns.loopback_up(), False),
     ("egress", _egress, False),                  # allowlist/internal roles: the proxy's listener
-    ("proc", _proc, REFUSED),                    # PID namespace roles: its own /proc, ...
-    ("init_name", _init_name, False),            # ... "agnsup-init" in /proc/1/cmdline, ...
-    ("barrier", _barrier_of_init, False),        # ... the barrier, ...
-    ("init", _init, False),                      # ... fork the command, stay its init
+    # PID namespace roles: its own /proc; "agnsup-init" in /proc/1/cmdline before the command exists (it never
+    # sees the controller's argv there); the barrier; fork the command and stay its init
+    ("proc", lambda s: s.plan.pid_namespace and lsys.mount("proc", "/proc", "proc", _PROC_FLAGS), REFUSED),
+    ("init_name", lambda s: s.plan.pid_namespace and pidinit.take_own_name(s.init_name, lsys.prctl), False),
+    ("barrier", lambda s: s.plan.pid_namespace and _barrier(s), False),
+    ("init", _init, False),
     # confine (docs/isolation.md), in this order because each step needs what the next one takes away
     ("landlock_rules", _landlock_rules, False),  # the fresh /dev/shm, devpts and /tmp, stdio files, terminals
     ("cell_user", _cell_user, False),            # a mapped cell: uid and gid 0 in the cells' user namespace
     ("capabilities", _capabilities, False),      # the bounding set; no process.user: down to what the role keeps
     ("user", _user, False),                      # process.user: its uid and gid
-    ("no_new_privs", _no_new_privs, False),
-    ("landlock", _landlock, False),
-    ("seccomp", _seccomp, False),
-    ("barrier", _barrier_of_leader, False),      # until the controller has journaled our identity
-    ("chdir", _chdir, False),
-    ("exec", _exec, False),
+    ("no_new_privs", lambda s: s.plan.no_new_privs and lsys.set_no_new_privs(), False),
+    ("landlock", lambda s: s.ruleset and s.ruleset.restrict_self(), False),
+    ("seccomp", lambda s: s.filter and s.filter.load(), False),  # last: it refuses mount and unshare
+    ("barrier", lambda s: s.plan.pid_namespace or _barrier(s), False),  # until our identity is journaled
+    ("chdir", lambda s: os.chdir(s.plan.spec.workdir), False),
+    ("exec", lambda s: os.execve(s.plan.spec.exe, s.plan.spec.argv, s.plan.spec.env), False),
 )
 
 # Where a host that refuses namespaces stops a cell: the steps marked REFUSED, and the controller's own

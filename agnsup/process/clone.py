@@ -19,11 +19,9 @@ _CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, err
 
 
 def new(path: str | None, pid_namespace: bool, own_userns: bool) -> tuple[int, int | None, bool]:
-    """(pid, pidfd or None, born in `path`) of a new leader; (0, None, born) in the leader. Born in the cgroup2
-    directory `path` (None: not at all) when it can be, the controller then moving it into the rest; else in
-    ours, joining its own. `own_userns`: a normal user's PID namespace, which only a user namespace of its
-    own made in the same clone3 lets it have (the controller cannot unshare(CLONE_NEWPID) for it); EPERM
-    then: no user namespace for us."""
+    """(pid, pidfd or None, born in `path`: None, not at all) of a new leader; (0, None, born) in it. `own_userns`:
+    a normal user's PID namespace, which only a user namespace of its own made in the same clone3 lets it have
+    (the controller cannot unshare(CLONE_NEWPID) for it); EPERM then: no user namespace for us."""
     flags = (lsys.CLONE_NEWPID if pid_namespace else 0) | (lsys.CLONE_NEWUSER if own_userns else 0)
     pid, fd = _clone_into_cgroup(path, flags) if path is not None else (None, None)
     born = pid is not None

@@ -14,13 +14,12 @@ def probe(fn) -> tuple[bool, str]:
         code, said = 1, b""
         try:
             os.close(r)
-            said = fn()
-            said, code = (said if isinstance(said, bytes) else b""), 0
+            said, code = fn(), 0
         except BaseException as e:  # noqa: BLE001
             said = str(e).encode(errors="replace")[:500]
         finally:
             try:
-                os.write(w, said)
+                os.write(w, said if isinstance(said, bytes) else b"")
             finally:
                 os._exit(code)
     os.close(w)

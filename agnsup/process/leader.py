@@ -44,7 +44,11 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         s = _prepare(plan, backend, place)
     except OSError as e:
         raise _failed("confinement", e, plan) from None
-    s.stdio, s.ctty, s.controller = stdio, _take_terminal() if ctty else None, os.getpid()
+    s.stdio, s.controller = stdio, os.getpid()
+    if ctty:  # TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing
+        import fcntl
+        import termios
+        s.ctty = lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     s.barrier_r, barrier_w = os.pipe()
     err_r, s.err_w = os.pipe()
     status_r = None
@@ -65,17 +69,13 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             status_r, s.status_w = os.pipe()
         pid, fd, born = forker(fork) if forker is not None else fork()
     except OSError as e:
-        for fd in (s.barrier_r, barrier_w, err_r, s.err_w, status_r, s.status_w):
+        for fd in (barrier_w, err_r, status_r):
             if fd is not None:
                 os.close(fd)
         _close_setup(s)
         if s.ids is not None and e.errno in namespaces.USERNS_REFUSED:
             raise namespaces.userns_refused(e.strerror or str(e), e.errno) from None
         raise _failed("pid_namespace", e, plan) from None
-    os.close(s.barrier_r)
-    os.close(s.err_w)
-    if s.status_w is not None:
-        os.close(s.status_w)
     _close_setup(s, forked=True)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=clone.JOIN_CLONE3 if born else clone.JOIN_FORK, handoff=s.egress,
@@ -224,13 +224,6 @@ def _interpreter(exe: str) -> str | None:
     return words[0].decode(errors="replace") if words else None
 
 
-def _take_terminal():
-    """TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing."""
-    import fcntl
-    import termios
-    return lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-
 def _failed(step: str, e: OSError, plan) -> SetupError:
     """The controller's own step `step` failed: the host refuses a namespace (reduced_refusal), or another cause."""
     return namespaces.reduced_refusal(step, e.strerror or str(e), e.errno, plan) or \
@@ -269,15 +262,13 @@ def _prepare(plan, backend, place) -> Setup:
 def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
+    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, *(() if forked else (s.premade or {}).values())):
+        if fd is not None:
+            os.close(fd)
     if s.ruleset:
         s.ruleset.close()
     if s.egress:
         s.egress.after_fork() if forked else s.egress.close()
-    for premade in () if forked else (s.premade or {}).values():
-        os.close(premade)
-    if s.netns_fd is not None:
-        os.close(s.netns_fd)
-        s.netns_fd = None
 
 
 def make_tmp(plan) -> int:

@@ -157,13 +157,12 @@ def namespaces_refused() -> dict:
         return dict(_ns_refused)
     root = os.geteuid() == 0
     # in this order: the network's own user namespace (a root controller without CAP_NET_ADMIN) comes last
+    ours = os.readlink("/proc/self/ns/mnt")
     tries = (("mount_namespace", _mount_namespace_probe),
-             ("pid_namespace", _pid_namespace_probe),
+             ("pid_namespace", lambda: _pid_namespace_probe(ours)),
              ("network_namespace", _netns_with_loopback))
 
     def in_the_child() -> bytes:
-        global _host_mnt_ns
-        _host_mnt_ns = os.readlink("/proc/self/ns/mnt")
         out = []
         try:
             if not root:
@@ -199,12 +198,12 @@ def _mount_namespace_probe() -> None:
     os.close(lsys.fsmount_new("tmpfs", {"size": "4096"}))
 
 
-def _pid_namespace_probe() -> None:
+def _pid_namespace_probe(host_mnt_ns: str) -> None:
     """A PID namespace, and (in the private mount namespace _mount_namespace_probe made, when it could) its
     own /proc mounted by its PID 1, as a cell's init does: a container engine's masked /proc files make the
     kernel refuse that mount in a user namespace (mount_too_revealing)."""
     lsys.unshare(lsys.CLONE_NEWPID)
-    if os.readlink("/proc/self/ns/mnt") == _host_mnt_ns:
+    if os.readlink("/proc/self/ns/mnt") == host_mnt_ns:
         return  # no mount namespace here: the cell's PID namespace goes with it (compiler._reduced)
     _, err = probe(_mount_proc)
     if err:
@@ -218,9 +217,6 @@ def _mount_proc() -> bytes | None:
     except OSError as e:
         return (e.strerror or str(e)).encode(errors="replace")
     return None
-
-
-_host_mnt_ns = ""  # the mount namespace the probe child started in (set in it)
 
 
 def _netns_with_loopback() -> None:

@@ -40,12 +40,12 @@ class Setup(Record):
     netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
     # ... and once the pipes exist, just before fork:
     stdio: tuple | None = None   # the fds the child dup2s onto 0-2
-    barrier_r: int = -1          # "1" once the controller has journaled our identity; EOF: never run
-    err_w: int = -1              # the setup report
+    barrier_r: int | None = None  # "1" once the controller has journaled our identity; EOF: never run
+    err_w: int | None = None      # the setup report
     status_w: int | None = None  # PID namespace: the init reports the command's status here
     controller: int = 0          # the controller's pid (crashpoints)
     born: bool = False           # born in its cgroup (clone3): the controller moves it into the rest
-    ctty: object = None          # makes fd 0 the controlling terminal (spawn's take_terminal)
+    ctty: object = None          # makes fd 0 the controlling terminal (built by spawn)
     in_userns: bool = False      # born in a user namespace of its own
 
 

@@ -191,3 +191,12 @@ def test_only_the_store_speaks_sql():
     bad = {os.path.relpath(p, PKG): v for p in _sources() if p not in (STORE, OBSERVER) and (v := _sql(p))}
     assert not bad, f"SQL outside agnsup/journal.py: {bad}"
     assert _sql(STORE)  # the check sees SQL where it is
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject names its packages one by one: a new folder left out installs a wheel that fails on import."""
+    import tomllib
+    with open(os.path.join(os.path.dirname(PKG), "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {_module(os.path.join(root, "__init__.py")) for root, _, files in os.walk(PKG) if "__init__.py" in files}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -7,9 +7,9 @@ before any kernel object exists, the identity before the command may exec.
 
     start(prepared)   lock the worktree, journal the intent (run quotas judged inside
                       that transaction), make the cell's place (backend; its /tmp: home.py)
-                      and its stdio (io.wiring), fork the leader (supervisor), journal its
-                      identity, let it exec
-    waiter(cell)      the supervisor's wait loop, stopping the cell's tree (reaper.Tree)
+                      and its stdio (io.wiring), fork the leader (process.leader), journal
+                      its identity, let it exec
+    waiter(cell)      the wait loop (process.wait), stopping the cell's tree (reaper.Tree)
     finish(cell, w)   what is left of the tree after the leader is reaped (reaper), the
                       outcome, the receipt; fail(cell, error) for a cell that never ran
 
@@ -25,7 +25,8 @@ import os
 import sys
 import time
 
-from . import changes, crashpoints, home, locks, protect, receipts, reaper, supervisor
+from . import changes, crashpoints, home, locks, protect, receipts, reaper
+from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
 from .linux import pidfd, proc
@@ -96,7 +97,7 @@ class Controller:
     def __init__(self, state, kind: str = "run", journal=None, one_cell: bool = False, backend=None, forker=None):
         """`journal`: an open Journal to use (and close) instead of opening one.
         `one_cell`: this controller starts one cell and ends with it. `forker`: the
-        long-lived thread every cell is forked from (supervisor.spawn), when this
+        long-lived thread every cell is forked from (process.leader.spawn), when this
         controller has many threads."""
         from . import backend as backends
         self.state = state.ensure()
@@ -112,7 +113,7 @@ class Controller:
             self.journal.register_controller(self._row())
             self._registered = True
         self.backend = backend if backend is not None else backends.choose(state.path)
-        self.backend.enter(supervisor.run_helper)  # under systemd: into agnsup's own unit, before any cell
+        self.backend.enter(helpers.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
 
     def _take_lock(self) -> None:
@@ -213,7 +214,7 @@ class Controller:
                 _keep_for_janitor(plan, cell.protect_start)
             _open_audit(cell)
             try:
-                cell.child = supervisor.spawn(plan, self.backend, cell.place, stdio, self.forker,
+                cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
@@ -223,11 +224,11 @@ class Controller:
             try:
                 self._identity(cell)
             except BaseException:
-                supervisor.abandon(cell.child)  # never runs: it exits at the barrier
+                leader.abandon(cell.child)  # never runs: it exits at the barrier
                 cell.child = None
                 raise
             try:
-                supervisor.release(plan, cell.child)
+                leader.release(plan, cell.child)
             except BaseException:
                 cell.child = None  # reaped by release
                 raise
@@ -318,9 +319,9 @@ class Controller:
         self.journal.commit_identity(cell.spec.run_id, cell.spec.cell_id, {**ident, "started_at": cell.started_at}, st)
 
     # -- wait and finish --------------------------------------------------
-    def waiter(self, cell: Cell, wake_fd: int | None = None) -> supervisor.Waiter:
+    def waiter(self, cell: Cell, wake_fd: int | None = None) -> wait.Waiter:
         tree = reaper.Tree(self.backend, cell.target(), cell.child.pidfd)
-        waiter = supervisor.Waiter(cell.child, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
+        waiter = wait.Waiter(cell.child.pidfd, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
                                    oom_fd=cell.place.oom_fd)
         if cell.cancelled_starting:
             # cancelled after its identity commit, before its leader was surely in its tree: the
@@ -328,7 +329,7 @@ class Controller:
             waiter.request_stop("cancelled", cell.cancelled_starting)
         return waiter
 
-    def finish(self, cell: Cell, waiter: supervisor.Waiter) -> dict:
+    def finish(self, cell: Cell, waiter: wait.Waiter) -> dict:
         """The leader has exited: reap the rest of the tree, then the leader; release
         what the cell held, journal its end, write its receipt."""
         spec, target = cell.spec, cell.target()
@@ -342,7 +343,7 @@ class Controller:
         left = reaper.stop(self.backend, [target], until=until, exclude=(cell.child.pid,))[0]
         if not left.empty:
             raise SetupError(left.error)
-        status, sig = supervisor.collect(cell.child)
+        status, sig = leader.collect(cell.child)
         if cell.pump is not None:
             cell.pump.drain(5.0)  # the tree is dead: every write end is closed, EOF comes at once
         reason = waiter.reason or ("exited" if status is not None else "killed")
@@ -356,9 +357,8 @@ class Controller:
             usage["tmp_bytes"] = cell.child.tmp_used  # the /tmp tmpfs when the cell ended (limits.tmp_max)
         if usage.get("oom_kills") and reason in ("exited", "killed"):
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
-        outcome = supervisor.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal,
-                                        cancel_reason=cancel_reason, kill_method=waiter.kill_method or left.method,
-                                        leftover=left.left)
+        outcome = wait.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
+                                  kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
         self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
         self._settle_protected(cell)
@@ -415,11 +415,11 @@ class Controller:
         """A cell that never ran (or whose start could not be recorded): undo what exists, record why."""
         cancel = self.journal.cancel_reason(cell.spec.run_id, cell.spec.cell_id) \
             if isinstance(error, CancelledBeforeStart) else None
-        outcome = supervisor.Outcome.failed(error, cancel)
+        outcome = wait.Outcome.failed(error, cancel)
         target = cell.target()
         if cell.child is not None:  # it runs, but its start was not recorded: it must not
             reaper.Tree(self.backend, target, cell.child.pidfd).kill()
-            supervisor.collect(cell.child)
+            leader.collect(cell.child)
         self._close_fds(cell)
         self._commit_changes(cell)  # what a cell killed before its start was recorded may have written
         r = reaper.reap(self.backend, target)

@@ -54,7 +54,7 @@ class ExecutionPlan(Record):
     tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
     tmp_tmpfs: bool = False                 # root: /tmp is a tmpfs of limits.tmp_max the controller makes and
-                                            # fills from tmpdir (supervisor.make_tmp); else the tmpdir itself
+                                            # fills from tmpdir (process.leader.make_tmp); else the tmpdir itself
     caches: list[tuple] = Factory(list)     # (host dir under <state>/caches, path in the cell, that path inside
                                             # the cell's /tmp dir): filesystem.cache
     devices: list[tuple] = Factory(list)    # (path, "character" | "block"): filesystem.devices, bound in /dev
@@ -730,7 +730,7 @@ def _runtime_links(spec: CellSpec, tmpdir: str | None = None) -> list[tuple]:
 # and internal reach out only through the controller's proxy (agnsup/egress/).
 NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
 # The /dev/null class: devices every program may open for writing. The cell's own devpts and /dev/shm
-# exist only in its namespace: their rules are added in the child (supervisor._confine).
+# exist only in its namespace: their rules are added in the child (process/steps.py).
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]
 def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktree_rw: bool, host: dict,
                  cache_writable=(), state_root: str = "") -> dict:
@@ -850,7 +850,7 @@ REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgr
 def reduced_pieces(policy=None, host: dict | None = None, backend=None) -> list[str]:
     """The pieces a cell of `policy` (policy.Frozen; None: a role listing all four) runs without on this
     host: those its
-    isolation.reduced lists that the host refuses (host["_namespaces"]() or supervisor.namespaces_refused;
+    isolation.reduced lists that the host refuses (host["_namespaces"]() or process.namespaces.namespaces_refused;
     "cgroup" when `backend`, or host["backend"], has no tree). [] for a role that lists none, or on a full host. For
     `agnsup doctor`'s `reduced:` line; a cell's receipt has the same under `reduced`."""
     accepted = list(REDUCIBLE_ORDER if policy is None else policy.isolation.get("reduced", ()))
@@ -858,8 +858,8 @@ def reduced_pieces(policy=None, host: dict | None = None, backend=None) -> list[
         return []
     host = dict(host or {})
     if "_namespaces" not in host:
-        from . import supervisor
-        host["_namespaces"] = supervisor.namespaces_refused
+        from .process.namespaces import namespaces_refused
+        host["_namespaces"] = namespaces_refused
     backend = backend if backend is not None else host.get("backend")
     out = [p for p in NAMESPACE_PIECES if p in accepted and (_refused_here(host).get(p))]
     if "mount_namespace" in out and "pid_namespace" in accepted and "pid_namespace" not in out:
@@ -877,7 +877,7 @@ def _refused_here(host: dict) -> dict:
 def _reduced(policy, spec: CellSpec, host: dict) -> tuple[dict, dict]:
     """({piece: why} this cell runs without, the host facts as the rest of the compiler must see them).
     Asked of the host only when the role lists isolation.reduced (a probe once per controller process:
-    supervisor.namespaces_refused); a role that lists none costs nothing here."""
+    process.namespaces.namespaces_refused); a role that lists none costs nothing here."""
     accepted = policy.isolation.get("reduced", ())
     if not any(p in accepted for p in NAMESPACE_PIECES):
         return {}, host

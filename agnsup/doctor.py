@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from . import supervisor
+from .process import helpers, namespaces
 from .linux import cgroup, pidfd, proc
 from .linux import sys as lsys
 
@@ -37,7 +37,7 @@ def confinement() -> dict:
         checks["mapped_uid"] = _mapped_uid_check
     for name, fn in checks.items():
         if out[name]["available"]:
-            ok, err = supervisor.probe(fn)
+            ok, err = helpers.probe(fn)
             if not ok:
                 out[name] = {"available": False, "why_not": f"fails here: {err}"}
     return out
@@ -45,9 +45,9 @@ def confinement() -> dict:
 
 def _mapped_uid_check() -> None:
     """The cells' user namespace can be made here and / (the root file system) id-mapped through it; other
-    file systems are asked per device when a cell's plan is made (supervisor.idmap_refused)."""
-    supervisor.cell_userns()
-    why = supervisor.idmap_refused("/")
+    file systems are asked per device when a cell's plan is made (process.namespaces.idmap_refused)."""
+    namespaces.cell_userns()
+    why = namespaces.idmap_refused("/")
     if why:
         raise OSError(why)
 
@@ -65,7 +65,7 @@ def cell_identity(conf: dict) -> str:
             "host root and its receipt says why); isolation.host_root = true opts out")
 
 
-# A normal user's cell namespaces live in a user namespace of its own (supervisor.py): probe them there.
+# A normal user's cell namespaces live in a user namespace of its own (process/steps.py): probe them there.
 _IN_USERNS = 0 if os.geteuid() == 0 else lsys.CLONE_NEWUSER
 
 
@@ -96,7 +96,7 @@ def reversible(state_root: str) -> dict:
     try:
         for d in ("lower", "layer/upper", "layer/work"):
             os.makedirs(os.path.join(scratch, d))
-        ok, err = supervisor.probe(lambda: _overlay_probe(scratch, os.geteuid() == 0))
+        ok, err = helpers.probe(lambda: _overlay_probe(scratch, os.geteuid() == 0))
         if not ok:
             return {**out, "why_not": f"an overlay of a worktree cannot be made here: {err}"}
         out["available"] = True
@@ -137,9 +137,9 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
     ns = {}
     for name, flag in (("mount", lsys.CLONE_NEWNS), ("network", lsys.CLONE_NEWNET), ("pid", lsys.CLONE_NEWPID),
                        ("user", lsys.CLONE_NEWUSER)):
-        ok, err = supervisor.probe(_ns(flag))
+        ok, err = helpers.probe(_ns(flag))
         ns[name] = {"available": ok, **({"error": err} if err else {})}
-    mount_api_ok, mount_api_err = supervisor.probe(
+    mount_api_ok, mount_api_err = helpers.probe(
         lambda: (lsys.unshare(lsys.CLONE_NEWNS | _IN_USERNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
     from .linux.host import protections
     ll = protections()["_abi"] or None
@@ -422,7 +422,7 @@ def fix_for(step: str, ev: dict, code: int | None = None) -> str | None:
         if in_ctr and ev["seccomp_filter"]:
             return ("the container's seccomp profile refuses a normal user's user namespace: "
                     f"{_ctr_flag(ev, None, seccomp=True)}, or run agnsup as root in it") + reduced
-        return None  # the user-namespace fix run gives is right (supervisor._userns_refused)
+        return None  # the user-namespace fix run gives is right (process.namespaces.userns_refused)
     if piece == "network_namespace" and "NET_ADMIN" in ev["caps_missing"] and "SYS_ADMIN" not in ev["caps_missing"]:
         why = "bringing up the cell's loopback needs CAP_NET_ADMIN, which this process lacks (CapEff)"
         return f"{why}: " + (_ctr_flag(ev, "NET_ADMIN") if in_ctr else "run agnsup with CAP_NET_ADMIN") + reduced

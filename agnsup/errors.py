@@ -30,7 +30,7 @@ Only front doors look at the table: the CLI exits with `exit_code(e)`; the
 Python tool API and the serve protocol return `as_value(e)`, and the serve
 client turns such a value back into the same error with `from_value`.
 A cell's own exit status (the command's, 128+N, 124 for a timeout) is not an
-error: `supervisor.Outcome` decides it.
+error: `process.wait.Outcome` decides it.
 """
 from __future__ import annotations
 

@@ -102,15 +102,15 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
-    from . import supervisor  # the id-mapped mount probe, once per device (a root controller's cells)
+    from .process import namespaces  # the id-mapped mount probe, once per device (a root controller's cells)
 
     def reversible(state_root: str, worktree: str) -> str | None:  # asked only of a cell that would capture
         from .changes import unsupported
         return unsupported(state_root, worktree)
     try:
-        plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": supervisor.idmap_refused,
+        plan = compiler.compile_plan(spec, pol, state.path, {**host.protections(), "_idmap": namespaces.idmap_refused,
                                                              "_reversible": reversible,
-                                                             "_namespaces": supervisor.namespaces_refused}, other_roots)
+                                                             "_namespaces": namespaces.namespaces_refused}, other_roots)
     except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
         refuse(e)
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),

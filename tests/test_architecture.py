@@ -1,9 +1,9 @@
 """The shape of the package, proven by reading the source:
 
-- only the process supervisor creates processes (the self-test harness, which
+- only the process package (agnsup/process/) creates processes (the self-test harness, which
   plays the user and the bystanders, starts plain host processes in one place);
 - imports flow one way: front doors -> tool/service -> stages (spec, governance,
-  policy, compiler; cancel and janitor) -> broker -> reaper/supervisor ->
+  policy, compiler; cancel and janitor) -> broker -> reaper/process ->
   backend/journal -> linux and the shared modules. A module imports its own
   layer or below, never above (lazy imports inside functions count too).
 """
@@ -11,7 +11,7 @@ import ast
 import os
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agnsup")
-SUPERVISOR = os.path.join(PKG, "supervisor.py")
+PROCESS = os.path.join(PKG, "process")  # the package that alone creates processes
 HARNESS = os.path.join(PKG, "selftest", "host.py")  # may use subprocess.Popen, nothing else
 FORBIDDEN_CALLS = {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen", "spawnv", "spawnve",
                    "spawnl", "spawnle", "spawnlp", "spawnvp", "execv", "execve", "execvp", "execvpe", "execl",
@@ -25,7 +25,7 @@ LAYERS = [  # top to bottom
                 "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",
                 "agnsup.netpolicy", "agnsup.repair"]),
     ("broker", ["agnsup.broker", "agnsup.home"]),
-    ("reaper and supervisor", ["agnsup.reaper", "agnsup.supervisor", "agnsup.receipts", "agnsup.io",
+    ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.receipts", "agnsup.io",
                                "agnsup.locks", "agnsup.egress", "agnsup.protect"]),
     ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.changes", "agnsup.state", "agnsup.migrations"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
@@ -113,17 +113,21 @@ def _violations(path):
     return out
 
 
-def test_no_module_but_the_supervisor_creates_processes():
+def _in_process_package(path: str) -> bool:
+    return os.path.dirname(path) == PROCESS
+
+
+def test_no_module_outside_the_process_package_creates_processes():
     bad = {}
     for path in _sources():
-        if path == SUPERVISOR:
+        if _in_process_package(path):
             continue
         v = _violations(path)
         if path == HARNESS:
             v = [x for x in v if x not in ("import subprocess", "subprocess.Popen")]
         if v:
             bad[os.path.relpath(path, PKG)] = v
-    assert not bad, f"process creation outside agnsup/supervisor.py: {bad}"
+    assert not bad, f"process creation outside agnsup/process/: {bad}"
 
 
 def test_the_source_check_would_catch_a_fork(tmp_path):
@@ -132,8 +136,16 @@ def test_the_source_check_would_catch_a_fork(tmp_path):
     assert set(_violations(str(p))) == {"import subprocess", "os.fork", "os.execve", "lsys.clone3_into_cgroup"}
 
 
-def test_the_supervisor_is_where_fork_and_exec_live():
-    assert {"os.fork", "os.execve", "lsys.clone3_into_cgroup"} <= set(_violations(SUPERVISOR))
+def test_the_process_package_is_where_fork_and_exec_live():
+    found = set().union(*(_violations(p) for p in _sources() if _in_process_package(p)))
+    assert {"os.fork", "os.execve", "lsys.clone3_into_cgroup"} <= found
+
+
+def test_the_check_covers_every_module_outside_the_process_package():
+    """A fork in another module, even one beside the package (broker) or named like it, is caught."""
+    assert not _in_process_package(os.path.join(PKG, "broker.py"))
+    assert not _in_process_package(os.path.join(PKG, "linux", "process.py"))
+    assert _in_process_package(os.path.join(PROCESS, "leader.py"))
 
 
 def test_imports_flow_one_way_down_the_path():
@@ -154,7 +166,7 @@ def test_the_direction_check_would_catch_an_upward_import():
     assert up("broker.py", "def f():\n    from . import governance\n") == ["agnsup.governance (stages)"]
     assert up("gate/quota.py", "from ..journal import Journal\n") == []  # down is fine
     assert up("backend/cgroups.py", "import agnsup.broker\n") == ["agnsup.broker (broker)"]
-    assert up("linux/cgroup.py", "from .. import reaper\n") == ["agnsup.reaper (reaper and supervisor)"]
+    assert up("linux/cgroup.py", "from .. import reaper\n") == ["agnsup.reaper (reaper and process)"]
     assert up("journal.py", "from . import migrations\n") == []
 
 
@@ -179,3 +191,12 @@ def test_only_the_store_speaks_sql():
     bad = {os.path.relpath(p, PKG): v for p in _sources() if p not in (STORE, OBSERVER) and (v := _sql(p))}
     assert not bad, f"SQL outside agnsup/journal.py: {bad}"
     assert _sql(STORE)  # the check sees SQL where it is
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject names its packages one by one: a new folder left out installs a wheel that fails on import."""
+    import tomllib
+    with open(os.path.join(os.path.dirname(PKG), "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {_module(os.path.join(root, "__init__.py")) for root, _, files in os.walk(PKG) if "__init__.py" in files}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -435,11 +435,11 @@ def test_a_normal_users_cell_gets_a_capped_tmpfs_tmp_too():
 # ------------------------------------------------------------------ the selftest's gates
 
 def test_the_identity_selftest_gates_pass_here():
-    from agnsup import supervisor
+    from agnsup.process import namespaces
     from agnsup.selftest import doors_identity
     # where the selftest's scratch cannot be id-mapped (the v2 guest's /var/tmp is 9p under an overlay), a
     # root controller's cell runs as host root: ROOT_ONLY_FILES must then say so, never PASS
-    unmappable = supervisor.idmap_refused(os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp"))
+    unmappable = namespaces.idmap_refused(os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp"))
     for g in run_door_gates(doors_identity.RUNNERS).values():
         blocked = g["status"].startswith("ENV_BLOCKED") and (
             g["gate"] == "OTHER_HOMES"  # a host with no other home

@@ -22,7 +22,7 @@ from conftest import Agnsup, refusals, run_door_gates
 from scenario import stop_server
 from test_doors_sockets import P_MCP_GET
 
-from agnsup import supervisor
+from agnsup.process import namespaces
 from agnsup.linux import peer
 
 NOBODY = 65534
@@ -439,7 +439,7 @@ def test_the_selftest_gate_holds_here(user):
     assert r["status"] == "PASS", r
     if user is not None:
         assert f"uid {NOBODY} is neither" in r["evidence"], r
-    elif supervisor.idmap_refused(os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp")):
+    elif namespaces.idmap_refused(os.environ.get("AGNSUP_SELFTEST_DIR", "/var/tmp")):
         # a scratch that cannot be id-mapped (the v2 guest's /var/tmp): the cell is host root, known by its cgroup
         assert "cgroup /" in r["evidence"] and "/cell-" in r["evidence"], r
     else:

@@ -7,9 +7,6 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 PROC_READER = os.path.join(PKG, "linux", "proc.py")
 OUTSIDE_READERS = (os.path.join(PKG, "selftest"),)  # the self-test reads /proc as an outside observer would
-# issue 30: supervisor.py's (then agnsup/process/'s) namespace handles and thread count, until the lead
-# applies proc.ns, proc.ns_id and proc.threads there after the split
-PENDING = (os.path.join(PKG, "supervisor.py"), os.path.join(PKG, "process"))
 
 
 def _proc_reads(path: str) -> list[str]:
@@ -38,7 +35,7 @@ def _sources():
 
 def test_only_linux_proc_reads_proc():
     bad = {os.path.relpath(p, PKG): v for p in _sources()
-           if p != PROC_READER and not p.startswith(OUTSIDE_READERS + PENDING) and (v := _proc_reads(p))}
+           if p != PROC_READER and not p.startswith(OUTSIDE_READERS) and (v := _proc_reads(p))}
     assert not bad, f"/proc read outside agnsup/linux/proc.py: {bad}"
     assert _proc_reads(PROC_READER)  # the check sees the reads where they are
 

@@ -125,7 +125,7 @@ def _receipt(state: str) -> dict:
 def test_a_root_controller_without_net_admin_gives_its_cell_a_loopback_of_its_own(agnsup, worktree, policy_dir,
                                                                                    host_root):
     """Docker's recipe adds CAP_SYS_ADMIN, not CAP_NET_ADMIN: the cell's network namespace is then owned by a
-    user namespace of its own (supervisor.cell_netns), whose lo is up. The cell talks to itself on 127.0.0.1,
+    user namespace of its own (process.namespaces.cell_netns), whose lo is up. The cell talks to itself on 127.0.0.1,
     cannot reach the controller's loopback, and holds no CAP_NET_ADMIN over its namespace, also as host root:
     that namespace's owner is not root (without the fix: step 'loopback', EPERM; with root as the owner, the
     host_root cell brings lo down: both checked by removing them)."""

@@ -308,12 +308,13 @@ def test_a_mapped_cells_layer_is_shifted_back_at_commit(tmp_path, outside):
     the cells' namespace) writes is host BASE+n in the upper, the overlay's root shows the worktree root's
     owner, and the commit leaves the owners the cell's id map means: what it made is on-disk 0, the rest
     as it was, the worktree root unchanged."""
-    from agnsup import changes, supervisor
+    from agnsup import changes
+    from agnsup.process import namespaces
     from agnsup.linux import mounts, userns
     from agnsup.linux import sys as lsys
     wt = os.path.join(outside, "wt")
     os.makedirs(os.path.join(wt, "sub"))
-    refused = supervisor.idmap_refused(wt)
+    refused = namespaces.idmap_refused(wt)
     if refused:
         pytest.skip(f"ENV_BLOCKED: no id-mapped mount of {wt} here: {refused}")
     with open(os.path.join(wt, "a"), "w") as f:
@@ -323,7 +324,7 @@ def test_a_mapped_cells_layer_is_shifted_back_at_commit(tmp_path, outside):
     os.mkdir(state, 0o700)
     base, gbase, _ = userns.cell_range()
     layer = changes.prepare(state, "r1", "c1", None, worktree=wt, agent_id="a", id_shift=base)
-    ns = supervisor.cell_userns()
+    ns = namespaces.cell_userns()
 
     def as_the_cell():
         lsys.unshare(lsys.CLONE_NEWNS)

@@ -41,7 +41,7 @@ def _run_and_list_modules(state, worktree, tmp_path, *args):
 def test_run_true_imports_nothing_heavy(state, worktree, tmp_path, role):
     _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")  # warms the policy cache
     mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")
-    assert "agnsup.supervisor" in mods and "agnsup.journal" in mods  # it did run the cell path
+    assert "agnsup.process.leader" in mods and "agnsup.journal" in mods  # it did run the cell path
     heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
     assert heavy == [], f"the run path imported {heavy}"
 

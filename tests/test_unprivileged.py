@@ -212,7 +212,7 @@ print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"]})
 
 def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
     """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
-    throwaway child of its own, with CLONE_PARENT (supervisor.py)."""
+    throwaway child of its own, with CLONE_PARENT (process/clone.py)."""
     p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.work,
                          preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

@@ -80,7 +80,7 @@ class Backend:
     def enter(self, run_helper) -> None:
         """Make this process a controller of cells here (once, before its first cell). Only the
         systemd backend moves it (into agnsup's own unit); `run_helper(argv, timeout)` ->
-        (rc, stdout, stderr) is the supervisor's, the only spawner."""
+        (rc, stdout, stderr) comes from process.helpers, the only spawner."""
 
     def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
         return Place()

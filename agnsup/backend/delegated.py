@@ -6,7 +6,7 @@ cgroup.subtree_control and cgroup.threads to the user, and starts the user's pro
 (a process cannot move itself in from outside: the common ancestor's cgroup.procs is not its own).
 The user then makes `agnsup-<digest>/run-R/agent-A/cell-C` below it, sets their limits, writes their
 cgroup.kill, and moves processes among them, exactly as root does elsewhere; the cell's own
-namespaces live in a user namespace of its own (supervisor.py). What the subtree cannot give
+namespaces live in a user namespace of its own (process/steps.py). What the subtree cannot give
 (controllers the delegating side did not hand down; v1 hierarchies, which have no safe delegation)
 is named per limit, never faked.
 

@@ -9,7 +9,7 @@ never touches what is below it.
 One transient scope per state root, `system.slice/agnsup-<digest>.scope`, made by the first
 controller with StartTransientUnit (PIDs=[itself], Delegate=yes, CollectMode=inactive-or-failed:
 systemd removes it once nothing is left in it) on the system bus, through `busctl` run
-by the supervisor (the only spawner; the stdlib has no D-Bus client). A later controller of the same
+by process.helpers.run_helper (the only spawner; the stdlib has no D-Bus client). A later controller of the same
 state root, while the scope lives, moves itself in (root may write any cgroup.procs: the subtree is
 ours by delegation). Inside, "no internal processes": each controller sits in a leaf of its own,
 `ctl-<pid>`, the cells in `agnsup-<digest>/run-R/agent-A/cell-C`, and the scope's cgroup.subtree_control

@@ -39,7 +39,7 @@ def protections() -> dict:
 def _mapped_uid(root: bool) -> str | None:
     """Why a root controller's cells cannot run as uid 0 of the cells' user namespace here (None: they
     can; a normal user's cells run as that user already, never as host root). The file systems are asked
-    per device when a plan is made (supervisor.idmap_refused); the namespace itself when it is made."""
+    per device when a plan is made (process.namespaces.idmap_refused); the namespace itself when it is made."""
     if not root:
         return None
     most = proc.sysctl("user/max_user_namespaces")
@@ -50,7 +50,7 @@ def _mapped_uid(root: bool) -> str | None:
 
 def _userns_pid() -> str | None:
     """Why a normal user's cell cannot have a PID namespace here (None: it can). It is born in a user
-    namespace of its own and PID 1 of a new PID namespace by one clone3 (supervisor.py)."""
+    namespace of its own and PID 1 of a new PID namespace by one clone3 (process/clone.py)."""
     from . import userns
     blocked = userns.blocked_by_sysctl()
     return f"no user namespace for a normal user: {blocked[0]}" if blocked else None
@@ -64,7 +64,7 @@ def net_admin() -> bool:
     """Does this process hold CAP_NET_ADMIN (its effective set, /proc/self/status CapEff)? Read once per
     process. A root controller without it (Docker's recipe adds SYS_ADMIN only) cannot bring up the
     loopback of a network namespace its own user namespace owns: its cells' network namespaces are then
-    owned by a user namespace of their own (supervisor.cell_netns)."""
+    owned by a user namespace of their own (process.namespaces.cell_netns)."""
     if not _net_admin:
         try:
             eff = int((proc.status() or {}).get("CapEff", "0"), 16)

@@ -16,7 +16,7 @@ The recipe, in order:
            what the cell creates is owned by uid 0 on disk.
   tmpcopy  a normal user's cell: a fresh tmpfs of points[0] bytes filled with a
            copy of the staged temp dir (path), kept like a clone for the /tmp
-           attach (a root controller makes it itself: supervisor.make_tmp).
+           attach (a root controller makes it itself: process.leader.make_tmp).
   root     everything read-only and private, recursively, in one
            mount_setattr(2): on systemd hosts / is shared and a bare unshare
            leaks mounts back to the host; read-only covers /sys/fs/cgroup, so

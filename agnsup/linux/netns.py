@@ -7,7 +7,7 @@ process in it, so nothing is left to clean up after a crash.
 
 Bringing lo up takes CAP_NET_ADMIN over the user namespace that owns the network namespace. A root
 controller that lacks it (a container given CAP_SYS_ADMIN only, Docker's recipe) gives each cell a network
-namespace owned by a user namespace of the cell's own (supervisor.cell_netns): a throwaway helper makes both
+namespace owned by a user namespace of the cell's own (process.namespaces.cell_netns): a throwaway helper makes both
 in one unshare (the new user namespace owns the new network namespace, and its creator holds every
 capability there), brings lo up, and the cell's child joins the network namespace by setns; the child
 itself stays in the controller's user namespace, so its mounts, ids and files are as before. The owner of

@@ -1,7 +1,7 @@
 """PID 1 of a cell's PID namespace: forwards signals, reaps, passes the status on.
 
 The controller forks the init (journaled as the cell's leader); the init
-forks the command (supervisor.py does both forks: only it creates
+forks the command (process/ does both forks: only it creates
 processes) and then runs `supervise`. The init:
 
 - forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH,

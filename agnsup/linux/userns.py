@@ -1,4 +1,4 @@
-"""User namespaces for the cells of an unprivileged caller (issue 14 phase B: supervisor.py).
+"""User namespaces for the cells of an unprivileged caller (issue 14 phase B: process/steps.py).
 
 A normal user gets mount and network namespaces only inside a user namespace of its own
 (user_namespaces(7)): the cell's child calls unshare(CLONE_NEWUSER) first, then someone writes its
@@ -131,7 +131,7 @@ def cell_map_lines() -> tuple[bytes, bytes]:
 
 
 def write_cell_maps(pid: int) -> None:
-    """Written by the root controller into the namespace of its throwaway child `pid` (supervisor.cell_userns).
+    """Written by the root controller into the namespace of its throwaway child `pid` (process.namespaces.cell_userns).
     setgroups stays "allow": the cell calls setgroups([]) as root of the namespace."""
     uid_map, gid_map = cell_map_lines()
     _write_once(f"/proc/{pid}/uid_map", uid_map)

@@ -121,10 +121,11 @@ def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, bloc
     # Under systemd the run's controllers live in agnsup's own unit for this state root; they run in a
     # PID namespace with its own /proc, where systemd cannot name them: the harness enters the unit
     # first, so they are born in it (a no-op on every other host kind).
-    from .. import backend, supervisor
+    from .. import backend
+    from ..process.helpers import run_helper
     from ..errors import AgnsupError
     try:
-        backend.choose(state).enter(supervisor.run_helper)
+        backend.choose(state).enter(run_helper)
     except AgnsupError:
         pass  # the scenario's first controller meets the same refusal, and its result says so
     argv = [sys.executable, "-m", "agnsup.selftest.scenario", cfg_path, out_path]

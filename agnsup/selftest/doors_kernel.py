@@ -262,7 +262,7 @@ class HostIpc:
         self.marker = "agnsup-ipc-" + secrets.token_hex(6)
         self.mq = "/agnsup-door-" + secrets.token_hex(4)
         self.shm_id = self.msg_id = self.sem_id = None
-        from ..supervisor import probe  # the only module that creates processes
+        from ..process.helpers import probe  # the only package that creates processes
 
         def make() -> None:  # the objects carry their maker's uid: made as the user the cell runs as
             if uid is not None:

@@ -505,8 +505,8 @@ def gate_oom(h: Harness) -> dict:
 
 
 def gate_fork_bomb(h: Harness) -> dict:
-    from .. import supervisor
     from ..linux import cgroup
+    from ..process.helpers import probe
     with open(os.path.join(h.worktree, "bomb.py"), "w") as f:
         f.write(FORK_BOMB)  # from a file: the text gate refuses a fork loop on the command line
     cell_no = h.n + 1
@@ -524,7 +524,7 @@ def gate_fork_bomb(h: Harness) -> dict:
             except (OSError, ValueError):
                 pass
             t0 = time.monotonic()
-            ok, _ = supervisor.probe(lambda: None)  # the host can still start a process
+            ok, _ = probe(lambda: None)  # the host can still start a process
             stats["slowest"] = max(stats["slowest"], time.monotonic() - t0)
             stats["host_forks"] += ok
             done.wait(0.2)

@@ -170,7 +170,7 @@ class FakeBackend(Backend):
 
 class FakeChild:
     """What the process layer hands the broker for a leader it started (the fields of
-    supervisor.Child the layers above read)."""
+    process.leader.Child the layers above read)."""
 
     def __init__(self, pid: int, pidfd: int, identity: dict):
         self.pid, self.pidfd, self.identity = pid, pidfd, identity
@@ -231,9 +231,9 @@ class FakeProcesses:
 
     def install(self, monkeypatch) -> "FakeProcesses":
         """In place of the real process layer, where the broker calls it (the one line to change when it moves)."""
-        from agnsup import supervisor
+        from agnsup.process import leader
         for name in ("spawn", "release", "abandon", "collect"):
-            monkeypatch.setattr(supervisor, name, getattr(self, name))
+            monkeypatch.setattr(leader, name, getattr(self, name))
         return self
 
 

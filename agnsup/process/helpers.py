@@ -1,0 +1,56 @@
+"""Throwaway children and host helpers, never a cell: here only because this is the package that may
+create processes."""
+from __future__ import annotations
+
+import os
+
+
+def probe(fn) -> tuple[bool, str]:
+    """Run `fn()` in a throwaway child, never a cell: (succeeded, its error's text, or the bytes it returned).
+    `agnsup doctor` proves a kernel feature works here by using it once."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code, said = 1, b""
+        try:
+            os.close(r)
+            said, code = fn(), 0
+        except BaseException as e:  # noqa: BLE001
+            said = str(e).encode(errors="replace")[:500]
+        finally:
+            try:
+                os.write(w, said if isinstance(said, bytes) else b"")
+            finally:
+                os._exit(code)
+    os.close(w)
+    said = read_all(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0, said.decode(errors="replace")
+
+
+def run_helper(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
+    """Run one host helper by absolute path (never through PATH), with only the environment `env`
+    (default: LC_ALL=C) and no stdin: (exit status, stdout, stderr). For the backends' one-time set-up (busctl: agnsup's
+    systemd unit), never for a cell."""
+    import subprocess
+    if not os.path.isabs(argv[0]):
+        raise ValueError(f"helper {argv[0]!r} is not an absolute path")
+    try:
+        cp = subprocess.run(argv, env=env if env is not None else {"LC_ALL": "C"}, stdin=subprocess.DEVNULL, capture_output=True,
+                            timeout=timeout, text=True)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, "", str(e)
+    return cp.returncode, cp.stdout, cp.stderr
+
+
+def read_all(fd: int) -> bytes:
+    """Everything until EOF on `fd`, which is closed."""
+    chunks = []
+    try:
+        while True:
+            b = os.read(fd, 4096)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)

@@ -1,0 +1,290 @@
+"""A cell's leader: spawned into its place and held at the barrier (spawn), let exec once its identity is
+journaled (release) or never (abandon), reaped once its tree is dead (collect). Its setup between fork and
+execve is steps.STEPS; how it is born, clone.new."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+from ..errors import NotExecutable, NotFound, SetupError
+from ..linux import host, landlock, mounts, pidfd, pidinit, proc, seccomp
+from ..linux import sys as lsys
+from ..record import Record
+from . import clone, namespaces
+from .helpers import read_all
+from .steps import Setup, child as run_steps
+
+
+class Child(Record):
+    pid: int
+    pidfd: int
+    identity: dict
+    status_fd: int | None = None  # PID namespace: the init reports the command's status here
+    cgroup_join: str = ""  # how it entered its cgroups (receipt: isolation.cgroup_join)
+    barrier_fd: int | None = None  # written once the identity is journaled: then it may exec
+    report_fd: int | None = None   # the child's setup error, or EOF once execve worked
+    handoff: object = None         # allowlist/internal: egress.handoff.Handoff the listener comes back on
+    egress_listener: object = None  # ... and the proxy's listener, made in the cell's namespace
+    tmp_fd: int | None = None      # the cell's /tmp tmpfs (make_tmp), kept to measure it when the cell ends
+    tmp_used: int | None = None    # ... bytes used then (collect)
+
+
+def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
+    """Fork the cell leader into `place` and hold it at the barrier.
+
+    Returns with the child's identity; the caller journals it and then lets the
+    command run with `release(plan, child)`, or never with `abandon(child)`.
+    `forker(fn)`: run the fork in a thread that lives as long as the controller
+    (service.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
+    the cell exits (prctl(2)), and a serve request's thread ends with its connection.
+    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY)."""
+    namespaces.reap_exited()
+    try:
+        s = _prepare(plan, backend, place)
+    except OSError as e:
+        raise _failed("confinement", e, plan) from None
+    s.stdio, s.controller = stdio, os.getpid()
+    if ctty:  # TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing
+        import fcntl
+        import termios
+        s.ctty = lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    s.barrier_r, barrier_w = os.pipe()
+    err_r, s.err_w = os.pipe()
+    status_r = None
+
+    def fork() -> tuple[int, int | None, bool]:
+        s.in_userns = s.ids is not None and plan.pid_namespace
+        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns)
+        if pid == 0:
+            os.close(barrier_w)
+            os.close(err_r)
+            if status_r is not None:
+                os.close(status_r)
+            run_steps(s)
+        return pid, fd, s.born
+
+    try:
+        if plan.pid_namespace:
+            status_r, s.status_w = os.pipe()
+        pid, fd, born = forker(fork) if forker is not None else fork()
+    except OSError as e:
+        for fd in (barrier_w, err_r, status_r):
+            if fd is not None:
+                os.close(fd)
+        _close_setup(s)
+        if s.ids is not None and e.errno in namespaces.USERNS_REFUSED:
+            raise namespaces.userns_refused(e.strerror or str(e), e.errno) from None
+        raise _failed("pid_namespace", e, plan) from None
+    _close_setup(s, forked=True)
+    child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
+                  cgroup_join=clone.JOIN_CLONE3 if born else clone.JOIN_FORK, handoff=s.egress,
+                  tmp_fd=(s.premade or {}).get("tmp"))
+    try:
+        if born:
+            # A v1 cgroup.procs write may wait for an RCU grace period (the same
+            # cgroup_threadgroup_rwsem): made here, it overlaps the child's own
+            # setup instead of adding to it. Done before the barrier, so the
+            # command still never runs outside any of its cgroups.
+            backend.attach(place, pid, born=True)
+        if child.pidfd is None:
+            child.pidfd = os.pidfd_open(pid)
+        st = proc.stat(pid)
+        child.identity = {"pid": pid, "pidfd_ino": pidfd.inode(child.pidfd) if pidfd.has_pidfs() else None,
+                          "starttime": st.starttime if st else None, "pgid": pid, "boot_id": proc.boot_id()}
+    except BaseException as e:
+        # A child that failed its own setup meanwhile (gone: no such process to
+        # move) has written why: that is the error.
+        report = abandon(child, read_report=isinstance(e, ProcessLookupError))
+        if report:
+            raise _child_error(plan, report) from None
+        raise
+    return child
+
+
+def release(plan, child: Child) -> None:
+    """The identity is journaled: let the command exec. Returns once execve
+    succeeded; raises the child's own error if its setup failed."""
+    try:
+        os.write(child.barrier_fd, b"1")
+    except BrokenPipeError:
+        pass  # it failed its setup and left: its report says why
+    finally:
+        os.close(child.barrier_fd)
+        child.barrier_fd = None
+    report = read_all(child.report_fd)
+    child.report_fd = None
+    if report:
+        os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+        _close(child)
+        raise _child_error(plan, report)
+    if child.handoff:
+        try:
+            child.egress_listener = child.handoff.receive()  # sent before the barrier: already queued
+        except OSError as e:
+            # cannot happen once the command executed; if it does, the command never runs unserved
+            pidfd.send(child.pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+            os.close(child.pidfd)
+            raise SetupError(f"cell setup failed at step 'egress': {e}", step="egress") from None
+
+
+def abandon(child: Child, read_report: bool = False) -> bytes:
+    """The command must never run: the child sees EOF at the barrier and exits
+    without exec; reaped here. Returns its setup report if `read_report`."""
+    os.close(child.barrier_fd)
+    report = read_all(child.report_fd) if read_report else os.close(child.report_fd)
+    _close(child)
+    try:
+        os.waitpid(child.pid, 0)
+    except ChildProcessError:
+        pass
+    return report or b""
+
+
+def _close(child: Child) -> None:
+    """What the controller holds of a leader that never ran its command."""
+    if child.status_fd is not None:
+        os.close(child.status_fd)
+    if child.handoff:
+        child.handoff.close()
+    if child.pidfd is not None:
+        os.close(child.pidfd)
+    _close_tmp(child)
+
+
+def _close_tmp(child: Child) -> None:
+    if child.tmp_fd is not None:
+        os.close(child.tmp_fd)
+        child.tmp_fd = None
+
+
+def collect(child: Child) -> tuple[int | None, int | None]:
+    """Reap the leader once its tree is dead: (exit status, killing signal) of the command."""
+    info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+    os.close(child.pidfd)
+    if child.tmp_fd is not None:  # the bytes in use on the cell's /tmp tmpfs
+        sv = os.fstatvfs(child.tmp_fd)
+        child.tmp_used = (sv.f_blocks - sv.f_bfree) * sv.f_frsize
+        _close_tmp(child)
+    status = sig = None
+    if info.si_code == os.CLD_EXITED:
+        status = info.si_status
+    else:
+        sig = info.si_status
+    if child.status_fd is not None:  # a PID-namespace init: the command's own status
+        status, sig = pidinit.command_status(child.status_fd, status, sig)
+    return status, sig
+
+
+def _child_error(plan, report: bytes) -> Exception:
+    """The error a child reported on the close-on-exec pipe ("step\\0errno\\0message")."""
+    step, code, msg = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
+    code = int(code or 0)
+    if step == "exec":
+        exe = plan.spec.exe
+        if code == errno.ENOENT:
+            interp = _interpreter(exe)
+            if interp is not None:  # the file is there: its #! interpreter is not (in the cell's view)
+                return NotFound(f"{plan.spec.argv[0]}: its interpreter {interp} (the #! line of {exe}) "
+                                "was not found", step=step)
+            return NotFound(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+        return NotExecutable(f"{plan.spec.argv[0]}: {exe}: {msg}", step=step)
+    if step == "user_namespace":
+        return namespaces.userns_refused(msg, code)
+    if step == "proc" and code == errno.EPERM and os.geteuid() != 0:
+        # the kernel mounts a new proc in a user namespace only where one is fully visible already
+        # (mount_too_revealing): a container engine's masks over /proc files (/proc/keys, ...) forbid it
+        return SetupError(f"cell setup failed at step 'proc': {msg}: a normal user's cell mounts its PID "
+                          "namespace's own /proc, which the kernel refuses while files of /proc are masked (a "
+                          "container engine's masked paths); fix: run the container with --security-opt "
+                          "systempaths=unconfined (Kubernetes: securityContext.procMount: Unmasked), run agnsup as "
+                          'root, or accept a reduced cell: isolation.reduced = ["pid_namespace"] (docs/hosts.md)',
+                          step=step, errno=code)
+    if os.geteuid() == 0 and (refused := namespaces.reduced_refusal(step, msg, code, plan)) is not None:
+        return refused
+    if code == errno.EPERM and step in ("unshare", "mount", "userns") and os.geteuid() != 0:
+        # what is needed, not only what failed (issue 12 item 11)
+        return SetupError(f"cell setup failed at step {step!r}: {msg}: a cell's private mount namespace needs "
+                          f"CAP_SYS_ADMIN, which uid {os.geteuid()} lacks here; run agnsup as root (sudo), or see "
+                          "`agnsup doctor` and docs/hosts.md for unprivileged hosts", step=step, errno=code)
+    return SetupError(f"cell setup failed at step {step!r}: {msg}", step=step, errno=code)
+
+
+def _interpreter(exe: str) -> str | None:
+    """The interpreter a script's #! line names, if `exe` is one."""
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return words[0].decode(errors="replace") if words else None
+
+
+def _failed(step: str, e: OSError, plan) -> SetupError:
+    """The controller's own step `step` failed: the host refuses a namespace (reduced_refusal), or another cause."""
+    return namespaces.reduced_refusal(step, e.strerror or str(e), e.errno, plan) or \
+        SetupError(f"cell setup failed at step {step!r}: {e.strerror or e}", step=step, errno=e.errno)
+
+
+def _prepare(plan, backend, place) -> Setup:
+    """What the child needs that the controller builds before fork (steps.Setup)."""
+    s = Setup(plan=plan, backend=backend, place=place)
+    if plan.seccomp_refuse is not None:
+        s.filter = seccomp.build(plan.seccomp_refuse)
+    if plan.landlock_writable is not None:
+        s.ruleset = landlock.build(plan.landlock_writable, plan.landlock_abi, log_tag=plan.landlock_log_tag)
+    if plan.user_namespace:
+        s.ids = (os.getuid(), os.getgid())
+    if plan.pid_namespace:
+        s.init_name = pidinit.own_name_plan()
+    if plan.mapped is not None:
+        s.userns_fd = namespaces.cell_userns()
+    if plan.tmp_tmpfs:
+        s.premade = {"tmp": make_tmp(plan)}
+    if plan.egress is not None:
+        from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
+        s.egress = Handoff(plan.egress["proxy_port"])
+    if plan.new_netns and s.ids is None and not host.net_admin():
+        try:
+            s.netns_fd = namespaces.cell_netns()
+        except BaseException as e:
+            _close_setup(s)
+            if isinstance(e, OSError):
+                raise namespaces.netns_refused(e) from None
+            raise
+    return s
+
+
+def _close_setup(s: Setup, forked: bool = False) -> None:
+    """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
+    measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
+    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, *(() if forked else (s.premade or {}).values())):
+        if fd is not None:
+            os.close(fd)
+    if s.ruleset:
+        s.ruleset.close()
+    if s.egress:
+        s.egress.after_fork() if forked else s.egress.close()
+
+
+def make_tmp(plan) -> int:
+    """The cell's /tmp: a tmpfs of limits.tmp_max (off the state root's disk; a write past it fails
+    with ENOSPC), owned by the cell's ids, filled with a copy of the staging tmpdir the broker made
+    (HOME, @runtime links, cache mount points); a detached mount the child attaches at /tmp. Made here,
+    in the controller, so the controller can still measure it once the cell's namespace is gone."""
+    ids = plan.cell_ids()
+    opts = {"size": str(plan.limits["tmp_max"]), "mode": "1777"}
+    if ids is not None:
+        opts.update(uid=str(ids[0]), gid=str(ids[1]))
+    fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+    try:
+        mounts.copy_tree(plan.tmpdir, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+

@@ -1,0 +1,227 @@
+"""The cell leader's setup between fork and execve: STEPS, a table of named steps run in order by `child`.
+
+Each step reads the Setup the controller built before fork (the seccomp filter and the Landlock ruleset
+are built there, so the child only makes a few system calls) and does nothing where the plan does not ask
+for it. Everything the child needs is imported here, before fork: after the mount namespace is built the
+package itself may be hidden (installed under /tmp or a masked path), so the child imports nothing.
+
+Any failure before execve is written to a close-on-exec pipe as "step\\0errno\\0message" and the child exits
+without running the command: a half-built cell never runs the payload. EOF on that pipe means execve worked.
+If the controller dies while the child waits at the barrier, the child sees EOF there and exits instead of
+running unrecorded.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+from .. import crashpoints
+from ..linux import landlock, mounts, netns, pidinit, userns
+from ..linux import sys as lsys
+from ..record import Record
+
+_MAXFD = os.sysconf("SC_OPEN_MAX")
+_PROC_FLAGS = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
+
+
+class Setup(Record):
+    """Built in the controller before fork (spawn); used by the child."""
+    plan: object = None
+    backend: object = None
+    place: object = None
+    ruleset: object = None   # landlock.Ruleset
+    filter: object = None    # seccomp.Filter
+    ids: tuple | None = None # (uid, gid) outside: a user namespace of the cell's own maps them to themselves
+    userns_fd: int | None = None  # a mapped cell: the cells' user namespace (cell_userns), kept by the controller
+    premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
+    egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
+    init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
+    netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
+    # ... and once the pipes exist, just before fork:
+    stdio: tuple | None = None   # the fds the child dup2s onto 0-2
+    barrier_r: int | None = None  # "1" once the controller has journaled our identity; EOF: never run
+    err_w: int | None = None      # the setup report
+    status_w: int | None = None  # PID namespace: the init reports the command's status here
+    controller: int = 0          # the controller's pid (crashpoints)
+    born: bool = False           # born in its cgroup (clone3): the controller moves it into the rest
+    ctty: object = None          # makes fd 0 the controlling terminal (built by spawn)
+    in_userns: bool = False      # born in a user namespace of its own
+
+
+def child(s: Setup) -> None:
+    """Runs in the forked child: STEPS in order; never returns."""
+    step = "start"
+    try:
+        for step, run, _ in STEPS:
+            run(s)
+    except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
+        code = getattr(e, "errno", None) or 0
+        msg = getattr(e, "strerror", None) or str(e)
+        try:
+            os.write(s.err_w, f"{step}\0{code}\0{msg}".encode(errors="replace"))
+        finally:
+            os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
+
+
+def _stdio(s: Setup) -> None:
+    for target, fd in enumerate(s.stdio or ()):
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+    keep = {s.barrier_r, s.err_w, s.status_w, s.ruleset.fd if s.ruleset else None,
+            s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, *(s.premade or {}).values()}
+    low = 3
+    for fd in sorted(k for k in keep if k is not None):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, _MAXFD)
+
+
+def _signals(s: Setup) -> None:
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _unshare(s: Setup) -> None:
+    # an IPC namespace for every cell: SysV shm/msg/sem and POSIX message queues are the namespace's own,
+    # never the host's (issue 25); inside the user namespace for a normal user's cell. A reduced cell
+    # (isolation.reduced, where the host refuses them) has none of them: no unshare at all
+    flags = (lsys.CLONE_NEWNS | lsys.CLONE_NEWIPC if s.plan.mount_namespace else 0) | \
+        (lsys.CLONE_NEWNET if s.plan.new_netns and s.netns_fd is None else 0)
+    if flags:
+        lsys.unshare(flags)
+
+
+def _network_namespace(s: Setup) -> None:
+    if s.netns_fd is not None:  # a root controller without CAP_NET_ADMIN: one cell_netns made, its lo up
+        lsys.setns(s.netns_fd, lsys.CLONE_NEWNET)
+        os.close(s.netns_fd)
+
+
+def _egress(s: Setup) -> None:
+    if s.egress:  # listen on the proxy port in the cell's namespace, hand the listener over (egress/handoff.py)
+        s.egress.in_child()
+    crashpoints.hit("child_setup", s.controller)
+
+
+def _init(s: Setup) -> None:
+    """A PID namespace's: fork the command and stay as its init (linux/pidinit.py); the command goes on."""
+    if not s.plan.pid_namespace:
+        return
+    pidinit.block_signals()
+    pid = os.fork()
+    if pid:
+        code = 125
+        try:
+            os.close(s.err_w)  # the command holds its own copy: EOF there still means its execve worked
+            if s.ruleset:
+                s.ruleset.close()
+            # Non-dumpable: nothing in the cell can open /proc/1/mem or ptrace the
+            # init, which keeps the capabilities the command drops.
+            lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
+            code = pidinit.supervise(pid, s.status_w)
+        finally:
+            os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    os.close(s.status_w)
+
+
+def _landlock_rules(s: Setup) -> None:
+    """The last Landlock rules: what exists only in the cell's namespace (docs/isolation.md)."""
+    if not s.ruleset:
+        return
+    plan = s.plan
+    if plan.mount_namespace:  # a reduced cell without one: these are the host's, never writable to it
+        s.ruleset.allow_path("/dev/shm")  # a fresh tmpfs: its inode exists only here
+        s.ruleset.allow_path("/dev/pts")  # the cell's own devpts instance (ptmx and the ptys made in it)
+        s.ruleset.allow_path("/tmp")      # the same for the /tmp tmpfs (else: the tmpdir clone, allowed)
+    for path, _ in plan.devices:          # a mapped cell's role devices are nodes made in its own /dev
+        s.ruleset.allow_path(path)
+    for op in plan.mount_ops:             # the worktree's overlay root is a new inode (reversible cells)
+        if op[0] == "overlay":
+            s.ruleset.allow_path(op[1])
+    landlock.allow_stdio(s.ruleset)
+
+
+def _cell_user(s: Setup) -> None:
+    if s.userns_fd is None:
+        return
+    # Root of a user namespace that owns none of the cell's namespaces: host uid BASE, whose
+    # capabilities act only on inodes whose owner the namespace maps (user_namespaces(7)). setns
+    # gives every capability in the namespace and a full bounding set, so the bounding-set and
+    # capset steps below come after it; setres[ug]id(0) keeps them (0 is the namespace's root).
+    lsys.setns(s.userns_fd, lsys.CLONE_NEWUSER)
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    if s.plan.dies_with_controller and not s.plan.pid_namespace:
+        # a credential change clears PR_SET_PDEATHSIG (commit_creds): the leader carries it again;
+        # had the controller died in between, the barrier that follows sees EOF
+        lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _capabilities(s: Setup) -> None:
+    lsys.drop_bounding_caps(s.plan.drop_caps)
+    if s.plan.uid is None and s.plan.cap_keep is not None:
+        lsys.set_caps(s.plan.cap_keep)  # effective/permitted/inheritable/ambient: what the role keeps
+
+
+def _user(s: Setup) -> None:
+    if s.plan.uid is not None:
+        os.setgroups([])
+        os.setgid(s.plan.gid)
+        os.setuid(s.plan.uid)  # from root to another uid: every capability set empties (capabilities(7))
+
+
+def _barrier(s: Setup) -> None:
+    if os.read(s.barrier_r, 1) != b"1":
+        os._exit(125)  # the controller died before recording us: never run unrecorded
+    os.close(s.barrier_r)
+
+
+REFUSED = True  # a host that refuses namespaces stops a cell here (namespaces.reduced_refusal)
+
+STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step the plan does not ask for does nothing
+    # on_controller_death = kill, first: the kernel SIGKILLs us when the controller's forking thread dies
+    # (prctl(2)); had it died already, the barrier sees EOF
+    ("pdeathsig", lambda s: s.plan.dies_with_controller and lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL), False),
+    ("stdio", _stdio, False),                    # fds 0-2; close every other fd but the pipes and the ruleset
+    ("setsid", lambda s: os.setsid(), False),    # new session and process group
+    ("controlling_terminal", lambda s: s.ctty and s.ctty(), False),  # fd 0 (a pty): its foreground group is ours
+    # join the cell's cgroups: every hierarchy it was not born in (born in one: the controller moves it)
+    ("cgroup", lambda s: s.place.node is not None and not s.born and s.backend.attach(s.place, 0), False),
+    ("signals", _signals, False),                # default dispositions, empty mask
+    # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
+    # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the
+    # host's; a mapped cell joins the cells' user namespace only at "cell_user", so it owns none of them
+    ("user_namespace", lambda s: s.ids is not None and not s.in_userns and lsys.unshare(lsys.CLONE_NEWUSER), False),
+    ("id_maps", lambda s: s.ids is not None and userns.write_id_maps("self", *s.ids, *s.ids), False),
+    ("unshare", _unshare, REFUSED),              # mount and IPC (and, unless the host's network, network)
+    ("network_namespace", _network_namespace, False),
+    ("mounts", lambda s: s.plan.mount_namespace and mounts.apply(s.plan.mount_ops, s.userns_fd, s.premade), REFUSED),
+    ("loopback", lambda s: s.plan.new_netns and s.netns_fd is None and netns.loopback_up(), False),
+    ("egress", _egress, False),                  # allowlist/internal roles: the proxy's listener
+    # PID namespace roles: its own /proc; "agnsup-init" in /proc/1/cmdline before the command exists (it never
+    # sees the controller's argv there); the barrier; fork the command and stay its init
+    ("proc", lambda s: s.plan.pid_namespace and lsys.mount("proc", "/proc", "proc", _PROC_FLAGS), REFUSED),
+    ("init_name", lambda s: s.plan.pid_namespace and pidinit.take_own_name(s.init_name, lsys.prctl), False),
+    ("barrier", lambda s: s.plan.pid_namespace and _barrier(s), False),
+    ("init", _init, False),
+    # confine (docs/isolation.md), in this order because each step needs what the next one takes away
+    ("landlock_rules", _landlock_rules, False),  # the fresh /dev/shm, devpts and /tmp, stdio files, terminals
+    ("cell_user", _cell_user, False),            # a mapped cell: uid and gid 0 in the cells' user namespace
+    ("capabilities", _capabilities, False),      # the bounding set; no process.user: down to what the role keeps
+    ("user", _user, False),                      # process.user: its uid and gid
+    ("no_new_privs", lambda s: s.plan.no_new_privs and lsys.set_no_new_privs(), False),
+    ("landlock", lambda s: s.ruleset and s.ruleset.restrict_self(), False),
+    ("seccomp", lambda s: s.filter and s.filter.load(), False),  # last: it refuses mount and unshare
+    ("barrier", lambda s: s.plan.pid_namespace or _barrier(s), False),  # until our identity is journaled
+    ("chdir", lambda s: os.chdir(s.plan.spec.workdir), False),
+    ("exec", lambda s: os.execve(s.plan.spec.exe, s.plan.spec.argv, s.plan.spec.env), False),
+)
+
+# Where a host that refuses namespaces stops a cell: the steps marked REFUSED, and the controller's own
+# two before the child exists, building the confinement (spawn's prepare) and the clone of its PID namespace.
+REFUSABLE = frozenset({"confinement", "pid_namespace", *(name for name, _, refused in STEPS if refused)})

@@ -36,8 +36,8 @@ def run_helper(argv: list[str], timeout: float, env: dict | None = None) -> tupl
     if not os.path.isabs(argv[0]):
         raise ValueError(f"helper {argv[0]!r} is not an absolute path")
     try:
-        cp = subprocess.run(argv, env=env if env is not None else {"LC_ALL": "C"}, stdin=subprocess.DEVNULL, capture_output=True,
-                            timeout=timeout, text=True)
+        cp = subprocess.run(argv, env=env if env is not None else {"LC_ALL": "C"}, stdin=subprocess.DEVNULL,
+                            capture_output=True, timeout=timeout, text=True)
     except (OSError, subprocess.TimeoutExpired) as e:
         return 127, "", str(e)
     return cp.returncode, cp.stdout, cp.stderr

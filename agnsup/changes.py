@@ -179,16 +179,11 @@ _UNSUPPORTED_CACHE: dict[tuple[str, int], str | None] = {}
 
 
 def prepare_cell(state_root: str, plan) -> Layer:
-    """A capturing cell's layer (prepare; its upper's root gets the worktree root's owner and mode
-    there: the overlay's root directory shows them)."""
+    """A capturing cell's layer (prepare, with the worktree: the overlay's root shows its owner and mode).
+    A mapped cell writes it as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
     spec = plan.spec
     return prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree, agent_id=spec.agent_id,
-                   id_shift=_plan_shift(plan))
-
-
-def _plan_shift(plan) -> int | None:
-    """A mapped cell writes its layer as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
-    return plan.mapped["uid"] if plan.mapped else None
+                   id_shift=plan.mapped["uid"] if plan.mapped else None)
 
 
 def fs_type(path: str) -> int | None:
@@ -929,7 +924,7 @@ def at_end(state_root: str, plan, captured: bool) -> dict | None:
     if captured:
         spec = plan.spec
         return land(state_root, spec.run_id, spec.cell_id, spec.worktree, agent_id=spec.agent_id,
-                    id_shift=_plan_shift(plan))
+                    id_shift=plan.mapped["uid"] if plan.mapped else None)
     if plan is None or not plan.changes or plan.changes.get("mode") == "at_exit":
         return None
     return {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
@@ -1509,9 +1504,8 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
 
 
 def prune_after(state, journal, summary: dict | None, policy: dict) -> None:
-    """Retention after a cell's commit that kept a record (`summary`, its `changes` section): the
-    oldest records past the role's filesystem.changes_keep / changes_keep_bytes (`policy`, the
-    plan's) are dropped (prune). A cell that ended is never failed by it."""
+    """Retention after a cell's commit that kept a record (`summary`): the oldest records past the role's
+    filesystem.changes_keep / changes_keep_bytes (`policy`, the plan's) are dropped (prune)."""
     if not summary or not summary.get("record") or not summary.get("files"):
         return
     try:
@@ -1573,11 +1567,11 @@ def drop_paths(state_root: str, run_id: str, record_id: str, paths: list[str]) -
 
 
 def drop_quarantined(state_root: str, run_id: str, cell_id: str, summary: dict | None, quarantined: list) -> None:
-    """protect.settle moved paths the cell planted out of the worktree after its commit (`summary`,
-    its `changes` section): its record stops claiming them (drop_paths); a failure is only said."""
+    """protect.settle moved paths the cell planted out of the worktree after its commit (`summary`):
+    its record stops claiming them (drop_paths)."""
     if not summary or not summary.get("record"):
         return
     try:
-        drop_paths(state_root, run_id, cell_id, [q["path"] if isinstance(q, dict) else q for q in quarantined])
+        drop_paths(state_root, run_id, cell_id, [q["path"] for q in quarantined])
     except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
         print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)

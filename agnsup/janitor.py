@@ -331,7 +331,6 @@ class _Janitor:
                                              lock_path=c.row["lock_path"])
                 self._commit_changes(c)  # the tree is dead, the worktree lock not yet released
                 c.entry["released"] = reaper.release(self.backend, c.target)
-                # what it planted where tools run files on their own leaves the worktree, as its controller would do
                 settled = protect.settle_cell(self.j, c.row["run_id"], c.row["cell_id"],
                                               self.state.cell_dir(c.row["run_id"], c.row["cell_id"]), janitor=self.id)
                 if settled is not None:

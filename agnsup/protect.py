@@ -397,10 +397,8 @@ def as_plan(found: dict) -> dict:
 
 
 def start(plan) -> dict:
-    """The baseline, taken just before a worktree-writing cell starts: the protected paths as it
-    finds them and the lifted ones' digests, what settle compares with once the cell is dead. Kept
-    in the cell's record directory too: a janitor that concludes the cell of a dead controller
-    settles from it (settle_cell)."""
+    """The baseline, just before a worktree-writing cell starts; kept in its record directory too: the
+    janitor that concludes the cell of a dead controller settles from it (settle_cell)."""
     wt, lifted = plan.spec.worktree, plan.protected_lifted
     found = scan(wt)
     snap = {"worktree": wt, "baseline": as_plan(found), "digests": digests(wt, found, lifted) if lifted else {},
@@ -411,9 +409,8 @@ def start(plan) -> dict:
 
 
 def settle_cell(journal, run_id: str, cell_id: str, cell_dir: str, snap: dict | None = None, **event) -> dict | None:
-    """The cell's tree is dead: settle from its start snapshot (`snap`, else the one start() kept in
-    `cell_dir`; None when there is none: a read-only role's cell, or one that ended before its start
-    was noted), journaled when anything moved (`event`: what the event adds)."""
+    """The tree is dead: settle from the start snapshot (`snap`, else start()'s file; None without one: a
+    read-only role's cell, or one that ended before its start was noted); journaled when anything moved."""
     if snap is None:
         try:
             with open(os.path.join(cell_dir, "protect-start.json")) as f:

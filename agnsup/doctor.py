@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from . import supervisor
-from .linux import cgroup, pidfd
+from .linux import cgroup, pidfd, proc
 from .linux import sys as lsys
 
 def kernel_at_least(major: int, minor: int) -> bool:
@@ -224,8 +224,7 @@ def container() -> str | None:
     """"cgroup namespace" when this process sees a cgroup namespace of its own (a container made with
     --cgroupns=private or `unshare -C`): the root of its cgroup2 mount is not the hierarchy's real root,
     which alone has no cgroup.freeze and cgroup.kill."""
-    with open("/proc/self/mountinfo") as f:
-        v2 = cgroup.parse_mountinfo(f.read())[0]
+    v2 = cgroup.parse_mountinfo(proc.mountinfo())[0]
     if v2 and (os.path.exists(os.path.join(v2, "cgroup.freeze")) or os.path.exists(os.path.join(v2, "cgroup.kill"))):
         return "cgroup namespace"
     return None
@@ -332,15 +331,8 @@ CAP_NET_ADMIN = 12
 CAP_SYS_ADMIN = 21
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-def container_kinds(environ: dict | None = None, read=_read, exists=os.path.exists) -> list[str]:
+def container_kinds(environ: dict | None = None, read=lambda path: proc.text(path[len("/proc/"):]),
+                    exists=os.path.exists) -> list[str]:
     """What says this process runs in a container, each a word: "docker" (/.dockerenv), "podman"
     (/run/.containerenv), "kubernetes" (KUBERNETES_SERVICE_HOST), "container=X" (PID 1's environment,
     where readable: systemd-nspawn, LXC, podman), "cgroup namespace" (container(): its own cgroup root)."""
@@ -363,21 +355,15 @@ def container_kinds(environ: dict | None = None, read=_read, exists=os.path.exis
 
 def _caps(status: str) -> tuple[int | None, int | None]:
     """(CapEff bits, Seccomp mode) from /proc/self/status text (None: not there)."""
-    cap = mode = None
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if key == "CapEff":
-            cap = int(value.strip(), 16)
-        elif key == "Seccomp":
-            mode = int(value.strip())
-    return cap, mode
+    st = proc.parse_status(status)
+    return (int(st["CapEff"], 16) if "CapEff" in st else None), (int(st["Seccomp"]) if "Seccomp" in st else None)
 
 
 def evidence() -> dict:
     """What decides a fix's wording here (fix_for): who we are, in what container, under what filter,
     with which capabilities, and whether a cgroup would be writable without the AGNSUP_CGROUP_LAYOUT
     override."""
-    cap, mode = _caps(_read("/proc/self/status") or "")
+    cap, mode = _caps(proc.text("self/status") or "")
     kinds = container_kinds()
     try:
         ns = container()
@@ -388,14 +374,9 @@ def evidence() -> dict:
     root = os.geteuid() == 0
     missing = [] if cap is None or not root else \
         [n for n, bit in (("SYS_ADMIN", CAP_SYS_ADMIN), ("NET_ADMIN", CAP_NET_ADMIN)) if not cap >> bit & 1]
-    mi = _read("/proc/self/mountinfo")
-    try:
-        writable = cgroup.detect_layout(mi).kind != "none" if mi is not None else False  # ignores the env
-    except Exception:  # noqa: BLE001 - a doctor reports, never fails
-        writable = False
     return {"root": root, "container": kinds, "seccomp_filter": mode == 2, "caps_missing": missing,
-            "cgroup_off": os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none", "cgroup_writable": writable,
-            "kernel": os.uname().release}
+            "cgroup_off": os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none",
+            "cgroup_writable": cgroup.writable_here(), "kernel": os.uname().release}
 
 
 # The piece of isolation.reduced a failed step costs (issue 27: mount_namespace, network_namespace,

@@ -50,7 +50,7 @@ import time
 from contextlib import suppress
 
 from . import locks
-from .linux import proc
+from .linux import cgroup, proc, session
 
 LOCK_TIMEOUT = 120.0
 COMPACT_RECEIPT = 200  # processes; a larger recovery receipt is written on one line
@@ -252,14 +252,13 @@ class _Janitor:
 
     def _end_controllers(self, dead: list[tuple[dict, str]]) -> None:
         """A controller is marked ended only once all its cells are terminal; one transaction for all."""
-        from .reaper import release_lock_file
         ended = [(ctl, lock) for ctl, lock in dead if not self.j.live_cells_of(ctl["id"])]
         if not ended:
             return
         self.j.end_controllers([ctl["id"] for ctl, _ in ended], self.id)
         for ctl, lock in ended:
             ctl["ended"] = True
-            rel = release_lock_file(lock)
+            rel = locks.remove_if_free(lock)
             if rel:
                 ctl["lock_released"] = rel
 
@@ -281,7 +280,6 @@ class _Janitor:
     # -- the cells ---------------------------------------------------------
     def _recover(self, cells: list[_Cell]) -> None:
         from . import crashpoints, protect, reaper
-        from .linux import session
         t0 = time.time()
         live = [c for c in cells if c.signals]
         for c in live:
@@ -322,7 +320,6 @@ class _Janitor:
                                             "process of it can be alive; no signal sent, only records and files "
                                             "converge")
                     paths = json.loads(c.row["cgroup"]) if c.row["cgroup"] else {}
-                    from .linux import cgroup
                     prim = cgroup.Node(paths).primary
                     if prim and os.path.exists(prim[1]):
                         c.entry["notes"].append(f"a cgroup exists at {prim[1]} but belongs to this boot, "

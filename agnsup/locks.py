@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from . import backoff
 from .digest import sha256
 from .errors import LockTimeout
 
@@ -130,16 +131,16 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
         elif notify is not False:
             notify(line)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.01
-        while fd is None:
+        for delay in backoff.delays(0.01, 0.2):
             if deadline is not None and time.monotonic() >= deadline:
                 raise LockTimeout(f"the {what} lock is held by {holder(in_way)}; gave up after {timeout:g} s "
                                   "(--lock-timeout)")
             if poll is not None:
                 poll()
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
             fd, in_way = _attempt(path, exclusive, tree)
+            if fd is not None:
+                break
     if exclusive:
         _own(fd, owner, tree)
     return fd
@@ -182,5 +183,33 @@ def is_free(path: str, exclusive: bool = True) -> bool:
         return True
     except BlockingIOError:
         return False
+    finally:
+        os.close(fd)
+
+
+def remove_if_free(path: str | None) -> dict | None:
+    """Remove a lock file nobody holds any more (a dead controller's worktree or
+    liveness lock). A lock some live process still holds is left alone: it is
+    theirs too. Returns what was released, or None."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                return None  # already unlinked and recreated by someone else: not ours
+        except BlockingIOError:
+            return {"kind": "lock", "path": path, "left": "held by a live process"}
+        except FileNotFoundError:
+            return None
+        try:
+            os.unlink(path)
+        except OSError as e:  # read-only state root: the lock is free, its file stays
+            return {"kind": "lock", "path": path, "left": f"not removed: {e.strerror}"}
+        return {"kind": "lock", "path": path}
     finally:
         os.close(fd)

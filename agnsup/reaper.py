@@ -28,13 +28,13 @@ gone is skipped, never an error.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
-import stat
 import time
-from contextlib import suppress
 
-from . import crashpoints
+from . import backoff, crashpoints, locks
+from .linux import fs, pidfd, proc, session
 from .record import Factory, Record
 
 VERIFY_TIMEOUT = 10.0  # how long a killed tree (or process) gets to be gone
@@ -64,11 +64,9 @@ def from_row(backend, row) -> tuple[Target, str, list[int]]:
     look-alike tree (a directory at its path that is provably not the cell's). Its
     tree only through backend.from_journal (the journaled inode); its life begins
     at the leader's start, or, before an identity was committed, at its intent row."""
-    import json
     place, note, bystanders = backend.from_journal(json.loads(row["cgroup"]) if row["cgroup"] else None,
                                                    row["cgroup_ino"])
     leader = {"pid": row["pid"], "pidfd_ino": row["pidfd_ino"], "starttime": row["starttime"]} if row["pid"] else None
-    from .linux import proc
     since = row["starttime"] if row["starttime"] is not None else proc.wall_to_ticks(row["created_at"] - 1.0)
     return Target(run_id=row["run_id"], cell_id=row["cell_id"], place=place, leader=leader, token=row["token"],
                   since=since, tmpdir=row["tmpdir"], lock_path=row["lock_path"]), note, bystanders
@@ -169,7 +167,6 @@ class _Job:
 
 
 def _evidence(backend, t: Target):
-    from .linux import session
     leader = t.leader or {}
     lpid = leader.get("pid")
     ok, why = (backend.leader_matches(lpid, leader.get("pidfd_ino"), leader.get("starttime")) if lpid
@@ -198,10 +195,8 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     if term:
         crashpoints.hit("cancel_grace")
     deadline = until if until is not None else time.monotonic() + (grace if term else 0.0)
-    delay = 0.002
-    while time.monotonic() < deadline and _busy(backend, jobs, thorough, exclude, scans):
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.05)
+    if time.monotonic() < deadline:
+        backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
     _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans)
     return [j.r for j in jobs]
 
@@ -279,13 +274,7 @@ def _covers(backend, scope, jobs) -> bool:
 
 
 def _wait_dead(backend, pid: int, start: int, deadline: float) -> bool:
-    delay = 0.0005
-    while not backend.dead(pid, start):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
-    return True
+    return backoff.until(lambda: backend.dead(pid, start), deadline, 0.0005, 0.02)
 
 
 class Tree:
@@ -301,7 +290,6 @@ class Tree:
         self.exclude = (target.leader["pid"],) if target.leader else ()
 
     def term(self, sig: int = signal.SIGTERM) -> None:
-        from .linux import pidfd
         if self.target.has_tree:
             self.backend.signal(self.target.place, sig)
             return
@@ -314,7 +302,6 @@ class Tree:
         return self.backend.oom_kills(self.target.place) if self.target.has_tree else None
 
     def kill(self) -> str:
-        from .linux import pidfd
         if self.target.has_tree:
             return self.backend.kill(self.target.place)
         pidfd.send(self.leader_fd, signal.SIGKILL)
@@ -338,7 +325,6 @@ def signal_group(leader_fd: int, sig: int) -> bool:
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    from .linux import pidfd
     return pidfd.send(leader_fd, sig)
 # -- without a journal (issue 12 item 3: the kill switch works from what survives) ----
 def live_under_root(backend) -> list[int]:
@@ -361,17 +347,13 @@ def kill_root(backend, grace: float) -> dict:
     before = backend.members(root) if root is not None else []  # no tree under this state root: no cell lives
     if not before:
         return {"processes": 0, "kill": None, "empty": True, "note": ""}
-    backend.signal(root, signal.SIGTERM)
-    backend.wait_empty(root, grace)
-    method = backend.kill(root) if backend.populated(root) else None
-    empty = backend.wait_empty(root, 10.0)
+    method, empty = backend.kill_place(root, grace, VERIFY_TIMEOUT)
     return {"processes": len(before), "kill": method, "empty": empty, "note": ""}
 
 
 # -- release --------------------------------------------------------------------
 def release(backend, t: Target) -> list[dict]:
     """Remove what the cell held: its cgroup directories, temp dir, worktree lock."""
-    from . import locks
     released: list[dict] = []
     if t.has_tree:
         crashpoints.hit("cleanup_before_rmdir")
@@ -383,7 +365,7 @@ def release(backend, t: Target) -> list[dict]:
         locks.release(t.lock_path, t.lock_fd)
         released.append({"kind": "worktree_lock", "path": t.lock_path})
     else:
-        rel = release_lock_file(t.lock_path)
+        rel = locks.remove_if_free(t.lock_path)
         if rel and "left" not in rel:
             released.append({**rel, "kind": "worktree_lock"})
     return released
@@ -404,147 +386,7 @@ def _remove_tree(path: str) -> None:
         # remove one entry, then die: the next reap must finish the job
         for name in os.listdir(path):
             p = os.path.join(path, name)
-            rmtree(p) if os.path.isdir(p) else os.unlink(p)
+            fs.rmtree(p) if os.path.isdir(p) else os.unlink(p)
             break
         crashpoints.hit("cleanup_tmp_half")
-    rmtree(path)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def rmtree(path: str) -> None:
-    """Remove `path` and everything below it; errors are ignored (what is left, the next reap removes).
-
-    shutil.rmtree costs ~9 ms of imports on every cell. This does the same as
-    its fd-based variant: every directory is opened relative to its parent
-    with O_NOFOLLOW, so a symlink the cell planted in its /tmp is unlinked,
-    never followed out of the tree."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        with suppress(OSError):
-            os.unlink(path)
-        return
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except OSError:
-        return
-    try:
-        _empty_dir(fd)
-    finally:
-        os.close(fd)
-    with suppress(OSError):
-        os.rmdir(path)
-
-
-# Directory fds held at once below the top, whatever the depth: systemd services and the kernel's PID 1
-# start with a soft RLIMIT_NOFILE of 1024 (getrlimit(2)), and a serve controller needs its fds for cells.
-_OPEN_DIRS = 16
-
-
-def _empty_dir(top: int) -> None:
-    """Empty the directory open as `top`, depth first, without recursion (a cell
-    can nest directories deeper than Python's recursion limit) and with at most
-    _OPEN_DIRS fds, however deep the tree: a level further up than that is closed
-    and, on the way back, re-opened as '..' of its child, checked by inode."""
-    stack = [[top, _entries(top), "", None]]  # [dir fd or None, its entries left, its name, its (dev, ino)]
-    try:
-        _drain(stack)
-    finally:
-        for fd, _, _, _ in stack[1:]:
-            if fd is not None:
-                os.close(fd)
-
-
-def _drain(stack: list) -> None:
-    while stack:
-        fd, entries, name, _ = stack[-1]
-        entry = next(entries, None)
-        if entry is None:
-            stack.pop()
-            if not stack:
-                break
-            parent = stack[-1]
-            if parent[0] is None:
-                parent[0] = _reopen_parent(fd, parent[3])
-            os.close(fd)
-            if parent[0] is None:
-                return  # the tree moved under the walk: what is left, the next reap removes
-            with suppress(OSError):
-                os.rmdir(name, dir_fd=parent[0])
-            continue
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-        except OSError:
-            is_dir = False
-        if not is_dir:
-            with suppress(OSError):
-                os.unlink(entry.name, dir_fd=fd)
-            continue
-        try:
-            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-        except OSError:
-            continue  # e.g. not readable: left for the next reap
-        stack.append([sub, _entries(sub), entry.name, None])
-        if len(stack) > _OPEN_DIRS + 1:
-            far = stack[-_OPEN_DIRS - 1]  # never stack[0]: the caller owns that fd
-            if far[0] is not None:
-                st = os.fstat(far[0])
-                far[3] = (st.st_dev, st.st_ino)
-                os.close(far[0])
-                far[0] = None
-
-
-def _reopen_parent(child: int, ident: tuple) -> int | None:
-    """The directory '..' of the open directory `child`, if it is still the one
-    with `ident` (dev, ino); None if it moved (then nothing there is touched)."""
-    try:
-        fd = os.open("..", _DIR_FLAGS, dir_fd=child)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != ident:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _entries(fd: int):
-    try:
-        with os.scandir(fd) as it:
-            return iter(list(it))
-    except OSError:
-        return iter(())
-
-
-def release_lock_file(path: str | None) -> dict | None:
-    """Remove a lock file nobody holds any more (a dead controller's worktree or
-    liveness lock). A lock some live process still holds is left alone: it is
-    theirs too. Returns what was released, or None."""
-    import fcntl
-    if not path:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return {"kind": "lock", "path": path, "left": "held by a live process"}
-        try:
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                return None  # already unlinked and recreated by someone else: not ours
-        except FileNotFoundError:
-            return None
-        try:
-            os.unlink(path)
-        except OSError as e:  # read-only state root: the lock is free, its file stays
-            return {"kind": "lock", "path": path, "left": f"not removed: {e.strerror}"}
-        return {"kind": "lock", "path": path}
-    finally:
-        os.close(fd)
+    fs.rmtree(path)

@@ -392,7 +392,7 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
     """`agnsup wait`: from any process, until the cell ended (whichever controller runs
     it, a queued one included); its result. WaitTimeout when `timeout` passes first."""
     import time
-    from . import cancel, janitor
+    from . import backoff, cancel, janitor
     from .errors import WaitTimeout
     from .journal import TERMINAL_CELL
     from .state import StateRoot
@@ -403,8 +403,8 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
     try:
         scope = cancel.resolve(journal, cell_id, run_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay, checked = 0.02, time.monotonic()
-        while True:
+        checked = time.monotonic()
+        for delay in backoff.delays(0.02, 0.25, 1.5):
             st = journal.cell_state(scope.run_id, cell_id)
             if st in TERMINAL_CELL and journal.receipts("cell", scope.run_id, cell_id):
                 return journal_result(state, journal, scope.run_id, cell_id)
@@ -414,7 +414,6 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
                 janitor.on_start(state, journal)
                 checked = time.monotonic()
             time.sleep(delay)  # another process ends the cell: the journal is all we share with it
-            delay = min(delay * 1.5, 0.25)
     finally:
         journal.close()
 

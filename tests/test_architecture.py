@@ -29,7 +29,7 @@ LAYERS = [  # top to bottom
                                "agnsup.locks", "agnsup.egress", "agnsup.protect"]),
     ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.changes", "agnsup.state", "agnsup.migrations"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
-                          "agnsup.crashpoints", "agnsup.policies", "agnsup.redact"]),
+                          "agnsup.crashpoints", "agnsup.policies", "agnsup.redact", "agnsup.backoff"]),
 ]
 DATA_PACKAGES = {"migrations", "policies"}  # package data shipped as agnsup.<name> (pyproject package-dir)
 

@@ -75,7 +75,7 @@ def _nest(top, depth: int) -> None:
 
 def test_rmtree_removes_a_deep_tree_and_never_follows_symlinks(tmp_path):
     """reap.rmtree replaces shutil.rmtree on the cell's /tmp, which the cell wrote."""
-    from agnsup.reaper import rmtree
+    from agnsup.linux.fs import rmtree
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_text("x")
@@ -105,7 +105,7 @@ def test_rmtree_removes_a_tree_deeper_than_the_open_file_limit(tmp_path):
     _nest(top, 1500)
     prog = ("import resource, sys\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-            "from agnsup.reaper import rmtree\n"
+            "from agnsup.linux.fs import rmtree\n"
             "rmtree(sys.argv[1])\n")
     subprocess.run([sys.executable, "-c", prog, str(top)], check=True, timeout=120)
     assert not os.path.lexists(top), "a tree deeper than RLIMIT_NOFILE was left behind"
@@ -114,18 +114,18 @@ def test_rmtree_removes_a_tree_deeper_than_the_open_file_limit(tmp_path):
 def test_rmtree_stops_where_the_tree_was_moved_under_it(tmp_path):
     """Coming back up through '..' (past the fds it keeps open) is checked by inode: a directory moved
     out of the tree mid-walk leads elsewhere, and nothing there is removed by name."""
-    from agnsup import reaper
+    from agnsup.linux import fs
     (tmp_path / "tree" / "a").mkdir(parents=True)
     (tmp_path / "elsewhere" / "a").mkdir(parents=True)
     tree = os.stat(tmp_path / "tree")
     fd = os.open(tmp_path / "elsewhere" / "a", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert reaper._reopen_parent(fd, (tree.st_dev, tree.st_ino)) is None
+        assert fs._reopen_parent(fd, (tree.st_dev, tree.st_ino)) is None
     finally:
         os.close(fd)
     fd = os.open(tmp_path / "tree" / "a", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        up = reaper._reopen_parent(fd, (tree.st_dev, tree.st_ino))
+        up = fs._reopen_parent(fd, (tree.st_dev, tree.st_ino))
         assert up is not None and os.fstat(up).st_ino == tree.st_ino
         os.close(up)
     finally:

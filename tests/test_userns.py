@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from agnsup.linux import delegation, userns
+from agnsup.linux import delegation, proc, userns
 
 NOBODY = 65534
 
@@ -200,7 +200,7 @@ def test_a_chowned_subtree_is_delegated_to_that_uid_and_to_nobody_else(delegated
     assert delegation.check(delegated, uid=NOBODY) == [
         f"{delegated}/cgroup.subtree_control is owned by uid 0, not 65534"]
     assert "cannot move itself in" in delegation.check(delegated, uid=0, inside="/")[0]
-    assert delegation.own_cgroup("12:pids:/x\n0::/user.slice/u.scope\n") == "/user.slice/u.scope"
+    assert proc.own_cgroup("12:pids:/x\n0::/user.slice/u.scope\n") == "/user.slice/u.scope"
 
 
 # argv: the delegated directory. Started inside it by root, as systemd starts a unit's process.

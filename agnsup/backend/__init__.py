@@ -32,6 +32,7 @@ and only `place`, `from_journal` and `usage` are asked of it):
     signal(place, sig) -> int                   every member, each through a checked pidfd
     kill(place) -> method                       the whole tree at once (or as close as the host allows)
     wait_empty(place, timeout) -> bool          verified empty (zombies count as gone)
+    kill_place(place, grace) -> (method, empty) SIGTERM and the grace (if given), kill, verify (the base's)
     usage(place) -> dict                        resource use, for the receipt
     remove(place) -> [dirs]                     the directories, deepest first, and empty ancestors
     prune(place) -> [dirs]                      only the empty ones (cleanup of a run)
@@ -42,7 +43,9 @@ and the process evidence every backend shares (the reaper's view of /proc):
 from __future__ import annotations
 
 import os
+import signal
 
+from ..linux import cgroup, pidfd, proc, session
 from ..record import Factory, Record
 
 
@@ -91,7 +94,7 @@ class Backend:
 
     def limit_fix(self, controller: str) -> str:
         """The fix a missing limit needs on this kind of host (doctor, the receipt's not_in_force)."""
-        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none" and _cgroups_writable_without_the_override():
+        if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none" and cgroup.writable_here():
             return "unset AGNSUP_CGROUP_LAYOUT (it turns cgroups off)"
         if os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none":
             # the image's entrypoint set it: nothing here is writable (a container on a hybrid or v1 host, an
@@ -116,10 +119,9 @@ class Backend:
     def limit_gaps(self, place: Place, limits: dict) -> list[str]:
         """Each limit `limits` asks for that `place` does not have in force, with why and the fix:
         no limit is ever reported that is not in force (receipt not_in_force, isolation.require)."""
-        from ..linux.cgroup import wanted_controllers
         support = None
         out = []
-        for c in wanted_controllers(limits):
+        for c in cgroup.wanted_controllers(limits):
             if c in place.limits:
                 continue
             why = place.missing.get(c)
@@ -143,6 +145,16 @@ class Backend:
         """This state root's own cgroup root, every cell below it (None: no cgroups here)."""
         return None
 
+    def kill_place(self, place: Place, grace: float | None = None, verify: float = 10.0) -> tuple[str | None, bool]:
+        """Every process in the tree of `place`, never one by pid alone: SIGTERM and up to `grace` s
+        first (None: none), then the tree's kill if any is left; (kill method or None, verified empty
+        within `verify` s). The reaper's kill switch and the purge of a private root both come here."""
+        if grace is not None:
+            self.signal(place, signal.SIGTERM)
+            self.wait_empty(place, grace)
+        method = self.kill(place) if self.populated(place) else None
+        return method, self.wait_empty(place, verify)
+
     def purge(self) -> list[str]:
         """Kill whatever is left under this state root's own cgroup root and remove it
         (a private root of the self-test or of a test, at its end). Returns what was there."""
@@ -150,21 +162,17 @@ class Backend:
 
     # -- process evidence (one /proc view, shared by every backend) ---------
     def snapshot(self, exclude: tuple = ()):
-        from ..linux import session
         return session.Snapshot.take(exclude=(os.getpid(), *exclude))
 
     def signal_checked(self, cand: dict, sig: int, recheck) -> tuple[bool, str]:
         """Signal one process through a pidfd, once `recheck(fd, cand)` -> (ok, why) holds."""
-        from ..linux import pidfd
         return pidfd.signal_if(cand["pid"], sig, lambda fd: recheck(fd, cand))
 
     def dead(self, pid: int, starttime: int) -> bool:
-        from ..linux import session
-        return session.dead(pid, starttime)
+        return proc.dead(pid, starttime)
 
     def leader_matches(self, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool | None, str]:
         """Is `pid` the journaled leader? True, False (another process holds the number), None (gone)."""
-        from ..linux import pidfd
         try:
             fd = pidfd.open(pid)
         except OSError:  # EINVAL: the number is a thread's now, so not the leader's
@@ -178,7 +186,6 @@ class Backend:
 
     def recheck(self, fd: int, cand: dict, leader: dict | None, evidence) -> tuple[bool, str]:
         """After the pidfd is open: is it still the process the evidence found?"""
-        from ..linux import pidfd
         if "leader" in cand["recheck"] and leader is not None:
             return pidfd.matches(fd, cand["pid"], leader.get("pidfd_ino"), leader.get("starttime"))
         return evidence.recheck(cand["pid"], cand)
@@ -200,7 +207,6 @@ def choose(state_root: str, mountinfo: str | None = None) -> Backend:
 
 
 def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
-    from ..linux import cgroup
     layout = cgroup.detect_layout(mountinfo)
     live = mountinfo is None
     root = os.geteuid() == 0
@@ -229,13 +235,3 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
            "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
     return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")
-
-
-def _cgroups_writable_without_the_override() -> bool:
-    """Would a cgroup tree be usable here if AGNSUP_CGROUP_LAYOUT=none were unset (this process's mountinfo)?"""
-    from ..linux.cgroup import detect_layout
-    try:
-        with open("/proc/self/mountinfo") as f:
-            return detect_layout(f.read()).kind != "none"
-    except Exception:  # noqa: BLE001 - a fix's wording, never a failure
-        return False

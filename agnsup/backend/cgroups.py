@@ -22,7 +22,8 @@ import signal
 import time
 
 from . import Backend, Place
-from ..linux import cgroup
+from .. import backoff
+from ..linux import cgroup, delegation, pidfd, proc
 
 CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu: what a limit needs
 FREEZE_TIMEOUT = 2.0  # how long a v1 freezer may take to report FROZEN before we kill anyway
@@ -83,7 +84,6 @@ class CgroupBackend(Backend):
     def _limit_controllers(self) -> list[str]:
         """Where a limit can go: a v1 hierarchy of agnsup's own, or the v2 controllers the parent
         of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
-        from ..linux import delegation
         v2 = self.base.paths.get("v2")
         return [*self.base.paths, *(delegation.controllers(os.path.dirname(v2))[1] if v2 else [])]
 
@@ -170,7 +170,6 @@ class CgroupBackend(Backend):
 
         Membership is rechecked after the pidfd is open, so a pid that was reused
         by a process outside the tree between the read and the open is skipped."""
-        from ..linux import pidfd, proc
         prim = place.node.primary
         sent = 0
         for pid in cgroup.procs(prim[1]) if prim else ():
@@ -203,17 +202,10 @@ class CgroupBackend(Backend):
 
     def wait_empty(self, place: Place, timeout: float) -> bool:
         """Verified empty: zombies count as gone."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while self.populated(place) and not self._only_zombies(place):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-        return True
+        return backoff.until(lambda: not self.populated(place) or self._only_zombies(place),
+                             time.monotonic() + timeout, 0.0005, 0.02)
 
     def _only_zombies(self, place: Place) -> bool:
-        from ..linux import proc
         pids = self.members(place)
         return bool(pids) and all(proc.is_zombie(p) for p in pids)
 
@@ -315,9 +307,8 @@ class CgroupBackend(Backend):
             pids = cgroup.procs(p)
             if dirs or pids:
                 found.append(f"{p}: {len(dirs)} dirs, pids {pids}")
-        if root and self.populated(root):
-            self.kill(root)  # this state root's own cgroup root: ours
-            self.wait_empty(root, 10.0)
+        if root:
+            self.kill_place(root)  # this state root's own cgroup root: ours
         for p in present.values():
             for d in cgroup.walk(p):
                 try:
@@ -355,9 +346,8 @@ class Cgroup1(CgroupBackend):
         state = os.path.join(path, "freezer.state")
         try:  # from the first write on: whatever fails, the tree is thawed again
             cgroup.write(state, "FROZEN")
-            deadline = time.monotonic() + FREEZE_TIMEOUT
-            while not (frozen := cgroup.read(state).strip() == "FROZEN") and time.monotonic() < deadline:
-                time.sleep(0.001)
+            frozen = backoff.until(lambda: cgroup.read(state).strip() == "FROZEN", time.monotonic() + FREEZE_TIMEOUT,
+                                   0.001, 0.001)
             self.signal(place, signal.SIGKILL)
         finally:
             try:

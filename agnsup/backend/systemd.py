@@ -25,7 +25,7 @@ import os
 import time
 
 from .cgroups import CONTROLLERS, Cgroup2
-from ..linux import cgroup, delegation
+from ..linux import cgroup, delegation, proc
 
 BUSCTL = "/usr/bin/busctl"
 SYSTEM_BUS = "/run/dbus/system_bus_socket"  # (systemd's private socket refuses a scope's PIDs from busctl: EBADR)
@@ -82,7 +82,7 @@ class SystemdScope(Cgroup2):
     def _start_argv(self) -> list[str]:
         return [BUSCTL, self.bus, "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
                 "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-                self.unit, "fail", str(3 + bool(self.slice_property)), "PIDs", "au", "1", str(_pid_for_systemd()),
+                self.unit, "fail", str(3 + bool(self.slice_property)), "PIDs", "au", "1", str(proc.own_pid()),
                 "Delegate", "b", "true", "CollectMode", "s", "inactive-or-failed", *self.slice_property, "0"]
 
     def describe(self, has_cgroup_kill: bool = True) -> str:
@@ -117,7 +117,7 @@ class SystemdScope(Cgroup2):
             if not self.shipped:
                 self._start_scope(run_helper, deadline)
             try:
-                self._move_to_leaf(_pid_for_systemd())
+                self._move_to_leaf(proc.own_pid())
                 break
             except FileNotFoundError:  # systemd collected the empty scope as we came: ask again
                 if time.monotonic() >= deadline:
@@ -161,15 +161,6 @@ class SystemdScope(Cgroup2):
         for name in os.listdir(self.scope_dir):  # leaves of controllers gone (pids are not reused while we live)
             if name.startswith("ctl-") and name != f"ctl-{pid}":
                 cgroup.remove_if_empty(os.path.join(self.scope_dir, name))
-
-
-def _pid_for_systemd() -> int:
-    """Our pid as /proc's namespace (the host's, systemd's) numbers it: in a PID namespace of our own
-    (the self-test's PID-reuse trap) getpid() is a small number systemd reads as someone else."""
-    try:
-        return int(os.readlink("/proc/self"))
-    except (OSError, ValueError):
-        return os.getpid()
 
 
 def _under(path: str, top: str) -> bool:
@@ -243,8 +234,7 @@ def user_layout():
     """A pure-v2 layout for a normal user whose systemd user manager runs (its bus exists), else None."""
     if not booted() or user_manager_bus() is None:
         return None
-    with open("/proc/self/mountinfo") as f:
-        v2, v1 = cgroup.parse_mountinfo(f.read())
+    v2, v1 = cgroup.parse_mountinfo(proc.mountinfo())
     if v2 is None or v1:
         return None  # hybrid: the user manager delegates nothing the limits could use
     ctrl = cgroup.controllers_of(v2)

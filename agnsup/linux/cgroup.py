@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 
+from . import proc
 from ..digest import sha256
 from ..record import Factory, Record
 
@@ -71,10 +72,7 @@ def detect_layout(mountinfo: str | None = None) -> Layout:
     if forced:
         from ..errors import UsageError
         raise UsageError(f"AGNSUP_CGROUP_LAYOUT={forced!r}: the only override is 'none' (run without cgroups)")
-    if mountinfo is None:
-        with open("/proc/self/mountinfo") as f:
-            mountinfo = f.read()
-    v2, v1 = parse_mountinfo(mountinfo)
+    v2, v1 = parse_mountinfo(proc.mountinfo() if mountinfo is None else mountinfo)
     v2_ctrl = controllers_of(v2) if v2 is not None else None
     if v2_ctrl is None:  # no cgroup2 mount, or its root's controllers unreadable: not usable
         v2, v2_ctrl = None, ()
@@ -98,6 +96,14 @@ def controllers_of(directory: str) -> tuple[str, ...] | None:
         return tuple(read(os.path.join(directory, "cgroup.controllers")).split())
     except OSError:
         return None
+
+
+def writable_here() -> bool:
+    """Would a cgroup tree be usable here, AGNSUP_CGROUP_LAYOUT aside (this process's mountinfo)?"""
+    try:
+        return detect_layout(proc.mountinfo()).kind != "none"  # mountinfo given: the environment is not read
+    except Exception:  # noqa: BLE001 - a fix's wording, a doctor's report: never a failure
+        return False
 
 
 def _delegated_base(v2: str, live: bool) -> bool:

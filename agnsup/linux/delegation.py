@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import os
 
+from . import proc
+
 DELEGATED_FILES = ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads")
-
-
-def own_cgroup(proc_self_cgroup: str | None = None) -> str | None:
-    """This process's cgroup2 path ("0::/a/b" -> "/a/b"), or None on a v1-only host."""
-    if proc_self_cgroup is None:
-        with open("/proc/self/cgroup") as f:
-            proc_self_cgroup = f.read()
-    for line in proc_self_cgroup.splitlines():
-        if line.startswith("0::"):
-            return line[3:]
-    return None
 
 
 def own_dir(mount: str) -> str | None:
     """This process's cgroup2 directory under the cgroup2 mount `mount`, or None on a v1-only host."""
-    rel = own_cgroup()
+    rel = proc.own_cgroup()
     return os.path.join(mount, rel.lstrip("/")) if rel is not None else None
 
 

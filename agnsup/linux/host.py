@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from . import proc
+
 _cache: dict = {}
 
 
@@ -40,13 +42,10 @@ def _mapped_uid(root: bool) -> str | None:
     per device when a plan is made (supervisor.idmap_refused); the namespace itself when it is made."""
     if not root:
         return None
-    try:
-        with open("/proc/sys/user/max_user_namespaces") as f:
-            if f.read().strip() == "0":
-                return "user.max_user_namespaces = 0 (sysctl -w user.max_user_namespaces=15000)"
-    except OSError:
+    most = proc.sysctl("user/max_user_namespaces")
+    if most is None:
         return "no user namespaces in this kernel"
-    return None
+    return "user.max_user_namespaces = 0 (sysctl -w user.max_user_namespaces=15000)" if most == "0" else None
 
 
 def _userns_pid() -> str | None:
@@ -67,14 +66,9 @@ def net_admin() -> bool:
     loopback of a network namespace its own user namespace owns: its cells' network namespaces are then
     owned by a user namespace of their own (supervisor.cell_netns)."""
     if not _net_admin:
-        eff = 0
         try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("CapEff:"):
-                        eff = int(line.split()[1], 16)
-                        break
-        except (OSError, ValueError):
-            pass
+            eff = int((proc.status() or {}).get("CapEff", "0"), 16)
+        except ValueError:
+            eff = 0
         _net_admin.append(bool(eff >> CAP_NET_ADMIN & 1))
     return _net_admin[0]

@@ -19,6 +19,8 @@ import ipaddress
 import threading
 import time
 
+from . import proc
+
 REFRESH = 1.0  # seconds a read set is trusted
 
 _lock = threading.Lock()
@@ -50,14 +52,6 @@ def parse_if_inet6(text: str) -> set:
     return out
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""  # no IPv6 (or no IPv4) in this kernel: no addresses of that family
-
-
 def local_addresses(now: float | None = None) -> frozenset:
     """Every address of every interface of this network namespace (loopback included)."""
     global _cached
@@ -65,6 +59,6 @@ def local_addresses(now: float | None = None) -> frozenset:
     with _lock:
         if now - _cached[0] < REFRESH:
             return _cached[1]
-        addrs = frozenset(parse_fib_trie(_read("/proc/net/fib_trie")) | parse_if_inet6(_read("/proc/net/if_inet6")))
+        addrs = frozenset(parse_fib_trie(proc.net("fib_trie")) | parse_if_inet6(proc.net("if_inet6")))
         _cached = (now, addrs)
         return addrs

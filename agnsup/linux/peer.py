@@ -199,14 +199,7 @@ def tcp_client_sockets(tables: list[str], client: tuple, server_port: int, serve
 
 
 def _read_tables() -> list[str]:
-    out = []
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                out.append(f.read())
-        except FileNotFoundError:
-            pass  # no IPv6 in this kernel
-    return out
+    return [proc.net("tcp"), proc.net("tcp6")]  # tcp6 is "" in a kernel without IPv6
 
 
 def is_this_hosts(ip) -> bool:
@@ -221,28 +214,6 @@ def is_this_hosts(ip) -> bool:
 # An inode names one socket for the kernel's life (sockfs numbers count up), so a hit is that connection.
 _trusted_inodes: dict[int, int] = {}
 _TRUSTED_MAX = 4096
-
-
-def _holders(inode: int, uid: int) -> list[int]:
-    """The pids of the processes of `uid` (their /proc/PID's owner) that hold socket `inode`. A scan of
-    /proc, so only made when the uid alone cannot tell (the server's own)."""
-    target = f"socket:[{inode}]"
-    out = []
-    with os.scandir("/proc") as it:
-        for e in it:
-            if not e.name.isdigit():
-                continue
-            try:
-                if e.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                fds = f"/proc/{e.name}/fd"
-                for fd in os.listdir(fds):
-                    if os.readlink(f"{fds}/{fd}") == target:
-                        out.append(int(e.name))
-                        break
-            except OSError:
-                continue  # gone, or not ours to look at (a non-dumpable process)
-    return out
 
 
 def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None = None,
@@ -289,7 +260,7 @@ def check_tcp(client: tuple[str, int], server_port: int, server_ip: str | None =
         if row.uid == me or (me == 0 and not others_refused and not evidence):
             if _trusted_inodes.get(row.inode) == row.uid:
                 continue  # this connection's holder was judged before (gRPC asks on every call)
-            holders = _holders(row.inode, row.uid)
+            holders = proc.holders(f"socket:[{row.inode}]", row.uid)  # a /proc scan: only when the uid cannot tell
             if not holders:
                 evidence.append(f"no process of uid {row.uid} holds socket inode {row.inode} (gone, or not "
                                 "visible from here)")

@@ -39,6 +39,8 @@ import functools
 import os
 import signal
 
+from . import proc
+
 INIT_NAME = b"agnsup-init"
 _PR_SET_NAME = 15
 
@@ -57,9 +59,7 @@ def own_name_plan() -> tuple:
     """In the controller, once per process: where its argv and environment strings lie
     (arg_start, arg_end, env_start, env_end: proc(5) fields 48-51), and the comm buffer. The init is a
     fork of the controller, so the addresses hold there too; the child only writes memory."""
-    with open("/proc/self/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()  # the list starts at field 3, the state
-    return (*(int(x) for x in fields[45:49]), ctypes.create_string_buffer(INIT_NAME))
+    return (*proc.arg_env_bounds(), ctypes.create_string_buffer(INIT_NAME))
 
 
 def take_own_name(plan: tuple, prctl) -> None:

@@ -41,6 +41,7 @@ import errno
 import functools
 import os
 
+from . import proc
 from . import sys as lsys
 
 # <linux/audit.h>
@@ -154,13 +155,10 @@ def supported() -> str | None:
     arch = os.uname().machine
     if arch not in _NATIVE:
         return f"no syscall table for {arch}"
-    try:
-        with open("/proc/self/status") as f:
-            if not any(line.startswith("Seccomp_filters:") for line in f):
-                return "kernel without seccomp filters (CONFIG_SECCOMP_FILTER)"
-    except OSError as e:
-        return f"cannot read /proc/self/status: {e.strerror}"
-    return None
+    status = proc.status()
+    if status is None:
+        return "cannot read /proc/self/status"
+    return None if "Seccomp_filters" in status else "kernel without seccomp filters (CONFIG_SECCOMP_FILTER)"
 
 
 class _Asm:

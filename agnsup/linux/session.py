@@ -31,13 +31,10 @@ the kill, then SIGKILL; repeated until a scan finds none.
 """
 from __future__ import annotations
 
-import os
-
 from . import proc
 
 TOKEN_VAR = "AGNSUP_CELL_TOKEN"  # the ownership token's name in a cell's environment (spec.py sets it)
 TOKEN_KEY = TOKEN_VAR.encode() + b"="
-READ_SIZE = 65536
 TRACKING = "session+token"
 BLOCKED = "ENV_BLOCKED: cgroup"
 
@@ -49,27 +46,6 @@ class Proc:
     def __init__(self, pid, comm, state, pgid, sid, starttime, token):
         self.pid, self.comm, self.state, self.pgid, self.sid = pid, comm, state, pgid, sid
         self.starttime, self.token = starttime, token
-
-
-def _read(path: str) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    try:
-        # one read gets all of a /proc file shorter than the buffer: no second read for EOF
-        data = os.read(fd, READ_SIZE)
-        if len(data) < READ_SIZE:
-            return data
-        chunks = [data]
-        while data:
-            data = os.read(fd, READ_SIZE)
-            chunks.append(data)
-        return b"".join(chunks)
-    except OSError:  # ESRCH and friends: the process went away between open and read
-        return None
-    finally:
-        os.close(fd)
 
 
 def token_of(env: bytes | None) -> str | None:
@@ -88,14 +64,8 @@ def token_of(env: bytes | None) -> str | None:
 
 
 def read_proc(pid: int) -> Proc | None:
-    raw = _read(f"/proc/{pid}/stat")
-    if not raw:
-        return None
-    # split at the last ")": a process name may hold spaces and parentheses (as proc.stat does)
-    lpar, rpar = raw.index(b"("), raw.rindex(b")")
-    rest = raw[rpar + 2:].split(None, 20)
-    return Proc(pid, raw[lpar + 1:rpar].decode(errors="replace"), rest[0].decode(), int(rest[2]), int(rest[3]),
-                int(rest[19]), token_of(_read(f"/proc/{pid}/environ")))
+    f = proc.fields(pid)  # (pid, comm, state, ppid, pgid, sid, starttime)
+    return f and Proc(pid, f[1], f[2], f[4], f[5], f[6], token_of(proc.raw_environ(pid)))
 
 
 class Snapshot:
@@ -191,12 +161,3 @@ class Evidence:
         if "token" in cand["recheck"] and p.token == self.token:
             return True, "rechecked through the pidfd: same start time, same token"
         return False, f"pid {pid} no longer carries the evidence it was found by: spared"
-
-
-def dead(pid: int, start: int) -> bool:
-    """Gone, a zombie, or the pid is another process now (one raw read: this runs per killed process)."""
-    raw = _read(f"/proc/{pid}/stat")
-    if not raw:
-        return True
-    rest = raw[raw.rindex(b")") + 2:].split(None, 20)
-    return int(rest[19]) != start or rest[0] in (b"Z", b"X")

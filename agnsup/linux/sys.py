@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from . import proc
+
 _libc = ctypes.CDLL(None, use_errno=True)
 
 # unshare(2) flags, <linux/sched.h>
@@ -159,9 +161,8 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 def cap_last_cap() -> int:
     try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            return int(f.read())
-    except (OSError, ValueError):
+        return int(proc.sysctl("kernel/cap_last_cap") or "")
+    except ValueError:
         return len(CAP_NAMES) - 1
 
 

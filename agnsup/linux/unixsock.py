@@ -18,18 +18,15 @@ import os
 import re
 import stat
 
-PROC_NET_UNIX = "/proc/net/unix"
+from . import proc
+
 _PATH = rb" (/.*)"  # "." stops at the newline (re caches the compiled form: no compile at import)
 
 
-def bound_paths(table: str = PROC_NET_UNIX) -> set[str]:
-    """The absolute names of bound pathname sockets listed in `table` (listeners,
+def bound_paths() -> set[str]:
+    """The absolute names of bound pathname sockets in /proc/net/unix (listeners,
     bound datagram sockets and their accepted connections, deduplicated)."""
-    try:
-        with open(table, "rb") as f:
-            data = f.read()
-    except OSError:
-        return set()
+    data = proc.read("net/unix") or b""
     # Num RefCount Protocol Flags Type St Inode Path: the fields before the path are hex and
     # decimal numbers, so a line's first " /" starts an absolute path, which runs to the line's
     # end (one regex pass: a busy host lists thousands of sockets, most of them under /run)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from . import proc
+
 # The sysctls that switch unprivileged user namespaces off, and what to tell the user for each.
 # - kernel.unprivileged_userns_clone: Debian's patch (Debian 10 and older default to 0; gone upstream)
 # - user.max_user_namespaces: 0 disables them for everyone (some hardened hosts and containers)
@@ -41,12 +43,8 @@ def blocked_by_sysctl(proc_sys: str = "/proc/sys") -> list[str]:
     does (a seccomp filter or an LSM can still refuse: only unshare(CLONE_NEWUSER) in a child tells)."""
     out = []
     for rel, refuses, why in SYSCTLS:
-        try:
-            with open(os.path.join(proc_sys, rel)) as f:
-                value = f.read().strip()
-        except OSError:
-            continue  # this kernel has no such switch
-        if refuses(value):
+        value = proc.sysctl(rel, proc_sys)
+        if value is not None and refuses(value):  # None: this kernel has no such switch
             out.append(why)
     return out
 

@@ -5,7 +5,7 @@ import pytest
 
 from agnsup import compiler, policy, spec
 from agnsup.errors import SetupError, UsageError
-from agnsup.linux import cgroup, session
+from agnsup.linux import cgroup, proc, session
 from agnsup.request import CellRequest
 
 HOST = {"seccomp": None, "landlock": None, "landlock_scopes": None, "no_new_privs": None, "pid_namespace": None,
@@ -61,7 +61,8 @@ def test_the_policy_is_read_only_and_has_every_default():
 
 def test_proc_stat_is_split_at_the_last_parenthesis(monkeypatch):
     raw = b"4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 987654 0 0"
-    monkeypatch.setattr(session, "_read", lambda path: raw if path.endswith("/stat") else b"X=1\0AGNSUP_CELL_TOKEN=t0k\0")
+    monkeypatch.setattr(proc, "read",
+                        lambda path, *_: raw if path.endswith("/stat") else b"X=1\0AGNSUP_CELL_TOKEN=t0k\0")
     p = session.read_proc(4242)
     assert (p.comm, p.state, p.pgid, p.sid, p.starttime, p.token) == ("a) b (c)", "S", 4242, 4242, 987654, "t0k")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from . import changes, crashpoints, home, locks, protect, receipts, reaper
@@ -77,7 +76,7 @@ class Cell(Record):
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
-    protect_start: tuple | None = None  # (protected paths' identities, lifted paths' digests) at start (protect.py)
+    protect_start: dict | None = None   # the protected paths' baseline at start (protect.start)
     protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
     cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
     layer: object = None         # changes.Layer: the overlay's upper and work, while a capturing cell runs
@@ -210,8 +209,7 @@ class Controller:
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
-                cell.protect_start = _protect_baseline(plan)
-                _keep_for_janitor(plan, cell.protect_start)
+                cell.protect_start = protect.start(plan)
             _open_audit(cell)
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
@@ -286,7 +284,7 @@ class Controller:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         home.make(plan)
         if plan.captures():
-            cell.layer = _prepare_layer(self.state.path, plan)
+            cell.layer = changes.prepare_cell(self.state.path, plan)
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
         # no limit is reported that is not in force: each missing one is named, or refused
@@ -361,55 +359,26 @@ class Controller:
                                   kill_method=waiter.kill_method or left.method, leftover=left.left)
         self._close_fds(cell)
         self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
-        self._settle_protected(cell)
+        if cell.protect_start is not None:  # what it planted where tools run files on their own leaves the worktree
+            cell.protected = protect.settle_cell(self.journal, spec.run_id, spec.cell_id, cell.plan.cell_dir,
+                                                 cell.protect_start)
+            changes.drop_quarantined(self.state.path, spec.run_id, spec.cell_id, cell.changes,
+                                     cell.protected["quarantined"])
         receipt = self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
-        self._prune_changes(cell)
+        changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
     def _commit_changes(self, cell: Cell) -> None:
-        """A capturing cell's tree is dead: what it wrote lands in the worktree, the pre-images in its
-        record (changes.commit); the receipt's `changes` section says what. A cell that runs live (or
-        has a read-only worktree) gets the section that says so. A commit that fails leaves its plan
-        for the janitor (changes.finish_all) and the receipt names the error; the cell's end is
-        recorded all the same."""
-        plan = cell.plan
-        if plan is None or not plan.changes:
-            return
-        if cell.layer is None:
-            if plan.changes.get("mode") != "at_exit":
-                cell.changes = {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
-            return
-        spec = cell.spec
-        cell.changes = changes.land(self.state.path, spec.run_id, spec.cell_id, spec.worktree,
-                                    agent_id=spec.agent_id, id_shift=_id_shift(cell.plan))
-        if cell.changes["mode"] == "live":  # the kernel refused the overlay: its writes landed live
+        """The receipt's `changes` section (changes.at_end): a commit that fails leaves its plan for the
+        janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same."""
+        section = changes.at_end(self.state.path, cell.plan, cell.layer is not None)
+        if section is not None:
+            cell.changes = section
+        if cell.layer is not None and section["mode"] == "live":  # the kernel refused the overlay: it ran live
             cell.isolation["not_in_force"] = [*cell.isolation.get("not_in_force", []),
                                               f"reversible (the cell's writes landed live, uncaptured): "
-                                              f"{cell.changes['why']}"]
+                                              f"{section['why']}"]
         cell.layer = None
-
-    def _prune_changes(self, cell: Cell) -> None:
-        """Retention after a commit that kept a record: the oldest records past the role's
-        filesystem.changes_keep / changes_keep_bytes are dropped (changes.prune)."""
-        if not cell.changes or not cell.changes.get("record") or not cell.changes.get("files"):
-            return
-        try:
-            changes.prune(self.state, self.journal, cell.plan.changes["keep"], cell.plan.changes["keep_bytes"])
-        except Exception as e:  # noqa: BLE001 - retention never fails a cell that ended
-            print(f"agnsup: changes retention failed, continuing: {e}", file=sys.stderr, flush=True)
-
-    def _settle_protected(self, cell: Cell) -> None:
-        """The tree is dead: what it planted where tools run files on their own leaves the
-        worktree for the cell's record directory (agnsup/protect.py); journaled when anything moved."""
-        if cell.protect_start is None:
-            return
-        baseline, before = cell.protect_start
-        cell.protected = protect.settle(cell.spec.worktree, baseline, cell.plan.protected_lifted, before,
-                                        os.path.join(cell.plan.cell_dir, "quarantine"))
-        if cell.protected["quarantined"]:
-            self.journal.add_event("protected.quarantined", cell.spec.run_id, cell.spec.cell_id,
-                                   paths=cell.protected["quarantined"])
-            _drop_quarantined(self.state.path, cell.spec, cell.changes, cell.protected["quarantined"])
 
     def fail(self, cell: Cell, error: AgnsupError) -> dict:
         """A cell that never ran (or whose start could not be recorded): undo what exists, record why."""
@@ -424,7 +393,7 @@ class Controller:
         self._commit_changes(cell)  # what a cell killed before its start was recorded may have written
         r = reaper.reap(self.backend, target)
         receipt = self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
-        self._prune_changes(cell)
+        changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
     def _close_fds(self, cell: Cell) -> None:
@@ -483,44 +452,3 @@ def _open_audit(cell: Cell) -> None:
         cell.landlock_audit = {"why": why}
     else:
         plan.landlock_log_tag = cell.audit.tag
-
-
-def _prepare_layer(state_root: str, plan):
-    """The capturing cell's layer directory (changes.prepare; its upper's root gets the worktree
-    root's owner and mode there: the overlay's root directory shows them)."""
-    spec = plan.spec
-    return changes.prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree,
-                           agent_id=spec.agent_id, id_shift=_id_shift(plan))
-
-
-def _id_shift(plan) -> int | None:
-    """A mapped cell writes its layer as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
-    return plan.mapped["uid"] if plan.mapped else None
-
-
-def _drop_quarantined(state_root: str, spec, summary: dict | None, quarantined: list) -> None:
-    """protect.settle moved paths the cell planted out of the worktree after the commit: its record
-    stops claiming them (changes.drop_paths)."""
-    if not summary or not summary.get("record"):
-        return
-    paths = [q["path"] if isinstance(q, dict) else q for q in quarantined]
-    try:
-        changes.drop_paths(state_root, spec.run_id, spec.cell_id, paths)
-    except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
-        print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)
-
-
-def _protect_baseline(plan) -> tuple[dict, dict]:
-    """The protected paths as the cell finds them (taken just before it starts), and the
-    lifted ones' digests: what protect.settle compares with once the cell is dead."""
-    found = protect.scan(plan.spec.worktree)
-    lifted = plan.protected_lifted
-    return protect.as_plan(found), (protect.digests(plan.spec.worktree, found, lifted) if lifted else {})
-
-
-def _keep_for_janitor(plan, start: tuple) -> None:
-    """The start snapshot in the cell's record directory: a janitor that concludes the cell of a
-    dead controller settles its protected paths from it (janitor.py)."""
-    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
-        json.dump({"worktree": plan.spec.worktree, "baseline": start[0], "digests": start[1],
-                   "lifted": list(plan.protected_lifted)}, f)

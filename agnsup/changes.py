@@ -45,14 +45,15 @@ import errno
 import json
 import os
 import stat as S
+import sys
 import time
 
 from . import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
-__all__ = ["Layer", "layer_dir", "prepare", "unsupported", "fs_type", "land", "ran_live", "commit", "finish_all",
-           "diff", "undo", "select", "prune", "free_run", "drop_paths", "reindex", "settled", "summary_row",
-           "UnsafePath", "ChangeConflict", "NotReversible"]
+__all__ = ["Layer", "layer_dir", "prepare", "prepare_cell", "unsupported", "fs_type", "land", "at_end", "ran_live",
+           "commit", "finish_all", "diff", "undo", "select", "prune", "prune_after", "free_run", "drop_paths",
+           "drop_quarantined", "reindex", "settled", "summary_row", "UnsafePath", "ChangeConflict", "NotReversible"]
 
 VERSION = 1
 # journal.TERMINAL_CELL, spelled here: importing the journal module would load SQLite into every cell child
@@ -175,6 +176,14 @@ _REFUSED_FS = {
     0x9660: "ISO 9660 (read-only)", 0x858458F6: "ramfs (no xattrs)", 0x47504653: "GPFS",
 }
 _UNSUPPORTED_CACHE: dict[tuple[str, int], str | None] = {}
+
+
+def prepare_cell(state_root: str, plan) -> Layer:
+    """A capturing cell's layer (prepare, with the worktree: the overlay's root shows its owner and mode).
+    A mapped cell writes it as host ids BASE+n (mounts.overlay "shift"): the commit's id_shift."""
+    spec = plan.spec
+    return prepare(state_root, spec.run_id, spec.cell_id, None, worktree=spec.worktree, agent_id=spec.agent_id,
+                   id_shift=plan.mapped["uid"] if plan.mapped else None)
 
 
 def fs_type(path: str) -> int | None:
@@ -908,6 +917,19 @@ def land(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id:
     return summary if live is None else {"mode": "live", "why": live}
 
 
+def at_end(state_root: str, plan, captured: bool) -> dict | None:
+    """The receipt's `changes` section once the cell's tree is dead (None: it gets none). A capturing
+    cell (`captured`: its layer exists) lands what it wrote (land); a cell that runs live (or has a
+    read-only worktree) gets the section that says so."""
+    if captured:
+        spec = plan.spec
+        return land(state_root, spec.run_id, spec.cell_id, spec.worktree, agent_id=spec.agent_id,
+                    id_shift=plan.mapped["uid"] if plan.mapped else None)
+    if plan is None or not plan.changes or plan.changes.get("mode") == "at_exit":
+        return None
+    return {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
+
+
 def ran_live(layer: str) -> str | None:
     """Why the kernel refused a capturing cell's overlay, which then ran live (mounts.LAYER_LIVE), else None."""
     from .linux.mounts import LAYER_LIVE
@@ -1481,6 +1503,17 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
     return dropped
 
 
+def prune_after(state, journal, summary: dict | None, policy: dict) -> None:
+    """Retention after a cell's commit that kept a record (`summary`): the oldest records past the role's
+    filesystem.changes_keep / changes_keep_bytes (`policy`, the plan's) are dropped (prune)."""
+    if not summary or not summary.get("record") or not summary.get("files"):
+        return
+    try:
+        prune(state, journal, policy["keep"], policy["keep_bytes"])
+    except Exception as e:  # noqa: BLE001 - retention never fails a cell that ended
+        print(f"agnsup: changes retention failed, continuing: {e}", file=sys.stderr, flush=True)
+
+
 def free_run(state, journal, run_id: str) -> list[str]:
     """`cleanup --run R`: every record of the run dropped and its space freed."""
     root = _root(state)
@@ -1531,3 +1564,14 @@ def drop_paths(state_root: str, run_id: str, record_id: str, paths: list[str]) -
     record["counts"], record["bytes"] = _counts(keep)
     record["quarantined"] = sorted(set(record.get("quarantined", [])) | set(paths))
     _write_json(rj, record)
+
+
+def drop_quarantined(state_root: str, run_id: str, cell_id: str, summary: dict | None, quarantined: list) -> None:
+    """protect.settle moved paths the cell planted out of the worktree after its commit (`summary`):
+    its record stops claiming them (drop_paths)."""
+    if not summary or not summary.get("record"):
+        return
+    try:
+        drop_paths(state_root, run_id, cell_id, [q["path"] for q in quarantined])
+    except Exception as e:  # noqa: BLE001 - the quarantine is done; the record keeps what it said
+        print(f"agnsup: changes: quarantined paths not dropped from the record: {e}", file=sys.stderr, flush=True)

@@ -279,7 +279,7 @@ class _Janitor:
 
     # -- the cells ---------------------------------------------------------
     def _recover(self, cells: list[_Cell]) -> None:
-        from . import crashpoints, reaper
+        from . import crashpoints, protect, reaper
         t0 = time.time()
         live = [c for c in cells if c.signals]
         for c in live:
@@ -328,7 +328,10 @@ class _Janitor:
                                              lock_path=c.row["lock_path"])
                 self._commit_changes(c)  # the tree is dead, the worktree lock not yet released
                 c.entry["released"] = reaper.release(self.backend, c.target)
-                self._settle_protected(c)
+                settled = protect.settle_cell(self.j, c.row["run_id"], c.row["cell_id"],
+                                              self.state.cell_dir(c.row["run_id"], c.row["cell_id"]), janitor=self.id)
+                if settled is not None:
+                    c.entry["protected"] = settled
             except OSError as e:  # leave it for the next janitor; never mark what is not converged
                 c.error = str(e)
         now = time.time()
@@ -388,22 +391,6 @@ class _Janitor:
         except Exception as e:  # noqa: BLE001 - recovery of the cells is done; the next janitor tries again
             print(f"agnsup: janitor: unfinished changes not finished yet: {e}", file=sys.stderr, flush=True)
             return []
-
-    def _settle_protected(self, c: _Cell) -> None:
-        """The tree is dead: what the cell planted where tools run files on their own leaves the
-        worktree, as its controller would have done (broker.Controller._settle_protected)."""
-        from . import protect
-        cell_dir = self.state.cell_dir(c.row["run_id"], c.row["cell_id"])
-        try:
-            with open(os.path.join(cell_dir, "protect-start.json")) as f:
-                start = json.load(f)
-        except (OSError, ValueError):
-            return  # a read-only role's cell, or one that ended before its start was noted
-        c.entry["protected"] = protect.settle(start["worktree"], start["baseline"], start["lifted"], start["digests"],
-                                              os.path.join(cell_dir, "quarantine"))
-        if c.entry["protected"]["quarantined"]:
-            self.j.add_event("protected.quarantined", c.row["run_id"], c.row["cell_id"],
-                             paths=c.entry["protected"]["quarantined"], janitor=self.id)
 
     def _chain(self, row) -> list[dict]:
         """The stages as the cell's events journaled them."""

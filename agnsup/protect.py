@@ -29,6 +29,7 @@ program that reads them sees what the cell wrote (the documented window).
 """
 from __future__ import annotations
 
+import json
 import os
 import stat as stat_mod
 
@@ -393,3 +394,31 @@ def _changes(before: dict, after: dict) -> list[dict]:
 def as_plan(found: dict) -> dict:
     """The baseline in a form a plan (and JSON) carries: {rel: [kind, [dev, ino, type]]}."""
     return {rel: [e.kind, list(e.ident)] for rel, e in found.items()}
+
+
+def start(plan) -> dict:
+    """The baseline, just before a worktree-writing cell starts; kept in its record directory too: the
+    janitor that concludes the cell of a dead controller settles from it (settle_cell)."""
+    wt, lifted = plan.spec.worktree, plan.protected_lifted
+    found = scan(wt)
+    snap = {"worktree": wt, "baseline": as_plan(found), "digests": digests(wt, found, lifted) if lifted else {},
+            "lifted": list(lifted)}
+    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
+        json.dump(snap, f)
+    return snap
+
+
+def settle_cell(journal, run_id: str, cell_id: str, cell_dir: str, snap: dict | None = None, **event) -> dict | None:
+    """The tree is dead: settle from the start snapshot (`snap`, else start()'s file; None without one: a
+    read-only role's cell, or one that ended before its start was noted); journaled when anything moved."""
+    if snap is None:
+        try:
+            with open(os.path.join(cell_dir, "protect-start.json")) as f:
+                snap = json.load(f)
+        except (OSError, ValueError):
+            return None
+    out = settle(snap["worktree"], snap["baseline"], snap["lifted"], snap["digests"],
+                 os.path.join(cell_dir, "quarantine"))
+    if out["quarantined"]:
+        journal.add_event("protected.quarantined", run_id, cell_id, paths=out["quarantined"], **event)
+    return out

@@ -86,7 +86,7 @@ def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recover
     r["reduced"] = next(((st.get("isolation") or {}).get("reduced") or [] for st in chain
                          if isinstance(st, dict) and st.get("stage") == "backend"), [])
     r.update(argv_b64(argv))
-    if entry.get("protected") is not None:  # janitor._settle_protected
+    if entry.get("protected") is not None:  # protect.settle_cell, by the janitor
         r["protected"] = entry["protected"]
     if entry.get("changes") is not None:  # janitor._commit_changes: what the cell left, committed
         r["changes"] = entry["changes"]

@@ -21,8 +21,8 @@ import os
 import signal
 import time
 
-from . import Backend, Place
-from ..linux import cgroup
+from .base import Backend, Place
+from ..linux import cgroup, delegation, pidfd, proc
 
 CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu: what a limit needs
 FREEZE_TIMEOUT = 2.0  # how long a v1 freezer may take to report FROZEN before we kill anyway
@@ -83,7 +83,6 @@ class CgroupBackend(Backend):
     def _limit_controllers(self) -> list[str]:
         """Where a limit can go: a v1 hierarchy of agnsup's own, or the v2 controllers the parent
         of agnsup's v2 directory hands down (its cgroup.subtree_control; not ours to write)."""
-        from ..linux import delegation
         v2 = self.base.paths.get("v2")
         return [*self.base.paths, *(delegation.controllers(os.path.dirname(v2))[1] if v2 else [])]
 
@@ -170,7 +169,6 @@ class CgroupBackend(Backend):
 
         Membership is rechecked after the pidfd is open, so a pid that was reused
         by a process outside the tree between the read and the open is skipped."""
-        from ..linux import pidfd, proc
         prim = place.node.primary
         sent = 0
         for pid in cgroup.procs(prim[1]) if prim else ():
@@ -213,7 +211,6 @@ class CgroupBackend(Backend):
         return True
 
     def _only_zombies(self, place: Place) -> bool:
-        from ..linux import proc
         pids = self.members(place)
         return bool(pids) and all(proc.is_zombie(p) for p in pids)
 

@@ -25,6 +25,7 @@ import os
 import time
 
 from .cgroups import CONTROLLERS, Cgroup2
+from ..errors import SetupError
 from ..linux import cgroup, delegation
 
 BUSCTL = "/usr/bin/busctl"
@@ -127,7 +128,6 @@ class SystemdScope(Cgroup2):
         self.entered = True
 
     def _start_scope(self, run_helper, deadline: float) -> None:
-        from ..errors import SetupError
         argv = self._start_argv()
         rc, out, err = run_helper(argv, max(1.0, deadline - time.monotonic()), self.helper_env())
         if rc != 0 and "already exists" not in err and "already loaded" not in err:  # a concurrent one's: join
@@ -219,7 +219,6 @@ class SystemdUserScope(SystemdScope):
                 self.base = cgroup.Node({"v2": os.path.join(own, cgroup.root_name(self.state_root))})
                 return
             if time.monotonic() >= deadline:
-                from ..errors import SetupError
                 raise SetupError(f"systemd's user manager did not move agnsup into {self.unit} within "
                                  f"{ENTER_TIMEOUT:.0f} s", step="cgroup")
             time.sleep(0.01)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-from agnsup.backend import Backend, Place
+from agnsup.backend.base import Backend, Place
 from agnsup.linux import cgroup, session
 
 

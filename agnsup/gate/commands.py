@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 
-from . import git, inline, unreadable
+from . import git
 from .model import MAX_DEPTH, Analysis, Exec, operands, prog_name, split_words
 from .paths import LazyRe
 
@@ -165,6 +165,7 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
         if not literal[0]:
             an.dynamic.append(words[0])
             if "$(" in words[0] or "`" in words[0]:  # `$(echo cm0g.. | base64 -d)` runs the decoded words
+                from . import unreadable  # lazy, like inline and shell: a plain line never pays for it
                 kind = unreadable.classify_text(words[0], depth, analyze_shell)
                 if kind:
                     unreadable.record(an, kind, "a command word made at run time", text or words[0])
@@ -398,7 +399,7 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
     else:
         an.dynamic.append(word)
         an.flags.add("dynamic_code")
-        # `sh -c "$(... | base64 -d)"`, `eval "$(curl ...)"`: what makes the code?
+        from . import unreadable  # `sh -c "$(... | base64 -d)"`, `eval "$(curl ...)"`: what makes the code?
         kind = unreadable.classify_text(word, depth, analyze_shell)
         if kind:
             unreadable.record(an, kind, f"`{where}`", word)
@@ -417,7 +418,7 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     prog, argv, lit = ex.prog, ex.argv, ex.literal
     if (prog in _CODE_READERS or prog.startswith(_CODE_PREFIXES)) and (
             not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects)):
-        # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
+        from . import unreadable  # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
         unreadable.expansion_words(ex, an, depth, analyze_shell)
         unreadable.powershell(ex, an)
     if prog == "git" or prog.startswith("git-"):
@@ -527,7 +528,7 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
         return m.group(1) if m.group(1) is not None else m.group(2)
 
     start = len(an.execs)
-    # `exec(bytes.fromhex(..))`, `eval(atob(..))`: code the program decodes or fetches
+    from . import unreadable  # `exec(bytes.fromhex(..))`, `eval(atob(..))`: code the program decodes or fetches
     unreadable.inline(code, an, ex)
 
     for m in _ARGV_CALL.finditer(code):
@@ -551,5 +552,5 @@ def inline_code(code: str, an: Analysis, depth: int, ex: Exec) -> None:
         an.fork_bomb = an.fork_bomb or (ex.text or code)
     if _NET_CODE.search(code):
         an.flags.add("network_in_code")
-    # the program as a program: a credential read and a send in one breath
+    from . import inline  # the program as a program: a credential read and a send in one breath
     inline.note(code, an, ex, an.execs[start:])

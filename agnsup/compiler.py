@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 from .errors import SetupError, UsageError
+from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
+                         under)
 from .record import Factory, Record
 from .spec import CellSpec
 
@@ -155,112 +157,6 @@ def _expand(path: str, home: str) -> str:
     return os.path.join(home, path[2:]) if path == "~" or path.startswith("~/") else path
 
 
-def _under(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
-def _in_private_dir(path: str) -> bool:
-    """Under a directory every cell gets a fresh one of (its /tmp, its /dev/shm)."""
-    return _under(path, "/tmp") or _under(path, "/dev/shm")
-
-
-def _outermost(paths) -> list[str]:
-    out: list[str] = []
-    for p in sorted(set(paths), key=len):
-        if not any(_under(p, q) for q in out):
-            out.append(p)
-    return out
-
-
-# A "home" holding one of these, or inside one of the OS trees (system users have
-# homes like /usr/sbin or /dev), is the system, not a home: hiding it would hide the OS.
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/run")
-OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
-
-
-_passwd_cache: dict = {}
-
-
-def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
-    """Every home /etc/passwd names (absolute, as written, normalized), read again only when the file
-    changes (a long-lived controller sees a user added later). The file, not getpwall(3): NSS enumeration
-    can walk a whole LDAP directory on every cell; a directory's users' homes are not listed here (their
-    parent, /home as a rule, is refused as a worktree all the same)."""
-    try:
-        st = os.stat(passwd)
-        key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
-    except OSError:
-        return []
-    if _passwd_cache.get("key") != key:
-        homes = []
-        try:
-            with open(passwd, errors="replace") as f:
-                for line in f:
-                    fields = line.split(":")
-                    if len(fields) > 6 and fields[5].startswith("/"):
-                        homes.append(os.path.normpath(fields[5]))
-        except OSError:
-            pass
-        _passwd_cache.update(key=key, homes=homes, real=None)
-    return _passwd_cache["homes"]
-
-
-def all_homes() -> list[str]:
-    """Every home of the password database (real paths, existing directories), and /root: hidden from
-    every cell like the invoking user's (issue 25, door 5). Homes that are the system (a system user's
-    /usr/sbin, /dev, /var, "/") are skipped here, never refused: only the invoking user's own refuses
-    (invoking_homes). Homes under /tmp or /dev/shm are out of sight already (each cell's are its own)."""
-    entries = passwd_homes()
-    if _passwd_cache.get("real") is None:  # computed once per change of the file, like the list
-        homes = []
-        for h in [*entries, "/root"]:
-            if h == "/" or any(_under(h, d) for d in OS_TREES) or not os.path.isdir(h):
-                continue  # the system's users (most of the file), or no home: no realpath for them
-            real = os.path.realpath(h)
-            if real == "/" or _in_private_dir(real) or not os.path.isdir(real):
-                continue
-            if any(_under(d, real) for d in SYSTEM_DIRS) or any(_under(real, d) for d in OS_TREES):
-                continue
-            homes.append(real)
-        _passwd_cache["real"] = _outermost(homes)
-    return list(_passwd_cache["real"])
-
-
-def invoking_homes(env=None) -> list[str]:
-    """The homes a cell must not read (real paths, outermost only): the real uid's
-    passwd home, $HOME, and when root runs agnsup through sudo, SUDO_USER's home
-    (that human's keys and tokens are what a root cell would otherwise read). An
-    environment variable here can only add a hidden path, never remove one. A home
-    of "/" is the filesystem the role already shows, not a home: skipped."""
-    import pwd
-    env = os.environ if env is None else env
-    found = []
-    try:
-        found.append(pwd.getpwuid(os.getuid()).pw_dir)
-    except KeyError:
-        pass
-    found.append(env.get("HOME") or "")
-    if os.getuid() == 0 and env.get("SUDO_USER"):
-        try:
-            found.append(pwd.getpwnam(env["SUDO_USER"]).pw_dir)
-        except KeyError:
-            pass
-    homes = []
-    for h in found:
-        if not h.startswith("/"):
-            continue
-        real = os.path.realpath(h)
-        if real == "/" or not os.path.isdir(real):
-            continue
-        held = [f"holds {d}" for d in SYSTEM_DIRS if _under(d, real)] + [f"is inside {d}" for d in OS_TREES
-                                                                          if _under(real, d)]
-        if held:
-            raise SetupError(f"the invoking user's home {real} {held[0]}: hiding it would hide the system; "
-                             "set filesystem.home = \"ro\" in the role to run with it visible", step="home")
-        homes.append(real)
-    return _outermost(homes)
-
-
 # A worktree a cell may write is never one of these or an ancestor of one (nor inside the first group).
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
                 "/dev", "/run", "/var/run")
@@ -283,25 +179,17 @@ def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str 
     if wt == "/":
         return "is the root of the file system"
     for d in (*SYSTEM_TREES, *SYSTEM_TOPS, *_homes_and_home_roots(), *invoking_homes_safe(env)):
-        if _under(d, wt):
+        if under(d, wt):
             return f"is the system or home directory {d}" if d == wt else f"holds the system or home directory {d}"
     for d in SYSTEM_TREES:
-        if _under(wt, d):
+        if under(wt, d):
             return f"lies inside the system directory {d}"
     # (a worktree holding a state root is allowed: the root is masked inside it, the mask goes last)
     for r in (state_root, *other_roots):
         r = os.path.realpath(r)
-        if _under(wt, r):
+        if under(wt, r):
             return f"is or lies inside the state root {r}"
     return None
-
-
-def invoking_homes_safe(env=None) -> list[str]:
-    """invoking_homes, or none where the home is the system (compile_plan says so itself)."""
-    try:
-        return invoking_homes(env)
-    except SetupError:
-        return []
 
 
 def runtime_paths(policy) -> list[str]:
@@ -324,14 +212,14 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
     for p in paths:
         d = os.path.dirname(p)
         while d not in ("/", ""):
-            if not _in_private_dir(d) and not any(_under(d, h) for h in hidden):
+            if not in_private_dir(d) and not any(under(d, h) for h in hidden):
                 try:
                     if not os.stat(d).st_mode & 0o001:
                         out.append(d)
                 except OSError:
                     pass
             d = os.path.dirname(d)
-    return _outermost(out)
+    return outermost(out)
 
 
 def _home_ops(fs, policy, home: str, wt: str, interpreter, mapped: bool = False) -> tuple[list, list, list[str],
@@ -351,23 +239,23 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter, mapped: bool = False)
             keys = [f"home{i}" for i in range(len(mine))]
             ro_clones = [("idclone" if mapped else "clone", h, k, True) for h, k in zip(mine, keys)]
             ro_places = [("attach", h, k) for h, k in zip(mine, keys)]
-        homes = _outermost(h for h in all_homes() if not any(_under(h, m) or _under(m, h) for m in mine))
+        homes = outermost(h for h in all_homes() if not any(under(h, m) or under(m, h) for m in mine))
     else:
-        homes = _outermost(mine + all_homes())
+        homes = outermost(mine + all_homes())
     wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow] \
         + [os.path.realpath(p) for p in fs.get("unix_sockets", ())]
     if mapped:
         shown = homes + (mine if fs.home == "ro" else [])
-        homes = _outermost(homes + _closed_ancestors([wt] + [p for p in wanted if os.path.exists(p)], shown))
+        homes = outermost(homes + _closed_ancestors([wt] + [p for p in wanted if os.path.exists(p)], shown))
     if not homes:
         return ro_clones, ro_places, [], []
-    expose = _outermost(p for p in wanted
-                        if any(_under(p, h) and p != h for h in homes) and os.path.exists(p)
-                        and not _under(p, wt) and not _under(p, "/tmp"))
+    expose = outermost(p for p in wanted
+                        if any(under(p, h) and p != h for h in homes) and os.path.exists(p)
+                        and not under(p, wt) and not under(p, "/tmp"))
     keys = [f"expose{i}" for i in range(len(expose))]
     clones = [("clone", p, k, True) for p, k in zip(expose, keys)]
     targets = [(p, os.path.isdir(p)) for p in expose] + [(wt, True)]
-    places = [("hide", h, "", True, tuple((p, d) for p, d in targets if _under(p, h) and p != h))
+    places = [("hide", h, "", True, tuple((p, d) for p, d in targets if under(p, h) and p != h))
               for h in homes]  # each home hidden, with the mount points made inside its tmpfs
     places += [("attach", p, k) for p, k in zip(expose, keys)]
     return ro_clones + clones, ro_places + places, homes, expose
@@ -397,8 +285,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
                                                           bool(conf.get("mapped")))
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
-    tmp_rt = _outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
-                        if _under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not _under(p, wt))
+    tmp_rt = outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
+                        if under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not under(p, wt))
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
@@ -446,11 +334,11 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
         places.insert(at, ("overlay", wt, "layer", False, changes.pop("options")))
     # /run after everything else is in place (a worktree of "/" would otherwise bring the host's back),
     # with the mount points of what comes back beneath it made inside its tmpfs
-    in_run = [op for op in places if op[0] == "attach" and any(_under(op[1], d) and op[1] != d for d in run_dirs)]
+    in_run = [op for op in places if op[0] == "attach" and any(under(op[1], d) and op[1] != d for d in run_dirs)]
     ops.extend(op for op in places if op not in in_run)
     in_run += [("attach", p, k) for p, k in zip(run_shown, run_keys)]
     for d in run_dirs:
-        ops.append(("empty", d, "", True, tuple((op[1], os.path.isdir(op[1])) for op in in_run if _under(op[1], d))))
+        ops.append(("empty", d, "", True, tuple((op[1], os.path.isdir(op[1])) for op in in_run if under(op[1], d))))
     ops.extend(sorted(in_run, key=lambda op: op[1].count("/")))
     # Masks go last so they also cover a deny path or the state root that
     # happens to lie inside the re-attached worktree (or a re-exposed path).
@@ -458,8 +346,8 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # something re-attached there shows it: no mount for it (a test session has thousands).
     shown_again = [wt, *tmp_rt]
     masked = [p for p in deny if os.path.lexists(p)] + [state_real] + \
-        [p for p in other_roots if p != state_real and not _under(state_real, p) and not _under(wt, p)
-         and not (_in_private_dir(p) and not any(_under(p, s) for s in shown_again)) and os.path.lexists(p)]
+        [p for p in other_roots if p != state_real and not under(state_real, p) and not under(wt, p)
+         and not (in_private_dir(p) and not any(under(p, s) for s in shown_again)) and os.path.lexists(p)]
     ops.extend(("mask", p) for p in masked)
     sockets = _seen_sockets(shown=[wt, *tmp_rt, *exposed], hidden=[*hidden, *run_dirs, *masked],
                             allowed=allowed_sockets)
@@ -513,7 +401,7 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
         return {**out, "mode": "live", "why": "a long-lived cell (spawn) under filesystem.changes = \"auto\": "
                 "its writes are seen as they happen"}
     state_real = os.path.realpath(state_root)
-    why = f"the state root {state_real} lies inside the worktree" if _under(state_real, wt) else None
+    why = f"the state root {state_real} lies inside the worktree" if under(state_real, wt) else None
     probe = host.get("_reversible")
     if why is None and probe is not None:
         why = probe(state_root, wt)
@@ -582,7 +470,7 @@ def _listed_sockets(fs, role: str) -> list[str]:
         if not stat.S_ISSOCK(mode):
             raise SetupError(f"role {role}: filesystem.unix_sockets lists {p}, which is not a socket",
                              step="unix_sockets")
-        if _in_private_dir(real):
+        if in_private_dir(real):
             raise SetupError(f"role {role}: filesystem.unix_sockets lists {p}, under /tmp or /dev/shm, which every "
                              "cell has a private one of; listen elsewhere (e.g. under /run)", step="unix_sockets")
         out.append(real)
@@ -596,10 +484,10 @@ def _private_run(policy, allowed_sockets: list[str]) -> tuple[list[str], list[st
     names resolve through the host's resolver (not deny/loopback: _offline_resolver binds
     its own file), /etc/resolv.conf's target when it lies there (systemd-resolved's stub)."""
     run_dirs = [d for d in RUN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
-    shown = [p for p in allowed_sockets if any(_under(p, d) for d in run_dirs)]
+    shown = [p for p in allowed_sockets if any(under(p, d) for d in run_dirs)]
     if policy.network.mode not in ("deny", "loopback"):
         resolv = os.path.realpath(RESOLV_CONF)
-        if any(_under(resolv, d) and resolv != d for d in run_dirs) and os.path.isfile(resolv):
+        if any(under(resolv, d) and resolv != d for d in run_dirs) and os.path.isfile(resolv):
             shown.append(resolv)
     return run_dirs, sorted(set(shown))
 
@@ -611,8 +499,8 @@ def _seen_sockets(shown: list[str], hidden: list[str], allowed: list[str]) -> li
     from .linux import unixsock
     out = []
     for p in sorted(unixsock.bound_paths()):
-        again = any(_under(p, s) for s in shown)
-        if p in allowed or (_in_private_dir(p) and not again) or (any(_under(p, h) for h in hidden) and not again):
+        again = any(under(p, s) for s in shown)
+        if p in allowed or (in_private_dir(p) and not again) or (any(under(p, h) for h in hidden) and not again):
             continue
         if unixsock.is_socket(p):
             out.append(p)
@@ -673,7 +561,7 @@ def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]
     files, clones, places = [], [], []
     for name, text in texts.items():
         target = os.path.realpath(os.path.join("/etc", name))
-        if not os.path.isfile(target) or _under(target, "/tmp"):
+        if not os.path.isfile(target) or under(target, "/tmp"):
             continue
         rel = os.path.join(".agnsup", "etc", name)
         files.append((rel, text))
@@ -692,7 +580,7 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     links, linked = [], set()
     for p in fs.home_allow:
         full = _expand(p, home)
-        if _under(full, home) and full != home and os.path.exists(full):
+        if under(full, home) and full != home and os.path.exists(full):
             rel = os.path.relpath(full, home)
             links.append((os.path.join(cell_home, rel), os.path.realpath(full)))
             linked.add(rel)
@@ -703,7 +591,7 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
 
     def shown(path: str) -> bool:  # what of the home the cell sees: its worktree, home_allow, all of it (ro)
         real = os.path.realpath(path)
-        return fs.home != "hidden" or _under(real, wt) or any(_under(real, a) for a in allowed)
+        return fs.home != "hidden" or under(real, wt) or any(under(real, a) for a in allowed)
     files, report = toolconfig.home_files(fs.home_config, home, wt, include, shown)
     files = [(os.path.join(cell_home, rel), text) for rel, text in files]
     # the generated .gitconfig includes a linked one; for the others the user's own file wins
@@ -942,7 +830,7 @@ def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: 
     home = os.path.expanduser("~")
 
     def moved(v: str) -> str:  # a path in the cell's /tmp -> the same under tmpdir
-        return tmpdir + v[len(CELL_TMP):] if _under(v, CELL_TMP) else v
+        return tmpdir + v[len(CELL_TMP):] if under(v, CELL_TMP) else v
     env = {k: (":".join(moved(d) for d in v.split(":")) if k == "PATH" else moved(v) if k in ("HOME", "TMPDIR")
                else v) for k, v in spec.env.items()}
     spec = replace(spec, env=env, exe=moved(spec.exe))

@@ -205,7 +205,7 @@ class FilesystemSection(_Strict):
         return self
 
 
-# network.allow_internal categories: what agnsup.gate.network.classify_address returns for a non-public address.
+# network.allow_internal categories: what agnsup.netpolicy.classify_address returns for a non-public address.
 INTERNAL_CATEGORIES = ("loopback", "link-local", "private", "metadata", "multicast", "unspecified", "reserved",
                        "non-global")
 # governance.git_allow names: agnsup.gate.git.RULES (kept here as names so validation needs no gate import).

@@ -39,6 +39,11 @@ judge with `Rules`.
 """
 from __future__ import annotations
 
+import ipaddress
+import re
+import unicodedata
+from urllib.parse import unquote, urlsplit
+
 from .record import Record
 
 DEFAULT_PORTS = (80, 443)
@@ -72,7 +77,6 @@ def _ports(text: str, where: str) -> tuple | None:
 
 
 def _ip(text: str):
-    import ipaddress
     try:
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
@@ -127,6 +131,138 @@ def looks_numeric(host: str) -> bool:
     return bool(host) and set(host) <= set("0123456789abcdefx.") and (host[0].isdigit())
 
 
+# --- hosts as clients read them (the gate's URL guard and the proxy alike) ---
+
+_DOTS = dict.fromkeys(map(ord, "\u3002\uff0e\uff61"), ".")
+
+def _ipv4_number(part: str) -> int | None:
+    """One dotted part as inet_aton/WHATWG read it: 0x.. hex, 0.. octal, else decimal."""
+    if not part:
+        return None
+    try:
+        if part[:2].lower() == "0x":
+            return int(part[2:] or "0", 16)
+        if len(part) > 1 and part[0] == "0":
+            return int(part[1:], 8)
+        return int(part, 10)
+    except ValueError:
+        return None
+
+
+def parse_ipv4(host: str) -> str | None:
+    """`2130706433`, `0x7f000001`, `0177.0.0.1`, `127.1` -> "127.0.0.1"; None if not IPv4-like."""
+    parts = host.split(".")
+    if len(parts) > 4:
+        return None
+    nums = [_ipv4_number(p) for p in parts]
+    if any(n is None for n in nums):
+        return None
+    *head, last = nums
+    if any(n > 255 for n in head) or last >= 256 ** (5 - len(nums)):
+        return None
+    value = last + sum(n << (8 * (3 - i)) for i, n in enumerate(head))
+    return ".".join(str((value >> s) & 255) for s in (24, 16, 8, 0))
+
+
+def normalise_host(url: str) -> tuple[str, str, list[str]]:
+    """(scheme, host, [hosts as other clients could read the URL]); hosts lower-cased,
+    without brackets' content changed, trailing dots dropped. A word without `://`
+    is read as `http://word` (`user@10.0.0.1:22`, `[::1]:80`, `localhost`)."""
+    u = unicodedata.normalize("NFKC", url.strip().translate(_DOTS))
+    hosts = []
+    scheme = ""
+    for variant in (u.replace("\\", "/"), u):  # WHATWG reads `\` as `/`; curl does not
+        try:
+            sp = urlsplit(variant if "://" in variant else "http://" + variant)
+            h = sp.hostname or ""
+            scheme = scheme or sp.scheme
+        except ValueError:
+            h = ""
+        h = h.rstrip(".").lower()
+        if h and h not in hosts:
+            hosts.append(h)
+        if "%" in h:
+            # WHATWG and curl's URL parser percent-decode the host: `%31%32%37.0.0.1` is 127.0.0.1.
+            d = unicodedata.normalize("NFKC", unquote(h, errors="replace").translate(_DOTS)).rstrip(".").lower()
+            if d and d not in hosts:
+                hosts.append(d)
+    return scheme, (hosts[0] if hosts else ""), hosts
+
+
+# What classify_address returns: "public", or why an address is not.
+CATEGORIES = ("public", "loopback", "link-local", "private", "metadata", "multicast", "unspecified", "reserved",
+              "non-global")
+METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "metadata.goog", "instance-data",
+                            "instance-data.ec2.internal", "metadata.azure.com", "metadata.packet.net"})
+METADATA_IPS = frozenset({"169.254.169.254", "fd00:ec2::254", "100.100.100.200", "169.254.170.2",
+                          "192.0.0.192", "169.254.169.123"})
+_IPV4ISH = re.compile(r"[0-9a-fx.]+")
+
+
+def host_address(host: str):
+    """The address a host names without DNS: an IP literal in any spelling inet_aton or
+    WHATWG accept, `localhost` (and `*.localhost`) as 127.0.0.1. Returns an
+    ipaddress object, None for a name that needs resolving, or "malformed"."""
+    bare = host.strip("[]").split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    if bare and _IPV4ISH.fullmatch(bare):
+        v4 = parse_ipv4(bare)
+        if v4:
+            return ipaddress.IPv4Address(v4)
+        if re.fullmatch(r"[0-9.]+", bare) or bare.startswith("0x"):
+            return "malformed"
+    if bare == "localhost" or bare.endswith(".localhost"):
+        return ipaddress.IPv4Address("127.0.0.1")
+    return None
+
+
+def unmapped(ip):
+    """The IPv4 address an IPv4-mapped, 6to4 or NAT64 (64:ff9b::/96) address carries; else `ip`."""
+    if ip.version == 6:
+        mapped = ip.ipv4_mapped or ip.sixtofour
+        if mapped is None and ip in ipaddress.ip_network("64:ff9b::/96"):
+            mapped = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if mapped is not None:
+            return mapped
+    return ip
+
+
+def classify_address(ip) -> str:
+    """One of CATEGORIES for an address (an ipaddress object or its text); IPv4-mapped,
+    6to4 and NAT64 addresses are judged as the IPv4 address they carry (the egress
+    proxy's netpolicy.address_class judges the same way)."""
+    if isinstance(ip, str):
+        ip = ipaddress.ip_address(ip.strip("[]").split("%", 1)[0])
+    ip = unmapped(ip)
+    if str(ip) in METADATA_IPS:
+        return "metadata"
+    # Most specific first: Python's is_private also holds 0.0.0.0/8 and 240.0.0.0/4.
+    for name in ("loopback", "link_local", "unspecified", "multicast", "reserved", "private"):
+        if getattr(ip, f"is_{name}"):
+            return name.replace("_", "-")
+    return "public" if ip.is_global else "non-global"
+
+
+def internal_allowed(ip, category: str, allow: tuple[str, ...] | list[str]) -> bool:
+    """Whether `allow` (network.allow_internal: categories, addresses, networks) admits this
+    non-public address. "metadata" must be named itself: "link-local" does not cover it."""
+    if category in allow:
+        return True
+    for entry in allow:
+        if entry in CATEGORIES:
+            continue
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            continue
+        if ip.version == net.version and ip in net:
+            return True
+    return False
+
+
 class Destination(Record, frozen=True):
     """A requested host, normalised: a name or an address (never both)."""
     host: str            # as requested
@@ -137,9 +273,6 @@ class Destination(Record, frozen=True):
 
 def destination(host: str) -> Destination:
     """What a client would connect to for `host` (a bare host, `[v6]`, no port)."""
-    import ipaddress
-
-    from .gate.network import normalise_host, parse_ipv4
     bare = host.strip()
     if bare.startswith("[") and bare.endswith("]"):
         bare = bare[1:-1]
@@ -172,9 +305,6 @@ def address_class(ip) -> str:
     """"" for a public address, else its class: loopback, private, link-local, cgnat,
     metadata, multicast, unspecified, reserved, non-global. IPv4-mapped, 6to4 and
     NAT64 forms are judged as the IPv4 address they carry."""
-    import ipaddress
-
-    from .gate.network import classify_address, unmapped
     ip = unmapped(ip)
     if ip.version == 4 and ip in ipaddress.IPv4Network("0.0.0.0/8") or ip.is_unspecified:
         return "unspecified"  # connecting to 0.0.0.0 reaches the host's own loopback
@@ -236,7 +366,6 @@ class Rules(Record, frozen=True):
         """Both steps for one connection: (verdict, destination, addresses judged).
         `resolve(name, port)` -> address strings, called once, only for a listed name;
         `own`: the host's own addresses (the proxy passes linux.hostaddrs.local_addresses())."""
-        import ipaddress
         dest = destination(host)
         v = self.match(dest, port)
         if not v.allowed:
@@ -268,14 +397,12 @@ def _matches(e: Entry, dest: Destination, port: int) -> bool:
             return dest.name.endswith(e.value)
         return False
     if e.kind == "net" and dest.address is not None:
-        from .gate.network import unmapped
         a = unmapped(dest.address)
         return a.version == e.value.version and a in e.value
     return False
 
 
 def _unmapped(ip):
-    from .gate.network import unmapped
     return unmapped(ip)
 
 

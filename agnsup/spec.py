@@ -14,6 +14,7 @@ import os
 import sys
 
 from .errors import NotFound, NotExecutable, UsageError
+from .linux.host import invoking_homes
 from .linux.session import TOKEN_VAR  # the janitor reads the same name from /proc
 from .record import Factory, Record
 from .state import check_id
@@ -143,7 +144,6 @@ def project_root(workdir: str) -> str:
     directory that is or holds an invoking user's home (a dotfiles repository in the
     home must not make the whole home the writable worktree)."""
     try:
-        from .compiler import invoking_homes
         homes = invoking_homes()
     except Exception:  # noqa: BLE001 - compile_plan reports a bad home; here it only stops the climb
         homes = []

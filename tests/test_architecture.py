@@ -5,9 +5,12 @@
 - imports flow one way: front doors -> tool/service -> stages (spec, governance,
   policy, compiler; cancel and janitor) -> broker -> reaper/process ->
   backend/journal -> linux and the shared modules. A module imports its own
-  layer or below, never above (lazy imports inside functions count too).
+  layer or below, never above (lazy imports inside functions count too);
+- and no import cycle, lazy imports included: a module that needs a name from
+  one that needs it back means something sits on the wrong side.
 """
 import ast
+import functools
 import os
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agnsup")
@@ -168,6 +171,76 @@ def test_the_direction_check_would_catch_an_upward_import():
     assert up("backend/cgroups.py", "import agnsup.broker\n") == ["agnsup.broker (broker)"]
     assert up("linux/cgroup.py", "from .. import reaper\n") == ["agnsup.reaper (reaper and process)"]
     assert up("journal.py", "from . import migrations\n") == []
+
+
+
+def _graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """module -> the agnsup modules it imports (at the top or inside a function); `sources`
+    ({path relative to the package: text}) stands in for files, to prove the check."""
+    graph = dict(_read_graph())
+    for rel, text in (sources or {}).items():
+        path = os.path.join(PKG, rel)
+        graph[_module(path)] = _edges(path, text, graph)
+    return graph
+
+
+@functools.cache
+def _read_graph() -> dict[str, set[str]]:
+    paths = {_module(p): p for p in _sources()}
+    return {mod: _edges(path, None, paths) for mod, path in paths.items()}
+
+
+def _edges(path: str, source: str | None, modules) -> set[str]:
+    mod, out = _module(path), set()
+    for t in imports(path, source):
+        if t.rpartition(".")[2] in DATA_PACKAGES:
+            continue  # package data (migrations, policies): no code
+        while t not in modules and "." in t:
+            t = t.rpartition(".")[0]  # a name imported from a module is that module
+        if t != mod:
+            out.add(t)
+    return out
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` as [a, b, ..., a], or [] when there is none (depth-first, colours)."""
+    state, path = {}, []
+
+    def visit(m: str) -> list[str]:
+        state[m] = "open"
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                return path[path.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        state[m] = "done"
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_no_import_cycle():
+    """Lazy imports count: an import inside a function that dodges a cycle at load time still ties
+    the two modules together (the 17-module knot of issue 30 was held that way)."""
+    cycle = import_cycle(_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_would_catch_one():
+    """The store asking the service back (inside a function), the gate's values asking the walker, two
+    backends naming each other: each is a cycle, named."""
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) == []
+    lazy = import_cycle(_graph({"journal.py": "def f():\n    from . import service\n"}))
+    assert lazy[0] == lazy[-1] and {"agnsup.journal", "agnsup.service"} <= set(lazy), lazy
+    assert "agnsup.gate.commands" in import_cycle(_graph({"gate/model.py": "from .commands import unwrap\n"}))
+    pair = import_cycle(_graph({"backend/cgroups.py": "from .systemd import SystemdScope\n"}))
+    assert pair == ["agnsup.backend.cgroups", "agnsup.backend.systemd", "agnsup.backend.cgroups"], pair
 
 
 STORE = os.path.join(PKG, "journal.py")

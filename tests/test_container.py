@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from agnsup.backend import Place
+from agnsup.backend.base import Place
 from agnsup.backend.cgroups import Cgroup2
 from agnsup.linux import cgroup
 

@@ -464,22 +464,22 @@ def test_the_cell_range_comes_from_an_agnsup_subuid_entry_else_the_default(tmp_p
 
 
 def test_the_password_files_homes_are_read_again_when_it_changes(tmp_path):
-    from agnsup import compiler
+    from agnsup.linux import host
     f = tmp_path / "passwd"
     f.write_text("root:x:0:0:root:/root:/bin/sh\nweird:x:1:1::relative:/bin/sh\nann:x:1000:1000::/home//ann/:/bin/sh\n")
-    assert compiler.passwd_homes(str(f)) == ["/root", "/home/ann"]
+    assert host.passwd_homes(str(f)) == ["/root", "/home/ann"]
     f.write_text(f.read_text() + "bob:x:1001:1001::/srv/bob:/bin/sh\n")
-    assert compiler.passwd_homes(str(f)) == ["/root", "/home/ann", "/srv/bob"]
-    assert "/root" in compiler.all_homes()  # the real file again
+    assert host.passwd_homes(str(f)) == ["/root", "/home/ann", "/srv/bob"]
+    assert "/root" in host.all_homes()  # the real file again
 
 
 def test_every_home_but_the_systems_own_is_hidden(tmp_path):
-    from agnsup import compiler
-    homes = compiler.all_homes()
+    from agnsup.linux import host
+    homes = host.all_homes()
     assert "/root" in homes
     for h in homes:
-        assert h != "/" and not any(compiler._under(h, d) for d in compiler.OS_TREES), h
-        assert not compiler._under(h, "/tmp")
+        assert h != "/" and not any(host.under(h, d) for d in host.OS_TREES), h
+        assert not host.under(h, "/tmp")
 
 
 

@@ -500,7 +500,7 @@ def test_usage_counters_are_read_per_file_and_name_the_limit_they_bear_on(tmp_pa
     (tmp_path / "v2" / "pids.events").write_text("max 7\n")
     (tmp_path / "v2" / "cpu.stat").write_text("usage_usec 10\nuser_usec 6\nsystem_usec 4\nnr_throttled 3\n"
                                               "throttled_usec 99\n")
-    from agnsup.backend import Place
+    from agnsup.backend.base import Place
     from agnsup.backend.cgroups import Cgroup2
     u = Cgroup2(cgroup.Layout("v2", str(tmp_path)), str(tmp_path)).usage(Place(node=cgroup.Node({"v2": v2})))
     assert u == {"cpu_usage_usec": 10, "cpu_user_usec": 6, "cpu_system_usec": 4, "cpu_nr_throttled": 3,

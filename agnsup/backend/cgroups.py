@@ -21,7 +21,7 @@ import os
 import signal
 import time
 
-from . import Backend, Place
+from .base import Backend, Place
 from .. import backoff
 from ..linux import cgroup, delegation, pidfd, proc
 

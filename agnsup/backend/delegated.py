@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from .cgroups import CONTROLLERS, Cgroup2
+from ..errors import SetupError
 from ..linux import cgroup, delegation
 
 
@@ -50,7 +51,6 @@ class Delegated(Cgroup2):
         if self.entered:
             return
         if self.problems:
-            from ..errors import SetupError
             raise SetupError(self.not_delegated(), step="cgroup")
         handed = [c for c in CONTROLLERS if c in delegation.controllers(self.top)[0]]
         if handed and self.own == self.top:

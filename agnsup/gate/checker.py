@@ -18,8 +18,8 @@ trail entry and the decision. Every denial names its evidence.
 from __future__ import annotations
 
 from . import git, hardline, network, policy, quota, sandbox, zones
-from .commands import Analysis, analyze_argv, analyze_shell, split_words
-from .model import Decision, Finding, GateContext, deny, ok
+from .commands import analyze_argv, analyze_shell
+from .model import Analysis, Decision, Finding, GateContext, deny, ok, split_words
 
 COMMAND_KEYS = ("command", "cmd", "script", "shell", "argv")
 ORDER = ("hardline", "gate", "policy", "git", "sandbox", "network", "zone", "quota")

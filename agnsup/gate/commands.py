@@ -19,10 +19,9 @@ from __future__ import annotations
 import functools
 import re
 
-from ..record import Factory, Record
+from . import git
+from .model import MAX_DEPTH, Analysis, Exec, operands, prog_name, split_words
 from .paths import LazyRe
-
-MAX_DEPTH = 8  # nested sh -c / eval levels before we give up (and say so)
 
 SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh", "mksh", "ash", "fish", "yash", "rbash"})
 
@@ -135,84 +134,6 @@ _CODE_PREFIXES = ("python", "pypy", "node", "perl", "ruby", "php", "lua", "deno"
                   "tclsh", "Rscript")
 
 
-class Exec(Record):
-    """One program that would run."""
-
-    argv: list[str]                 # words after unwrapping; argv[0] is the program as written
-    literal: list[bool]             # per word: True when it has no expansion
-    via: tuple[str, ...] = ()       # wrappers peeled off, outermost first
-    redirects: list[tuple[str, str, bool]] = Factory(list)  # (op, target, literal)
-    background: bool = False        # ends with `&`
-    loop: int | None = None         # id of the enclosing `while true` loop without break
-    cwd: str | None = None          # directory from a literal `cd` earlier in the script
-    text: str = ""                  # source excerpt, for messages
-    from_stdin: bool = False        # xargs: more operands arrive on stdin
-
-    @functools.cached_property
-    def prog(self) -> str:
-        return prog_name(self.argv[0]) if self.argv else ""
-
-    @property
-    def prog_literal(self) -> bool:
-        return bool(self.literal) and self.literal[0]
-
-    @property
-    def args(self) -> list[str]:
-        return self.argv[1:]
-
-
-class Analysis(Record):
-    execs: list[Exec] = Factory(list)
-    unparseable: list[str] = Factory(list)   # why the text could not be judged
-    fork_bomb: str = ""                                     # excerpt, when one was seen
-    loops: dict[int, bool] = Factory(dict)    # infinite loop id -> has background job
-    flags: set[str] = Factory(set)            # advisory findings
-    dynamic: list[str] = Factory(list)        # program words we cannot know statically
-    parsed_shell: bool = False                              # the shell parser was used
-    unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
-    exfil: list[dict] = Factory(list)         # inline programs that read a credential and send (gate/inline.py)
-    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs. Tuples, not
-    # Factory lists: almost every line has none, and an Analysis is built several times per judged line.
-    unreadable_code: tuple[tuple[str, str], ...] = ()   # decoded at run time (`base64 -d | sh`)
-    downloads: tuple[tuple[str, str], ...] = ()         # downloaded and run (`curl ... | sh`)
-
-    def merge(self, other: "Analysis") -> None:
-        self.execs.extend(other.execs)
-        self.unparseable.extend(other.unparseable)
-        self.unjudgeable.extend(other.unjudgeable)
-        self.exfil.extend(other.exfil)
-        if other.unreadable_code or other.downloads:
-            self.unreadable_code += tuple(x for x in other.unreadable_code if x not in self.unreadable_code)
-            self.downloads += tuple(x for x in other.downloads if x not in self.downloads)
-        self.fork_bomb = self.fork_bomb or other.fork_bomb
-        self.loops.update(other.loops)
-        self.flags |= other.flags
-        self.dynamic.extend(other.dynamic)
-        self.parsed_shell = self.parsed_shell or other.parsed_shell
-
-
-def operands(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
-    """The words of `args` that are not options (nor values of the options in `with_value`);
-    everything after `--` is an operand."""
-    out, i, dash = [], 0, False
-    while i < len(args):
-        a = args[i]
-        if dash or a == "-" or not a.startswith("-"):
-            out.append(a)
-        elif a == "--":
-            dash = True
-        elif a in with_value:
-            i += 1
-        i += 1
-    return out
-
-
-def prog_name(word: str) -> str:
-    """`/usr/bin/git` -> `git`; `\\rm` -> `rm`."""
-    w = word.lstrip("\\")
-    return w.rsplit("/", 1)[-1] if "/" in w else w
-
-
 def analyze_argv(argv: list[str], depth: int = 0) -> Analysis:
     """Analyse a process tool's argv (no shell involved unless argv runs one)."""
     an = Analysis()
@@ -225,7 +146,7 @@ def analyze_shell(text: str, depth: int = 0) -> Analysis:
     """Analyse shell text with the real parser (imported here, lazily)."""
     from . import shell  # tree-sitter: only paid for when shell text exists
 
-    return shell.analyze(text, depth)
+    return shell.analyze(text, depth, unwrap)  # the walker hands each command back to unwrap
 
 
 def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
@@ -244,8 +165,8 @@ def unwrap(words: list[str], literal: list[bool], an: Analysis, depth: int, *,
         if not literal[0]:
             an.dynamic.append(words[0])
             if "$(" in words[0] or "`" in words[0]:  # `$(echo cm0g.. | base64 -d)` runs the decoded words
-                from . import unreadable
-                kind = unreadable.classify_text(words[0], depth)
+                from . import unreadable  # lazy, like inline and shell: a plain line never pays for it
+                kind = unreadable.classify_text(words[0], depth, analyze_shell)
                 if kind:
                     unreadable.record(an, kind, "a command word made at run time", text or words[0])
             break
@@ -459,15 +380,6 @@ def _skip_wrapper(prog: str, words: list[str]) -> int:
     return i
 
 
-def split_words(s: str) -> list[str]:
-    import shlex
-
-    try:
-        return shlex.split(s)
-    except ValueError:
-        return s.split()
-
-
 def _nested_shell(code: str, an: Analysis, depth: int, where: str, strict: bool = True) -> None:
     """Analyse `code` as shell. strict=False: the string was only guessed to be
     shell (a literal in interpreter code), so a parse error there is not ours."""
@@ -488,7 +400,7 @@ def _nested_shell_word(word: str, lit: bool, an: Analysis, depth: int, where: st
         an.dynamic.append(word)
         an.flags.add("dynamic_code")
         from . import unreadable  # `sh -c "$(... | base64 -d)"`, `eval "$(curl ...)"`: what makes the code?
-        kind = unreadable.classify_text(word, depth)
+        kind = unreadable.classify_text(word, depth, analyze_shell)
         if kind:
             unreadable.record(an, kind, f"`{where}`", word)
 
@@ -507,12 +419,12 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     if (prog in _CODE_READERS or prog.startswith(_CODE_PREFIXES)) and (
             not all(lit) or prog.startswith(("pwsh", "powershell")) or any(not t for _o, _w, t in ex.redirects)):
         from . import unreadable  # `bash <(curl ..)`, `sh < <(.. | base64 -d)`, `python -c "$(curl ..)"`
-        unreadable.expansion_words(ex, an, depth)
+        unreadable.expansion_words(ex, an, depth, analyze_shell)
         unreadable.powershell(ex, an)
     if prog == "git" or prog.startswith("git-"):
-        from .git import shell_code  # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
+        # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
         if all(lit):
-            for code, where in shell_code(ex):
+            for code, where in git.shell_code(ex):
                 _nested_shell(code, an, depth, where, strict=False)
         return
     if prog in SHELLS:

@@ -18,8 +18,10 @@ and judged in full (check_url).
 """
 from __future__ import annotations
 
-from .commands import Exec
-from .model import CELL_TOOLS, Finding, GateContext, deny, ok
+from urllib.parse import urlsplit
+
+from ..netpolicy import normalise_host
+from .model import CELL_TOOLS, Exec, Finding, GateContext, deny, ok
 
 # Programs whose URL operands are destinations the cell would connect to.
 FETCHERS = frozenset({"curl", "wget", "git", "pip", "pip3", "uv", "npm", "npx", "yarn", "pnpm", "go", "cargo",
@@ -33,9 +35,6 @@ HINT = ("Add the host to network.allow in the role (docs/policy.md, \"Network mo
 
 def destination_of(text: str) -> tuple[str, int] | None:
     """(host, port) a URL or bare `host[:port][/path]` operand names; None if it names none."""
-    from urllib.parse import urlsplit
-
-    from .network import normalise_host
     scheme, host, _ = normalise_host(text)
     if not host:
         return None

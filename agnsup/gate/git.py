@@ -35,7 +35,7 @@ Pure Python, no I/O.
 
 from __future__ import annotations
 
-from .commands import Analysis, Exec, operands
+from .model import Analysis, Exec, operands, split_words
 from .model import Finding, GateContext, deny, ok
 from .paths import LazyRe
 
@@ -85,7 +85,6 @@ class GitCall:
 
 def invocation(argv: list[str]) -> GitCall:
     """`git -C d -c alias.x='reset --hard' x HEAD` -> sub "reset", args ["--hard", "HEAD"]."""
-    from .commands import split_words
 
     prog = argv[0].rsplit("/", 1)[-1].lstrip("\\") if argv else ""
     config: dict[str, str] = {}
@@ -485,7 +484,6 @@ def env_settings(text: str) -> list[tuple[str, str | None]]:
     form `git -c` itself passes on): `GIT_CONFIG_KEY_0=remote.origin.push GIT_CONFIG_VALUE_0=:main git push`."""
     if "GIT_CONFIG_" not in text or not _ENV_CONFIG.search(text):
         return []
-    from .commands import split_words
 
     keys: dict[str, str] = {}
     values: dict[str, str] = {}

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import re
 
-from .commands import Analysis, Exec, operands as _operands
+from .model import Analysis, Exec, Finding, deny, ok, ok_flagged, operands as _operands
 from .paths import LazyRe
-from .model import Finding, deny, ok, ok_flagged
 from .paths import (BLOCK_DEVICE, HARMLESS_DEVICES, UNKNOWN_CWD, catastrophic_target, expand, home_of,
                     permission_target, real, system_file, system_write_target)
 

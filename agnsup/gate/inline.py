@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import re
 
+from .network import network_kind
 from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok_flagged
 from .paths import LazyRe
 
@@ -411,7 +412,6 @@ def note(code: str, an, ex, ran: list) -> None:
     options = " ".join(w for w in ex.argv[1:] if w != code)[:2000]
     reads, sends, _evaluates = program(code, lang, options)  # exec of generated text: g-unjudge's gate.unreadable_code
     if ran:
-        from .network import network_kind
         reads += [w for w in map(_exec_reads, ran) if w]
         sends += [f"`{e.prog}`" for e in ran if network_kind(e) in ("client", "tls", "upload")]
     if sends and not reads:

@@ -8,6 +8,9 @@ as-is with `to_dict()`.
 
 from __future__ import annotations
 
+import functools
+import shlex
+
 from ..record import Factory, Record
 
 MODES = ("open", "locked", "readonly")
@@ -202,3 +205,93 @@ def ok_flagged(notes: list[dict], flags: tuple[str, ...] = (), pinned: str = "")
 
 def deny(rule: str, reason: str, hint: str = "", evidence: str = "") -> Finding:
     return Finding(False, rule, reason, hint=hint, evidence=evidence)
+
+
+# --- what a call would run: commands.py and shell.py build it, every check reads it ---
+
+MAX_DEPTH = 8  # nested sh -c / eval levels before we give up (and say so)
+
+
+class Exec(Record):
+    """One program that would run."""
+
+    argv: list[str]                 # words after unwrapping; argv[0] is the program as written
+    literal: list[bool]             # per word: True when it has no expansion
+    via: tuple[str, ...] = ()       # wrappers peeled off, outermost first
+    redirects: list[tuple[str, str, bool]] = Factory(list)  # (op, target, literal)
+    background: bool = False        # ends with `&`
+    loop: int | None = None         # id of the enclosing `while true` loop without break
+    cwd: str | None = None          # directory from a literal `cd` earlier in the script
+    text: str = ""                  # source excerpt, for messages
+    from_stdin: bool = False        # xargs: more operands arrive on stdin
+
+    @functools.cached_property
+    def prog(self) -> str:
+        return prog_name(self.argv[0]) if self.argv else ""
+
+    @property
+    def prog_literal(self) -> bool:
+        return bool(self.literal) and self.literal[0]
+
+    @property
+    def args(self) -> list[str]:
+        return self.argv[1:]
+
+
+class Analysis(Record):
+    execs: list[Exec] = Factory(list)
+    unparseable: list[str] = Factory(list)   # why the text could not be judged
+    fork_bomb: str = ""                                     # excerpt, when one was seen
+    loops: dict[int, bool] = Factory(dict)    # infinite loop id -> has background job
+    flags: set[str] = Factory(set)            # advisory findings
+    dynamic: list[str] = Factory(list)        # program words we cannot know statically
+    parsed_shell: bool = False                              # the shell parser was used
+    unjudgeable: list[str] = Factory(list)    # why part of the text was not judged (nesting too deep)
+    exfil: list[dict] = Factory(list)         # inline programs that read a credential and send (gate/inline.py)
+    # Code run from text the gate cannot read (gate/unreadable.py): (why, evidence) pairs. Tuples, not
+    # Factory lists: almost every line has none, and an Analysis is built several times per judged line.
+    unreadable_code: tuple[tuple[str, str], ...] = ()   # decoded at run time (`base64 -d | sh`)
+    downloads: tuple[tuple[str, str], ...] = ()         # downloaded and run (`curl ... | sh`)
+
+    def merge(self, other: "Analysis") -> None:
+        self.execs.extend(other.execs)
+        self.unparseable.extend(other.unparseable)
+        self.unjudgeable.extend(other.unjudgeable)
+        self.exfil.extend(other.exfil)
+        if other.unreadable_code or other.downloads:
+            self.unreadable_code += tuple(x for x in other.unreadable_code if x not in self.unreadable_code)
+            self.downloads += tuple(x for x in other.downloads if x not in self.downloads)
+        self.fork_bomb = self.fork_bomb or other.fork_bomb
+        self.loops.update(other.loops)
+        self.flags |= other.flags
+        self.dynamic.extend(other.dynamic)
+        self.parsed_shell = self.parsed_shell or other.parsed_shell
+
+
+def operands(args: list[str], with_value: frozenset[str] = frozenset()) -> list[str]:
+    """The words of `args` that are not options (nor values of the options in `with_value`);
+    everything after `--` is an operand."""
+    out, i, dash = [], 0, False
+    while i < len(args):
+        a = args[i]
+        if dash or a == "-" or not a.startswith("-"):
+            out.append(a)
+        elif a == "--":
+            dash = True
+        elif a in with_value:
+            i += 1
+        i += 1
+    return out
+
+
+def prog_name(word: str) -> str:
+    """`/usr/bin/git` -> `git`; `\\rm` -> `rm`."""
+    w = word.lstrip("\\")
+    return w.rsplit("/", 1)[-1] if "/" in w else w
+
+
+def split_words(s: str) -> list[str]:
+    try:
+        return shlex.split(s)
+    except ValueError:
+        return s.split()

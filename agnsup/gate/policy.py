@@ -8,7 +8,7 @@ deny_commands=("sudo",) refuses `sudo ls`. With an allow list, every program
 
 from __future__ import annotations
 
-from .commands import Analysis, Exec
+from .model import Analysis, Exec
 from .model import Finding, GateContext, deny, ok
 
 # A deny list presets may give executor-like roles: git operations that destroy

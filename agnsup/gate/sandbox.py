@@ -23,8 +23,8 @@ import functools
 import os
 import stat
 
-from .commands import Analysis, Exec
-from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok, ok_flagged
+from .model import (CELL_TOOLS, DEFAULT_DENY_PATHS, Analysis, Exec, Finding, GateContext, deny, ok, ok_flagged,
+                    operands as _operands)
 from .paths import HARMLESS_DEVICES, UNKNOWN_CWD, expand, home_of, real, resolve, within
 
 # Argument names that carry paths, in any tool.
@@ -173,7 +173,6 @@ def _looks_like_path(w: str) -> bool:
 
 def shell_paths(ex: Exec) -> list[tuple[str, str]]:
     """(word, "r"|"w") for the paths one command touches."""
-    from .commands import operands as _operands
     from .hardline import _write_targets  # same notion of write targets as hardline
 
     out = [(t, "w") for t, _kind in _write_targets(ex, None)]

@@ -26,7 +26,7 @@ import tree_sitter
 import tree_sitter_bash
 
 from . import unreadable
-from .commands import Analysis, Exec, prog_name, unwrap
+from .model import Analysis, Exec, prog_name
 
 _PARSER: tree_sitter.Parser | None = None
 # Syntax nesting (statements inside substitutions inside strings ...) the walker
@@ -195,8 +195,9 @@ def printf_output(args: list[str]) -> str | None:
 
 
 class _Walker:
-    def __init__(self, an: Analysis, depth: int):
+    def __init__(self, an: Analysis, depth: int, unwrap):
         self.an = an
+        self.unwrap = unwrap  # commands.unwrap: each command found goes back to it
         self.depth = depth
         self.cwd: str | None = None
         self.next_loop = 0
@@ -468,7 +469,7 @@ class _Walker:
                 self.an.execs.append(Exec([":"], [True], (), redirects, bg, loop, self.cwd, text))
             return
         before = len(self.an.execs)
-        unwrap(words, lits, self.an, self.depth, redirects=redirects, background=bg, loop=loop,
+        self.unwrap(words, lits, self.an, self.depth, redirects=redirects, background=bg, loop=loop,
                cwd=self.cwd, text=text, stdin_code=stdin, files=self.psubs)
         for ex in self.an.execs[before:]:
             if ex.prog in ("cd", "pushd"):
@@ -589,12 +590,12 @@ def _error_location(root, text: str) -> str:
     return "end of input"
 
 
-def analyze(text: str, depth: int = 0) -> Analysis:
+def analyze(text: str, depth: int, unwrap) -> Analysis:
     an = Analysis(parsed_shell=True)
     if not text.strip():
         return an
     root = _parser().parse(text.encode("utf-8", "surrogatepass")).root_node
     if root.has_error:
         an.unparseable.append(f"the shell text does not parse ({_error_location(root, text)})")
-    _Walker(an, depth).visit(root)
+    _Walker(an, depth, unwrap).visit(root)
     return an

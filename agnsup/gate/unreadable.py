@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 
+from .model import MAX_DEPTH, Finding, deny
 from .paths import LazyRe
 
 # Code read from a decoder's output: (why, evidence).
@@ -149,8 +150,9 @@ def classify_execs(execs) -> str:
     return ""
 
 
-def classify_text(text: str, depth: int) -> str:
-    """What a substitution's text (`$(echo x | base64 -d)`, `<(curl -s u)`) produces, by the programs in it."""
+def classify_text(text: str, depth: int, analyze) -> str:
+    """What a substitution's text (`$(echo x | base64 -d)`, `<(curl -s u)`) produces, by the programs in it;
+    `analyze` is the walker's own entry (commands.analyze_shell), handed in by the walker."""
     if not any(m in text for m in ("$(", "`", "<(")):
         return ""
     # Cached by text: the walker meets a nested substitution once from each enclosing level's re-parse and
@@ -159,22 +161,20 @@ def classify_text(text: str, depth: int) -> str:
     if kind is None:
         if len(_CLASSIFIED) >= 512:
             _CLASSIFIED.clear()
-        kind = _CLASSIFIED[text] = _classify_text(text, depth)
+        kind = _CLASSIFIED[text] = _classify_text(text, depth, analyze)
     return kind
 
 
 _CLASSIFIED: dict[str, str] = {}
 
 
-def _classify_text(text: str, depth: int) -> str:
+def _classify_text(text: str, depth: int, analyze) -> str:
     body = text[2:-1] if text.startswith(("<(", ">(")) and text.endswith(")") else text
-    from .commands import MAX_DEPTH, analyze_shell  # the tree-sitter walker (already loaded when we get here)
-
     if depth + 1 > MAX_DEPTH:
         return ""  # the walker refuses text nested this deep itself (gate.unjudgeable)
 
     try:
-        sub = analyze_shell(body, depth + 1)
+        sub = analyze(body, depth + 1)
     except RecursionError:
         return DECODED
     if sub.downloads:
@@ -252,12 +252,12 @@ def code_words(ex) -> list[tuple[str, bool, str]]:
     return out
 
 
-def expansion_words(ex, an, depth: int) -> None:
+def expansion_words(ex, an, depth: int, analyze) -> None:
     """Classify the non-literal code words of this Exec (see code_words)."""
     for word, literal, how in code_words(ex):
         if literal:
             continue
-        kind = classify_text(word, depth)
+        kind = classify_text(word, depth, analyze)
         if kind:
             record(an, kind, how, ex.text or " ".join(ex.argv))
 
@@ -280,8 +280,6 @@ HINT_UNREADABLE = ("Run the code as plain text the gate can read (decode it to a
 def decide(an, ctx):
     """gate.unreadable_code: refused under governance.unreadable = "deny" (unset: modes locked and readonly),
     a pass with that flag otherwise."""
-    from .model import Finding, deny
-
     why, evidence = an.unreadable_code[0]
     mode = ctx.unreadable or ("flag" if ctx.mode == "open" else "deny")
     if mode == "deny":

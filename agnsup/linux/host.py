@@ -6,6 +6,9 @@ throwaway child on top."""
 from __future__ import annotations
 
 import os
+import pwd
+
+from ..errors import SetupError
 
 from . import proc
 
@@ -72,3 +75,118 @@ def net_admin() -> bool:
             eff = 0
         _net_admin.append(bool(eff >> CAP_NET_ADMIN & 1))
     return _net_admin[0]
+
+
+# --- homes: the password database's and the invoking user's (what no cell may read) ---
+
+def under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def in_private_dir(path: str) -> bool:
+    """Under a directory every cell gets a fresh one of (its /tmp, its /dev/shm)."""
+    return under(path, "/tmp") or under(path, "/dev/shm")
+
+
+def outermost(paths) -> list[str]:
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        if not any(under(p, q) for q in out):
+            out.append(p)
+    return out
+
+
+# A "home" holding one of these, or inside one of the OS trees (system users have
+# homes like /usr/sbin or /dev), is the system, not a home: hiding it would hide the OS.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys", "/tmp", "/var", "/run")
+OS_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/dev", "/proc", "/sys")
+
+
+_passwd_cache: dict = {}
+
+
+def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
+    """Every home /etc/passwd names (absolute, as written, normalized), read again only when the file
+    changes (a long-lived controller sees a user added later). The file, not getpwall(3): NSS enumeration
+    can walk a whole LDAP directory on every cell; a directory's users' homes are not listed here (their
+    parent, /home as a rule, is refused as a worktree all the same)."""
+    try:
+        st = os.stat(passwd)
+        key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        return []
+    if _passwd_cache.get("key") != key:
+        homes = []
+        try:
+            with open(passwd, errors="replace") as f:
+                for line in f:
+                    fields = line.split(":")
+                    if len(fields) > 6 and fields[5].startswith("/"):
+                        homes.append(os.path.normpath(fields[5]))
+        except OSError:
+            pass
+        _passwd_cache.update(key=key, homes=homes, real=None)
+    return _passwd_cache["homes"]
+
+
+def all_homes() -> list[str]:
+    """Every home of the password database (real paths, existing directories), and /root: hidden from
+    every cell like the invoking user's (issue 25, door 5). Homes that are the system (a system user's
+    /usr/sbin, /dev, /var, "/") are skipped here, never refused: only the invoking user's own refuses
+    (invoking_homes). Homes under /tmp or /dev/shm are out of sight already (each cell's are its own)."""
+    entries = passwd_homes()
+    if _passwd_cache.get("real") is None:  # computed once per change of the file, like the list
+        homes = []
+        for h in [*entries, "/root"]:
+            if h == "/" or any(under(h, d) for d in OS_TREES) or not os.path.isdir(h):
+                continue  # the system's users (most of the file), or no home: no realpath for them
+            real = os.path.realpath(h)
+            if real == "/" or in_private_dir(real) or not os.path.isdir(real):
+                continue
+            if any(under(d, real) for d in SYSTEM_DIRS) or any(under(real, d) for d in OS_TREES):
+                continue
+            homes.append(real)
+        _passwd_cache["real"] = outermost(homes)
+    return list(_passwd_cache["real"])
+
+
+def invoking_homes(env=None) -> list[str]:
+    """The homes a cell must not read (real paths, outermost only): the real uid's
+    passwd home, $HOME, and when root runs agnsup through sudo, SUDO_USER's home
+    (that human's keys and tokens are what a root cell would otherwise read). An
+    environment variable here can only add a hidden path, never remove one. A home
+    of "/" is the filesystem the role already shows, not a home: skipped."""
+    env = os.environ if env is None else env
+    found = []
+    try:
+        found.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        pass
+    found.append(env.get("HOME") or "")
+    if os.getuid() == 0 and env.get("SUDO_USER"):
+        try:
+            found.append(pwd.getpwnam(env["SUDO_USER"]).pw_dir)
+        except KeyError:
+            pass
+    homes = []
+    for h in found:
+        if not h.startswith("/"):
+            continue
+        real = os.path.realpath(h)
+        if real == "/" or not os.path.isdir(real):
+            continue
+        held = [f"holds {d}" for d in SYSTEM_DIRS if under(d, real)] + [f"is inside {d}" for d in OS_TREES
+                                                                          if under(real, d)]
+        if held:
+            raise SetupError(f"the invoking user's home {real} {held[0]}: hiding it would hide the system; "
+                             "set filesystem.home = \"ro\" in the role to run with it visible", step="home")
+        homes.append(real)
+    return outermost(homes)
+
+
+def invoking_homes_safe(env=None) -> list[str]:
+    """invoking_homes, or none where the home is the system (compile_plan says so itself)."""
+    try:
+        return invoking_homes(env)
+    except SetupError:
+        return []

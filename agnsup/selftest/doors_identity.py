@@ -66,7 +66,7 @@ def gate_root_only_files(h: Harness) -> dict:
 
 def _other_homes() -> dict[str, int]:
     """{home: entries the host lists in it} for every hidden home but the invoking user's, with something in it."""
-    from ..compiler import all_homes, invoking_homes
+    from ..linux.host import all_homes, invoking_homes
     mine = invoking_homes()
     out = {}
     for home in all_homes():

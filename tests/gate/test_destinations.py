@@ -7,7 +7,7 @@ import pytest
 
 from agnsup import record
 from agnsup.gate import GateContext, Kernel, check, judge_shell
-from agnsup.gate.network import classify_address, host_address, internal_allowed, normalise_host, parse_ipv4
+from agnsup.netpolicy import classify_address, host_address, internal_allowed, normalise_host, parse_ipv4
 
 HOST = GateContext(role="networked", network="host", worktree="/workspace/project", writable=("/",),
                    home="/home/user")

@@ -3,7 +3,7 @@
 import pytest
 
 from agnsup.gate import GateContext, check, judge_shell
-from agnsup.gate.network import parse_ipv4
+from agnsup.netpolicy import parse_ipv4
 
 DENY = GateContext(network="deny", worktree="/workspace/project", writable=("/",), home="/home/user")
 HOST = GateContext(network="host", worktree="/workspace/project", writable=("/",), home="/home/user")

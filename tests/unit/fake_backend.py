@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from agnsup.backend import Backend, Place
+from agnsup.backend.base import Backend, Place
 from agnsup.linux import cgroup, session
 
 # The host's facts as the compiler reads them (linux/host.protections): everything in force, Landlock ABI 6

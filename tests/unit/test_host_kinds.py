@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from agnsup.backend import Backend, Place, systemd
+from agnsup.backend import systemd
+from agnsup.backend.base import Backend, Place
 from agnsup.linux import cgroup
 
 from fake_backend import FakeBackend, FakeKernel

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "Supervisor":
-        from .service import Supervisor
+        from .supervisor import Supervisor
         return Supervisor
     if name in __all__:
         from . import tool

@@ -24,12 +24,13 @@ import json
 import os
 import time
 
-from . import changes, crashpoints, home, locks, protect, receipts, reaper
+from . import changes, home, locks, protect, receipts, reaper
+from .util import crashpoints
 from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
 from .linux import pidfd, proc
-from .record import Factory, Record
+from .util.record import Factory, Record
 
 # How long after the leader ended a cell that another process cancelled (it owns
 # the grace period and the kill) is left to that process, beyond the grace itself.

@@ -27,8 +27,8 @@ import os
 import time
 
 from .errors import AgnsupError, AmbiguousId, CellsStillRunning, StateError, UnknownId, UsageError
-from .journal import TERMINAL_CELL
-from .record import Record
+from .store.journal import TERMINAL_CELL
+from .util.record import Record
 
 DEFAULT_GRACE = 3.0       # for a cell journaled before its grace was (schema 2)
 CONCLUDE_TIMEOUT = 15.0   # how long the cells' controllers get to write their receipts

@@ -48,7 +48,7 @@ import stat as S
 import sys
 import time
 
-from . import crashpoints
+from .util import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
 __all__ = ["Layer", "layer_dir", "prepare", "prepare_cell", "unsupported", "fs_type", "land", "at_end", "ran_live",

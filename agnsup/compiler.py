@@ -12,7 +12,7 @@ import os
 from .errors import SetupError, UsageError
 from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
                          under)
-from .record import Factory, Record
+from .util.record import Factory, Record
 from .spec import CellSpec
 
 class ExecutionPlan(Record):
@@ -732,7 +732,7 @@ REDUCED_LOSS = {
 }
 
 
-REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")  # models.REDUCIBLE
+REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")  # policyfile.REDUCIBLE
 
 
 def reduced_pieces(policy=None, host: dict | None = None, backend=None) -> list[str]:
@@ -803,7 +803,7 @@ def _reduced_notes(reduced: dict, conf: dict) -> None:
 def _reduced_network(spec: CellSpec, policy, reduced: dict, conf: dict) -> tuple[CellSpec, str]:
     """(the spec, the network the cell has): the role's mode, or "host" for a reduced cell without a
     network namespace of its own (whose proxy variables would point at the host's loopback: dropped)."""
-    from .record import replace
+    from .util.record import replace
     _reduced_notes(reduced, conf)
     mode = policy.network.mode
     if "network_namespace" not in reduced or mode not in NETNS_MODES:
@@ -821,7 +821,7 @@ def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: 
     """The plan of a cell without a mount namespace (isolation.reduced lists it, the host refuses it):
     no mount operations; its /tmp is its directory under the state root (HOME, TMPDIR, @runtime point
     there), the only place besides the worktree (rw) that Landlock lets it write."""
-    from .record import replace
+    from .util.record import replace
     from .spec import CELL_TMP
     fs, lim = policy.filesystem, policy.limits
     wt = spec.worktree or spec.workdir

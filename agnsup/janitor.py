@@ -66,7 +66,7 @@ def on_start(state, journal=None) -> dict | None:
     `journal`: the controller's own open Journal, to ask with (one connection
     fewer, and no SQLite checkpoint when this one closes)."""
     from .errors import AgnsupError
-    from .journal import peek_open_controllers
+    from .store.journal import peek_open_controllers
     if journal is not None:
         try:
             rows = journal.open_controllers()
@@ -98,7 +98,7 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
     """Recover every dead controller instance's cells now. Returns the report
     {"recovered", "killed", "skipped", "receipt", "controllers"}. `backend`:
     instead of the host's (backend.choose)."""
-    from .state import StateRoot
+    from .store.state import StateRoot
     state = state_root if isinstance(state_root, StateRoot) else StateRoot(str(state_root))
     state.ensure()
     own = journal is None
@@ -279,7 +279,8 @@ class _Janitor:
 
     # -- the cells ---------------------------------------------------------
     def _recover(self, cells: list[_Cell]) -> None:
-        from . import crashpoints, protect, reaper
+        from .util import crashpoints
+        from . import protect, reaper
         t0 = time.time()
         live = [c for c in cells if c.signals]
         for c in live:

@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from . import backoff
-from .digest import sha256
+from .util import backoff
+from .util.digest import sha256
 from .errors import LockTimeout
 
 

@@ -44,7 +44,7 @@ import re
 import unicodedata
 from urllib.parse import unquote, urlsplit
 
-from .record import Record
+from .util.record import Record
 
 DEFAULT_PORTS = (80, 443)
 MODES = ("allowlist", "internal")  # the network modes that go through the proxy

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 
-from .digest import sha256
+from .util.digest import sha256
 from .errors import PolicyError
 
 CACHE_VERSION = "15"  # 3: isolation, process; 4: filesystem.home(_allow); 5: env.passthrough by name;
@@ -314,7 +314,7 @@ def validate(raw: bytes, path: str, role: str | None = None) -> dict:
     doc, preset = apply_preset(own, path)
     from pydantic import ValidationError
 
-    from .models import Policy
+    from .policyfile import Policy
     try:
         pol = Policy.model_validate(doc)
     except ValidationError as e:

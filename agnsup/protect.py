@@ -224,7 +224,7 @@ def mount_ops(wt: str, found: dict, lifted) -> tuple[list[tuple], list[str]]:
 
 def digests(wt: str, found: dict, lifted) -> dict[str, str]:
     """Content of the lifted paths: {worktree-relative file: sha256 | "dir" | "link:<target>"}."""
-    from .digest import file_sha256
+    from .util.digest import file_sha256
     out: dict[str, str] = {}
     roots = [rel for rel in found if lift_class(rel) in lifted]
     roots += [rel for rel in TOP if rel in lifted and rel not in found]

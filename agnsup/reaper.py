@@ -33,9 +33,11 @@ import os
 import signal
 import time
 
-from . import backoff, crashpoints, locks
+from . import locks
+from .util import backoff
+from .util import crashpoints
 from .linux import fs, pidfd, proc, session
-from .record import Factory, Record
+from .util.record import Factory, Record
 
 VERIFY_TIMEOUT = 10.0  # how long a killed tree (or process) gets to be gone
 EVIDENCE_KILL = "session+token"  # the method of a cell without a tree: single processes on evidence

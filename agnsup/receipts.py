@@ -110,7 +110,7 @@ def argv_b64(argv: list[str]) -> dict:
 def redacted_env(spec) -> dict[str, str]:
     """The environment for a receipt: secret-looking values and the token hidden."""
     from .linux.session import TOKEN_VAR
-    from .secretkeys import looks_secret
+    from .util.secretkeys import looks_secret
     return {k: ("<redacted>" if k == TOKEN_VAR or looks_secret(k) else v) for k, v in spec.env.items()}
 
 

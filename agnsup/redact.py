@@ -88,7 +88,7 @@ def _rx(pattern: str, dotall: bool = False) -> re.Pattern:
 
 def host_secrets(environ, given_keys) -> list[str]:
     """Values of the host's secret-looking variables that the cell was not given, longest first."""
-    from .secretkeys import looks_secret
+    from .util.secretkeys import looks_secret
     given = set(given_keys)
     vals = {v for k, v in environ.items()
             if k not in given and k not in _NOT_SECRET_KEYS and looks_secret(k) and len(v) >= MIN_SECRET_LEN

@@ -15,7 +15,7 @@ leaves a lock or a half-made cell behind.
 from __future__ import annotations
 
 from .errors import UsageError
-from .record import Factory, Record
+from .util.record import Factory, Record
 
 
 class Opt(Factory):
@@ -75,7 +75,7 @@ def _size(v) -> bool:
 class CellRequest(Record):
     """What a front door asks for: one command and how to run it."""
     argv: list[str]
-    role: str = opt("executor", "str", "--role", help="Role policy (policies/ROLE.toml).",
+    role: str = opt("executor", "str", "--role", help="Role policy (agnsup/policies/ROLE.toml).",
                     schema={"type": "string", "description": "Role policy to apply (executor, readonly, networked).",
                             "default": "executor"})
     run_id: str = opt("default", "str", "--run-id", "--run", help="Run this cell belongs to.")

@@ -16,8 +16,8 @@ import sys
 from .errors import NotFound, NotExecutable, UsageError
 from .linux.host import invoking_homes
 from .linux.session import TOKEN_VAR  # the janitor reads the same name from /proc
-from .record import Factory, Record
-from .state import check_id
+from .util.record import Factory, Record
+from .store.state import check_id
 
 IDENTITY_VARS = ("AGNSUP_RUN_ID", "AGNSUP_AGENT_ID", "AGNSUP_CELL_ID", TOKEN_VAR)
 CELL_HOME, CELL_TMP = "/tmp/home", "/tmp"

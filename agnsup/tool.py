@@ -33,8 +33,9 @@ def run_process(argv: list[str], *, state_dir: str | None = None, forward_signal
     stdout/stderr when captured). `exit_after`: the caller ends the process with
     os._exit right after a result (the CLI): the journal connection is left to
     the exit (broker.Controller.close)."""
-    from . import broker, janitor, repair
-    from .state import StateRoot
+    from . import broker, janitor
+    from .store import repair
+    from .store.state import StateRoot
 
     options.setdefault("entry", "tool")
     request = CellRequest.make(argv, **options)  # every argument checked before anything exists

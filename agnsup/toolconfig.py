@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from .secretkeys import looks_secret
+from .util.secretkeys import looks_secret
 
 TOOLS = ("git", "pip", "npm")
 PIP_KEYS = ("index-url", "extra-index-url", "trusted-host", "find-links", "no-index", "timeout", "default-timeout",

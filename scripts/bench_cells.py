@@ -63,7 +63,7 @@ def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int) -> dict:
 
 
 def bench_serve(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
-    from agnsup.serve import Client
+    from agnsup.doors.serve import Client
     srv = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = json.loads(srv.stdout.readline())
     per = []

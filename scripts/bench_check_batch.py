@@ -7,7 +7,7 @@ The input is the corpus mix (benign hard negatives, catastrophic lines, dcg
 commands; ../shared/corpora or tests/data/corpora) repeated to --lines lines.
 Each round runs every build once, so both see the same machine load (this
 machine is shared: compare within one run). A build is judged through the
-real CLI (`agnsup.cli`), in a fresh interpreter, with its own state root;
+real CLI (`agnsup.doors.cli`), in a fresh interpreter, with its own state root;
 the time includes the interpreter start and imports. Two rates per build:
 by wall time, and by the CPU time the child used (getrusage): the second
 moves far less with the load other processes put on the machine. The corpora are text
@@ -37,10 +37,15 @@ code = sys.argv.pop(1)
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")
                     and "editable" not in getattr(f, "__name__", "")]
 sys.path.insert(0, code)
-spec = importlib.util.spec_from_file_location("agnsup.policies", code + "/policies/__init__.py",
-                                              submodule_search_locations=[code + "/policies"])
-mod = importlib.util.module_from_spec(spec); sys.modules["agnsup.policies"] = mod; spec.loader.exec_module(mod)
-from agnsup.cli import main
+import os
+if os.path.isdir(code + "/policies"):  # a checkout before issue 30: the roles were a top-level directory
+    spec = importlib.util.spec_from_file_location("agnsup.policies", code + "/policies/__init__.py",
+                                                  submodule_search_locations=[code + "/policies"])
+    mod = importlib.util.module_from_spec(spec); sys.modules["agnsup.policies"] = mod; spec.loader.exec_module(mod)
+try:
+    from agnsup.doors.cli import main
+except ImportError:  # before issue 30's folders
+    from agnsup.cli import main
 main(prog_name="agnsup")
 """
 

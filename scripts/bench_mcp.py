@@ -30,7 +30,7 @@ def summary(xs: list[float]) -> dict:
 
 async def bench(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
     from mcp import ClientSession, StdioServerParameters, stdio_client
-    from agnsup.serve import Client
+    from agnsup.doors.serve import Client
     srv = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = json.loads(srv.stdout.readline())
     samples: dict[str, list[float]] = {"fork/exec /bin/true": [], "serve run": [], "mcp run_process": []}

@@ -25,8 +25,8 @@ def main(argv: list[str]) -> None:
     ncells = int(argv[argv.index("--cells") + 1]) if "--cells" in argv else 300
     import grpc
 
-    from agnsup.sandboxd import proto
-    from agnsup.serve import Client
+    from agnsup.doors.sandboxd import proto
+    from agnsup.doors.serve import Client
     pb = proto.messages()
     with scratch(agnsup, "sandboxd") as (env, wt):
         procs = []

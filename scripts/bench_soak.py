@@ -54,7 +54,7 @@ def _disk(state: str) -> dict:
 def soak(mode: str, n: int, state: str, wt: str) -> dict:
     samples = {}
     if mode == "api":
-        from agnsup.service import Supervisor
+        from agnsup.supervisor import Supervisor
         sup = Supervisor(state)
         pid = os.getpid()
 
@@ -63,7 +63,7 @@ def soak(mode: str, n: int, state: str, wt: str) -> dict:
             assert sup.wait(h["run_id"], h["cell_id"])["exit_code"] == 0
         close = sup.close
     else:
-        from agnsup.serve import Client
+        from agnsup.doors.serve import Client
         sock = os.path.join(state, "agnsup.sock")
         agnsup = os.path.join(os.path.dirname(sys.executable), "agnsup")
         proc = subprocess.Popen([agnsup, "--state-dir", state, "serve", "--socket", sock], stdout=subprocess.PIPE)

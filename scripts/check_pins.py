@@ -25,17 +25,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR = re.compile(r"^([A-Za-z0-9._-]+(?:\[[^]]*\])?)\s*>=\s*([^,;\s]+)")
 
 CORE_PROBE = """
-import agnsup.cli, agnsup.entry, agnsup.serve, agnsup.doctor, agnsup.selftest, agnsup.gate.shell
+import agnsup.doors.cli, agnsup.doors.entry, agnsup.doors.serve, agnsup.doors.doctor, agnsup.selftest, agnsup.gate.shell
 """
 EXTRAS_PROBE = """
 import types
-import agnsup.mcp, agnsup.sandboxd, agnsup.sandboxd.proto
+import agnsup.doors.mcp, agnsup.doors.sandboxd, agnsup.doors.sandboxd.proto
 from mcp.server.transport_security import TransportSecuritySettings
 sessions = types.SimpleNamespace(role="executor", workdir="/", run_id=None)
-server = agnsup.mcp.build_server(sessions)
+server = agnsup.doors.mcp.build_server(sessions)
 server.streamable_http_app(host="127.0.0.1",
                            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
-agnsup.sandboxd.proto.messages()
+agnsup.doors.sandboxd.proto.messages()
 """
 
 

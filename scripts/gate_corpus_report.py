@@ -36,19 +36,20 @@ def _use_code(code: Path) -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")
                         and "editable" not in getattr(f, "__name__", "")]
     sys.path.insert(0, str(code))
-    # pyproject maps the package agnsup.policies to the top-level policies/ directory.
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("agnsup.policies", code / "policies" / "__init__.py",
-                                                  submodule_search_locations=[str(code / "policies")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["agnsup.policies"] = mod
-    spec.loader.exec_module(mod)
+    if (code / "policies").is_dir():  # a checkout before issue 30: the roles were a top-level directory
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("agnsup.policies", code / "policies" / "__init__.py",
+                                                      submodule_search_locations=[str(code / "policies")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["agnsup.policies"] = mod
+        spec.loader.exec_module(mod)
 
 
 def contexts() -> dict:
-    from agnsup import governance, policy, record
+    from agnsup import governance, policy
+    from agnsup.util import record
     from agnsup.gate import GateContext
-    from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS
+    from agnsup.gate.programs import RECOMMENDED_DENY_COMMANDS
 
     def shipped(name: str):
         # The gate's context for a shipped role exactly as `agnsup run` builds it (writable /tmp, /dev/shm;

@@ -233,7 +233,7 @@ def s_blackout(agnsup: str, who: Who, tag: str, runs: int, seed: int) -> None:
 def _role(policy_dir: str, name: str, limits: dict) -> None:
     """A copy of the packaged executor role with some [limits] keys replaced."""
     import re
-    src = open(os.path.join(SRC, "policies", "executor.toml")).read().replace('name = "executor"', f'name = "{name}"')
+    src = open(os.path.join(SRC, "agnsup", "policies", "executor.toml")).read().replace('name = "executor"', f'name = "{name}"')
     for key, value in limits.items():
         src, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", src)
         if not n:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from agnsup import backend
-from agnsup.journal import open_journal
+from agnsup.store.journal import open_journal
 from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
@@ -220,7 +220,7 @@ def policy_dir(tmp_path):
 
 def write_role(policy_dir, name: str, **overrides) -> str:
     """A copy of the packaged executor role with some keys replaced."""
-    with open(os.path.join(REPO, "policies", "executor.toml")) as f:
+    with open(os.path.join(REPO, "agnsup", "policies", "executor.toml")) as f:
         src = f.read()
     src = src.replace('name = "executor"', f'name = "{name}"')
     for key, value in overrides.items():

@@ -21,18 +21,17 @@ FORBIDDEN_CALLS = {"fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "
                    "execle", "execlp", "execlpe"}
 
 LAYERS = [  # top to bottom
-    ("front doors", ["agnsup", "agnsup.cli", "agnsup.entry", "agnsup.serve", "agnsup.mcp", "agnsup.doctor",
-                     "agnsup.selftest", "agnsup.sandboxd"]),
-    ("tool and service", ["agnsup.service", "agnsup.tool"]),
-    ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler",
-                "agnsup.request", "agnsup.models", "agnsup.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",
-                "agnsup.netpolicy", "agnsup.repair"]),
+    ("front doors", ["agnsup", "agnsup.doors", "agnsup.doors.cli", "agnsup.doors.entry", "agnsup.doors.serve",
+                     "agnsup.doors.mcp", "agnsup.doors.doctor", "agnsup.selftest", "agnsup.doors.sandboxd"]),
+    ("tool and service", ["agnsup.supervisor", "agnsup.tool"]),
+    ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler", "agnsup.request",
+                "agnsup.policyfile", "agnsup.store.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",
+                "agnsup.netpolicy", "agnsup.store.repair"]),
     ("broker", ["agnsup.broker", "agnsup.home"]),
-    ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.receipts", "agnsup.io",
-                               "agnsup.locks", "agnsup.egress", "agnsup.protect"]),
-    ("backend and store", ["agnsup.backend", "agnsup.journal", "agnsup.changes", "agnsup.state", "agnsup.migrations"]),
-    ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.record", "agnsup.digest", "agnsup.secretkeys",
-                          "agnsup.crashpoints", "agnsup.policies", "agnsup.redact", "agnsup.backoff"]),
+    ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.receipts", "agnsup.io", "agnsup.locks",
+                            "agnsup.egress", "agnsup.protect"]),
+    ("backend and store", ["agnsup.backend", "agnsup.store", "agnsup.changes"]),
+    ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.util", "agnsup.policies", "agnsup.redact"]),
 ]
 DATA_PACKAGES = {"migrations", "policies"}  # package data shipped as agnsup.<name> (pyproject package-dir)
 
@@ -167,10 +166,10 @@ def test_the_direction_check_would_catch_an_upward_import():
     def up(rel: str, src: str) -> list[str]:
         return upward(os.path.join(PKG, rel), src)
     assert up("broker.py", "def f():\n    from . import governance\n") == ["agnsup.governance (stages)"]
-    assert up("gate/quota.py", "from ..journal import Journal\n") == []  # down is fine
+    assert up("gate/quota.py", "from ..store.journal import Journal\n") == []  # down is fine
     assert up("backend/cgroups.py", "import agnsup.broker\n") == ["agnsup.broker (broker)"]
     assert up("linux/cgroup.py", "from .. import reaper\n") == ["agnsup.reaper (reaper and process)"]
-    assert up("journal.py", "from . import migrations\n") == []
+    assert up("store/journal.py", "from . import migrations\n") == []
 
 
 
@@ -236,14 +235,14 @@ def test_the_cycle_check_would_catch_one():
     backends naming each other: each is a cycle, named."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b"}, "b": set()}) == []
-    lazy = import_cycle(_graph({"journal.py": "def f():\n    from . import service\n"}))
-    assert lazy[0] == lazy[-1] and {"agnsup.journal", "agnsup.service"} <= set(lazy), lazy
+    lazy = import_cycle(_graph({"store/journal.py": "def f():\n    from .. import supervisor\n"}))
+    assert lazy[0] == lazy[-1] and {"agnsup.store.journal", "agnsup.supervisor"} <= set(lazy), lazy
     assert "agnsup.gate.commands" in import_cycle(_graph({"gate/model.py": "from .commands import unwrap\n"}))
     pair = import_cycle(_graph({"backend/cgroups.py": "from .systemd import SystemdScope\n"}))
     assert pair == ["agnsup.backend.cgroups", "agnsup.backend.systemd", "agnsup.backend.cgroups"], pair
 
 
-STORE = os.path.join(PKG, "journal.py")
+STORE = os.path.join(PKG, "store", "journal.py")
 OBSERVER = os.path.join(PKG, "selftest", "host.py")  # reads the journal read-only, as evidence from outside
 
 
@@ -262,7 +261,7 @@ def _sql(path: str) -> list[str]:
 
 def test_only_the_store_speaks_sql():
     bad = {os.path.relpath(p, PKG): v for p in _sources() if p not in (STORE, OBSERVER) and (v := _sql(p))}
-    assert not bad, f"SQL outside agnsup/journal.py: {bad}"
+    assert not bad, f"SQL outside agnsup/store/journal.py: {bad}"
     assert _sql(STORE)  # the check sees SQL where it is
 
 

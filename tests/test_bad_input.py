@@ -213,7 +213,7 @@ def test_no_failure_path_keeps_the_worktree_lock(state, worktree):
     to execute after its cell started all leave the worktree lock free: the next
     call in that directory gets it at once (lock_timeout 0) instead of waiting forever."""
     from agnsup.errors import NotExecutable, NotFound, UsageError
-    from agnsup.service import Supervisor
+    from agnsup.supervisor import Supervisor
     from agnsup.tool import handle_tool_call, run_process
     bad = os.path.join(worktree, "bad-shebang")
     with open(bad, "w") as f:
@@ -329,7 +329,7 @@ def _as_nobody(*args, cwd=None):
     import subprocess
     import sys
     site = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)][0]
-    code = (f"import site, sys; site.addsitedir({site!r}); from agnsup.entry import main; "
+    code = (f"import site, sys; site.addsitedir({site!r}); from agnsup.doors.entry import main; "
             "sys.argv[0] = 'agnsup'; main()")
     cp = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
                          "PATH=/usr/bin:/bin", "HOME=/nonexistent",

@@ -234,7 +234,7 @@ def test_through_serve_and_the_api_a_held_worktree_makes_a_cell_wait_or_time_out
         assert time.monotonic() - t0 >= 0.9
         # cancel through the same front door, then the worktree is free again
         if how == "serve":
-            from agnsup.serve import Client
+            from agnsup.doors.serve import Client
             with Client(starter.ready["socket"]) as c:
                 assert c.call("cancel", cell_id="L1", run_id="R", grace=0)["cancelled"] == 1
                 assert c.call("run", argv=["true"], cell_id="L3", workdir=worktree, lock_timeout=1)["exit_code"] == 0

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from agnsup import cancel as cancelmod
-from agnsup.service import Supervisor
+from agnsup.supervisor import Supervisor
 from scenario import wait_for
 
 FORKED = "fork, cgroup.procs by the child"

@@ -277,7 +277,7 @@ def test_undo_waits_for_the_worktree_lock_of_a_cell_still_running_there(agnsup, 
 
 def test_the_python_api_diffs_and_undoes_with_the_same_refusals(state, repo):
     from agnsup.errors import ChangeConflict, NotReversible, UnknownId, UsageError
-    from agnsup.service import Supervisor
+    from agnsup.supervisor import Supervisor
     with Supervisor(state) as sup:
         r1 = sup.run(["sh", "-c", "echo one > f.txt; rm -r src"], workdir=repo, run_id="api", cell_id="c1")
         assert r1["exit_code"] == 0

@@ -19,7 +19,7 @@ import pytest
 
 from agnsup import changes
 from agnsup.errors import ChangeConflict, exit_code
-from agnsup.journal import Journal
+from agnsup.store.journal import Journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="ENV_BLOCKED: root (mounts an overlay and a tmpfs)")
 

@@ -537,7 +537,7 @@ def test_doctor_lists_the_confinement_this_host_offers(agnsup):
 def test_the_shipped_roles_confine_with_seccomp_and_landlock():
     import tomllib
     for role in ("executor", "readonly", "networked", "proxied"):
-        with open(os.path.join(REPO, "policies", f"{role}.toml"), "rb") as f:
+        with open(os.path.join(REPO, "agnsup", "policies", f"{role}.toml"), "rb") as f:
             doc = tomllib.load(f)
         assert doc["isolation"]["seccomp"] is True and doc["isolation"]["landlock"] is True, role
     assert shutil.which("python3")

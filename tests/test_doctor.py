@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from agnsup import doctor, policy
+from agnsup.doors import doctor
+from agnsup import policy
 from agnsup.linux import cgroup
 from conftest import BIN, seccomp_launcher
 

@@ -154,7 +154,7 @@ def probe_json(cp) -> dict:
 
 def role_from(policy_dir, base: str, name: str, filesystem: str = "", limits: str = "") -> str:
     """A copy of a packaged role under another name, with lines added to [filesystem] and [limits]."""
-    with open(os.path.join(REPO, "policies", f"{base}.toml")) as f:
+    with open(os.path.join(REPO, "agnsup", "policies", f"{base}.toml")) as f:
         src = f.read().replace(f'name = "{base}"', f'name = "{name}"')
     src = src.replace("[filesystem]\n", f"[filesystem]\n{filesystem}\n").replace("[limits]\n", f"[limits]\n{limits}\n")
     with open(os.path.join(str(policy_dir), f"{name}.toml"), "w") as f:

@@ -42,7 +42,7 @@ def cells(request, state, worktree, policy_dir):
         os.chmod(os.path.dirname(worktree), 0o755)
         os.chown(worktree, NOBODY, NOBODY)
         for role in (*ROLES, "networked"):
-            with open(os.path.join(REPO, "policies", f"{role}.toml")) as f:
+            with open(os.path.join(REPO, "agnsup", "policies", f"{role}.toml")) as f:
                 src = f.read()
             src = src.replace("[process]\n", f"[process]\nuser = {NOBODY}\n")
             with open(os.path.join(policy_dir, f"{role}.toml"), "w") as f:

@@ -22,7 +22,7 @@ from test_confinement import last_receipt
 
 from agnsup import compiler, policy as policymod
 from agnsup.selftest.doors_sockets import HostListener, P_ASK, P_CONNECT
-from agnsup.serve import Client
+from agnsup.doors.serve import Client
 
 ESCAPED = 77
 NOBODY = 65534
@@ -114,7 +114,7 @@ def packaged_role(policy_dir, base: str, name: str, sockets=(), user: int | None
     """A copy of a packaged role (readonly, executor, networked) under another name, with
     filesystem.unix_sockets and process.user set as asked."""
     from agnsup.selftest.isolation import _set_key
-    with open(os.path.join(REPO, "policies", f"{base}.toml")) as f:
+    with open(os.path.join(REPO, "agnsup", "policies", f"{base}.toml")) as f:
         src = f.read().replace(f'name = "{base}"', f'name = "{name}"')
     if sockets:
         src = _set_key(src, "filesystem", "unix_sockets", json.dumps(list(sockets)))
@@ -499,14 +499,14 @@ def test_the_peer_check_trusts_the_servers_own_uid_and_refuses_token_and_foreign
 
 
 def test_mcp_and_sandboxd_take_no_host_side_option_from_their_clients():
-    from agnsup import mcp
+    from agnsup.doors import mcp
     from agnsup.errors import UsageError
     for key, value in (("receipt_file", "/etc/cron.d/x"), ("host_env", {"PATH": "/tmp"})):
         for tool in ("run_process", "spawn"):
             with pytest.raises(UsageError, match=f"unknown argument.*{key}"):
                 mcp.check_arguments(tool, {"argv": ["true"], key: value})
     # sandboxd: what reaches Supervisor.spawn is its own fixed set (the client gives command, env, cwd)
-    from agnsup.sandboxd import process
+    from agnsup.doors.sandboxd import process
     with open(process.__file__) as f:
         src = f.read()
     assert "receipt_file" not in src and "host_env" not in src

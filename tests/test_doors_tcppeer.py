@@ -101,7 +101,7 @@ def test_the_client_end_is_found_and_never_the_server_end_or_the_listener():
 
 
 def test_grpc_peer_strings_are_parsed_and_anything_else_is_none():
-    from agnsup.sandboxd.process import grpc_peer_address
+    from agnsup.doors.sandboxd.process import grpc_peer_address
     assert grpc_peer_address("ipv4:127.0.0.1:5000") == ("127.0.0.1", 5000)
     assert grpc_peer_address("ipv6:[::1]:5000") == ("::1", 5000)
     assert grpc_peer_address("ipv6:[fe80::1%25lo]:7") == ("fe80::1", 7)

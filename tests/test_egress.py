@@ -161,7 +161,7 @@ def _receipt(state, cell):
 
 
 def _connections(state, cell) -> list[dict]:
-    from agnsup.journal import open_journal
+    from agnsup.store.journal import open_journal
     if not os.path.exists(os.path.join(state, "journal.db")):
         return []
     j = open_journal(state)
@@ -499,7 +499,7 @@ def test_without_network_namespaces_an_allowlist_role_refuses_to_start(net, tmp_
         "    real(flags)\n"
         "lsys.unshare = unshare\n"
         "sys.argv = ['agnsup', *sys.argv[1:]]\n"
-        "from agnsup.entry import main\n"
+        "from agnsup.doors.entry import main\n"
         "main()\n")
     env = {**net.env}
     cp = subprocess.run([sys.executable, str(script), "run", "--role", "pkgs", "--cell", "nonet", "--workdir",

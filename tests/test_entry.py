@@ -2,8 +2,8 @@
 import click
 import pytest
 
-from agnsup import cli
-from agnsup.entry import parse_run
+from agnsup.doors import cli
+from agnsup.doors.entry import parse_run
 
 CASES = [
     ["run", "--", "true"],

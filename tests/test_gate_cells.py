@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from agnsup import governance, policy, record
+from agnsup import governance, policy
+from agnsup.util import record
 from agnsup.gate import GateContext, judge_shell
 from conftest import write_role
 from gate.test_presets import role

@@ -56,7 +56,7 @@ def test_other_state_roots_on_the_host_cannot_be_read_from_a_cell(agnsup, worktr
     import shutil
     import tempfile
     from agnsup import backend
-    from agnsup.state import StateRoot
+    from agnsup.store.state import StateRoot
     top = tempfile.mkdtemp(prefix="agnsup-test-", dir="/var/tmp")  # not under /tmp: a cell has its own /tmp
     other = os.path.join(top, "state")
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import procs_with_env
 from agnsup.linux import pidfd, proc
-from agnsup.state import StateRoot
+from agnsup.store.state import StateRoot
 from scenario import (KEEP, SCRIPT, alive, bindable, cell_row, growing, kill_exact, stubborn_argv, tree_pids,
                       wait_beats, wait_for)
 
@@ -316,6 +316,6 @@ def test_startup_check_is_one_cheap_query_when_nothing_is_dead(agnsup, worktree,
         assert janitor.on_start(st) is None
     per_call = (time.perf_counter() - t0) / 50
     assert per_call < 0.02, f"startup janitor check costs {per_call * 1000:.1f} ms"
-    from agnsup.journal import OPEN_SQL
+    from agnsup.store.journal import OPEN_SQL
     plan = st.journal().query_plan(OPEN_SQL)
     assert "controllers_open" in plan and "cells_live" in plan, plan

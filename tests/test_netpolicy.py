@@ -149,7 +149,7 @@ def test_good_entries_parse():
 
 def _policy(role_net: dict, kernel_enforced: str = "flag"):
     """A validated role (every default filled in) with this network table."""
-    from agnsup.models import Policy
+    from agnsup.policyfile import Policy
     from agnsup.policy import Frozen
     return Frozen(Policy.model_validate({"role": {"name": "t"}, "env": {"path": ["/usr/bin"]}, "network": role_net,
                                          "governance": {"mode": "open", "kernel_enforced": kernel_enforced}}

@@ -4,7 +4,7 @@ import json
 import os
 import weakref
 
-from agnsup.service import Supervisor
+from agnsup.supervisor import Supervisor
 
 
 def test_an_ended_cell_leaves_the_supervisors_memory(state, worktree):

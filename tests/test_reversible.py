@@ -362,7 +362,7 @@ def test_a_mapped_cells_layer_is_shifted_back_at_commit(tmp_path, outside):
 def test_a_spawned_cell_writes_live_and_a_served_run_is_captured(agnsup, tmp_path, outside):
     """filesystem.changes = "auto": `agnsup spawn` (a server, a watcher) writes its worktree as it runs,
     seen by everyone; a call that is waited for (serve's run) lands its changes when it ends."""
-    from agnsup.serve import Client
+    from agnsup.doors.serve import Client
     from scenario import STARTERS, wait_for
     wt = project(os.path.join(outside, "wt"))
     s = STARTERS["serve"](agnsup, tmp_path)

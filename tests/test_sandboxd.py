@@ -62,7 +62,7 @@ def server(agnsup, tmp_path, worktree):
 
 
 def _journal(state):
-    from agnsup.state import StateRoot
+    from agnsup.store.state import StateRoot
     return StateRoot(state).journal()
 
 
@@ -72,7 +72,7 @@ def test_the_descriptor_is_the_proto_and_the_wire_is_agent_sandboxs():
     pytest.importorskip("grpc_tools", reason="ENV_BLOCKED: grpcio-tools is not installed (the test extra)")
     from google.protobuf import descriptor_pb2
 
-    from agnsup.sandboxd import _descriptor, proto
+    from agnsup.doors.sandboxd import _descriptor, proto
     here = os.path.join(os.path.dirname(proto.__file__), "process.proto")
     assert proto.compile_proto(here) == _descriptor.FILE, "stale: run scripts/gen_sandboxd_descriptor"
     ours = descriptor_pb2.FileDescriptorProto.FromString(_descriptor.FILE)
@@ -467,7 +467,7 @@ def test_sigterm_ends_the_server_and_cancels_its_live_processes(agnsup, tmp_path
 
 
 def test_without_the_k8s_extra_sandboxd_says_what_to_install(agnsup, worktree):
-    code = ("import sys; sys.modules['grpc'] = None; from agnsup.cli import main; "
+    code = ("import sys; sys.modules['grpc'] = None; from agnsup.doors.cli import main; "
             f"main(['sandboxd', '--workdir', {worktree!r}])")
     cp = subprocess.run([sys.executable, "-c", code], env=agnsup.env, capture_output=True, text=True, timeout=60)
     assert cp.returncode == 125 and cp.stderr == "agnsup: agnsup sandboxd needs the k8s extra: pip install 'agnsup[k8s]'\n"

@@ -7,7 +7,7 @@ import stat
 
 from scenario import STARTERS, alive, gone, growing, stubborn_argv, tree_pids, wait_beats
 
-from agnsup.serve import Client
+from agnsup.doors.serve import Client
 
 
 def test_serve_prints_the_ready_line_and_its_socket_is_private(agnsup, tmp_path, state):

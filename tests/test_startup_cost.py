@@ -23,7 +23,7 @@ HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", 
 # The console script's own entry point, under -X importtime: every module the
 # interpreter imports is listed on stderr as it happens (the CLI leaves with
 # os._exit, so no exit hook could list them).
-RUN = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.entry import main; main()"
+RUN = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.doors.entry import main; main()"
 
 
 def _run_and_list_modules(state, worktree, tmp_path, *args):
@@ -33,7 +33,7 @@ def _run_and_list_modules(state, worktree, tmp_path, *args):
     err = cp.stderr.decode(errors="replace")
     assert cp.returncode == 0, err
     mods = {line.rpartition("|")[2].strip() for line in err.splitlines() if line.startswith("import time:")}
-    assert "agnsup.entry" in mods, err
+    assert "agnsup.doors.entry" in mods, err
     return mods
 
 
@@ -41,7 +41,7 @@ def _run_and_list_modules(state, worktree, tmp_path, *args):
 def test_run_true_imports_nothing_heavy(state, worktree, tmp_path, role):
     _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")  # warms the policy cache
     mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")
-    assert "agnsup.process.leader" in mods and "agnsup.journal" in mods  # it did run the cell path
+    assert "agnsup.process.leader" in mods and "agnsup.store.journal" in mods  # it did run the cell path
     heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
     assert heavy == [], f"the run path imported {heavy}"
 
@@ -199,7 +199,7 @@ def test_a_threaded_controller_forks_instead(state, worktree):
 
 def test_records_behave_like_the_dataclasses_they_replace():
     from agnsup.gate.model import Decision, Finding
-    from agnsup.record import FrozenError, replace
+    from agnsup.util.record import FrozenError, replace
     d = Decision(True, "allow.x", "green", "ok", "policy")
     assert d == Decision(allowed=True, rule="allow.x", zone="green", reason="ok", check="policy")
     assert hash(d) == hash(Decision(True, "allow.x", "green", "ok", "policy")) and d.flags == ()
@@ -217,8 +217,8 @@ def test_records_behave_like_the_dataclasses_they_replace():
 
 def test_the_string_tests_agree_with_the_regexes_they_replace():
     import re
-    from agnsup.secretkeys import looks_secret
-    from agnsup.state import check_id
+    from agnsup.util.secretkeys import looks_secret
+    from agnsup.store.state import check_id
     from agnsup.errors import UsageError
     secret = re.compile(r"(^AWS_|_TOKEN$|_SECRET$|_KEY$|_PASSWORD$|_PASSWD$|_CREDENTIALS?$|^SECRET|PASSWORD)",
                         re.IGNORECASE)

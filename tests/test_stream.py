@@ -202,7 +202,7 @@ def test_serve_ops_carry_live_io_and_spawn_follow_prints_the_output(agnsup, tmp_
 
     from scenario import STARTERS
 
-    from agnsup.serve import Client
+    from agnsup.doors.serve import Client
     s = STARTERS["serve"](agnsup, tmp_path)
     try:
         with Client(s.ready["socket"]) as c:

@@ -62,7 +62,7 @@ def _venv() -> str:
             f.write("".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
         script = os.path.join(venv, "bin", "agnsup")
         with open(script, "w") as f:
-            f.write(f"#!{venv}/bin/python\nimport sys\nfrom agnsup.entry import main\nsys.exit(main())\n")
+            f.write(f"#!{venv}/bin/python\nimport sys\nfrom agnsup.doors.entry import main\nsys.exit(main())\n")
         os.chmod(script, 0o755)
         open(os.path.join(venv, ".ready"), "w").close()
     return venv

@@ -13,9 +13,9 @@ def test_the_installed_wheel_runs_doctor_and_a_cell_outside_the_source_tree(tmp_
     (wheel,) = dist.glob("agnsup-*.whl")
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
-    assert "agnsup/policies/executor.toml" in names and "agnsup/migrations/0001_init.sql" in names
+    assert "agnsup/policies/executor.toml" in names and "agnsup/store/migrations/0001_init.sql" in names
     assert "agnsup/selftest/stubborn-tree" in names  # `agnsup selftest` runs it in cells
-    assert "agnsup/sandboxd/process.proto" in names and "agnsup/sandboxd/_descriptor.py" in names
+    assert "agnsup/doors/sandboxd/process.proto" in names and "agnsup/doors/sandboxd/_descriptor.py" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(wheel)], check=True, timeout=600,

@@ -31,7 +31,7 @@ import os
 import signal
 
 from ..linux import cgroup, pidfd, proc, session
-from ..record import Factory, Record
+from ..util.record import Factory, Record
 
 
 class Place(Record):

@@ -22,7 +22,7 @@ import signal
 import time
 
 from .base import Backend, Place
-from .. import backoff
+from ..util import backoff
 from ..linux import cgroup, delegation, pidfd, proc
 
 CONTROLLERS = tuple(cgroup.V2_LIMIT_CONTROLLERS)  # memory, pids, cpu: what a limit needs

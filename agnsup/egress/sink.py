@@ -34,7 +34,7 @@ class JournalSink:
         self._t.join(timeout)
 
     def _loop(self) -> None:
-        from ..journal import Journal
+        from ..store.journal import Journal
         try:
             j = Journal(self.path)
         except Exception as e:  # noqa: BLE001 - the receipt still carries every record

@@ -17,7 +17,7 @@ trail entry and the decision. Every denial names its evidence.
 
 from __future__ import annotations
 
-from . import git, hardline, network, policy, quota, sandbox, zones
+from . import git, hardline, network, programs, quota, sandbox, zones
 from .commands import analyze_argv, analyze_shell
 from .model import Analysis, Decision, Finding, GateContext, deny, ok, split_words
 
@@ -101,7 +101,7 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
                 from .unreadable import decide  # decoded code run (`base64 -d | sh`): refused or flagged
                 f = decide(an, ctx)
         elif name == "policy":
-            f = policy.check(an, ctx)
+            f = programs.check(an, ctx)
         elif name == "git":
             if an is None or not any(e.prog == "git" or e.prog.startswith("git-") for e in an.execs):
                 continue  # only a call that runs git has anything for this check

@@ -1,7 +1,7 @@
 """Plain values the gate takes and returns.
 
 `GateContext` says what the role may do; `Decision` is what the gate decided.
-Both are frozen records (agnsup/record.py: no pydantic, no dataclasses) so
+Both are frozen records (agnsup/util/record.py: no pydantic, no dataclasses) so
 importing the gate stays cheap, and a decision can be written to a receipt
 as-is with `to_dict()`.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import shlex
 
-from ..record import Factory, Record
+from ..util.record import Factory, Record
 
 MODES = ("open", "locked", "readonly")
 NETWORKS = ("deny", "loopback", "host", "allowlist", "internal")

@@ -17,7 +17,7 @@ limit of 0 can be judged; the other limits are reported as not judged.
 from __future__ import annotations
 
 
-from ..record import Record
+from ..util.record import Record
 from .model import Finding, deny, ok
 
 KEYS = ("max_cells_per_run", "max_concurrent_per_run", "max_concurrent_per_agent", "max_run_seconds")

@@ -10,7 +10,7 @@ import fcntl
 import os
 import stat
 
-from ..digest import file_sha256
+from ..util.digest import file_sha256
 from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize, stat_of
 
 

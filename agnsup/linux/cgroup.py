@@ -22,8 +22,8 @@ import errno
 import os
 
 from . import proc
-from ..digest import sha256
-from ..record import Factory, Record
+from ..util.digest import sha256
+from ..util.record import Factory, Record
 
 V1_CONTROLLERS = ("memory", "pids", "freezer", "cpu")
 

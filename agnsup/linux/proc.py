@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..record import Record
+from ..util.record import Record
 
 _boot_id: str | None = None
 READ_SIZE = 65536

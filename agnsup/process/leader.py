@@ -10,7 +10,7 @@ import signal
 from ..errors import NotExecutable, NotFound, SetupError
 from ..linux import host, landlock, mounts, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
-from ..record import Record
+from ..util.record import Record
 from . import clone, namespaces
 from .helpers import read_all
 from .steps import Setup, child as run_steps
@@ -36,7 +36,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     Returns with the child's identity; the caller journals it and then lets the
     command run with `release(plan, child)`, or never with `abandon(child)`.
     `forker(fn)`: run the fork in a thread that lives as long as the controller
-    (service.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
+    (supervisor.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
     the cell exits (prctl(2)), and a serve request's thread ends with its connection.
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY)."""
     namespaces.reap_exited()

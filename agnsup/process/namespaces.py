@@ -16,7 +16,7 @@ from .steps import REFUSABLE
 # filter (EPERM), user.max_user_namespaces reached (ENOSPC; EUSERS before 4.9), or no clone3 at all
 USERNS_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EUSERS, errno.ENOSYS)
 
-# isolation.reduced's pieces in the schema's order (models.REDUCIBLE; this layer may not import it or the
+# isolation.reduced's pieces in the schema's order (policyfile.REDUCIBLE; this layer may not import it or the
 # compiler: tests/unit/test_reduced_policy.py holds the copies equal)
 REDUCIBLE_ORDER = ("mount_namespace", "network_namespace", "pid_namespace", "cgroup")
 

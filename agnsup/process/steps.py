@@ -16,10 +16,10 @@ import errno
 import os
 import signal
 
-from .. import crashpoints
+from ..util import crashpoints
 from ..linux import landlock, mounts, netns, pidinit, userns
 from ..linux import sys as lsys
-from ..record import Record
+from ..util.record import Record
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
 _PROC_FLAGS = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC

@@ -6,9 +6,9 @@ import select
 import signal
 import time
 
-from .. import crashpoints
+from ..util import crashpoints
 from ..errors import CancelledBeforeStart, exit_code
-from ..record import Record
+from ..util.record import Record
 
 OOM_SETTLE = 1.0  # seconds the v1 OOM killer gets to take its victim before we take the cell
 

@@ -160,7 +160,7 @@ def gate_control_socket(h) -> dict:
         return _gate(name, "ENV_BLOCKED: a directory of the selftest's own under /run (a normal user without a "
                            "runtime directory /run/user/UID); tests/test_doors_sockets.py checks it as a normal user",
                      "")
-    from ..serve import Server
+    from ..doors.serve import Server
     sock = os.path.join(d, "serve.sock")
     state = os.path.join(h.root, "control-state")
     server = None

@@ -42,8 +42,8 @@ except OSError as e:
 
 def gate_loopback_tcp_control(h) -> dict:
     name = "LOOPBACK_TCP_CONTROL"
-    from ..sandboxd.rest import Files, RestApp, server as rest_server
-    from ..service import Supervisor
+    from ..doors.sandboxd.rest import Files, RestApp, server as rest_server
+    from ..supervisor import Supervisor
     from .isolation import remove_state
     state = os.path.join(h.root, "tcp-control-state")
     workdir = os.path.join(h.root, "tcp-control-worktree")

@@ -4,7 +4,7 @@ WORKTREE_DESTROYED: in a scratch git worktree of its own (made by hand, as for A
 a cell of the selftest role removes the sources and `.git`'s history (its config and hooks are read-only
 mount points), empties a file and plants a symlink, through Python's shutil.rmtree: the gate lets it
 through, and it really destroys. HELD when `agnsup undo` of
-that cell (service.undo_changes, what the CLI, the API and MCP call) gives back the tree exactly:
+that cell (supervisor.undo_changes, what the CLI, the API and MCP call) gives back the tree exactly:
 every path's type, mode, owner, size, content and symlink target. ENV_BLOCKED when the cell could
 not be captured on this host (the receipt's changes.why: a state root on overlayfs, NFS...).
 """
@@ -68,8 +68,8 @@ def gate_worktree_destroyed(h) -> dict:
         return _gate(name, "FAIL", f"the probe did not destroy the worktree (exit {res.get('exit_code')}): "
                      f"{(res.get('stderr') or '').strip()[-300:]}")
     from ..errors import AgnsupError
-    from ..service import undo_changes
-    from ..state import StateRoot
+    from ..supervisor import undo_changes
+    from ..store.state import StateRoot
     state = StateRoot(h.state)
     j = state.journal()
     try:

@@ -436,7 +436,7 @@ def gate_controller_signal(h: Harness) -> dict:
 def gate_host_processes(h: Harness) -> dict:
     from ..linux import proc
     try:
-        from ..models import Policy
+        from ..policyfile import Policy
         knows_pidns = "isolation" in Policy.model_fields
     except ImportError:
         knows_pidns = False

@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 
-from ..journal import TERMINAL_CELL, TERMINAL_RUN  # the states cli.md promises
+from ..store.journal import TERMINAL_CELL, TERMINAL_RUN  # the states cli.md promises
 from .gates import Verdicts
 from .host import (LOOKALIKES, CANARY_SECRET, Procs, Watch, bindable, canary_values, communicate, environ_values,
                    flock_free, journal_rows, lines, listening, make_canaries, scan_files, size, start_with_pid,

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from agnsup import governance, policy, record
+from agnsup import governance, policy
+from agnsup.util import record
 from agnsup.gate import GateContext, judge_shell
-from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS
+from agnsup.gate.programs import RECOMMENDED_DENY_COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPORA = ROOT / "tests" / "data" / "corpora"
@@ -47,7 +48,7 @@ def test_the_documented_catastrophic_exceptions_are_still_allowed():
 
 def shipped(role: str) -> GateContext:
     """A shipped role's gate context as `agnsup run` builds it (kernel_enforced flag from its preset)."""
-    from agnsup import record
+    from agnsup.util import record
     return record.replace(governance.context(policy.load(role), "/workspace/project", None), home="/home/user")
 
 

@@ -5,7 +5,7 @@ import ipaddress
 
 import pytest
 
-from agnsup import record
+from agnsup.util import record
 from agnsup.gate import GateContext, Kernel, check, judge_shell
 from agnsup.netpolicy import classify_address, host_address, internal_allowed, normalise_host, parse_ipv4
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agnsup import record
+from agnsup.util import record
 from agnsup.gate import GateContext, judge_shell
 
 CTX = GateContext(mode="open", network="host", worktree="/workspace/project", writable=("/",), home="/home/user")

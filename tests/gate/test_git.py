@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from agnsup import governance, models, policy, record
+from agnsup import governance, policyfile, policy
+from agnsup.util import record
 from agnsup.errors import PolicyError
 from agnsup.gate import GateContext, check, git, judge_shell
 from agnsup.gate.commands import analyze_shell
@@ -237,8 +238,8 @@ def test_a_remote_deletion_names_its_evidence_and_the_spelling_that_deletes():
 
 
 def test_the_git_rule_names_the_role_schema_accepts_are_the_rules():
-    assert set(models.GIT_RULES) == set(git.RULES)
-    assert "remote_delete" in models.GovernanceSection.model_fields["git_allow"].description
+    assert set(policyfile.GIT_RULES) == set(git.RULES)
+    assert "remote_delete" in policyfile.GovernanceSection.model_fields["git_allow"].description
 
 
 # --- against git itself ---------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import types
 
 import pytest
 
-from agnsup import compiler, governance, policy, record
+from agnsup import compiler, governance, policy
+from agnsup.util import record
 from agnsup.errors import PolicyError
 from agnsup.gate import GateContext, check, judge_shell
 from conftest import write_role

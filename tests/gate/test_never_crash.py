@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agnsup import governance, policy, record
+from agnsup import governance, policy
+from agnsup.util import record
 from agnsup.gate import GateContext, check, judge_shell
 
 CTX = GateContext(mode="open", network="host", worktree="/workspace/project", writable=("/",), home="/home/user")

@@ -8,7 +8,7 @@ flagged or refused by governance.unknown_operands.
 
 import pytest
 
-from agnsup import record
+from agnsup.util import record
 from agnsup.gate import GateContext, judge_shell
 
 CTX = GateContext(mode="open", network="host", worktree="/workspace/project", writable=("/",), home="/home/user")

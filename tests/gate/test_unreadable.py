@@ -3,7 +3,7 @@ code run (network.download_exec), and plumbing through process substitutions int
 
 import pytest
 
-from agnsup import record
+from agnsup.util import record
 from agnsup.gate import GateContext, Kernel, check, judge_shell
 
 OPEN = GateContext(mode="open", network="host", worktree="/workspace/project", writable=("/",), home="/home/user")

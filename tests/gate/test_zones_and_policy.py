@@ -3,7 +3,7 @@
 import pytest
 
 from agnsup.gate import Decision, GateContext, check, judge_shell
-from agnsup.gate.policy import RECOMMENDED_DENY_COMMANDS
+from agnsup.gate.programs import RECOMMENDED_DENY_COMMANDS
 
 BASE = dict(worktree="/workspace/project", writable=("/",), home="/home/user", network="host")
 

@@ -2,7 +2,7 @@
 signals, the /proc view) in memory, behind the same interface as the real
 backends, so the layers above them are unit-tested without root or processes;
 and a fake process layer (FakeProcesses) in place of the supervisor's spawn,
-release, abandon and collect, so the broker and service.Supervisor are too.
+release, abandon and collect, so the broker and supervisor.Supervisor are too.
 
 tests/unit holds pure logic over this fake: no root, no cgroups, no cell
 processes; `pytest tests/unit` runs in seconds anywhere."""

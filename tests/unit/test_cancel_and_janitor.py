@@ -8,7 +8,7 @@ import pytest
 
 from agnsup import cancel, janitor, locks
 from agnsup.linux import proc
-from agnsup.state import StateRoot
+from agnsup.store.state import StateRoot
 
 from fake_backend import FakeBackend, FakeKernel
 

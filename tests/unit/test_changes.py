@@ -13,7 +13,7 @@ import pytest
 
 from agnsup import changes
 from agnsup.errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId, exit_code
-from agnsup.journal import Journal
+from agnsup.store.journal import Journal
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="whiteouts owned by root and trusted.* xattrs need root")

@@ -9,7 +9,7 @@ import pytest
 from agnsup import broker, compiler, locks, policy, spec
 from agnsup.errors import CancelledBeforeStart, Denied, LockTimeout, NotFound, RunNotActive, StateError
 from agnsup.request import CellRequest
-from agnsup.state import StateRoot
+from agnsup.store.state import StateRoot
 
 from fake_backend import HOST, FakeHost
 

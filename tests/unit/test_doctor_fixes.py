@@ -3,7 +3,7 @@ never "a kernel with the new mount API" on a new kernel, never "single-threaded 
 "unset AGNSUP_CGROUP_LAYOUT" where that changes nothing). Pure logic, no root."""
 import errno
 
-from agnsup import doctor
+from agnsup.doors import doctor
 
 
 def ev(**kw) -> dict:

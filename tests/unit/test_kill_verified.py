@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from agnsup import reaper
-from agnsup.backend import Place
+from agnsup.backend.base import Place
 
 from fake_backend import FakeBackend, FakeKernel
 

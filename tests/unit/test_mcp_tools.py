@@ -3,7 +3,7 @@ argument checks that name the argument, agent ids from client names."""
 import pytest
 
 from agnsup.errors import UsageError
-from agnsup.mcp import SCHEMAS, agent_name, check_arguments, parse_listen
+from agnsup.doors.mcp import SCHEMAS, agent_name, check_arguments, parse_listen
 from agnsup.request import CellRequest
 
 

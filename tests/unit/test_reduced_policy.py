@@ -188,6 +188,6 @@ def test_the_gate_never_counts_on_a_piece_a_role_may_run_without(tmp_path, monke
 
 
 def test_the_order_of_pieces_is_the_schemas_everywhere():
-    from agnsup import models
+    from agnsup import policyfile
     from agnsup.process import namespaces
-    assert compiler.REDUCIBLE_ORDER == namespaces.REDUCIBLE_ORDER == models.REDUCIBLE
+    assert compiler.REDUCIBLE_ORDER == namespaces.REDUCIBLE_ORDER == policyfile.REDUCIBLE

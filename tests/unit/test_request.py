@@ -1,7 +1,8 @@
 """One cell request type: every front door spells the options from it, and it checks them first."""
 import pytest
 
-from agnsup import entry, tool
+from agnsup.doors import entry
+from agnsup import tool
 from agnsup.errors import UsageError
 from agnsup.request import CellRequest
 
@@ -14,7 +15,7 @@ def test_the_tool_schema_is_generated_from_the_request_type():
 
 
 def test_the_cli_and_its_fast_parser_take_exactly_the_request_options():
-    from agnsup import cli
+    from agnsup.doors import cli
     flagged = {k for k, o in CellRequest.options().items() if o.flags}
     for command in ("run", "spawn"):
         params = {p.name for p in cli.main.commands[command].params} - {"command", "socket_path", "follow", "state_dir"}

@@ -4,8 +4,8 @@ import os
 import pytest
 
 from agnsup.errors import UsageError
-from agnsup.sandboxd import parse_address
-from agnsup.sandboxd.rest import Files, Refused
+from agnsup.doors.sandboxd import parse_address
+from agnsup.doors.sandboxd.rest import Files, Refused
 
 
 def test_listen_addresses_default_to_loopback_and_take_v6_brackets():

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from agnsup import serve
+from agnsup.doors import serve
 from agnsup.errors import NoServer, UnknownId, UsageError, exit_code
 
 from fake_backend import FakeHost

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from agnsup.errors import CancelledBeforeStart, RunNotActive, StateError
-from agnsup.journal import LIVE_CELL, OPEN_SQL, TERMINAL_CELL, Journal
+from agnsup.store.journal import LIVE_CELL, OPEN_SQL, TERMINAL_CELL, Journal
 
 
 @pytest.fixture

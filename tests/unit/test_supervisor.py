@@ -1,4 +1,4 @@
-"""service.Supervisor, the long-lived controller an agent runtime embeds, over the fake backend and a fake
+"""supervisor.Supervisor, the long-lived controller an agent runtime embeds, over the fake backend and a fake
 process layer (fake_backend.FakeProcesses), with a real journal, real locks and the real Waiter, pump
 and forker thread: spawn, wait, list, cancel, signal, live I/O, close. No root, no cell process: a
 cell's leader is a FakeProc whose pidfd is a pipe that ends with it, holding copies of its stdio."""
@@ -10,7 +10,7 @@ import termios
 import pytest
 
 from agnsup.errors import CancelledBeforeStart, UnknownId, UsageError, WaitTimeout
-from agnsup.service import Supervisor, wait_cell
+from agnsup.supervisor import Supervisor, wait_cell
 
 from fake_backend import FakeHost
 

@@ -1,4 +1,4 @@
-"""Pydantic models of a role policy file (policies/*.toml).
+"""Pydantic models of a role policy file (agnsup/policies/*.toml).
 
 Imported only when a policy file is validated (pydantic costs ~100 ms to
 import): the validated form is cached as JSON under the state root and the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from .secretkeys import looks_secret
+from .util.secretkeys import looks_secret
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

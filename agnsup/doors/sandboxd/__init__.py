@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 DEFAULT_GRPC = "127.0.0.1:9090"
 DEFAULT_REST = "127.0.0.1:8080"
@@ -69,7 +69,7 @@ class Sandboxd:
             import grpc
         except ImportError:
             raise UsageError("agnsup sandboxd needs the k8s extra: pip install 'agnsup[k8s]'") from None
-        from ..request import KINDS
+        from ...request import KINDS
         for name, value in (("--run-id", run_id), ("--agent", agent_id), ("--role", role)):
             if not KINDS["str"][0](value):
                 raise UsageError(f"{name}: must be a non-empty string")
@@ -77,7 +77,7 @@ class Sandboxd:
         if not os.path.isdir(self.workdir):
             raise UsageError(f"--workdir {self.workdir} is not a directory")
         grpc_at, rest_at = parse_address(grpc_addr, "--grpc"), parse_address(rest_addr, "--rest")
-        from ..service import Supervisor
+        from ...supervisor import Supervisor
         from .process import ProcessService
         from .rest import Files, RestApp, server
         self.sup = Supervisor(state_dir, kind="sandboxd")
@@ -114,7 +114,7 @@ class Sandboxd:
             raise
 
     def about(self, role: str, run_id: str, agent_id: str) -> dict:
-        from .. import __version__
+        from ... import __version__
         return {"agnsup": __version__, "role": role, "run_id": run_id, "agent_id": agent_id, "worktree": self.workdir,
                 "controller": self.sup.controller_id, "pid": os.getpid(), "grpc": self.grpc_addr,
                 "rest": self.rest_addr}

@@ -49,7 +49,7 @@ import socket
 import sys
 import threading
 
-from .errors import AgnsupError, NoServer, UsageError, as_value, from_value
+from ..errors import AgnsupError, NoServer, UsageError, as_value, from_value
 
 MAX_REQUEST = 8 << 20
 
@@ -105,7 +105,7 @@ def peer_refusal(conn: socket.socket, journal, what: str) -> str | None:
     """The check every control endpoint makes of a new connection's peer (linux/peer.py):
     None for a trusted caller; for a process of an agnsup cell the one refusal line,
     journaled (a `refused` event with the peer's pid, uid and the evidence)."""
-    from .linux import peer
+    from ..linux import peer
     return _refused(peer.check(conn), journal, what)
 
 
@@ -114,12 +114,12 @@ def tcp_peer_refusal(client: tuple[str, int], server: tuple[str | None, int], jo
     """The same for a loopback TCP endpoint (sandboxd, `mcp --http 127.0.0.1:PORT`): `client` is the
     peer's (address, port), `server` this end's (address, or None when it is not known, and port);
     `others_refused`: see peer.check_tcp (False where a token authenticates the caller)."""
-    from .linux import peer
+    from ..linux import peer
     return _refused(peer.check_tcp(client, server[1], server[0], others_refused=others_refused), journal, what)
 
 
 def _refused(p, journal, what: str) -> str | None:
-    from .linux import peer
+    from ..linux import peer
     if not p.is_cell:
         return None
     line = peer.refusal_line(p, what)
@@ -201,8 +201,8 @@ class Client:
 # -- server --------------------------------------------------------------------
 class Server:
     def __init__(self, state_dir: str | None, socket_path: str | None, backend=None):
-        from .service import Supervisor
-        from .state import StateRoot
+        from ..supervisor import Supervisor
+        from ..store.state import StateRoot
         if socket_path:  # before anything starts: a refused place leaves nothing behind
             socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
         self.sup = Supervisor(state_dir, kind="serve", backend=backend)
@@ -366,7 +366,7 @@ def spawn_request(argv: list[str], options: dict) -> dict:
 
 
 def main_spawn(state_dir: str | None, socket_path: str | None, argv: list[str], options: dict) -> dict:
-    from .state import StateRoot
+    from ..store.state import StateRoot
     path = socket_path or default_socket(StateRoot(state_dir).path)
     with Client(path) as c:
         return c.call("spawn", **spawn_request(argv, options))
@@ -380,8 +380,8 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
     At a terminal (as `agnsup run` there): the cell gets a pty of the terminal's size and
     stdin; our terminal goes raw and its keys go to the cell (^C too, as a byte its pty
     turns into SIGINT), a resize here resizes the cell's pty; our modes come back at the end."""
-    from .io.pump import at_a_terminal
-    from .state import StateRoot
+    from ..io.pump import at_a_terminal
+    from ..store.state import StateRoot
     path = socket_path or default_socket(StateRoot(state_dir).path)
     interactive = at_a_terminal() and os.isatty(1)
     if interactive:
@@ -457,7 +457,7 @@ def _keyboard_to(path: str, ids: dict):
 
 def _say_why_stopped(receipt_path: str | None) -> None:
     """As `agnsup run` does: one stderr line when a limit stopped the cell (its receipt says which)."""
-    from .tool import stopped_line
+    from ..tool import stopped_line
     try:
         with open(receipt_path) as f:
             line = stopped_line(json.load(f))

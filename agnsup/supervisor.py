@@ -87,8 +87,9 @@ class _Forker:
 
 class Supervisor:
     def __init__(self, state_dir: str | None = None, kind: str = "serve", backend=None):
-        from . import broker, janitor, repair
-        from .state import StateRoot
+        from . import broker, janitor
+        from .store import repair
+        from .store.state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
         self._forker = _Forker()
@@ -235,7 +236,7 @@ class Supervisor:
         return cancelmod.cleanup(self.state, run_id)
 
     def list(self, run_id: str | None = None, include_ended: bool = False) -> list[dict]:
-        from .cells import listing
+        from .store.cells import listing
         return listing(self.state, run_id, include_ended)
 
     # -- reversible cells (issue 26) --------------------------------------------
@@ -392,10 +393,11 @@ def wait_cell(state_dir: str | None, cell_id: str, run_id: str | None = None, ti
     """`agnsup wait`: from any process, until the cell ended (whichever controller runs
     it, a queued one included); its result. WaitTimeout when `timeout` passes first."""
     import time
-    from . import backoff, cancel, janitor
+    from . import cancel, janitor
+    from .util import backoff
     from .errors import WaitTimeout
-    from .journal import TERMINAL_CELL
-    from .state import StateRoot
+    from .store.journal import TERMINAL_CELL
+    from .store.state import StateRoot
     state = StateRoot(state_dir)
     if not state.exists():
         raise UnknownId(f"no cell {cell_id!r}: the state root {state.path} has no journal")
@@ -425,7 +427,7 @@ UNDO_LOCK_TIMEOUT = 30.0  # seconds an undo waits for the worktree lock a runnin
 
 
 def _check_ids(cell_id: str | None, run_id: str | None, agent_id: str | None = None) -> None:
-    from .state import check_id
+    from .store.state import check_id
     for kind, value in (("cell", cell_id), ("run", run_id), ("agent", agent_id)):
         if value is not None:
             check_id(kind, value)

@@ -21,7 +21,7 @@ import json
 import os
 import time
 
-from .errors import CellsStillRunning, JournalDamaged, StateError
+from ..errors import CellsStillRunning, JournalDamaged, StateError
 
 
 def _receipt(state, run_id: str, cell_id: str) -> tuple[str, dict | None, str | None]:
@@ -71,7 +71,8 @@ def check(state) -> dict:
 
 def repair(state, backend=None) -> dict:
     """Quarantine a damaged/lost journal and rebuild it from the receipts on disk."""
-    from . import backend as backends, journal as jmod, reaper
+    from .. import backend as backends, reaper
+    from . import journal as jmod
     backend = backend or backends.choose(state.path)
     live = reaper.live_under_root(backend)
     if live:
@@ -104,7 +105,7 @@ def repair(state, backend=None) -> dict:
                 continue
             j.import_cell(r, rpath)
             imported.append(f"{run_id}/{cell_id}")
-        from . import changes  # the change records on disk (issue 26): indexed again
+        from .. import changes  # the change records on disk (issue 26): indexed again
         out = {"quarantined": moved, "imported": imported, "skipped": skipped,
                "changes": changes.reindex(state.path, j), "problems_before": report["problems"]}
         j.add_event("repair", **{k: v for k, v in out.items() if k != "problems_before"}, problems=report["problems"])
@@ -128,7 +129,7 @@ def retention_days() -> float:
     except ValueError:
         days = -1.0
     if not days >= 0:
-        from .errors import UsageError
+        from ..errors import UsageError
         raise UsageError(f"AGNSUP_JOURNAL_RETENTION_DAYS: must be a number of days >= 0, not {raw!r}")
     return days
 
@@ -136,7 +137,7 @@ def retention_days() -> float:
 def parse_before(text: str, now: float | None = None) -> float:
     """A cut-off: an age (`30d`, `12h`, `90m`, `45s`) or a UTC date (`2026-11-01`, `2026-11-01T12:00`)."""
     import calendar
-    from .errors import UsageError
+    from ..errors import UsageError
     now = time.time() if now is None else now
     units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
     t = text.strip()
@@ -160,7 +161,7 @@ def prune(state, before: float, journal=None, compact: bool = False) -> dict:
     """Ended cells that ended before `before` leave the journal; each one's receipt is on
     disk first (written there from the journal if its file is missing: `archived`),
     and a `pruned` row keeps its id taken."""
-    from . import receipts
+    from .. import receipts
     j = journal if journal is not None else state.journal()
     try:
         archived, keys = [], []

@@ -1,4 +1,4 @@
-"""`agnsup mcp`: a Model Context Protocol server, one more front door over service.Supervisor.
+"""`agnsup mcp`: a Model Context Protocol server, one more front door over supervisor.Supervisor.
 
 A coding agent (Claude Code, Codex, Cursor, Gemini CLI, ...) starts `agnsup mcp`
 as an MCP server (stdio) and calls its tools. Every tool that runs something
@@ -35,8 +35,8 @@ import signal
 import sys
 import time
 
-from .errors import AgnsupError, UsageError, as_value
-from .request import tool_schema
+from ..errors import AgnsupError, UsageError, as_value
+from ..request import tool_schema
 
 # Seconds between the progress notifications of a call that waits for a cell
 # (run_process, run_shell, wait); the first one comes as soon as the cell runs.
@@ -64,7 +64,7 @@ def _cell_tool(name: str, description: str, exclude: tuple[str, ...] = ()) -> di
 def _spawn_tool(name: str, description: str) -> dict:
     """spawn: a cell request with live I/O. Every spawned cell streams (read_output works on
     each); stdin and pty are the model's to ask for, described by request.py's help."""
-    from .request import CellRequest
+    from ..request import CellRequest
     s = _cell_tool(name, description, _SPAWN_ONLY)
     opts = CellRequest.options()
     s["parameters"]["properties"].update(
@@ -499,7 +499,7 @@ def build_server(sessions: Sessions):
             traceback.print_exc(file=sys.stderr)
             return refusal(AgnsupError(f"agnsup mcp: {params.name} failed: {type(e).__name__}: {e}"))
 
-    from . import __version__
+    from .. import __version__
     return Server("agnsup", version=__version__,
                   instructions=f"Every command runs as an isolated, supervised agnsup cell under role "
                                f"{sessions.role!r} in {sessions.workdir}.",
@@ -679,9 +679,9 @@ def main(state_dir: str | None, role: str, workdir: str | None, run_id: str | No
     """`agnsup mcp`: serve one MCP session on stdio until the client closes it, or
     (--http) streamable HTTP on a Unix socket or loopback port until signalled."""
     import importlib.util
-    from . import policy
-    from .service import Supervisor
-    from .state import StateRoot, check_id
+    from .. import policy
+    from ..supervisor import Supervisor
+    from ..store.state import StateRoot, check_id
     if run_id:
         check_id("run", run_id)
     if agent_id:

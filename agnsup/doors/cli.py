@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from .errors import AgnsupError, exit_code
+from ..errors import AgnsupError, exit_code
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -50,7 +50,7 @@ class _Group(click.Group):
         except AgnsupError as e:
             _fail(e)
         except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
-            from .errors import StateError
+            from ..errors import StateError
             _fail(StateError(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"))
 
 
@@ -110,7 +110,7 @@ _CLICK_TYPES = {"pos": click.FloatRange(min=0, min_open=True), "nonneg": click.F
 
 def _cell_options(f):
     """The options `run` and `spawn` share, from request.CellRequest (cli.md: spawn takes run's options)."""
-    from .request import CellRequest
+    from ..request import CellRequest
     opts = []
     for name, o in CellRequest.options().items():
         if not o.flags:
@@ -140,7 +140,7 @@ def run(obj, command, **options):
 
     Example: agnsup run --role executor -- pytest -q
     """
-    from .tool import run_process
+    from ..tool import run_process
     result = run_process(list(command), **options, state_dir=obj["state_dir"], capture=False, entry="cli",
                          forward_signals=True)
     if result.get("network_hint"):
@@ -150,7 +150,7 @@ def run(obj, command, **options):
 
 def _root(obj):
     """The state root the command was given (--state-dir, AGNSUP_STATE_DIR or the default)."""
-    from .state import StateRoot
+    from ..store.state import StateRoot
     return StateRoot(obj["state_dir"])
 
 
@@ -163,7 +163,7 @@ def _echo_json(as_json: bool, value, sort_keys: bool = False) -> bool:
 
 def _journal(obj):
     """The journal of the state root; None when nothing was ever run with it (no receipts)."""
-    from .errors import UnknownId
+    from ..errors import UnknownId
     try:
         return _state(obj).journal()
     except UnknownId:
@@ -177,10 +177,10 @@ def _journal(obj):
 @click.pass_obj
 def ps(obj, run_id, show_all, as_json):
     """Cells and their states, as a run -> agent -> cell tree."""
-    from .cells import listing, tree_text
+    from ..store.cells import listing, tree_text
     cells = listing(_root(obj), run_id, show_all)
     if any(c["state"] in ("waiting", "starting", "running") for c in cells):
-        from .cells import reduced_of
+        from ..store.cells import reduced_of
         j = _journal(obj)
         try:
             if j is not None:
@@ -240,7 +240,7 @@ def receipts(obj, run_id, cell_id, recovery, refused, as_json):
             click.echo(f"{r['run_id']}/{r['agent_id']}/{r['cell_id']}: {r['state']}{why} "
                        f"exit={r['exit_code']} {' '.join(r['argv'])[:60]}")
             if r.get("network"):
-                from .egress.summary import lines
+                from ..egress.summary import lines
                 for line in lines(r["network"]):
                     click.echo("  " + line)
             if r.get("reduced"):  # isolation.reduced: what this cell ran without (docs/isolation.md)
@@ -401,7 +401,7 @@ def diff(obj, cell_id, cell_opt, run_id, stat, as_json):
       agnsup diff c-1a2b3c4d --stat
       agnsup diff c-1a2b3c4d --run R --json
     """
-    from .service import diff_changes
+    from ..supervisor import diff_changes
     cell_id = _cell_arg(cell_id, cell_opt, True)
     state = _state(obj)
     j = state.journal()
@@ -465,7 +465,7 @@ def undo(obj, cell_id, cell_opt, run_id, agent_id, force, lock_timeout, as_json)
       agnsup undo --agent A --run R
       agnsup undo undo-0123456789ab      # redo
     """
-    from .service import undo_changes
+    from ..supervisor import undo_changes
     cell_id = _cell_arg(cell_id, cell_opt, False)
     state = _state(obj)
     j = state.journal()
@@ -486,7 +486,7 @@ def _change_states(j, run_id: str | None = None) -> dict:
 
 
 def _record_state(row, states: dict) -> tuple[str, str | None]:
-    from .changes import record_state
+    from ..changes import record_state
     return record_state(row, lambda run, rid: states.get((run, rid)))
 
 
@@ -523,7 +523,7 @@ def doctor(obj, as_json, no_probe, roles):
             click.echo(f"agnsup doctor: cell of role {role}: {'ran' if res['ran'] else 'FAILED at ' + res['step']}",
                        err=True)
     for role in roles:  # an unknown or broken role: one line, exit 125, as `run --role` says it
-        from .policy import load
+        from ..policy import load
         load(role)
     r = report(_root(obj).path, probe=not no_probe, progress=progress, roles=list(roles) or None)
     click.echo(json.dumps(r, indent=2) if as_json else format_text(r))
@@ -550,13 +550,13 @@ def check(obj, role, workdir, batch, as_json, explain, command):
     "reason", ...}, one decision per line whatever the line holds; the exit
     status is 0 when no line was denied, 126 when at least one was.
     """
-    from . import governance, policy
-    from .gate.paths import resolve
+    from .. import governance, policy
+    from ..gate.paths import resolve
     st = _root(obj)
     pol = policy.load(role, st.path if os.path.isdir(st.path) else None)
     wt = resolve(os.path.abspath(workdir or os.getcwd()))
     ctx = governance.context(pol, wt, st.path)
-    from .gate import check as gate_check, judge_shell
+    from ..gate import check as gate_check, judge_shell
     if batch is not None:
         out = click.get_text_stream("stdout")
         denied = False
@@ -574,8 +574,8 @@ def check(obj, role, workdir, batch, as_json, explain, command):
     d, trail = gate_check("run_process", {"argv": list(command), "cwd": wt}, ctx)
     out = {"command": list(command), **d.to_dict(), "trail": trail}
     if explain:  # the same call under the settings that turn kernel-backed flags into refusals
-        from .receipts import kernel_explain
-        from .record import replace
+        from ..receipts import kernel_explain
+        from ..util.record import replace
         strict, _ = gate_check("run_process", {"argv": list(command), "cwd": wt},
                                replace(ctx, kernel_enforced="deny", unknown_operands="deny", unreadable="deny"))
         out["kernel"] = kernel_explain(pol, d.to_dict(), strict.to_dict())
@@ -597,7 +597,7 @@ def check(obj, role, workdir, batch, as_json, explain, command):
 @main.command("tool-schema")
 def tool_schema():
     """Print the run_process JSON schema for LLM function calling."""
-    from .tool import RUN_PROCESS_SCHEMA
+    from ..tool import RUN_PROCESS_SCHEMA
     click.echo(json.dumps(RUN_PROCESS_SCHEMA, indent=2))
 
 
@@ -621,13 +621,13 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
 
     Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
     """
-    from . import cancel as cancelmod
-    from .errors import StateError
+    from .. import cancel as cancelmod
+    from ..errors import StateError
     try:
         state = _state(obj)
         j = state.journal()
     except StateError as e:
-        from .errors import NoPermission
+        from ..errors import NoPermission
         if not everything or isinstance(e, NoPermission):  # another user's root: nothing of ours to kill
             raise
         # the kill switch works from whatever evidence survives (a damaged or lost journal)
@@ -666,7 +666,7 @@ def wait(obj, cell_id, run_id, timeout, as_json):
 
     Example: agnsup wait c-1a2b3c4d --json
     """
-    from .service import wait_cell
+    from ..supervisor import wait_cell
     result = wait_cell(obj["state_dir"], cell_id, run_id, timeout)
     _echo_json(as_json, result)
     code = result.get("exit_code")
@@ -682,12 +682,12 @@ def cleanup(obj, run_id, as_json):
     worktree locks, and once none runs, the run's change records: its cells
     can no longer be undone). Cells still running are not touched (exit 1;
     cancel them first). A second call reports cleaned: 0."""
-    from . import cancel as cancelmod
-    from .errors import CellsStillRunning
+    from .. import cancel as cancelmod
+    from ..errors import CellsStillRunning
     try:
         result, err = cancelmod.cleanup(_state(obj), run_id), None
     except CellsStillRunning as e:
-        from .errors import as_value
+        from ..errors import as_value
         result, err = {**e.details["result"], **as_value(e)}, e
     if not _echo_json(as_json, result):
         click.echo(f"cleaned {result['cleaned']} item(s) of run {run_id} (run {result['run_state']})")
@@ -792,10 +792,10 @@ def spawn(obj, socket_path, follow, command, **options):
 
 def _state(obj):
     """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
-    from .errors import UnknownId
+    from ..errors import UnknownId
     st = _root(obj)
     if not st.exists():
-        from .journal import preflight
+        from ..store.journal import preflight
         preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
         raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
     return st
@@ -820,12 +820,12 @@ def selftest(runs, seed, isolation, dead_man, user, keep, as_json):
     (never counted as a pass). Exit 0 only when every gate passes in every run.
     """
     if dead_man:
-        from .selftest.deadman import main as deadman_main
+        from ..selftest.deadman import main as deadman_main
         sys.exit(deadman_main(as_json=as_json, keep=keep))
     if isolation:
-        from .selftest.isolation import main as isolation_main
+        from ..selftest.isolation import main as isolation_main
         sys.exit(isolation_main(as_json=as_json, keep=keep, user=user))
-    from .selftest.blackout import main as blackout_main
+    from ..selftest.blackout import main as blackout_main
     sys.exit(blackout_main(runs=runs, seed=seed, as_json=as_json, keep=keep))
 
 
@@ -836,11 +836,11 @@ def janitor(obj, as_json):
     """Run crash recovery now: find the cells of dead controller instances,
     kill what is left of them on evidence, release their resources, write a
     recovery receipt. A second run finds nothing to do."""
-    from .janitor import format_text, run_janitor
+    from ..janitor import format_text, run_janitor
     report = run_janitor(_root(obj))
     click.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_text(report))
     if report.get("journaled") is False:
-        from .errors import StateError
+        from ..errors import StateError
         _fail(StateError(f"janitor worked from the kernel's evidence but could not journal it: {report['journal']}"))
 
 
@@ -856,7 +856,7 @@ def journal_check(obj, as_json):
     """Say what is wrong with the journal and what the disk still holds: its file,
     SQLite's integrity check, cells on disk it does not know. Exit 0 when nothing
     is wrong, 1 when something is (then: agnsup journal repair)."""
-    from .repair import check
+    from ..store.repair import check
     r = check(_root(obj))
     if not _echo_json(as_json, r, sort_keys=True):
         click.echo(f"journal {r['journal']}: {'ok' if r['ok'] else 'NOT OK'} ({r['cells_on_disk']} cell(s) on disk)")
@@ -873,7 +873,7 @@ def journal_repair(obj, as_json):
     <state>/quarantine/, never deleting it, and rebuild the journal from the cell
     receipts on disk. Refused (exit 1) while processes still run under the state
     root's cgroups: agnsup cancel --all first."""
-    from .repair import repair
+    from ..store.repair import repair
     r = repair(_root(obj).ensure())
     if _echo_json(as_json, r, sort_keys=True):
         return
@@ -896,7 +896,7 @@ def journal_prune(obj, before, as_json):
     runs are never pruned. Default bound without this command: ended cells older
     than AGNSUP_JOURNAL_RETENTION_DAYS (30; 0 keeps all), applied once a day at a
     controller's start."""
-    from .repair import parse_before, prune
+    from ..store.repair import parse_before, prune
     out = prune(_state(obj), parse_before(before), compact=True)
     if not _echo_json(as_json, out, sort_keys=True):
         click.echo(f"pruned {out['cells']} ended cell(s), {out['events']} event(s), {out['receipts']} receipt "
@@ -919,7 +919,7 @@ def _json_errors(callback):
             return callback(*args, **kwargs)
         except AgnsupError as e:
             if kwargs.get("as_json"):
-                from .errors import as_value
+                from ..errors import as_value
                 click.echo(json.dumps(as_value(e), indent=2))
             raise
     return wrapped

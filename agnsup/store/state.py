@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .errors import NoPermission, StateError, UsageError
+from ..errors import NoPermission, StateError, UsageError
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -71,7 +71,7 @@ class StateRoot:
 
     def register(self) -> None:
         """Note this root in the host's registry (registry_dir); best effort, one lstat when known."""
-        from .digest import sha256
+        from ..util.digest import sha256
         reg = registry_dir()
         entry = os.path.join(reg, sha256(self.path.encode()).hexdigest()[:24])
         if os.path.lexists(entry):

@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - an interpreter without the private name
     import sqlite3  # type: ignore[no-redef]  # the same module by its public name
 
-from .errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateError
+from ..errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateError
 
 TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 TERMINAL_RUN = ("cancelled", "finished", "recovered")
@@ -57,7 +57,8 @@ OPEN_SQL = ("SELECT id, boot_id, lock_path FROM controllers WHERE ended_at IS NU
 def _migrations() -> list[tuple[int, str]]:
     from importlib.resources import files
     return sorted((int(e.name[:4]), e.read_text().replace("@TERMINAL_CELL@", _TERMINAL_SQL))
-                  for e in files("agnsup.migrations").iterdir() if e.name.endswith(".sql") and e.name[:4].isdigit())
+                  for e in files("agnsup.store.migrations").iterdir()
+                  if e.name.endswith(".sql") and e.name[:4].isdigit())
 
 
 class Journal:
@@ -114,7 +115,7 @@ class Journal:
             try:
                 yield self.db
                 if crash_point:
-                    from . import crashpoints
+                    from ..util import crashpoints
                     crashpoints.hit(crash_point)
                 self.db.execute("COMMIT")
             except BaseException as e:
@@ -296,14 +297,14 @@ class Journal:
                        exit_code=receipt["exit_code"])
             row = None
             if (receipt.get("changes") or {}).get("record"):  # a change record (changes.commit): indexed here
-                from .changes import summary_row
+                from ..changes import summary_row
                 row = summary_row({"agent_id": receipt.get("agent_id"), **receipt["changes"]})
             if row is not None:
                 self.add_change(row, db)
             if end_controller:
                 self.end_controller(end_controller, db)
         if row is not None:  # journal.db lives in the state root: the record's pending marker can go
-            from .changes import settled
+            from ..changes import settled
             settled(os.path.dirname(self.path), row["run_id"], row["record_id"])
 
     def _set(self, db, run_id: str, cell_id: str, fields: dict) -> None:
@@ -540,7 +541,7 @@ class Journal:
         except ValueError as e:  # a row SQLite returns whole but whose bytes were overwritten
             raise self._damaged(f"a receipt row is not JSON: {e}") from None
 
-    # -- check and repair (agnsup/repair.py) ------------------------------------
+    # -- check and repair (agnsup/store/repair.py) ------------------------------------
     def integrity(self) -> list[str]:
         """PRAGMA integrity_check: ["ok"], or what SQLite found wrong (reads the whole file)."""
         return [r[0] for r in self._all("PRAGMA integrity_check(20)")]

@@ -52,7 +52,7 @@ class Files:
     """The worktree confinement, the gate's judgement and the journal record of one file call."""
 
     def __init__(self, sup, *, role: str, workdir: str, run_id: str):
-        from .. import policy
+        from ... import policy
         self.sup, self.role, self.workdir, self.run_id = sup, role, workdir, run_id
         self.policy = policy.load(role, sup.state.path)
         # Every open goes through this fd with openat2(RESOLVE_BENEATH): the realpath check in
@@ -65,7 +65,7 @@ class Files:
 
     def open(self, rel: str, flags: int, mode: int = 0) -> int:
         """An fd for `rel`, resolved by the kernel beneath the worktree (EXDEV: it left it)."""
-        from ..linux import sys as lsys
+        from ...linux import sys as lsys
         try:
             return lsys.openat2(self.root_fd, rel, flags, mode, lsys.RESOLVE_BENEATH | lsys.RESOLVE_NO_MAGICLINKS)
         except OSError as e:
@@ -111,7 +111,7 @@ class Files:
 
     def judge(self, tool: str, path: str) -> None:
         """The gate's path checks for `tool` on `path` (raises Refused on a denial; the gate journals nothing)."""
-        from .. import governance
+        from ... import governance
         decision, _trail = governance.decide(tool, {"path": path}, self.policy, self.workdir, self.sup.state.path)
         if not decision.allowed:
             raise Refused(403, "PERMISSION_DENIED", f"denied by {decision.rule}: {decision.reason}",
@@ -236,7 +236,7 @@ class RestApp:
         return tcp_peer_refusal(client[:2], server[:2], self.files.sup.ctl.journal, "sandboxd")
 
     def metadata_env(self) -> dict:
-        from ..secretkeys import looks_secret
+        from ...util.secretkeys import looks_secret
         return {k: v for k, v in os.environ.items() if k.startswith(METADATA_PREFIX)
                 and not any(m in k.upper() for m in SENSITIVE_MARKERS) and not looks_secret(k)}
 

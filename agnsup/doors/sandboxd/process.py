@@ -1,4 +1,4 @@
-"""process.v1.ProcessService over agnsup.service.Supervisor: every process is a cell.
+"""process.v1.ProcessService over agnsup.supervisor.Supervisor: every process is a cell.
 
 A process id (int32, the standard's) names one cell of this server: process id
 N is cell `proc-N` of the run the call came with (`--run-id`, default
@@ -20,8 +20,8 @@ import os
 import re
 import threading
 
-from ..errors import (AgnsupError, CancelledBeforeStart, Denied, LockTimeout, NotExecutable, NotFound, PolicyError,
-                      RunNotActive, UnknownId, UsageError, exit_code)
+from ...errors import (AgnsupError, CancelledBeforeStart, Denied, LockTimeout, NotExecutable, NotFound, PolicyError,
+                       RunNotActive, UnknownId, UsageError, exit_code)
 from . import proto
 
 CELL_PREFIX = "proc-"

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 
-from .process import helpers, namespaces
-from .linux import cgroup, pidfd, proc
-from .linux import sys as lsys
+from ..process import helpers, namespaces
+from ..linux import cgroup, pidfd, proc
+from ..linux import sys as lsys
 
 def kernel_at_least(major: int, minor: int) -> bool:
     parts = os.uname().release.split(".")
@@ -20,8 +20,8 @@ def confinement() -> dict:
 
     seccomp and Landlock are really applied in a throwaway child, so
     "available" means "works on this host", not "the kernel has the symbol"."""
-    from .linux import landlock, seccomp
-    from .linux.host import protections
+    from ..linux import landlock, seccomp
+    from ..linux.host import protections
     host = protections()
     out = {}
     for name in ("seccomp", "landlock", "landlock_scopes", "no_new_privs", "pid_namespace", "capabilities",
@@ -54,7 +54,7 @@ def _mapped_uid_check() -> None:
 
 def cell_identity(conf: dict) -> str:
     """Who a cell is on this host, for will_use."""
-    from .linux.userns import cell_range
+    from ..linux.userns import cell_range
     if os.geteuid() != 0:
         return f"uid {os.geteuid()} (the caller's own, in a user namespace of the cell's own)"
     if not conf["mapped_uid"]["available"]:
@@ -80,7 +80,7 @@ def reversible(state_root: str) -> dict:
     user), with one file written through it. {"available", "why_not"?, "live": what runs live anyway}."""
     import shutil
     import tempfile
-    from . import changes
+    from .. import changes
     live = ("long-lived cells (agnsup spawn, MCP spawn, sandboxd Start) under filesystem.changes = \"auto\", and "
             "roles with changes = \"live\": their writes land as they happen, not captured; a read-only worktree "
             "has nothing to capture")
@@ -108,7 +108,7 @@ def reversible(state_root: str) -> dict:
 def _overlay_probe(scratch: str, root: bool) -> None:
     """In the throwaway child: an overlay over scratch/lower with scratch/layer, one file created through it,
     found in the upper layer (mounts.overlay)."""
-    from .linux import mounts, userns
+    from ..linux import mounts, userns
     if not root:
         lsys.unshare(lsys.CLONE_NEWUSER)
         userns.write_id_maps("self", os.getuid(), os.getgid(), os.getuid(), os.getgid())
@@ -127,7 +127,7 @@ def _overlay_probe(scratch: str, root: bool) -> None:
 def report(state_root: str, probe: bool = True, progress=None, roles: list[str] | None = None) -> dict:
     """The host report (`agnsup doctor --json`); `probe`: also a trivial cell per role through run's own
     path (probe_cells), and "ok" only when each ran. Keys are added, never renamed (docs/cli.md)."""
-    from . import backend as backends
+    from .. import backend as backends
     chosen = backends.choose(state_root)
     ev = evidence()
     # the layout the chosen backend uses (a normal user's systemd scope has one the mount point does not)
@@ -141,7 +141,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
         ns[name] = {"available": ok, **({"error": err} if err else {})}
     mount_api_ok, mount_api_err = helpers.probe(
         lambda: (lsys.unshare(lsys.CLONE_NEWNS | _IN_USERNS), lsys.mount_setattr("/", propagation=lsys.MS_PRIVATE)))
-    from .linux.host import protections
+    from ..linux.host import protections
     ll = protections()["_abi"] or None
     hierarchies = {"v2": layout.v2, **{f"v1:{c}": m for c, m in layout.v1.items()}}
     support = chosen.limit_support()
@@ -173,7 +173,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
     without += [f"limit {c} ({why})" for c, why in support.items() if why is not None]
     static_ok = ns["mount"]["available"] and mount_api_ok
     # what a role with isolation.reduced would lose here, as the compiler decides it (named by each fix's key)
-    from .compiler import reduced_pieces
+    from ..compiler import reduced_pieces
     ev["refused"] = reduced = reduced_pieces(None, backend=chosen)
     cells = probe_cells(state_root, roles, ev, progress) if probe else {}
     failed = [r for r, v in cells.items() if not v["ran"]]
@@ -215,7 +215,7 @@ def report(state_root: str, probe: bool = True, progress=None, roles: list[str] 
 
 
 def _userns_fix() -> str:
-    from .linux import userns
+    from ..linux import userns
     return "; ".join(userns.blocked_by_sysctl()) or ("let this user create user namespaces (an LSM such as AppArmor, "
                                                     "or a seccomp filter, refuses them here)")
 
@@ -235,7 +235,7 @@ def host_report(chosen, layout, ns: dict, mount_api_ok: bool, conf: dict, suppor
     """The host kind, the backend chosen and why, and each guarantee: "in force", or "NOT IN FORCE: why;
     fix: the exact fix" (docs/hosts.md, section 4)."""
     root = os.geteuid() == 0
-    from .backend import systemd
+    from ..backend import systemd
     kind = ["root" if root else "normal user", {"v2": "pure cgroup v2", "hybrid": "hybrid cgroups",
                                                  "v1": "cgroup v1", "none": "no writable cgroup"}[layout.kind]]
     kind.append("systemd" if systemd.booted() else "no systemd")
@@ -486,8 +486,8 @@ def probe_cells(state_root: str, roles: list[str] | None = None, ev: dict | None
     directory when it had one}}. `progress(role, result)` after each."""
     import tempfile
     import time
-    from . import policy, tool
-    from .errors import AgnsupError
+    from .. import policy, tool
+    from ..errors import AgnsupError
     ev = evidence() if ev is None else ev
     roles = policy.known_roles() if roles is None else roles
     run_id = f"doctor-{os.getpid()}-{os.urandom(3).hex()}"
@@ -537,10 +537,10 @@ def remove_probe_run(state_root: str, run_id: str, worktree: str) -> None:
     locks, change records), then the run's journal rows (the journal's own prune: a `pruned` row keeps
     each id taken), its cells' directories and receipts, the throwaway worktree and its caches."""
     import shutil
-    from . import cancel
-    from .errors import AgnsupError
-    from .locks import worktree_key
-    from .state import StateRoot
+    from .. import cancel
+    from ..errors import AgnsupError
+    from ..locks import worktree_key
+    from ..store.state import StateRoot
     state = StateRoot(state_root)
     try:
         if state.exists():

@@ -4,7 +4,7 @@ click costs ~40 ms to import, about ten times what bwrap needs to start a
 whole sandbox, so the common `agnsup [--state-dir D] run [OPTIONS] -- CMD...`
 is parsed here with no imports. Anything this parser does not fully
 understand (help, an unknown option, a bad value, another command) goes to
-the click CLI in agnsup/cli.py, which stays the reference: a parity test
+the click CLI in agnsup/doors/cli.py, which stays the reference: a parity test
 (tests/test_entry.py) runs the same argv through both.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 def _run_options() -> tuple[dict, dict]:
     """{flag: (keyword, kind)} and {keyword: default} of `run`, from request.CellRequest."""
-    from .request import CellRequest
+    from ..request import CellRequest
     flags, defaults = {}, {}
     for name, o in CellRequest.options().items():
         if o.flags:
@@ -91,8 +91,8 @@ def main() -> None:
         cli_main()
         return
     state_dir, opts, command = parsed
-    from .errors import AgnsupError, exit_code
-    from .tool import run_process
+    from ..errors import AgnsupError, exit_code
+    from ..tool import run_process
     try:
         result = run_process(command, state_dir=state_dir, capture=False, entry="cli", forward_signals=True,
                              exit_after=True, **opts)

@@ -1,0 +1,1 @@
+"""Small pieces every layer shares: Record, sha256 without OpenSSL, crash points, secret names."""

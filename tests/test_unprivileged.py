@@ -50,8 +50,9 @@ def _venv() -> str:
         pytest.skip(f"ENV_BLOCKED: {SYSTEM_PYTHON} is Python {cp.stdout.strip() or '?'}, this run's is {mine} "
                     "(the test user's venv shares this run's packages)")
     sites = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
-    stamp = hashlib.sha256("\n".join([REPO, sys.prefix, *sites]).encode()).hexdigest()[:12]
-    venv = f"/var/tmp/agnsup-test-user-venv-{stamp}"
+    launcher = "import sys\nfrom agnsup.doors.entry import main\nsys.exit(main())\n"
+    # the console script's text is in the stamp: a moved entry point makes a new venv, never a stale one
+    venv = "/var/tmp/agnsup-test-user-venv-" + hashlib.sha256("\n".join([REPO, sys.prefix, *sites, launcher]).encode()).hexdigest()[:12]
     if not os.path.exists(os.path.join(venv, ".ready")):
         shutil.rmtree(venv, ignore_errors=True)
         cp = subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], capture_output=True, text=True,
@@ -62,7 +63,7 @@ def _venv() -> str:
             f.write("".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
         script = os.path.join(venv, "bin", "agnsup")
         with open(script, "w") as f:
-            f.write(f"#!{venv}/bin/python\nimport sys\nfrom agnsup.doors.entry import main\nsys.exit(main())\n")
+            f.write(f"#!{venv}/bin/python\n{launcher}")
         os.chmod(script, 0o755)
         open(os.path.join(venv, ".ready"), "w").close()
     return venv

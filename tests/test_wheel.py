@@ -1,4 +1,4 @@
-"""The wheel carries policies/ and journal/ and works outside the source tree."""
+"""The wheel carries the role files (agnsup/policies/) and the migrations (agnsup/store/migrations/) and works outside the source tree."""
 import os
 import subprocess
 import sys

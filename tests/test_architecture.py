@@ -24,7 +24,7 @@ LAYERS = [  # top to bottom
     ("front doors", ["agnsup", "agnsup.doors", "agnsup.doors.cli", "agnsup.doors.entry", "agnsup.doors.serve",
                      "agnsup.doors.mcp", "agnsup.doors.doctor", "agnsup.selftest", "agnsup.doors.sandboxd"]),
     ("tool and service", ["agnsup.supervisor", "agnsup.tool"]),
-    ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler", "agnsup.request",
+    ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler", "agnsup.plan", "agnsup.request",
                 "agnsup.policyfile", "agnsup.store.cells", "agnsup.cancel", "agnsup.janitor", "agnsup.toolconfig",
                 "agnsup.netpolicy", "agnsup.store.repair"]),
     ("broker", ["agnsup.broker", "agnsup.home"]),

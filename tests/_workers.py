@@ -42,7 +42,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "engine" in item.fixturenames:
+        if WORKER and "engine" in item.fixturenames:  # (xdist_group is xdist's marker: known where it runs)
             item.add_marker(pytest.mark.xdist_group("engine"))
 
 

@@ -28,6 +28,89 @@ LANE_DEADLINE = float(os.environ.get("V2LANE_DEADLINE_MONO") or "inf")
 def pytest_runtest_setup(item):
     if time.monotonic() > LANE_DEADLINE:
         pytest.skip("BUDGET: not run: the lane's time budget ran out (scripts/v2lane --budget)")
+    if item.get_closest_marker("kernel") is None and KERNEL_FIXTURES.intersection(item.fixturenames):
+        pytest.fail(f"a test of the fast tier's paths ({', '.join(PURE)}) uses "
+                    f"{', '.join(sorted(KERNEL_FIXTURES.intersection(item.fixturenames)))}: it belongs in a "
+                    "kernel-tier file (tests/conftest.py, PURE)", pytrace=False)
+
+
+# -- the tiers (scripts/test.sh fast|smoke|kernel|all). A test is `kernel` (root, real cells, cgroups) unless it lies
+# in PURE, and a test in PURE that asks for a fixture of KERNEL_FIXTURES fails (above) instead of being sorted
+# out quietly, so the fast tier (`-m "not kernel"`) can neither grow a cell nor lose a test. `e2e`: tests/e2e.
+PURE = ("unit/", "gate/", "test_architecture.py", "test_netpolicy.py", "test_redact.py")
+FAST = "not kernel"  # the fast tier's -m (scripts/test.sh)
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_FIXTURES = {"state", "agnsup", "user", "engine"}  # a state root (its cgroups purged after), a made user, dockerd
+# `smoke`: one kernel test per seam, <= 3 minutes as root (a name without [params] takes every parameter)
+SMOKE = """
+test_lifecycle.py::test_a_backgrounded_sleep_does_not_outlive_its_cell
+test_isolation_basics.py::test_the_worktree_is_writable_and_the_rest_is_read_only
+test_home.py::test_the_hidden_home_cannot_be_written
+test_startup_cost.py::test_a_cell_is_born_in_its_cgroup
+test_limits.py::test_the_wall_clock_limit_ends_a_cell_with_exit_124
+test_stream.py::test_stdout_and_stderr_come_back_in_order_and_stdin_round_trips_with_eof
+test_terminal.py::test_the_cell_gets_a_controlling_terminal_its_input_and_the_users_window_size
+test_cancel.py::test_a_term_trap_runs_within_the_grace_period_then_the_tree_is_killed
+test_janitor.py::test_the_next_controller_start_runs_the_janitor
+test_dead_man.py::test_the_receipt_says_how_a_cell_dies_with_its_controller
+e2e/test_dead_man_switch.py::test_a_sigkilled_controller_of_every_kind_takes_its_cells_with_it
+test_serve.py::test_spawn_returns_at_once_and_the_cell_runs_under_the_serve_controller
+test_mcp.py::test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors
+test_sandboxd.py::test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor
+test_egress.py::test_an_unlisted_name_is_refused_with_the_rule_in_the_receipt
+test_changes_cli.py::test_diff_shows_what_a_cell_changed_and_undo_puts_it_back_byte_for_byte_then_redo
+test_doors_kernel.py::test_ipcs_in_a_cell_lists_nothing_of_the_hosts
+test_gate_cells.py::test_a_flagged_write_to_usr_runs_in_an_executor_cell_and_fails_with_erofs
+test_check_cli.py::test_check_denies_a_split_flag_rm_of_root_with_126_and_the_rule
+test_redact_cells.py::test_run_process_returns_redacted_output_and_the_receipt_counts_each_rule
+test_unprivileged.py::test_a_normal_user_runs_a_confined_cell_in_its_delegated_subtree
+test_userns.py::test_an_unprivileged_controller_maps_its_cell_to_root_and_the_cell_builds_its_namespaces
+test_reversible.py::test_every_kind_of_change_lands_when_the_cell_ends_and_not_before
+test_confinement.py::test_a_cell_cannot_move_itself_out_of_its_cgroup
+test_crashpoints.py::test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor[after_exec]
+test_journal_faults.py::test_a_damaged_journal_is_refused_kept_and_the_kill_switch_still_kills
+test_devjobs.py::test_the_worktree_venv_is_on_path_and_runs_pytest
+test_doctor.py::test_doctor_reports_the_detected_cgroup_layout_and_namespaces
+test_selftest_isolation.py::test_all_fifteen_gates_pass_on_this_host
+test_doors_sockets.py::test_a_cell_cannot_connect_to_host_sockets_under_var_lib_srv_run_or_in_its_worktree
+test_doors_autoexec.py::test_a_cell_cannot_plant_git_config_hooks_or_editor_files_that_the_host_runs
+""".split()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The fast tier does not import the kernel tier's files (a few seconds of imports and collection)."""
+    rel = os.path.relpath(str(collection_path), HERE)
+    if config.getoption("markexpr") == FAST and rel != "." and not rel.startswith("..") \
+            and not (rel + "/").startswith(PURE):
+        return True
+    return None
+
+
+def pytest_configure(config):
+    for line in ("kernel: needs root and the kernel: real cells, cgroups, namespaces (every test outside PURE)",
+                 "e2e: tests/e2e: drives the installed agnsup as a user would",
+                 "smoke: one kernel test per seam (SMOKE)"):
+        config.addinivalue_line("markers", line)
+
+
+def pytest_collection_modifyitems(config, items):
+    smoke = set()
+    for item in items:
+        rel = os.path.relpath(str(item.path), HERE)
+        if not rel.startswith(PURE):
+            item.add_marker(pytest.mark.kernel)
+        if rel.startswith("e2e/"):
+            item.add_marker(pytest.mark.e2e)
+        name = f"{rel}::{item.name}"
+        hit = set(SMOKE).intersection((name, name.partition("[")[0]))
+        if hit:
+            item.add_marker(pytest.mark.smoke)
+            smoke |= hit
+    # a smoke entry that names no test (renamed, moved) is an error where the whole tree was collected
+    whole = any(os.path.abspath(os.path.join(config.invocation_params.dir, a)) == HERE for a in config.args)
+    lost = [s for s in SMOKE if s not in smoke]
+    if whole and lost and config.getoption("markexpr") != FAST:
+        raise pytest.UsageError("tests/conftest.py SMOKE names no collected test: " + ", ".join(lost))
 
 
 class Agnsup:

@@ -393,3 +393,52 @@ def test_a_host_without_the_kernels_proc_is_one_line_exit_125_and_nothing_is_rec
     assert len(lines) == 1 and "/proc is not the kernel's procfs" in lines[0] and "mount proc" in lines[0], lines
     assert cp.stdout == ""
     assert not (state / "cells").exists() or os.listdir(state / "cells") == []
+
+
+# --- network keys (the matcher: tests/test_netpolicy.py) ---------------------------------------------
+
+@pytest.mark.parametrize("keys, problem", [
+    ({"network__mode": '"allowlist"', "network__allow": '["exa mple.org"]'},
+     "key network.allow: 'exa mple.org' is not a host name"),
+    ({"network__mode": '"allowlist"', "network__deny": '["x.org:99999"]'}, "key network.deny: 'x.org:99999': port"),
+    ({"network__allow": '["example.org"]'}, "key network: network.allow applies to mode 'allowlist' or 'internal'"),
+    ({"network__mode": '"host"', "network__allow_private": "true"}, "network.allow_private applies to mode"),
+    ({"network__mode": '"allowlist"', "network__allow_private": '"yes"'}, "key network.allow_private"),
+    ({"network__mode": '"proxy"'}, "key network.mode"),
+    ({"network__mode": '"allowlist"', "network__proxy_port": "80"}, "key network.proxy_port"),
+    ({"network__mode": '"allowlist"', "isolation__capabilities": '["NET_ADMIN"]'},
+     "cannot rewire its network namespace, but isolation.capabilities keeps NET_ADMIN"),
+])
+def test_bad_network_keys_are_refused_naming_file_and_key(agnsup, worktree, policy_dir, keys, problem):
+    from conftest import write_role
+    path = write_role(policy_dir, "badnet", **keys)
+    cp = agnsup("run", "--role", "badnet", "--workdir", worktree, "--", "true",
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    assert cp.returncode == 125, cp.err
+    assert cp.err.startswith(f"agnsup: {path}: ") and problem in cp.err and cp.err.count("\n") == 1, cp.err
+    assert not os.path.exists(os.path.join(worktree, "ran"))
+
+
+def test_a_preset_fixing_allowlist_refuses_host_and_internal_and_keeps_its_deny_entries(agnsup, worktree,
+                                                                                        policy_dir):
+    from conftest import write_role
+    (policy_dir / "presets").mkdir()
+    (policy_dir / "presets" / "egress.toml").write_text(
+        '[preset]\nname = "egress"\nfixed = ["network.mode"]\n\n[network]\nmode = "allowlist"\n'
+        'deny = ["*.tracker.example"]\n')
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    write_role(policy_dir, "loose", governance__preset='"egress"', network__mode='"host"')
+    cp = agnsup("run", "--role", "loose", "--workdir", worktree, "--", "true", env=env)
+    assert cp.returncode == 125 and "key network.mode: 'host' is looser than preset 'egress'" in cp.err, cp.err
+    write_role(policy_dir, "inner", governance__preset='"egress"', network__mode='"internal"')
+    cp = agnsup("run", "--role", "inner", "--workdir", worktree, "--", "true", env=env)
+    assert cp.returncode == 125 and "'internal' is looser" in cp.err, cp.err
+    from agnsup import policy
+    write_role(policy_dir, "tight", governance__preset='"egress"', network__mode='"allowlist"',
+               network__allow='["*"]', network__deny='["ads.example"]')
+    os.environ["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    try:
+        pol = policy.load("tight")
+    finally:
+        del os.environ["AGNSUP_POLICY_DIR"]
+    assert list(pol["network"]["deny"]) == ["*.tracker.example", "ads.example"]

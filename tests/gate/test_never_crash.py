@@ -1,4 +1,4 @@
-"""One input line is one decision, always: the gate never raises, `check --batch` goes on,
+"""One input line is one decision, always: the gate never raises, `check --batch` goes on (tests/test_check_cli.py),
 every denial names its evidence, and no reason shows the gate's own pid."""
 
 import json
@@ -88,27 +88,3 @@ def test_every_denial_names_its_evidence_and_no_reason_shows_the_gates_pid(tmp_p
         assert [c for c, d in decisions if f"/proc/{pid}" in json.dumps(d.to_dict())] == [], role
         if role == "reg":
             assert sum(not d.allowed for _, d in decisions) == len(lines)  # locked without yellow_allow
-
-
-# --- the CLI -------------------------------------------------------------------------------
-
-def test_check_batch_judges_every_line_and_its_exit_status_says_whether_one_was_denied(agnsup, worktree):
-    lines = ["ls", "cat /proc/1/root/etc/shadow", "echo " + "$(echo " * 300 + "x" + ")" * 300, "rm -rf /",
-             "\udcff".encode("utf-8", "surrogateescape").decode("latin-1") + " ls", "git status"]
-    data = "\n".join(lines).encode("utf-8", "surrogateescape") + b"\n\xff\xfe\x00 bad bytes\n"
-    cp = agnsup("check", "--workdir", worktree, "--batch", "-", input=data, check=126)
-    out = [json.loads(x) for x in cp.out.splitlines()]
-    assert len(out) == len(lines) + 1
-    assert [d["rule"] for d in out[:4]] == ["allow.yellow_open", "sandbox.deny_path", "gate.unjudgeable",
-                                            "hardline.rm_root"]
-    assert out[5]["allowed"] and "bad bytes" in out[6]["command"]
-    assert all(d["evidence"] for d in out if not d["allowed"])
-    cp = agnsup("check", "--workdir", worktree, "--batch", "-", input=b"ls\ngit status\n\n", check=0)
-    assert len(cp.out.splitlines()) == 2
-
-
-def test_a_single_check_of_an_unjudgeable_or_proc_path_exits_126(agnsup, worktree):
-    cp = agnsup("check", "--workdir", worktree, "--", "cat", "/proc/1/root/etc/shadow", check=126)
-    assert "sandbox.deny_path" in cp.out
-    cp = agnsup("check", "--workdir", worktree, "--", "bash", "-c", "echo " + "$(echo " * 300 + ")" * 300, check=126)
-    assert "gate.unjudgeable" in cp.out

@@ -1,5 +1,4 @@
 """Presets standard, regulated and readonly: files a role inherits governance from."""
-import json
 import os
 
 import pytest
@@ -133,28 +132,6 @@ def test_the_readonly_preset_denies_yellow_and_red_and_allows_green(roles):
     assert policy.load("look")["filesystem"]["worktree"] == "ro"
 
 
-def test_a_readonly_preset_role_starts_no_cell_and_says_why(agnsup, worktree, policy_dir):
-    role(policy_dir, "look", 'preset = "readonly"')
-    cp = agnsup("run", "--role", "look", "--workdir", worktree, "--", "touch", "x",
-                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
-    # the first refusal is the read-only worktree (sandbox comes before zone); mode readonly would refuse too
-    assert "sandbox.path_escape" in cp.err and "read-only" in cp.err
-    assert not os.path.exists(os.path.join(worktree, "x"))
-    cp = agnsup("run", "--role", "look", "--workdir", worktree, "--", "ls",
-                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
-    assert "zone.yellow_readonly" in cp.err
-
-
-def test_a_regulated_role_runs_a_real_cell_once_run_process_is_allowed(agnsup, worktree, policy_dir):
-    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
-    role(policy_dir, "reg", 'preset = "regulated"')
-    cp = agnsup("run", "--role", "reg", "--workdir", worktree, "--", "touch", "x", env=env, check=126)
-    assert "zone.yellow_locked" in cp.err and "yellow_allow" in cp.err
-    role(policy_dir, "reg", 'preset = "regulated"\nyellow_allow = ["run_process"]')
-    agnsup("run", "--role", "reg", "--workdir", worktree, "--", "touch", "x", env=env, check=0)
-    assert os.path.exists(os.path.join(worktree, "x"))
-
-
 def test_an_unknown_preset_names_the_file_the_key_and_the_known_presets(roles):
     path = role(roles, "typo", 'preset = "regulatd"')
     assert load_error("typo") == (f"{path}: key governance.preset: unknown preset 'regulatd' "
@@ -188,8 +165,3 @@ def test_editing_a_preset_invalidates_the_cached_role(roles, tmp_path):
     assert second["governance"]["mode"] == "locked" and second["_digest"] != first["_digest"]
 
 
-def test_the_check_command_judges_under_a_preset(agnsup, worktree, policy_dir):
-    role(policy_dir, "reg", 'preset = "regulated"')
-    cp = agnsup("check", "--role", "reg", "--workdir", worktree, "--json", "--", "ls",
-                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=126)
-    assert json.loads(cp.out)["rule"] == "zone.yellow_locked"

@@ -232,6 +232,8 @@ def test_a_copy_up_with_the_same_content_is_a_mode_change_or_no_change_at_all(en
     assert stat.S_IMODE(os.stat(os.path.join(env.wt, "run.sh")).st_mode) == 0o755
 
 
+@pytest.mark.skipif(not ROOT, reason="root: the commit moves src/new.py out of the 0500 directory, which only "
+                                     "root may (a normal user's commit fails there: EACCES in changes.put)")
 def test_a_directory_whose_mode_changed_is_a_mode_entry_applied_after_its_children(env):
     project(env.wt)
     orig = tree(env.wt)

@@ -23,7 +23,7 @@ import pytest
 
 from agnsup.gate import GateContext, judge_shell
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpora" / "network_exfil_variants.tsv"
+CORPUS = Path(__file__).resolve().parent / "data" / "corpora" / "network_exfil_variants.tsv"
 HOST = "127.0.0.1"
 EXECUTOR_TEXT = GateContext(role="executor", mode="open", network="deny", worktree="/workspace/project",
                             writable=("/tmp", "/dev/shm"), home="/home/user")

@@ -10,13 +10,15 @@ process's run, loaded by conftest (`pytest_plugins`). Without xdist only the fir
   runs with no other test beside it: the workers share a lock, taken shared by every test and exclusively by a
   serial one (a turnstile before it, so a waiting serial test is not starved).
 - The container lane's tests (the session fixture `engine`: one dockerd and its images per process) run on one
-  worker (xdist_group "engine"), so the run starts one daemon, as a serial run does.
+  worker (a group of --dist loadgroup), so the run starts one daemon, as a serial run does.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import fcntl
+import glob
+import json
 import os
 import shutil
 import tempfile
@@ -39,11 +41,36 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS), True))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if WORKER and "engine" in item.fixturenames:  # (xdist_group is xdist's marker: known where it runs)
-            item.add_marker(pytest.mark.xdist_group("engine"))
+@pytest.hookimpl(tryfirst=True)  # written before the worker tells the controller its collection
+def pytest_collection_finish(session):
+    """The worker's groups for the controller's scheduler, in a file (xdist 3.8 passes an xdist_group in the test
+    id, and pytest 9.2's ids no longer take it: pytest-xdist#1386)."""
+    if WORKER and os.environ.get(LOCKS):
+        groups = {item.nodeid: "engine" for item in session.items if "engine" in item.fixturenames}
+        path = os.path.join(os.environ[LOCKS], f"groups-{WORKER}.json")
+        with open(path + ".part", "w") as f:
+            json.dump(groups, f)
+        os.rename(path + ".part", path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice (a hook of xdist)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Groups(LoadGroupScheduling):
+        """--dist loadgroup with the groups the workers wrote (every worker has collected when it asks)."""
+        groups = None
+
+        def _split_scope(self, nodeid):
+            if self.groups is None:
+                self.groups = {}
+                for name in glob.glob(os.path.join(os.environ[LOCKS], "groups-*.json")):
+                    with open(name) as f:
+                        self.groups.update(json.load(f))
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+    return Groups(config, log)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -6,9 +6,9 @@ process's run, loaded by conftest (`pytest_plugins`). Without xdist only the fir
   Everything else a test makes is its own already: its state root is under its worker's tmp_path, the cgroup
   root is named by a digest of that path (linux/cgroup.root_name), users and selftest directories have
   random names.
-- `@pytest.mark.serial("reason")`: a test that needs the machine alone (a fork bomb, a deadline load may break)
-  runs with no other test beside it: the workers share a lock, taken shared by every test and exclusively by a
-  serial one (a turnstile before it, so a waiting serial test is not starved).
+- `@pytest.mark.serial("reason")`: a test that needs the machine alone (a fork bomb, a deadline under load, a host-wide
+  comparison) runs with no other test beside it: the workers share a lock, taken shared by every test and
+  exclusively by a serial one (a turnstile before it, so a waiting serial test is not starved).
 - The container lane's tests (the session fixture `engine`: one dockerd and its images per process) run on one
   worker (a group of --dist loadgroup), so the run starts one daemon, as a serial run does.
 """

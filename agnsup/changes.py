@@ -140,13 +140,19 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
     commit what a dead controller's cell left. Cost: three mkdir and one small file."""
     d = layer_dir(state_root, run_id, cell_id)
     top = os.path.join(_root(state_root), "changes")
-    for p in (top, os.path.dirname(d), d):
+    for attempt in range(3):
         try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:
-            continue
-        if owner is not None:
-            os.chown(p, *owner)
+            for p in (top, os.path.dirname(d), d):
+                try:
+                    os.mkdir(p, 0o700)
+                except FileExistsError:
+                    continue
+                if owner is not None:
+                    os.chown(p, *owner)
+            break
+        except FileNotFoundError:  # a neighbour cell of the run that changed nothing took the run's directory
+            if attempt == 2:       # as empty (_drop_layer) between two mkdir: it is made again
+                raise
     layer = Layer(d, os.path.join(d, "upper"), os.path.join(d, "work"))
     for p in (layer.upper, layer.work):
         os.makedirs(p, mode=0o700, exist_ok=True)

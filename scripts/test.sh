@@ -13,8 +13,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 tier=all
 case "${1:-}" in fast|smoke|kernel|all) tier=$1; shift ;; esac
-# pytest options of the tiers that start cells (kernel, all): where a run is spread over the cores
-kernel_args=()
+# pytest options of the tiers that start cells (kernel, all): spread over TEST_WORKERS processes (pytest-xdist,
+# default 2, the CI machine's cores; 0 runs in one process): tests/_workers.py keeps them apart, the tests
+# marked serial run alone and the container lane's on one worker (--dist loadgroup)
+kernel_args=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
 export DEBIAN_FRONTEND=noninteractive
 need=()
 # docker.io (with containerd and runc) and debootstrap: the container lane (tests/test_docker.py,

@@ -16,12 +16,9 @@ from agnsup import backend
 from agnsup.store.journal import open_journal
 from agnsup.selftest.host import procs_with_env  # noqa: F401 - re-exported for the tests (one copy: the selftest's)
 
+pytest_plugins = ["_workers"]  # tests/_workers.py: the tests' own roots registry; a run spread over processes
+
 BIN = os.path.join(os.path.dirname(sys.executable), "agnsup")
-# The tests' state roots are noted in a registry of their own, not the host's (state.registry_dir).
-if "AGNSUP_ROOTS_REGISTRY" not in os.environ:
-    import atexit
-    os.environ["AGNSUP_ROOTS_REGISTRY"] = os.path.join("/tmp", f"agnsup-test-roots-{os.getpid()}")
-    atexit.register(shutil.rmtree, os.environ["AGNSUP_ROOTS_REGISTRY"], True)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # scripts/v2lane --budget: past this CLOCK_MONOTONIC second, tests still to start are not run, and say so
 LANE_DEADLINE = float(os.environ.get("V2LANE_DEADLINE_MONO") or "inf")

@@ -399,6 +399,7 @@ print(len([r for r in res if r == b"slept\n"]), round(time.monotonic() - t, 3))
 """
 
 
+@pytest.mark.serial("24 requests of 1 s within 6 s")
 def test_many_concurrent_connections_from_one_cell_do_not_serialise(net):
     n = 24
     cp = _run(net, "pkgs", "many", sys.executable, "-c", CONCURRENT, f"http://pkg.test:{net.site['http']}/sleep", str(n))

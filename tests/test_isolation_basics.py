@@ -3,12 +3,15 @@ import os
 import socket
 import threading
 
+import pytest
+
 
 def _mountinfo():
     with open("/proc/self/mountinfo") as f:
         return sorted(" ".join(line.split()[3:5]) for line in f)
 
 
+@pytest.mark.serial("compares the host's whole mount table before and after")
 def test_tmp_is_private_and_the_host_mount_table_is_unchanged(agnsup, worktree):
     before = _mountinfo()
     agnsup("run", "--workdir", worktree, "--", "sh", "-c", "echo secret > /tmp/agnsup-private-probe", check=0)

@@ -307,6 +307,7 @@ def test_a_recreated_cgroup_with_another_inode_is_not_killed_through(agnsup, sta
         backend.remove(place)  # and the empty agent, run and base directories above it
 
 
+@pytest.mark.serial("a cost in milliseconds")
 def test_startup_check_is_one_cheap_query_when_nothing_is_dead(agnsup, worktree, state):
     from agnsup import janitor
     agnsup("run", "--workdir", worktree, "--cell", "q1", "--", "true", check=0)

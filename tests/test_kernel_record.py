@@ -39,6 +39,7 @@ def tight(policy_dir, agnsup):
     return "tight"
 
 
+@pytest.mark.serial("a fork bomb")
 def test_a_fork_bomb_the_gate_let_run_is_in_the_kernel_record_as_forks_refused_at_pids_max(
         agnsup, tight, worktree, tmp_path):
     rfile = tmp_path / "receipt.json"

@@ -91,6 +91,7 @@ def receipt_of(path) -> dict:
         return json.load(f)
 
 
+@pytest.mark.serial("a heartbeat may not stall 10 s beside the hog")
 def test_a_memory_hog_is_stopped_at_its_limit_with_reason_oom_while_another_cell_keeps_heartbeating(
         agnsup, tight, worktree, tmp_path):
     rfile = tmp_path / "receipt.json"
@@ -128,6 +129,7 @@ def test_the_oom_killer_taking_one_process_ends_the_whole_cell(agnsup, tight, wo
     assert took < 60
 
 
+@pytest.mark.serial("a fork bomb; a heartbeat may not stall 10 s beside it")
 def test_a_fork_bomb_stops_at_the_pids_limit_and_the_host_stays_responsive(agnsup, tight, worktree, tmp_path):
     rfile = tmp_path / "receipt.json"
     base = cgroup.base_node(cgroup.detect_layout(), agnsup.state)

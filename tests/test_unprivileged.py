@@ -8,6 +8,7 @@ lives under root's private home) that shares this run's packages, with AGNSUP_CG
 the state root is $XDG_STATE_HOME/agnsup. Cells get a user namespace of their own with mount and network
 namespaces inside, Landlock and seccomp; cancel and the janitor work; user and subtree are removed after.
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -53,19 +54,21 @@ def _venv() -> str:
     launcher = "import sys\nfrom agnsup.doors.entry import main\nsys.exit(main())\n"
     # the console script's text is in the stamp: a moved entry point makes a new venv, never a stale one
     venv = "/var/tmp/agnsup-test-user-venv-" + hashlib.sha256("\n".join([REPO, sys.prefix, *sites, launcher]).encode()).hexdigest()[:12]
-    if not os.path.exists(os.path.join(venv, ".ready")):
-        shutil.rmtree(venv, ignore_errors=True)
-        cp = subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], capture_output=True, text=True,
-                            timeout=300)
-        if cp.returncode != 0:
-            pytest.skip(f"ENV_BLOCKED: a venv of {SYSTEM_PYTHON} ({(cp.stderr.strip().splitlines() or ['?'])[-1]})")
-        with open(os.path.join(venv, "lib", f"python{mine}", "site-packages", "agnsup-test-run.pth"), "w") as f:
-            f.write("".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
-        script = os.path.join(venv, "bin", "agnsup")
-        with open(script, "w") as f:
-            f.write(f"#!{venv}/bin/python\n{launcher}")
-        os.chmod(script, 0o755)
-        open(os.path.join(venv, ".ready"), "w").close()
+    with open(venv + ".lock", "a") as lock:  # made once when two workers of one run ask (tests/_workers.py)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(venv, ".ready")):
+            shutil.rmtree(venv, ignore_errors=True)
+            cp = subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", venv], capture_output=True, text=True,
+                                timeout=300)
+            if cp.returncode != 0:
+                pytest.skip(f"ENV_BLOCKED: a venv of {SYSTEM_PYTHON} ({(cp.stderr.strip().splitlines() or ['?'])[-1]})")
+            with open(os.path.join(venv, "lib", f"python{mine}", "site-packages", "agnsup-test-run.pth"), "w") as f:
+                f.write("".join(f"import site; site.addsitedir({p!r})\n" for p in sites))
+            script = os.path.join(venv, "bin", "agnsup")
+            with open(script, "w") as f:
+                f.write(f"#!{venv}/bin/python\n{launcher}")
+            os.chmod(script, 0o755)
+            open(os.path.join(venv, ".ready"), "w").close()
     return venv
 
 

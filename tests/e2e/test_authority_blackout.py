@@ -21,6 +21,7 @@ from agnsup.selftest.gates import GATES, format_table
 
 SEED = int(os.environ.get("AGNSUP_SELFTEST_SEED", "5150"))
 BLOCKS, PER_BLOCK = 4, 5
+pytestmark = pytest.mark.serial("a scenario whose gates time heartbeats and rebind host ports")
 
 
 def _selftest(*args, timeout=290):

@@ -773,3 +773,18 @@ def test_a_tree_deeper_than_the_recursion_limit_is_recorded_and_removed(env):
     assert len(changes.prune(env.st, env.j, keep=0, keep_bytes=0)) == 2
     assert sorted(os.listdir(os.path.join(env.st, "changes"))) == [".xattr-probe", "pending"] or \
         not os.path.exists(os.path.join(env.st, "changes", "R"))
+
+
+def test_prepare_makes_the_runs_directory_again_when_a_neighbour_cell_took_it_as_empty(tmp_path, monkeypatch):
+    """Two cells of one run start at once: one that changed nothing removes the run's directory as empty
+    (_drop_layer) just after the other made or found it; the other's layer is made all the same."""
+    real, taken = os.mkdir, []
+
+    def mkdir(path, mode=0o777):
+        real(path, mode)
+        if path == str(tmp_path / "changes" / "R") and not taken:  # the neighbour's rmdir, right after
+            taken.append(path)
+            os.rmdir(path)
+    monkeypatch.setattr(changes.os, "mkdir", mkdir)
+    layer = changes.prepare(str(tmp_path), "R", "c1")
+    assert taken and os.path.isdir(layer.upper) and os.path.isdir(layer.work)

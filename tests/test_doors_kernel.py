@@ -268,7 +268,7 @@ def test_the_hosts_addresses_are_read_from_fib_trie_and_if_inet6():
 
 def test_the_hosts_addresses_are_cached_for_a_second_then_read_again(monkeypatch):
     reads = []
-    monkeypatch.setattr(hostaddrs, "_read", lambda p: reads.append(p) or "")
+    monkeypatch.setattr(hostaddrs.proc, "net", lambda name: reads.append(name) or "")  # the one /proc reader
     monkeypatch.setattr(hostaddrs, "_cached", (float("-inf"), frozenset()))
     hostaddrs.local_addresses(now=100.0)
     hostaddrs.local_addresses(now=100.5)

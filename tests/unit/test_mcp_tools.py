@@ -5,7 +5,7 @@ import pytest
 from agnsup.errors import UsageError
 from agnsup.doors.mcp.session import agent_name
 from agnsup.doors.mcp.tools import SCHEMAS, check_arguments
-from agnsup.doors.mcp.transport import parse_listen
+from agnsup.doors.mcp.command import parse_listen
 from agnsup.request import CellRequest
 
 

@@ -13,12 +13,10 @@ from mcp.server import Server
 from ...errors import AgnsupError, UsageError, as_value
 from .session import Session, Sessions
 from .tools import READ_ONLY, READ_TIMEOUT, SCHEMAS, check_arguments
-from .transport import CLIENT_GONE
 
-# Seconds between the progress notifications of a call that waits for a cell
-# (run_process, run_shell, wait); the first one comes as soon as the cell runs.
-PROGRESS_INTERVAL = 1.0
+PROGRESS_INTERVAL = 1.0  # seconds between a waiting call's progress notes (the first as soon as the cell runs)
 ENDED_WAIT = 2.0  # how long read_output waits, once the output ended, for the cell's result
+CLIENT_GONE = "agnsup.client_gone"  # ASGI scope key: an event set when an HTTP client hung up on a call
 
 
 def _result(value, error: bool = False):
@@ -32,9 +30,8 @@ def _refusal(e: AgnsupError):
     d = value.get("decision")
     if d:  # a denial: its rule, reason and hint where a model looks first
         value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
-    for key in ("conflicts", "later", "paths"):  # an undo's refusal: what is in the way, when said
-        if key in e.details:
-            value[key] = e.details[key]
+    # an undo's refusal: what is in the way, when said
+    value.update({key: e.details[key] for key in ("conflicts", "later", "paths") if key in e.details})
     return _result(value, error=True)
 
 
@@ -55,9 +52,8 @@ class Call:
             await to_thread.run_sync(lambda: self.s.sup.cancel(cell_id=cell_id, run_id=self.s.run_id))
 
     async def wait_for(self, cell_id: str, timeout: float | None, cancel_on_abort: bool):
-        """The cell's result, sending progress while it runs; {pending} after `timeout`.
-        If the request is cancelled (the client gave up, or went away) and this call
-        started the cell, the cell is cancelled too."""
+        """The cell's result, sending progress while it runs; {pending} after `timeout`. If the request is cancelled
+        (the client gave up, or went away) and this call started the cell, the cell is cancelled too."""
         gone = getattr(self.ctx.request, "scope", {}).get(CLIENT_GONE)  # HTTP only
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
@@ -103,16 +99,13 @@ class Call:
                 await self.cancel_cell(started[0]["cell_id"])
             raise
 
-    async def ran(self, argv, args, shell=False):
-        """run_process and run_shell: start the cell and wait for its end; a call given up on cancels it."""
-        h = await self.start(argv, args, shell=shell, cancel_on_abort=True)
+    async def run_process(self, args):
+        h = await self.start(args.pop("argv"), args, cancel_on_abort=True)
         return await self.wait_for(h["cell_id"], None, cancel_on_abort=True)
 
-    async def run_process(self, args):
-        return await self.ran(args.pop("argv"), args)
-
     async def run_shell(self, args):
-        return await self.ran(["sh", "-c", args.pop("command")], args, shell=True)
+        h = await self.start(["sh", "-c", args.pop("command")], args, shell=True, cancel_on_abort=True)
+        return await self.wait_for(h["cell_id"], None, cancel_on_abort=True)
 
     async def spawn(self, args):
         return await self.start(args.pop("argv"), {**args, "stream": True, "long_lived": True})
@@ -157,7 +150,8 @@ class Call:
                                                               bool(args.get("run")), args.get("grace")))
 
     async def ps(self, args):
-        return {"run_id": self.s.run_id, "cells": await to_thread.run_sync(self.s.cells, bool(args.get("all")))}
+        return {"run_id": self.s.run_id,
+                "cells": await to_thread.run_sync(self.s.sup.list, self.s.run_id, bool(args.get("all")))}
 
     async def receipt(self, args):
         return await to_thread.run_sync(self.s.receipt, args["cell_id"])
@@ -170,11 +164,9 @@ class Call:
                                                             bool(args.get("run")), bool(args.get("force"))))
 
 
-assert all(callable(getattr(Call, name, None)) for name in SCHEMAS)
-
-
 def build_server(sessions: Sessions):
     """The SDK's low-level Server with our tools."""
+    assert all(callable(getattr(Call, name, None)) for name in SCHEMAS)
 
     def of(ctx) -> Session:
         """The call's session: streamable HTTP names it in a header of each request."""

@@ -18,11 +18,6 @@ def agent_name(client_name: str | None) -> str:
     return name or "mcp-client"
 
 
-def _one_of(verb: str, cell_id, agent_id, run: bool) -> None:
-    if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
-        raise UsageError(f"{verb}: give exactly one of cell_id, agent_id or run: true")
-
-
 class Session:
     """One MCP session: its run, role and workdir, over one Supervisor."""
 
@@ -49,15 +44,13 @@ class Session:
         return h
 
     def cancel(self, cell_id=None, agent_id=None, run: bool = False, grace=None) -> dict:
-        _one_of("cancel", cell_id, agent_id, run)
+        if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
+            raise UsageError("cancel: give exactly one of cell_id, agent_id or run: true")
         if grace is not None and (isinstance(grace, bool) or grace < 0):
             raise UsageError(f"cancel: grace must be a number of seconds >= 0, not {grace!r}")
         if run and not self.sup.list(self.run_id, include_ended=True):
             return {"cancelled": 0, "cells": []}  # nothing ran yet: the run is not in the journal
         return self.sup.cancel(cell_id=cell_id, run_id=self.run_id, agent_id=agent_id, grace=grace)
-
-    def cells(self, include_ended: bool) -> list[dict]:
-        return self.sup.list(self.run_id, include_ended)
 
     def receipt(self, cell_id: str) -> dict:
         rec = self.sup.receipt(self.run_id, cell_id)
@@ -65,19 +58,17 @@ class Session:
 
     def diff(self, cell_id: str, stat: bool = False) -> dict:
         """What a cell of this session (or an undo record) changed, its diff text bounded."""
-        d = self.sup.diff(cell_id, self.run_id, stat)
-        room = DIFF_TEXT_MAX
+        d, room = self.sup.diff(cell_id, self.run_id, stat), DIFF_TEXT_MAX
         for e in d.get("entries") or []:
             text = e.get("diff")
             if isinstance(text, str) and len(text) > room:
-                e["diff"], e["diff_truncated"] = text[:room], True
-                d["truncated"] = True
-            room -= len(e.get("diff") or "")
-            room = max(room, 0)
+                e["diff"], e["diff_truncated"], d["truncated"] = text[:room], True, True
+            room = max(room - len(e.get("diff") or ""), 0)
         return d
 
     def undo(self, cell_id=None, agent_id=None, run: bool = False, force: bool = False) -> dict:
-        _one_of("undo", cell_id, agent_id, run)
+        if sum(x is not None for x in (cell_id, agent_id, run or None)) != 1:
+            raise UsageError("undo: give exactly one of cell_id, agent_id or run: true")
         return self.sup.undo(cell_id=cell_id, run_id=self.run_id, agent_id=agent_id, force=bool(force))
 
     def end(self) -> None:

@@ -38,12 +38,10 @@ def _spawn_tool(name: str, description: str) -> dict:
 
 def _shell_tool(name: str, description: str) -> dict:
     s = _cell_tool(name, description, _SPAWN_ONLY)
-    props = s["parameters"]["properties"]
-    del props["argv"]
-    s["parameters"]["properties"] = {"command": {"type": "string", "minLength": 1, "description":
-                                                 "One shell command line, run by sh -c and judged as shell text."},
-                                     **props}
-    s["parameters"]["required"] = ["command"]
+    command = {"type": "string", "minLength": 1, "description": "One shell command line, run by sh -c and judged as "
+                                                                "shell text."}
+    props = {k: v for k, v in s["parameters"]["properties"].items() if k != "argv"}
+    s["parameters"].update(required=["command"], properties={"command": command, **props})
     return s
 
 

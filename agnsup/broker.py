@@ -29,7 +29,7 @@ from .util import crashpoints
 from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
-from .linux import pidfd, proc
+from .linux import audit, pidfd, proc
 from .util.record import Factory, Record
 
 # How long after the leader ended a cell that another process cancelled (it owns
@@ -211,7 +211,7 @@ class Controller:
             stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
                 cell.protect_start = protect.start(plan)
-            _open_audit(cell)
+            cell.audit, cell.landlock_audit = audit.subscribe(plan)
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -231,7 +231,10 @@ class Controller:
             except BaseException:
                 cell.child = None  # reaped by release
                 raise
-            self._start_egress(cell)
+            if cell.child.egress_listener is not None:  # allowlist/internal: the proxy is the cell's only way out
+                from . import egress
+                cell.egress = egress.serve(cell.child.egress_listener, plan.egress_rules, self.journal.path,
+                                           spec.run_id, spec.cell_id)
             crashpoints.hit("after_exec")
             cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
@@ -242,22 +245,6 @@ class Controller:
             self.fail(cell, err)
             raise err from None
         return cell
-
-    def _start_egress(self, cell: Cell) -> None:
-        """allowlist/internal: the controller's proxy serves the cell's only way out (agnsup/egress/)."""
-        if cell.child.egress_listener is not None:
-            from . import egress
-            cell.egress = egress.serve(cell.child.egress_listener, cell.plan.egress_rules,
-                                       self.journal.path, cell.spec.run_id, cell.spec.cell_id)
-
-    def _stop_egress(self, cell: Cell) -> None:
-        """Close the proxy (and every connection it still relays); its records go to the receipt."""
-        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:
-            from . import egress
-            cell.network = egress.receipt_section(cell.egress, cell.plan.egress)
-            if cell.egress is None and cell.child is not None and cell.child.egress_listener is not None:
-                cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
-            cell.egress = None
 
     def _intent(self, cell: Cell, admit, state: str = "starting") -> None:
         spec, plan = cell.spec, cell.plan
@@ -398,18 +385,15 @@ class Controller:
         return receipt
 
     def _close_fds(self, cell: Cell) -> None:
-        self._stop_egress(cell)
-        if cell.audit is not None:  # the tree is dead: its Landlock domain has ended, or ends now
-            try:
-                cell.landlock_audit = cell.audit.collect()
-            finally:
-                cell.audit.close()
-                cell.audit = None
-        for end in (cell.input, cell.terminal):
-            if end is not None:
-                end.close()
-        if cell.pump is not None:
-            cell.pump.close()
+        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:  # the proxy's records
+            from . import egress
+            listener = cell.child.egress_listener if cell.child is not None else None
+            cell.network = egress.receipt_section(cell.egress, cell.plan.egress, listener)
+            cell.egress = None
+        if cell.audit is not None:
+            reader, cell.audit = cell.audit, None
+            cell.landlock_audit = audit.conclude(reader)
+        wiring.close(cell)
         if cell.place is not None and cell.place.oom_fd is not None:
             os.close(cell.place.oom_fd)
             cell.place.oom_fd = None
@@ -438,18 +422,3 @@ class Controller:
             self._ended = True
         return receipt
 
-
-def _open_audit(cell: Cell) -> None:
-    """A Landlock ABI 7 cell on a host that audits: subscribe to the audit log before the cell
-    exists, and name its domain (linux/audit.py). Elsewhere nothing is imported or called."""
-    plan = cell.plan
-    if plan.landlock_writable is None or plan.landlock_abi < 7:
-        return
-    from .linux import audit
-    if not audit.wanted():
-        return
-    cell.audit, why = audit.Reader.open()
-    if cell.audit is None:
-        cell.landlock_audit = {"why": why}
-    else:
-        plan.landlock_log_tag = cell.audit.tag

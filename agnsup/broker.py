@@ -352,7 +352,7 @@ class Controller:
                                                  cell.protect_start)
             changes.drop_quarantined(self.state.path, spec.run_id, spec.cell_id, cell.changes,
                                      cell.protected["quarantined"])
-        receipt = self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
+        receipt = self._conclude(cell, outcome, usage, reaper.release(self.backend, target))
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
@@ -380,7 +380,7 @@ class Controller:
         self._close_fds(cell)
         self._commit_changes(cell)  # what a cell killed before its start was recorded may have written
         r = reaper.reap(self.backend, target)
-        receipt = self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
+        receipt = self._conclude(cell, outcome, {}, r.released, error=error.message)
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
@@ -398,13 +398,8 @@ class Controller:
             os.close(cell.place.oom_fd)
             cell.place.oom_fd = None
 
-    @staticmethod
-    def _release(cell: Cell, released: list) -> list:
-        """The reaper's release dropped the worktree lock the cell's target carried."""
-        cell.lock_fd = None
-        return released
-
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+        cell.lock_fd = None  # `released`: the reaper's release dropped the worktree lock the cell's target carried
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:

@@ -29,7 +29,7 @@ from .util import crashpoints
 from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
-from .linux import audit, pidfd, proc
+from .linux import pidfd, proc
 from .util.record import Factory, Record
 
 # How long after the leader ended a cell that another process cancelled (it owns
@@ -211,7 +211,9 @@ class Controller:
             stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
                 cell.protect_start = protect.start(plan)
-            cell.audit, cell.landlock_audit = audit.subscribe(plan)
+            if plan.landlock_writable is not None and plan.landlock_abi >= 7:  # its denials, where the host audits
+                from .linux import audit
+                cell.audit, cell.landlock_audit = audit.subscribe(plan)
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -390,9 +392,9 @@ class Controller:
             listener = cell.child.egress_listener if cell.child is not None else None
             cell.network = egress.receipt_section(cell.egress, cell.plan.egress, listener)
             cell.egress = None
-        if cell.audit is not None:
+        if cell.audit is not None:  # the tree is dead: its Landlock domain has ended, or ends now
             reader, cell.audit = cell.audit, None
-            cell.landlock_audit = audit.conclude(reader)
+            cell.landlock_audit = reader.conclude()
         wiring.close(cell)
         if cell.place is not None and cell.place.oom_fd is not None:
             os.close(cell.place.oom_fd)

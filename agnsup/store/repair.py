@@ -44,7 +44,7 @@ def check(state) -> dict:
     from . import journal as jmod
     path = os.path.join(state.path, "journal.db")
     on_disk = jmod.cells_on_disk(state.path)
-    out = {"journal": path, "size": jmod._size(path), "wal_size": jmod._size(path + "-wal"),
+    out: dict = {"journal": path, "size": jmod._size(path), "wal_size": jmod._size(path + "-wal"),
            "cells_on_disk": len(on_disk), "problems": [], "unknown_cells": []}
     try:
         j = jmod.Journal(path)
@@ -101,7 +101,7 @@ def repair(state, backend=None) -> dict:
                 continue
             rpath, r, why = _receipt(state, run_id, cell_id)
             if r is None:
-                skipped.append({"cell": f"{run_id}/{cell_id}", "why": why + ": not imported; its id stays taken"})
+                skipped.append({"cell": f"{run_id}/{cell_id}", "why": f"{why}: not imported; its id stays taken"})
                 continue
             j.import_cell(r, rpath)
             imported.append(f"{run_id}/{cell_id}")

@@ -211,7 +211,9 @@ class Controller:
             stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
                 cell.protect_start = protect.start(plan)
-            _open_audit(cell)
+            if plan.landlock_writable is not None and plan.landlock_abi >= 7:  # its denials, where the host audits
+                from .linux import audit
+                cell.audit, cell.landlock_audit = audit.subscribe(plan)
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty)
@@ -231,7 +233,10 @@ class Controller:
             except BaseException:
                 cell.child = None  # reaped by release
                 raise
-            self._start_egress(cell)
+            if cell.child.egress_listener is not None:  # allowlist/internal: the proxy is the cell's only way out
+                from . import egress
+                cell.egress = egress.serve(cell.child.egress_listener, plan.egress_rules, self.journal.path,
+                                           spec.run_id, spec.cell_id)
             crashpoints.hit("after_exec")
             cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
@@ -242,22 +247,6 @@ class Controller:
             self.fail(cell, err)
             raise err from None
         return cell
-
-    def _start_egress(self, cell: Cell) -> None:
-        """allowlist/internal: the controller's proxy serves the cell's only way out (agnsup/egress/)."""
-        if cell.child.egress_listener is not None:
-            from . import egress
-            cell.egress = egress.serve(cell.child.egress_listener, cell.plan.egress_rules,
-                                       self.journal.path, cell.spec.run_id, cell.spec.cell_id)
-
-    def _stop_egress(self, cell: Cell) -> None:
-        """Close the proxy (and every connection it still relays); its records go to the receipt."""
-        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:
-            from . import egress
-            cell.network = egress.receipt_section(cell.egress, cell.plan.egress)
-            if cell.egress is None and cell.child is not None and cell.child.egress_listener is not None:
-                cell.child.egress_listener.close()  # the proxy never started: nobody serves the cell
-            cell.egress = None
 
     def _intent(self, cell: Cell, admit, state: str = "starting") -> None:
         spec, plan = cell.spec, cell.plan
@@ -365,7 +354,7 @@ class Controller:
                                                  cell.protect_start)
             changes.drop_quarantined(self.state.path, spec.run_id, spec.cell_id, cell.changes,
                                      cell.protected["quarantined"])
-        receipt = self._conclude(cell, outcome, usage, self._release(cell, reaper.release(self.backend, target)))
+        receipt = self._conclude(cell, outcome, usage, reaper.release(self.backend, target))
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
@@ -393,34 +382,26 @@ class Controller:
         self._close_fds(cell)
         self._commit_changes(cell)  # what a cell killed before its start was recorded may have written
         r = reaper.reap(self.backend, target)
-        receipt = self._conclude(cell, outcome, {}, self._release(cell, r.released), error=error.message)
+        receipt = self._conclude(cell, outcome, {}, r.released, error=error.message)
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
     def _close_fds(self, cell: Cell) -> None:
-        self._stop_egress(cell)
+        if cell.plan is not None and cell.plan.egress is not None and cell.network is None:  # the proxy's records
+            from . import egress
+            listener = cell.child.egress_listener if cell.child is not None else None
+            cell.network = egress.receipt_section(cell.egress, cell.plan.egress, listener)
+            cell.egress = None
         if cell.audit is not None:  # the tree is dead: its Landlock domain has ended, or ends now
-            try:
-                cell.landlock_audit = cell.audit.collect()
-            finally:
-                cell.audit.close()
-                cell.audit = None
-        for end in (cell.input, cell.terminal):
-            if end is not None:
-                end.close()
-        if cell.pump is not None:
-            cell.pump.close()
+            reader, cell.audit = cell.audit, None
+            cell.landlock_audit = reader.conclude()
+        wiring.close(cell)
         if cell.place is not None and cell.place.oom_fd is not None:
             os.close(cell.place.oom_fd)
             cell.place.oom_fd = None
 
-    @staticmethod
-    def _release(cell: Cell, released: list) -> list:
-        """The reaper's release dropped the worktree lock the cell's target carried."""
-        cell.lock_fd = None
-        return released
-
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+        cell.lock_fd = None  # `released`: the reaper's release dropped the worktree lock the cell's target carried
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
@@ -438,18 +419,3 @@ class Controller:
             self._ended = True
         return receipt
 
-
-def _open_audit(cell: Cell) -> None:
-    """A Landlock ABI 7 cell on a host that audits: subscribe to the audit log before the cell
-    exists, and name its domain (linux/audit.py). Elsewhere nothing is imported or called."""
-    plan = cell.plan
-    if plan.landlock_writable is None or plan.landlock_abi < 7:
-        return
-    from .linux import audit
-    if not audit.wanted():
-        return
-    cell.audit, why = audit.Reader.open()
-    if cell.audit is None:
-        cell.landlock_audit = {"why": why}
-    else:
-        plan.landlock_log_tag = cell.audit.tag

@@ -29,10 +29,10 @@ import agnsup.doors.cli, agnsup.doors.entry, agnsup.doors.serve, agnsup.doors.do
 """
 EXTRAS_PROBE = """
 import types
-import agnsup.doors.mcp, agnsup.doors.sandboxd, agnsup.doors.sandboxd.proto
+import agnsup.doors.mcp.server, agnsup.doors.sandboxd, agnsup.doors.sandboxd.proto
 from mcp.server.transport_security import TransportSecuritySettings
 sessions = types.SimpleNamespace(role="executor", workdir="/", run_id=None)
-server = agnsup.doors.mcp.build_server(sessions)
+server = agnsup.doors.mcp.server.build_server(sessions)
 server.streamable_http_app(host="127.0.0.1",
                            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
 agnsup.doors.sandboxd.proto.messages()

@@ -499,12 +499,12 @@ def test_the_peer_check_trusts_the_servers_own_uid_and_refuses_token_and_foreign
 
 
 def test_mcp_and_sandboxd_take_no_host_side_option_from_their_clients():
-    from agnsup.doors import mcp
+    from agnsup.doors.mcp.tools import check_arguments
     from agnsup.errors import UsageError
     for key, value in (("receipt_file", "/etc/cron.d/x"), ("host_env", {"PATH": "/tmp"})):
         for tool in ("run_process", "spawn"):
             with pytest.raises(UsageError, match=f"unknown argument.*{key}"):
-                mcp.check_arguments(tool, {"argv": ["true"], key: value})
+                check_arguments(tool, {"argv": ["true"], key: value})
     # sandboxd: what reaches Supervisor.spawn is its own fixed set (the client gives command, env, cwd)
     from agnsup.doors.sandboxd import process
     with open(process.__file__) as f:

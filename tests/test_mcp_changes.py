@@ -128,7 +128,7 @@ def test_a_spawned_cell_runs_live_and_undo_says_so_while_an_agents_cells_undo_to
 def test_the_diff_tool_bounds_the_text_it_returns():
     """A cell that rewrote a large text file must not flood the model's context: 64 KiB of diff text
     in all, the entries cut marked."""
-    from agnsup.doors.mcp import DIFF_TEXT_MAX, Session
+    from agnsup.doors.mcp.session import DIFF_TEXT_MAX, Session
 
     class Sup:
         def diff(self, cell_id, run_id, stat):

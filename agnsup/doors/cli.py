@@ -737,7 +737,7 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     When the client ends the session (or on SIGTERM/SIGINT), its cells are
     cancelled.
     """
-    from .mcp import main as mcp_main
+    from .mcp.command import main as mcp_main
     sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))
 
 

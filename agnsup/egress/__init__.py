@@ -50,8 +50,11 @@ def serve(listener, rules, journal_path: str, run_id: str, cell_id: str):
     return Proxy(listener, rules, resolve, JournalSink(journal_path, run_id, cell_id), how).start()
 
 
-def receipt_section(proxy, network: dict) -> dict:
-    """The receipt's `network` section (the broker's finish hook): the lists and every connection."""
+def receipt_section(proxy, network: dict, listener=None) -> dict:
+    """The receipt's `network` section (the broker's finish hook): the lists and every connection. The proxy is
+    closed (and every connection it still relays); one that never started leaves `listener` to close here."""
+    if proxy is None and listener is not None:
+        listener.close()  # the proxy never started: nobody serves the cell
     out = {"mode": network["mode"], "proxy": f"{PROXY_HOST}:{network['proxy_port']}",
            "allow": list(network.get("allow") or []), "deny": list(network.get("deny") or []),
            "allow_private": bool(network.get("allow_private")), "resolver": proxy.resolver_name if proxy else None}

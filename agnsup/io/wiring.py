@@ -79,6 +79,13 @@ def stdio(cell) -> tuple:
         raise
 
 
+def close(cell) -> None:
+    """The cell's live I/O ends (the tree is dead): the supervisor's ends of its stdin and terminal, the pump."""
+    for end in (cell.input, cell.terminal, cell.pump):
+        if end is not None:
+            end.close()
+
+
 def output_info(cell) -> dict:
     """The receipt's `output`: captured or passed through, how (the pump's account, or direct), and
     the captured files' sizes and digests."""

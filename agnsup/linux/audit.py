@@ -45,6 +45,19 @@ def wanted() -> bool:
     return os.geteuid() == 0 and (os.environ.get("AGNSUP_TEST_AUDIT") == "1" or os.path.exists(AUDITD_PID))
 
 
+def subscribe(plan) -> tuple[Reader | None, dict | None]:
+    """A Landlock ABI 7 cell's (the broker imports this module for those only): on a host that audits, (a Reader
+    subscribed to the audit log before the cell exists, None), the plan naming its domain (landlock_log_tag), or
+    (None, {"why": ...}); elsewhere (None, None), nothing called."""
+    if not wanted():
+        return None, None
+    reader, why = Reader.open()
+    if reader is None:
+        return None, {"why": why}
+    plan.landlock_log_tag = reader.tag
+    return reader, None
+
+
 class Reader:
     """Subscribed to the audit log; `tag` names the cell's Landlock domain (its creator's comm)."""
 
@@ -146,6 +159,13 @@ class Reader:
         if self.lost:
             out["lost"] = True
         return out
+
+    def conclude(self) -> dict:
+        """collect, then close: once the cell's tree is dead (its Landlock domain has ended, or ends now)."""
+        try:
+            return self.collect()
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.sock is not None:

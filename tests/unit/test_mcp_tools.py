@@ -3,7 +3,9 @@ argument checks that name the argument, agent ids from client names."""
 import pytest
 
 from agnsup.errors import UsageError
-from agnsup.doors.mcp import SCHEMAS, agent_name, check_arguments, parse_listen
+from agnsup.doors.mcp.session import agent_name
+from agnsup.doors.mcp.tools import SCHEMAS, check_arguments
+from agnsup.doors.mcp.command import parse_listen
 from agnsup.request import CellRequest
 
 

@@ -1,0 +1,161 @@
+"""The tools `agnsup mcp` offers: their JSON schemas (a cell request's: request.py's) and the check of a call."""
+from __future__ import annotations
+
+from ...errors import UsageError
+from ...request import CellRequest, tool_schema
+
+READ_TIMEOUT = 5.0  # read_output's default wait: long enough for a slow line, short enough to poll
+# Options of a cell request the front door sets itself (role: the server's command
+# line) or that make no sense for a call that waits for the end (stdin, pty, stream).
+_SERVER_OWNED = ("role",)
+_SPAWN_ONLY = ("stdin", "pty", "stream")
+
+_AGENT = {"type": "string", "description": "Agent id of this call's cell within the session (default: the MCP "
+                                           "client's name); cancel can stop one agent's cells."}
+_SIDE = {"type": "integer", "minimum": 1, "maximum": 65535}  # a terminal's cols or rows
+_CELL = {"type": "string", "description": "A cell id of this session (from spawn, ps or a result)."}
+
+
+def _cell_tool(name: str, description: str, exclude: tuple[str, ...] = ()) -> dict:
+    """A tool taking a cell request: the schema of request.tool_schema, less what the server owns."""
+    s = tool_schema(name, description, exclude=_SERVER_OWNED + exclude)
+    s["parameters"]["properties"]["agent_id"] = _AGENT
+    return s
+
+
+def _spawn_tool(name: str, description: str) -> dict:
+    """spawn: a cell request with live I/O. Every spawned cell streams (read_output works on
+    each); stdin and pty are the model's to ask for, described by request.py's help."""
+    s = _cell_tool(name, description, _SPAWN_ONLY)
+    opts = CellRequest.options()
+    s["parameters"]["properties"].update(
+        stdin={"type": "boolean", "description": opts["stdin"].help + " Default false."},
+        pty={"type": "object", "description": opts["pty"].help,
+             "properties": {"cols": _SIDE, "rows": _SIDE},
+             "required": ["cols", "rows"], "additionalProperties": False})
+    return s
+
+
+def _shell_tool(name: str, description: str) -> dict:
+    s = _cell_tool(name, description, _SPAWN_ONLY)
+    command = {"type": "string", "minLength": 1, "description": "One shell command line, run by sh -c and judged as "
+                                                                "shell text."}
+    props = {k: v for k, v in s["parameters"]["properties"].items() if k != "argv"}
+    s["parameters"].update(required=["command"], properties={"command": command, **props})
+    return s
+
+
+def _plain_tool(name: str, description: str, props: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": props, "required": list(required),
+                           "additionalProperties": False}}
+
+
+_RAN = ("Returns exit_code, state (exited, failed, timeout, cancelled, killed), reason, stdout, stderr "
+        "(the first 64 KiB each; *_truncated says when there was more), cell_id and the receipt's path. A "
+        "command's own non-zero exit is a result, not an error; a refusal (denied: rule, reason, hint) is a "
+        "tool error. Long calls send progress notifications. What the command changed in the worktree lands when "
+        "it ends and is recorded (changes: counts and paths): the diff tool shows it, undo takes it back.")
+SCHEMAS = {s["name"]: s for s in (
+    _cell_tool("run_process", "Run one command (an argv list, no shell) as a supervised, isolated cell of this "
+               "session and wait for it. The command gets an environment built from nothing, a private /tmp and "
+               "the server's role's filesystem, network and resource limits. " + _RAN, _SPAWN_ONLY),
+    _shell_tool("run_shell", "Run one shell command line (pipes, redirections, &&) with sh -c as a supervised, "
+                "isolated cell of this session and wait for it; the governance gate judges the whole line as "
+                "shell text. " + _RAN),
+    _spawn_tool("spawn", "Start one command (an argv list) as a cell of this session and return at once with "
+                "its cell_id and pid; then read_output, write_stdin (with stdin: true), signal, wait, receipt or "
+                "cancel with that cell_id. For servers, watchers, interactive programs and long builds. Its writes "
+                "reach the worktree as they happen and are not recorded: undo cannot take them back."),
+    _plain_tool("read_output", "Read a spawned cell's output incrementally: the chunks from seq `since` on, in "
+                "order, as text (stream stdout, stderr, or tty for a pty cell); call again with since = next. "
+                "Waits up to timeout seconds for output; ended: true once all output was read and the cell's "
+                "streams closed (then exit_code and state say how it ended).",
+                {"cell_id": _CELL,
+                 "since": {"type": "integer", "minimum": 0, "description": "First chunk to return (default 0)."},
+                 "timeout": {"type": "number", "minimum": 0, "description":
+                             f"Seconds to wait for a chunk (default {READ_TIMEOUT:g}; 0: do not wait)."},
+                 "max_bytes": {"type": "integer", "minimum": 1, "description":
+                               "Return at most this many bytes (but always one chunk, up to 64 KiB)."}},
+                ("cell_id",)),
+    _plain_tool("write_stdin", "Write text to the stdin of a cell spawned with stdin: true (waits while it does "
+                "not read); eof: true closes it afterwards (on a pty: ^D).",
+                {"cell_id": _CELL, "text": {"type": "string", "description": "What to write (UTF-8)."},
+                 "eof": {"type": "boolean", "description": "Close stdin after writing (default false)."}},
+                ("cell_id",)),
+    _plain_tool("resize", "Set the terminal size of a cell spawned with pty (it gets SIGWINCH).",
+                {"cell_id": _CELL, "cols": _SIDE, "rows": _SIDE}, ("cell_id", "cols", "rows")),
+    _plain_tool("signal", "Send a spawned cell INT or TERM (to its process group, like ^C in a terminal) or KILL "
+                "(the whole tree, daemons included; the cell ends killed).",
+                {"cell_id": _CELL, "sig": {"type": "string", "enum": ["INT", "TERM", "KILL"]}},
+                ("cell_id", "sig")),
+    _plain_tool("wait", "Wait for a cell of this session to end and return its result (as run_process does); "
+                "with timeout, {pending: true} when it still runs then. Sends progress notifications.",
+                {"cell_id": _CELL, "timeout": {"type": "number", "minimum": 0, "description":
+                                               "Seconds to wait at most (default: until it ends)."}}, ("cell_id",)),
+    _plain_tool("cancel", "Stop cells of this session: one cell (cell_id), one agent's cells (agent_id), or every "
+                "live cell (run: true; the session then refuses new cells). SIGTERM, a grace period, then SIGKILL "
+                "of the whole tree, daemons included. Returns cancelled (a count) and the cells.",
+                {"cell_id": _CELL, "agent_id": _AGENT,
+                 "run": {"type": "boolean", "description": "Cancel the whole session's run."},
+                 "grace": {"type": "number", "minimum": 0,
+                           "description": "Seconds between SIGTERM and SIGKILL (default: the role's)."}}),
+    _plain_tool("ps", "The cells of this session: cell_id, agent_id, state, exit_code, argv, pid, ... (live ones; "
+                "all: true for ended ones too).",
+                {"all": {"type": "boolean", "description": "Include ended cells."}}),
+    _plain_tool("receipt", "The receipt of an ended cell of this session: what ran, under which policy and "
+                "isolation, how it ended, its resource usage and the decision that let it run.",
+                {"cell_id": _CELL}, ("cell_id",)),
+    _plain_tool("diff", "What an ended cell of this session changed in the worktree (files created, modified, "
+                "deleted, mode changes, symlinks, directories, .git included), whatever command did it: entries "
+                "[{path, change, before, after}] with a unified diff of each text file (diff) or its sizes when "
+                "binary; stat: true gives added/removed line counts instead of the text. Also takes an undo's "
+                "record id (undo-...). Refused (as an error) for a cell that changed nothing or ran live.",
+                {"cell_id": {"type": "string", "description": "A cell id of this session, or an undo record id "
+                                                              "(undo-...) from undo."},
+                 "stat": {"type": "boolean", "description": "Line counts per file instead of the diff text "
+                                                            "(default false)."}}, ("cell_id",)),
+    _plain_tool("undo", "Put back what cells of this session changed in the worktree, exactly as before they ran: "
+                "one cell (cell_id), one agent's cells (agent_id) or every cell of the session (run: true), newest "
+                "first. Returns undone and records: each new undo record has an id (undo-...); undo that id to "
+                "redo. Refused, with nothing touched, when a later cell or something outside agnsup changed the "
+                "same paths since (error_type ChangeConflict, exit_code 75, naming them; force: true overwrites "
+                "their change), or when there is nothing to undo (NotReversible).",
+                {"cell_id": {"type": "string", "description": "A cell id of this session, or an undo record id "
+                                                              "(undo-...) to redo what it undid."},
+                 "agent_id": {"type": "string", "description": "Undo every cell of this agent in this session."},
+                 "run": {"type": "boolean", "description": "Undo every cell of this session with changes kept."},
+                 "force": {"type": "boolean", "description": "Undo even over a later change to the same paths "
+                                                             "(default false)."}}),
+)}
+READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff"}
+
+
+_JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
+               "array": (list,), "object": (dict,)}
+
+
+def check_arguments(name: str, arguments) -> dict:
+    """The call's arguments against the tool's schema (keys and JSON types): a
+    UsageError naming the argument. Values' ranges are CellRequest.make's to check."""
+    schema = SCHEMAS.get(name)
+    if schema is None:
+        raise UsageError(f"unknown tool {name!r} (known: {', '.join(SCHEMAS)})")
+    args = {} if arguments is None else arguments
+    if not isinstance(args, dict):
+        raise UsageError(f"arguments must be an object, not {type(args).__name__}")
+    props = schema["parameters"]["properties"]
+    extra = sorted(set(args) - set(props))
+    if extra:
+        raise UsageError(f"{name}: unknown argument(s) {', '.join(extra)} (known: {', '.join(props)})")
+    for key in schema["parameters"]["required"]:
+        if key not in args:
+            raise UsageError(f"{name}: {key} is required ({props[key]['description']})")
+    for key, value in args.items():
+        want = props[key].get("type")
+        ok = value is None or want is None or (isinstance(value, _JSON_TYPES[want])
+                                               and not (isinstance(value, bool) and want in ("number", "integer")))
+        if not ok:
+            raise UsageError(f"{name}: {key} must be a{'n' if want[0] in 'aeio' else ''} {want}, not {value!r}")
+    return dict(args)
+

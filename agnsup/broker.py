@@ -282,17 +282,7 @@ class Controller:
         if gaps and plan.require_limits:
             raise SetupError(f"role {spec.role} requires limits, which are not in force here: {'; '.join(gaps)}",
                              step="require")
-        cell.isolation = {
-            "cgroup_layout": backend.kind, "tracking": backend.tracking, "env_blocked": list(backend.env_blocked),
-            "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in plan.mount_ops),
-            "private_tmp": True, "masked": plan.deny_masked, "ipc_namespace": True,
-            "network_namespace": plan.new_netns, "network": plan.network,
-            "cap_sys_admin_dropped": 21 in plan.drop_caps,
-            "limits": cell.place.limits,
-            **plan.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
-        }
-        cell.isolation["not_in_force"] = [*cell.isolation["not_in_force"], *gaps]
-        cell.isolation.update(plan.reduced_by(backend, cell.isolation["not_in_force"]))  # isolation.reduced "cgroup"
+        cell.isolation = plan.isolation(backend, cell.place.limits, gaps)
         st = stage("backend", layout=backend.kind, cgroup=cell.place.paths(), cgroup_inode=cell.place.inode,
                    isolation=cell.isolation)
         cell.trace.append(st)

@@ -93,6 +93,22 @@ class ExecutionPlan(Record):
         return {"mode": "kill", "in_force": False, "how": "no PID namespace here: only the leader has "
                 "PR_SET_PDEATHSIG(SIGKILL); what it started is left to the janitor's next run"}
 
+    def isolation(self, backend, limits: dict, gaps: list[str]) -> dict:
+        """The receipt's isolation section once the backend made the cell's place: what is in force, with
+        the limits it set, and each one it could not (`gaps`) named as not in force."""
+        out = {
+            "cgroup_layout": backend.kind, "tracking": backend.tracking, "env_blocked": list(backend.env_blocked),
+            "mount_namespace": True, "readonly_root": any(op[0] == "root" and op[3] for op in self.mount_ops),
+            "private_tmp": True, "masked": self.deny_masked, "ipc_namespace": True,
+            "network_namespace": self.new_netns, "network": self.network,
+            "cap_sys_admin_dropped": 21 in self.drop_caps,
+            "limits": limits,
+            **self.protections(),  # seccomp, landlock, no_new_privs, capabilities, uid, pid_namespace
+        }
+        out["not_in_force"] = [*out["not_in_force"], *gaps]
+        out.update(self.reduced_by(backend, out["not_in_force"]))  # isolation.reduced "cgroup"
+        return out
+
     def reduced_by(self, backend, not_in_force: list[str]) -> dict:
         """The receipt's isolation `reduced` and `not_in_force` once the backend is known: a role that lists
         "cgroup" in isolation.reduced, on a backend without a tree (Untracked), runs without one, named."""

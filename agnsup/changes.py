@@ -48,6 +48,7 @@ import stat as S
 import sys
 import time
 
+from .linux import fs
 from .util import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
@@ -357,7 +358,7 @@ def _strip_overlay_xattrs(path: str) -> None:
 def _rm(path: str) -> None:
     """Remove a file or a whole tree, or raise (a removal that stopped halfway must not pass for
     done: apply decides what happened from what exists)."""
-    _rm_at(None, path)
+    fs.rmtree(path, strict=True)
 
 
 # -- the worktree is reached one component at a time, never through a symlink ------------------------------
@@ -409,91 +410,6 @@ def _lstat_at(dfd: int | None, name: str):
         return os.lstat(name, dir_fd=dfd)
     except (FileNotFoundError, NotADirectoryError):
         return None
-
-
-def _rm_at(dfd: int | None, name: str) -> None:
-    """Remove `name` (in directory `dfd`) and everything under it, through descriptors opened with
-    O_NOFOLLOW: a symlink in the tree is unlinked, never followed (shutil.rmtree's fd-based way, without
-    its ~2 ms of imports). A directory that refuses to be read (mode 000: a cell's, or a normal user's
-    overlay work/work) is opened up first. Raises when something stays."""
-    st = _lstat_at(dfd, name)
-    if st is None:
-        return
-    if S.S_ISDIR(st.st_mode):
-        fd = _open_dir_at(dfd, name)
-        try:
-            _empty(fd)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=dfd)
-    else:
-        os.unlink(name, dir_fd=dfd)
-
-
-def _open_dir_at(dfd: int | None, name: str) -> int:
-    try:
-        return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
-    except PermissionError:
-        _open_up_at(dfd, name)
-        return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
-
-
-def _open_up_at(dfd: int | None, name: str) -> None:
-    """Mode 0700 on the directory `name`, never through a symlink: what a normal user needs to read,
-    rename or empty a directory of mode 000 it owns (overlayfs's work/work)."""
-    pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-    try:
-        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
-    finally:
-        os.close(pfd)
-
-
-def _empty(fd: int) -> None:
-    """Empty the directory `fd` with two descriptors and no recursion, however deep the tree (a cell
-    can make a chain deeper than Python's recursion limit or RLIMIT_NOFILE): each subdirectory's own
-    subdirectories are renamed up into `fd` (renameat(2) within the tree), its files unlinked, and the
-    then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
-    n = 0
-    while True:
-        # a fresh descriptor each pass: btrfs does not show a second read of the same open directory the
-        # entries renamed into it after the first (its per-file last_index; ext4, xfs and tmpfs do)
-        pass_fd = os.open(".", _NOFOLLOW_DIR, dir_fd=fd)
-        try:
-            with os.scandir(pass_fd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        finally:
-            os.close(pass_fd)
-        if not entries:
-            return
-        for name, is_dir in entries:
-            if not is_dir:
-                os.unlink(name, dir_fd=fd)
-                continue
-            sub = _open_dir_at(fd, name)
-            try:
-                with os.scandir(sub) as it:
-                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-                for iname, idir in inner:
-                    if not idir:
-                        os.unlink(iname, dir_fd=sub)
-                        continue
-                    opened = False
-                    while True:  # up into fd, under a name no entry of fd has
-                        n += 1
-                        try:
-                            os.rename(iname, f".agnsup-rm-{n}", src_dir_fd=sub, dst_dir_fd=fd)
-                            break
-                        except PermissionError:  # moving a directory rewrites its "..": it must be writable
-                            if opened:
-                                raise
-                            _open_up_at(sub, iname)
-                            opened = True
-                        except OSError as e:
-                            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                                raise
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=fd)
 
 
 def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:
@@ -613,7 +529,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         return
     # (1) save the worktree's version
     if _lstat(b) is not None:
-        _rm_at(wfd, name)  # a cross-fs save that had not finished removing the original
+        fs.rmtree(name, wfd, strict=True)  # a cross-fs save that had not finished removing the original
     elif _lstat_at(wfd, name) is not None:
         os.makedirs(os.path.dirname(b), mode=0o700, exist_ok=True)
         if os.fstat(wfd).st_dev == _dev(b):
@@ -625,7 +541,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
             if _lstat(part) is not None:  # else a socket: nothing a copy could keep
                 os.rename(part, b)
             _step("put.saved_copy")
-            _rm_at(wfd, name)
+            fs.rmtree(name, wfd, strict=True)
     _step("put.saved")
     if src is None:
         return
@@ -636,7 +552,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         os.rename(src, name, dst_dir_fd=wfd)
     else:
         part = tmp + ".part"
-        _rm_at(wfd, part)
+        fs.rmtree(part, wfd, strict=True)
         _copy_at(None, src, wfd, part)
         if _lstat_at(wfd, part) is None:  # a socket the cell left bound: its name cannot be copied
             _rm(src)

@@ -49,7 +49,6 @@ from .util.record import Record
 DEFAULT_PORTS = (80, 443)
 MODES = ("allowlist", "internal")  # the network modes that go through the proxy
 # Address classes (address_class) and who may reach them.
-PRIVATE_CLASSES = frozenset({"loopback", "private", "link-local", "cgnat", "non-global"})
 NEVER_CLASSES = frozenset({"metadata", "multicast", "unspecified", "reserved", "malformed"})
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 

@@ -28,7 +28,6 @@ from .cgroups import CONTROLLERS, Cgroup2
 from ..linux import cgroup, delegation, proc
 
 BUSCTL = "/usr/bin/busctl"
-SYSTEM_BUS = "/run/dbus/system_bus_socket"  # (systemd's private socket refuses a scope's PIDs from busctl: EBADR)
 SLICE = "system.slice"
 ENTER_TIMEOUT = 30.0  # the job runs in systemd; on an emulated guest a StartTransientUnit took ~1 s
 

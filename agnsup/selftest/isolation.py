@@ -216,7 +216,6 @@ class Harness:
         from ..policy import find
         with open(find("executor")) as f:
             base = f.read()
-        self.role_errors: dict[str, str] = {}
         # selftest-limits requires its limits: where the host cannot hold them the hog and the bomb never
         # run unbounded on it (the refusal is the gate's ENV_BLOCKED evidence)
         for name, limits, extra in (("selftest", {}, {}), ("selftest-limits", LIMITS, {"require": '["limits"]'}),

@@ -433,7 +433,6 @@ class Scenario:
         if not info or info.get("pid") != leader.pid:
             raise Invalid(f"the innocent process on pid {leader.pid} did not start: {info}")
         self.innocent_watch = Watch("innocent", p.pid, info["starttime"])
-        self.innocent_info = info
         self.facts["pid_trap"] = {"pid": p.pid, "leader_starttime": leader.starttime,
                                   "innocent_starttime": info["starttime"], "note": note}
 

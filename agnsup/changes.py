@@ -47,6 +47,7 @@ import os
 import stat as S
 import sys
 import time
+from contextlib import suppress
 
 from .linux import fs
 from .util import crashpoints
@@ -125,10 +126,8 @@ def _pending_meta(state_root: str, run_id: str, record_id: str) -> dict:
 
 
 def _unmark_pending(state_root: str, run_id: str, record_id: str) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(_pending(state_root, run_id, record_id))
-    except FileNotFoundError:
-        pass
 
 
 def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] | None = None, *,
@@ -162,10 +161,8 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
     meta = {"run_id": run_id, "cell_id": cell_id, "agent_id": agent_id, "worktree": worktree, "id_shift": id_shift}
     if worktree is not None:
         st = os.stat(worktree)
-        try:
+        with suppress(PermissionError):  # a normal user's state root, another user's worktree: keep the mode only
             os.chown(layer.upper, st.st_uid, st.st_gid)
-        except PermissionError:  # a normal user's state root, another user's worktree: keep the mode only
-            pass
         os.chmod(layer.upper, S.S_IMODE(st.st_mode))
         meta["root"] = {"mode": S.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
         meta["worktree_id"] = [st.st_dev, st.st_ino]
@@ -232,11 +229,9 @@ def _probe(root: str) -> str | None:
     name = "trusted.agnsup.probe" if os.geteuid() == 0 else "user.agnsup.probe"
     probe = os.path.join(top, ".xattr-probe")
     stamp = str(dev).encode()
-    try:  # a probe that passed on this same file system (st_dev) before: one getxattr, no statfs
+    with suppress(OSError):  # a probe that passed on this same file system (st_dev) before: one getxattr, no statfs
         if os.getxattr(probe, name, follow_symlinks=False) == stamp:
             return None
-    except OSError:
-        pass
     t = fs_type(top)
     if t in _REFUSED_FS:
         return f"the state root {root} is on {_REFUSED_FS[t]}, which cannot hold an overlay upper layer"
@@ -333,11 +328,9 @@ def _whiteout(st) -> bool:
 
 def _opaque(path: str) -> bool:
     for name in OPAQUE:
-        try:
+        with suppress(OSError):
             if os.getxattr(path, name, follow_symlinks=False) in (b"y", b"x"):
                 return True
-        except OSError:
-            pass
     return False
 
 
@@ -349,10 +342,8 @@ def _strip_overlay_xattrs(path: str) -> None:
         return
     for n in names:
         if n.startswith(("trusted.overlay.", "user.overlay.")):
-            try:
+            with suppress(OSError):
                 os.removexattr(path, n, follow_symlinks=False)
-            except OSError:
-                pass
 
 
 def _rm(path: str) -> None:
@@ -609,10 +600,8 @@ def _apply(state_root: str, rec: str, plan: dict) -> dict:
     for p in ("upper", "work"):
         _rm(os.path.join(rec, p))
     for p in ("plan.json",):
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(os.path.join(rec, p))
-        except FileNotFoundError:
-            pass
     return record
 
 
@@ -792,33 +781,23 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
         # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
         # (overlayfs.rst, "Volatile mount"); a normal user (no CAP_DAC_OVERRIDE) opens it up first
         if os.geteuid() != 0:
-            try:
+            with suppress(FileNotFoundError):
                 os.chmod(os.path.join(d, "work/work"), 0o700)
-            except FileNotFoundError:
-                pass
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(os.path.join(d, "work/work/incompat/volatile/dirty"))
-        except FileNotFoundError:
-            pass
         for p in ("work/work/incompat/volatile", "work/work/incompat", "work/work", "work", "upper"):
-            try:
+            with suppress(FileNotFoundError):
                 os.rmdir(os.path.join(d, p))
-            except FileNotFoundError:
-                pass
         os.rmdir(d)
     except OSError:
         try:
             _rm(d)
         except OSError:  # a read-only or full state root: nothing changed, the janitor removes it later
             return
-    try:
+    with suppress(OSError):
         os.rmdir(os.path.dirname(d))  # the run's directory, when this was its only record
-    except OSError:
-        pass
-    try:
+    with suppress(OSError):
         _unmark_pending(state_root, run_id, record_id)
-    except OSError:
-        pass
 
 
 def land(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,
@@ -1415,10 +1394,8 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
         d = layer_dir(root, r["run_id"], r["record_id"])
         journal.set_change_state([(r["run_id"], r["record_id"])], "dropped")
         _rm(d)
-        try:
+        with suppress(OSError):
             os.rmdir(os.path.dirname(d))
-        except OSError:
-            pass
         n -= 1
         total -= r["bytes_saved"] or 0
         dropped.append(f"{r['run_id']}/{r['record_id']}")

@@ -5,6 +5,7 @@ The backend re-checks the plan; a plan that cannot be honoured fails before the 
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
 from .errors import SetupError, UsageError
 from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
@@ -72,11 +73,9 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
         d = os.path.dirname(p)
         while d not in ("/", ""):
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
-                try:
+                with suppress(OSError):
                     if not os.stat(d).st_mode & 0o001:
                         out.append(d)
-                except OSError:
-                    pass
             d = os.path.dirname(d)
     return outermost(out)
 

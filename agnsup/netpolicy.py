@@ -42,6 +42,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
+from contextlib import suppress
 from urllib.parse import unquote, urlsplit
 
 from .util.record import Record
@@ -203,10 +204,8 @@ def host_address(host: str):
     WHATWG accept, `localhost` (and `*.localhost`) as 127.0.0.1. Returns an
     ipaddress object, None for a name that needs resolving, or "malformed"."""
     bare = host.strip("[]").split("%", 1)[0]
-    try:
+    with suppress(ValueError):
         return ipaddress.ip_address(bare)
-    except ValueError:
-        pass
     if bare and _IPV4ISH.fullmatch(bare):
         v4 = parse_ipv4(bare)
         if v4:
@@ -277,16 +276,12 @@ def destination(host: str) -> Destination:
         bare = bare[1:-1]
     if "%" in bare:
         return Destination(host, malformed="an IPv6 zone index names an interface of the host")
-    try:
+    with suppress(ValueError):
         return Destination(host, address=ipaddress.ip_address(bare))
-    except ValueError:
-        pass
     _scheme, norm, _all = normalise_host("[" + bare + "]" if ":" in bare else bare)
     norm = _idna(norm)
-    try:
+    with suppress(ValueError):
         return Destination(host, address=ipaddress.ip_address(norm.strip("[]")))
-    except ValueError:
-        pass
     if looks_numeric(norm):
         v4 = parse_ipv4(norm)
         if v4 is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 
 from .util.digest import sha256
 from .errors import PolicyError
@@ -201,11 +202,9 @@ def load(role: str, state_root: str | None = None) -> Frozen:
     key = sha256(raw + _presets_digest()).hexdigest()
     cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
     if cache:
-        try:
+        with suppress((OSError, ValueError)):
             with open(cache) as f:
                 return Frozen(json.load(f))
-        except (OSError, ValueError):
-            pass
     data = validate(raw, path, role)
     data["_file"], data["_digest"] = path, "sha256:" + digest
     if data.get("_preset"):
@@ -336,11 +335,9 @@ def validate(raw: bytes, path: str, role: str | None = None) -> dict:
 
 
 def _write_cache(cache: str, data: dict) -> None:
-    try:
+    with suppress(OSError):  # a read-only state root only costs the validation next time
         os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
         tmp = f"{cache}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
         os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only state root only costs the validation next time

@@ -20,6 +20,7 @@ import errno
 import os
 import signal
 import time
+from contextlib import suppress
 
 from .base import Backend, Place
 from ..util import backoff
@@ -350,10 +351,8 @@ class Cgroup1(CgroupBackend):
                                    0.001, 0.001)
             self.signal(place, signal.SIGKILL)
         finally:
-            try:
+            with suppress(FileNotFoundError):
                 cgroup.write(state, "THAWED")  # a frozen v1 task cannot die until thawed
-            except FileNotFoundError:
-                pass
         return "freezer" if frozen else "freezer (never reached FROZEN: killed while freezing)"
 
 
@@ -382,15 +381,13 @@ def _v1_oom_eventfd(memory_dir: str) -> int | None:
 def _keyed(path: str) -> dict[str, int]:
     """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
     out: dict[str, int] = {}
-    try:
+    with suppress(OSError):
         for line in cgroup.read(path).splitlines():
             k, _, v = line.partition(" ")
             try:
                 out[k] = int(v)
             except ValueError:
                 continue
-    except OSError:
-        pass
     return out
 
 

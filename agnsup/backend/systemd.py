@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 
 from .cgroups import CONTROLLERS, Cgroup2
 from ..linux import cgroup, delegation, proc
@@ -152,10 +153,8 @@ class SystemdScope(Cgroup2):
 
     def _move_to_leaf(self, pid: int) -> None:
         leaf = os.path.join(self.scope_dir, f"ctl-{pid}")
-        try:
+        with suppress(FileExistsError):
             os.mkdir(leaf)
-        except FileExistsError:
-            pass
         cgroup.write(os.path.join(leaf, "cgroup.procs"), "0")
         for name in os.listdir(self.scope_dir):  # leaves of controllers gone (pids are not reused while we live)
             if name.startswith("ctl-") and name != f"ctl-{pid}":

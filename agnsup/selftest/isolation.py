@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 
 from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, FORK_BOMB, MEMORY_HOG,
                      STATE_ROOT, TTY_INJECTION, WRITE_ESCAPE)
@@ -392,7 +393,7 @@ def gate_network(h: Harness) -> dict:
     def listen():
         while not done.is_set():
             for s in (srv, udp):
-                try:
+                with suppress((socket.timeout, OSError)):
                     if s is srv:
                         c, peer = srv.accept()
                         got.append(f"tcp from {peer}")
@@ -400,8 +401,6 @@ def gate_network(h: Harness) -> dict:
                     else:
                         _, peer = udp.recvfrom(100)
                         got.append(f"udp from {peer}")
-                except (socket.timeout, OSError):
-                    pass
 
     t = threading.Thread(target=listen, daemon=True)
     t.start()
@@ -517,11 +516,9 @@ def gate_fork_bomb(h: Harness) -> dict:
 
     def watch():
         while not done.is_set():
-            try:
+            with suppress((OSError, ValueError)):
                 with open(counter) as f:
                     stats["most"] = max(stats["most"], int(f.read()))
-            except (OSError, ValueError):
-                pass
             t0 = time.monotonic()
             ok, _ = probe(lambda: None)  # the host can still start a process
             stats["slowest"] = max(stats["slowest"], time.monotonic() - t0)

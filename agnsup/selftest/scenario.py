@@ -21,6 +21,7 @@ import secrets
 import shutil
 import sys
 import time
+from contextlib import suppress
 
 from ..store.journal import TERMINAL_CELL, TERMINAL_RUN  # the states cli.md promises
 from .gates import Verdicts
@@ -742,10 +743,8 @@ class Scenario:
         for p in self.procs.started:
             if p.poll() is None:
                 p.kill()
-            try:
+            with suppress(Exception):  # noqa: BLE001
                 p.wait(10)
-            except Exception:  # noqa: BLE001
-                pass
             for s in (p.stdout, p.stderr):
                 if s:
                     s.close()

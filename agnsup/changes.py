@@ -1288,8 +1288,7 @@ def _content_at(root: str, later: list, row, record: dict, rel: str, want: dict,
     if own_before:
         cands.append(os.path.join(layer_dir(root, row["run_id"], row["record_id"]), "before", rel))
     cands.append((record["worktree"], rel))
-    for r in later:
-        cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
+    cands.extend(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel) for r in later)
     for c in cands:
         if _matches(_info(os.path.join(*c) if isinstance(c, tuple) else c), want, strict=False):
             return c, ""

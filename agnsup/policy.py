@@ -202,9 +202,8 @@ def load(role: str, state_root: str | None = None) -> Frozen:
     key = sha256(raw + _presets_digest()).hexdigest()
     cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
     if cache:
-        with suppress((OSError, ValueError)):
-            with open(cache) as f:
-                return Frozen(json.load(f))
+        with suppress((OSError, ValueError)), open(cache) as f:
+            return Frozen(json.load(f))
     data = validate(raw, path, role)
     data["_file"], data["_digest"] = path, "sha256:" + digest
     if data.get("_preset"):

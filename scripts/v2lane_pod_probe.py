@@ -120,10 +120,9 @@ def pids_of(pattern: str) -> list[int]:
     out = []
     for p in os.listdir("/proc"):
         if p.isdigit():
-            with suppress(OSError):
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if f.read().replace(b"\0", b" ").strip() == pattern.encode():
-                        out.append(int(p))
+            with suppress(OSError), open(f"/proc/{p}/cmdline", "rb") as f:
+                if f.read().replace(b"\0", b" ").strip() == pattern.encode():
+                    out.append(int(p))
     return out
 
 

@@ -118,12 +118,11 @@ def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
         return []
     if _passwd_cache.get("key") != key:
         homes = []
-        with suppress(OSError):
-            with open(passwd, errors="replace") as f:
-                for line in f:
-                    fields = line.split(":")
-                    if len(fields) > 6 and fields[5].startswith("/"):
-                        homes.append(os.path.normpath(fields[5]))
+        with suppress(OSError), open(passwd, errors="replace") as f:
+            for line in f:
+                fields = line.split(":")
+                if len(fields) > 6 and fields[5].startswith("/"):
+                    homes.append(os.path.normpath(fields[5]))
         _passwd_cache.update(key=key, homes=homes, real=None)
     return _passwd_cache["homes"]
 

@@ -516,9 +516,8 @@ def gate_fork_bomb(h: Harness) -> dict:
 
     def watch():
         while not done.is_set():
-            with suppress((OSError, ValueError)):
-                with open(counter) as f:
-                    stats["most"] = max(stats["most"], int(f.read()))
+            with suppress((OSError, ValueError)), open(counter) as f:
+                stats["most"] = max(stats["most"], int(f.read()))
             t0 = time.monotonic()
             ok, _ = probe(lambda: None)  # the host can still start a process
             stats["slowest"] = max(stats["slowest"], time.monotonic() - t0)

@@ -463,7 +463,7 @@ class Scenario:
         self.v.check("HEARTBEAT_CONTINUES", not grew, f"after recovery: grew {grew}" if grew else
                      f"{len(hbs)} heartbeat files still for 1 s after recovery reported done", "phase3")
         alive = [w.describe() for w in self.watches["A1"] if w.alive()]
-        tok = [p for p in _procs_with_token(self.token1)] if self.token1 else []
+        tok = list(_procs_with_token(self.token1)) if self.token1 else []
         self.v.check("ORPHAN_PROCESS_AFTER_CRASH", ok and not alive and not tok,
                      f"{how}; alive: {alive}; processes with A1's token: {tok}" if (alive or tok or not ok) else
                      f"{how}; all {len(self.watches['A1'])} processes of A1's tree dead (by pidfd), "

@@ -232,13 +232,14 @@ class Harness:
             with open(os.path.join(self.policies, name + ".toml"), "w") as f:
                 f.write(src)
 
-    def run(self, argv: list[str], role: str = "selftest", timeout: float = 60, capture: bool = True) -> dict:
+    def run(self, argv: list[str], role: str = "selftest", timeout: float = 60, capture: bool = True,
+            workdir: str | None = None) -> dict:
         from ..errors import AgnsupError, Denied
         from ..tool import run_process
         self.n += 1
         try:
             res = run_process(argv, role=role, run_id="selftest", cell_id=f"probe-{self.n}", state_dir=self.state,
-                              workdir=self.worktree, timeout=timeout, capture=capture, entry="selftest")
+                              workdir=workdir or self.worktree, timeout=timeout, capture=capture, entry="selftest")
         except AgnsupError as e:
             return {"error": e.message, "denied": isinstance(e, Denied), "exit_code": e.exit_code}
         with open(res["receipt"]) as f:

@@ -1266,10 +1266,8 @@ def reindex(state_root: str, journal) -> list[str]:
             d = layer_dir(root, run_id, rid)
             if os.path.exists(os.path.join(d, "plan.json")):
                 continue  # in flight: finish_all's
-            try:
+            with suppress(OSError, ValueError):
                 found.append(_read_json(os.path.join(d, "record.json")))
-            except (OSError, ValueError):
-                continue
     added = []
     for rec in sorted(found, key=lambda r: r["created_at"]):
         if journal.change_row(rec["run_id"], rec["record"]) is None:

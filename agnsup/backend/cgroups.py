@@ -51,12 +51,10 @@ class CgroupBackend(Backend):
         paths = place.node.paths
         for p in paths.values():
             for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
-                try:
+                with suppress(FileNotFoundError):
                     os.makedirs(os.path.dirname(p), exist_ok=True)
                     os.mkdir(p)
                     break
-                except FileNotFoundError:
-                    continue
             else:
                 raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
         v2 = paths.get("v2")
@@ -384,10 +382,8 @@ def _keyed(path: str) -> dict[str, int]:
     with suppress(OSError):
         for line in cgroup.read(path).splitlines():
             k, _, v = line.partition(" ")
-            try:
+            with suppress(ValueError):
                 out[k] = int(v)
-            except ValueError:
-                continue
     return out
 
 

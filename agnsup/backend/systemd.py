@@ -41,11 +41,9 @@ def booted() -> bool:
 def delegated(directory: str) -> bool:
     """systemd marks the cgroup of a unit with Delegate=yes with an xattr (systemd 251+)."""
     for name in ("trusted.delegate", "user.delegate"):
-        try:
+        with suppress(OSError):
             if os.getxattr(directory, name) == b"1":
                 return True
-        except OSError:
-            continue
     return False
 
 

@@ -109,6 +109,6 @@ def main() -> None:
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).
     for stream in (sys.stdout, sys.stderr):
-        with suppress((OSError, ValueError)):
+        with suppress(OSError, ValueError):
             stream.flush()
     os._exit(result["exit_code"])

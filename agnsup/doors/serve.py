@@ -437,15 +437,13 @@ def _keyboard_to(path: str, ids: dict):
     tty.setraw(0, termios.TCSANOW)
 
     def keys() -> None:
-        try:
+        with suppress(AgnsupError, OSError):  # the cell ended (its stdin is closed), or our terminal went away
             with Client(path) as side:
                 while True:
                     data = os.read(0, 4096)
                     side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=not data)
                     if not data:
                         return
-        except (AgnsupError, OSError):
-            return  # the cell ended (its stdin is closed), or our terminal went away
     threading.Thread(target=keys, name="agnsup-keys", daemon=True).start()
     return modes
 

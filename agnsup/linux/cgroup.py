@@ -304,10 +304,8 @@ def procs(path: str) -> list[int]:
     """Every pid in `path` and its descendants (cgroup.procs is per directory)."""
     out: list[int] = []
     for d in walk(path):
-        try:
+        with suppress(FileNotFoundError, OSError):
             out.extend(int(x) for x in read(os.path.join(d, "cgroup.procs")).split())
-        except (FileNotFoundError, OSError):
-            continue
     return out
 
 

@@ -394,7 +394,7 @@ def gate_network(h: Harness) -> dict:
     def listen():
         while not done.is_set():
             for s in (srv, udp):
-                with suppress((socket.timeout, OSError)):
+                with suppress(socket.timeout, OSError):
                     if s is srv:
                         c, peer = srv.accept()
                         got.append(f"tcp from {peer}")
@@ -517,7 +517,7 @@ def gate_fork_bomb(h: Harness) -> dict:
 
     def watch():
         while not done.is_set():
-            with suppress((OSError, ValueError)), open(counter) as f:
+            with suppress(OSError, ValueError), open(counter) as f:
                 stats["most"] = max(stats["most"], int(f.read()))
             t0 = time.monotonic()
             ok, _ = probe(lambda: None)  # the host can still start a process

@@ -273,12 +273,11 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def _lstat(path: str):
+def _lstat(path: str, dir_fd: int | None = None):
+    """os.lstat, or None where nothing is (or a parent is a file now)."""
     try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:  # a parent is a file now
+        return os.lstat(path, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -396,13 +395,6 @@ def _open_in(wt: str, rel: str) -> int:
         os.close(fd)
 
 
-def _lstat_at(dfd: int | None, name: str):
-    try:
-        return os.lstat(name, dir_fd=dfd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:
     """Owner, mode (not a symlink's) and times of `name`, following no symlink: the mode through an
     O_PATH descriptor's /proc link, as chmod(2) has no working AT_SYMLINK_NOFOLLOW on Linux."""
@@ -510,10 +502,10 @@ def _put(wt: str, rec: str, i: int, op: dict) -> None:
 def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool) -> None:
     """One put, `name` in the worktree directory `wfd`; `tmp`: the name of a cross-fs copy beside it."""
     if src is not None and _lstat(src) is None:  # installed, or copied and its source removed
-        if _lstat_at(wfd, tmp) is not None:
+        if _lstat(tmp, wfd) is not None:
             os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
         return
-    if src is not None and _lstat_at(wfd, tmp) is not None:  # a complete cross-fs copy: finish it
+    if src is not None and _lstat(tmp, wfd) is not None:  # a complete cross-fs copy: finish it
         _rm(src)
         _step("put.src_removed")
         os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
@@ -521,7 +513,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
     # (1) save the worktree's version
     if _lstat(b) is not None:
         fs.rmtree(name, wfd, strict=True)  # a cross-fs save that had not finished removing the original
-    elif _lstat_at(wfd, name) is not None:
+    elif _lstat(name, wfd) is not None:
         os.makedirs(os.path.dirname(b), mode=0o700, exist_ok=True)
         if os.fstat(wfd).st_dev == _dev(b):
             os.rename(name, b, src_dir_fd=wfd)
@@ -545,7 +537,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         part = tmp + ".part"
         fs.rmtree(part, wfd, strict=True)
         _copy_at(None, src, wfd, part)
-        if _lstat_at(wfd, part) is None:  # a socket the cell left bound: its name cannot be copied
+        if _lstat(part, wfd) is None:  # a socket the cell left bound: its name cannot be copied
             _rm(src)
             return
         os.rename(part, tmp, src_dir_fd=wfd, dst_dir_fd=wfd)
@@ -569,7 +561,7 @@ def _meta(wt: str, op: dict) -> None:
         return
     try:
         name = os.path.basename(rel)
-        st = _lstat_at(wfd, name)
+        st = _lstat(name, wfd)
         if st is None:
             return
         mtime = (st.st_atime_ns, to["mtime_ns"]) if to.get("mtime_ns") is not None else None

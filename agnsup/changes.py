@@ -47,7 +47,9 @@ import os
 import stat as S
 import sys
 import time
+from contextlib import suppress
 
+from .linux import fs
 from .util import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
 
@@ -124,10 +126,8 @@ def _pending_meta(state_root: str, run_id: str, record_id: str) -> dict:
 
 
 def _unmark_pending(state_root: str, run_id: str, record_id: str) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(_pending(state_root, run_id, record_id))
-    except FileNotFoundError:
-        pass
 
 
 def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] | None = None, *,
@@ -161,10 +161,8 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
     meta = {"run_id": run_id, "cell_id": cell_id, "agent_id": agent_id, "worktree": worktree, "id_shift": id_shift}
     if worktree is not None:
         st = os.stat(worktree)
-        try:
+        with suppress(PermissionError):  # a normal user's state root, another user's worktree: keep the mode only
             os.chown(layer.upper, st.st_uid, st.st_gid)
-        except PermissionError:  # a normal user's state root, another user's worktree: keep the mode only
-            pass
         os.chmod(layer.upper, S.S_IMODE(st.st_mode))
         meta["root"] = {"mode": S.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
         meta["worktree_id"] = [st.st_dev, st.st_ino]
@@ -231,11 +229,9 @@ def _probe(root: str) -> str | None:
     name = "trusted.agnsup.probe" if os.geteuid() == 0 else "user.agnsup.probe"
     probe = os.path.join(top, ".xattr-probe")
     stamp = str(dev).encode()
-    try:  # a probe that passed on this same file system (st_dev) before: one getxattr, no statfs
+    with suppress(OSError):  # a probe that passed on this same file system (st_dev) before: one getxattr, no statfs
         if os.getxattr(probe, name, follow_symlinks=False) == stamp:
             return None
-    except OSError:
-        pass
     t = fs_type(top)
     if t in _REFUSED_FS:
         return f"the state root {root} is on {_REFUSED_FS[t]}, which cannot hold an overlay upper layer"
@@ -277,12 +273,11 @@ def _read_json(path: str):
         return json.load(f)
 
 
-def _lstat(path: str):
+def _lstat(path: str, dir_fd: int | None = None):
+    """os.lstat, or None where nothing is (or a parent is a file now)."""
     try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:  # a parent is a file now
+        return os.lstat(path, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -332,11 +327,9 @@ def _whiteout(st) -> bool:
 
 def _opaque(path: str) -> bool:
     for name in OPAQUE:
-        try:
+        with suppress(OSError):
             if os.getxattr(path, name, follow_symlinks=False) in (b"y", b"x"):
                 return True
-        except OSError:
-            pass
     return False
 
 
@@ -348,16 +341,14 @@ def _strip_overlay_xattrs(path: str) -> None:
         return
     for n in names:
         if n.startswith(("trusted.overlay.", "user.overlay.")):
-            try:
+            with suppress(OSError):
                 os.removexattr(path, n, follow_symlinks=False)
-            except OSError:
-                pass
 
 
 def _rm(path: str) -> None:
     """Remove a file or a whole tree, or raise (a removal that stopped halfway must not pass for
     done: apply decides what happened from what exists)."""
-    _rm_at(None, path)
+    fs.rmtree(path, strict=True)
 
 
 # -- the worktree is reached one component at a time, never through a symlink ------------------------------
@@ -402,98 +393,6 @@ def _open_in(wt: str, rel: str) -> int:
         return os.open(os.path.basename(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
     finally:
         os.close(fd)
-
-
-def _lstat_at(dfd: int | None, name: str):
-    try:
-        return os.lstat(name, dir_fd=dfd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _rm_at(dfd: int | None, name: str) -> None:
-    """Remove `name` (in directory `dfd`) and everything under it, through descriptors opened with
-    O_NOFOLLOW: a symlink in the tree is unlinked, never followed (shutil.rmtree's fd-based way, without
-    its ~2 ms of imports). A directory that refuses to be read (mode 000: a cell's, or a normal user's
-    overlay work/work) is opened up first. Raises when something stays."""
-    st = _lstat_at(dfd, name)
-    if st is None:
-        return
-    if S.S_ISDIR(st.st_mode):
-        fd = _open_dir_at(dfd, name)
-        try:
-            _empty(fd)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=dfd)
-    else:
-        os.unlink(name, dir_fd=dfd)
-
-
-def _open_dir_at(dfd: int | None, name: str) -> int:
-    try:
-        return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
-    except PermissionError:
-        _open_up_at(dfd, name)
-        return os.open(name, _NOFOLLOW_DIR, dir_fd=dfd)
-
-
-def _open_up_at(dfd: int | None, name: str) -> None:
-    """Mode 0700 on the directory `name`, never through a symlink: what a normal user needs to read,
-    rename or empty a directory of mode 000 it owns (overlayfs's work/work)."""
-    pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-    try:
-        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
-    finally:
-        os.close(pfd)
-
-
-def _empty(fd: int) -> None:
-    """Empty the directory `fd` with two descriptors and no recursion, however deep the tree (a cell
-    can make a chain deeper than Python's recursion limit or RLIMIT_NOFILE): each subdirectory's own
-    subdirectories are renamed up into `fd` (renameat(2) within the tree), its files unlinked, and the
-    then empty subdirectory removed; until `fd` is empty. Every directory moves once: O(entries)."""
-    n = 0
-    while True:
-        # a fresh descriptor each pass: btrfs does not show a second read of the same open directory the
-        # entries renamed into it after the first (its per-file last_index; ext4, xfs and tmpfs do)
-        pass_fd = os.open(".", _NOFOLLOW_DIR, dir_fd=fd)
-        try:
-            with os.scandir(pass_fd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        finally:
-            os.close(pass_fd)
-        if not entries:
-            return
-        for name, is_dir in entries:
-            if not is_dir:
-                os.unlink(name, dir_fd=fd)
-                continue
-            sub = _open_dir_at(fd, name)
-            try:
-                with os.scandir(sub) as it:
-                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-                for iname, idir in inner:
-                    if not idir:
-                        os.unlink(iname, dir_fd=sub)
-                        continue
-                    opened = False
-                    while True:  # up into fd, under a name no entry of fd has
-                        n += 1
-                        try:
-                            os.rename(iname, f".agnsup-rm-{n}", src_dir_fd=sub, dst_dir_fd=fd)
-                            break
-                        except PermissionError:  # moving a directory rewrites its "..": it must be writable
-                            if opened:
-                                raise
-                            _open_up_at(sub, iname)
-                            opened = True
-                        except OSError as e:
-                            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                                raise
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=fd)
 
 
 def _set_meta_at(dfd: int | None, name: str, uid: int, gid: int, mode: int | None, mtime=None) -> None:
@@ -603,18 +502,18 @@ def _put(wt: str, rec: str, i: int, op: dict) -> None:
 def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool) -> None:
     """One put, `name` in the worktree directory `wfd`; `tmp`: the name of a cross-fs copy beside it."""
     if src is not None and _lstat(src) is None:  # installed, or copied and its source removed
-        if _lstat_at(wfd, tmp) is not None:
+        if _lstat(tmp, wfd) is not None:
             os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
         return
-    if src is not None and _lstat_at(wfd, tmp) is not None:  # a complete cross-fs copy: finish it
+    if src is not None and _lstat(tmp, wfd) is not None:  # a complete cross-fs copy: finish it
         _rm(src)
         _step("put.src_removed")
         os.rename(tmp, name, src_dir_fd=wfd, dst_dir_fd=wfd)
         return
     # (1) save the worktree's version
     if _lstat(b) is not None:
-        _rm_at(wfd, name)  # a cross-fs save that had not finished removing the original
-    elif _lstat_at(wfd, name) is not None:
+        fs.rmtree(name, wfd, strict=True)  # a cross-fs save that had not finished removing the original
+    elif _lstat(name, wfd) is not None:
         os.makedirs(os.path.dirname(b), mode=0o700, exist_ok=True)
         if os.fstat(wfd).st_dev == _dev(b):
             os.rename(name, b, src_dir_fd=wfd)
@@ -625,7 +524,7 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
             if _lstat(part) is not None:  # else a socket: nothing a copy could keep
                 os.rename(part, b)
             _step("put.saved_copy")
-            _rm_at(wfd, name)
+            fs.rmtree(name, wfd, strict=True)
     _step("put.saved")
     if src is None:
         return
@@ -636,9 +535,9 @@ def _put_at(wfd: int, name: str, b: str, src: str | None, tmp: str, strip: bool)
         os.rename(src, name, dst_dir_fd=wfd)
     else:
         part = tmp + ".part"
-        _rm_at(wfd, part)
+        fs.rmtree(part, wfd, strict=True)
         _copy_at(None, src, wfd, part)
-        if _lstat_at(wfd, part) is None:  # a socket the cell left bound: its name cannot be copied
+        if _lstat(part, wfd) is None:  # a socket the cell left bound: its name cannot be copied
             _rm(src)
             return
         os.rename(part, tmp, src_dir_fd=wfd, dst_dir_fd=wfd)
@@ -662,7 +561,7 @@ def _meta(wt: str, op: dict) -> None:
         return
     try:
         name = os.path.basename(rel)
-        st = _lstat_at(wfd, name)
+        st = _lstat(name, wfd)
         if st is None:
             return
         mtime = (st.st_atime_ns, to["mtime_ns"]) if to.get("mtime_ns") is not None else None
@@ -693,10 +592,8 @@ def _apply(state_root: str, rec: str, plan: dict) -> dict:
     for p in ("upper", "work"):
         _rm(os.path.join(rec, p))
     for p in ("plan.json",):
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(os.path.join(rec, p))
-        except FileNotFoundError:
-            pass
     return record
 
 
@@ -876,33 +773,23 @@ def _drop_layer(state_root: str, run_id: str, record_id: str) -> None:
         # work/work: the kernel's, mode 000, empty; a `volatile` mount leaves incompat/volatile/dirty in it
         # (overlayfs.rst, "Volatile mount"); a normal user (no CAP_DAC_OVERRIDE) opens it up first
         if os.geteuid() != 0:
-            try:
+            with suppress(FileNotFoundError):
                 os.chmod(os.path.join(d, "work/work"), 0o700)
-            except FileNotFoundError:
-                pass
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(os.path.join(d, "work/work/incompat/volatile/dirty"))
-        except FileNotFoundError:
-            pass
         for p in ("work/work/incompat/volatile", "work/work/incompat", "work/work", "work", "upper"):
-            try:
+            with suppress(FileNotFoundError):
                 os.rmdir(os.path.join(d, p))
-            except FileNotFoundError:
-                pass
         os.rmdir(d)
     except OSError:
         try:
             _rm(d)
         except OSError:  # a read-only or full state root: nothing changed, the janitor removes it later
             return
-    try:
+    with suppress(OSError):
         os.rmdir(os.path.dirname(d))  # the run's directory, when this was its only record
-    except OSError:
-        pass
-    try:
+    with suppress(OSError):
         _unmark_pending(state_root, run_id, record_id)
-    except OSError:
-        pass
 
 
 def land(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_id: str,
@@ -1371,10 +1258,8 @@ def reindex(state_root: str, journal) -> list[str]:
             d = layer_dir(root, run_id, rid)
             if os.path.exists(os.path.join(d, "plan.json")):
                 continue  # in flight: finish_all's
-            try:
+            with suppress(OSError, ValueError):
                 found.append(_read_json(os.path.join(d, "record.json")))
-            except (OSError, ValueError):
-                continue
     added = []
     for rec in sorted(found, key=lambda r: r["created_at"]):
         if journal.change_row(rec["run_id"], rec["record"]) is None:
@@ -1393,8 +1278,7 @@ def _content_at(root: str, later: list, row, record: dict, rel: str, want: dict,
     if own_before:
         cands.append(os.path.join(layer_dir(root, row["run_id"], row["record_id"]), "before", rel))
     cands.append((record["worktree"], rel))
-    for r in later:
-        cands.append(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel))
+    cands.extend(os.path.join(layer_dir(root, r["run_id"], r["record_id"]), "before", rel) for r in later)
     for c in cands:
         if _matches(_info(os.path.join(*c) if isinstance(c, tuple) else c), want, strict=False):
             return c, ""
@@ -1499,10 +1383,8 @@ def prune(state, journal, keep: int, keep_bytes: int) -> list[str]:
         d = layer_dir(root, r["run_id"], r["record_id"])
         journal.set_change_state([(r["run_id"], r["record_id"])], "dropped")
         _rm(d)
-        try:
+        with suppress(OSError):
             os.rmdir(os.path.dirname(d))
-        except OSError:
-            pass
         n -= 1
         total -= r["bytes_saved"] or 0
         dropped.append(f"{r['run_id']}/{r['record_id']}")

@@ -5,6 +5,7 @@ The backend re-checks the plan; a plan that cannot be honoured fails before the 
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
 from .errors import SetupError, UsageError
 from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
@@ -72,11 +73,9 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
         d = os.path.dirname(p)
         while d not in ("/", ""):
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
-                try:
+                with suppress(OSError):
                     if not os.stat(d).st_mode & 0o001:
                         out.append(d)
-                except OSError:
-                    pass
             d = os.path.dirname(d)
     return outermost(out)
 
@@ -211,28 +210,33 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     sockets = _seen_sockets(shown=[wt, *tmp_rt, *exposed], hidden=[*hidden, *run_dirs, *masked],
                             allowed=allowed_sockets)
     ops.extend(("mask", p) for p in sockets)
+    return _plan(policy, spec, reduced, conf, home, wt, None, offline_files,
+                 cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops, tmp_tmpfs=tmp_tmpfs, deny_masked=masked,
+                 home_hidden=hidden, home_exposed=exposed, caches=caches, devices=devices, shm_max=shm_max,
+                 protected=protected, protected_lifted=lifted, run_private=run_dirs, run_shown=run_shown,
+                 sockets_masked=sockets, sockets_allowed=allowed_sockets, changes=changes)
+
+
+def _plan(policy, spec: CellSpec, reduced: dict, conf: dict, home: str, wt: str, links_tmpdir: str | None,
+          more_files: list, **fields) -> ExecutionPlan:
+    """What the full and the reduced plan fill alike; `fields`: the rest, where they differ."""
+    fs, lim = policy.filesystem, policy.limits
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
     from .redact import config_of as redact_config  # plain data: nothing is compiled here
-    lim = policy.limits
     spec, net = _reduced_network(spec, policy, reduced, conf)
     proxied = net in ("allowlist", "internal")
     if proxied:
         from .netpolicy import Rules
         conf["egress_rules"] = Rules.of(policy.network)
     return ExecutionPlan(
-        spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops,
-        new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
+        spec=spec, new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
         reduced_accepted=list(policy.isolation.get("reduced", ())),
         egress=policy.network.as_dict() if proxied else None,
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
-        tmp_tmpfs=tmp_tmpfs,
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
-        worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=masked,
-        home=fs.home, home_hidden=hidden, home_exposed=exposed, redact=redact_config(policy.governance),
-        tmp_links=_runtime_links(spec) + home_links, tmp_files=home_files + offline_files, home_config=home_config,
-        caches=caches, devices=devices, shm_max=shm_max, protected=protected, protected_lifted=lifted,
-        run_private=run_dirs, run_shown=run_shown, sockets_masked=sockets, sockets_allowed=allowed_sockets,
-        changes=changes, **conf)
+        worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), home=fs.home,
+        redact=redact_config(policy.governance), tmp_links=_runtime_links(spec, links_tmpdir) + home_links,
+        tmp_files=home_files + more_files, home_config=home_config, **fields, **conf)
 
 
 def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, conf: dict) -> dict:
@@ -672,7 +676,7 @@ def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: 
     there), the only place besides the worktree (rw) that Landlock lets it write."""
     from .util.record import replace
     from .spec import CELL_TMP
-    fs, lim = policy.filesystem, policy.limits
+    fs = policy.filesystem
     wt = spec.worktree or spec.workdir
     cell_dir = os.path.join(state_root, "cells", spec.run_id, spec.cell_id)
     tmpdir = os.path.join(cell_dir, "tmp")
@@ -702,22 +706,7 @@ def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: 
         lost.append("writes outside the worktree and the cell's /tmp: nothing but the uid's own permissions "
                     "holds them (no Landlock)")
     conf["not_in_force"].extend(f"{x} (reduced: no mount namespace)" for x in lost)
-    home_links, home_files, home_config = _home_config(fs, spec, home, wt)
-    from .redact import config_of as redact_config
-    spec, net = _reduced_network(spec, policy, reduced, conf)
-    proxied = net in ("allowlist", "internal")
-    if proxied:
-        from .netpolicy import Rules
-        conf["egress_rules"] = Rules.of(policy.network)
-    return ExecutionPlan(
-        spec=spec, cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=[], mount_namespace=False,
-        new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
-        reduced_accepted=list(policy.isolation.get("reduced", ())),
-        egress=policy.network.as_dict() if proxied else None,
-        limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
-        tmp_tmpfs=False, grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
-        worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), deny_masked=[],
-        home=fs.home, redact=redact_config(policy.governance),
-        tmp_links=_runtime_links(spec, tmpdir) + home_links, tmp_files=home_files, home_config=home_config,
-        caches=[], devices=devices, shm_max=0, protected=[], protected_lifted=list(fs.writable_protected),
-        changes=changes, **conf)
+    return _plan(policy, spec, reduced, conf, home, wt, tmpdir, [],
+                 cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=[], mount_namespace=False, tmp_tmpfs=False,
+                 deny_masked=[], caches=[], devices=devices, shm_max=0, protected=[],
+                 protected_lifted=list(fs.writable_protected), changes=changes)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
+from contextlib import suppress
 from urllib.parse import unquote, urlsplit
 
 from .util.record import Record
@@ -49,7 +50,6 @@ from .util.record import Record
 DEFAULT_PORTS = (80, 443)
 MODES = ("allowlist", "internal")  # the network modes that go through the proxy
 # Address classes (address_class) and who may reach them.
-PRIVATE_CLASSES = frozenset({"loopback", "private", "link-local", "cgnat", "non-global"})
 NEVER_CLASSES = frozenset({"metadata", "multicast", "unspecified", "reserved", "malformed"})
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
@@ -204,10 +204,8 @@ def host_address(host: str):
     WHATWG accept, `localhost` (and `*.localhost`) as 127.0.0.1. Returns an
     ipaddress object, None for a name that needs resolving, or "malformed"."""
     bare = host.strip("[]").split("%", 1)[0]
-    try:
+    with suppress(ValueError):
         return ipaddress.ip_address(bare)
-    except ValueError:
-        pass
     if bare and _IPV4ISH.fullmatch(bare):
         v4 = parse_ipv4(bare)
         if v4:
@@ -278,16 +276,12 @@ def destination(host: str) -> Destination:
         bare = bare[1:-1]
     if "%" in bare:
         return Destination(host, malformed="an IPv6 zone index names an interface of the host")
-    try:
+    with suppress(ValueError):
         return Destination(host, address=ipaddress.ip_address(bare))
-    except ValueError:
-        pass
     _scheme, norm, _all = normalise_host("[" + bare + "]" if ":" in bare else bare)
     norm = _idna(norm)
-    try:
+    with suppress(ValueError):
         return Destination(host, address=ipaddress.ip_address(norm.strip("[]")))
-    except ValueError:
-        pass
     if looks_numeric(norm):
         v4 = parse_ipv4(norm)
         if v4 is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 
 from .util.digest import sha256
 from .errors import PolicyError
@@ -85,10 +86,8 @@ def _tomls(sub: str = "") -> list[tuple[str, str]]:
     found = []
     for d in policy_dirs():
         sd = os.path.join(d, sub) if sub else d
-        try:
+        with suppress(OSError):
             found += [(sd, n) for n in sorted(os.listdir(sd)) if n.endswith(".toml")]
-        except OSError:
-            continue
     return found
 
 
@@ -121,11 +120,9 @@ def _presets_digest() -> bytes:
     """Digest of every preset file, so editing a preset invalidates cached roles."""
     h = sha256()
     for pd, n in _tomls("presets"):
-        try:
+        with suppress(OSError):
             with open(os.path.join(pd, n), "rb") as f:
                 h.update(pd.encode() + b"/" + n.encode() + b"\0" + f.read())
-        except OSError:
-            continue
     return h.digest()
 
 
@@ -201,11 +198,8 @@ def load(role: str, state_root: str | None = None) -> Frozen:
     key = sha256(raw + _presets_digest()).hexdigest()
     cache = os.path.join(state_root, "cache", f"policy-{role}-{key[:24]}-v{CACHE_VERSION}.json") if state_root else None
     if cache:
-        try:
-            with open(cache) as f:
-                return Frozen(json.load(f))
-        except (OSError, ValueError):
-            pass
+        with suppress(OSError, ValueError), open(cache) as f:
+            return Frozen(json.load(f))
     data = validate(raw, path, role)
     data["_file"], data["_digest"] = path, "sha256:" + digest
     if data.get("_preset"):
@@ -336,11 +330,9 @@ def validate(raw: bytes, path: str, role: str | None = None) -> dict:
 
 
 def _write_cache(cache: str, data: dict) -> None:
-    try:
+    with suppress(OSError):  # a read-only state root only costs the validation next time
         os.makedirs(os.path.dirname(cache), mode=0o700, exist_ok=True)
         tmp = f"{cache}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
         os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only state root only costs the validation next time

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import stat as stat_mod
+from contextlib import suppress
 
 # Worktree-relative paths sandbox-runtime refuses writes to (a worktree that is a home has
 # the shell's start-up files in it; .gitconfig is read as ~/.gitconfig there).
@@ -128,11 +129,9 @@ def scan(wt: str) -> dict[str, Entry]:
         nested = []
         for gd in level:
             for group in ("modules", "worktrees"):
-                try:
+                with suppress(OSError):
                     with os.scandir(f"{wt}/{gd}/{group}") as it:
                         nested += sorted(f"{gd}/{group}/{e.name}" for e in it if e.is_dir(follow_symlinks=False))
-                except OSError:
-                    continue
         gitdirs += nested
         level = nested
     for gd in gitdirs:
@@ -234,7 +233,7 @@ def digests(wt: str, found: dict, lifted) -> dict[str, str]:
         top = os.path.join(wt, rel)
         for path in _walk(top):
             r = os.path.relpath(path, wt)
-            try:
+            with suppress(OSError):
                 st = os.lstat(path)
                 if stat_mod.S_ISLNK(st.st_mode):
                     out[r] = "link:" + os.readlink(path)
@@ -243,8 +242,6 @@ def digests(wt: str, found: dict, lifted) -> dict[str, str]:
                 elif stat_mod.S_ISREG(st.st_mode):
                     with open(path, "rb") as f:
                         out[r] = "sha256:" + file_sha256(f)[1]
-            except OSError:
-                continue
     return out
 
 

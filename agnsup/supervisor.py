@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from contextlib import suppress
 
 from .errors import UnknownId, UsageError
 
@@ -344,10 +345,8 @@ class Supervisor:
             raise UsageError(f"cell {cell_id!r} has no terminal (spawn it with pty)")
         if not KINDS["pty"][0]({"cols": cols, "rows": rows}):
             raise UsageError(f"resize: cols and rows must be integers from 1 to 65535, not {cols!r}x{rows!r}")
-        try:
+        with suppress(BrokenPipeError):  # it ended meanwhile: no terminal left to size
             r.cell.terminal.resize(cols, rows)
-        except BrokenPipeError:
-            return  # it ended meanwhile: no terminal left to size
 
     # -- end ---------------------------------------------------------------
     def close(self, grace: float | None = None) -> None:

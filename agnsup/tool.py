@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import signal
+from contextlib import suppress
 
 from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
@@ -141,11 +142,9 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
             user_tty.follow_size()  # a resize before the handler was in place
 
         def on_wake():
-            try:
+            with suppress(BlockingIOError):
                 while os.read(wake_r, 64):
                     pass
-            except BlockingIOError:
-                pass
             while caught:
                 n = caught.pop(0)
                 if n == signal.SIGWINCH:

@@ -37,23 +37,22 @@ async def bench(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
     params = StdioServerParameters(command=agnsup, args=["mcp", "--workdir", wt, "--run-id", "mcp-bench"], env=env)
     try:
         with Client(ready["socket"]) as c, open(os.devnull, "w") as err:
-            async with stdio_client(params, errlog=err) as (read, write):
-                async with ClientSession(read, write) as s:
-                    await s.initialize()
-                    c.call("run", argv=["true"], workdir=wt, run_id="warm")
-                    await s.call_tool("run_process", {"argv": ["true"]})
-                    for _ in range(ncells):
-                        t0 = time.perf_counter()
-                        subprocess.run(["/bin/true"], check=True)
-                        samples["fork/exec /bin/true"].append(time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        r = c.call("run", argv=["true"], workdir=wt, run_id="serve-bench")
-                        samples["serve run"].append(time.perf_counter() - t0)
-                        assert r["exit_code"] == 0, r
-                        t0 = time.perf_counter()
-                        res = await s.call_tool("run_process", {"argv": ["true"]})
-                        samples["mcp run_process"].append(time.perf_counter() - t0)
-                        assert not res.is_error and res.structured_content["exit_code"] == 0, res
+            async with stdio_client(params, errlog=err) as (read, write), ClientSession(read, write) as s:
+                await s.initialize()
+                c.call("run", argv=["true"], workdir=wt, run_id="warm")
+                await s.call_tool("run_process", {"argv": ["true"]})
+                for _ in range(ncells):
+                    t0 = time.perf_counter()
+                    subprocess.run(["/bin/true"], check=True)
+                    samples["fork/exec /bin/true"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    r = c.call("run", argv=["true"], workdir=wt, run_id="serve-bench")
+                    samples["serve run"].append(time.perf_counter() - t0)
+                    assert r["exit_code"] == 0, r
+                    t0 = time.perf_counter()
+                    res = await s.call_tool("run_process", {"argv": ["true"]})
+                    samples["mcp run_process"].append(time.perf_counter() - t0)
+                    assert not res.is_error and res.structured_content["exit_code"] == 0, res
     finally:
         srv.terminate()
         srv.wait(60)

@@ -37,7 +37,7 @@ def _disk(state: str) -> dict:
     from agnsup import backend
     from agnsup.linux import cgroup
     root = backend.choose(state).root()
-    cgroups = len([d for d in cgroup.walk(root.dir)]) - 1 if root is not None and root.dir else 0
+    cgroups = len(list(cgroup.walk(root.dir))) - 1 if root is not None and root.dir else 0
     tmps = 0
     cells = os.path.join(state, "cells")
     for run in os.listdir(cells) if os.path.isdir(cells) else []:

@@ -56,17 +56,15 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def venv(where: str, reqs: list[str]) -> str | None:
     """A venv at `where` with agnsup and exactly `reqs`; its python, or None (the failure printed)."""
-    r = run([sys.executable, "-m", "venv", where])
-    if r.returncode == 0:
-        py = os.path.join(where, "bin", "python")
-        r = run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *reqs])
-    if r.returncode == 0:
-        r = run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", ROOT])
-    if r.returncode != 0:
-        lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln and not ln.startswith("WARNING: Location")]
-        print(f"check --pins: {os.path.basename(where)}: install of {' '.join(reqs)} failed: "
-              + " | ".join(lines[-4:]))
-        return None
+    py = os.path.join(where, "bin", "python")
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    for cmd in ([sys.executable, "-m", "venv", where], [*pip, *reqs], [*pip, "--no-deps", ROOT]):
+        r = run(cmd)
+        if r.returncode != 0:
+            lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln and not ln.startswith("WARNING: Location")]
+            print(f"check --pins: {os.path.basename(where)}: install of {' '.join(reqs)} failed: "
+                  + " | ".join(lines[-4:]))
+            return None
     return py
 
 
@@ -97,18 +95,13 @@ def main() -> int:
     start = time.monotonic()
     failed = 0
     try:
-        py = venv(os.path.join(work, "core"), core)
-        if py is None:
-            failed += 1
-        else:
-            failed += probe("core", py, CORE_PROBE, [
-                ["--help"], ["mcp", "--help"], ["sandboxd", "--help"], ["tool-schema"],
-                ["check", "--", "bash", "-c", "echo hi | tee out.txt"]], work)
-        py = venv(os.path.join(work, "extras"), pinned_extras + project["dependencies"])
-        if py is None:
-            failed += 1
-        else:
-            failed += probe("extras", py, EXTRAS_PROBE, [["mcp", "--help"], ["sandboxd", "--help"]], work)
+        for name, reqs, code, commands in (
+                ("core", core, CORE_PROBE, [["--help"], ["mcp", "--help"], ["sandboxd", "--help"], ["tool-schema"],
+                                            ["check", "--", "bash", "-c", "echo hi | tee out.txt"]]),
+                ("extras", pinned_extras + project["dependencies"], EXTRAS_PROBE,
+                 [["mcp", "--help"], ["sandboxd", "--help"]])):
+            py = venv(os.path.join(work, name), reqs)
+            failed += 1 if py is None else probe(name, py, code, commands, work)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -41,9 +41,8 @@ if [ ${#need[@]} -gt 0 ]; then
   [ -z "$rcd" ] || rm -f "$rcd"
   [ "$apt_rc" = 0 ] || exit "$apt_rc"
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv 2>/dev/null || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }
-fi
+[ -x .venv/bin/python ] \
+  || "$PY" -m venv .venv 2>/dev/null || { apt-get install -y -qq python3-venv >/dev/null && "$PY" -m venv .venv; }
 # installed again only when pyproject.toml changed since (a stamp in .venv) or agnsup is no longer this
 # checkout's editable install (scripts/demo.sh installs a copy): the fast tier answers in seconds
 stamp=$(sha256sum pyproject.toml | cut -c1-16)
@@ -64,9 +63,7 @@ case "$tier" in
 esac
 # V2LANE=1: after the host suite, the pure cgroup-v2 lane in a guest kernel under QEMU (scripts/v2lane;
 # docs/hosts.md "Lanes"), with V2LANE_ARGS as its options (e.g. "-k 6.1", "--systemd").
-if [ "${V2LANE:-0}" = 0 ]; then
-  exec "${pytest[@]}"
-fi
+[ "${V2LANE:-0}" != 0 ] || exec "${pytest[@]}"
 rc=0
 "${pytest[@]}" || rc=$?
 # CI_DEADLINE (epoch seconds, .ci/run sets it): the lane gets what is left as its --budget, and a lane

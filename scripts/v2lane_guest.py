@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 
 OUT = os.environ.get("V2GUEST_OUT", "/tmp")
 STEPS: list[dict] = []
@@ -637,10 +638,8 @@ def _pod_probe(ref: str, caps: list[str], isolation: bool) -> None:
     th = seen.pop("thread")
     th.join(5)
     node, inside = seen.get("node"), None
-    try:
+    with suppress(OSError):
         inside = open(f"{xchg}/k1.pid").read().strip()
-    except OSError:
-        pass
     # the cell's own cgroup, below the container's and not the entrypoint's leaf; the container sees the same
     # cgroup at the path relative to its namespace's root (the container's cgroup)
     ok = bool(node and inside) and node == POD_CGROUP + inside[3:] and not node.startswith(POD_CGROUP + "/init")

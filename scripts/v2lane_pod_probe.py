@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import suppress
 
 AGNSUP = "agnsup"
 HOG = "b = bytearray(200 << 20)\nprint('allocated')\n"
@@ -119,12 +120,9 @@ def pids_of(pattern: str) -> list[int]:
     out = []
     for p in os.listdir("/proc"):
         if p.isdigit():
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if f.read().replace(b"\0", b" ").strip() == pattern.encode():
-                        out.append(int(p))
-            except OSError:
-                pass
+            with suppress(OSError), open(f"/proc/{p}/cmdline", "rb") as f:
+                if f.read().replace(b"\0", b" ").strip() == pattern.encode():
+                    out.append(int(p))
     return out
 
 
@@ -150,10 +148,8 @@ def c_cancel(wt: str, xchg: str) -> None:
         cc = run([AGNSUP, "cancel", "--cell", "k1", "--grace", "0", "--json"], timeout=300)
         rc = ctl.wait(120)
         rec = []
-        try:
+        with suppress(ValueError):
             rec = json.loads(run([AGNSUP, "receipts", "--json"], timeout=120).stdout)
-        except ValueError:
-            pass
         k1 = next((x for x in rec if x.get("cell_id") == "k1"), {})
         left = pids_of("sleep 3217")
         ok = cc.returncode == 0 and k1.get("state") == "cancelled" and not left

@@ -55,10 +55,9 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
                              ", none is delegated to this user (AGNSUP_CGROUP_BASE) and no systemd user manager runs"))
     if layout.v2 and not root and base:
         return Delegated(layout, state_root), f"a normal user; AGNSUP_CGROUP_BASE={base} names its delegated subtree"
-    if layout.kind == "v2" and root and not base and live:
-        if systemd.booted():
-            return systemd.SystemdScope(layout, state_root), \
-                "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
+    if layout.kind == "v2" and root and not base and live and systemd.booted():
+        return systemd.SystemdScope(layout, state_root), \
+            "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
     why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
            "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
     return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")

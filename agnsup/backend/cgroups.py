@@ -20,6 +20,7 @@ import errno
 import os
 import signal
 import time
+from contextlib import suppress
 
 from .base import Backend, Place
 from ..util import backoff
@@ -50,12 +51,10 @@ class CgroupBackend(Backend):
         paths = place.node.paths
         for p in paths.values():
             for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
-                try:
+                with suppress(FileNotFoundError):
                     os.makedirs(os.path.dirname(p), exist_ok=True)
                     os.mkdir(p)
                     break
-                except FileNotFoundError:
-                    continue
             else:
                 raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
         v2 = paths.get("v2")
@@ -350,10 +349,8 @@ class Cgroup1(CgroupBackend):
                                    0.001, 0.001)
             self.signal(place, signal.SIGKILL)
         finally:
-            try:
+            with suppress(FileNotFoundError):
                 cgroup.write(state, "THAWED")  # a frozen v1 task cannot die until thawed
-            except FileNotFoundError:
-                pass
         return "freezer" if frozen else "freezer (never reached FROZEN: killed while freezing)"
 
 
@@ -382,15 +379,11 @@ def _v1_oom_eventfd(memory_dir: str) -> int | None:
 def _keyed(path: str) -> dict[str, int]:
     """A flat-keyed cgroup file ("key value" per line) as a dict; {} if unreadable."""
     out: dict[str, int] = {}
-    try:
+    with suppress(OSError):
         for line in cgroup.read(path).splitlines():
             k, _, v = line.partition(" ")
-            try:
+            with suppress(ValueError):
                 out[k] = int(v)
-            except ValueError:
-                continue
-    except OSError:
-        pass
     return out
 
 

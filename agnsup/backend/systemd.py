@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 
 from .cgroups import CONTROLLERS, Cgroup2
 from ..linux import cgroup, delegation, proc
 
 BUSCTL = "/usr/bin/busctl"
-SYSTEM_BUS = "/run/dbus/system_bus_socket"  # (systemd's private socket refuses a scope's PIDs from busctl: EBADR)
 SLICE = "system.slice"
 ENTER_TIMEOUT = 30.0  # the job runs in systemd; on an emulated guest a StartTransientUnit took ~1 s
 
@@ -41,11 +41,9 @@ def booted() -> bool:
 def delegated(directory: str) -> bool:
     """systemd marks the cgroup of a unit with Delegate=yes with an xattr (systemd 251+)."""
     for name in ("trusted.delegate", "user.delegate"):
-        try:
+        with suppress(OSError):
             if os.getxattr(directory, name) == b"1":
                 return True
-        except OSError:
-            continue
     return False
 
 
@@ -153,10 +151,8 @@ class SystemdScope(Cgroup2):
 
     def _move_to_leaf(self, pid: int) -> None:
         leaf = os.path.join(self.scope_dir, f"ctl-{pid}")
-        try:
+        with suppress(FileExistsError):
             os.mkdir(leaf)
-        except FileExistsError:
-            pass
         cgroup.write(os.path.join(leaf, "cgroup.procs"), "0")
         for name in os.listdir(self.scope_dir):  # leaves of controllers gone (pids are not reused while we live)
             if name.startswith("ctl-") and name != f"ctl-{pid}":

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from ..egress.summary import size as _size
 from ..errors import AgnsupError, exit_code
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -289,14 +290,6 @@ def changes_line(r: dict) -> str | None:
     if state == "dropped":
         return f"changes: {', '.join(parts)}: record dropped (retention), no longer undoable"
     return f"changes: {', '.join(parts)}, {_size(ch.get('bytes') or 0)} (undo: {_undo_cmd(record)})"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 _CHANGE_MARK = {"created": "A", "modified": "M", "deleted": "D", "replaced": "R", "mode": "m"}

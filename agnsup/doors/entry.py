@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import suppress
 
 def _run_options() -> tuple[dict, dict]:
     """{flag: (keyword, kind)} and {keyword: default} of `run`, from request.CellRequest."""
@@ -108,8 +109,6 @@ def main() -> None:
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(result["exit_code"])

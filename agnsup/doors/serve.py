@@ -48,6 +48,7 @@ import signal
 import socket
 import sys
 import threading
+from contextlib import suppress
 
 from ..errors import AgnsupError, NoServer, UsageError, as_value, from_value
 
@@ -123,11 +124,9 @@ def _refused(p, journal, what: str) -> str | None:
     if not p.is_cell:
         return None
     line = peer.refusal_line(p, what)
-    try:
+    with suppress(AgnsupError):  # refused all the same; the journal's own error is reported by the next command
         journal.record_refused(None, None, error=line, error_type="Denied", exit_code=126, entry=what,
                                peer=p.as_dict())
-    except AgnsupError:
-        pass  # refused all the same; the journal's own error is reported by the next command
     return line
 
 
@@ -228,10 +227,8 @@ class Server:
                     conn, _ = self.listener.accept()
                     threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
                 if r in ready:
-                    try:
+                    with suppress(BlockingIOError):
                         os.read(r, 64)
-                    except BlockingIOError:
-                        pass
         finally:
             signal.set_wakeup_fd(old_wake)
             for sig, h in handlers.items():
@@ -395,11 +392,9 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
         def side_call(op: str, **args) -> None:
             # from a signal handler or the keyboard thread: a connection of its own (the
             # main loop's may hold half an answer); the read it interrupted resumes (PEP 475)
-            try:
+            with suppress(AgnsupError):  # the cell ended meanwhile
                 with Client(path) as side:
                     side.call(op, **ids, **args)
-            except AgnsupError:
-                pass  # the cell ended meanwhile
         handlers = {signal.SIGINT: lambda *_: side_call("signal", sig="INT")}
         if interactive:
             handlers[signal.SIGWINCH] = lambda *_: side_call("resize", cols=os.get_terminal_size(0).columns,
@@ -442,15 +437,13 @@ def _keyboard_to(path: str, ids: dict):
     tty.setraw(0, termios.TCSANOW)
 
     def keys() -> None:
-        try:
+        with suppress(AgnsupError, OSError):  # the cell ended (its stdin is closed), or our terminal went away
             with Client(path) as side:
                 while True:
                     data = os.read(0, 4096)
                     side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=not data)
                     if not data:
                         return
-        except (AgnsupError, OSError):
-            return  # the cell ended (its stdin is closed), or our terminal went away
     threading.Thread(target=keys, name="agnsup-keys", daemon=True).start()
     return modes
 

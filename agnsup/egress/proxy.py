@@ -31,6 +31,7 @@ import select
 import socket
 import threading
 import time
+from contextlib import suppress
 
 from ..linux import hostaddrs
 
@@ -180,17 +181,15 @@ class Proxy:
         finally:
             for s in (client, upstream):
                 if s is not None:
-                    try:
+                    with suppress(OSError):
                         s.close()
-                    except OSError:
-                        pass
             with self._lock:
                 self._live.pop(seq, None)
                 self._threads.discard(threading.current_thread())
             self._done(rec)
 
     def _answer_refusal(self, client: socket.socket, rec: dict, r: Refused) -> None:
-        try:
+        with suppress(OSError):
             if rec.get("protocol") == "socks5":
                 client.sendall(bytes((5, r.socks_code, 0, 1, 0, 0, 0, 0, 0, 0)))
             elif rec.get("protocol", "").startswith("http"):
@@ -200,8 +199,6 @@ class Proxy:
                 client.sendall(f"HTTP/1.1 {r.http_status} {reason}\r\nContent-Type: text/plain\r\n"
                                f"X-Agnsup-Rule: {rec['rule']}\r\nContent-Length: {len(body)}\r\n"
                                "Connection: close\r\n\r\n".encode() + body)
-        except OSError:
-            pass
 
     def _judge_and_connect(self, host: str, port: int, rec: dict) -> socket.socket:
         """The shared matcher's verdict, then a connection to a judged address only."""
@@ -355,10 +352,8 @@ class Proxy:
                 live = [s for pair in self._live.values() for s in pair if s is not None]
                 threads = list(self._threads)
             for s in live:
-                try:
+                with suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             deadline = time.monotonic() + timeout
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
@@ -402,20 +397,16 @@ def _pump(src: socket.socket, dst: socket.socket, rec: dict, counter: str) -> No
     finally:
         # Pass the half-close on (the other direction may still be talking), and
         # wake the other direction if this side broke.
-        try:
+        with suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 def _splice(s_fd: int, d_fd: int, rec: dict, counter: str) -> bool:
     """False when splice is not available for these fds (nothing was moved yet)."""
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        try:
+        with suppress(OSError):  # the default 64 KiB pipe works too
             fcntl.fcntl(w, F_SETPIPE_SZ, BUF)
-        except OSError:
-            pass  # the default 64 KiB pipe works too
         moved = 0
         while True:
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import suppress
 
 FLUSH_EVERY = 0.2
 _STOP = object()
@@ -47,12 +48,10 @@ class JournalSink:
                 # The first record after a quiet spell is committed at once; under load,
                 # one commit per FLUSH_EVERY carries everything that arrived meanwhile.
                 deadline = last + FLUSH_EVERY
-                try:
+                with suppress(queue.Empty):
                     while len(rows) < 500 and rows[-1] is not _STOP:
                         left = deadline - time.monotonic()
                         rows.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
-                except queue.Empty:
-                    pass
                 if _STOP in rows:
                     stop = True
                     rows = [r for r in rows if r is not _STOP]

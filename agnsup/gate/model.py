@@ -14,8 +14,6 @@ import shlex
 from ..util.record import Factory, Record
 
 MODES = ("open", "locked", "readonly")
-NETWORKS = ("deny", "loopback", "host", "allowlist", "internal")
-KERNEL_ENFORCED = ("flag", "deny")
 # Tools whose command agnsup runs in a cell (where `Kernel` applies). An agent
 # runtime's own file and fetch tools run in no cell: nothing is kernel-backed there.
 CELL_TOOLS = frozenset({"run_process", "run_shell"})
@@ -228,10 +226,6 @@ class Exec(Record):
     @functools.cached_property
     def prog(self) -> str:
         return prog_name(self.argv[0]) if self.argv else ""
-
-    @property
-    def prog_literal(self) -> bool:
-        return bool(self.literal) and self.literal[0]
 
     @property
     def args(self) -> list[str]:

@@ -38,7 +38,6 @@ MOVING_TOOLS = ("move", "rename", "mv")
 METADATA_ONLY = frozenset({"ls", "stat", "file", "test", "[", "[[", "du", "df", "find", "which", "type", "lsattr",
                            "realpath", "readlink", "dirname", "basename", "echo", "printf", "cd", "pushd", "tree",
                            "namei", "exa", "eza", "command", "hash", "whereis", "man"})
-WRITE_OPS = frozenset({">", ">>", ">|", "&>", "&>>", "<>"})
 
 HINT_WRITE = ("Work inside the worktree, or add the directory to the role's writable paths if this role "
               "must write there.")

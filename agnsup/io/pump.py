@@ -33,6 +33,7 @@ import select
 import stat
 import struct
 import time
+from contextlib import suppress
 
 from ..errors import StateError
 
@@ -138,10 +139,8 @@ class Pump:
         if nonblock:
             os.set_blocking(src, False)
             if _is_fifo(src):
-                try:
+                with suppress(OSError):  # above /proc/sys/fs/pipe-max-size for this user: the default
                     fcntl.fcntl(src, fcntl.F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups per byte
-                except OSError:
-                    pass  # above /proc/sys/fs/pipe-max-size for this user: the default
         s = Stream(name, src, dst, own_dst)
         s.counted, s.nonblock, s.capped = counted, nonblock, capped
         self.streams.append(s)
@@ -317,10 +316,8 @@ class Pump:
             self._close_src(s)
             s.close_out()
             if s.own_dst:
-                try:
+                with suppress(OSError):
                     os.close(s.dst)
-                except OSError:
-                    pass
                 s.own_dst = False
 
     def info(self) -> dict:
@@ -375,18 +372,14 @@ class UserTerminal:
         import termios
         if self.master is None:
             return
-        try:
+        with suppress(OSError):
             fcntl.ioctl(self.master, termios.TIOCSWINSZ, fcntl.ioctl(self.fd, termios.TIOCGWINSZ, b"\0" * 8))
-        except OSError:
-            pass
 
     def restore(self) -> None:
         import termios
         if self.saved is not None:
-            try:
+            with suppress(OSError):  # the terminal went away (hangup): nothing to restore
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
-            except OSError:
-                pass  # the terminal went away (hangup): nothing to restore
             self.saved = None
             os.close(self.master)
             self.master = None

@@ -27,6 +27,7 @@ the cost of a cell.
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
 NETLINK_AUDIT = 9
 AUDIT_GET = 1000
@@ -77,10 +78,8 @@ class Reader:
         except OSError as e:
             return None, f"no audit netlink socket ({e.strerror})"
         try:
-            try:
+            with suppress(OSError):
                 s.setsockopt(_socket.SOL_SOCKET, 33, RCVBUF)  # SO_RCVBUFFORCE (root)
-            except OSError:
-                pass
             s.bind((0, 1 << (AUDIT_NLGRP_READLOG - 1)))
             s.send(struct.pack("=IHHII", 16, AUDIT_GET, 1, 1, 0))  # NLM_F_REQUEST
             s.settimeout(1.0)

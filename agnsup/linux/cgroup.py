@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import suppress
 
 from . import proc
 from ..util.digest import sha256
@@ -291,11 +292,9 @@ def apply_limits(paths: dict[str, str], v2_controllers: list[str], limits: dict)
 def walk(path: str) -> list[str]:
     """`path` and every directory below it, deepest first."""
     out = []
-    try:
+    with suppress(OSError):
         for root, dirs, _ in os.walk(path, topdown=False):
             out.append(root)
-    except OSError:
-        pass
     if not out and os.path.isdir(path):
         out.append(path)
     return out
@@ -305,10 +304,8 @@ def procs(path: str) -> list[int]:
     """Every pid in `path` and its descendants (cgroup.procs is per directory)."""
     out: list[int] = []
     for d in walk(path):
-        try:
+        with suppress(FileNotFoundError, OSError):
             out.extend(int(x) for x in read(os.path.join(d, "cgroup.procs")).split())
-        except (FileNotFoundError, OSError):
-            continue
     return out
 
 

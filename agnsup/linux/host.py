@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pwd
+from contextlib import suppress
 
 from ..errors import SetupError
 
@@ -117,14 +118,11 @@ def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
         return []
     if _passwd_cache.get("key") != key:
         homes = []
-        try:
-            with open(passwd, errors="replace") as f:
-                for line in f:
-                    fields = line.split(":")
-                    if len(fields) > 6 and fields[5].startswith("/"):
-                        homes.append(os.path.normpath(fields[5]))
-        except OSError:
-            pass
+        with suppress(OSError), open(passwd, errors="replace") as f:
+            for line in f:
+                fields = line.split(":")
+                if len(fields) > 6 and fields[5].startswith("/"):
+                    homes.append(os.path.normpath(fields[5]))
         _passwd_cache.update(key=key, homes=homes, real=None)
     return _passwd_cache["homes"]
 
@@ -158,16 +156,12 @@ def invoking_homes(env=None) -> list[str]:
     of "/" is the filesystem the role already shows, not a home: skipped."""
     env = os.environ if env is None else env
     found = []
-    try:
+    with suppress(KeyError):
         found.append(pwd.getpwuid(os.getuid()).pw_dir)
-    except KeyError:
-        pass
     found.append(env.get("HOME") or "")
     if os.getuid() == 0 and env.get("SUDO_USER"):
-        try:
+        with suppress(KeyError):
             found.append(pwd.getpwnam(env["SUDO_USER"]).pw_dir)
-        except KeyError:
-            pass
     homes = []
     for h in found:
         if not h.startswith("/"):

@@ -304,8 +304,7 @@ def _dev(shm_size: int, devices: tuple, userns_fd: int | None = None) -> None:
     clones = []
     try:
         # Not recursive (no AT_RECURSIVE): a node and nothing mounted beneath it.
-        for p in keep:
-            clones.append((p, lsys.open_tree(p, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)))
+        clones.extend((p, lsys.open_tree(p, lsys.OPEN_TREE_CLONE | lsys.OPEN_TREE_CLOEXEC)) for p in keep)
         if terminal is not None:
             # the terminal the cell already holds as stdio lives on the host's devpts, which the cell no
             # longer sees: bound at /dev/console (as bubblewrap does), ttyname() finds it there

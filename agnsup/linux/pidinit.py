@@ -38,6 +38,7 @@ import ctypes
 import functools
 import os
 import signal
+from contextlib import suppress
 
 from . import proc
 
@@ -81,10 +82,8 @@ def supervise(command_pid: int, status_fd: int) -> int:
     while True:
         info = signal.sigwaitinfo(WAITED)
         if info.si_signo != signal.SIGCHLD:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(command_pid, info.si_signo)
-            except ProcessLookupError:
-                pass
             continue
         while True:
             try:
@@ -98,10 +97,8 @@ def supervise(command_pid: int, status_fd: int) -> int:
                     report, code = f"signal {os.WTERMSIG(st)}", 128 + os.WTERMSIG(st)
                 else:
                     report, code = f"exit {os.WEXITSTATUS(st)}", os.WEXITSTATUS(st)
-                try:
+                with suppress(OSError):
                     os.write(status_fd, report.encode())
-                except OSError:
-                    pass
                 return code
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 
 from ..util.record import Record
 
@@ -160,7 +161,7 @@ def holders(link: str, uid: int) -> list[int]:
         for e in it:
             if not e.name.isdigit():
                 continue
-            try:
+            with suppress(OSError):  # gone, or not ours to look at (a non-dumpable process)
                 if e.stat(follow_symlinks=False).st_uid != uid:
                     continue
                 fds = f"/proc/{e.name}/fd"
@@ -168,8 +169,6 @@ def holders(link: str, uid: int) -> list[int]:
                     if os.readlink(f"{fds}/{fd}") == link:
                         out.append(int(e.name))
                         break
-            except OSError:
-                continue  # gone, or not ours to look at (a non-dumpable process)
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from contextlib import suppress
 
 from ..errors import NotExecutable, NotFound, SetupError
 from ..linux import host, landlock, mounts, pidfd, pidinit, proc, seccomp
@@ -135,10 +136,8 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
     os.close(child.barrier_fd)
     report = read_all(child.report_fd) if read_report else os.close(child.report_fd)
     _close(child)
-    try:
+    with suppress(ChildProcessError):
         os.waitpid(child.pid, 0)
-    except ChildProcessError:
-        pass
     return report or b""
 
 

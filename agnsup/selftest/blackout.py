@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import suppress
 
 from .gates import PASS, format_table
 from .host import Procs, communicate, dumps, host_facts
@@ -124,10 +125,8 @@ def run_once(seed: int, keep: bool, procs: Procs, prefix: list[str] | None, bloc
     from .. import backend
     from ..process.helpers import run_helper
     from ..errors import AgnsupError
-    try:
+    with suppress(AgnsupError):  # the scenario's first controller meets the same refusal, and its result says so
         backend.choose(state).enter(run_helper)
-    except AgnsupError:
-        pass  # the scenario's first controller meets the same refusal, and its result says so
     argv = [sys.executable, "-m", "agnsup.selftest.scenario", cfg_path, out_path]
     p = procs.start((prefix or []) + argv, stdout=-1, stderr=-1, env=dict(os.environ), cwd=work)
     rc, out, err = communicate(p, RUN_TIMEOUT)

@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import suppress
 
 from .blackout import SYSTEM_PATH, _agnsup_bin, _work_parent, cleanup_cgroups
 from .gates import PASS, Verdicts
@@ -129,11 +130,9 @@ class DeadMan:
             return [], "pid_namespace (the cell shares the harness's PID namespace)"
         found = []
         for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
-            try:
+            with suppress(OSError):
                 if os.readlink(f"/proc/{pid}/ns/pid") == ns:
                     found.append(Watch(f"{kind} pid {pid}", pid, None))
-            except OSError:
-                continue
         return [w for w in found if w.pinned], ""
 
     @staticmethod

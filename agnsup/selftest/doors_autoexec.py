@@ -9,7 +9,6 @@ selftest must not do that on a user's machine.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from .isolation import _gate
@@ -66,21 +65,6 @@ def _scratch_repo(top: str, uid: int | None) -> str:
     return wt
 
 
-def _run_in(h, wt: str, argv: list[str]) -> dict:
-    """Harness.run, in another worktree."""
-    from ..errors import AgnsupError, Denied
-    from ..tool import run_process
-    h.n += 1
-    try:
-        res = run_process(argv, role="selftest", run_id="selftest", cell_id=f"probe-{h.n}", state_dir=h.state,
-                          workdir=wt, timeout=60, capture=True, entry="selftest")
-    except AgnsupError as e:
-        return {"error": e.message, "denied": isinstance(e, Denied), "exit_code": e.exit_code}
-    with open(res["receipt"]) as f:
-        res["receipt_data"] = json.load(f)
-    return res
-
-
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:
@@ -94,7 +78,7 @@ def gate_autoexec_files(h) -> dict:
     wt = _scratch_repo(h.root, h.user)
     marker = os.path.join(h.outside, f"autoexec-{h.token}")
     git_ino = os.lstat(os.path.join(wt, ".git")).st_ino
-    res = _run_in(h, wt, ["python3", "-c", P_PLANT, marker])
+    res = h.run(["python3", "-c", P_PLANT, marker], workdir=wt)
     if "error" in res:
         why = "the governance gate refused the probe before it ran (not counted)" if res.get("denied") else \
             "the probe could not run"

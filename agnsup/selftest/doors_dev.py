@@ -11,6 +11,7 @@ console, its own devpts) is FAIL.
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
 from .isolation import _judge
 
@@ -69,11 +70,9 @@ def host_block_devices() -> list[str]:
     out = []
     for n in os.listdir("/dev"):
         p = os.path.join("/dev", n)
-        try:
+        with suppress(OSError):
             if stat.S_ISBLK(os.lstat(p).st_mode):
                 out.append(p)
-        except OSError:
-            continue
     return sorted(out)
 
 

@@ -19,6 +19,7 @@ import secrets
 import socket
 import threading
 
+from .isolation import _gate
 from .probes import ESCAPED
 
 # ------------------------------------------------------------------ probes (run in the cell)
@@ -373,10 +374,6 @@ class Listener:
 
 
 # ------------------------------------------------------------------ gates
-
-def _gate(name: str, status: str, evidence: str) -> dict:
-    return {"gate": name, "status": status, "evidence": evidence.strip()[:2000]}
-
 
 def _verdict(name: str, res: dict, what: str, host_says: str = "") -> dict:
     """PASS when the probe says refused (0) and the host saw nothing; FAIL otherwise."""

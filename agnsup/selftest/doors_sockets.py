@@ -16,6 +16,7 @@ import shutil
 import socket
 import tempfile
 import threading
+from contextlib import suppress
 
 from .isolation import _gate
 from .probes import ESCAPED
@@ -86,10 +87,8 @@ class HostListener:
             c.close()
 
     def close(self) -> None:
-        try:
+        with suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         self.thread.join(5)
         if os.path.lexists(self.path):

@@ -14,7 +14,7 @@ import hashlib
 import os
 import stat
 
-from .doors_autoexec import _run_in, _scratch_repo
+from .doors_autoexec import _scratch_repo
 from .isolation import _gate
 
 P_DESTROY = r'''
@@ -53,7 +53,7 @@ def gate_worktree_destroyed(h) -> dict:
             for p in [d] + [os.path.join(d, n) for n in dirs + files]:
                 os.lchown(p, h.user, h.user)
     before = _listing(wt)
-    res = _run_in(h, wt, ["python3", "-c", P_DESTROY])
+    res = h.run(["python3", "-c", P_DESTROY], workdir=wt)
     if "error" in res:
         why = "the governance gate refused the probe (not counted: the door is about what it cannot read)" \
             if res.get("denied") else "the probe could not run"

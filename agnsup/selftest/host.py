@@ -16,6 +16,7 @@ import select
 import socket
 import sqlite3
 import time
+from contextlib import suppress
 
 from ..linux import proc
 
@@ -77,11 +78,9 @@ class Procs:
                 continue
             st = proc.stat(pid)
             if st and st.ppid == 1 and st.state == "Z":
-                try:
+                with suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
                     reaped.append(pid)
-                except ChildProcessError:
-                    pass
         return reaped
 
     def sleep(self, seconds: float) -> None:
@@ -160,10 +159,8 @@ class Watch:
         """SIGKILL this exact process (only ever one the harness started itself)."""
         import signal
         if self.fd is not None and self.alive():
-            try:
+            with suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.fd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def describe(self) -> str:
         return f"{self.name} pid {self.pid} (start {self.starttime})"

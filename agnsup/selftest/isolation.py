@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 
 from .probes import (CGROUP_ESCAPE, CONTROLLER_SIGNAL, ENVIRON_FORGE, ESCAPED, FORK_BOMB, MEMORY_HOG,
                      STATE_ROOT, TTY_INJECTION, WRITE_ESCAPE)
@@ -216,7 +217,6 @@ class Harness:
         from ..policy import find
         with open(find("executor")) as f:
             base = f.read()
-        self.role_errors: dict[str, str] = {}
         # selftest-limits requires its limits: where the host cannot hold them the hog and the bomb never
         # run unbounded on it (the refusal is the gate's ENV_BLOCKED evidence)
         for name, limits, extra in (("selftest", {}, {}), ("selftest-limits", LIMITS, {"require": '["limits"]'}),
@@ -232,13 +232,14 @@ class Harness:
             with open(os.path.join(self.policies, name + ".toml"), "w") as f:
                 f.write(src)
 
-    def run(self, argv: list[str], role: str = "selftest", timeout: float = 60, capture: bool = True) -> dict:
+    def run(self, argv: list[str], role: str = "selftest", timeout: float = 60, capture: bool = True,
+            workdir: str | None = None) -> dict:
         from ..errors import AgnsupError, Denied
         from ..tool import run_process
         self.n += 1
         try:
             res = run_process(argv, role=role, run_id="selftest", cell_id=f"probe-{self.n}", state_dir=self.state,
-                              workdir=self.worktree, timeout=timeout, capture=capture, entry="selftest")
+                              workdir=workdir or self.worktree, timeout=timeout, capture=capture, entry="selftest")
         except AgnsupError as e:
             return {"error": e.message, "denied": isinstance(e, Denied), "exit_code": e.exit_code}
         with open(res["receipt"]) as f:
@@ -393,7 +394,7 @@ def gate_network(h: Harness) -> dict:
     def listen():
         while not done.is_set():
             for s in (srv, udp):
-                try:
+                with suppress(socket.timeout, OSError):
                     if s is srv:
                         c, peer = srv.accept()
                         got.append(f"tcp from {peer}")
@@ -401,8 +402,6 @@ def gate_network(h: Harness) -> dict:
                     else:
                         _, peer = udp.recvfrom(100)
                         got.append(f"udp from {peer}")
-                except (socket.timeout, OSError):
-                    pass
 
     t = threading.Thread(target=listen, daemon=True)
     t.start()
@@ -518,11 +517,8 @@ def gate_fork_bomb(h: Harness) -> dict:
 
     def watch():
         while not done.is_set():
-            try:
-                with open(counter) as f:
-                    stats["most"] = max(stats["most"], int(f.read()))
-            except (OSError, ValueError):
-                pass
+            with suppress(OSError, ValueError), open(counter) as f:
+                stats["most"] = max(stats["most"], int(f.read()))
             t0 = time.monotonic()
             ok, _ = probe(lambda: None)  # the host can still start a process
             stats["slowest"] = max(stats["slowest"], time.monotonic() - t0)

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import sys
 import time
+from contextlib import suppress
 
 from ..store.journal import TERMINAL_CELL, TERMINAL_RUN  # the states cli.md promises
 from .gates import Verdicts
@@ -433,7 +434,6 @@ class Scenario:
         if not info or info.get("pid") != leader.pid:
             raise Invalid(f"the innocent process on pid {leader.pid} did not start: {info}")
         self.innocent_watch = Watch("innocent", p.pid, info["starttime"])
-        self.innocent_info = info
         self.facts["pid_trap"] = {"pid": p.pid, "leader_starttime": leader.starttime,
                                   "innocent_starttime": info["starttime"], "note": note}
 
@@ -463,7 +463,7 @@ class Scenario:
         self.v.check("HEARTBEAT_CONTINUES", not grew, f"after recovery: grew {grew}" if grew else
                      f"{len(hbs)} heartbeat files still for 1 s after recovery reported done", "phase3")
         alive = [w.describe() for w in self.watches["A1"] if w.alive()]
-        tok = [p for p in _procs_with_token(self.token1)] if self.token1 else []
+        tok = list(_procs_with_token(self.token1)) if self.token1 else []
         self.v.check("ORPHAN_PROCESS_AFTER_CRASH", ok and not alive and not tok,
                      f"{how}; alive: {alive}; processes with A1's token: {tok}" if (alive or tok or not ok) else
                      f"{how}; all {len(self.watches['A1'])} processes of A1's tree dead (by pidfd), "
@@ -743,10 +743,8 @@ class Scenario:
         for p in self.procs.started:
             if p.poll() is None:
                 p.kill()
-            try:
+            with suppress(Exception):  # noqa: BLE001
                 p.wait(10)
-            except Exception:  # noqa: BLE001
-                pass
             for s in (p.stdout, p.stderr):
                 if s:
                     s.close()

@@ -664,10 +664,8 @@ def cells_on_disk(state_root: str) -> list[tuple[str, str]]:
     except OSError:
         return out
     for run in runs:
-        try:
+        with suppress(OSError):
             out += [(run, c) for c in sorted(os.listdir(os.path.join(top, run)))]
-        except OSError:
-            continue
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import suppress
 
 from ..errors import CellsStillRunning, JournalDamaged, StateError
 
@@ -149,10 +150,8 @@ def parse_before(text: str, now: float | None = None) -> float:
         if n >= 0:
             return now - n * units[t[-1]]
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
-        try:
+        with suppress(ValueError):
             return float(calendar.timegm(time.strptime(t.removesuffix("Z"), fmt)))
-        except ValueError:
-            continue
     raise UsageError(f"--before: {text!r} is neither an age (30d, 12h, 90m, 45s) nor a UTC date "
                      "(2026-11-01, 2026-11-01T12:00)")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from contextlib import suppress
 
 from ..errors import NoPermission, StateError, UsageError
 
@@ -76,13 +77,11 @@ class StateRoot:
         entry = os.path.join(reg, sha256(self.path.encode()).hexdigest()[:24])
         if os.path.lexists(entry):
             return
-        try:
+        with suppress(OSError):  # a read-only /var/tmp: this root is hidden from its own cells all the same
             if not os.path.isdir(reg):
                 os.makedirs(reg, exist_ok=True)
                 os.chmod(reg, 0o1777)  # anyone adds their roots; the sticky bit keeps each user's own
             os.symlink(self.path, entry)
-        except OSError:
-            pass  # a read-only /var/tmp: this root is hidden from its own cells all the same
 
     def other_roots(self) -> list[str]:
         """Every other state root known on this host that still holds a journal (a cell

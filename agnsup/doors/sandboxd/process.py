@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from contextlib import suppress
 
 from ...errors import (AgnsupError, CancelledBeforeStart, Denied, LockTimeout, NotExecutable, NotFound, PolicyError,
                        RunNotActive, UnknownId, UsageError, exit_code)
@@ -176,10 +177,8 @@ class ProcessService:
 
         def gone():  # the client went away (cancel, deadline, disconnect): so does its process
             if not p.done.is_set():
-                try:
+                with suppress(AgnsupError):
                     self.sup.cancel(cell_id=p.cell_id, run_id=p.run_id)
-                except AgnsupError:
-                    pass
         if not context.add_callback(gone):
             gone()  # it went away while the cell was starting: the callback would never come
         return p

@@ -33,6 +33,7 @@ import shutil
 import stat
 import time
 import urllib.parse
+from contextlib import suppress
 
 MODE_RE = re.compile(r"^0[0-7]{3}$")
 METADATA_PREFIX = "SANDBOX_"
@@ -149,10 +150,8 @@ def write_atomically(dir_fd: int, name: str, body, length: int, mode: int) -> in
             os.fchmod(f.fileno(), mode)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
         raise
     return done
 

@@ -50,10 +50,16 @@ class CgroupBackend(Backend):
         cell id is never reused within a run, and a recreated directory must not pass as ours."""
         paths = place.node.paths
         for p in paths.values():
-            for _ in range(3):  # a concurrent cleanup may rmdir an empty ancestor under us
-                with suppress(FileNotFoundError):
+            for _ in range(5):
+                # The run's and agent's directories are shared: the cleanup of a neighbour cell that just
+                # ended may rmdir them, empty, under us: makedirs then fails with ENOENT, or with EEXIST
+                # when it vanished between its mkdir and its isdir check. Either way: make them again.
+                try:
                     os.makedirs(os.path.dirname(p), exist_ok=True)
-                    os.mkdir(p)
+                except (FileNotFoundError, FileExistsError):
+                    continue
+                with suppress(FileNotFoundError):
+                    os.mkdir(p)  # EEXIST here is the cell's own directory: never ours, raised
                     break
             else:
                 raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)

@@ -13,6 +13,7 @@ docs/sandboxd.md has the mapping and what the standard leaves open.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -136,12 +137,17 @@ class Sandboxd:
         rest_thread.start()
         print(json.dumps({"ready": True, **self.app.about()}), flush=True)
         try:
-            while not self.stop.wait(3600):
+            # In slices: a SIGTERM the kernel hands to one of gRPC's threads runs its Python handler only when
+            # this (main) thread next runs bytecode; a wait of an hour would hold the stop that long.
+            while not self.stop.wait(1.0):
                 pass
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            # a shutdown still going after its first grace prints every thread's stack: the evidence of what held it
+            faulthandler.dump_traceback_later(SHUTDOWN_GRACE + 15, exit=False)
             self.shutdown()
+            faulthandler.cancel_dump_traceback_later()
             rest_thread.join(5)
         return 0
 

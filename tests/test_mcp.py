@@ -11,6 +11,7 @@ import pytest
 
 anyio = pytest.importorskip("anyio")
 mcp = pytest.importorskip("mcp")
+jsonschema = pytest.importorskip("jsonschema")  # the SDK's own dependency (its client validates with it)
 from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
 import mcp_types as types  # noqa: E402
 
@@ -31,9 +32,9 @@ async def session(state, worktree, *args, client="Test Client", errlog=None, env
 
 
 def value(res) -> dict:
-    """A tool result's JSON (the text content; structured content says the same)."""
+    """A tool result's JSON (the text content; structured content says the same, a refusal has none)."""
     v = json.loads(res.content[0].text)
-    assert res.structured_content == (v if isinstance(v, dict) else {"items": v})
+    assert res.structured_content == (None if res.is_error else v)
     return v
 
 
@@ -50,6 +51,9 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
             props = tools["run_process"].input_schema["properties"]
             assert "argv" in props and "timeout" in props and "role" not in props  # the role is the server's
             assert tools["ps"].annotations.read_only_hint and not tools["run_shell"].annotations.read_only_hint
+            # every tool declares what it returns; the SDK client checks each result's structured content
+            # against it (ClientSession.validate_tool_result), and so does this test, explicitly, below
+            assert all(t.output_schema and t.output_schema["type"] == "object" for t in tools.values()), tools
 
             notes = []
 
@@ -59,6 +63,7 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
                                     progress_callback=on_progress)
             v = value(res)
             assert not res.is_error and v["exit_code"] == 3 and v["state"] == "exited"
+            jsonschema.validate(res.structured_content, tools["run_process"].output_schema)
             assert (v["stdout"], v["stderr"]) == ("out\n", "err\n")
             assert (v["run_id"], v["agent_id"]) == ("r1", "test-client")  # the session's run, the client's name
             assert any(v["cell_id"] in n and "started" in n for n in notes), notes

@@ -53,3 +53,27 @@ def test_http_listens_on_loopback_or_a_unix_socket_only():
                       ("localhost", "HOST:PORT"), ("127.0.0.1:99999", "HOST:PORT"), ("unix:", "path is missing")):
         with pytest.raises(UsageError, match=says):
             parse_listen(bad)
+
+
+def test_every_tool_declares_an_object_output_schema_its_results_validate_against():
+    jsonschema = pytest.importorskip("jsonschema")
+    from agnsup.doors.mcp.tools import OUTPUT_SCHEMAS
+    assert set(OUTPUT_SCHEMAS) == set(SCHEMAS)  # a new tool needs its outputSchema too
+    for name, schema in OUTPUT_SCHEMAS.items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert schema["type"] == "object", name  # MCP: an outputSchema's root is an object
+    ran = {"run_id": "r", "agent_id": "a", "cell_id": "c-1", "exit_code": 0, "state": "exited", "reason": "exited",
+           "receipt": "/s/receipt.json", "stdout": "hi\n", "stdout_truncated": False, "stderr": "",
+           "stderr_truncated": False, "changes": {"mode": "none"}, "network_refused": []}  # a later field passes
+    for name, value in (("run_process", ran), ("wait", {"run_id": "r", "cell_id": "c-1", "pending": True}),
+                        ("spawn", {"cell_id": "c-1", "run_id": "r", "agent_id": "a", "pid": None, "cgroup": None,
+                                   "controller": "k", "state": "waiting"}),
+                        ("read_output", {"chunks": [{"seq": 0, "stream": "tty", "text": "$ "}], "next": 1,
+                                         "ended": False}),
+                        ("receipt", {"cell_id": "c-1", "pending": True}),
+                        ("cancel", {"cancelled": 0, "cells": []}), ("undo", {"undone": [], "records": []})):
+        jsonschema.validate(value, OUTPUT_SCHEMAS[name])
+    for name, value in (("run_process", {"exit_code": 0}), ("run_process", {**ran, "exit_code": "0"}),
+                        ("spawn", {**ran, "state": "exited"}), ("signal", {"cell_id": "c-1", "sent": "HUP"})):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, OUTPUT_SCHEMAS[name])

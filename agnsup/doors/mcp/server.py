@@ -12,7 +12,7 @@ from mcp.server import Server
 
 from ...errors import AgnsupError, UsageError, as_value
 from .session import Session, Sessions
-from .tools import READ_ONLY, READ_TIMEOUT, SCHEMAS, check_arguments
+from .tools import OUTPUT_SCHEMAS, READ_ONLY, READ_TIMEOUT, SCHEMAS, check_arguments
 
 PROGRESS_INTERVAL = 1.0  # seconds between a waiting call's progress notes (the first as soon as the cell runs)
 ENDED_WAIT = 2.0  # how long read_output waits, once the output ended, for the cell's result
@@ -20,9 +20,11 @@ CLIENT_GONE = "agnsup.client_gone"  # ASGI scope key: an event set when an HTTP 
 
 
 def _result(value, error: bool = False):
+    """A result: its JSON as text and, unless a refusal, as structured content (the tool's outputSchema).
+    A refusal's JSON is text only: the TypeScript SDK's client (the Inspector's, Claude Code's) checks an
+    error's structured content against the tool's outputSchema as well, and an error is not a result."""
     return types.CallToolResult(content=[types.TextContent(text=json.dumps(value, default=str))],
-                                structured_content=value if isinstance(value, dict) else {"items": value},
-                                is_error=error)
+                                structured_content=None if error else value, is_error=error)
 
 
 def _refusal(e: AgnsupError):
@@ -166,7 +168,7 @@ class Call:
 
 def build_server(sessions: Sessions):
     """The SDK's low-level Server with our tools."""
-    assert all(callable(getattr(Call, name, None)) for name in SCHEMAS)
+    assert all(callable(getattr(Call, name, None)) and name in OUTPUT_SCHEMAS for name in SCHEMAS)
 
     def of(ctx) -> Session:
         """The call's session: streamable HTTP names it in a header of each request."""
@@ -176,6 +178,7 @@ def build_server(sessions: Sessions):
     async def on_list_tools(ctx, params):
         return types.ListToolsResult(tools=[
             types.Tool(name=n, description=s["description"], input_schema=s["parameters"],
+                       output_schema=OUTPUT_SCHEMAS[n],
                        annotations=types.ToolAnnotations(read_only_hint=n in READ_ONLY,
                                                          destructive_hint=n not in READ_ONLY))
             for n, s in SCHEMAS.items()])

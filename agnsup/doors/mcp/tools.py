@@ -131,6 +131,62 @@ SCHEMAS = {s["name"]: s for s in (
 READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff"}
 
 
+# -- what each tool returns: its outputSchema (MCP 2025-06-18 on: a client checks a result's structuredContent
+# against it). The properties a model can rely on, with their JSON types; results may gain fields (no
+# additionalProperties: false), so a field added later (a new key of tool.ended) is not a broken result. A
+# refusal (isError) is errors.as_value's dict, which a client does not check against the tool's schema.
+def _obj(props: dict, required: tuple[str, ...] = (), description: str | None = None) -> dict:
+    return {"type": "object", **({"description": description} if description else {}), "properties": props,
+            "required": list(required)}
+
+
+def _t(*names: str, description: str | None = None) -> dict:
+    return {"type": names[0] if len(names) == 1 else list(names), **({"description": description} if description
+                                                                      else {})}
+
+
+_ID, _IDS = _t("string"), {"type": "array", "items": {"type": "string"}}
+_RESULT = _obj({  # tool.ended's result (supervisor.journal_result before the receipt), or pending / client_gone
+    "run_id": _ID, "agent_id": _ID, "cell_id": _ID,
+    "exit_code": _t("integer", "null", description="The command's exit code (124 timeout, 137 killed, ...)."),
+    "state": _t("string", description="exited, failed, timeout, cancelled, killed (running while it runs)."),
+    "reason": _t("string", "null"), "receipt": _t("string", "null", description="The receipt file's path."),
+    "stdout": _t("string"), "stderr": _t("string"), "stdout_truncated": _t("boolean"),
+    "stderr_truncated": _t("boolean"), "network_hint": _t("string"),
+    "changes": _t("object", description="What it changed in the worktree (counts, paths, the record)."),
+    "pending": _t("boolean", description="wait's timeout passed: the cell still runs."),
+    "client_gone": _t("boolean")}, ("run_id", "cell_id"))
+_HANDLE = _obj({"cell_id": _ID, "run_id": _ID, "agent_id": _ID, "pid": _t("integer", "null"),
+                "cgroup": _t("string", "null"), "controller": _ID,
+                "state": {"type": "string", "enum": ["running", "waiting"],
+                          "description": "waiting: queued behind a worktree lock"}}, ("cell_id", "run_id", "state"))
+_CHUNK = _obj({"seq": _t("integer"), "stream": {"type": "string", "enum": ["stdout", "stderr", "tty"]},
+               "text": _t("string")}, ("seq", "stream", "text"))
+OUTPUT_SCHEMAS = {
+    "run_process": _RESULT, "run_shell": _RESULT, "wait": _RESULT, "spawn": _HANDLE,
+    "read_output": _obj({"chunks": {"type": "array", "items": _CHUNK}, "next": _t("integer"),
+                         "ended": _t("boolean"), "exit_code": _t("integer", "null"), "state": _t("string")},
+                        ("chunks", "next", "ended")),
+    "write_stdin": _obj({"cell_id": _ID, "written": _t("integer"), "eof": _t("boolean")},
+                        ("cell_id", "written", "eof")),
+    "resize": _obj({"cell_id": _ID, "cols": _SIDE, "rows": _SIDE}, ("cell_id", "cols", "rows")),
+    "signal": _obj({"cell_id": _ID, "sent": {"type": "string", "enum": ["INT", "TERM", "KILL"]}},
+                   ("cell_id", "sent")),
+    "cancel": _obj({"cancelled": _t("integer"), "cells": {"type": "array"}, "scope": _t("string"),
+                    "reason": _t("string", "null"), "grace": _t("number", "null")}, ("cancelled", "cells")),
+    "ps": _obj({"run_id": _ID, "cells": {"type": "array", "items": _obj({"cell_id": _ID, "agent_id": _ID,
+                                                                         "state": _t("string")})}},
+               ("run_id", "cells")),
+    "receipt": _obj({"cell_id": _ID, "run_id": _ID, "exit_code": _t("integer", "null"), "state": _t("string"),
+                     "pending": _t("boolean", description="No receipt yet: the cell still runs.")}, ("cell_id",)),
+    "diff": _obj({"record": _ID, "kind": _t("string"), "state": _t("string"), "counts": _t("object"),
+                  "entries": {"type": "array", "items": _obj({"path": _ID, "change": _t("string")},
+                                                             ("path", "change"))},
+                  "truncated": _t("boolean"), "now": _t("object")}, ("record", "entries")),
+    "undo": _obj({"undone": _IDS, "records": {"type": "array", "items": _t("object")}}, ("undone", "records")),
+}
+
+
 _JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
                "array": (list,), "object": (dict,)}
 

@@ -284,6 +284,12 @@ def test_streamable_http_on_a_loopback_port_wants_the_token_and_on_a_unix_socket
             assert len(runs) == 2 and all(r.startswith("mcp-") for r in runs)  # a run per HTTP session
             async with httpx2.AsyncClient() as anonymous:
                 assert (await anonymous.post(tcp["url"], json={})).status_code == 401
+                for wrong in ("x", tcp["token"][:-1], f"{tcp['token']}&token=x"):  # a near miss, a second token
+                    assert (await anonymous.post(f"{tcp['url']}?token={wrong}", json={})).status_code == 401
+            # a client that cannot send headers: the ready line's URL carries the token in its query
+            assert tcp["url_with_token"] == f"{tcp['url']}?token={tcp['token']}"
+            v = await call(tcp["url_with_token"], httpx2.AsyncClient(), "run_process", {"argv": ["echo", "by url"]})
+            assert v["stdout"] == "by url\n"
             over_unix = lambda: httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=sock))  # noqa: E731
             ended = await call(unix["url"], over_unix(), "spawn", {"argv": ["sleep", "300"]})
             kept = None

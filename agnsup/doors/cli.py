@@ -706,7 +706,7 @@ def serve(obj, socket_path):
     sys.exit(serve_main(obj["state_dir"], socket_path))
 
 
-@main.command()
+@main.group(invoke_without_command=True, context_settings=CONTEXT)
 @click.option("--role", default="executor", show_default=True,
               help="Role policy of every cell of the session (the model cannot change it).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
@@ -719,8 +719,8 @@ def serve(obj, socket_path):
 @click.option("--http", "http", default=None, metavar="HOST:PORT|unix:PATH",
               help="Streamable HTTP instead of stdio: a loopback port (a bearer token guards it) or a Unix "
                    "socket (mode 0600).")
-@click.pass_obj
-def mcp(obj, role, workdir, run_id, agent_id, http):
+@click.pass_context
+def mcp(ctx, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
@@ -728,10 +728,55 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     session's run under --role. Prints one JSON line {"ready": true, "run_id":
     ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
     When the client ends the session (or on SIGTERM/SIGINT), its cells are
-    cancelled.
+    cancelled. `agnsup mcp config CLIENT` prints how to register it.
     """
+    if ctx.invoked_subcommand is not None:  # `mcp config`: the server's options are config's own
+        given = [p.opts[0] for p in ctx.command.params if p.expose_value
+                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: give it after `{ctx.invoked_subcommand}`", ctx)
+        return
     from .mcp.command import main as mcp_main
-    sys.exit(mcp_main(obj["state_dir"], role, workdir, run_id, agent_id, http))
+    sys.exit(mcp_main(ctx.obj["state_dir"], role, workdir, run_id, agent_id, http))
+
+
+@mcp.command("config", context_settings=CONTEXT)
+@click.argument("client")
+@click.option("--role", default="executor", show_default=True, help="The server's --role.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="The server's --workdir (default: the current directory), made absolute.")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A", help="The server's --agent.")
+@click.option("--name", default="agnsup", show_default=True, help="The server's name in the client.")
+@click.option("--http", "http", default=None, metavar="HOST:PORT",
+              help="http: where the server listens (a loopback port; default 127.0.0.1:8765).")
+@click.option("--json", "as_json", is_flag=True, help="The registration as JSON (command, args, lines, ...).")
+@click.pass_obj
+def mcp_config(obj, client, role, workdir, agent_id, name, http, as_json):
+    """Print the line (or file snippet) that registers this agnsup as an MCP server with CLIENT:
+    claude, codex, gemini (their `mcp add` commands), cursor, json (a project's .mcp.json), http
+    (the `mcp --http` server line, its URL with the token as a header and in the query).
+
+    The command is this agnsup's absolute path (`/abs/python -m agnsup` when run that way), the
+    worktree and --state-dir absolute: a client starts the server without your shell's PATH."""
+    from .mcp.command import parse_listen
+    from .mcp.config import CLIENTS, HTTP_ADDR, own_command, registration, server_args
+    from ..errors import UsageError
+    from ..store.state import check_id
+    if client not in CLIENTS:
+        raise UsageError(f"mcp config: unknown client {client!r} (known: {', '.join(CLIENTS)})")
+    workdir = os.path.realpath(workdir or os.getcwd())
+    if not os.path.isdir(workdir):
+        raise UsageError(f"mcp config: --workdir {workdir}: not a directory")
+    if agent_id:
+        check_id("agent", agent_id)
+    from .. import policy
+    policy.load(role)  # an unknown role fails here, not in the client when it starts the server
+    if http is not None and parse_listen(http)[0] == "unix":
+        raise UsageError(f"mcp config: --http {http}: a loopback HOST:PORT (a client needs a URL)")
+    out = registration(client, own_command(), server_args(role, workdir, obj["state_dir"], agent_id), name,
+                       token=os.environ.get("AGNSUP_MCP_TOKEN") or None, http=http or HTTP_ADDR)
+    if not _echo_json(as_json, out):
+        click.echo("\n".join(out["lines"]))
 
 
 @main.command()
@@ -924,3 +969,6 @@ for _cmd in main.commands.values():
         _cmd.callback = _json_errors(_cmd.callback)
     _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
                                        callback=_set_state_dir, help="State root (as before the command)."))
+mcp_config.callback = _json_errors(mcp_config.callback)  # a subcommand: not in main.commands
+mcp_config.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
+                                         callback=_set_state_dir, help="State root (as before the command)."))

@@ -7,6 +7,7 @@ import secrets
 import signal
 import socket
 import sys
+from urllib.parse import quote
 
 from ...errors import UsageError
 
@@ -48,15 +49,18 @@ def parse_listen(addr: str) -> tuple[str, str | int]:
 
 
 def _http_token(where: tuple[str, str | int], listener, ready: dict) -> str | None:
-    """The bearer token of a loopback port (None on a Unix socket); `ready` gets the URL (and a new token).
-    Every local user can reach a loopback port: the token is the key to this user's cells."""
+    """The bearer token of a loopback port (None on a Unix socket); `ready` gets the URL (and a new token, with
+    the URL that carries it). Every local user can reach a loopback port: the token is the key to this user's
+    cells; a header or the URL's query carries it (_has_token)."""
     if where[0] == "unix":
         ready.update(socket=where[1], url="http://localhost/mcp")
         return None
     token = os.environ.get("AGNSUP_MCP_TOKEN") or secrets.token_urlsafe(24)
     host = f"[{where[0]}]" if ":" in where[0] else where[0]
-    ready.update(url=f"http://{host}:{listener.getsockname()[1]}/mcp",
-                 **({} if os.environ.get("AGNSUP_MCP_TOKEN") else {"token": token}))
+    url = f"http://{host}:{listener.getsockname()[1]}/mcp"
+    # a token it made is printed, as is the URL that carries it for a client that cannot send headers
+    ready.update(url=url, **({} if os.environ.get("AGNSUP_MCP_TOKEN") else
+                             {"token": token, "url_with_token": f"{url}?token={quote(token, safe='')}"}))
     return token
 
 
@@ -106,14 +110,24 @@ def _peer_checked(listener, journal):
     return CheckedListener(fileno=listener.detach())
 
 
-def _bearer(app, token: str):
-    """The ASGI app behind a bearer token: a loopback port is open to every local user."""
+def _has_token(scope, want: bytes, token: bytes) -> bool:
+    """The request carries the token: `Authorization: Bearer TOKEN`, or `?token=TOKEN` in its URL for a client
+    that cannot send headers (the URL is then as secret as the header; the access log is off)."""
     import hmac
-    want = f"Bearer {token}".encode()
+    from urllib.parse import parse_qs
+    if hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), want):
+        return True
+    given = parse_qs(scope.get("query_string", b"")).get(b"token", [])
+    return len(given) == 1 and hmac.compare_digest(given[0], token)
+
+
+def _bearer(app, token: str):
+    """The ASGI app behind a bearer token (a header, or the URL's query): a loopback port is open to every
+    local user."""
+    want, raw = f"Bearer {token}".encode(), token.encode()
 
     async def guarded(scope, receive, send):
-        if scope["type"] == "http" and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""),
-                                                               want):
+        if scope["type"] == "http" and not _has_token(scope, want, raw):
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"text/plain"), (b"www-authenticate", b"Bearer")]})
             await send({"type": "http.response.body", "body": b"agnsup mcp: missing or wrong bearer token\n"})

@@ -26,9 +26,9 @@ HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", 
 RUN = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.doors.entry import main; main()"
 
 
-def _run_and_list_modules(state, worktree, tmp_path, *args):
+def _run_and_list_modules(state, worktree, tmp_path, *args, entry=("-c", RUN)):
     env = {**os.environ, "AGNSUP_STATE_DIR": state}
-    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", RUN, *args], cwd=worktree, env=env,
+    cp = subprocess.run([sys.executable, "-X", "importtime", *entry, *args], cwd=worktree, env=env,
                         capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
     err = cp.stderr.decode(errors="replace")
     assert cp.returncode == 0, err
@@ -44,6 +44,15 @@ def test_run_true_imports_nothing_heavy(state, worktree, tmp_path, role):
     assert "agnsup.process.leader" in mods and "agnsup.store.journal" in mods  # it did run the cell path
     heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
     assert heavy == [], f"the run path imported {heavy}"
+
+
+def test_python_m_agnsup_takes_the_same_fast_path(state, worktree, tmp_path):
+    """`python -m agnsup` (agnsup/__main__.py: what an MCP client's config may name) is the console script."""
+    _run_and_list_modules(state, worktree, tmp_path, "run", "--", "true", entry=("-m", "agnsup"))
+    mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--", "true", entry=("-m", "agnsup"))
+    assert "agnsup.process.leader" in mods
+    heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
+    assert heavy == [], f"python -m agnsup run imported {heavy}"
 
 
 def test_the_check_sees_a_heavy_import(state, worktree, tmp_path):

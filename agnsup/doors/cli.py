@@ -717,8 +717,8 @@ def serve(obj, socket_path):
 @click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A",
               help="Agent id of the cells (default: the MCP client's name).")
 @click.option("--http", "http", default=None, metavar="HOST:PORT|unix:PATH",
-              help="Streamable HTTP instead of stdio: a loopback port (a bearer token guards it) or a Unix "
-                   "socket (mode 0600).")
+              help="Streamable HTTP instead of stdio: a loopback port (a token guards it: a bearer header, or "
+                   "?token= in the URL) or a Unix socket (mode 0600).")
 @click.pass_context
 def mcp(ctx, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').

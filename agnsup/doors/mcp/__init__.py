@@ -6,7 +6,9 @@ asks the one Supervisor for a cell, so the command gets what `agnsup run` gives
 it (policy, cgroup, namespaces, an environment from nothing, journal, receipt)
 and this module starts no process of its own. Built on the official `mcp` SDK's
 low-level Server (an optional extra, `agnsup[mcp]`; imported only by this
-command), so the tools' JSON schemas are ours, generated from request.py.
+command), so the tools' JSON schemas are ours, generated from request.py, and
+so are their outputSchemas (tools.py). `agnsup mcp config CLIENT` (config.py)
+prints the line that registers this agnsup with a client.
 
 Who decides what:
 

@@ -64,7 +64,8 @@ def test_every_tool_declares_an_object_output_schema_its_results_validate_agains
         assert schema["type"] == "object", name  # MCP: an outputSchema's root is an object
     ran = {"run_id": "r", "agent_id": "a", "cell_id": "c-1", "exit_code": 0, "state": "exited", "reason": "exited",
            "receipt": "/s/receipt.json", "stdout": "hi\n", "stdout_truncated": False, "stderr": "",
-           "stderr_truncated": False, "changes": {"mode": "none"}, "network_refused": []}  # a later field passes
+           "stderr_truncated": False, "changes": {"mode": "none"}, "network_refused": [{"host": "pypi.org", "port": 443, "rule": "address:private",
+                                                           "allow_key": "network.allow_private"}], "later": 1}
     for name, value in (("run_process", ran), ("wait", {"run_id": "r", "cell_id": "c-1", "pending": True}),
                         ("spawn", {"cell_id": "c-1", "run_id": "r", "agent_id": "a", "pid": None, "cgroup": None,
                                    "controller": "k", "state": "waiting"}),
@@ -74,6 +75,7 @@ def test_every_tool_declares_an_object_output_schema_its_results_validate_agains
                         ("cancel", {"cancelled": 0, "cells": []}), ("undo", {"undone": [], "records": []})):
         jsonschema.validate(value, OUTPUT_SCHEMAS[name])
     for name, value in (("run_process", {"exit_code": 0}), ("run_process", {**ran, "exit_code": "0"}),
-                        ("spawn", {**ran, "state": "exited"}), ("signal", {"cell_id": "c-1", "sent": "HUP"})):
+                        ("spawn", {**ran, "state": "exited"}), ("run_process", {**ran, "network_refused": [{}]}),
+                        ("signal", {"cell_id": "c-1", "sent": "HUP"})):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(value, OUTPUT_SCHEMAS[name])

@@ -153,6 +153,10 @@ _RESULT = _obj({  # tool.ended's result (supervisor.journal_result before the re
     "reason": _t("string", "null"), "receipt": _t("string", "null", description="The receipt file's path."),
     "stdout": _t("string"), "stderr": _t("string"), "stdout_truncated": _t("boolean"),
     "stderr_truncated": _t("boolean"), "network_hint": _t("string"),
+    "network_refused": {"type": "array", "description": "Connections the proxy refused: host, port, rule and "
+                        "the role key that would allow it.",
+                        "items": _obj({"host": _ID, "port": _t("integer"), "rule": _ID,
+                                       "allow_key": _t("string", "null")}, ("host", "port", "rule"))},
     "changes": _t("object", description="What it changed in the worktree (counts, paths, the record)."),
     "pending": _t("boolean", description="wait's timeout passed: the cell still runs."),
     "client_gone": _t("boolean")}, ("run_id", "cell_id"))

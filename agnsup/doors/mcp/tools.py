@@ -155,7 +155,7 @@ _RESULT = _obj({  # tool.ended's result (supervisor.journal_result before the re
     "stderr_truncated": _t("boolean"), "network_hint": _t("string"),
     "network_refused": {"type": "array", "description": "Connections the proxy refused: host, port, rule and "
                         "the role key that would allow it.",
-                        "items": _obj({"host": _ID, "port": _t("integer"), "rule": _ID,
+                        "items": _obj({"host": _ID, "port": _t("integer", "null"), "rule": _ID,
                                        "allow_key": _t("string", "null")}, ("host", "port", "rule"))},
     "changes": _t("object", description="What it changed in the worktree (counts, paths, the record)."),
     "pending": _t("boolean", description="wait's timeout passed: the cell still runs."),

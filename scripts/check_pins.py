@@ -36,6 +36,10 @@ server = agnsup.doors.mcp.server.build_server(sessions)
 server.streamable_http_app(host="127.0.0.1",
                            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
 agnsup.doors.sandboxd.proto.messages()
+import mcp_types  # every tool's outputSchema goes on the wire as the floor's Tool has it
+from agnsup.doors.mcp.tools import OUTPUT_SCHEMAS
+tool = mcp_types.Tool(name="run_process", input_schema={"type": "object"}, output_schema=OUTPUT_SCHEMAS["run_process"])
+assert tool.model_dump(by_alias=True)["outputSchema"] == OUTPUT_SCHEMAS["run_process"]
 """
 
 

@@ -771,8 +771,9 @@ def mcp_config(obj, client, role, workdir, agent_id, name, http, as_json):
         check_id("agent", agent_id)
     from .. import policy
     policy.load(role)  # an unknown role fails here, not in the client when it starts the server
-    if http is not None and parse_listen(http)[0] == "unix":
-        raise UsageError(f"mcp config: --http {http}: a loopback HOST:PORT (a client needs a URL)")
+    if http is not None and (parse_listen(http)[0] == "unix" or parse_listen(http)[1] == 0):
+        raise UsageError(f"mcp config: --http {http}: a loopback HOST:PORT with a fixed port (a client needs "
+                         "its URL)")
     out = registration(client, own_command(), server_args(role, workdir, obj["state_dir"], agent_id), name,
                        token=os.environ.get("AGNSUP_MCP_TOKEN") or None, http=http or HTTP_ADDR)
     if not _echo_json(as_json, out):

@@ -92,6 +92,8 @@ def test_the_cli_prints_the_line_and_refuses_an_unknown_client_in_one_line(tmp_p
                        (["mcp", "config", "claude", "--role", "nosuch"], "unknown role 'nosuch'"),
                        (["mcp", "config", "claude", "--workdir", str(tmp_path / "no")], "not a directory"),
                        (["mcp", "config", "http", "--http", "0.0.0.0:80"], "only a loopback address"),
+                       (["mcp", "config", "http", "--http", "127.0.0.1:0"], "with a fixed port"),
+                       (["mcp", "config", "http", "--http", "unix:/tmp/s"], "with a fixed port"),
                        (["mcp", "--role", "readonly", "config", "claude"], "--role: give it after `config`")):
         cp = subprocess.run([agnsup, *argv], env=env, capture_output=True, text=True, timeout=60)
         assert cp.returncode == 125 and says in cp.stderr and cp.stderr.count("\n") == 1, (argv, cp.stderr)

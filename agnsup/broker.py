@@ -77,6 +77,7 @@ class Cell(Record):
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
+    lock_holder: str = ""        # who held it when the cell was queued (locks.take)
     protect_start: dict | None = None   # the protected paths' baseline at start (protect.start)
     protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
     cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
@@ -159,14 +160,13 @@ class Controller:
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
                     stdin=stdin, pty=pty, stream=stream or pty is not None)
-        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
+        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree, spec.run_id, spec.cell_id))
         if queue:
-            cell.lock_fd = locks.try_acquire(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
-                                             tree=spec.worktree)
+            cell.lock_fd, cell.lock_holder = locks.take(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
+                                                        spec.worktree, self._agent(spec))
             cell.waiting = cell.lock_fd is None
         else:
-            cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                         f"worktree {spec.worktree}", self._owner(spec), notify, tree=spec.worktree)
+            cell.lock_fd = self._wait_for_lock(cell, notify)
         try:
             self._intent(cell, prepared.admit, "waiting" if cell.waiting else "starting")
         except BaseException as e:
@@ -182,19 +182,30 @@ class Controller:
 
     @staticmethod
     def _owner(spec) -> str:
-        return f"cell {spec.cell_id} of run {spec.run_id}"
+        return locks.owner_of(spec.run_id, spec.agent_id, spec.cell_id)
+
+    @staticmethod
+    def _agent(spec) -> str:
+        return locks.agent_of(spec.run_id, spec.agent_id)
+
+    def _wait_for_lock(self, cell: Cell, notify=None, poll=None) -> int:
+        """The cell's worktree lock: its agent's other cells are never in the way, another
+        agent's may be (locks.py). The wait is bounded by the call's timeout too (locks.wait_bound)."""
+        spec = cell.spec
+        bound, by = locks.wait_bound(spec.lock_timeout, spec.timeout)
+        return locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", bound, f"worktree {spec.worktree}",
+                             self._owner(spec), notify, tree=spec.worktree, poll=poll, agent=self._agent(spec),
+                             bound_by=by)
 
     def resume(self, cell: Cell) -> Cell:
-        """A waiting cell: wait for its worktree lock (up to its lock_timeout; a cancel
-        recorded meanwhile wins), then start it like any other."""
+        """A waiting cell: wait for its worktree lock (up to its lock_timeout or timeout; a
+        cancel recorded meanwhile wins), then start it like any other."""
         spec = cell.spec
 
         def cancelled():
             self.journal.refuse_cancelled(spec.run_id, spec.cell_id)
         try:
-            cell.lock_fd = locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", spec.lock_timeout,
-                                         f"worktree {spec.worktree}", self._owner(spec), False, tree=spec.worktree,
-                                         poll=cancelled)
+            cell.lock_fd = self._wait_for_lock(cell, False, cancelled)
             cancelled()
             self.journal.mark_starting(spec.run_id, spec.cell_id)
         except AgnsupError as e:

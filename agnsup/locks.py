@@ -184,7 +184,8 @@ def take(path: str, exclusive: bool, owner: str, tree: str | None = None,
     return fd, ""
 
 
-def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None, agent: str | None = None) -> int | None:
+def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None,
+                agent: str | None = None) -> int | None:
     """The lock if it is free now, else None (spawn queues the cell instead of waiting)."""
     return take(path, exclusive, owner, tree, agent)[0]
 

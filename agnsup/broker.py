@@ -362,7 +362,11 @@ class Controller:
     def _commit_changes(self, cell: Cell) -> None:
         """The receipt's `changes` section (changes.at_end): a commit that fails leaves its plan for the
         janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same."""
-        section = changes.at_end(self.state.path, cell.plan, cell.layer is not None)
+        if cell.layer is not None:  # the agent's other cells may be committing into the same worktree
+            with locks.commit_mutex(os.path.dirname(cell.lock_path), cell.spec.worktree):
+                section = changes.at_end(self.state.path, cell.plan, True)
+        else:
+            section = changes.at_end(self.state.path, cell.plan, False)
         if section is not None:
             cell.changes = section
         if cell.layer is not None and section["mode"] == "live":  # the kernel refused the overlay: it ran live

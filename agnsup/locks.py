@@ -25,6 +25,7 @@ import fcntl
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 from .util import backoff
 from .util.digest import sha256
@@ -237,6 +238,27 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
     if exclusive and agent is None:
         _own(fd, owner, tree)
     return fd
+
+
+@contextmanager
+def commit_mutex(lock_dir: str, worktree: str):
+    """One capturing cell's commit into `worktree` at a time: an agent's cells share the
+    worktree lock, and two commits interleaving their steps over one path would record a
+    pre-image that was never there (changes.commit). Short: held while one commit runs."""
+    path = os.path.join(lock_dir, worktree_key(worktree) + ".commit")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # unlinked by the previous holder after we opened it
+    try:
+        yield
+    finally:
+        release(path, fd)
 
 
 def _own(fd: int, owner: str, tree: str | None) -> None:

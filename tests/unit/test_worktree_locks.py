@@ -132,3 +132,17 @@ def test_the_lock_timeout_names_the_holder_the_time_waited_and_what_bounded_it(c
     assert "timeout" in msg and "\n" not in msg
     assert e.value.details["holder"] == "cell server of run R, agent A" and e.value.details["waited"] >= 0.05
     assert not os.path.exists(path)
+
+
+def test_commits_into_one_worktree_take_turns_and_leave_no_file(d):
+    import fcntl
+    tree = str(d / "repo")
+    path = os.path.join(str(d), "locks", locks.worktree_key(tree) + ".commit")
+    with locks.commit_mutex(os.path.join(str(d), "locks"), tree):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # a second commit waits for the first
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert not os.path.exists(path)

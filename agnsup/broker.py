@@ -363,7 +363,8 @@ class Controller:
         """The receipt's `changes` section (changes.at_end): a commit that fails leaves its plan for the
         janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same."""
         if cell.layer is not None:  # the agent's other cells may be committing into the same worktree
-            with locks.commit_mutex(os.path.dirname(cell.lock_path), cell.spec.worktree):
+            with locks.commit_mutex(os.path.dirname(changes.layer_dir(self.state.path, cell.spec.run_id,
+                                                                       cell.spec.cell_id))):
                 section = changes.at_end(self.state.path, cell.plan, True)
         else:
             section = changes.at_end(self.state.path, cell.plan, False)

@@ -241,24 +241,22 @@ def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner:
 
 
 @contextmanager
-def commit_mutex(lock_dir: str, worktree: str):
-    """One capturing cell's commit into `worktree` at a time: an agent's cells share the
-    worktree lock, and two commits interleaving their steps over one path would record a
-    pre-image that was never there (changes.commit). Short: held while one commit runs."""
-    path = os.path.join(lock_dir, worktree_key(worktree) + ".commit")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # unlinked by the previous holder after we opened it
+def commit_mutex(run_changes_dir: str):
+    """One capturing cell's commit of a run at a time: an agent's cells share the worktree lock,
+    and two commits interleaving their steps over one path would record a pre-image that was
+    never there (changes.commit). A flock on the run's changes directory (only one agent writes
+    a worktree at a time, and an agent is of one run): no file to leave behind, and it cannot
+    be removed while a contender's layer is in it. Short: held while one commit runs."""
     try:
+        fd = os.open(run_changes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no layer there after all: nothing to order
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        release(path, fd)
+        os.close(fd)
 
 
 def _own(fd: int, owner: str, tree: str | None) -> None:

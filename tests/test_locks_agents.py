@@ -83,6 +83,7 @@ def test_mcp_says_a_queued_call_waits_for_the_lock_and_its_timeout_ends_the_wait
             v = value(res)
             assert res.is_error and (v["error_type"], v["exit_code"]) == ("LockTimeout", 75)
             assert f"held by cell {srv['cell_id']} of run R, agent A" in v["error"] and "gave up after 2 s" in v["error"]
+            assert v["holder"] == f"cell {srv['cell_id']} of run R, agent A" and v["waited"] >= 2
             assert not any("pid None" in n or "running for" in n for n in notes), notes
             assert any(f"held by cell {srv['cell_id']}" in n for n in notes), notes
             assert [c["state"] for c in await cells(a)] == ["running"]  # the server outlived B's wait

@@ -134,15 +134,17 @@ def test_the_lock_timeout_names_the_holder_the_time_waited_and_what_bounded_it(c
     assert not os.path.exists(path)
 
 
-def test_commits_into_one_worktree_take_turns_and_leave_no_file(d):
+def test_commits_of_one_run_take_turns_and_leave_no_file(d):
     import fcntl
-    tree = str(d / "repo")
-    path = os.path.join(str(d), "locks", locks.worktree_key(tree) + ".commit")
-    with locks.commit_mutex(os.path.join(str(d), "locks"), tree):
-        fd = os.open(path, os.O_RDONLY)
+    run_dir = str(d / "changes" / "R")
+    os.makedirs(run_dir)
+    with locks.commit_mutex(run_dir):
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with pytest.raises(BlockingIOError):  # a second commit waits for the first
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
-    assert not os.path.exists(path)
+    assert os.listdir(run_dir) == []
+    with locks.commit_mutex(str(d / "changes" / "gone")):  # no layer directory: nothing to order
+        pass

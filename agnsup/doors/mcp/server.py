@@ -30,8 +30,9 @@ def _refusal(e: AgnsupError):
     d = value.get("decision")
     if d:  # a denial: its rule, reason and hint where a model looks first
         value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
-    # an undo's refusal: what is in the way, when said
-    value.update({key: e.details[key] for key in ("conflicts", "later", "paths") if key in e.details})
+    # an undo's refusal: what is in the way, when said; a lock wait given up: who held it, how long it waited
+    value.update({key: e.details[key] for key in ("conflicts", "later", "paths", "holder", "waited")
+                  if key in e.details})
     return _result(value, error=True)
 
 
@@ -78,7 +79,7 @@ class Call:
                 elapsed = time.monotonic() - start
                 if deadline is not None and time.monotonic() >= deadline:
                     return {"cell_id": cell_id, "run_id": self.s.run_id, "pending": True}
-                if self.queued and not await to_thread.run_sync(self._still_queued, cell_id):
+                if self.queued and await to_thread.run_sync(self._started, cell_id):
                     self.queued = ""
                 await self.progress(elapsed, f"cell {cell_id} waiting for the worktree lock held by {self.queued} "
                                     f"for {elapsed:.0f} s" if self.queued else f"cell {cell_id} running for "
@@ -115,8 +116,10 @@ class Call:
                 await self.cancel_cell(started[0]["cell_id"])
             raise
 
-    def _still_queued(self, cell_id: str) -> bool:
-        return any(c["cell_id"] == cell_id and c["state"] == "waiting" for c in self.s.sup.list(self.s.run_id))
+    def _started(self, cell_id: str) -> bool:
+        """Has the queued cell got its lock? (One that gave up, or ended, is not listed: its result is next.)"""
+        return any(c["cell_id"] == cell_id and c["state"] in ("starting", "running")
+                   for c in self.s.sup.list(self.s.run_id))
 
     async def run_process(self, args):
         h = await self.start(args.pop("argv"), args, cancel_on_abort=True)

@@ -91,3 +91,28 @@ def test_mcp_says_a_queued_call_waits_for_the_lock_and_its_timeout_ends_the_wait
     anyio.run(main)
     assert json.loads(subprocess.run([BIN, "--state-dir", state, "ps", "--json"], capture_output=True,
                                      check=True).stdout) == []
+
+
+def test_serve_queues_another_agents_spawn_and_its_timeout_fails_it_with_the_holder_named(agnsup, tmp_path, worktree):
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        srv = agnsup.json("spawn", "--run-id", "R", "--agent", "A", "--cell", "srv", "--workdir", worktree, "--",
+                          *LONG)
+        assert srv["state"] == "running"
+        mine = agnsup.json("spawn", "--run-id", "R", "--agent", "A", "--cell", "a2", "--workdir", worktree, "--",
+                           "true")
+        assert mine["state"] == "running"  # its own agent's server is not in its way
+        cp = agnsup("spawn", "--run-id", "R", "--agent", "B", "--cell", "b1", "--timeout", "2", "--workdir",
+                    worktree, "--", "true", check=0)
+        assert json.loads(cp.out)["state"] == "waiting" and "held by cell srv of run R, agent A" in cp.err
+        done = agnsup("wait", "b1", "--run", "R", "--timeout", "60")
+        assert done.returncode == 75, (done.out, done.err)
+        (rec,) = agnsup.json("receipts", "--run", "R", "--cell", "b1", "--json")
+        assert rec["state"] == "failed" and "\n" not in rec["error"]
+        assert "held by cell srv of run R, agent A" in rec["error"] and "gave up after 2 s" in rec["error"]
+        assert "timeout" in rec["error"]
+        assert [c["cell_id"] for c in agnsup.json("ps", "--json")] == ["srv"]  # the server outlived B's wait
+    finally:
+        agnsup("cancel", "--run", "R", "--grace", "0", check=0)
+        s.close()

@@ -151,10 +151,11 @@ class Controller:
 
     # -- start ------------------------------------------------------------
     def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
-              pty: dict | None = None, stream: bool = False, queue: bool = False) -> Cell:
+              pty: dict | None = None, stream: bool = False, queue: bool = False, poll=None) -> Cell:
         """Lock the worktree, journal the intent, start the cell. `queue`: when the lock
         is held, journal the cell as `waiting` and return it at once (cell.waiting);
-        `resume` then waits for the lock and starts it."""
+        `resume` then waits for the lock and starts it. `poll()`: called while it waits
+        for the lock, may raise to give up (a signal to `agnsup run`)."""
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
@@ -166,7 +167,7 @@ class Controller:
                                                         spec.worktree, self._agent(spec))
             cell.waiting = cell.lock_fd is None
         else:
-            cell.lock_fd = self._wait_for_lock(cell, notify)
+            cell.lock_fd = self._wait_for_lock(cell, notify, poll)
         try:
             self._intent(cell, prepared.admit, "waiting" if cell.waiting else "starting")
         except BaseException as e:

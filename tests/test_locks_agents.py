@@ -116,3 +116,27 @@ def test_serve_queues_another_agents_spawn_and_its_timeout_fails_it_with_the_hol
     finally:
         agnsup("cancel", "--run", "R", "--grace", "0", check=0)
         s.close()
+
+
+def test_a_signal_to_agnsup_run_waiting_for_another_agents_lock_ends_it_at_once(agnsup, worktree, tmp_path):
+    import signal
+    server = agnsup.popen("run", "--run-id", "R", "--agent", "A", "--cell", "srv", "--workdir", worktree, "--",
+                          "sh", "-c", "echo up; exec sleep 300", stdout=subprocess.PIPE)
+    errf = tmp_path / "b.err"
+    try:
+        assert server.stdout.readline() == b"up\n"
+        with open(errf, "wb") as err:
+            waiting = agnsup.popen("run", "--run-id", "R", "--agent", "B", "--cell", "b1", "--workdir", worktree,
+                                   "--", "true", stderr=err)
+        from scenario import wait_for
+        wait_for(lambda: "waiting for the worktree" in errf.read_text(), what="b1 waiting for the lock")
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(30) == 143  # CancelledBeforeStart (was: the signal waited for the lock, 300 s)
+        last = errf.read_text().strip().splitlines()[-1]
+        assert "cell b1 cancelled by signal SIGINT" in last and "never started" in last
+        assert server.poll() is None
+        assert "b1" not in [c["cell_id"] for c in agnsup.json("ps", "--all", "--json")]
+    finally:
+        agnsup("cancel", "--run", "R", "--grace", "0", check=0)
+        server.wait(30)
+        server.stdout.close()

@@ -140,3 +140,20 @@ def test_a_signal_to_agnsup_run_waiting_for_another_agents_lock_ends_it_at_once(
         agnsup("cancel", "--run", "R", "--grace", "0", check=0)
         server.wait(30)
         server.stdout.close()
+
+
+def test_two_capturing_cells_of_one_agent_write_one_worktree_at_once_and_both_land_and_undo(state, worktree):
+    """Side by side, each over its own overlay: both commit (one at a time), each its own record."""
+    with Supervisor(state) as sup:
+        for c in ("w1", "w2"):
+            h = sup.spawn(["sh", "-c", f"echo {c} > shared; echo {c} > own-{c}"], run_id="R", agent_id="A",
+                          cell_id=c, workdir=worktree)
+            assert h["state"] == "running"
+        res = {c: sup.wait("R", c, timeout=60) for c in ("w1", "w2")}
+        assert all(r is not None and r["exit_code"] == 0 and r["changes"]["files"] == 2 for r in res.values()), res
+        with open(os.path.join(worktree, "shared")) as f:
+            assert f.read() in ("w1\n", "w2\n")
+        assert {n for n in os.listdir(worktree) if n.startswith("own-")} == {"own-w1", "own-w2"}
+        out = sup.undo(run_id="R", agent_id="A")
+        assert len(out["undone"]) == 2
+        assert not [n for n in os.listdir(worktree) if n in ("shared", "own-w1", "own-w2")]

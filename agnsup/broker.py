@@ -77,6 +77,7 @@ class Cell(Record):
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
+    lock_holder: str = ""        # who held it when the cell was queued (locks.take)
     protect_start: dict | None = None   # the protected paths' baseline at start (protect.start)
     protected: dict | None = None       # the receipt's `protected` section, once the tree is dead
     cancelled_starting: str | None = None  # a cancel recorded between its identity commit and `running`
@@ -150,23 +151,23 @@ class Controller:
 
     # -- start ------------------------------------------------------------
     def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
-              pty: dict | None = None, stream: bool = False, queue: bool = False) -> Cell:
+              pty: dict | None = None, stream: bool = False, queue: bool = False, poll=None) -> Cell:
         """Lock the worktree, journal the intent, start the cell. `queue`: when the lock
         is held, journal the cell as `waiting` and return it at once (cell.waiting);
-        `resume` then waits for the lock and starts it."""
+        `resume` then waits for the lock and starts it. `poll()`: called while it waits
+        for the lock, may raise to give up (a signal to `agnsup run`)."""
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
                     stdin=stdin, pty=pty, stream=stream or pty is not None)
-        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree))
+        cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree, spec.run_id, spec.cell_id))
         if queue:
-            cell.lock_fd = locks.try_acquire(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
-                                             tree=spec.worktree)
+            cell.lock_fd, cell.lock_holder = locks.take(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
+                                                        spec.worktree, self._agent(spec))
             cell.waiting = cell.lock_fd is None
         else:
-            cell.lock_fd = locks.acquire(cell.lock_path, plan.worktree_mode == "rw", spec.lock_timeout,
-                                         f"worktree {spec.worktree}", self._owner(spec), notify, tree=spec.worktree)
+            cell.lock_fd = self._wait_for_lock(cell, notify, poll)
         try:
             self._intent(cell, prepared.admit, "waiting" if cell.waiting else "starting")
         except BaseException as e:
@@ -182,19 +183,30 @@ class Controller:
 
     @staticmethod
     def _owner(spec) -> str:
-        return f"cell {spec.cell_id} of run {spec.run_id}"
+        return locks.owner_of(spec.run_id, spec.agent_id, spec.cell_id)
+
+    @staticmethod
+    def _agent(spec) -> str:
+        return locks.agent_of(spec.run_id, spec.agent_id)
+
+    def _wait_for_lock(self, cell: Cell, notify=None, poll=None) -> int:
+        """The cell's worktree lock: its agent's other cells are never in the way, another
+        agent's may be (locks.py). The wait is bounded by the call's timeout too (locks.wait_bound)."""
+        spec = cell.spec
+        bound, by = locks.wait_bound(spec.lock_timeout, spec.timeout)
+        return locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", bound, f"worktree {spec.worktree}",
+                             self._owner(spec), notify, tree=spec.worktree, poll=poll, agent=self._agent(spec),
+                             bound_by=by)
 
     def resume(self, cell: Cell) -> Cell:
-        """A waiting cell: wait for its worktree lock (up to its lock_timeout; a cancel
-        recorded meanwhile wins), then start it like any other."""
+        """A waiting cell: wait for its worktree lock (up to its lock_timeout or timeout; a
+        cancel recorded meanwhile wins), then start it like any other."""
         spec = cell.spec
 
         def cancelled():
             self.journal.refuse_cancelled(spec.run_id, spec.cell_id)
         try:
-            cell.lock_fd = locks.acquire(cell.lock_path, cell.plan.worktree_mode == "rw", spec.lock_timeout,
-                                         f"worktree {spec.worktree}", self._owner(spec), False, tree=spec.worktree,
-                                         poll=cancelled)
+            cell.lock_fd = self._wait_for_lock(cell, False, cancelled)
             cancelled()
             self.journal.mark_starting(spec.run_id, spec.cell_id)
         except AgnsupError as e:
@@ -351,7 +363,12 @@ class Controller:
     def _commit_changes(self, cell: Cell) -> None:
         """The receipt's `changes` section (changes.at_end): a commit that fails leaves its plan for the
         janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same."""
-        section = changes.at_end(self.state.path, cell.plan, cell.layer is not None)
+        if cell.layer is not None:  # the agent's other cells may be committing into the same worktree
+            with locks.commit_mutex(os.path.dirname(changes.layer_dir(self.state.path, cell.spec.run_id,
+                                                                       cell.spec.cell_id))):
+                section = changes.at_end(self.state.path, cell.plan, True)
+        else:
+            section = changes.at_end(self.state.path, cell.plan, False)
         if section is not None:
             cell.changes = section
         if cell.layer is not None and section["mode"] == "live":  # the kernel refused the overlay: it ran live

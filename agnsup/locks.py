@@ -8,6 +8,16 @@ closes every inherited fd in the child before exec, so no cell inherits one.
 Lock files are unlinked on release. The classic race (a waiter locks the old
 inode after we unlinked it) is closed by checking, after each acquisition,
 that the path still names the inode we locked, and retrying if not.
+
+Worktree locks keep different agents apart; an agent's own cells coordinate
+among themselves. Each cell holds a lock file of its own,
+`<state>/locks/<tree digest>-<cell digest>.lock` (exclusive: nobody else ever
+takes it), that says its tree, its mode (w: it may write, r: it reads) and its
+agent (run/agent). Under one mutex (a flock on the directory) a cell takes its
+file, writes that, and looks at the other held files: one on an overlapping
+tree (repo/ and repo/sub share files) of another agent, where either side
+writes, is in the way. A holder without an agent (`agnsup undo`: the tree's
+old single lock file, `<tree digest>.lock`) is in everyone's way, as a writer.
 """
 from __future__ import annotations
 
@@ -15,14 +25,38 @@ import fcntl
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 from .util import backoff
 from .util.digest import sha256
 from .errors import LockTimeout
 
 
-def worktree_key(worktree: str) -> str:
-    return sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
+def worktree_key(worktree: str, run_id: str | None = None, cell_id: str | None = None) -> str:
+    """The worktree's digest (its cache's and its agentless lock's name); with a cell, the
+    name of that cell's own worktree lock file (state.worktree_lock adds ".lock")."""
+    key = sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
+    if cell_id is None:
+        return key
+    return key + "-" + sha256(f"{run_id}/{cell_id}".encode()).hexdigest()[:16]
+
+
+def agent_of(run_id: str, agent_id: str) -> str:
+    """An agent as a worktree lock names it: run and agent id (neither may hold a '/')."""
+    return f"{run_id}/{agent_id}"
+
+
+def owner_of(run_id: str, agent_id: str, cell_id: str) -> str:
+    return f"cell {cell_id} of run {run_id}, agent {agent_id}"
+
+
+def wait_bound(lock_timeout: float | None, timeout: float | None) -> tuple[float | None, str]:
+    """How long a cell's start may wait for a lock, and what set it: a call's `timeout`
+    bounds every wait of the call (a wall clock the caller chose), `lock_timeout` the
+    lock's alone; the smaller one wins. (None, ""): no bound."""
+    if timeout is not None and (lock_timeout is None or timeout < lock_timeout):
+        return float(timeout), "timeout"
+    return lock_timeout, ("lock_timeout" if lock_timeout is not None else "")
 
 
 def _try(path: str, mode: int) -> int | None:
@@ -48,18 +82,28 @@ def holder(path: str) -> str:
             text = f.read().strip()
     except OSError:
         return "another cell"
-    # a worktree lock holds "TREE\nOWNER" (the owner only while held exclusively)
+    # a worktree lock holds "TREE\n[mode=M agent=RUN/AGENT\n]OWNER" (an agentless one's owner
+    # only while held exclusively)
     lines = text.splitlines()
-    return (lines[-1] if lines and not lines[-1].startswith("/") else "") or "another cell"
+    return (lines[-1] if lines and not lines[-1].startswith(("/", "mode=")) else "") or "another cell"
+
+
+def _read_tree_lock(path: str) -> tuple[str | None, str | None, str | None]:
+    """(tree, mode, agent) a worktree lock file says: mode "w"/"r" and the agent for a
+    cell's own file, (tree, None, None) for an agentless one, (None, ...) for none."""
+    try:
+        with open(path, errors="replace") as f:
+            first, second = f.readline().rstrip("\n"), f.readline().rstrip("\n")
+    except OSError:
+        return None, None, None
+    if not first.startswith("/"):
+        return None, None, None
+    fields = dict(w.split("=", 1) for w in second.split() if "=" in w) if second.startswith("mode=") else {}
+    return first, fields.get("mode"), fields.get("agent")
 
 
 def _tree_of(path: str) -> str | None:
-    try:
-        with open(path, errors="replace") as f:
-            first = f.readline().rstrip("\n")
-    except OSError:
-        return None
-    return first if first.startswith("/") else None
+    return _read_tree_lock(path)[0]
 
 
 def overlaps(a: str, b: str) -> bool:
@@ -68,82 +112,151 @@ def overlaps(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def _clash(path: str, tree: str, exclusive: bool) -> str | None:
-    """Another worktree lock in this directory on an overlapping tree, held in a mode
-    that conflicts with ours (any holder when we write; a writer when we read)."""
+def _in_way(other: str, tree: str, exclusive: bool, agent: str | None) -> bool:
+    """Is the held lock file `other` in the way of `agent` on `tree` (writing when
+    `exclusive`)? Another agent's (or an agentless) holder of an overlapping tree,
+    where either side writes. An agent's own cells never are."""
+    t, mode, theirs = _read_tree_lock(other)
+    if t is None or not overlaps(t, tree):
+        return False
+    if theirs is None:  # agentless (`agnsup undo`): the flock's mode says whether it writes
+        return not is_free(other, exclusive)
+    if agent is not None and theirs == agent:
+        return False
+    return (exclusive or mode != "r") and not is_free(other)
+
+
+def _clash(path: str, tree: str, exclusive: bool, agent: str | None = None) -> str | None:
+    """Another worktree lock in this directory on an overlapping tree, held in a way
+    that conflicts with ours (_in_way)."""
     lockdir = os.path.dirname(path)
     for name in os.listdir(lockdir):
         other = os.path.join(lockdir, name)
         if not name.endswith(".lock") or other == path:
             continue
-        t = _tree_of(other)
-        if t is not None and overlaps(t, tree) and not is_free(other, exclusive):
+        if _in_way(other, tree, exclusive, agent):
             return other
     return None
 
 
-def _try_tree(path: str, mode: int, tree: str) -> tuple[int | None, str]:
+def _try_tree(path: str, mode: int, tree: str, agent: str | None = None, owner: str = "") -> tuple[int | None, str]:
     """One attempt at a worktree lock: (fd or None, the lock file that is in the way).
     Taking ours and looking for overlapping holders happen under one mutex, so two
-    cells on repo/ and repo/sub can never both pass."""
+    cells on repo/ and repo/sub can never both pass. A cell's own file (`agent`) is
+    held exclusively and says its mode and agent before anyone else can read it."""
     mutex = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # flock on the directory
     try:
         fcntl.flock(mutex, fcntl.LOCK_EX)
-        fd = _try(path, mode)
+        fd = _try(path, fcntl.LOCK_EX if agent is not None else mode)
         if fd is None:
             return None, path
-        _own(fd, "", tree)  # the tree alone, what _clash reads: shared holders all write the same bytes
-        clash = _clash(path, tree, mode == fcntl.LOCK_EX)
+        if agent is None:
+            _own(fd, "", tree)  # the tree alone, what _clash reads: shared holders all write the same bytes
+        else:
+            _own(fd, owner, f"{tree}\nmode={'w' if mode == fcntl.LOCK_EX else 'r'} agent={agent}")
+        clash = _clash(path, tree, mode == fcntl.LOCK_EX, agent)
         if clash is not None:
-            os.close(fd)
+            if agent is not None:
+                release(path, fd)  # a file of its own: not left behind while it waits (or gives up)
+            else:
+                os.close(fd)
             return None, clash
         return fd, ""
     finally:
         os.close(mutex)
 
 
-def _attempt(path: str, exclusive: bool, tree: str | None) -> tuple[int | None, str]:
+def _attempt(path: str, exclusive: bool, tree: str | None, agent: str | None = None,
+             owner: str = "") -> tuple[int | None, str]:
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    return (_try(path, mode), path) if tree is None else _try_tree(path, mode, tree)
+    return (_try(path, mode), path) if tree is None else _try_tree(path, mode, tree, agent, owner)
 
 
-def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None) -> int | None:
-    """The lock if it is free now, else None (spawn queues the cell instead of waiting)."""
-    fd, _ = _attempt(path, exclusive, tree)
-    if fd is not None and exclusive:
+def take(path: str, exclusive: bool, owner: str, tree: str | None = None,
+         agent: str | None = None) -> tuple[int | None, str]:
+    """The lock if it is free now, else (None, who is in the way: a holder's name, and the
+    overlapping tree it holds when that is not ours). `agent` (with `tree`): the cell's own
+    worktree lock file; the agent's other cells are never in its way (agent_of)."""
+    fd, in_way = _attempt(path, exclusive, tree, agent, owner)
+    if fd is None:
+        return None, _named(path, in_way, tree)
+    if exclusive and agent is None:
         _own(fd, owner, tree)
-    return fd
+    return fd, ""
+
+
+def try_acquire(path: str, exclusive: bool, owner: str, tree: str | None = None,
+                agent: str | None = None) -> int | None:
+    """The lock if it is free now, else None (spawn queues the cell instead of waiting)."""
+    return take(path, exclusive, owner, tree, agent)[0]
+
+
+def _named(path: str, in_way: str, tree: str | None) -> str:
+    """The holder of `in_way`, and the tree it holds when that is not ours (repo/ for repo/sub)."""
+    theirs = None if in_way == path else _tree_of(in_way)
+    same = theirs is None or (tree is not None and theirs.rstrip("/") == tree.rstrip("/"))
+    return holder(in_way) + ("" if same else f", overlapping {theirs}")
+
+
+# what set a lock wait's bound, as the error names it (wait_bound's second value)
+_BOUND_BY = {"timeout": "the call's timeout bounds its lock wait", "lock_timeout": "--lock-timeout"}
 
 
 def acquire(path: str, exclusive: bool, timeout: float | None, what: str, owner: str, notify=None,
-            tree: str | None = None, poll=None) -> int:
+            tree: str | None = None, poll=None, agent: str | None = None, bound_by: str = "lock_timeout") -> int:
     """Take the lock, waiting up to `timeout` seconds (None: forever) and saying
     so in one line: on stderr, or through `notify(line)` (serve tells its client;
     False: say nothing). With `tree` (a worktree lock), a holder of an overlapping
     tree's lock in the same directory is in the way too (repo/ and repo/sub are one
-    lock). `poll()` is called between attempts and may raise to give up."""
-    fd, in_way = _attempt(path, exclusive, tree)
+    lock); with `agent` too, the cell's own file, which the agent's other cells'
+    never are in the way of. `poll()` is called between attempts and may raise to
+    give up. LockTimeout names the holder, the time waited and what bounded it
+    (`bound_by`: wait_bound's "timeout" or "lock_timeout")."""
+    fd, in_way = _attempt(path, exclusive, tree, agent, owner)
     if fd is None:
-        also = "" if in_way == path else f", overlapping {_tree_of(in_way)}"
-        line = f"agnsup: waiting for the {what} lock (held by {holder(in_way)}{also})"
+        held_by = _named(path, in_way, tree)
+        line = f"agnsup: waiting for the {what} lock (held by {held_by})"
         if notify is None:
             print(line, file=sys.stderr, flush=True)
         elif notify is not False:
             notify(line)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         for delay in backoff.delays(0.01, 0.2):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise LockTimeout(f"the {what} lock is held by {holder(in_way)}; gave up after {timeout:g} s "
-                                  "(--lock-timeout)")
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise LockTimeout(f"the {what} lock is held by {held_by}; gave up after {timeout:g} s "
+                                  f"({_BOUND_BY.get(bound_by, bound_by)})", holder=held_by,
+                                  waited=round(now - start, 3))
             if poll is not None:
                 poll()
-            time.sleep(delay)
-            fd, in_way = _attempt(path, exclusive, tree)
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - now)))
+            fd, in_way = _attempt(path, exclusive, tree, agent, owner)
             if fd is not None:
                 break
-    if exclusive:
+            held_by = _named(path, in_way, tree)
+    if exclusive and agent is None:
         _own(fd, owner, tree)
     return fd
+
+
+@contextmanager
+def commit_mutex(run_changes_dir: str):
+    """One capturing cell's commit of a run at a time: an agent's cells share the worktree lock,
+    and two commits interleaving their steps over one path would record a pre-image that was
+    never there (changes.commit). A flock on the run's changes directory (only one agent writes
+    a worktree at a time, and an agent is of one run): no file to leave behind, and it cannot
+    be removed while a contender's layer is in it. Short: held while one commit runs."""
+    try:
+        fd = os.open(run_changes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no layer there after all: nothing to order
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _own(fd: int, owner: str, tree: str | None) -> None:

@@ -136,9 +136,8 @@ class Supervisor:
             self._cells[key] = r
         threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True).start()
         if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
-            from .locks import holder
             line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
-                    f"(held by {holder(cell.lock_path)})")
+                    f"(held by {cell.lock_holder or 'another cell'})")
             try:
                 notify(line) if notify is not None else print(line, file=sys.stderr, flush=True)
             except BaseException as e:  # noqa: BLE001 - the caller's news channel (an MCP request cancelled

@@ -14,7 +14,7 @@ import sys
 import signal
 from contextlib import suppress
 
-from .errors import AgnsupError, NotExecutable, NotFound, UsageError, as_value, exit_code
+from .errors import AgnsupError, CancelledBeforeStart, NotExecutable, NotFound, UsageError, as_value, exit_code
 from .receipts import MAX_RETURNED_OUTPUT  # what a caller gets back of captured output
 from .request import CellRequest, tool_schema
 
@@ -132,8 +132,15 @@ def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> di
             old[sig] = signal.signal(sig, lambda n, _f: caught.append(n))
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     cell = None
+
+    def interrupted():  # a signal while it waits for another agent's worktree lock: it never starts
+        if caught:
+            raise CancelledBeforeStart(
+                f"cell {prepared.plan.spec.cell_id} cancelled by signal {signal.Signals(caught[0]).name} to the "
+                f"controller (pid {os.getpid()}) while it waited for the worktree lock; it never started")
     try:
-        cell = ctl.start(prepared, capture=request.capture, pty=request.pty, stream=request.stream)
+        cell = ctl.start(prepared, capture=request.capture, pty=request.pty, stream=request.stream,
+                         poll=interrupted if forward_signals else None)
         waiter = ctl.waiter(cell, wake_r)
         user_tty = cell.pump.terminal if cell.pump is not None else None
         if forward_signals and user_tty is not None:

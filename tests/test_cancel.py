@@ -132,7 +132,8 @@ def test_a_second_cell_on_a_held_worktree_waits_until_the_first_ends(agnsup, wor
         wait_for(lambda: any(c["cell_id"] == "w1" and c["state"] == "running" for c in agnsup.json("ps", "--json")),
                  what="w1 running")
         with open(errf, "wb") as err:
-            second = agnsup.popen("run", "--cell", "w2", "--workdir", worktree, "--", "true", stderr=err)
+            second = agnsup.popen("run", "--cell", "w2", "--agent", "other", "--workdir", worktree, "--", "true",
+                                  stderr=err)
         wait_for(lambda: "waiting for the worktree" in errf.read_text() or second.poll() is not None,
                  what="w2 waiting for the worktree lock")
         assert second.poll() is None, f"w2 did not wait for the worktree w1 holds: {errf.read_text()}"
@@ -155,7 +156,8 @@ def test_lock_timeout_gives_up_with_exit_75_and_one_clear_line(agnsup, worktree)
         wait_for(lambda: any(c["cell_id"] == "h1" and c["state"] == "running" for c in agnsup.json("ps", "--json")),
                  what="h1 running")
         t0 = time.monotonic()
-        cp = agnsup("run", "--cell", "h2", "--lock-timeout", "1", "--workdir", worktree, "--", "true", check=75)
+        cp = agnsup("run", "--cell", "h2", "--agent", "other", "--lock-timeout", "1", "--workdir", worktree, "--", "true",
+                    check=75)
         assert 0.9 <= time.monotonic() - t0 < 10
         last = cp.err.strip().splitlines()[-1]
         assert "lock" in last and "h1" in last and "1 s" in last

@@ -125,10 +125,11 @@ def test_overlapping_worktrees_are_one_lock(agnsup, tmp_path):
                           stdin=-1, stdout=-1, stderr=-1)
     try:
         assert holder.stdout.readline() == b"held\n"
-        cp = agnsup("run", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        cp = agnsup("run", "--agent", "other", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
         assert cp.returncode == 75, cp.err
         assert f"overlapping {top}" in cp.err
-        cp = agnsup("run", "--role", "readonly", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        cp = agnsup("run", "--agent", "other", "--role", "readonly", "--workdir", str(top / "sub"), "--lock-timeout", "0.3",
+                    "--", "true")
         assert cp.returncode == 75, cp.err  # a reader waits for a writer of an enclosing tree too
         os.makedirs(tmp_path / "beside")
         agnsup("run", "--workdir", str(tmp_path / "beside"), "--lock-timeout", "0.3", "--", "true", check=0)
@@ -147,7 +148,7 @@ def test_two_readers_of_overlapping_trees_share(agnsup, tmp_path):
         assert reader.stdout.readline() == b"held\n"
         agnsup("run", "--role", "readonly", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true",
                check=0)
-        cp = agnsup("run", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
+        cp = agnsup("run", "--agent", "other", "--workdir", str(top / "sub"), "--lock-timeout", "0.3", "--", "true")
         assert cp.returncode == 75, cp.err
     finally:
         reader.communicate(b"\n", timeout=30)

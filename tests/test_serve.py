@@ -120,7 +120,7 @@ def test_spawn_queues_behind_a_held_worktree_lock_and_wait_gives_its_exit_status
     s = STARTERS["serve"](agnsup, tmp_path)
     try:
         gate = _holder(agnsup, worktree, "h1")
-        cp = agnsup("spawn", "--cell", "q1", "--workdir", worktree, "--", "sh", "-c", "exit 7", check=0)
+        cp = agnsup("spawn", "--cell", "q1", "--agent", "other", "--workdir", worktree, "--", "sh", "-c", "exit 7", check=0)
         out = json.loads(cp.out)
         assert (out["state"], out["pid"]) == ("waiting", None)
         assert "waiting for the worktree" in cp.err and "held by cell h1" in cp.err
@@ -141,11 +141,11 @@ def test_a_waiting_cell_can_be_cancelled_and_the_janitor_knows_it(agnsup, tmp_pa
     s = STARTERS["serve"](agnsup, tmp_path)
     try:
         gate = _holder(agnsup, worktree, "h2")
-        assert agnsup.json("spawn", "--cell", "q2", "--workdir", worktree, "--", "true")["state"] == "waiting"
+        assert agnsup.json("spawn", "--cell", "q2", "--agent", "other", "--workdir", worktree, "--", "true")["state"] == "waiting"
         res = agnsup.json("cancel", "--cell", "q2", "--json")
         assert res["cells"][0]["state"] == "cancelled"
         assert agnsup("wait", "q2").returncode != 0
-        assert agnsup.json("spawn", "--cell", "q3", "--workdir", worktree, "--", "true")["state"] == "waiting"
+        assert agnsup.json("spawn", "--cell", "q3", "--agent", "other", "--workdir", worktree, "--", "true")["state"] == "waiting"
     finally:
         s.server.send_signal(signal.SIGKILL)  # q3 is still queued: its controller dies with it
         s.server.wait()

@@ -291,7 +291,7 @@ def test_a_notify_that_raises_cannot_orphan_a_queued_cell(sup, worktree):
 
     def gone(line):
         raise RuntimeError("the client went away")
-    h = sup.spawn(["true"], workdir=worktree, notify=gone)
+    h = sup.spawn(["true"], workdir=worktree, agent_id="other", notify=gone)
     assert h["state"] == "waiting"
     sup.cancel(cell_id=h["cell_id"], run_id=h["run_id"])
     sup.cancel(cell_id=first["cell_id"], run_id=first["run_id"], grace=0)

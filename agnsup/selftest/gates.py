@@ -30,7 +30,7 @@ GATES = {
     "CANCEL_NOT_IDEMPOTENT": "a repeated cancel (cell, agent or run) errors or affects anything",
     "CANCEL_RUN_INCOMPLETE": "after cancel run R2, a process of R2 is alive",
     "CLEANUP_NOT_IDEMPOTENT": "the second cleanup run R2 errors or reports more than zero items",
-    "LOCK_SCOPE_WRONG": "two worktrees of one agent cannot run at once, or two writers of one worktree do",
+    "LOCK_SCOPE_WRONG": "two worktrees of one agent cannot run at once, or two agents write one worktree at once",
 }
 
 PASS, FAIL, BLOCKED, NOT_EVALUATED = "PASS", "FAIL", "ENV_BLOCKED", "NOT_EVALUATED"

@@ -592,15 +592,15 @@ class Scenario:
         locks = {r["cell_id"]: r for r in journal_rows(
             self.state, "SELECT cell_id, lock_path, token, cgroup FROM cells WHERE run_id='R2'")}
 
-        # LOCK_SCOPE_WRONG: A1 and A2 (one agent, two worktrees) run at once; a second writer of A1's does not
+        # LOCK_SCOPE_WRONG: A1 and A2 (one agent, two worktrees) run at once; a writer of A1's of another agent does not
         both = all(w.alive() for k in ("A1", "A2") for w in self.watches["R2/" + k])
         stalled = self.growing(self.r2["A1"]["info"]["heartbeats"][:1] + self.r2["A2"]["info"]["heartbeats"][:1])
         ran = os.path.join(self.r2["A1"]["wt"], "A3-ran")
-        rc, out, err = self.agnsup("run", "--role", "selftest", "--run-id", "R2", "--agent", "A", "--cell", "A3",
+        rc, out, err = self.agnsup("run", "--role", "selftest", "--run-id", "R2", "--agent", "B", "--cell", "A3",
                                    "--workdir", self.r2["A1"]["wt"], "--lock-timeout", "0.3", "--", "touch", ran)
         ok = both and not stalled and rc == 75 and not os.path.exists(ran)
         self.v.check("LOCK_SCOPE_WRONG", ok, f"A1 and A2 on two worktrees both running: {both and not stalled}; "
-                     f"a second writer of A1's worktree: rc {rc} (75 = lock timeout), ran: {os.path.exists(ran)}"
+                     f"agent B writing A1's worktree: rc {rc} (75 = lock timeout), ran: {os.path.exists(ran)}"
                      + ("" if ok else f"; {err.strip()[-200:]}"), "phase4")
 
         # cancel agent A

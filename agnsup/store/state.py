@@ -3,7 +3,7 @@
     <state>/journal.db                  SQLite, WAL
     <state>/controllers/<id>.lock       flock held by a live controller instance
     <state>/cells/<run>/<cell>/         temp dir (tmp/), receipt.json
-    <state>/locks/<digest>.lock         worktree isolation locks
+    <state>/locks/<digest>[-<cell>].lock worktree isolation locks (locks.py)
     <state>/caches/<scope>/             persistent package caches (filesystem.cache)
     <state>/cache/                      validated policies
     <state>/agnsup.sock                 the serve controller's socket

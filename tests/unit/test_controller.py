@@ -26,9 +26,9 @@ class World(FakeHost):
         self.controllers.append(ctl)
         return ctl
 
-    def prepared(self, cell_id="c1", admit=None, role="executor", **kw) -> broker.Prepared:
+    def prepared(self, cell_id="c1", admit=None, role="executor", agent_id="A", **kw) -> broker.Prepared:
         pol = policy.load(role)
-        s = spec.build(CellRequest.make(["true"], workdir=self.wt, role=role, run_id="R", agent_id="A",
+        s = spec.build(CellRequest.make(["true"], workdir=self.wt, role=role, run_id="R", agent_id=agent_id,
                                         cell_id=cell_id, **kw), pol)
         plan = compiler.compile_plan(s, pol, self.state.path, HOST)
         plan.grace = 0.0
@@ -272,7 +272,7 @@ def test_a_cell_id_whose_directory_is_on_disk_is_never_reused(w):
 def test_a_queued_cell_waits_for_the_worktree_lock_and_resume_starts_it(w):
     ctl = w.controller()
     first = ctl.start(w.prepared("c1"), capture=True)
-    queued = ctl.start(w.prepared("c2"), capture=True, queue=True)
+    queued = ctl.start(w.prepared("c2", agent_id="B"), capture=True, queue=True)
     assert queued.waiting and queued.child is None and ctl.journal.cell_state("R", "c2") == "waiting"
     assert w.procs.calls == [("spawn", None), ("release", first.child.pid)]
     w.k.procs[first.child.pid].exit(0)
@@ -285,7 +285,7 @@ def test_a_queued_cell_waits_for_the_worktree_lock_and_resume_starts_it(w):
 def test_a_queued_cell_cancelled_while_it_waits_never_starts(w):
     ctl = w.controller()
     ctl.start(w.prepared("c1"), capture=True)
-    queued = ctl.start(w.prepared("c2", lock_timeout=5), capture=True, queue=True)
+    queued = ctl.start(w.prepared("c2", agent_id="B", lock_timeout=5), capture=True, queue=True)
     ctl.journal.record_cancel("cell", "R", None, "c2", "cancelled while queued")
     with pytest.raises(CancelledBeforeStart):
         ctl.resume(queued)
@@ -297,7 +297,7 @@ def test_a_queued_cell_cancelled_while_it_waits_never_starts(w):
 def test_a_queued_cell_cancelled_before_its_lock_came_free_never_starts(w):
     ctl = w.controller()
     first = ctl.start(w.prepared("c1"), capture=True)
-    queued = ctl.start(w.prepared("c2"), capture=True, queue=True)
+    queued = ctl.start(w.prepared("c2", agent_id="B"), capture=True, queue=True)
     ctl.journal.record_cancel("cell", "R", None, "c2", "cancelled while queued")
     w.k.procs[first.child.pid].exit(0)
     ctl.finish(first, Waited())  # the lock is free: resume takes it at once, without waiting
@@ -309,7 +309,7 @@ def test_a_queued_cell_cancelled_before_its_lock_came_free_never_starts(w):
 def test_a_queued_cell_whose_lock_never_comes_fails_with_the_lock_timeout(w):
     ctl = w.controller()
     ctl.start(w.prepared("c1"), capture=True)
-    queued = ctl.start(w.prepared("c2", lock_timeout=0), capture=True, queue=True)
+    queued = ctl.start(w.prepared("c2", agent_id="B", lock_timeout=0), capture=True, queue=True)
     with pytest.raises(LockTimeout):
         ctl.resume(queued)
     assert ctl.journal.cell_state("R", "c2") == "failed"
@@ -332,3 +332,26 @@ def test_a_one_cell_controller_is_journaled_with_its_cell_and_ends_with_its_conc
     w.k.procs[cell.child.pid].exit(0)
     ctl.finish(cell, Waited())
     assert ctl.journal.controller(ctl.id)["ended_at"] is not None
+
+
+def test_a_cell_of_the_same_agent_starts_at_once_beside_a_running_one_in_its_worktree(w):
+    ctl = w.controller()
+    server = ctl.start(w.prepared("c1"), capture=True)
+    curl = ctl.start(w.prepared("c2"), capture=True, queue=True)
+    assert not curl.waiting and ctl.journal.cell_state("R", "c2") == "running"
+    assert server.lock_path != curl.lock_path and not w.lock_is_free(server) and not w.lock_is_free(curl)
+    for cell in (curl, server):
+        w.k.procs[cell.child.pid].exit(0)
+        ctl.finish(cell, Waited())
+    assert not os.listdir(os.path.join(w.state.path, "locks"))
+
+
+def test_the_calls_timeout_bounds_a_queued_cells_lock_wait_and_the_error_names_the_holder(w):
+    ctl = w.controller()
+    ctl.start(w.prepared("c1"), capture=True)
+    queued = ctl.start(w.prepared("c2", agent_id="B", timeout=0.05), capture=True, queue=True)
+    assert queued.waiting and queued.lock_holder == "cell c1 of run R, agent A"
+    with pytest.raises(LockTimeout, match=r"held by cell c1 of run R, agent A; gave up after 0.05 s \(the call's "
+                                          r"timeout bounds its lock wait\)"):
+        ctl.resume(queued)
+    assert ctl.journal.cell_state("R", "c2") == "failed"

@@ -22,8 +22,8 @@ class World(FakeHost):
         super().__init__(tmp_path, monkeypatch)
         self.sup = Supervisor(self.state_dir, backend=self.backend)
 
-    def spawn(self, cell_id="c1", **options) -> dict:
-        return self.sup.spawn(["true"], workdir=self.wt, run_id="R", agent_id="A", cell_id=cell_id, **options)
+    def spawn(self, cell_id="c1", agent_id="A", **options) -> dict:
+        return self.sup.spawn(["true"], workdir=self.wt, run_id="R", agent_id=agent_id, cell_id=cell_id, **options)
 
     def leader(self, h: dict):
         return self.k.procs[h["pid"]]
@@ -118,7 +118,7 @@ def test_a_cell_in_a_held_worktree_is_queued_and_starts_once_the_lock_is_free(w)
     first = w.spawn("c1", capture=True)
     heard = []
     w.procs.on_release = lambda child: w.k.procs[child.pid].exit(0)  # the queued one ends as it starts
-    h = w.spawn("c2", capture=True, notify=heard.append)
+    h = w.spawn("c2", agent_id="B", capture=True, notify=heard.append)
     assert (h["state"], h["pid"]) == ("waiting", None)
     assert len(heard) == 1 and "is waiting for the worktree" in heard[0] and "cell c1 of run R" in heard[0]
     assert w.sup.wait("R", "c2", timeout=0) is None
@@ -128,7 +128,7 @@ def test_a_cell_in_a_held_worktree_is_queued_and_starts_once_the_lock_is_free(w)
 
 def test_a_signal_to_a_queued_cell_cancels_it_and_it_never_starts(w):
     first = w.spawn("c1", capture=True)
-    w.spawn("c2", capture=True, lock_timeout=WAIT, notify=lambda line: None)
+    w.spawn("c2", agent_id="B", capture=True, lock_timeout=WAIT, notify=lambda line: None)
     w.sup.signal("R", "c2", "INT")
     with pytest.raises(CancelledBeforeStart):
         w.sup.wait("R", "c2", timeout=WAIT)

@@ -32,9 +32,16 @@ def _refusal(e: AgnsupError):
     d = value.get("decision")
     if d:  # a denial: its rule, reason and hint where a model looks first
         value.update(rule=d.get("rule"), reason=d.get("reason"), hint=d.get("hint"))
-    # an undo's refusal: what is in the way, when said
-    value.update({key: e.details[key] for key in ("conflicts", "later", "paths") if key in e.details})
+    # an undo's refusal: what is in the way, when said; a lock wait given up: who held it, how long it waited
+    value.update({key: e.details[key] for key in ("conflicts", "later", "paths", "holder", "waited")
+                  if key in e.details})
     return _result(value, error=True)
+
+
+def _held_by(line: str) -> str:
+    """Who holds the lock, from Supervisor.spawn's waiting line ("... lock (held by X)")."""
+    head, _, held = line.rpartition("(held by ")
+    return held[:-1] if head and held.endswith(")") else "another cell"
 
 
 class Call:
@@ -42,6 +49,7 @@ class Call:
 
     def __init__(self, ctx, session: Session):
         self.ctx, self.s = ctx, session
+        self.queued = ""  # the cell this call started is queued behind another agent's worktree lock: who holds it
 
     async def progress(self, done: float, message: str) -> None:
         try:
@@ -73,7 +81,11 @@ class Call:
                 elapsed = time.monotonic() - start
                 if deadline is not None and time.monotonic() >= deadline:
                     return {"cell_id": cell_id, "run_id": self.s.run_id, "pending": True}
-                await self.progress(elapsed, f"cell {cell_id} running for {elapsed:.0f} s")
+                if self.queued and await to_thread.run_sync(self._started, cell_id):
+                    self.queued = ""
+                await self.progress(elapsed, f"cell {cell_id} waiting for the worktree lock held by {self.queued} "
+                                    f"for {elapsed:.0f} s" if self.queued else f"cell {cell_id} running for "
+                                    f"{elapsed:.0f} s")
         except anyio.get_cancelled_exc_class():
             if cancel_on_abort:
                 await self.cancel_cell(cell_id)
@@ -82,8 +94,10 @@ class Call:
     async def start(self, argv, args, shell=False, cancel_on_abort=False) -> dict:
         info = getattr(self.ctx.session.client_params, "client_info", None)
         name, started = getattr(info, "name", None), []  # started: the handle, even if cancelled while spawning
+        heard: list[str] = []
 
         def notify(line: str) -> None:  # a worktree lock wait, from the spawning thread
+            heard.append(line)
             try:
                 anyio.from_thread.run(self.progress, 0, line)
             except BaseException:  # noqa: BLE001 - a request cancelled meanwhile: the cell is in `started`
@@ -94,12 +108,20 @@ class Call:
             return started[0]
         try:
             h = await to_thread.run_sync(spawn_cell)
-            await self.progress(0, f"cell {h['cell_id']} started (pid {h['pid']})")
+            if h["state"] == "waiting":  # nothing started: the waiting line (notify) said who holds the lock
+                self.queued = _held_by(heard[-1]) if heard else "another cell"
+            else:
+                await self.progress(0, f"cell {h['cell_id']} started (pid {h['pid']})")
             return h
         except anyio.get_cancelled_exc_class():
             if cancel_on_abort and started:
                 await self.cancel_cell(started[0]["cell_id"])
             raise
+
+    def _started(self, cell_id: str) -> bool:
+        """Has the queued cell got its lock? (One that gave up, or ended, is not listed: its result is next.)"""
+        return any(c["cell_id"] == cell_id and c["state"] in ("starting", "running")
+                   for c in self.s.sup.list(self.s.run_id))
 
     async def run_process(self, args):
         h = await self.start(args.pop("argv"), args, cancel_on_abort=True)

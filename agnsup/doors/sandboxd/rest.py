@@ -355,8 +355,8 @@ class RestApp:
             POST /v1/agnsup/processes               {"command": [...], "env_vars": {}, "cwd": ""} -> 201 status
             GET  /v1/agnsup/processes/N             {"process_id", "run_id", "cell_id", "running"[, "exit_code",
                                                      "state", "reason", "receipt"]}
-            GET  /v1/agnsup/processes/N/output      NDJSON, chunked, as it comes: {"stdout": text} | {"stderr": text} ...,
-                                                     then the status once it ended, and the body ends
+            GET  /v1/agnsup/processes/N/output      NDJSON, chunked, as it comes: {"stdout": text} |
+                                                     {"stderr": text} ..., then the status once it ended
             POST /v1/agnsup/processes/N/signal      {"signal": "SIGTERM" | "SIGINT" | "SIGKILL"} -> 204
         """
         from ...errors import AgnsupError

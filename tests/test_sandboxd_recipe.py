@@ -86,6 +86,15 @@ def test_a_command_past_the_deadline_answers_with_its_output_and_124(server, agn
     assert md["agnsup-state"] == "timeout" and md["agnsup-cell-id"] == "proc-1"
     with open(wait_for(lambda: os.path.exists(md["agnsup-receipt"]) and md["agnsup-receipt"], 60, "the receipt")) as f:
         assert json.load(f)["reason"] == "timeout"
+    # a Start stream bound by a deadline gets its exit event too (its output came as it was written)
+    pb = _messages()
+    with grpc.insecure_channel(server["grpc"]) as ch:
+        start = ch.unary_stream("/process.v1.ProcessService/Start", request_serializer=pb.StartRequest.SerializeToString,
+                                response_deserializer=pb.StartResponse.FromString)
+        events = list(start(pb.StartRequest(config=pb.ProcessConfig(command=["sh", "-c", "echo live; sleep 60"])),
+                            timeout=4.0))
+    assert [e.WhichOneof("event") for e in events] == ["init", "stdout", "exit"]
+    assert events[1].stdout == b"live\n" and events[2].exit.exit_code == 124
 
 
 def test_a_command_that_ignores_term_at_the_deadline_still_answers_with_its_output(server, agnsup):

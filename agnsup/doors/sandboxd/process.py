@@ -8,6 +8,11 @@ the journal has, so an id from before a restart never names a new process.
 Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
 SendSignal and ResizeTTY find the processes of this server's running Start calls.
 
+A client's deadline bounds the cell, less reply_reserve: a command that runs into it ends (exit 124)
+while its answer, with the output it wrote, can still reach the client (docs/sandboxd.md "Timeouts").
+start_detached and the calls after it serve rest.py's /v1/agnsup/processes: a process that outlives
+the call that started it, for clients whose public API has no Start (the k8s-agent-sandbox client).
+
 The role is the server's (`--role`), never the client's. agnsup's answers
 beyond the standard messages travel as metadata: trailing `agnsup-run-id`,
 `agnsup-cell-id`, `agnsup-state`, `agnsup-reason`, `agnsup-receipt` (and on

@@ -351,11 +351,14 @@ class ProcessService:
             self.detached[p.process_id] = p
 
         def reap():
-            with suppress(AgnsupError):
+            try:
                 self.sup.wait(p.run_id, p.cell_id)
-            p.done.set()
-            with self._guard:
-                self.procs.pop(p.process_id, None)
+            except BaseException:  # noqa: BLE001 - its status call reports it; here it only ended
+                pass
+            finally:
+                p.done.set()
+                with self._guard:
+                    self.procs.pop(p.process_id, None)
         threading.Thread(target=reap, name=f"sandboxd-{p.cell_id}", daemon=True).start()
         return p
 
@@ -376,7 +379,8 @@ class ProcessService:
 
     def events(self, p: Process):
         """Its output as it comes, in the order it was written, from its first byte: {"stdout": text} and
-        {"stderr": text}, then the status (with exit_code) once it ended."""
+        {"stderr": text}, then the status (with exit_code) once it ended. None after each STREAM_POLL
+        without output: the writer's turn to see whether its reader is still there."""
         import codecs
         decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
         since = 0
@@ -387,6 +391,8 @@ class ProcessService:
                 text = decoders[name].decode(c["data"])
                 if text:
                     yield {name: text}
+            if not out["chunks"] and not out["ended"]:
+                yield None
             since = out["next"]
             if out["ended"]:
                 break

@@ -41,6 +41,7 @@ METADATA_PREFIX = "SANDBOX_"
 SENSITIVE_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CRED", "KEY", "AUTH", "BEARER", "PRIVATE", "CERT")
 CHUNK = 1 << 16
 MULTIPART_MAX = 64 << 20
+JSON_MAX = 1 << 20  # a POST /v1/agnsup/processes body
 
 
 class Refused(Exception):
@@ -399,8 +400,8 @@ def _json_body(h: Handler):
         length = int(h.headers.get("Content-Length") or "0")
     except ValueError:
         raise Refused(411, "INVALID_ARGUMENT", "a POST needs a Content-Length") from None
-    if length > MULTIPART_MAX:
-        raise Refused(413, "INVALID_ARGUMENT", f"a JSON body is at most {MULTIPART_MAX} bytes")
+    if length > JSON_MAX:
+        raise Refused(413, "INVALID_ARGUMENT", f"a JSON body is at most {JSON_MAX} bytes")
     try:
         return json.loads(h.rfile.read(length) or b"{}")
     except ValueError as e:
@@ -416,12 +417,31 @@ def _send_events(h: Handler, events) -> None:
     h.end_headers()
     try:
         for ev in events:
+            if ev is None:  # a quiet process: stop reading it for a reader that went away
+                if _peer_closed(h.connection):
+                    h.close_connection = True
+                    return
+                continue
             line = json.dumps(ev).encode() + b"\n"
             h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
             h.wfile.flush()
         h.wfile.write(b"0\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):
         h.close_connection = True  # the reader went away; the process goes on (POST .../signal stops it)
+
+
+def _peer_closed(sock) -> bool:
+    """The client closed its end (readable, and a peek reads nothing)."""
+    import select
+    import socket
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _refusal_of(e: OSError, raw: str, op: str) -> Refused:

@@ -58,6 +58,7 @@ class Process:
     def __init__(self, process_id: int, run_id: str, cell_id: str):
         self.process_id, self.run_id, self.cell_id = process_id, run_id, cell_id
         self.done = threading.Event()
+        self.queued = False
 
 
 class ProcessService:
@@ -174,7 +175,9 @@ class ProcessService:
             bound = max(deadline - reply_reserve(deadline), 0.001)
             options.update(timeout=bound, lock_timeout=bound)
         h = self.sup.spawn(argv, **options, **extra)
-        return Process(n, h["run_id"], h["cell_id"])
+        p = Process(n, h["run_id"], h["cell_id"])
+        p.queued = h["state"] == "waiting"  # behind the worktree lock: its own timeout starts when it does
+        return p
 
     def _spawn(self, config, context, **extra) -> Process:
         """A cell for `config`, or the call aborted; the client going away takes the cell with it."""
@@ -234,7 +237,8 @@ class ProcessService:
             redact = self.sup.redactor(p.run_id, p.cell_id)
         except (UnknownId, AttributeError):  # it ended in between (its running record is being dropped):
             return None                      # its result is in the journal
-        p.done.set()  # it is being stopped for its timeout: the call's end must not turn that into a cancel
+        if not p.queued:  # it started at once, so its timeout has come: it is being stopped for that, and the
+            p.done.set()  # call's end must not make it a cancel (a queued one started late: the end cancels it)
         cell_dir = self.sup.state.cell_dir(p.run_id, p.cell_id)
         out, md = {}, [("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id), ("agnsup-state", "timeout"),
                        ("agnsup-reason", "timeout"), ("agnsup-receipt", os.path.join(cell_dir, "receipt.json"))]

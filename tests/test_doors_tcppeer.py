@@ -268,7 +268,8 @@ with grpc.insecure_channel(grpc_addr) as ch:
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 for name, method, path, body in (("put", "PUT", "/v1/files/cell-wrote.txt", b"owned"),
                                  ("get", "GET", "/v1/files/secret.txt", None),
-                                 ("health", "GET", "/v1/health", None)):
+                                 ("health", "GET", "/v1/health", None),
+                                 ("process", "POST", "/v1/agnsup/processes", json.dumps({"command": ["touch", target]}).encode())):
     try:
         with opener.open(urllib.request.Request("http://" + rest + path, data=body, method=method), timeout=30) as r:
             out[name] = "SERVED %d %s" % (r.status, r.read()[:40])
@@ -334,7 +335,7 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
         if role == "networked":  # the host's loopback: it reached the ports, the peer check refused it
             assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
             assert answers["start"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
-            for k in ("put", "get", "health"):
+            for k in ("put", "get", "health", "process"):
                 assert answers[k].startswith("403 ") and "agnsup cell" in answers[k], answers
             assert len(refused) >= 5, refused
             for r in refused:
@@ -342,7 +343,7 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
                 assert any("cell uid range" in e for e in r["peer"]["evidence"]), r
         else:  # a network namespace of its own: the host's loopback is not there at all
             assert answers["execute"].startswith("UNAVAILABLE"), answers
-            assert all(answers[k].startswith("unreachable") for k in ("put", "get", "health")), answers
+            assert all(answers[k].startswith("unreachable") for k in ("put", "get", "health", "process")), answers
             assert refused == []
         # the server's own uid, root, is served (the gRPC client in a process of its own: grpc's threads in
         # this one would meet the forks of the in-process selftest below)

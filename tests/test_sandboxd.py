@@ -132,13 +132,15 @@ def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(s
     assert cells["proc-1"]["controller"] == server.ready["controller"] and cells["proc-1"]["exit_code"] == 3
 
 
-def test_the_clients_deadline_bounds_the_cell_and_reads_as_timed_out(server, agnsup):
+def test_the_clients_deadline_bounds_the_cell_and_answers_124_with_its_output(server, agnsup):
+    """The cell ends a reserve before the deadline, so the answer arrives: exit 124 and the output
+    (the client's own `timed_out` result, with no output, is for an answer that never came)."""
     conn, commands, _ = server.client()
     try:
-        r = commands.run("setsid sleep 301 & sleep 300", command_timeout=1.5)
+        r = commands.run("echo begun; setsid sleep 301 & sleep 300", command_timeout=1.5)
     finally:
         conn.close()
-    assert r.timed_out and r.exit_code == 124
+    assert (r.exit_code, r.stdout, r.timed_out) == (124, "begun\n", False)
     row = wait_for(lambda: [c for c in agnsup.json("ps", "--all", "--json") if c["state"] not in ("starting", "running")],
                    60, "the cell to end")[0]
     assert row["state"] in ("timeout", "cancelled"), row

@@ -107,7 +107,7 @@ class Sandboxd:
             except OSError as e:
                 raise UsageError(f"--rest {_join(*rest_at)}: cannot listen there ({e.strerror or e})") from None
             self.rest_addr = _join(rest_at[0], self.rest.server_address[1])
-            self.app = RestApp(self.files, self.about(role, run_id, agent_id))
+            self.app = RestApp(self.files, self.about(role, run_id, agent_id), self.process)
             self.rest.RequestHandlerClass.app = self.app
         except BaseException:
             self._close_listeners()

@@ -8,6 +8,11 @@ the journal has, so an id from before a restart never names a new process.
 Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
 SendSignal and ResizeTTY find the processes of this server's running Start calls.
 
+A client's deadline bounds the cell, less reply_reserve: a command that runs into it ends (exit 124)
+while its answer, with the output it wrote, can still reach the client (docs/sandboxd.md "Timeouts").
+start_detached and the calls after it serve rest.py's /v1/agnsup/processes: a process that outlives
+the call that started it, for clients whose public API has no Start (the k8s-agent-sandbox client).
+
 The role is the server's (`--role`), never the client's. agnsup's answers
 beyond the standard messages travel as metadata: trailing `agnsup-run-id`,
 `agnsup-cell-id`, `agnsup-state`, `agnsup-reason`, `agnsup-receipt` (and on
@@ -29,6 +34,7 @@ CELL_PREFIX = "proc-"
 _CELL_RE = re.compile(r"^proc-(\d+)$")
 MAX_PROCESS_ID = 2**31 - 1  # int32 on the wire
 NO_DEADLINE = 10 * 365 * 86400.0
+REPLY_RESERVE = 1.0  # at most this long before the client's deadline the cell ends, for its answer to get back
 STREAM_POLL = 5.0  # seconds a Start stream waits for output before it checks the client is still there
 
 
@@ -52,6 +58,7 @@ class Process:
     def __init__(self, process_id: int, run_id: str, cell_id: str):
         self.process_id, self.run_id, self.cell_id = process_id, run_id, cell_id
         self.done = threading.Event()
+        self.queued = False
 
 
 class ProcessService:
@@ -62,7 +69,8 @@ class ProcessService:
         self._guard = threading.Lock()
         self._next = 1 + max((int(m.group(1)) for c in sup.list(include_ended=True)
                               if (m := _CELL_RE.match(c["cell_id"]))), default=0)
-        self.procs: dict[int, Process] = {}
+        self.procs: dict[int, Process] = {}  # the running processes WriteStdin, SendSignal, ResizeTTY find
+        self.detached: dict[int, Process] = {}  # those POST /v1/agnsup/processes started, running or ended
         self.listening: tuple[str | None, int] | None = None  # (address or None for a wildcard, port): set once bound
 
     # -- the gRPC plumbing ---------------------------------------------------
@@ -126,21 +134,21 @@ class ProcessService:
         md = dict(context.invocation_metadata() or ())
         return md.get("agnsup-run-id") or self.run_id, md.get("agnsup-agent-id") or self.agent_id
 
-    def _cwd(self, config, context, run_id: str, cell_id: str) -> str:
+    def _cwd(self, cwd: str, argv: list[str], run_id: str, cell_id: str) -> str:
         """The cell's worktree: the server's, or `cwd` inside it (relative to it, or absolute under it).
         A cwd outside is refused like a gate denial: journaled (event `denied`), nothing started."""
-        if not config.HasField("cwd") or config.cwd in ("", "."):
+        if cwd in ("", "."):
             return self.workdir
-        p = config.cwd
+        p = cwd
         if os.path.isabs(p) and (p == self.workdir or p.startswith(self.workdir.rstrip("/") + "/")):
             p = os.path.relpath(p, self.workdir)
         resolved = os.path.realpath(os.path.join(self.workdir, p.lstrip("/")))
         if resolved != self.workdir and not resolved.startswith(self.workdir.rstrip("/") + "/"):
-            reason = f"cwd {config.cwd!r} resolves to {resolved}, outside the sandbox's worktree {self.workdir}"
+            reason = f"cwd {cwd!r} resolves to {resolved}, outside the sandbox's worktree {self.workdir}"
             decision = {"allowed": False, "rule": "sandboxd.cwd_escape", "reason": reason, "check": "sandboxd"}
-            self.sup.ctl.journal.record_denied(run_id, cell_id, argv=list(config.command), decision=decision,
+            self.sup.ctl.journal.record_denied(run_id, cell_id, argv=argv, decision=decision,
                                                trail=[], chain=["sandboxd"])
-            self._abort(context, Denied(f"denied by sandboxd.cwd_escape: {reason}", decision=decision))
+            raise Denied(f"denied by sandboxd.cwd_escape: {reason}", decision=decision)
         return resolved
 
     def _number(self) -> int:
@@ -151,29 +159,38 @@ class ProcessService:
             self._next += 1
             return n
 
-    def _spawn(self, config, context, **extra) -> Process:
-        """A cell for `config` (checked by CellRequest like every front door's), or the call aborted."""
-        argv = list(config.command)
+    def start(self, argv: list[str], *, env: dict, cwd: str, run_id: str, agent_id: str,
+              deadline: float | None = None, **extra) -> Process:
+        """A cell for the command (checked by CellRequest like every front door's); AgnsupError on a refusal.
+        `deadline`: the seconds the caller waits for the answer. The cell gets them less reply_reserve, so a
+        command that runs into it ends (124) while its output and exit can still reach the caller."""
         if not argv:
-            self._invalid(context, "config.command is required (the argv: program and arguments; no shell)")
+            raise UsageError("config.command is required (the argv: program and arguments; no shell)")
+        n = self._number()
+        cell_id = f"{CELL_PREFIX}{n}"
+        workdir = self._cwd(cwd, argv, run_id, cell_id)
+        options = dict(role=self.role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
+                       workdir=workdir, env=dict(env), entry="sandboxd", notify=lambda _line: None)
+        if deadline is not None:
+            bound = max(deadline - reply_reserve(deadline), 0.001)
+            options.update(timeout=bound, lock_timeout=bound)
+        h = self.sup.spawn(argv, **options, **extra)
+        p = Process(n, h["run_id"], h["cell_id"])
+        p.queued = h["state"] == "waiting"  # behind the worktree lock: its own timeout starts when it does
+        return p
+
+    def _spawn(self, config, context, **extra) -> Process:
+        """A cell for `config`, or the call aborted; the client going away takes the cell with it."""
         run_id, agent_id = self._ids(context)
-        try:
-            n = self._number()
-        except AgnsupError as e:
-            self._abort(context, e)
-        workdir = self._cwd(config, context, run_id, f"{CELL_PREFIX}{n}")
         remaining = context.time_remaining()  # the client's deadline, if it set one, bounds the cell
         if remaining is not None and remaining > NO_DEADLINE:
             remaining = None  # grpc reports "no deadline" as a remaining time of about 2**63 ns
-        options = dict(role=self.role, run_id=run_id, agent_id=agent_id, cell_id=f"{CELL_PREFIX}{n}",
-                       workdir=workdir, env=dict(config.env_vars), entry="sandboxd", notify=lambda _line: None)
-        if remaining is not None:
-            options.update(timeout=max(remaining, 0.001), lock_timeout=max(remaining, 0))
         try:
-            h = self.sup.spawn(argv, **options, **extra)
+            p = self.start(list(config.command), env=dict(config.env_vars),
+                           cwd=config.cwd if config.HasField("cwd") else "", run_id=run_id, agent_id=agent_id,
+                           deadline=None if remaining is None else max(remaining, 0.0), **extra)
         except AgnsupError as e:
             self._abort(context, e)
-        p = Process(n, h["run_id"], h["cell_id"])
 
         def gone():  # the client went away (cancel, deadline, disconnect): so does its process
             if not p.done.is_set():
@@ -198,9 +215,44 @@ class ProcessService:
         """Run to completion. stdout/stderr: what run_process returns (redacted as the role says, at most
         receipts.MAX_RETURNED_OUTPUT each); the whole capture stays under the cell's directory."""
         p = self._spawn(request.config, context)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= NO_DEADLINE:
+            # The cell ends reply_reserve before the deadline; one still being stopped (in its grace: it
+            # ignores TERM) when a quarter of that is left is answered with the output it wrote so far: after
+            # the deadline the client would drop any answer (and its own "timed out" result has no output).
+            if self.sup.wait(p.run_id, p.cell_id, timeout=max(remaining - reply_reserve(remaining) / 4, 0)) is None:
+                partial = self._so_far(p, context)
+                if partial is not None:
+                    return partial
         res = self._ended(p, context, output=True)
         return self.pb.ExecuteResponse(exit_code=_exit_code(res),
                                        stdout=res.get("stdout", "").encode(), stderr=res.get("stderr", "").encode())
+
+    def _so_far(self, p: Process, context):
+        """The answer for a cell still being stopped at its deadline: exit 124 and what its captured files
+        hold so far (redacted, at most MAX_RETURNED_OUTPUT each); its stop goes on (TERM, grace, kill) and
+        its receipt follows. None if it ended meanwhile (the usual answer then)."""
+        from ...receipts import MAX_RETURNED_OUTPUT
+        try:
+            redact = self.sup.redactor(p.run_id, p.cell_id)
+        except (UnknownId, AttributeError):  # it ended in between (its running record is being dropped):
+            return None                      # its result is in the journal
+        if not p.queued:  # it started at once, so its timeout has come: it is being stopped for that, and the
+            p.done.set()  # call's end must not make it a cancel (a queued one started late: the end cancels it)
+        cell_dir = self.sup.state.cell_dir(p.run_id, p.cell_id)
+        out, md = {}, [("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id), ("agnsup-state", "timeout"),
+                       ("agnsup-reason", "timeout"), ("agnsup-receipt", os.path.join(cell_dir, "receipt.json"))]
+        for name in ("stdout", "stderr"):
+            try:
+                with open(os.path.join(cell_dir, name), "rb") as f:
+                    data = f.read(MAX_RETURNED_OUTPUT + 1)
+            except FileNotFoundError:
+                data = b""
+            out[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace")).encode()
+            if len(data) > MAX_RETURNED_OUTPUT:
+                md.append((f"agnsup-{name}-truncated", "true"))
+        context.set_trailing_metadata(md)
+        return self.pb.ExecuteResponse(exit_code=124, **out)
 
     def Start(self, request, context):
         """Run with live output: init{process_id}, stdout/stderr chunks in the order the cell wrote
@@ -278,6 +330,91 @@ class ProcessService:
         return self.pb.ResizeTTYResponse()
 
 
+    # -- agnsup's REST extension (rest.py /v1/agnsup/processes): a process that outlives its call -----
+    def start_detached(self, body: dict) -> Process:
+        """POST /v1/agnsup/processes {"command": [argv], "env_vars": {}, "cwd": ""}: a cell that runs until
+        it ends or is signalled (or the server stops), not until a call ends. It takes the next process id,
+        so gRPC's SendSignal and the REST calls below both find it while it runs; its output stays
+        readable (from its first byte) after it ended."""
+        if not isinstance(body, dict):
+            raise UsageError("the body must be a JSON object: {\"command\": [\"program\", \"arg\", ...]}")
+        unknown = sorted(set(body) - {"command", "env_vars", "cwd"})
+        argv, env, cwd = body.get("command"), body.get("env_vars") or {}, body.get("cwd") or ""
+        if unknown:
+            raise UsageError(f"unknown field(s) {', '.join(unknown)} (known: command, env_vars, cwd)")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise UsageError("command: must be a list of strings (the argv: program and arguments; no shell)")
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise UsageError("env_vars: must be an object of strings")
+        if not isinstance(cwd, str):
+            raise UsageError("cwd: must be a string")
+        p = self.start(argv, env=env, cwd=cwd, run_id=self.run_id, agent_id=self.agent_id, long_lived=True,
+                       stream=True)
+        with self._guard:
+            self.procs[p.process_id] = p
+            self.detached[p.process_id] = p
+
+        def reap():
+            try:
+                self.sup.wait(p.run_id, p.cell_id)
+            except BaseException:  # noqa: BLE001 - its status call reports it; here it only ended
+                pass
+            finally:
+                p.done.set()
+                with self._guard:
+                    self.procs.pop(p.process_id, None)
+        threading.Thread(target=reap, name=f"sandboxd-{p.cell_id}", daemon=True).start()
+        return p
+
+    def detached_process(self, process_id: int) -> Process:
+        with self._guard:
+            p = self.detached.get(process_id)
+        if p is None:
+            raise UnknownId(f"process {process_id} not found (not started by POST /v1/agnsup/processes of this "
+                            "server)")
+        return p
+
+    def status(self, p: Process) -> dict:
+        out = {"process_id": p.process_id, "run_id": p.run_id, "cell_id": p.cell_id, "running": not p.done.is_set()}
+        res = self.sup.wait(p.run_id, p.cell_id, timeout=0)
+        if res is not None:
+            out.update(exit_code=_exit_code(res), state=res["state"], reason=res["reason"], receipt=res["receipt"])
+        return out
+
+    def events(self, p: Process):
+        """Its output as it comes, in the order it was written, from its first byte: {"stdout": text} and
+        {"stderr": text}, then the status (with exit_code) once it ended. None after each STREAM_POLL
+        without output: the writer's turn to see whether its reader is still there."""
+        import codecs
+        decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in ("stdout", "stderr")}
+        since = 0
+        while True:
+            out = self.sup.read_output(p.run_id, p.cell_id, since, timeout=STREAM_POLL)
+            for c in out["chunks"]:
+                name = "stderr" if c["stream"] == "stderr" else "stdout"
+                text = decoders[name].decode(c["data"])
+                if text:
+                    yield {name: text}
+            if not out["chunks"] and not out["ended"]:
+                yield None
+            since = out["next"]
+            if out["ended"]:
+                break
+        for name, d in decoders.items():
+            if (text := d.decode(b"", final=True)):
+                yield {name: text}
+        self.sup.wait(p.run_id, p.cell_id)
+        p.done.set()
+        yield self.status(p)
+
+    def signal_detached(self, p: Process, name: str) -> None:
+        sig = {"SIGINT": "INT", "SIGTERM": "TERM", "SIGKILL": "KILL", "SIGNAL_SIGINT": "INT",
+               "SIGNAL_SIGTERM": "TERM", "SIGNAL_SIGKILL": "KILL"}.get(name)
+        if sig is None:
+            raise UsageError(f"signal {name!r}: must be SIGINT, SIGTERM or SIGKILL")
+        self.sup.signal(p.run_id, p.cell_id, sig)
+
+
 def grpc_peer_address(peer: str) -> tuple[str, int] | None:
     """gRPC's peer string -> (address, port): "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" (a zone dropped);
     None for anything else."""
@@ -288,6 +425,13 @@ def grpc_peer_address(peer: str) -> tuple[str, int] | None:
     if kind not in ("ipv4", "ipv6") or not host or not port.isdigit():
         return None
     return host, int(port)
+
+
+def reply_reserve(deadline: float) -> float:
+    """What a cell bound by a client's deadline leaves of it for its answer: the stop (TERM; a command
+    that ignores it gets the role's grace, and Execute answers with the output so far meanwhile), the
+    receipt and the reply. A quarter of a short deadline, REPLY_RESERVE of a long one."""
+    return min(REPLY_RESERVE, deadline / 4)
 
 
 def _exit_code(res: dict) -> int:

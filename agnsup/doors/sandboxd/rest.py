@@ -41,6 +41,7 @@ METADATA_PREFIX = "SANDBOX_"
 SENSITIVE_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CRED", "KEY", "AUTH", "BEARER", "PRIVATE", "CERT")
 CHUNK = 1 << 16
 MULTIPART_MAX = 64 << 20
+JSON_MAX = 1 << 20  # a POST /v1/agnsup/processes body
 
 
 class Refused(Exception):
@@ -202,6 +203,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if url.path.startswith("/v1/files/") or url.path == "/v1/files":
                 raw = urllib.parse.unquote(url.path[len("/v1/files/"):]) if url.path != "/v1/files" else ""
                 return app.files_call(self, method, raw, query)
+            if url.path == "/v1/agnsup/processes" or url.path.startswith("/v1/agnsup/processes/"):
+                return app.processes_call(self, method, url.path[len("/v1/agnsup/processes"):])
             if method not in ("GET", "HEAD"):
                 raise Refused(405, "METHOD_NOT_ALLOWED", f"{method} {url.path}: not allowed")
             if url.path == "/v1/health":
@@ -221,8 +224,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 class RestApp:
-    def __init__(self, files: Files, about: dict):
-        self.files, self._about = files, about
+    def __init__(self, files: Files, about: dict, processes=None):
+        self.files, self._about, self.processes = files, about, processes
         self.started = time.monotonic()
         self.stopping = False
 
@@ -344,6 +347,101 @@ class RestApp:
         finally:
             os.close(dir_fd)
         return 204, lambda head: h._send(204)
+
+
+    def processes_call(self, h: Handler, method: str, rest: str) -> None:
+        """agnsup's extension for a process that outlives the call that started it, reachable with the client
+        package's public `connector.send_request` (docs/sandboxd.md "Client recipe"):
+
+            POST /v1/agnsup/processes               {"command": [...], "env_vars": {}, "cwd": ""} -> 201 status
+            GET  /v1/agnsup/processes/N             {"process_id", "run_id", "cell_id", "running"[, "exit_code",
+                                                     "state", "reason", "receipt"]}
+            GET  /v1/agnsup/processes/N/output      NDJSON, chunked, as it comes: {"stdout": text} |
+                                                     {"stderr": text} ..., then the status once it ended
+            POST /v1/agnsup/processes/N/signal      {"signal": "SIGTERM" | "SIGINT" | "SIGKILL"} -> 204
+        """
+        from ...errors import AgnsupError
+        svc = self.processes
+        try:
+            if svc is None:
+                raise Refused(404, "NOT_FOUND", "no process service on this server")
+            parts = [x for x in rest.split("/") if x]
+            if not parts:
+                if method != "POST":
+                    raise Refused(405, "METHOD_NOT_ALLOWED", f"{method} /v1/agnsup/processes: not allowed (POST)")
+                p = svc.start_detached(_json_body(h))
+                return h._json(201, svc.status(p))
+            if not parts[0].isdigit() or len(parts) > 2 or (len(parts) == 2 and parts[1] not in ("output", "signal")):
+                raise Refused(404, "NOT_FOUND", f"no endpoint /v1/agnsup/processes{rest}")
+            want = {1: "GET", 2: "GET" if parts[-1] == "output" else "POST"}[len(parts)]
+            if method != want:
+                raise Refused(405, "METHOD_NOT_ALLOWED", f"{method} /v1/agnsup/processes{rest}: not allowed ({want})")
+            p = svc.detached_process(int(parts[0]))
+            if len(parts) == 1:
+                return h._json(200, svc.status(p))
+            if parts[1] == "signal":
+                body = _json_body(h)
+                svc.signal_detached(p, str(body.get("signal", "")) if isinstance(body, dict) else "")
+                return h._send(204)
+            return _send_events(h, svc.events(p))
+        except AgnsupError as e:
+            from .process import status_of
+            code = status_of(e)
+            http = {"PERMISSION_DENIED": 403, "NOT_FOUND": 404, "INVALID_ARGUMENT": 400, "UNAVAILABLE": 503,
+                    "FAILED_PRECONDITION": 409, "CANCELLED": 409}.get(code.name, 500)
+            rule = (e.details.get("decision") or {}).get("rule")
+            h._error(Refused(http, code.name, e.message, rule=rule, hint=(e.details.get("decision") or {}).get("hint")))
+        except Refused as e:
+            h._error(e)
+
+
+def _json_body(h: Handler):
+    try:
+        length = int(h.headers.get("Content-Length") or "0")
+    except ValueError:
+        raise Refused(411, "INVALID_ARGUMENT", "a POST needs a Content-Length") from None
+    if length > JSON_MAX:
+        raise Refused(413, "INVALID_ARGUMENT", f"a JSON body is at most {JSON_MAX} bytes")
+    try:
+        return json.loads(h.rfile.read(length) or b"{}")
+    except ValueError as e:
+        raise Refused(400, "INVALID_ARGUMENT", f"the body is not JSON: {e}") from None
+
+
+def _send_events(h: Handler, events) -> None:
+    """One JSON object a line, each line its own HTTP chunk, written as it comes (a client reading
+    lines gets each at once: without chunks, requests' iter_lines waits for 512 bytes or the end)."""
+    h.send_response(200)
+    h.send_header("Content-Type", "application/x-ndjson")
+    h.send_header("Transfer-Encoding", "chunked")
+    h.end_headers()
+    try:
+        for ev in events:
+            if ev is None:  # a quiet process: stop reading it for a reader that went away
+                if _peer_closed(h.connection):
+                    h.close_connection = True
+                    return
+                continue
+            line = json.dumps(ev).encode() + b"\n"
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            h.wfile.flush()
+        h.wfile.write(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        h.close_connection = True  # the reader went away; the process goes on (POST .../signal stops it)
+
+
+def _peer_closed(sock) -> bool:
+    """The client closed its end (readable, and a peek reads nothing)."""
+    import select
+    import socket
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _refusal_of(e: OSError, raw: str, op: str) -> Refused:

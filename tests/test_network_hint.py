@@ -64,7 +64,33 @@ def test_curl_to_a_public_address_gets_the_hint(agnsup, worktree):
     if not os.path.exists("/usr/bin/curl"):
         pytest.skip("ENV_BLOCKED: /usr/bin/curl")
     cp = agnsup("run", "--workdir", worktree, "--", "curl", "-sS", "-m", "5", "http://1.1.1.1/")
-    assert cp.returncode == 7 and _last(cp.err).startswith(HINT), cp.err
+    assert cp.returncode == 7 and _last(cp.err).startswith(HINT) and "1 connection(s)" in _last(cp.err), cp.err
+
+
+def test_in_a_pid_namespace_too(worktree, policy_dir, state):
+    """A PID-namespace cell's leader is its init: the namespace is held the same way, before the barrier."""
+    write_role(policy_dir, "pidns", isolation__pid_namespace="true")
+    a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    quiet = a("run", "--role", "pidns", "--cell", "q", "--workdir", worktree, "--", "false")
+    tried = a("run", "--role", "pidns", "--cell", "t", "--workdir", worktree, "--", "python3", "-c", CONNECT4)
+    assert quiet.returncode == 1 and HINT not in quiet.err
+    assert tried.returncode == 1 and _last(tried.err).startswith(HINT), tried.err
+    assert _receipt(a, "t")["isolation"]["pid_namespace"] is True
+    assert _receipt(a, "t")["kernel_record"]["network"]["no_route"] >= 1
+
+
+def test_as_a_normal_user_the_helper_enters_the_cells_user_namespace(user):
+    """A normal user's cell netns is owned by the cell's user namespace: a throwaway helper enters it to read."""
+    wt = user.own_dir("hint-wt")
+    quiet = user("run", "--cell", "uq", "--workdir", wt, "--", "false")
+    tried = user("run", "--cell", "ut", "--workdir", wt, "--", "python3", "-c", CONNECT4)
+    assert quiet.returncode == 1 and HINT not in quiet.err, quiet.err
+    assert tried.returncode == 1 and _last(tried.err).startswith(HINT), tried.err
+    [r] = user.json("receipts", "--cell", "ut", "--json")
+    assert r["isolation"]["user_namespace"] and r["kernel_record"]["network"]["no_route"] >= 1, r["kernel_record"]
+    [r] = user.json("receipts", "--cell", "uq", "--json")
+    assert r["kernel_record"]["network"]["observable"] and r["kernel_record"]["network"]["no_route"] == 0
+    assert user.left() == []
 
 
 def test_a_dns_lookup_fails_at_once_as_not_found_and_is_counted(agnsup, worktree):
@@ -173,8 +199,7 @@ def test_a_refused_connection_is_one_stderr_line_and_a_result_field(proxied):
                                        "allow_key": "network.allow_private = true"}]
 
 
-def test_nothing_refused_no_line_and_no_field(proxied):
-    p = proxied.port
+    # nothing refused (the same destination, allowed): no line, no field
     cp = proxied("run", "--role", "private", "--cell", "ok", "--workdir", proxied.worktree, "--", "sh", "-c",
                  f"curl -sS -m 3 http://pkg.test:{p}/; exit 5")
     assert cp.returncode == 5

@@ -206,3 +206,26 @@ def test_a_refused_connection_is_one_stderr_line_and_a_result_field(proxied):
     assert "the proxy refused" not in cp.err and HINT not in cp.err, cp.err
     r = _receipt(proxied, "ok")
     assert r["network"]["refused"] == 0 and r["network"]["attempts"] >= 1
+
+
+def test_docker_recipe_root_without_net_admin_or_sys_ptrace(agnsup, worktree):
+    """Docker's recipe: root with CAP_SYS_ADMIN but neither CAP_NET_ADMIN (the cell's namespace is made by a
+    helper, owned by a user namespace of its own: process.namespaces.cell_netns) nor CAP_SYS_PTRACE (a
+    mapped cell's leader has other ids before its barrier: the controller could not open its /proc/PID/ns/net;
+    the child sends the namespace instead)."""
+    if not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("ENV_BLOCKED: /usr/bin/setpriv (util-linux)")
+    import subprocess
+    from conftest import BIN
+    drop = ("setpriv", "--bounding-set", "-net_admin,-sys_ptrace", "--inh-caps", "-net_admin,-sys_ptrace")
+
+    def run(cell, *argv):
+        cp = subprocess.run([*drop, BIN, "run", "--cell", cell, "--workdir", worktree, "--", *argv], env=agnsup.env,
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        return cp
+    quiet, tried = run("q", "false"), run("t", "python3", "-c", CONNECT4)
+    assert quiet.returncode == 1 and HINT not in quiet.stderr, quiet.stderr
+    assert tried.returncode == 1 and _last(tried.stderr).startswith(HINT), tried.stderr
+    r = _receipt(agnsup, "t")
+    assert r["isolation"]["mapped_uid"] and r["kernel_record"]["network"]["no_route"] >= 1, r["kernel_record"]
+    assert _receipt(agnsup, "q")["kernel_record"]["network"]["no_route"] == 0

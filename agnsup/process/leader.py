@@ -29,7 +29,7 @@ class Child(Record):
     egress_listener: object = None  # ... and the proxy's listener, made in the cell's namespace
     tmp_fd: int | None = None      # the cell's /tmp tmpfs (make_tmp), kept to measure it when the cell ends
     tmp_used: int | None = None    # ... bytes used then (collect)
-    netns_watch: int | None = None  # deny/loopback: the child says its netns exists (steps._netns_watch) here
+    netns_watch: int | None = None  # deny/loopback: the child sends its netns here (steps._netns_watch)
     netns_fd: int | None = None    # ... then the cell's netns, held until it ended (its counters: netns_tries)
     netns_base: dict | None = None  # ... the counters at its start in a shared netns (a fresh one starts at 0)
     netns_why: str | None = None   # ... or why we hold none
@@ -57,7 +57,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     s.barrier_r, barrier_w = os.pipe()
     err_r, s.err_w = os.pipe()
     status_r = None
-    watch_r, s.netns_watch = os.pipe() if watches_netns(plan) else (None, None)
+    watch_r, s.netns_watch = lsys.seqpacket_pair() if watches_netns(plan) else (None, None)
 
     def fork() -> tuple[int, int | None, bool]:
         s.in_userns = s.ids is not None and plan.pid_namespace
@@ -112,7 +112,6 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
 def release(plan, child: Child) -> None:
     """The identity is journaled: let the command exec. Returns once execve
     succeeded; raises the child's own error if its setup failed."""
-    _hold_netns(child)
     try:
         os.write(child.barrier_fd, b"1")
     except BrokenPipeError:
@@ -126,6 +125,7 @@ def release(plan, child: Child) -> None:
         os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         _close(child)
         raise _child_error(plan, report)
+    _hold_netns(child)
     if child.handoff:
         try:
             child.egress_listener = child.handoff.receive()  # sent before the barrier: already queued
@@ -155,18 +155,20 @@ def watches_netns(plan) -> bool:
 
 
 def _hold_netns(child: Child) -> None:
-    """Before the barrier, so the cell cannot have ended yet: once the child says its netns exists (one small
-    write, before anything the cell runs; usually already waiting), open /proc/PID/ns/net; the fd keeps the
-    namespace and its counters after the cell's last process left it. A child that failed its setup first
-    says nothing (EOF): release reports its error."""
+    """Once the command executed: the cell's network namespace, which the child sent before the barrier
+    (SCM_RIGHTS: already queued, whatever the cell did since; the fd in flight kept the namespace, and now
+    ours keeps it and its counters after the cell's last process left it). No /proc/PID/ns/net: by now
+    the child may have other ids, which a controller without CAP_SYS_PTRACE could not open it through."""
     if child.netns_watch is None:
         return
     try:
-        said = os.read(child.netns_watch, 256)
-        if said:
-            child.netns_fd = proc.ns("net", child.pid)
+        said, fd = lsys.recv_fd(child.netns_watch)
+        if fd is not None:
+            child.netns_fd = fd
             child.netns_base = None if said == b"1" else netns.decode(said)
-    except OSError as e:  # /proc/PID/ns/net of a child whose ids changed, without CAP_SYS_PTRACE: no hint data
+        else:
+            child.netns_why = "the cell sent no network namespace"
+    except OSError as e:
         child.netns_why = f"the cell's network namespace could not be held: {e.strerror or e}"
     finally:
         os.close(child.netns_watch)

@@ -38,7 +38,7 @@ class Setup(Record):
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
     netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
-    netns_watch: int | None = None  # deny/loopback: written once the cell's netns exists (leader.watch_netns)
+    netns_watch: int | None = None  # deny/loopback: our end of the pair the cell's netns goes to the controller on
     netns_shared: bool = False   # ... a namespace other cells use too: the counters at our start, not "1"
     # ... and once the pipes exist, just before fork:
     stdio: tuple | None = None   # the fds the child dup2s onto 0-2
@@ -104,13 +104,18 @@ def _network_namespace(s: Setup) -> None:
 
 
 def _netns_watch(s: Setup) -> None:
-    """The cell's network namespace exists: say so (the controller opens /proc/PID/ns/net before the barrier,
-    so it holds the namespace however soon the command ends: the network hint reads its counters)."""
+    """The cell's network namespace exists: send it to the controller (SCM_RIGHTS), which holds it from the
+    command's exec on, however soon the command ends: the network hint reads its counters. In a namespace
+    other cells share, the message is its counters now (the cell's share is what it adds)."""
     if s.netns_watch is None:
         return
-    os.write(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1")
-    os.close(s.netns_watch)
-    s.netns_watch = None
+    fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
+    finally:
+        os.close(fd)
+        os.close(s.netns_watch)
+        s.netns_watch = None
 
 
 def _egress(s: Setup) -> None:
@@ -213,7 +218,7 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("id_maps", lambda s: s.ids is not None and userns.write_id_maps("self", *s.ids, *s.ids), False),
     ("unshare", _unshare, REFUSED),              # mount and IPC (and, unless the host's network, network)
     ("network_namespace", _network_namespace, False),
-    ("netns_watch", _netns_watch, False),        # deny/loopback: the controller may hold the namespace now
+    ("netns_watch", _netns_watch, False),        # deny/loopback: the namespace to the controller (the hint)
     ("mounts", lambda s: s.plan.mount_namespace and mounts.apply(s.plan.mount_ops, s.userns_fd, s.premade), REFUSED),
     ("loopback", lambda s: s.plan.new_netns and s.netns_fd is None and netns.loopback_up(), False),
     ("egress", _egress, False),                  # allowlist/internal roles: the proxy's listener

@@ -101,7 +101,7 @@ def test_a_dns_lookup_fails_at_once_as_not_found_and_is_counted(agnsup, worktree
             "    print('noname' if e.errno == socket.EAI_NONAME else e)\n"
             "print(socket.getaddrinfo('localhost', 80)[0][4][0])\n")
     cp = agnsup("run", "--cell", "c", "--workdir", worktree, "--", "sh", "-c",
-                f"python3 -c \"$0\"; grep '^nameserver' /etc/resolv.conf; grep '^hosts:' /etc/nsswitch.conf; "
+                "python3 -c \"$0\"; grep '^nameserver' /etc/resolv.conf; grep '^hosts:' /etc/nsswitch.conf; "
                 "exit 9", code)
     assert cp.returncode == 9
     assert cp.out.splitlines() == ["noname", "127.0.0.1", "nameserver 192.0.2.1", "hosts: files dns files"]

@@ -229,3 +229,54 @@ def test_docker_recipe_root_without_net_admin_or_sys_ptrace(agnsup, worktree):
     r = _receipt(agnsup, "t")
     assert r["isolation"]["mapped_uid"] and r["kernel_record"]["network"]["no_route"] >= 1, r["kernel_record"]
     assert _receipt(agnsup, "q")["kernel_record"]["network"]["no_route"] == 0
+
+
+def test_a_loopback_role_talks_to_itself_without_a_hint_and_gets_one_when_it_reaches_out(worktree, policy_dir,
+                                                                                          state):
+    """network.mode = "loopback": a server and a client on the cell's own lo are no try to leave it."""
+    write_role(policy_dir, "lo", network__mode='"loopback"')
+    a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir)})
+    local = ("import socket, sys\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+             "c = socket.create_connection(s.getsockname()); c.close()\n"
+             "try: socket.create_connection(('127.0.0.1', 9), timeout=5)\nexcept ConnectionRefusedError: pass\n"
+             "sys.exit(4)\n")
+    quiet = a("run", "--role", "lo", "--cell", "q", "--workdir", worktree, "--", "python3", "-c", local)
+    tried = a("run", "--role", "lo", "--cell", "t", "--workdir", worktree, "--", "python3", "-c", CONNECT4)
+    assert quiet.returncode == 4 and HINT not in quiet.err, quiet.err
+    assert tried.returncode == 1 and _last(tried.err).startswith(HINT + ": role lo has network.mode = \"loopback\"")
+
+
+def test_in_a_shared_namespace_the_count_is_what_the_cell_added(state, worktree, monkeypatch):
+    """A pod's cells share one network namespace (the pod's keeper holds it): what a neighbour's tries left in
+    its counters before this cell started is not this cell's. Here a namespace a test process holds plays the
+    pod, with a try already counted; the cell joins it as a pod cell does (Setup.netns_fd, netns_shared)."""
+    import subprocess
+    import time
+    from agnsup.process import leader
+    from agnsup.tool import run_process
+    import sys
+    keeper = subprocess.Popen(["unshare", "-n", "sh", "-c", "\"$0\" -c \"$1\" || true; exec sleep 60", sys.executable,
+                               CONNECT4],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ns = f"/proc/{keeper.pid}/ns/net"
+        for _ in range(200):  # until the keeper's own try is counted and it sleeps
+            if os.readlink(ns) != os.readlink("/proc/self/ns/net") and \
+                    os.readlink(f"/proc/{keeper.pid}/exe").endswith("sleep"):
+                break
+            time.sleep(0.05)
+        prepare = leader._prepare
+
+        def pod_prepare(plan, backend, place):
+            s = prepare(plan, backend, place)
+            s.netns_fd, s.netns_shared = os.open(ns, os.O_RDONLY | os.O_CLOEXEC), True
+            return s
+        monkeypatch.setattr(leader, "_prepare", pod_prepare)
+        r = run_process(["python3", "-c", CONNECT4], state_dir=state, workdir=worktree, cell_id="pod")
+        assert r["exit_code"] == 1 and r["network_hint"].startswith(HINT)
+        with open(r["receipt"]) as f:
+            net = json.load(f)["kernel_record"]["network"]
+        assert net["ipv4_no_route"] == 1, net  # the keeper's own try (before the cell started) is not counted
+    finally:
+        keeper.kill()
+        keeper.wait()

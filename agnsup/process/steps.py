@@ -109,11 +109,15 @@ def _netns_watch(s: Setup) -> None:
     other cells share, the message is its counters now (the cell's share is what it adds)."""
     if s.netns_watch is None:
         return
-    fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
+    try:  # evidence for a hint, never a reason for the cell not to run: the controller says what it lacks
+        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
     finally:
-        os.close(fd)
         os.close(s.netns_watch)
         s.netns_watch = None
 

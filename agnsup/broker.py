@@ -85,6 +85,7 @@ class Cell(Record):
     changes: dict | None = None  # the receipt's `changes` section (changes.commit's summary, or live/none and why)
     audit: object = None         # linux.audit.Reader: the cell's Landlock denials, where the host audits
     landlock_audit: dict | None = None  # what it read once the tree was dead, or {"why": ...} it reads nothing
+    net_tries: dict | None = None  # deny/loopback, a failed cell: what had no route out of its netns (netns_tries)
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -349,6 +350,7 @@ class Controller:
             reason = "oom"  # the kernel's OOM killer acted inside the cell (v2 memory.oom.group took all of it)
         outcome = wait.Outcome.of(reason, status, sig, stop_signal=waiter.stop_signal, cancel_reason=cancel_reason,
                                   kill_method=waiter.kill_method or left.method, leftover=left.left)
+        cell.net_tries = leader.netns_tries(cell.child, read=outcome.exit_code != 0)  # the network hint's evidence
         self._close_fds(cell)
         self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
         if cell.protect_start is not None:  # what it planted where tools run files on their own leaves the worktree
@@ -399,6 +401,8 @@ class Controller:
             listener = cell.child.egress_listener if cell.child is not None else None
             cell.network = egress.receipt_section(cell.egress, cell.plan.egress, listener)
             cell.egress = None
+        if cell.child is not None:  # a cell that never ran: its network namespace is let go unread
+            leader.netns_tries(cell.child, read=False)
         if cell.audit is not None:  # the tree is dead: its Landlock domain has ended, or ends now
             reader, cell.audit = cell.audit, None
             cell.landlock_audit = reader.conclude()

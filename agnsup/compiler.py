@@ -399,16 +399,23 @@ NETWORK_NSS = ("dns", "resolve", "mdns", "mdns4", "mdns6", "mdns_minimal", "mdns
                "wins", "nis", "nisplus", "ldap", "sss")
 
 
+UNREACHABLE_NAMESERVER = "192.0.2.1"
+
+
 def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]:
     """deny/loopback: name resolution fails at once, with "not found" rather than "try
     again" (which pip and npm retry for 10-70 s): the cell's /etc/nsswitch.conf looks
-    hosts up in files only, and its /etc/resolv.conf names no server. (files, clones,
+    hosts up in files, then dns, then files again, and its /etc/resolv.conf names a server
+    no cell can reach (the query has no route: the kernel counts it). (files, clones,
     attaches); the files are written in the cell's /tmp and bound read-only over the
     host's (their real paths: /etc/resolv.conf is often a symlink into /run)."""
     if policy.network.mode not in ("deny", "loopback"):
         return [], [], []
     why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
-    texts = {"resolv.conf": why + "options timeout:1 attempts:1\n"}
+    # A server no cell can reach (RFC 5737, documentation only): a query fails at once, and the kernel counts
+    # it in the cell's namespace (Ip OutNoRoutes: the network hint's evidence, linux/netns.py).
+    texts = {"resolv.conf": why + f"# {UNREACHABLE_NAMESERVER}: unreachable on purpose (a lookup fails at once)\n"
+                                  f"nameserver {UNREACHABLE_NAMESERVER}\noptions timeout:1 attempts:1\n"}
     try:
         with open("/etc/nsswitch.conf", errors="replace") as f:
             lines = f.read().splitlines()
@@ -419,7 +426,9 @@ def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]
             key, colon, rest = line.partition(":")
             if colon and key.strip() == "hosts":
                 kept = [w for w in rest.split() if w.split("[")[0] not in NETWORK_NSS and not w.startswith("[")]
-                lines[i] = "hosts: " + " ".join(kept or ["files"])
+                # dns asks the unreachable server (the kernel counts the try); `files` after it makes the
+                # last answer "not found" (EAI_NONAME), never dns's "try again" (EAI_AGAIN), which clients retry
+                lines[i] = "hosts: " + " ".join([*(kept or ["files"]), "dns", "files"])
         texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
     files, clones, places = [], [], []
     for name, text in texts.items():

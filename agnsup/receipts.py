@@ -50,7 +50,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     if cell.network is not None:  # allowlist/internal: every connection the proxy was asked for
         r["network"] = cell.network
     r["kernel_record"], r["kernel_stopped"] = kernel_record(cell.isolation or {}, r["limits"], usage, cell.network,
-                                                            cell.decision, getattr(cell, "landlock_audit", None))
+                                                            cell.decision, getattr(cell, "landlock_audit", None),
+                                                            getattr(cell, "net_tries", None))
     if plan is not None and getattr(plan, "redact", None) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended).
         from .redact import receipt_section
@@ -170,7 +171,9 @@ WRITES_NOT_OBSERVABLE = (
     "where an audit daemon runs and the host's audit is enabled (docs/governance.md)")
 NETNS_NOT_OBSERVABLE = (
     "the cell's own network namespace has only lo up: a connection that would leave it fails inside the "
-    "cell (ENETUNREACH) and the kernel keeps no count of it")
+    "cell (ENETUNREACH); the kernel counts it (Ip/Ip6 OutNoRoutes), read only when the cell fails")
+NETNS_SOURCE = ("the cell's network namespace: Ip OutNoRoutes (/proc/net/snmp) and Ip6OutNoRoutes "
+                "(/proc/net/snmp6), over the cell's life; connections and DNS queries that had no route out")
 HOST_NOT_OBSERVABLE = "host network: the kernel refuses no destination; the gate's judgement is the only one"
 
 
@@ -185,11 +188,13 @@ def gate_rules(decision: dict | None, cls: str) -> list[str]:
 
 
 def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | None,
-                  decision: dict | None, landlock: dict | None = None) -> tuple[dict, list[dict]]:
+                  decision: dict | None, landlock: dict | None = None,
+                  net_tries: dict | None = None) -> tuple[dict, list[dict]]:
     """(kernel_record, kernel_stopped) for a cell receipt; see above. `usage`: the cgroup's counters
     ({} for a cell that never ran); `network`: the receipt's proxy section (None without a proxy);
     `landlock`: the cell's Landlock denials read from the audit log (linux/audit.py), or {"why"}
-    the host gave none, or None: not tried (no audit daemon, not root, Landlock ABI < 7)."""
+    the host gave none, or None: not tried (no audit daemon, not root, Landlock ABI < 7); `net_tries`: a failed
+    deny/loopback cell's no-route counts (process.leader.netns_tries), {"why"} unread, or None: not read."""
     applied = limits.get("applied") or {}
     ran = bool(usage)
     rec: dict = {}
@@ -201,8 +206,11 @@ def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | No
                           "attempts": network.get("attempts", 0), "allowed": network.get("allowed", 0),
                           "refused": network.get("refused", 0), "failed": network.get("failed", 0),
                           "refused_destinations": sorted(refused, key=lambda d: -d["count"])}
+    elif isolation.get("network_namespace") and net_tries and "no_route" in net_tries:
+        rec["network"] = {"mode": mode, "observable": True, "source": NETNS_SOURCE, **net_tries}
     elif isolation.get("network_namespace"):
-        rec["network"] = {"mode": mode, "observable": False, "why": NETNS_NOT_OBSERVABLE}
+        why = f"{net_tries['why']}; " if net_tries and net_tries.get("why") else ""
+        rec["network"] = {"mode": mode, "observable": False, "why": why + NETNS_NOT_OBSERVABLE}
     else:
         rec["network"] = {"mode": mode, "observable": False, "why": HOST_NOT_OBSERVABLE}
     by = [w for w, on in (("mount view (read-only root)", isolation.get("readonly_root")),
@@ -233,6 +241,9 @@ def kernel_record(isolation: dict, limits: dict, usage: dict, network: dict | No
     net = rec["network"]
     if net.get("refused"):
         stopped.append(("network", "connections refused by the egress proxy", net["refused"]))
+    if net.get("no_route"):
+        stopped.append(("network", "packets with no route out of the cell's network namespace (connections, "
+                        "DNS queries)", net["no_route"]))
     if rec["writes"].get("landlock_denials"):
         stopped.append(("writes", "file system writes refused by Landlock", rec["writes"]["landlock_denials"]))
     if rec["pids"].get("refused_forks"):

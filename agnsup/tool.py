@@ -226,6 +226,10 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     hint = network_hint(receipt)
     if hint:
         result["network_hint"] = hint
+    if receipt.get("network"):  # allowlist/internal: what the proxy refused, and the key that would allow it
+        from .egress.summary import refused
+        if refused(receipt["network"]):
+            result["network_refused"] = refused(receipt["network"])
     if receipt.get("changes") and receipt["changes"].get("mode") != "none":  # issue 26: what it changed, undoable
         result["changes"] = receipt["changes"]
     if capture:
@@ -244,15 +248,29 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
 
 
 def network_hint(receipt: dict) -> str:
-    """One line for a cell that failed without network: which role or key would give it one.
-    (A failure need not be the network's: the line says what was missing, not that it mattered.)"""
+    """One line for a cell that failed without network and tried to reach beyond it: which role or key would
+    give it one. The evidence is the kernel's (kernel_record.network: connections and DNS queries that had no
+    route out of the cell's namespace, read when it failed), never the exit code: a failing test suite that
+    never reached out gets no hint. Where the counters could not be read (the record is not observable), the
+    line follows any failure, as before."""
     mode = (receipt.get("isolation") or {}).get("network")
     if receipt.get("state") != "exited" or not receipt.get("exit_code") or mode not in ("deny", "loopback"):
         return ""
+    net = (receipt.get("kernel_record") or {}).get("network") or {}
+    tries = net.get("no_route") if net.get("observable") else None
+    if tries == 0:
+        return ""
+    tried = f" (it tried: {tries} connection(s) or DNS queries had no route out)" if tries else ""
     # the packaged roles that reach out: networked (the host's network), proxied (through the proxy)
     return (f"agnsup: the cell ran without network: role {receipt.get('role')} has network.mode = \"{mode}\"; "
             "--role networked (the host's network) or --role proxied (public destinations through a proxy) "
-            "allows it, or network.mode in the role")
+            f"allows it, or network.mode in the role{tried}")
+
+
+def refused_line(result: dict) -> str | None:
+    """The CLI's one stderr line for a cell whose connections the proxy refused (result's network_refused)."""
+    from .egress.summary import refused_line as line
+    return line(result["cell_id"], result["network_refused"]) if result.get("network_refused") else None
 
 
 def handle_tool_call(name: str, arguments, **context) -> dict:

@@ -146,6 +146,9 @@ def run(obj, command, **options):
                          forward_signals=True)
     if result.get("network_hint"):
         click.echo(result["network_hint"], err=True)
+    if result.get("network_refused"):
+        from ..tool import refused_line
+        click.echo(refused_line(result), err=True)
     sys.exit(result["exit_code"])
 
 

@@ -105,6 +105,9 @@ def main() -> None:
         sys.exit(125)
     if result.get("network_hint"):
         sys.stderr.write(result["network_hint"] + "\n")
+    if result.get("network_refused"):
+        from ..tool import refused_line
+        sys.stderr.write(refused_line(result) + "\n")
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

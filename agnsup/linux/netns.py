@@ -48,3 +48,84 @@ def own_user_and_net_namespace(owner: int) -> None:
     lsys.set_caps([CAP_SYS_ADMIN])
     lsys.unshare(lsys.CLONE_NEWUSER | lsys.CLONE_NEWNET)
     loopback_up()
+
+
+# --- what the cell tried: the kernel's own counters of its network namespace (the network hint) ----------
+# A packet that would leave a namespace with only lo up finds no route, and the kernel counts it, per
+# namespace: `Ip: OutNoRoutes` in /proc/net/snmp, `Ip6OutNoRoutes` in /proc/net/snmp6 (proc(5); /proc/PID/net
+# is the namespace of PID). A connect() to a public address counts one; a DNS lookup counts one per query,
+# since a cell without network names an unreachable server in its resolv.conf (compiler._offline_resolver).
+# Counters the kernel keeps anyway: nothing is traced, and they are read only when a cell failed.
+NS_GET_USERNS = 0xB701  # ioctl_ns(2): _IO(0xb7, 0x1), the user namespace that owns a namespace
+
+
+def parse_counters(snmp: str, snmp6: str) -> dict[str, int]:
+    """{"ipv4_no_route", "ipv6_no_route"} from the text of /proc/net/snmp and /proc/net/snmp6 (a pair of
+    lines per protocol, names then values; one "name value" line per counter)."""
+    out = {"ipv4_no_route": 0, "ipv6_no_route": 0}
+    lines = snmp.splitlines()
+    for names, values in zip(lines[::2], lines[1::2]):
+        names, values = names.split(), values.split()
+        if names[:1] == ["Ip:"] and "OutNoRoutes" in names:
+            out["ipv4_no_route"] = int(values[names.index("OutNoRoutes")])
+    for line in snmp6.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "Ip6OutNoRoutes":
+            out["ipv6_no_route"] = int(value.strip())
+    return out
+
+
+def counters_here() -> dict[str, int]:
+    """The counters of the calling thread's network namespace."""
+    texts = []
+    for name in ("snmp", "snmp6"):
+        with open(f"/proc/thread-self/net/{name}") as f:
+            texts.append(f.read())
+    return parse_counters(*texts)
+
+
+def counters_in(fd: int) -> dict[str, int]:
+    """The counters of the network namespace `fd` names, read on this thread (setns(2) there and back).
+    Needs CAP_SYS_ADMIN over the namespace's owner and in our own user namespace: a root controller.
+    A normal user's cell namespace is owned by the cell's user namespace: a throwaway helper enters that
+    first (enter_owner), then reads here."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        lsys.setns(fd, lsys.CLONE_NEWNET)
+        try:
+            return counters_here()
+        finally:
+            lsys.setns(own, lsys.CLONE_NEWNET)  # back home, whatever the read did
+    finally:
+        os.close(own)
+
+
+def enter_owner(fd: int) -> None:
+    """In a single-threaded throwaway helper: into the user namespace that owns the network namespace `fd`
+    (its owner's euid holds every capability there, user_namespaces(7)), so that setns into it is allowed."""
+    userns_fd = fcntl.ioctl(fd, NS_GET_USERNS)
+    try:
+        lsys.setns(userns_fd, lsys.CLONE_NEWUSER)
+    finally:
+        os.close(userns_fd)
+
+
+def tried(now: dict, base: dict | None) -> dict[str, int]:
+    """What the cell's life added: the counters at its end minus those at its start (a fresh namespace: 0)."""
+    base = base or {}
+    out = {k: max(0, now.get(k, 0) - base.get(k, 0)) for k in ("ipv4_no_route", "ipv6_no_route")}
+    out["no_route"] = out["ipv4_no_route"] + out["ipv6_no_route"]
+    return out
+
+
+def encode(counters: dict) -> bytes:
+    return " ".join(f"{k}={v}" for k, v in counters.items()).encode()
+
+
+def decode(data: bytes) -> dict[str, int]:
+    out = {}
+    for word in data.decode(errors="replace").split():
+        k, _, v = word.partition("=")
+        if v.isdigit():
+            out[k] = int(v)
+    return out

@@ -293,3 +293,64 @@ def fsmount_new(fstype: str, options: dict[str, str], attrs: int = 0) -> int:
                       "fsmount", fstype)
     finally:
         os.close(fs)
+
+
+# A descriptor passed over a Unix socket pair (unix(7), SCM_RIGHTS) without the `socket` module (its imports
+# cost more than a whole cell start on a busy host): the cell's child hands the controller its network
+# namespace this way (process/leader.py). <sys/socket.h>
+AF_UNIX = 1
+SOCK_SEQPACKET = 5
+SOL_SOCKET = 1
+SCM_RIGHTS = 1
+MSG_DONTWAIT = 0x40
+MSG_CMSG_CLOEXEC = 0x40000000
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.POINTER(_Iovec)),
+                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class _Cmsg1(ctypes.Structure):  # struct cmsghdr with one int of data: CMSG_LEN(4) = 20, CMSG_SPACE(4) = 24
+    _fields_ = [("len", ctypes.c_size_t), ("level", ctypes.c_int), ("type", ctypes.c_int), ("fd", ctypes.c_int),
+                ("pad", ctypes.c_int)]
+
+
+def seqpacket_pair() -> tuple[int, int]:
+    """socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC): two fds, each end keeps message boundaries."""
+    fds = (ctypes.c_int * 2)()
+    _check(_libc.socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds), "socketpair")
+    return fds[0], fds[1]
+
+
+def send_fd(sock: int, data: bytes, fd: int) -> None:
+    """One message `data` (not empty) carrying a copy of `fd`."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    iov = _Iovec(ctypes.cast(buf, ctypes.c_void_p), len(data))
+    cmsg = _Cmsg1(20, SOL_SOCKET, SCM_RIGHTS, fd, 0)
+    msg = _Msghdr(None, 0, ctypes.pointer(iov), 1, ctypes.cast(ctypes.pointer(cmsg), ctypes.c_void_p),
+                  ctypes.sizeof(cmsg), 0)
+    _check(_libc.sendmsg(ctypes.c_int(sock), ctypes.byref(msg), ctypes.c_int(0)), "sendmsg")
+
+
+def recv_fd(sock: int, size: int = 256) -> tuple[bytes, int | None]:
+    """(data, fd or None) of one message queued on `sock`, without waiting (b"", None: none yet, or the other end
+    closed without sending); the fd arrives close-on-exec."""
+    buf = ctypes.create_string_buffer(size)
+    iov = _Iovec(ctypes.cast(buf, ctypes.c_void_p), size)
+    cmsg = _Cmsg1(0, 0, 0, -1, 0)
+    msg = _Msghdr(None, 0, ctypes.pointer(iov), 1, ctypes.cast(ctypes.pointer(cmsg), ctypes.c_void_p),
+                  ctypes.sizeof(cmsg), 0)
+    n = _libc.recvmsg(ctypes.c_int(sock), ctypes.byref(msg), ctypes.c_int(MSG_DONTWAIT | MSG_CMSG_CLOEXEC))
+    if n < 0:
+        err = ctypes.get_errno()
+        if err in (11, 4):  # EAGAIN, EINTR: nothing queued
+            return b"", None
+        raise OSError(err, f"recvmsg: {os.strerror(err)}")
+    got = msg.controllen >= 20 and cmsg.level == SOL_SOCKET and cmsg.type == SCM_RIGHTS
+    return buf.raw[:n], (cmsg.fd if got else None)

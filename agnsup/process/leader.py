@@ -9,7 +9,7 @@ import signal
 from contextlib import suppress
 
 from ..errors import NotExecutable, NotFound, SetupError
-from ..linux import host, landlock, mounts, pidfd, pidinit, proc, seccomp
+from ..linux import host, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..util.record import Record
 from . import clone, namespaces
@@ -29,6 +29,10 @@ class Child(Record):
     egress_listener: object = None  # ... and the proxy's listener, made in the cell's namespace
     tmp_fd: int | None = None      # the cell's /tmp tmpfs (make_tmp), kept to measure it when the cell ends
     tmp_used: int | None = None    # ... bytes used then (collect)
+    netns_watch: int | None = None  # deny/loopback: the child sends its netns here (steps._netns_watch)
+    netns_fd: int | None = None    # ... then the cell's netns, held until it ended (its counters: netns_tries)
+    netns_base: dict | None = None  # ... the counters at its start in a shared netns (a fresh one starts at 0)
+    netns_why: str | None = None   # ... or why we hold none
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
@@ -53,6 +57,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     s.barrier_r, barrier_w = os.pipe()
     err_r, s.err_w = os.pipe()
     status_r = None
+    watch_r, s.netns_watch = lsys.seqpacket_pair() if watches_netns(plan) else (None, None)
 
     def fork() -> tuple[int, int | None, bool]:
         s.in_userns = s.ids is not None and plan.pid_namespace
@@ -60,8 +65,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
-            if status_r is not None:
-                os.close(status_r)
+            for fd in (status_r, watch_r):
+                if fd is not None:
+                    os.close(fd)
             run_steps(s)
         return pid, fd, s.born
 
@@ -70,7 +76,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             status_r, s.status_w = os.pipe()
         pid, fd, born = forker(fork) if forker is not None else fork()
     except OSError as e:
-        for fd in (barrier_w, err_r, status_r):
+        for fd in (barrier_w, err_r, status_r, watch_r):
             if fd is not None:
                 os.close(fd)
         _close_setup(s)
@@ -80,7 +86,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     _close_setup(s, forked=True)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=clone.JOIN_CLONE3 if born else clone.JOIN_FORK, handoff=s.egress,
-                  tmp_fd=(s.premade or {}).get("tmp"))
+                  tmp_fd=(s.premade or {}).get("tmp"), netns_watch=watch_r)
     try:
         if born:
             # A v1 cgroup.procs write may wait for an RCU grace period (the same
@@ -119,6 +125,7 @@ def release(plan, child: Child) -> None:
         os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         _close(child)
         raise _child_error(plan, report)
+    _hold_netns(child)
     if child.handoff:
         try:
             child.egress_listener = child.handoff.receive()  # sent before the barrier: already queued
@@ -141,8 +148,59 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
     return report or b""
 
 
+def watches_netns(plan) -> bool:
+    """A cell without network (deny, loopback) in a netns of its own: the controller holds that namespace, to
+    tell a failure that tried to reach out from one that did not (tool.network_hint)."""
+    return bool(plan.new_netns) and plan.network in ("deny", "loopback")
+
+
+def _hold_netns(child: Child) -> None:
+    """Once the command executed: the cell's network namespace, which the child sent before the barrier
+    (SCM_RIGHTS: already queued, whatever the cell did since; the fd in flight kept the namespace, and now
+    ours keeps it and its counters after the cell's last process left it). No /proc/PID/ns/net: by now
+    the child may have other ids, which a controller without CAP_SYS_PTRACE could not open it through."""
+    if child.netns_watch is None:
+        return
+    try:
+        said, fd = lsys.recv_fd(child.netns_watch)
+        if fd is not None:
+            child.netns_fd = fd
+            child.netns_base = None if said == b"1" else netns.decode(said)
+        else:
+            child.netns_why = "the cell sent no network namespace"
+    except OSError as e:
+        child.netns_why = f"the cell's network namespace could not be held: {e.strerror or e}"
+    finally:
+        os.close(child.netns_watch)
+        child.netns_watch = None
+
+
+def netns_tries(child: Child, read: bool) -> dict | None:
+    """Once the cell's tree is dead: what it tried that had no route out of its network namespace
+    (linux/netns.py: {"no_route", "ipv4_no_route", "ipv6_no_route"}), when `read` (a failed cell: the
+    counters are read only then); {"why": ...} when they could not be read; None when not asked or no
+    namespace was held. The namespace is let go either way."""
+    fd, child.netns_fd = child.netns_fd, None
+    try:
+        if not read:
+            return None
+        if fd is None:
+            return {"why": child.netns_why} if child.netns_why else None
+        try:
+            return netns.tried(namespaces.netns_counters(fd), child.netns_base)
+        except OSError as e:
+            return {"why": f"the counters of the cell's network namespace could not be read: {e.strerror or e}"}
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _close(child: Child) -> None:
     """What the controller holds of a leader that never ran its command."""
+    for fd in (child.netns_watch, child.netns_fd):
+        if fd is not None:
+            os.close(fd)
+    child.netns_watch = child.netns_fd = None
     if child.status_fd is not None:
         os.close(child.status_fd)
     if child.handoff:
@@ -261,7 +319,8 @@ def _prepare(plan, backend, place) -> Setup:
 def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
-    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, *(() if forked else (s.premade or {}).values())):
+    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.netns_watch,
+               *(() if forked else (s.premade or {}).values())):
         if fd is not None:
             os.close(fd)
     if s.ruleset:

@@ -63,6 +63,23 @@ def cell_netns() -> int:
                   f"a network namespace of the cell's own: {msg or 'the helper exited'}")
 
 
+def netns_counters(fd: int) -> dict[str, int]:
+    """The no-route counters of the network namespace `fd` names (linux/netns.py), for a cell that ended. Root
+    reads them on this thread; a normal user's cell namespace is owned by the cell's user namespace, which
+    only a single-threaded process may enter: a throwaway helper enters it, then the namespace, and reads."""
+    if os.geteuid() == 0:
+        return netns.counters_in(fd)
+
+    def read() -> bytes:
+        netns.enter_owner(fd)
+        lsys.setns(fd, lsys.CLONE_NEWNET)
+        return netns.encode(netns.counters_here())
+    ok, said = probe(read)
+    if not ok:
+        raise OSError(errno.EPERM, said or "the helper exited")
+    return netns.decode(said.encode())
+
+
 _cell_userns: list[int] = []   # the fd of the cells' user namespace, made once per controller process
 _idmap_by_dev: dict[int, str | None] = {}  # st_dev -> None (id-mapped mounts work there) or why not
 

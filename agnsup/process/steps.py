@@ -38,6 +38,8 @@ class Setup(Record):
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
     netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
+    netns_watch: int | None = None  # deny/loopback: our end of the pair the cell's netns goes to the controller on
+    netns_shared: bool = False   # ... a namespace other cells use too: the counters at our start, not "1"
     # ... and once the pipes exist, just before fork:
     stdio: tuple | None = None   # the fds the child dup2s onto 0-2
     barrier_r: int | None = None  # "1" once the controller has journaled our identity; EOF: never run
@@ -69,7 +71,8 @@ def _stdio(s: Setup) -> None:
         if fd is not None and fd != target:
             os.dup2(fd, target)
     keep = {s.barrier_r, s.err_w, s.status_w, s.ruleset.fd if s.ruleset else None,
-            s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, *(s.premade or {}).values()}
+            s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, s.netns_watch,
+            *(s.premade or {}).values()}
     low = 3
     for fd in sorted(k for k in keep if k is not None):
         os.closerange(low, fd)
@@ -98,6 +101,25 @@ def _network_namespace(s: Setup) -> None:
     if s.netns_fd is not None:  # a root controller without CAP_NET_ADMIN: one cell_netns made, its lo up
         lsys.setns(s.netns_fd, lsys.CLONE_NEWNET)
         os.close(s.netns_fd)
+
+
+def _netns_watch(s: Setup) -> None:
+    """The cell's network namespace exists: send it to the controller (SCM_RIGHTS), which holds it from the
+    command's exec on, however soon the command ends: the network hint reads its counters. In a namespace
+    other cells share, the message is its counters now (the cell's share is what it adds)."""
+    if s.netns_watch is None:
+        return
+    try:  # evidence for a hint, never a reason for the cell not to run: the controller says what it lacks
+        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(s.netns_watch)
+        s.netns_watch = None
 
 
 def _egress(s: Setup) -> None:
@@ -200,6 +222,7 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("id_maps", lambda s: s.ids is not None and userns.write_id_maps("self", *s.ids, *s.ids), False),
     ("unshare", _unshare, REFUSED),              # mount and IPC (and, unless the host's network, network)
     ("network_namespace", _network_namespace, False),
+    ("netns_watch", _netns_watch, False),        # deny/loopback: the namespace to the controller (the hint)
     ("mounts", lambda s: s.plan.mount_namespace and mounts.apply(s.plan.mount_ops, s.userns_fd, s.premade), REFUSED),
     ("loopback", lambda s: s.plan.new_netns and s.netns_fd is None and netns.loopback_up(), False),
     ("egress", _egress, False),                  # allowlist/internal roles: the proxy's listener

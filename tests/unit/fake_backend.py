@@ -229,10 +229,13 @@ class FakeProcesses:
         assert not p.alive, "collect of a leader that did not end"
         return (p.status, None) if p.status is not None else (None, p.signals[-1] if p.signals else signal.SIGKILL)
 
+    def netns_tries(self, child, read: bool) -> dict | None:
+        return None  # a fake leader has no network namespace to count in
+
     def install(self, monkeypatch) -> "FakeProcesses":
         """In place of the real process layer, where the broker calls it (the one line to change when it moves)."""
         from agnsup.process import leader
-        for name in ("spawn", "release", "abandon", "collect"):
+        for name in ("spawn", "release", "abandon", "collect", "netns_tries"):
             monkeypatch.setattr(leader, name, getattr(self, name))
         return self
 

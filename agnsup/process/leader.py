@@ -31,7 +31,8 @@ class Child(Record):
     tmp_used: int | None = None    # ... bytes used then (collect)
 
 
-def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
+def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
+          netns_fd: int | None = None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -39,12 +40,17 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     `forker(fn)`: run the fork in a thread that lives as long as the controller
     (supervisor.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
     the cell exits (prctl(2)), and a serve request's thread ends with its connection.
-    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY)."""
+    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
+    namespace the cell joins instead of making its own (its pod's, agnsup/pod.py); spawn closes it."""
     namespaces.reap_exited()
     try:
-        s = _prepare(plan, backend, place)
-    except OSError as e:
-        raise _failed("confinement", e, plan) from None
+        s = _prepare(plan, backend, place, netns_fd)
+    except BaseException as e:
+        if netns_fd is not None:
+            os.close(netns_fd)
+        if isinstance(e, OSError):
+            raise _failed("confinement", e, plan) from None
+        raise
     s.stdio, s.controller = stdio, os.getpid()
     if ctty:  # TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing
         import fcntl
@@ -229,9 +235,9 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
         SetupError(f"cell setup failed at step {step!r}: {e.strerror or e}", step=step, errno=e.errno)
 
 
-def _prepare(plan, backend, place) -> Setup:
+def _prepare(plan, backend, place, netns_fd: int | None = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
-    s = Setup(plan=plan, backend=backend, place=place)
+    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd)  # first: closed whatever fails below
     if plan.seccomp_refuse is not None:
         s.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
@@ -247,7 +253,7 @@ def _prepare(plan, backend, place) -> Setup:
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
-    if plan.new_netns and s.ids is None and not host.net_admin():
+    if plan.new_netns and s.netns_fd is None and s.ids is None and not host.net_admin():
         try:
             s.netns_fd = namespaces.cell_netns()
         except BaseException as e:

@@ -290,9 +290,10 @@ class Controller:
         cell.trace.append(st)
         self.journal.stage(spec.run_id, spec.cell_id, st, cgroup_ino=cell.place.inode)
 
-    def _join_pod(self, cell: Cell) -> int | None:
+    def _join_pod(self, cell: Cell) -> int | tuple | None:
         """A cell of a pod (plan.network_pod): join its agent's pod (made when none is alive, agnsup/pod.py) and
-        return a descriptor of the pod's network namespace for the child to setns into; else None."""
+        return a descriptor of the pod's network namespace for the child to setns into (a normal user's: and of
+        the pod's user namespace, (net, user)); else None."""
         if not cell.plan.network_pod:
             return None
         from . import pod
@@ -300,13 +301,20 @@ class Controller:
         spec = cell.spec
         owner = userns.netns_owner() if os.geteuid() == 0 and not host.net_admin() else None
         try:
-            cell.pod = pod.join(self.state, self.backend, spec.run_id, spec.agent_id, netns_owner=owner)
-            fd = cell.pod.pod.netns_fd()
+            cell.pod = pod.join(self.state, self.backend, spec.run_id, spec.agent_id,
+                                own_userns=cell.plan.user_namespace, netns_owner=owner)
+            us = cell.pod.pod.userns_fd()  # a normal user's pod: its cells are of its user namespace
+            try:
+                fd = cell.pod.pod.netns_fd()
+            except BaseException:
+                if us is not None:
+                    os.close(us)
+                raise
         except OSError as e:
             raise SetupError(f"cell setup failed at step 'network_pod': the network pod of agent {spec.agent_id} "
                              f"of run {spec.run_id}: {e.strerror or e}", step="network_pod", errno=e.errno) from None
         cell.isolation["network_pod"] = cell.pod.pod.key
-        return fd
+        return (fd, us) if us is not None else fd
 
     def _leave_pod(self, cell: Cell) -> None:
         """The cell's tree is dead: let go of its pod; the last member out tears it down (agnsup/pod.py)."""

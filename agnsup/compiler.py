@@ -487,11 +487,9 @@ POD_MODES = ("deny", "loopback")  # allowlist/internal keep a namespace per cell
 def network_pod(policy, spec: CellSpec, net: str, conf: dict) -> bool:
     """Does the cell join its agent's pod (agnsup/pod.py: one network namespace for the agent's cells)? For
     network.mode deny and loopback, unless the role says network.pod = false; not for the run "default"
-    (every call that names no run: unrelated commands at a shell would share one network), not for a normal
-    user's cell (its network namespace is owned by the user namespace it makes for itself: a pod's would have
-    to be joined first, which the cell recipe does not do yet; docs/isolation.md "Pods")."""
-    return net in POD_MODES and bool(policy.network.get("pod", True)) and spec.run_id != "default" \
-        and not conf.get("user_namespace")
+    (every call that names no run: unrelated commands at a shell would share one network). A normal user's
+    cell of a pod joins the pod's user namespace instead of making its own (docs/isolation.md "Pods")."""
+    return net in POD_MODES and bool(policy.network.get("pod", True)) and spec.run_id != "default"
 # The /dev/null class: devices every program may open for writing. The cell's own devpts and /dev/shm
 # exist only in its namespace: their rules are added in the child (process/steps.py).
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]

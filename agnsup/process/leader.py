@@ -41,13 +41,16 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     (supervisor.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
     the cell exits (prctl(2)), and a serve request's thread ends with its connection.
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
-    namespace the cell joins instead of making its own (its pod's, agnsup/pod.py); spawn closes it."""
+    namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
+    namespace a normal user's cell joins instead of making its own); spawn closes them."""
     namespaces.reap_exited()
+    netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place, netns_fd)
+        s = _prepare(plan, backend, place, netns_fd, pod_userns)
     except BaseException as e:
-        if netns_fd is not None:
-            os.close(netns_fd)
+        for fd in (netns_fd, pod_userns):
+            if fd is not None:
+                os.close(fd)
         if isinstance(e, OSError):
             raise _failed("confinement", e, plan) from None
         raise
@@ -62,7 +65,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
 
     def fork() -> tuple[int, int | None, bool]:
         s.in_userns = s.ids is not None and plan.pid_namespace
-        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns)
+        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns,
+                                    s.pod_userns)
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
@@ -235,9 +239,10 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
         SetupError(f"cell setup failed at step {step!r}: {e.strerror or e}", step=step, errno=e.errno)
 
 
-def _prepare(plan, backend, place, netns_fd: int | None = None) -> Setup:
+def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
-    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd)  # first: closed whatever fails below
+    # first: closed whatever fails below
+    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns)
     if plan.seccomp_refuse is not None:
         s.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
@@ -267,7 +272,8 @@ def _prepare(plan, backend, place, netns_fd: int | None = None) -> Setup:
 def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
-    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, *(() if forked else (s.premade or {}).values())):
+    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.pod_userns,
+               *(() if forked else (s.premade or {}).values())):
         if fd is not None:
             os.close(fd)
     if s.ruleset:

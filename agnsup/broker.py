@@ -323,7 +323,7 @@ class Controller:
         from . import pod
         membership, cell.pod = cell.pod, None
         try:
-            pod.leave(self.state, self.backend, membership)
+            pod.leave(self.state, self.backend, membership, forks=not self.one_cell)
         except OSError:
             pass  # a pod left behind is the janitor's (pod.sweep); the cell's end is recorded all the same
 

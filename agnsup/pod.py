@@ -270,13 +270,34 @@ def _create(d: str, backend, run_id: str, agent_id: str, stale: Pod | None, own_
     return pod
 
 
-def leave(state, backend, m: Membership | None) -> list[dict]:
+RETRY_AFTER = 0.5  # s: a controller of many cells tries once more to tear down a pod its leave found held
+
+
+def leave(state, backend, m: Membership | None, forks: bool = False) -> list[dict]:
     """The cell has ended: release its shared lock; the last member out tears the pod down. Returns what
-    the teardown removed ([] while other members live)."""
+    the teardown removed ([] while other members live).
+
+    `forks`: this process forks other cells meanwhile (serve, the API's Supervisor). A child between its
+    fork and the step that closes what it inherited (steps._stdio) holds a copy of every member descriptor
+    of this process, so the exclusive lock may be refused for that instant although no member is alive:
+    one more try a moment later (a timer thread) finds it free. A one-cell controller forks nothing then."""
     if m is None:
         return []
     os.close(m.fd)
-    return _teardown_if_free(backend, m.pod.dir)
+    done = _teardown_if_free(backend, m.pod.dir)
+    if not done and forks:
+        import threading
+        t = threading.Timer(RETRY_AFTER, _teardown_quietly, (backend, m.pod.dir))
+        t.daemon = True
+        t.start()
+    return done
+
+
+def _teardown_quietly(backend, d: str) -> None:
+    try:
+        _teardown_if_free(backend, d)
+    except OSError:
+        pass  # left to the janitor's sweep
 
 
 def _teardown_if_free(backend, d: str) -> list[dict]:

@@ -28,7 +28,7 @@ LAYERS = [  # top to bottom
                 "agnsup.request", "agnsup.policyfile", "agnsup.store.cells", "agnsup.cancel", "agnsup.janitor",
                 "agnsup.toolconfig", "agnsup.netpolicy", "agnsup.store.repair"]),
     ("broker", ["agnsup.broker", "agnsup.home"]),
-    ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.receipts", "agnsup.io", "agnsup.locks",
+    ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.pod", "agnsup.receipts", "agnsup.io", "agnsup.locks",
                             "agnsup.egress", "agnsup.protect"]),
     ("backend and store", ["agnsup.backend", "agnsup.store", "agnsup.changes"]),
     ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.util", "agnsup.policies", "agnsup.redact"]),

@@ -7,9 +7,11 @@ refusal before anything starts), then enters the pod (Pod.enter: its user namesp
 its network namespace) and relays single-threaded with selectors (`forward_main`). It is started detached
 (process/forwarder.py) in the pod's place, so the pod's teardown (the backend's kill of that place) ends it.
 
-    <state>/pods/<run>/<agent>/ports.json   the published ports of the pod, one record each
-    <state>/pods/<run>/<agent>/ports.lock   one publish or close of the pod at a time
-    <state>/pods/<run>/<agent>/port-P.log   the forwarder of pod port P's stderr
+    <state>/pods/<run>/<agent>/ports.json   the published ports of the pod, one record each (its directory
+                                            flocked: one publish or close of the pod at a time)
+
+The forwarder also holds a pidfd of the pod's keeper and ends when the keeper does: the pod's end closes its
+ports on a host without cgroups too (pod._kill then kills the keeper alone).
 
 Only loopback: the host address is 127.0.0.1 and nothing else (a request for 0.0.0.0 or any other address is
 refused, and the forwarder checks its socket again before it serves). Each publish and close is a journal
@@ -62,8 +64,9 @@ def _check_ids(run_id, agent_id) -> None:
 
 # -- where the records live ---------------------------------------------------------------------------------
 def pod_dir(state, run_id: str, agent_id: str) -> str:
-    """The pod's directory under the state root (design: <state>/pods/<run>/<agent>/)."""
-    return os.path.join(state.path, "pods", run_id, agent_id)
+    """The pod's directory under the state root (pod.py's: <state>/pods/<run>/<agent>/)."""
+    from .pod import pod_dir as of
+    return of(state, run_id, agent_id)
 
 
 def _read(d: str) -> list[dict]:
@@ -92,15 +95,16 @@ def _write(d: str, records: list[dict]) -> None:
 
 
 class _Locked:
-    """The pod's ports.lock, exclusive: one publish or close at a time (the records and the check that a port
-    is not published yet)."""
+    """The pod's directory, flocked exclusive: one publish or close at a time (the records and the check that a
+    port is not published yet). The directory itself, not a file in it: a pod's teardown removes the files it
+    knows and then the directory (pod.STATE_FILES), and pod.py's own lock is pod.lock, never the directory."""
 
     def __init__(self, d: str):
-        self.path = os.path.join(d, "ports.lock")
+        self.path = d
 
     def __enter__(self):
         import fcntl
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 
@@ -201,17 +205,36 @@ def _start(state, pod, sock, port: int, backend) -> dict:
     def attach(pid: int) -> None:
         if place is not None and getattr(place, "node", None) is not None:
             backend.attach(place, pid)
+    watch = _keeper_fd(pod)
     try:
-        pid, fd = forwarder.start(sock.fileno(), pod.enter, attach, ["--pod-port", str(port)],
-                                  log_path=os.path.join(pod.dir, f"port-{port}.log"))
+        args = ["--pod-port", str(port)] + (["--watch-fd", str(watch)] if watch is not None else [])
+        pid, fd = forwarder.start(sock.fileno(), pod.enter, attach, args,
+                                  keep_fds=(watch,) if watch is not None else ())
     except OSError as e:
         raise SetupError(f"the forwarder of port {port} could not start in the pod: {e.strerror or e}") from None
+    finally:
+        if watch is not None:
+            os.close(watch)
     try:
         st = proc.stat(pid)
         return {"pid": pid, "starttime": st.starttime if st else None, "boot_id": proc.boot_id(),
                 "pidfd_ino": pidfd.inode(fd) if pidfd.has_pidfs() else None}
     finally:
         os.close(fd)
+
+
+def _keeper_fd(pod) -> int | None:
+    """A pidfd of the pod's keeper, proven to be it (pod.json's identity): readable once the keeper ended."""
+    from .linux import pidfd
+    k = getattr(pod, "keeper", None) or {}
+    fd = pidfd.open(k["pid"]) if k.get("pid") else None
+    if fd is None:
+        return None
+    ok, _ = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
+    if not ok:
+        os.close(fd)
+        raise SetupError(f"the pod of agent {pod.agent_id} ended meanwhile")
+    return fd
 
 
 def _journal(state, journal, op: str, rec: dict, **extra) -> None:
@@ -306,7 +329,8 @@ def forward_main(argv: list[str] | None = None) -> None:
         os._exit(2)
     os.write(status, b"ready")
     os.close(status)
-    Relay(listener, int(opts["--pod-port"])).serve()
+    watch = int(opts["--watch-fd"]) if "--watch-fd" in opts else None
+    Relay(listener, int(opts["--pod-port"]), watch).serve()
 
 
 class _Conn:
@@ -323,17 +347,21 @@ class _Conn:
 class Relay:
     """The forwarder's loop: accept on the host socket, connect inside the pod, copy both ways, single-threaded."""
 
-    def __init__(self, listener, port: int):
+    def __init__(self, listener, port: int, watch: int | None = None):
         import selectors
         self.listener, self.port = listener, port
         self.sel = selectors.DefaultSelector()
         self.conns: set[_Conn] = set()
         listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, None)
+        if watch is not None:  # the pod's keeper: its pidfd turns readable when it exits
+            self.sel.register(watch, selectors.EVENT_READ, "pod")
 
     def serve(self) -> None:
         while True:
             for key, events in self.sel.select():
+                if key.data == "pod":
+                    return  # the pod ended: so does the way into it (the process exits, every socket with it)
                 if key.data is None:
                     self._accept()
                 else:

@@ -1,84 +1,54 @@
-"""Published ports (agnsup/ports.py): a pod's port on the host's loopback through a forwarder that lives in the
-pod's place, relays real bytes both ways, closes on request and with the pod, and never listens beyond loopback."""
+"""Published ports (agnsup/ports.py): one of a pod's ports on the host's loopback through a forwarder that lives in
+the pod's place, relays real bytes both ways, closes on request and with the pod, and never listens beyond
+loopback; the same from the CLI, the Python API, serve and MCP."""
 import errno
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
 
-from agnsup import backend as backends
+from agnsup import pod as pods
 from agnsup import ports
 from agnsup.errors import UnknownId, UsageError
 from agnsup.linux import proc
-from agnsup.linux import sys as lsys
+from agnsup.store.journal import open_journal
 from agnsup.store.state import StateRoot
+from agnsup.supervisor import Supervisor
 
-# The stand-in for a pod before pod.py: a process holding a network namespace with lo up, serving a TCP echo
-# on 127.0.0.1:ECHO_PORT inside it, in the place a pod's keeper lives in (the backend's run/agent/"pod").
-ECHO_PORT = 7007
-KEEPER = f"""
-import os, socket, threading
-from agnsup.linux import netns, sys as lsys
-lsys.unshare(lsys.CLONE_NEWNET)
-netns.loopback_up()
-srv = socket.create_server(("127.0.0.1", {ECHO_PORT}))
-def echo(c):
-    with c:
-        while True:
-            b = c.recv(1 << 16)
-            if not b:
-                c.shutdown(socket.SHUT_WR)
-                return
-            c.sendall(b)
-print("ok", flush=True)
-while True:
-    c, _ = srv.accept()
-    threading.Thread(target=echo, args=(c,), daemon=True).start()
-"""
+# A TCP echo server on 127.0.0.1:PORT inside the cell (so inside its agent's pod); says so in its worktree
+ECHO = ("import socket, sys, threading\n"
+        "srv = socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+        "open('listening', 'w').close()\n"
+        "def echo(c):\n"
+        "    with c:\n"
+        "        while True:\n"
+        "            b = c.recv(65536)\n"
+        "            if not b:\n"
+        "                c.shutdown(socket.SHUT_WR)\n"
+        "                return\n"
+        "            c.sendall(b)\n"
+        "while True:\n"
+        "    c, _ = srv.accept()\n"
+        "    threading.Thread(target=echo, args=(c,), daemon=True).start()\n")
+POD_PORT = 7007  # inside the pod: the host's 7007 is another port altogether
 
 
-class NetnsPod:
-    """What ports.py asks of a pod (pod.py's contract: dir, place, enter), made by the test itself."""
-
-    def __init__(self, state_dir: str, run_id: str = "r1", agent_id: str = "a1"):
-        self.state = StateRoot(state_dir).ensure()
-        self.run_id, self.agent_id = run_id, agent_id
-        self.dir = ports.pod_dir(self.state, run_id, agent_id)
-        os.makedirs(self.dir)
-        self.backend = backends.choose(self.state.path)
-        self.place = self.backend.create(self.backend.place(run_id, agent_id, "pod", {}), {})
-        self.keeper = subprocess.Popen([sys.executable, "-c", KEEPER], stdout=subprocess.PIPE)
-        self.backend.attach(self.place, self.keeper.pid)
-        assert self.keeper.stdout.readline() == b"ok\n"
-        self.netns = os.open(f"/proc/{self.keeper.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-
-    def enter(self) -> None:
-        lsys.setns(self.netns, lsys.CLONE_NEWNET)
-
-    def teardown(self) -> None:
-        """As the pod's teardown: the backend's kill of its place (never a pid alone), then its directory."""
-        self.backend.kill_place(self.place)
-        self.keeper.wait(10)
-        self.keeper.stdout.close()
-        os.close(self.netns)
-        self.backend.remove(self.place)
-
-
-@pytest.fixture
-def pod(state):
-    p = NetnsPod(state)
-    yield p
-    p.teardown()
+def _wait_file(path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
 
 
 def _roundtrip(port: int, payload: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
-        import threading
+    """Send `payload` to 127.0.0.1:`port` while reading what comes back, then half-close: all of it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
         got = bytearray()
 
         def read():
@@ -91,7 +61,7 @@ def _roundtrip(port: int, payload: bytes) -> bytes:
         t.start()
         c.sendall(payload)
         c.shutdown(socket.SHUT_WR)
-        t.join(30)
+        t.join(60)
     return bytes(got)
 
 
@@ -104,84 +74,156 @@ def _refused(port: int) -> bool:
 
 
 def _listeners(port: int) -> list[str]:
-    """Lines of the host's /proc/net/tcp listening on `port` (state 0A)."""
-    with open("/proc/net/tcp") as f:
-        return [ln for ln in f.read().splitlines()[1:]
-                if ln.split()[1].endswith(f":{port:04X}") and ln.split()[3] == "0A"]
+    """The host's listening TCP sockets on `port` (any address; /proc/net/tcp and tcp6, state 0A)."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            out += [ln for ln in f.read().splitlines()[1:]
+                    if ln.split()[1].endswith(f":{port:04X}") and ln.split()[3] == "0A"]
+    return out
 
 
-def test_a_published_port_relays_a_large_body_both_ways_and_close_refuses_after(pod):
-    rec = ports.publish(pod.state, pod.run_id, pod.agent_id, ECHO_PORT, pod=pod)
-    assert rec["host"] == "127.0.0.1" and rec["host_port"] > 0 and rec["pod_port"] == ECHO_PORT
-    # the pod's port is not the host's: only the forwarder reaches it
-    assert ECHO_PORT == rec["host_port"] or _refused(ECHO_PORT)
-    payload = os.urandom(8 << 20)
-    for _ in range(2):  # two connections, one after the other, each a large body both ways
-        back = _roundtrip(rec["host_port"], payload)
-        assert hashlib.sha256(back).hexdigest() == hashlib.sha256(payload).hexdigest()
-    # it lives in the pod's place: the pod's teardown reaches it
-    assert rec["pid"] in pod.backend.members(pod.place)
-    assert [r["host_port"] for r in ports.listing(pod.state)] == [rec["host_port"]]
-    with open(os.path.join(pod.dir, "ports.json")) as f:
-        assert json.load(f)[0]["pid"] == rec["pid"]
-    out = ports.close(pod.state, pod.run_id, pod.agent_id, ECHO_PORT)
-    assert out["closed"][0]["host_port"] == rec["host_port"]
-    assert _refused(rec["host_port"]) and not _listeners(rec["host_port"])
-    assert ports.listing(pod.state) == [] and not os.path.exists(os.path.join(pod.dir, "ports.json"))
-    assert rec["pid"] not in pod.backend.members(pod.place)
-    j = pod.state.journal()
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while not proc.is_zombie(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _members(state: str, run: str, agent: str) -> list[int]:
+    from agnsup import backend
+    p = pods.find(state, run, agent)
+    return sorted(backend.choose(state).members(p.place)) if p is not None else []
+
+
+@pytest.fixture
+def server(agnsup, tmp_path):
+    """An echo server cell of agent a of run r (so the agent's pod lives while it does)."""
+    wt = tmp_path / "srv"
+    wt.mkdir()
+    p = agnsup.popen("run", "--run", "r", "--agent", "a", "--cell", "server", "--workdir", str(wt),
+                     "--changes", "live", "--", "python3", "-c", ECHO, str(POD_PORT),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        assert [(e["op"], e["pod_port"], e["host_port"], e["agent_id"]) for e in j.port_events(pod.run_id)] == \
-            [("publish", ECHO_PORT, rec["host_port"], "a1"), ("close", ECHO_PORT, rec["host_port"], "a1")]
+        _wait_file(str(wt / "listening"))
+        yield p
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+
+
+def test_a_published_port_relays_a_large_body_both_ways_and_close_refuses_after(agnsup, state, server):
+    out = agnsup.json("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
+    hp = out["host_port"]
+    assert out["host"] == "127.0.0.1" and hp > 0 and out["pod_port"] == POD_PORT and out["url"].endswith(f":{hp}/")
+    assert hp == POD_PORT or _refused(POD_PORT)  # the pod's port is not the host's: only the forwarder leads in
+    payload = os.urandom(8 << 20)
+    for _ in range(2):  # two connections, one after the other, each 8 MiB both ways
+        back = _roundtrip(hp, payload)
+        assert len(back) == len(payload) and hashlib.sha256(back).digest() == hashlib.sha256(payload).digest()
+    # it lives in the pod's place (the pod's teardown reaches it), and listens on loopback alone
+    assert out["pid"] in _members(state, "r", "a")
+    assert [ln.split()[1] for ln in _listeners(hp)] == [f"0100007F:{hp:04X}"]
+    assert [p["host_port"] for p in agnsup.json("ports", "--json")] == [hp]
+    assert [p["host_port"] for p in agnsup.json("ports", "list", "--run", "r", "--agent", "a", "--json")] == [hp]
+    assert agnsup.json("ports", "--run", "other", "--json") == []
+    assert "pod port 7007 -> 127.0.0.1:" in agnsup("ports", check=0).out
+    closed = agnsup.json("ports", "close", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
+    assert [c["host_port"] for c in closed["closed"]] == [hp]
+    assert _refused(hp) and not _listeners(hp) and _gone(out["pid"])
+    assert agnsup.json("ports", "--json") == []
+    assert out["pid"] not in _members(state, "r", "a")
+    j = open_journal(state)
+    try:
+        assert [(e["op"], e["pod_port"], e["host_port"], e["agent_id"]) for e in j.port_events("r")] == \
+            [("publish", POD_PORT, hp, "a"), ("close", POD_PORT, hp, "a")]
     finally:
         j.close()
 
 
-def test_the_pods_teardown_ends_the_forwarder_and_its_listener(state):
-    p = NetnsPod(state, "r2", "a2")
-    try:
-        rec = ports.publish(p.state, "r2", "a2", ECHO_PORT, pod=p)
-        assert _roundtrip(rec["host_port"], b"hello") == b"hello"
-    finally:
-        p.teardown()
-    assert _refused(rec["host_port"]) and not _listeners(rec["host_port"])
-    assert proc.is_zombie(rec["pid"])  # gone (or only its exit status left for init)
-    assert ports.listing(p.state) == []
+def test_the_pods_end_closes_the_forwarder_and_leaves_nothing(agnsup, state, tmp_path):
+    """Through the Python API: publish beside a spawned server; the server's end is the agent's last cell's, so
+    the pod goes, and its forwarder and listener with it."""
+    wt = tmp_path / "srv"
+    wt.mkdir()
+    with Supervisor(state) as sup:
+        h = sup.spawn(["python3", "-c", ECHO, str(POD_PORT)], run_id="api", agent_id="a", workdir=str(wt),
+                      changes="live")
+        _wait_file(str(wt / "listening"))
+        rec = sup.publish_port("api", "a", POD_PORT)
+        assert _roundtrip(rec["host_port"], b"hello pod") == b"hello pod"
+        assert [p["pod_port"] for p in sup.list_ports("api", "a")] == [POD_PORT]
+        sup.cancel(cell_id=h["cell_id"], run_id="api")
+        sup.wait("api", h["cell_id"], timeout=30)
+        assert _gone(rec["pid"])
+        assert _refused(rec["host_port"]) and not _listeners(rec["host_port"])
+        assert sup.list_ports() == []
+        assert not os.path.exists(pods.pod_dir(state, "api", "a"))
+        with pytest.raises(UnknownId, match="not published"):
+            sup.close_port("api", "a", POD_PORT)
 
 
-def test_bad_input_is_refused_in_one_line_and_leaves_nothing(pod):
-    with pytest.raises(UsageError, match="loopback"):  # the attack: listen on every address of the host
-        ports.publish(pod.state, pod.run_id, pod.agent_id, ECHO_PORT, host="0.0.0.0", pod=pod)
-    for bad in (0, 70000, "x", True):
-        with pytest.raises(UsageError, match="port"):
-            ports.publish(pod.state, pod.run_id, pod.agent_id, bad, pod=pod)
-    rec = ports.publish(pod.state, pod.run_id, pod.agent_id, ECHO_PORT, pod=pod)
-    with pytest.raises(UsageError, match="already published"):
-        ports.publish(pod.state, pod.run_id, pod.agent_id, ECHO_PORT, pod=pod)
-    with pytest.raises(UsageError, match="taken"):
-        ports.publish(pod.state, pod.run_id, pod.agent_id, ECHO_PORT + 1, host_port=rec["host_port"], pod=pod)
-    with pytest.raises(UnknownId, match="not published"):
-        ports.close(pod.state, pod.run_id, pod.agent_id, ECHO_PORT + 1)
-    # nothing was left by the refusals: one forwarder in the place, one record, one listener
-    assert pod.backend.members(pod.place) == sorted([pod.keeper.pid, rec["pid"]]) or \
-        set(pod.backend.members(pod.place)) == {pod.keeper.pid, rec["pid"]}
-    assert [r["pod_port"] for r in ports.listing(pod.state)] == [ECHO_PORT]
+def test_bad_input_is_one_line_and_leaves_nothing_behind(agnsup, state, server):
+    def one_line(cp, code, words):
+        assert cp.returncode == code, (cp.returncode, cp.out, cp.err)
+        assert cp.err.count("\n") == 1 and words in cp.err, cp.err
+    one_line(agnsup("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "nobody"), 1, "no pod for agent")
+    assert not os.path.exists(pods.pod_dir(state, "r", "nobody"))
+    # the attack: listen on every address of the host (and any other than loopback)
+    for host in ("0.0.0.0", "::", "10.0.0.1"):
+        one_line(agnsup("ports", "publish", str(POD_PORT), "--host", host, "--run", "r", "--agent", "a"), 125,
+                 "loopback")
+    one_line(agnsup("ports", "publish", "70000", "--run", "r", "--agent", "a"), 125, "POD_PORT")
+    rec = agnsup.json("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
+    one_line(agnsup("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a"), 125, "already published")
+    one_line(agnsup("ports", "publish", str(POD_PORT + 1), "--host-port", str(rec["host_port"]), "--run", "r",
+                    "--agent", "a"), 125, "taken")
+    one_line(agnsup("ports", "close", str(POD_PORT + 1), "--run", "r", "--agent", "a"), 1, "not published")
+    cp = agnsup("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
+    assert json.loads(cp.out)["error_type"] == "UsageError" and cp.returncode == 125
+    # nothing left by the refusals: one forwarder beside the keeper, one record, one listener
+    keeper = pods.find(state, "r", "a").keeper["pid"]
+    assert _members(state, "r", "a") == sorted([keeper, rec["pid"]])
+    assert [p["pod_port"] for p in agnsup.json("ports", "--json")] == [POD_PORT]
     assert len(_listeners(rec["host_port"])) == 1
-    ports.close(pod.state, pod.run_id, pod.agent_id, ECHO_PORT)
+    with pytest.raises(UsageError, match="loopback"):  # the API refuses alike
+        ports.publish(StateRoot(state), "r", "a", POD_PORT + 2, host="0.0.0.0")
 
 
-def test_the_forwarder_refuses_a_socket_that_is_not_on_loopback(pod):
-    """The forwarder re-checks what publish decided: handed a socket bound to 0.0.0.0, it says why and exits."""
+def test_the_forwarder_itself_refuses_a_socket_that_is_not_on_loopback(state, server):
+    """The forwarder re-checks what publish decided: handed a socket bound to 0.0.0.0, it says why and ends."""
+    from agnsup import backend
     from agnsup.process import forwarder
+    p = pods.find(state, "r", "a")
+    before = _members(state, "r", "a")
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.bind(("0.0.0.0", 0))
         s.listen(1)
         with pytest.raises(OSError) as e:
-            forwarder.start(s.fileno(), pod.enter, lambda pid: pod.backend.attach(pod.place, pid),
-                            ["--pod-port", str(ECHO_PORT)])
+            forwarder.start(s.fileno(), p.enter, lambda pid: backend.choose(state).attach(p.place, pid),
+                            ["--pod-port", str(POD_PORT)])
         assert e.value.errno == errno.EADDRNOTAVAIL and "only 127.0.0.1" in e.value.strerror
     finally:
         s.close()
-    time.sleep(0)
-    assert pod.backend.members(pod.place) == [pod.keeper.pid]
+    assert _members(state, "r", "a") == before
+
+
+def test_serve_publishes_lists_and_closes_a_port(agnsup, state, server, tmp_path):
+    from scenario import STARTERS
+    from agnsup.doors.serve import Client
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        with Client(s.ready["socket"]) as c:
+            rec = c.call("publish_port", run_id="r", agent_id="a", port=POD_PORT)
+            assert _roundtrip(rec["host_port"], b"via serve") == b"via serve"
+            assert [p["host_port"] for p in c.call("list_ports", run_id="r")["ports"]] == [rec["host_port"]]
+            with pytest.raises(UsageError, match="loopback"):
+                c.call("publish_port", run_id="r", agent_id="a", port=POD_PORT + 1, host="0.0.0.0")
+            assert c.call("close_port", run_id="r", agent_id="a", port=POD_PORT)["closed"][0]["pid"] == rec["pid"]
+            assert _refused(rec["host_port"])
+    finally:
+        s.close()

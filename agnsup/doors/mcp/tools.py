@@ -127,8 +127,20 @@ SCHEMAS = {s["name"]: s for s in (
                  "run": {"type": "boolean", "description": "Undo every cell of this session with changes kept."},
                  "force": {"type": "boolean", "description": "Undo even over a later change to the same paths "
                                                              "(default false)."}}),
+    _plain_tool("publish_port", "Publish a port of this agent's private network (its pod: the network its cells "
+                "share while one of them lives, e.g. a server started with spawn) on the host's loopback, so the "
+                "person at the host can open it (a preview): returns host_port and url (http://127.0.0.1:N/). Only "
+                "127.0.0.1, never the network; journaled; it closes when the agent's last cell ends. Refused when "
+                "no cell of the agent lives, the port is published already or the host port is taken.",
+                {"port": {"type": "integer", "minimum": 1, "maximum": 65535,
+                          "description": "The port the server listens on inside the pod (127.0.0.1 or ::1)."},
+                 "host_port": {"type": "integer", "minimum": 0, "maximum": 65535,
+                               "description": "The port on the host's loopback (default 0: a free one)."},
+                 "agent_id": _AGENT}, ("port",)),
+    _plain_tool("list_ports", "The published ports of this session's agents: pod_port, host_port, url, agent_id.",
+                {}),
 )}
-READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff"}
+READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff", "list_ports"}
 
 
 _JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),

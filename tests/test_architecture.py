@@ -26,7 +26,7 @@ LAYERS = [  # top to bottom
     ("tool and supervisor", ["agnsup.supervisor", "agnsup.tool"]),
     ("stages", ["agnsup.spec", "agnsup.governance", "agnsup.gate", "agnsup.policy", "agnsup.compiler", "agnsup.plan",
                 "agnsup.request", "agnsup.policyfile", "agnsup.store.cells", "agnsup.cancel", "agnsup.janitor",
-                "agnsup.toolconfig", "agnsup.netpolicy", "agnsup.store.repair"]),
+                "agnsup.toolconfig", "agnsup.netpolicy", "agnsup.store.repair", "agnsup.ports"]),
     ("broker", ["agnsup.broker", "agnsup.home"]),
     ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.pod", "agnsup.receipts", "agnsup.io", "agnsup.locks",
                             "agnsup.egress", "agnsup.protect"]),

@@ -227,3 +227,28 @@ def test_serve_publishes_lists_and_closes_a_port(agnsup, state, server, tmp_path
             assert _refused(rec["host_port"])
     finally:
         s.close()
+
+
+def test_mcp_publishes_a_port_of_the_sessions_agent_and_its_end_closes_it(state, worktree):
+    pytest.importorskip("mcp")
+    import anyio
+    from test_mcp import session, value
+
+    async def main():
+        async with session(state, worktree, "--run-id", "m") as s:
+            h = value(await s.call_tool("spawn", {"argv": ["python3", "-c", ECHO, str(POD_PORT)]}))
+            await anyio.to_thread.run_sync(_wait_file, os.path.join(worktree, "listening"))
+            res = await s.call_tool("publish_port", {"port": POD_PORT})
+            rec = value(res)
+            assert not res.is_error and (rec["run_id"], rec["agent_id"]) == ("m", h["agent_id"])
+            assert rec["url"] == f"http://127.0.0.1:{rec['host_port']}/"
+            assert await anyio.to_thread.run_sync(_roundtrip, rec["host_port"], b"via mcp") == b"via mcp"
+            listed = value(await s.call_tool("list_ports", {}))["ports"]
+            assert [p["host_port"] for p in listed] == [rec["host_port"]]
+            res = await s.call_tool("publish_port", {"port": POD_PORT, "host": "0.0.0.0"})  # no such argument
+            assert res.is_error and value(res)["error_type"] == "UsageError"
+            res = await s.call_tool("publish_port", {"port": POD_PORT})
+            assert res.is_error and "already published" in value(res)["error"]
+            return rec
+    rec = anyio.run(main)
+    assert _gone(rec["pid"]) and _refused(rec["host_port"])  # the session's end ended its cells, its pod, its port

@@ -252,3 +252,73 @@ def test_mcp_publishes_a_port_of_the_sessions_agent_and_its_end_closes_it(state,
             return rec
     rec = anyio.run(main)
     assert _gone(rec["pid"]) and _refused(rec["host_port"])  # the session's end ended its cells, its pod, its port
+
+
+def test_a_normal_users_pod_publishes_through_its_user_namespace_or_the_skip_says_why(state):
+    """uid 65534 (tests/test_bad_input.py's way): the pod's network namespace is owned by the pod's user
+    namespace, so the forwarder enters that first (Pod.enter), then the network namespace."""
+    import shutil
+    import sys
+    import tempfile
+    from test_bad_input import _as_nobody
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("ENV_BLOCKED: root, setpriv and /usr/bin/python3 are needed to act as another user")
+    ver = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                         text=True).stdout.strip()
+    if ver != str(sys.version_info[:2]):
+        pytest.skip(f"ENV_BLOCKED: /usr/bin/python3 is {ver}, this venv's packages are for {sys.version_info[:2]}")
+    from agnsup import backend
+    own = tempfile.mkdtemp(prefix="agnsup-nobody-")
+    st = own + "/state"
+    try:
+        os.chown(own, 65534, 65534)
+        os.mkdir(own + "/srv")
+        os.chown(own + "/srv", 65534, 65534)
+        site = [p for p in sys.path if p.endswith("site-packages")][0]
+        code = (f"import site, sys; site.addsitedir({site!r}); "
+                "from agnsup.doors.entry import main; sys.argv[0] = 'agnsup'; main()")
+        server = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
+                                   "PATH=/usr/bin:/bin", "HOME=/nonexistent",
+                                   f"AGNSUP_ROOTS_REGISTRY={os.environ['AGNSUP_ROOTS_REGISTRY']}",
+                                   "/usr/bin/python3", "-c", code, "--state-dir", st, "run", "--run", "u",
+                                   "--agent", "a", "--workdir", own + "/srv", "--timeout", "60", "--changes", "live",
+                                   "--", "python3", "-c", ECHO, str(POD_PORT)],
+                                  cwd=own + "/srv", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait_file(os.path.join(own, "srv", "listening"))
+            p = pods.find(st, "u", "a")
+            if p is None:
+                pytest.skip("ENV_BLOCKED: no pod for a normal user's cells here (tests/test_pod.py says why)")
+            cp = _as_nobody("--state-dir", st, "ports", "publish", str(POD_PORT), "--run", "u", "--agent", "a",
+                            "--json", cwd=own)
+            assert cp.returncode == 0, cp.out + cp.err
+            rec = json.loads(cp.out)
+            assert _roundtrip(rec["host_port"], b"as nobody" * 1000) == b"as nobody" * 1000
+            assert proc.status(rec["pid"])["Uid"].split()[0] == "65534"
+            assert p.userns is not None  # a normal user's pod has a user namespace of its own: the forwarder is in it
+            assert os.stat(f"/proc/{rec['pid']}/ns/user").st_ino == p.userns
+            assert os.stat(f"/proc/{rec['pid']}/ns/net").st_ino == p.netns
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=30)
+        assert _gone(rec["pid"]) and _refused(rec["host_port"])
+    finally:
+        leaked = backend.choose(st).purge()
+        shutil.rmtree(own, ignore_errors=True)
+    assert not leaked, leaked
+
+
+def test_a_sigkilled_controllers_pod_is_swept_by_the_janitor_with_its_published_port(agnsup, state, tmp_path):
+    wt = tmp_path / "srv"
+    wt.mkdir()
+    p = agnsup.popen("run", "--run", "k", "--agent", "a", "--cell", "server", "--workdir", str(wt),
+                     "--changes", "live", "--", "python3", "-c", ECHO, str(POD_PORT),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_file(str(wt / "listening"))
+    rec = agnsup.json("ports", "publish", str(POD_PORT), "--run", "k", "--agent", "a", "--json")
+    p.send_signal(signal.SIGKILL)  # no leave, no teardown: the pod and its forwarder are left (the server died
+    p.wait(timeout=10)             # with its controller) ...
+    assert _listeners(rec["host_port"]) and not proc.is_zombie(rec["pid"])
+    agnsup("janitor", check=0)  # ... until the janitor's sweep
+    assert _gone(rec["pid"]) and _refused(rec["host_port"]) and not _listeners(rec["host_port"])
+    assert agnsup.json("ports", "--json") == []

@@ -319,6 +319,11 @@ def forward_main(argv: list[str] | None = None) -> None:
     host's loopback (it was bound there before the pod was entered), says ready, relays until killed."""
     import socket
     import sys
+    from .linux import sys as lsys
+    # Non-dumpable: it runs outside every cell's mount namespace, Landlock domain and seccomp filter, in the
+    # pod's network (and a normal user's pod's user) namespace: nothing of the pod may ptrace it or open its
+    # /proc/PID/mem (the cells' own seccomp filter and Landlock scope already refuse that; this holds without)
+    lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
     args = sys.argv[1:] if argv is None else argv
     opts = dict(zip(args[::2], args[1::2]))
     status = int(opts["--status-fd"])

@@ -127,6 +127,7 @@ def test_a_published_port_relays_a_large_body_both_ways_and_close_refuses_after(
     # it lives in the pod's place (the pod's teardown reaches it), and listens on loopback alone
     assert out["pid"] in _members(state, "r", "a")
     assert [ln.split()[1] for ln in _listeners(hp)] == [f"0100007F:{hp:04X}"]
+    assert proc.status(out["pid"])["Threads"] == "1"
     assert [p["host_port"] for p in agnsup.json("ports", "--json")] == [hp]
     assert [p["host_port"] for p in agnsup.json("ports", "list", "--run", "r", "--agent", "a", "--json")] == [hp]
     assert agnsup.json("ports", "--run", "other", "--json") == []
@@ -295,6 +296,8 @@ def test_a_normal_users_pod_publishes_through_its_user_namespace_or_the_skip_say
             rec = json.loads(cp.out)
             assert _roundtrip(rec["host_port"], b"as nobody" * 1000) == b"as nobody" * 1000
             assert proc.status(rec["pid"])["Uid"].split()[0] == "65534"
+            # not dumpable (its /proc entries are root's though it runs as 65534): nothing of the pod can ptrace it
+            assert os.stat(f"/proc/{rec['pid']}/environ").st_uid == 0
             assert p.userns is not None  # a normal user's pod has a user namespace of its own: the forwarder is in it
             assert os.stat(f"/proc/{rec['pid']}/ns/user").st_ino == p.userns
             assert os.stat(f"/proc/{rec['pid']}/ns/net").st_ino == p.netns

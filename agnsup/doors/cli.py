@@ -699,7 +699,7 @@ def serve(obj, socket_path):
 
     Prints one JSON line {"ready": true, "socket": ..., "controller": ...} once
     it accepts requests (JSON lines over the socket: spawn, run, wait, cancel,
-    cleanup, ps, shutdown; see docs/cli.md). SIGTERM or SIGINT: its running
+    cleanup, ps, publish_port, list_ports, close_port, shutdown; see docs/cli.md). SIGTERM or SIGINT: its running
     cells are cancelled, then it exits.
     """
     from .serve import serve as serve_main
@@ -724,7 +724,7 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
-    signal, wait, cancel, ps, receipt, diff, undo. Every call that runs something is a cell of this
+    signal, wait, cancel, ps, receipt, diff, undo, publish_port, list_ports. Every call that runs something is a cell of this
     session's run under --role. Prints one JSON line {"ready": true, "run_id":
     ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
     When the client ends the session (or on SIGTERM/SIGINT), its cells are

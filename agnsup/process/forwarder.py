@@ -19,6 +19,7 @@ import sys
 from .helpers import read_all
 
 READY = b"ready"
+READY_TIMEOUT = 30.0  # s from its release to its word: an interpreter's start, even on a loaded host
 
 
 def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None = None,
@@ -34,8 +35,9 @@ def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None =
     if first == 0:  # the intermediate: a session of its own, one child, and gone
         code = 1
         try:
-            for fd in (go_w, st_r, pid_r):
-                os.close(fd)
+            # nothing of the caller's but what the forwarder needs: a copy of a controller's liveness lock or
+            # of a pod's membership lock held here would hold that lock (flock(2): per open file description)
+            _close_all_but((go_r, st_w, pid_w, listen_fd, *keep_fds))
             os.setsid()
             pid = os.fork()
             if pid == 0:
@@ -59,8 +61,8 @@ def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None =
         os.write(go_w, b"1")
         os.close(go_w)
         go_w = -1
-        status = read_all(st_r)
-        st_r = -1
+        fd, st_r = st_r, -1
+        status = _answer(fd, READY_TIMEOUT)  # closes fd
     except BaseException:
         if go_w >= 0:
             os.close(go_w)  # EOF: a child still waiting exits without doing anything
@@ -78,6 +80,36 @@ def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None =
     raise OSError(int(code) if code.isdigit() else 0, msg or "the forwarder exited before it was ready")
 
 
+_MAXFD = os.sysconf("SC_OPEN_MAX")
+
+
+def _answer(fd: int, timeout: float) -> bytes:
+    """Everything on `fd` until end of file (which is closed), or TimeoutError after `timeout` s."""
+    import select
+    import time
+    deadline = time.monotonic() + timeout
+    chunks = []
+    try:
+        while True:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError(0, f"the forwarder said nothing within {timeout:g} s")
+            b = os.read(fd, 4096)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+def _close_all_but(keep) -> None:
+    """Close every descriptor from 3 up but those in `keep`."""
+    low = 3
+    for fd in sorted(set(k for k in keep if k >= 3)):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, _MAXFD)
+
+
 def _grandchild(go_r: int, st_w: int, listen_fd: int, enter, argv, log_path, keep_fds) -> None:
     """In the forwarder before exec: wait to be placed, enter the pod, exec the relay."""
     try:
@@ -93,6 +125,9 @@ def _grandchild(go_r: int, st_w: int, listen_fd: int, enter, argv, log_path, kee
             os.dup2(err, 2)
             for fd in (listen_fd, st_w, *keep_fds):
                 os.set_inheritable(fd, True)
+            import signal
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])  # the forking thread's mask is inherited by exec
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # close's SIGTERM ends it, whatever the caller set
             # a fresh interpreter: nothing of the caller's threads or locks, and the package found where the
             # caller found it (the environment is built from nothing, as a cell's)
             top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -724,9 +724,9 @@ def mcp(obj, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
-    signal, wait, cancel, ps, receipt, diff, undo, publish_port, list_ports.
-    Every call that runs something is a cell of this session's run under
-    --role. Prints one JSON line {"ready": true, "run_id": ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
+    signal, wait, cancel, ps, receipt, diff, undo, publish_port, list_ports. Every call that runs something is a
+    cell of this session's run under --role. Prints one JSON line {"ready": true, "run_id":
+    ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
     When the client ends the session (or on SIGTERM/SIGINT), its cells are
     cancelled.
     """

@@ -325,3 +325,27 @@ def test_a_sigkilled_controllers_pod_is_swept_by_the_janitor_with_its_published_
     agnsup("janitor", check=0)  # ... until the janitor's sweep
     assert _gone(rec["pid"]) and _refused(rec["host_port"]) and not _listeners(rec["host_port"])
     assert agnsup.json("ports", "--json") == []
+
+
+def test_a_dev_server_in_a_pod_is_previewed_from_the_host_with_curl_once_published(agnsup, state, tmp_path):
+    """The issue's story: a spawned `http.server`, published, answers a person's curl on the host."""
+    import shutil
+    from test_pod import SERVER, _free_port
+    if not shutil.which("curl"):
+        pytest.skip("ENV_BLOCKED: curl is not installed")
+    wt = tmp_path / "site"
+    wt.mkdir()
+    (wt / "index.html").write_text("<h1>agent's app</h1>\n")
+    port = _free_port()
+    p = agnsup.popen("run", "--run", "web", "--agent", "dev", "--workdir", str(wt), "--changes", "live", "--",
+                     "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_file(str(wt / "listening"))
+        assert _refused(port)  # not published: the host does not reach it
+        rec = agnsup.json("ports", "publish", str(port), "--run", "web", "--agent", "dev", "--json")
+        cp = subprocess.run(["curl", "-sS", "--max-time", "10", rec["url"]], capture_output=True, text=True)
+        assert cp.returncode == 0 and cp.stdout == "<h1>agent's app</h1>\n", cp.stderr
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    assert _gone(rec["pid"]) and _refused(rec["host_port"])

@@ -349,3 +349,23 @@ def test_a_dev_server_in_a_pod_is_previewed_from_the_host_with_curl_once_publish
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=30)
     assert _gone(rec["pid"]) and _refused(rec["host_port"])
+
+
+def test_without_cgroups_the_forwarder_ends_with_the_pods_keeper(state, tmp_path):
+    """AGNSUP_CGROUP_LAYOUT=none: no place to kill, the teardown kills the keeper alone; the forwarder holds the
+    keeper's pidfd and ends with it."""
+    from conftest import Agnsup
+    agnsup = Agnsup(state, env={"AGNSUP_CGROUP_LAYOUT": "none"})
+    wt = tmp_path / "srv"
+    wt.mkdir()
+    p = agnsup.popen("run", "--run", "n", "--agent", "a", "--workdir", str(wt), "--changes", "live", "--",
+                     "python3", "-c", ECHO, str(POD_PORT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_file(str(wt / "listening"))
+        assert pods.find(state, "n", "a").place.node is None  # no tree here
+        rec = agnsup.json("ports", "publish", str(POD_PORT), "--run", "n", "--agent", "a", "--json")
+        assert _roundtrip(rec["host_port"], b"no cgroups") == b"no cgroups"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    assert _gone(rec["pid"]) and _refused(rec["host_port"]) and not _listeners(rec["host_port"])

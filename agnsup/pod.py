@@ -38,8 +38,8 @@ from .linux import cgroup, pidfd, proc
 from .linux import sys as lsys
 from .util.record import Record
 
-JOIN_TIMEOUT = 10.0
-STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory  # how long a join waits for a creator or a teardown holding the lock exclusive
+JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory
 
 
 def root(state) -> str:

@@ -38,8 +38,8 @@ from .linux import cgroup, pidfd, proc
 from .linux import sys as lsys
 from .util.record import Record
 
-JOIN_TIMEOUT = 10.0
-STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory  # how long a join waits for a creator or a teardown holding the lock exclusive
+JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory
 
 
 def root(state) -> str:
@@ -169,9 +169,10 @@ class Membership(Record):
     created: bool = False   # this cell's join made the pod
 
 
-def _lock(path: str, mode: int, deadline: float | None) -> int | None:
-    """flock `path` (made if missing) in `mode`: its fd, None when `deadline` is None and it is held, or when
-    the path stopped naming the inode locked (a teardown unlinked it: the caller starts again)."""
+def _lock(path: str, mode: int, deadline: float | None, give_up=None) -> int | None:
+    """flock `path` (made if missing) in `mode`: its fd, None when `deadline` is None and it is held, when
+    `give_up()` says so while it waits, or when the path stopped naming the inode locked (a teardown
+    unlinked it: the caller starts again)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         while True:
@@ -179,7 +180,7 @@ def _lock(path: str, mode: int, deadline: float | None) -> int | None:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if deadline is None:
+                if deadline is None or (give_up is not None and give_up()):
                     os.close(fd)
                     return None
                 if time.monotonic() > deadline:
@@ -217,10 +218,17 @@ def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
         if pod is not None and pod.alive():
             return Membership(pod=pod, fd=fd)
         os.close(fd)  # none alive: make one, alone (exclusive), then be a member like any other
+
+        def made_meanwhile() -> bool:  # another joiner made it and holds it shared now: join that one
+            p = _load(d)
+            return p is not None and p.alive()
         try:
-            fd = _lock(path, fcntl.LOCK_EX, deadline)
+            fd = _lock(path, fcntl.LOCK_EX, deadline, made_meanwhile)
         except FileNotFoundError:
             fd = None
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"its keeper is gone while cells of the agent still hold the pod "
+                          f"({path}): a new pod is made once they end") from None
         if fd is None:
             continue
         try:

@@ -234,3 +234,45 @@ def test_a_normal_users_cells_of_one_agent_share_a_pod_or_the_skip_says_why(agns
         leaked = backend.choose(st).purge()
         shutil.rmtree(own, ignore_errors=True)
     assert not leaked, leaked
+
+
+def test_joiners_racing_for_a_pod_that_does_not_exist_make_one_and_all_join_it(state, monkeypatch):
+    """Two `agnsup run` (or serve's threads) for the same agent at once: one makes the pod, the others wait
+    for it and join it (not the exclusive lock for as long as the first member lives). Every joiner is held
+    right after its first (shared) look, so all of them find no pod and go for the exclusive lock together."""
+    import fcntl
+    import threading
+    from agnsup import backend
+    b = backend.choose(state)
+    got, errors = [], []
+    monkeypatch.setattr(pods, "JOIN_TIMEOUT", 3.0)
+    together, looked = threading.Barrier(4), set()
+    lock = pods._lock
+
+    def held_after_the_first_look(path, mode, deadline, give_up=None):
+        fd = lock(path, mode, deadline, give_up)
+        if mode == fcntl.LOCK_SH and threading.get_ident() not in looked:
+            looked.add(threading.get_ident())
+            together.wait(timeout=10)
+        return fd
+    monkeypatch.setattr(pods, "_lock", held_after_the_first_look)
+
+    def join():
+        try:
+            t = time.monotonic()
+            got.append((pods.join(state, b, "race", "a"), time.monotonic() - t))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=join) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sum(m.created for m, _ in got) == 1
+    assert len({m.pod.keeper["pid"] for m, _ in got}) == 1
+    assert max(d for _, d in got) < pods.JOIN_TIMEOUT / 2
+    pod = pods.find(state, "race", "a").as_dict()
+    for m, _ in got:
+        pods.leave(state, b, m)
+    _gone(pod, state, "race", "a")

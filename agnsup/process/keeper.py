@@ -24,19 +24,28 @@ def start(backend, place, own_userns: bool, netns_owner: int | None) -> int:
     of its own owns (uid and gid mapped to themselves, as a normal user's cell maps them). `netns_owner`: a
     root controller without CAP_NET_ADMIN (process.namespaces.cell_netns): the network namespace is owned by
     a user namespace of that uid. Raises OSError with the keeper's own errno when it could not."""
+    path = backend.clone_dir(place) if place.node is not None else None
+    cgfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if path else None
     r, w = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        try:
-            if os.fork() == 0:
-                _keeper(r, w, backend, place, own_userns, netns_owner)
-        finally:
-            os._exit(0)
-    os.close(w)
+    try:
+        middle = os.fork()
+        if middle == 0:
+            try:
+                born = _born_in(cgfd)
+                if born == 0:
+                    _keeper(r, w, backend, None if _BORN else place,
+                            own_userns, netns_owner)
+            finally:
+                os._exit(0)
+    finally:
+        os.close(w)
+        if cgfd is not None:
+            os.close(cgfd)
     try:
         os.waitpid(middle, 0)
         answer = read_all(r).decode(errors="replace")  # EOF: the keeper reported, or died
     except BaseException:
+        os.close(r)
         raise
     kind, _, rest = answer.partition("\0")
     if kind == "ok" and rest.isdigit():
@@ -45,8 +54,27 @@ def start(backend, place, own_userns: bool, netns_owner: int | None) -> int:
     raise OSError(int(code) if code.isdigit() else 0, f"the pod's keeper: {msg or 'it exited without a word'}")
 
 
+_BORN: list = []  # in the keeper: it was born in its place's cgroup2 directory (clone3)
+
+
+def _born_in(cgfd: int | None) -> int:
+    """In the middle child (single-threaded, as the raw clone3 needs): the keeper born in its cgroup2 directory
+    by clone3(CLONE_INTO_CGROUP), which takes only the read side of the lock a cgroup.procs write takes for
+    writing (an RCU grace period, 6-16 ms here: linux/sys.py); fork where the kernel refuses it (the keeper
+    then joins by writing cgroup.procs). 0 in the keeper, its pid here."""
+    if cgfd is not None:
+        try:
+            pid, _ = lsys.clone3_into_cgroup(cgfd, 0)
+            if pid == 0:
+                _BORN.append(True)
+            return pid
+        except OSError:
+            pass
+    return os.fork()
+
+
 def _keeper(r: int, w: int, backend, place, own_userns: bool, netns_owner: int | None) -> None:
-    """In the keeper: never returns."""
+    """In the keeper: never returns. `place` None: born in it already."""
     step = "fds"
     try:
         os.closerange(3, min(r, w))
@@ -59,7 +87,7 @@ def _keeper(r: int, w: int, backend, place, own_userns: bool, netns_owner: int |
             signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         step = "cgroup"
-        if place.node is not None:
+        if place is not None and place.node is not None:
             backend.attach(place, 0)
         step = "namespaces"
         if own_userns:

@@ -146,7 +146,7 @@ def find_pod(state, run_id: str, agent_id: str):
 
 
 def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, journal=None, backend=None,
-            by: str | None = None, pod=None) -> dict:
+            by: str | None = None) -> dict:
     """Publish port `port` of the agent's pod on 127.0.0.1:`host_port` (0: the kernel picks one): its record
     ({run_id, agent_id, pod_port, host, host_port, address, url, pid, published_at, by}). Refusals (nothing
     started, nothing left): UsageError (a bad port or address, the pod port already published, the host port
@@ -156,8 +156,7 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
     host_port = check_port("host_port", 0 if host_port is None else host_port, zero_ok=True)
     host = check_host(host)
     _check_ids(run_id, agent_id)
-    if pod is None:
-        pod = find_pod(state, run_id, agent_id)
+    pod = find_pod(state, run_id, agent_id)
     d = pod.dir
     with _Locked(d):
         records = [r for r in _read(d) if _alive(r)]
@@ -273,6 +272,10 @@ def _stop(rec: dict, grace: float) -> bool:
 
 def listing(state, run_id: str | None = None, agent_id: str | None = None) -> list[dict]:
     """The published ports whose forwarder lives, of every pod (or one run's, one agent's)."""
+    from .store.state import check_id
+    for kind, value in (("run", run_id), ("agent", agent_id)):
+        if value is not None:
+            check_id(kind, value)
     top = os.path.join(state.path, "pods")
     out = []
     try:

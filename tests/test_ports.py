@@ -178,6 +178,8 @@ def test_bad_input_is_one_line_and_leaves_nothing_behind(agnsup, state, server):
         one_line(agnsup("ports", "publish", str(POD_PORT), "--host", host, "--run", "r", "--agent", "a"), 125,
                  "loopback")
     one_line(agnsup("ports", "publish", "70000", "--run", "r", "--agent", "a"), 125, "POD_PORT")
+    one_line(agnsup("ports", "--run", "../../etc"), 125, "invalid run id")
+    one_line(agnsup("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "../a"), 125, "invalid agent id")
     rec = agnsup.json("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
     one_line(agnsup("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a"), 125, "already published")
     one_line(agnsup("ports", "publish", str(POD_PORT + 1), "--host-port", str(rec["host_port"]), "--run", "r",

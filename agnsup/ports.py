@@ -185,8 +185,11 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
         try:
             _write(d, records + [rec])
             _journal(state, journal, "publish", rec)
-        except BaseException:
+        except BaseException as e:
             _stop(rec, 0.0)
+            if isinstance(e, FileNotFoundError):  # the pod's teardown removed its directory meanwhile
+                raise UnknownId(f"the pod of agent {agent_id!r} of run {run_id!r} ended meanwhile (its last cell "
+                                "ended): nothing was published") from None
             _write(d, records)
             raise
     return _public(rec)

@@ -99,12 +99,15 @@ class _Locked:
     port is not published yet). The directory itself, not a file in it: a pod's teardown removes the files it
     knows and then the directory (pod.STATE_FILES), and pod.py's own lock is pod.lock, never the directory."""
 
-    def __init__(self, d: str):
-        self.path = d
+    def __init__(self, d: str, gone: str):
+        self.path, self.gone = d, gone
 
     def __enter__(self):
         import fcntl
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # the pod's teardown removed it meanwhile
+            raise UnknownId(self.gone) from None
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 
@@ -158,7 +161,7 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
     _check_ids(run_id, agent_id)
     pod = find_pod(state, run_id, agent_id)
     d = pod.dir
-    with _Locked(d):
+    with _Locked(d, f"the pod of agent {agent_id!r} of run {run_id!r} ended meanwhile: nothing was published"):
         records = [r for r in _read(d) if _alive(r)]
         for r in records:
             if r.get("pod_port") == port:
@@ -301,9 +304,7 @@ def close(state, run_id: str, agent_id: str, port, journal=None, by: str | None 
     port = check_port("port", port)
     _check_ids(run_id, agent_id)
     d = pod_dir(state, run_id, agent_id)
-    if not os.path.isdir(d):
-        raise UnknownId(f"port {port} of agent {agent_id!r} of run {run_id!r} is not published (no pod)")
-    with _Locked(d):
+    with _Locked(d, f"port {port} of agent {agent_id!r} of run {run_id!r} is not published (no pod)"):
         records = _read(d)
         mine = [r for r in records if r.get("pod_port") == port]
         if not mine or not _alive(mine[0]):

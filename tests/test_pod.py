@@ -40,9 +40,14 @@ def _free_port() -> int:
     return port
 
 
-def _wait_file(path: str, timeout: float = 20.0) -> None:
+def _wait_file(path: str, server=None, timeout: float = 120.0) -> None:
+    """Until the server says it listens (a cold first cell in the emulated v2 guest takes tens of seconds);
+    a server that ended first fails at once, with what it said."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
+        if server is not None and server.poll() is not None:
+            err = server.stderr.read() if server.stderr else b""
+            pytest.fail(f"the server cell ended ({server.returncode}) before listening: {err!r}")
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
 
@@ -100,7 +105,7 @@ def test_a_server_one_cell_started_answers_the_agents_later_cell_and_nobody_else
                           "--changes", "live", "--",
                           "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _wait_file(os.path.join(srv, "listening"))
+        _wait_file(os.path.join(srv, "listening"), server)
         pod = _pod_json(state, "r", "a")
         later = agnsup("run", "--run", "r", "--agent", "a", "--cell", "later", "--workdir", cli, "--",
                        "python3", "-c", PROBE, str(port))
@@ -148,7 +153,7 @@ def test_a_cell_outside_a_named_run_or_with_network_pod_false_has_a_namespace_of
                           "--workdir", srv, "--changes", "live", "--", "python3", "-c", SERVER, str(port), env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_file(os.path.join(srv, "listening"))
+        _wait_file(os.path.join(srv, "listening"), server)
         later = agnsup("run", "--role", "alone", "--run", "r", "--agent", "a", "--cell", "later", "--workdir", cli,
                        "--", "python3", "-c", PROBE, str(port), env=env)
         assert later.returncode == 7, later.out + later.err
@@ -169,7 +174,7 @@ def test_a_pod_a_sigkilled_controller_left_is_removed_by_the_janitor_and_cleanup
     server = agnsup.popen("run", "--run", "k", "--agent", "a", "--cell", "server", "--workdir", srv,
                           "--changes", "live", "--",
                           "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_file(os.path.join(srv, "listening"))
+    _wait_file(os.path.join(srv, "listening"), server)
     pod = _pod_json(state, "k", "a")
     server.send_signal(signal.SIGKILL)  # no leave, no teardown: the kernel drops the controller's shared lock
     server.wait(timeout=10)
@@ -213,7 +218,7 @@ def test_a_normal_users_cells_of_one_agent_share_a_pod_or_the_skip_says_why(agns
                                    "python3", "-c", SERVER, str(port)],
                                   cwd=own + "/srv", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            _wait_file(os.path.join(own, "srv", "listening"))
+            _wait_file(os.path.join(own, "srv", "listening"), server)
             cp = _as_nobody("--state-dir", st, "run", "--run", "u", "--agent", "a", "--cell", "later",
                             "--workdir", own + "/cli", "--", "python3", "-c", PROBE, str(port), cwd=own + "/cli")
             iso = _receipt(st, "u", "later")["isolation"]

@@ -39,7 +39,7 @@ ECHO = ("import socket, sys, threading\n"
 POD_PORT = 7007  # inside the pod: the host's 7007 is another port altogether
 
 
-def _wait_file(path: str, timeout: float = 30.0) -> None:
+def _wait_file(path: str, timeout: float = 120.0) -> None:  # a cold start on a loaded host
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         assert time.monotonic() < deadline, f"{path} never appeared"

@@ -119,7 +119,6 @@ def test_a_published_port_relays_a_large_body_both_ways_and_close_refuses_after(
     out = agnsup.json("ports", "publish", str(POD_PORT), "--run", "r", "--agent", "a", "--json")
     hp = out["host_port"]
     assert out["host"] == "127.0.0.1" and hp > 0 and out["pod_port"] == POD_PORT and out["url"].endswith(f":{hp}/")
-    assert hp == POD_PORT or _refused(POD_PORT)  # the pod's port is not the host's: only the forwarder leads in
     payload = os.urandom(8 << 20)
     for _ in range(2):  # two connections, one after the other, each 8 MiB both ways
         back = _roundtrip(hp, payload)

@@ -7,6 +7,7 @@ The Python API an agent runtime embeds, and the core of `agnsup serve`:
         sup.wait(h["run_id"], h["cell_id"])                          # the result
         sup.cancel(run_id="R", agent_id="A")                         # three levels, or all
         sup.cleanup("R"); sup.list()
+        sup.publish_port("R", "A", 8000)   # the agent's pod port 8000 on 127.0.0.1:N (agnsup/ports.py)
 
 One Controller (one liveness lock, one journal connection) serves every cell;
 each cell has a thread that waits for it and writes its receipt. Cancel and

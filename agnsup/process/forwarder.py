@@ -14,6 +14,7 @@ and nothing is left behind.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from .helpers import read_all
@@ -125,7 +126,6 @@ def _grandchild(go_r: int, st_w: int, listen_fd: int, enter, argv, log_path, kee
             os.dup2(err, 2)
             for fd in (listen_fd, st_w, *keep_fds):
                 os.set_inheritable(fd, True)
-            import signal
             signal.pthread_sigmask(signal.SIG_SETMASK, [])  # the forking thread's mask is inherited by exec
             signal.signal(signal.SIGTERM, signal.SIG_DFL)   # close's SIGTERM ends it, whatever the caller set
             # a fresh interpreter: nothing of the caller's threads or locks, and the package found where the
@@ -147,7 +147,6 @@ def kill(pidfd: int, timeout: float = 5.0) -> bool:
     """SIGKILL the forwarder behind `pidfd` (never another process: the fd pins it) and wait until it is gone
     (it is not our child: its pidfd becomes readable when it exits). Whether it is gone."""
     import select
-    import signal
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:

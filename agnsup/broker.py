@@ -86,6 +86,7 @@ class Cell(Record):
     audit: object = None         # linux.audit.Reader: the cell's Landlock denials, where the host audits
     landlock_audit: dict | None = None  # what it read once the tree was dead, or {"why": ...} it reads nothing
     net_tries: dict | None = None  # deny/loopback, a failed cell: what had no route out of its netns (netns_tries)
+    pod: object = None           # pod.Membership: the cell's hold on its agent's network pod (plan.network_pod)
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -229,7 +230,8 @@ class Controller:
                 cell.audit, cell.landlock_audit = audit.subscribe(plan)
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
-                                              ctty=cell.pty is not None or cell.controlling_tty)
+                                              ctty=cell.pty is not None or cell.controlling_tty,
+                                              netns_fd=self._join_pod(cell))
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -300,6 +302,43 @@ class Controller:
                    isolation=cell.isolation)
         cell.trace.append(st)
         self.journal.stage(spec.run_id, spec.cell_id, st, cgroup_ino=cell.place.inode)
+
+    def _join_pod(self, cell: Cell) -> int | tuple | None:
+        """A cell of a pod (plan.network_pod): join its agent's pod (made when none is alive, agnsup/pod.py) and
+        return a descriptor of the pod's network namespace for the child to setns into (a normal user's: and of
+        the pod's user namespace, (net, user)); else None."""
+        if not cell.plan.network_pod:
+            return None
+        from . import pod
+        from .linux import host, userns
+        spec = cell.spec
+        owner = userns.netns_owner() if os.geteuid() == 0 and not host.net_admin() else None
+        try:
+            cell.pod = pod.join(self.state, self.backend, spec.run_id, spec.agent_id,
+                                own_userns=cell.plan.user_namespace, netns_owner=owner)
+            us = cell.pod.pod.userns_fd()  # a normal user's pod: its cells are of its user namespace
+            try:
+                fd = cell.pod.pod.netns_fd()
+            except BaseException:
+                if us is not None:
+                    os.close(us)
+                raise
+        except OSError as e:
+            raise SetupError(f"cell setup failed at step 'network_pod': the network pod of agent {spec.agent_id} "
+                             f"of run {spec.run_id}: {e.strerror or e}", step="network_pod", errno=e.errno) from None
+        cell.isolation["network_pod"] = cell.pod.pod.key
+        return (fd, us) if us is not None else fd
+
+    def _leave_pod(self, cell: Cell) -> None:
+        """The cell's tree is dead: let go of its pod; the last member out tears it down (agnsup/pod.py)."""
+        if cell.pod is None:
+            return
+        from . import pod
+        membership, cell.pod = cell.pod, None
+        try:
+            pod.leave(self.state, self.backend, membership, forks=not self.one_cell)
+        except OSError:
+            pass  # a pod left behind is the janitor's (pod.sweep); the cell's end is recorded all the same
 
     def _identity(self, cell: Cell) -> None:
         ident = cell.child.identity
@@ -407,6 +446,7 @@ class Controller:
             reader, cell.audit = cell.audit, None
             cell.landlock_audit = reader.conclude()
         wiring.close(cell)
+        self._leave_pod(cell)
         if cell.place is not None and cell.place.oom_fd is not None:
             os.close(cell.place.oom_fd)
             cell.place.oom_fd = None

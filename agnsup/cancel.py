@@ -202,6 +202,8 @@ def cleanup(state, run_id: str) -> dict:
                 continue
             done = reaper.reap(backend, reaper.from_row(backend, r)[0])
             items += [{**it, "cell_id": r["cell_id"]} for it in done.released]
+        from . import pod  # the run's network pods no live cell holds (a killed controller's)
+        items += pod.sweep(state, backend, run_id)
         if not running and backend.trees:
             items += [{"kind": "cgroup", "path": d} for d in backend.prune(backend.scope(run_id))]
         if not running:  # the run's change records (issue 26): their space freed, no longer undoable

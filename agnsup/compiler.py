@@ -230,6 +230,7 @@ def _plan(policy, spec: CellSpec, reduced: dict, conf: dict, home: str, wt: str,
         conf["egress_rules"] = Rules.of(policy.network)
     return ExecutionPlan(
         spec=spec, new_netns=net in NETNS_MODES, network=net, reduced=list(reduced),
+        network_pod=network_pod(policy, spec, net, conf),
         reduced_accepted=list(policy.isolation.get("reduced", ())),
         egress=policy.network.as_dict() if proxied else None,
         limits={k: lim[k] for k in ("memory_max", "pids_max", "cpu_weight", "cpu_max", "output_max", "tmp_max")},
@@ -489,6 +490,15 @@ def _runtime_links(spec: CellSpec, tmpdir: str | None = None) -> list[tuple]:
 # Network modes that give the cell a namespace of its own with only lo up; allowlist
 # and internal reach out only through the controller's proxy (agnsup/egress/).
 NETNS_MODES = ("deny", "loopback", "allowlist", "internal")
+POD_MODES = ("deny", "loopback")  # allowlist/internal keep a namespace per cell: its proxy listener is the cell's
+
+
+def network_pod(policy, spec: CellSpec, net: str, conf: dict) -> bool:
+    """Does the cell join its agent's pod (agnsup/pod.py: one network namespace for the agent's cells)? For
+    network.mode deny and loopback, unless the role says network.pod = false; not for the run "default"
+    (every call that names no run: unrelated commands at a shell would share one network). A normal user's
+    cell of a pod joins the pod's user namespace instead of making its own (docs/isolation.md "Pods")."""
+    return net in POD_MODES and bool(policy.network.get("pod", True)) and spec.run_id != "default"
 # The /dev/null class: devices every program may open for writing. The cell's own devpts and /dev/shm
 # exist only in its namespace: their rules are added in the child (process/steps.py).
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]

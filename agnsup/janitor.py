@@ -110,7 +110,12 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
     lock_path = os.path.join(state.path, "janitor.lock")
     fd = locks.acquire(lock_path, True, LOCK_TIMEOUT, "janitor", f"janitor pid {os.getpid()}")
     try:
-        return _Janitor(state, j, backend).run()
+        jan = _Janitor(state, j, backend)
+        report = jan.run()
+        pods = _sweep_pods(state, jan.backend)
+        if pods:
+            report["pods"] = pods
+        return report
     finally:
         locks.release(lock_path, fd)
         if own:
@@ -154,6 +159,16 @@ def _without_journal(state, error, backend=None) -> dict:
         except OSError as e:
             report["skipped"].append({"cell_id": "*", "reason": f"recovery receipt not written: {e.strerror}"})
     return report
+
+
+def _sweep_pods(state, backend) -> list[dict]:
+    """Network pods no live cell holds (their members' controllers died: the kernel dropped their shared locks)
+    torn down: their keepers' places killed, their directories removed (agnsup/pod.py)."""
+    from . import pod
+    try:
+        return pod.sweep(state, backend)
+    except OSError as e:
+        return [{"kind": "pod", "error": f"sweeping pods: {e.strerror or e}"}]
 
 
 class _Cell:

@@ -79,6 +79,7 @@ class ExecutionPlan(Record):
     mount_namespace: bool = True            # the cell's own mount (and IPC) namespace; False: a reduced cell
     reduced: list[str] = Factory(list)      # what this cell runs without (isolation.reduced the host refuses)
     reduced_accepted: list[str] = Factory(list)  # the role's isolation.reduced (what it would accept losing)
+    network_pod: bool = False               # the cell joins its agent's pod's network namespace (agnsup/pod.py)
 
     def on_controller_death(self) -> dict:
         """What ends the cell when its controller dies, as the receipt says it (docs/isolation.md)."""

@@ -237,6 +237,10 @@ class NetworkSection(_Strict):
                                       "or addresses and networks ('10.1.0.0/16', '::1'). Empty: public only.")
     tunnels: Literal["deny", "allow"] = Field("deny", description="With mode host: 'deny' refuses tunnels (ngrok, "
                                               "cloudflared, chisel, frpc, ssh -R/-D, ...), 'allow' runs them.")
+    pod: StrictBool = Field(True, description="deny/loopback: the agent's cells of a named run share one "
+                            "network namespace (its pod: a server one cell started is reachable on localhost from "
+                            "the agent's later cells, never from the host or another agent); false: a namespace "
+                            "per cell.")
     download_exec: Literal["deny", "allow"] = Field(
         "deny", description="Code downloaded and run as it arrives (curl ... | sh, bash <(curl ...), sh -c "
         "\"$(curl ...)\", iex (iwr ...)) is flagged network.download_exec in every mode; with mode host 'deny' "

@@ -7,6 +7,7 @@ The Python API an agent runtime embeds, and the core of `agnsup serve`:
         sup.wait(h["run_id"], h["cell_id"])                          # the result
         sup.cancel(run_id="R", agent_id="A")                         # three levels, or all
         sup.cleanup("R"); sup.list()
+        sup.publish_port("R", "A", 8000)   # the agent's pod port 8000 on 127.0.0.1:N (agnsup/ports.py)
 
 One Controller (one liveness lock, one journal connection) serves every cell;
 each cell has a thread that waits for it and writes its receipt. Cancel and
@@ -238,6 +239,29 @@ class Supervisor:
     def list(self, run_id: str | None = None, include_ended: bool = False) -> list[dict]:
         from .store.cells import listing
         return listing(self.state, run_id, include_ended)
+
+    # -- published ports (issue 28): a pod's port on the host's loopback ------------------------------------
+    def publish_port(self, run_id: str, agent_id: str, port: int, host_port: int | None = None,
+                     host: str | None = None) -> dict:
+        """Publish port `port` of the agent's pod on 127.0.0.1:`host_port` (None or 0: a free one): the record
+        {run_id, agent_id, pod_port, host, host_port, address, url, pid, published_at, by}. It closes with the
+        pod (the agent's last cell), or by close_port. Refusals, nothing left behind: UnknownId (no live pod:
+        the agent has one while one of its cells lives), UsageError (a bad port, a host address other than
+        127.0.0.1, the pod port already published, the host port taken)."""
+        from . import ports
+        return ports.publish(self.state, run_id, agent_id, port, host_port, host, journal=self.ctl.journal,
+                             backend=self.ctl.backend, by=f"supervisor {self.ctl.id}")
+
+    def list_ports(self, run_id: str | None = None, agent_id: str | None = None) -> list[dict]:
+        """The published ports whose forwarder lives (of one run, one agent, or all)."""
+        from . import ports
+        return ports.listing(self.state, run_id, agent_id)
+
+    def close_port(self, run_id: str, agent_id: str, port: int) -> dict:
+        """Close the agent's published pod port `port`: {"closed": [its record]}; UnknownId if not published."""
+        from . import ports
+        return ports.close(self.state, run_id, agent_id, port, journal=self.ctl.journal,
+                           by=f"supervisor {self.ctl.id}")
 
     # -- reversible cells (issue 26) --------------------------------------------
     def diff(self, cell_id: str, run_id: str | None = None, stat: bool = False) -> dict:

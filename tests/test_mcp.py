@@ -47,7 +47,8 @@ def test_tools_run_deny_time_out_and_refuse_bad_arguments_as_tool_errors(state, 
         async with session(state, worktree, "--run-id", "r1") as s:
             tools = {t.name: t for t in (await s.list_tools()).tools}
             assert set(tools) == {"run_process", "run_shell", "spawn", "read_output", "write_stdin", "resize",
-                                  "signal", "wait", "cancel", "ps", "receipt", "diff", "undo"}
+                                  "signal", "wait", "cancel", "ps", "receipt", "diff", "undo", "publish_port",
+                                  "list_ports"}
             props = tools["run_process"].input_schema["properties"]
             assert "argv" in props and "timeout" in props and "role" not in props  # the role is the server's
             assert tools["ps"].annotations.read_only_hint and not tools["run_shell"].annotations.read_only_hint

@@ -702,7 +702,7 @@ def serve(obj, socket_path):
 
     Prints one JSON line {"ready": true, "socket": ..., "controller": ...} once
     it accepts requests (JSON lines over the socket: spawn, run, wait, cancel,
-    cleanup, ps, shutdown; see docs/cli.md). SIGTERM or SIGINT: its running
+    cleanup, ps, publish_port, list_ports, close_port, shutdown; see docs/cli.md). SIGTERM or SIGINT: its running
     cells are cancelled, then it exits.
     """
     from .serve import serve as serve_main
@@ -727,8 +727,8 @@ def mcp(ctx, role, workdir, run_id, agent_id, http):
     """A Model Context Protocol server on stdio (needs the extra: pip install 'agnsup[mcp]').
 
     Tools: run_process, run_shell, spawn, read_output, write_stdin, resize,
-    signal, wait, cancel, ps, receipt, diff, undo. Every call that runs something is a cell of this
-    session's run under --role. Prints one JSON line {"ready": true, "run_id":
+    signal, wait, cancel, ps, receipt, diff, undo, publish_port, list_ports. Every call that runs something is a
+    cell of this session's run under --role. Prints one JSON line {"ready": true, "run_id":
     ...} once it serves (stdio: on stderr; --http: on stdout, with the url).
     When the client ends the session (or on SIGTERM/SIGINT), its cells are
     cancelled. `agnsup mcp config CLIENT` prints how to register it.
@@ -945,6 +945,90 @@ def journal_prune(obj, before, as_json):
                    f"row(s); receipt files kept on disk ({len(out['archived'])} written there first)")
 
 
+@main.group("ports", cls=_Group, invoke_without_command=True)
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R", help="Only this run's pods.")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A", help="Only this agent's pod.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of published ports.")
+@click.pass_context
+def ports_group(ctx, run_id, agent_id, as_json):
+    """Ports of agents' pods published on the host's loopback (127.0.0.1 only).
+
+    Without a subcommand: the published ports (as `ports list`). A pod is an
+    agent's private network while one of its cells lives; `ports publish` opens
+    one way into it from the host, journaled; it closes with `ports close` or
+    with the pod.
+
+    Example: agnsup ports publish 8000 --run R --agent A
+    """
+    if ctx.invoked_subcommand is None:
+        _ports_list(ctx.obj, run_id, agent_id, as_json)
+
+
+def _port_line(p: dict) -> str:
+    return (f"{p['run_id']}/{p['agent_id']}: pod port {p['pod_port']} -> {p['address']} "
+            f"(forwarder pid {p['pid']})")
+
+
+def _ports_list(obj, run_id, agent_id, as_json) -> None:
+    from .. import ports
+    found = ports.listing(_root(obj), run_id, agent_id)
+    if not _echo_json(as_json, found):
+        for p in found:
+            click.echo(_port_line(p))
+        if not found:
+            click.echo("no published ports")
+
+
+@ports_group.command("list")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R", help="Only this run's pods.")
+@click.option("--agent", "--agent-id", "agent_id", default=None, metavar="A", help="Only this agent's pod.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of published ports.")
+@click.pass_obj
+def ports_list(obj, run_id, agent_id, as_json):
+    """The published ports whose forwarder lives."""
+    _ports_list(obj, run_id, agent_id, as_json)
+
+
+@ports_group.command("publish")
+@click.argument("port", metavar="POD_PORT", type=click.IntRange(1, 65535))
+@click.option("--host-port", "host_port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              metavar="N", help="The port on the host's loopback (0: a free one, printed).")
+@click.option("--host", "host", default="127.0.0.1", show_default=True, metavar="ADDR",
+              help="The host address: 127.0.0.1 only (any other is refused).")
+@click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The agent's run.")
+@click.option("--agent", "--agent-id", "agent_id", required=True, metavar="A", help="The agent whose pod it is.")
+@click.option("--json", "as_json", is_flag=True, help="Print the record (keys: docs/cli.md).")
+@click.pass_obj
+def ports_publish(obj, port, host_port, host, run_id, agent_id, as_json):
+    """Publish POD_PORT of the agent's pod on 127.0.0.1:N of the host.
+
+    A forwarder relays each connection to 127.0.0.1:POD_PORT inside the pod; it
+    ends with the pod (the agent's last cell) or with `ports close`. Exit 1: no
+    live pod for the agent; 125: a bad port or address, the pod port already
+    published, the host port taken.
+    """
+    from .. import ports
+    rec = ports.publish(_root(obj), run_id, agent_id, port, host_port, host, by=f"agnsup ports publish (pid "
+                                                                                 f"{os.getpid()})")
+    if not _echo_json(as_json, rec):
+        click.echo(f"published {_port_line(rec)}: {rec['url']}")
+
+
+@ports_group.command("close")
+@click.argument("port", metavar="POD_PORT", type=click.IntRange(1, 65535))
+@click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The agent's run.")
+@click.option("--agent", "--agent-id", "agent_id", required=True, metavar="A", help="The agent whose pod it is.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"closed": [records]}.')
+@click.pass_obj
+def ports_close(obj, port, run_id, agent_id, as_json):
+    """Close a published port of the agent's pod (its forwarder ends). Exit 1 when it is not published."""
+    from .. import ports
+    out = ports.close(_root(obj), run_id, agent_id, port, by=f"agnsup ports close (pid {os.getpid()})")
+    if not _echo_json(as_json, out):
+        for p in out["closed"]:
+            click.echo(f"closed {_port_line(p)}")
+
+
 def _set_state_dir(ctx, _param, value):
     if value is not None:
         ctx.obj["state_dir"] = value
@@ -973,6 +1057,7 @@ for _cmd in main.commands.values():
         _cmd.callback = _json_errors(_cmd.callback)
     _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
                                        callback=_set_state_dir, help="State root (as before the command)."))
-mcp_config.callback = _json_errors(mcp_config.callback)  # a subcommand: not in main.commands
-mcp_config.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
-                                         callback=_set_state_dir, help="State root (as before the command)."))
+for _cmd in (mcp_config, *ports_group.commands.values()):  # the groups' subcommands: not in main.commands
+    _cmd.callback = _json_errors(_cmd.callback)
+    _cmd.params.insert(0, click.Option(["--state-dir"], metavar="DIR", expose_value=False, is_eager=True,
+                                       callback=_set_state_dir, help="State root (as before the command)."))

@@ -18,6 +18,10 @@ connection. Every request has "op":
     stdin  {run_id, cell_id, data_b64, eof} -> {"ok": true}
     signal {run_id, cell_id, sig}         -> {"ok": true}   (sig: INT | TERM | KILL)
     resize {run_id, cell_id, cols, rows}  -> {"ok": true}
+    publish_port {run_id, agent_id, port, host_port, host}
+                                          -> {"ok": true, run_id, agent_id, pod_port, host_port, address, ...}
+    list_ports {run_id, agent_id}         -> {"ok": true, ports: [...]}
+    close_port {run_id, agent_id, port}   -> {"ok": true, closed: [...]}
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
 
 Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
@@ -334,6 +338,16 @@ class Server:
     def op_resize(self, req: dict, note) -> dict:
         self.sup.resize(req["run_id"], req["cell_id"], req["cols"], req["rows"])
         return {}
+
+    def op_publish_port(self, req: dict, note) -> dict:
+        return self.sup.publish_port(req["run_id"], req["agent_id"], req["port"], req.get("host_port"),
+                                     req.get("host"))
+
+    def op_list_ports(self, req: dict, note) -> dict:
+        return {"ports": self.sup.list_ports(req.get("run_id"), req.get("agent_id"))}
+
+    def op_close_port(self, req: dict, note) -> dict:
+        return self.sup.close_port(req["run_id"], req["agent_id"], req["port"])
 
     def op_shutdown(self, req: dict, note) -> dict:
         self.stop.set()

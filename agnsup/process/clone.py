@@ -19,10 +19,15 @@ _CLONE3_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, err
                        errno.EACCES)
 
 
-def new(path: str | None, pid_namespace: bool, own_userns: bool) -> tuple[int, int | None, bool]:
+def new(path: str | None, pid_namespace: bool, own_userns: bool, join_userns: int | None = None) \
+        -> tuple[int, int | None, bool]:
     """(pid, pidfd or None, born in `path`: None, not at all) of a new leader; (0, None, born) in it. `own_userns`:
     a normal user's PID namespace, which only a user namespace of its own made in the same clone3 lets it have
-    (the controller cannot unshare(CLONE_NEWPID) for it); EPERM then: no user namespace for us."""
+    (the controller cannot unshare(CLONE_NEWPID) for it); EPERM then: no user namespace for us. `join_userns`:
+    instead of a user namespace of its own, the one open as this fd (a normal user's pod, agnsup/pod.py): the
+    leader is cloned from a throwaway child that joined it first, so its PID namespace is that one's."""
+    if join_userns is not None and own_userns:
+        return _clone3_from_a_forked_child(lsys.CLONE_NEWPID if pid_namespace else 0, join_userns), None, False
     flags = (lsys.CLONE_NEWPID if pid_namespace else 0) | (lsys.CLONE_NEWUSER if own_userns else 0)
     pid, fd = _clone_into_cgroup(path, flags) if path is not None else (None, None)
     born = pid is not None
@@ -59,7 +64,7 @@ def _clone_into_cgroup(path: str, flags: int) -> tuple[int | None, int | None]:
     return pid, (pidfd if pid else None)
 
 
-def _clone3_from_a_forked_child(flags: int) -> int:
+def _clone3_from_a_forked_child(flags: int, join_userns: int | None = None) -> int:
     """clone3(flags | CLONE_PARENT) from a throwaway child of ours, for a threaded controller (serve):
     the raw clone3 is safe only in a single-threaded process, and fork() makes one. CLONE_PARENT makes
     the new process our child, as if we had cloned it (we wait for it, its exit signal is ours, its
@@ -70,6 +75,8 @@ def _clone3_from_a_forked_child(flags: int) -> int:
     if middle == 0:
         os.close(r)
         try:
+            if join_userns is not None:  # single-threaded here, as setns(CLONE_NEWUSER) requires
+                lsys.setns(join_userns, lsys.CLONE_NEWUSER)
             # exit_signal 0: with CLONE_PARENT the kernel takes ours (SIGCHLD), and refuses any other
             pid, _ = lsys.clone3_into_cgroup(None, flags | lsys.CLONE_PARENT, exit_signal=0)
         except OSError as e:

@@ -35,7 +35,8 @@ class Child(Record):
     netns_why: str | None = None   # ... or why we hold none
 
 
-def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False) -> Child:
+def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
+          netns_fd: int | None = None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -43,12 +44,20 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     `forker(fn)`: run the fork in a thread that lives as long as the controller
     (supervisor.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
     the cell exits (prctl(2)), and a serve request's thread ends with its connection.
-    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY)."""
+    `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
+    namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
+    namespace a normal user's cell joins instead of making its own); spawn closes them."""
     namespaces.reap_exited()
+    netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place)
-    except OSError as e:
-        raise _failed("confinement", e, plan) from None
+        s = _prepare(plan, backend, place, netns_fd, pod_userns)
+    except BaseException as e:
+        for fd in (netns_fd, pod_userns):
+            if fd is not None:
+                os.close(fd)
+        if isinstance(e, OSError):
+            raise _failed("confinement", e, plan) from None
+        raise
     s.stdio, s.controller = stdio, os.getpid()
     if ctty:  # TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing
         import fcntl
@@ -61,7 +70,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
 
     def fork() -> tuple[int, int | None, bool]:
         s.in_userns = s.ids is not None and plan.pid_namespace
-        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns)
+        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns,
+                                    s.pod_userns)
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
@@ -287,9 +297,10 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
         SetupError(f"cell setup failed at step {step!r}: {e.strerror or e}", step=step, errno=e.errno)
 
 
-def _prepare(plan, backend, place) -> Setup:
+def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
-    s = Setup(plan=plan, backend=backend, place=place)
+    # first: closed whatever fails below
+    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns)
     if plan.seccomp_refuse is not None:
         s.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:
@@ -305,7 +316,7 @@ def _prepare(plan, backend, place) -> Setup:
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
-    if plan.new_netns and s.ids is None and not host.net_admin():
+    if plan.new_netns and s.netns_fd is None and s.ids is None and not host.net_admin():
         try:
             s.netns_fd = namespaces.cell_netns()
         except BaseException as e:
@@ -319,7 +330,7 @@ def _prepare(plan, backend, place) -> Setup:
 def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
-    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.netns_watch,
+    for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.netns_watch, s.pod_userns,
                *(() if forked else (s.premade or {}).values())):
         if fd is not None:
             os.close(fd)

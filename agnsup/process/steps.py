@@ -37,9 +37,10 @@ class Setup(Record):
     premade: dict | None = None   # {mount key: detached mount fd} the controller made (the /tmp tmpfs)
     egress: object = None    # egress.handoff.Handoff: the socketpair the proxy listener comes back on
     init_name: tuple = ()    # PID namespace: pidinit.own_name_plan(), where the init overwrites its argv
-    netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns)
+    netns_fd: int | None = None  # a root controller without CAP_NET_ADMIN: the cell's netns (cell_netns); a pod's
+    pod_userns: int | None = None  # a normal user's cell of a pod: the pod's user namespace, joined, not made
     netns_watch: int | None = None  # deny/loopback: our end of the pair the cell's netns goes to the controller on
-    netns_shared: bool = False   # ... a namespace other cells use too: the counters at our start, not "1"
+    netns_shared: bool = False   # ... a namespace other cells use too (a pod): the counters at our start, not "1"
     # ... and once the pipes exist, just before fork:
     stdio: tuple | None = None   # the fds the child dup2s onto 0-2
     barrier_r: int | None = None  # "1" once the controller has journaled our identity; EOF: never run
@@ -71,7 +72,7 @@ def _stdio(s: Setup) -> None:
         if fd is not None and fd != target:
             os.dup2(fd, target)
     keep = {s.barrier_r, s.err_w, s.status_w, s.ruleset.fd if s.ruleset else None,
-            s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, s.netns_watch,
+            s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, s.pod_userns, s.netns_watch,
             *(s.premade or {}).values()}
     low = 3
     for fd in sorted(k for k in keep if k is not None):
@@ -95,6 +96,13 @@ def _unshare(s: Setup) -> None:
         (lsys.CLONE_NEWNET if s.plan.new_netns and s.netns_fd is None else 0)
     if flags:
         lsys.unshare(flags)
+
+
+def _user_namespace(s: Setup) -> None:
+    if s.pod_userns is None:
+        lsys.unshare(lsys.CLONE_NEWUSER)
+        return
+    lsys.setns(s.pod_userns, lsys.CLONE_NEWUSER)  # its owner's euid: every capability in it (user_namespaces(7))
 
 
 def _network_namespace(s: Setup) -> None:
@@ -218,8 +226,10 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
     # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the
     # host's; a mapped cell joins the cells' user namespace only at "cell_user", so it owns none of them
-    ("user_namespace", lambda s: s.ids is not None and not s.in_userns and lsys.unshare(lsys.CLONE_NEWUSER), False),
-    ("id_maps", lambda s: s.ids is not None and userns.write_id_maps("self", *s.ids, *s.ids), False),
+    # A normal user's cell of a pod joins the pod's user namespace (the keeper made it with these maps) instead
+    ("user_namespace", lambda s: s.ids is not None and not s.in_userns and _user_namespace(s), False),
+    ("id_maps", lambda s: s.ids is not None and s.pod_userns is None and userns.write_id_maps("self", *s.ids, *s.ids),
+     False),
     ("unshare", _unshare, REFUSED),              # mount and IPC (and, unless the host's network, network)
     ("network_namespace", _network_namespace, False),
     ("netns_watch", _netns_watch, False),        # deny/loopback: the namespace to the controller (the hint)

@@ -351,6 +351,18 @@ class Journal:
                          "ORDER BY id", (run_id,))
         return [{"t": r["t"], "op": r["kind"][len("file."):], **json.loads(r["data"] or "{}")} for r in rows]
 
+    def record_port(self, run_id: str, op: str, **data) -> None:
+        """A published port of an agent's pod (agnsup/ports.py): op publish or close."""
+        self.add_event(f"port.{op}", run_id, None, **data)
+
+    def port_events(self, run_id: str | None = None) -> list[dict]:
+        """The publish and close events of published ports, oldest first."""
+        where, args = ("AND run_id=?", (run_id,)) if run_id else ("", ())
+        rows = self._all(f"SELECT t, run_id, kind, data FROM events WHERE cell_id IS NULL AND kind LIKE 'port.%' "
+                         f"{where} ORDER BY id", args)
+        return [{"t": r["t"], "run_id": r["run_id"], "op": r["kind"][len("port."):], **json.loads(r["data"] or "{}")}
+                for r in rows]
+
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
         db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
                    (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))

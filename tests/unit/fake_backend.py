@@ -192,7 +192,7 @@ class FakeProcesses:
         self.forked_in: list[str] = []  # the threads the leaders were forked from
         self._pid = 5000
 
-    def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False) -> FakeChild:
+    def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False, netns_fd=None) -> FakeChild:
         def fork():
             self.forked_in.append(threading.current_thread().name)
             if "spawn" in self.fail:
@@ -237,6 +237,8 @@ class FakeProcesses:
         from agnsup.process import leader
         for name in ("spawn", "release", "abandon", "collect", "netns_tries"):
             monkeypatch.setattr(leader, name, getattr(self, name))
+        from agnsup import broker  # nor the keeper of a network pod (agnsup/pod.py): a cell here joins none
+        monkeypatch.setattr(broker.Controller, "_join_pod", lambda ctl, cell: None)
         return self
 
 

@@ -187,6 +187,16 @@ class Call:
         return await to_thread.run_sync(lambda: self.s.undo(args.get("cell_id"), args.get("agent_id"),
                                                             bool(args.get("run")), bool(args.get("force"))))
 
+    async def publish_port(self, args):
+        from .session import agent_name
+        info = getattr(self.ctx.session.client_params, "client_info", None)
+        agent = args.get("agent_id") or self.s.agent_id or agent_name(getattr(info, "name", None))
+        return await to_thread.run_sync(lambda: self.s.sup.publish_port(self.s.run_id, agent, args["port"],
+                                                                         args.get("host_port")))
+
+    async def list_ports(self, args):
+        return {"run_id": self.s.run_id, "ports": await to_thread.run_sync(self.s.sup.list_ports, self.s.run_id)}
+
 
 def build_server(sessions: Sessions):
     """The SDK's low-level Server with our tools."""

@@ -127,8 +127,20 @@ SCHEMAS = {s["name"]: s for s in (
                  "run": {"type": "boolean", "description": "Undo every cell of this session with changes kept."},
                  "force": {"type": "boolean", "description": "Undo even over a later change to the same paths "
                                                              "(default false)."}}),
+    _plain_tool("publish_port", "Publish a port of this agent's private network (its pod: the network its cells "
+                "share while one of them lives, e.g. a server started with spawn) on the host's loopback, so the "
+                "person at the host can open it (a preview): returns host_port and url (http://127.0.0.1:N/). Only "
+                "127.0.0.1, never the network; journaled; it closes when the agent's last cell ends. Refused when "
+                "no cell of the agent lives, the port is published already or the host port is taken.",
+                {"port": {"type": "integer", "minimum": 1, "maximum": 65535,
+                          "description": "The port the server listens on inside the pod (127.0.0.1 or ::1)."},
+                 "host_port": {"type": "integer", "minimum": 0, "maximum": 65535,
+                               "description": "The port on the host's loopback (default 0: a free one)."},
+                 "agent_id": _AGENT}, ("port",)),
+    _plain_tool("list_ports", "The published ports of this session's agents: pod_port, host_port, url, agent_id.",
+                {}),
 )}
-READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff"}
+READ_ONLY = {"wait", "ps", "receipt", "read_output", "diff", "list_ports"}
 
 
 # -- what each tool returns: its outputSchema (MCP 2025-06-18 on: a client checks a result's structuredContent
@@ -166,6 +178,9 @@ _HANDLE = _obj({"cell_id": _ID, "run_id": _ID, "agent_id": _ID, "pid": _t("integ
                           "description": "waiting: queued behind a worktree lock"}}, ("cell_id", "run_id", "state"))
 _CHUNK = _obj({"seq": _t("integer"), "stream": {"type": "string", "enum": ["stdout", "stderr", "tty"]},
                "text": _t("string")}, ("seq", "stream", "text"))
+_PORT = _obj({"run_id": _ID, "agent_id": _ID, "pod_port": _t("integer"), "host": _ID, "host_port": _t("integer"),
+              "address": _ID, "url": _t("string"), "pid": _t("integer"), "published_at": _t("number"),
+              "by": _t("string", "null")}, ("run_id", "agent_id", "pod_port", "host_port", "url"))
 OUTPUT_SCHEMAS = {
     "run_process": _RESULT, "run_shell": _RESULT, "wait": _RESULT, "spawn": _HANDLE,
     "read_output": _obj({"chunks": {"type": "array", "items": _CHUNK}, "next": _t("integer"),
@@ -188,6 +203,8 @@ OUTPUT_SCHEMAS = {
                                                              ("path", "change"))},
                   "truncated": _t("boolean"), "now": _t("object")}, ("record", "entries")),
     "undo": _obj({"undone": _IDS, "records": {"type": "array", "items": _t("object")}}, ("undone", "records")),
+    "publish_port": _PORT,
+    "list_ports": _obj({"run_id": _ID, "ports": {"type": "array", "items": _PORT}}, ("run_id", "ports")),
 }
 
 

@@ -1,0 +1,389 @@
+"""The pod: one private network namespace shared by an agent's cells (issue 28; docs/isolation.md "Pods").
+
+A pod is keyed by (run_id, agent_id). It is a network namespace with only lo up, anchored by a keeper process
+(process/keeper.py: it does nothing but keep the namespace alive) that lives in the pod's own cgroup place,
+`run-R/pod-A` beside the agent's cells (backend_place), so tearing it down is one kill of that place, never
+a pid alone. Its state is a directory:
+
+    <state>/pods/<run_id>/<agent_id>/pod.json   the keeper (pid, start time, pidfd inode, boot id), the
+                                                netns inode, the place's directories, the user namespace's
+    <state>/pods/<run_id>/<agent_id>/pod.lock   membership: a shared flock per member cell
+
+Membership is the lock (flock(2): the kernel drops a dead holder's lock however it died). Each cell of the pod
+holds a shared lock on pod.lock for its life (its controller's descriptor, close-on-exec). Joining takes the
+shared lock first and then checks the pod is alive; when it is not, the joiner takes the lock exclusive (no
+member is alive then), makes a fresh keeper, writes pod.json, and goes back to shared. Leaving releases the
+shared lock, then tries the exclusive one without waiting: got it, no member is alive, and the leaver tears
+the pod down (kills the place, removes the directory) while it holds it. A controller killed with SIGKILL
+drops its locks with it: the janitor (and `agnsup cleanup`) sweep every pod whose lock can be taken exclusive.
+
+What a pod shares, among one agent's cells only: the network namespace, so loopback ports and abstract Unix
+sockets. Each cell still has its own mount, IPC and PID namespaces, cgroup, Landlock domain and seccomp
+filter. Which cells join one: compiler (plan.network_pod).
+
+API other modules use: find(state, run_id, agent_id) -> Pod | None; Pod.dir, Pod.netns_fd(), Pod.enter(),
+Pod.place; join/leave (the broker), sweep (the janitor, cleanup).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from contextlib import suppress
+
+from .backend.base import Place
+from .linux import cgroup, pidfd, proc
+from .linux import sys as lsys
+from .util.record import Record
+
+JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory
+
+
+def root(state) -> str:
+    return os.path.join(getattr(state, "path", state), "pods")
+
+
+def pod_dir(state, run_id: str, agent_id: str) -> str:
+    return os.path.join(root(state), run_id, agent_id)
+
+
+def backend_place(backend, run_id: str, agent_id: str) -> Place:
+    """The pod's cgroup place: `run-R/pod-A`, beside the agent's directory, not in it (an agent's or a run's
+    cancel then still finds only cells below `agent-A`, reaper._covers); none without a tree."""
+    if not backend.trees:
+        return Place()
+    node = backend.scope(run_id).node.child(f"pod-{agent_id}")
+    h, path = node.primary  # membership and the kill only: no limit, so no other hierarchy
+    return Place(node=cgroup.Node({h: path}))
+
+
+class Pod(Record):
+    run_id: str
+    agent_id: str
+    dir: str
+    keeper: dict            # {"pid", "starttime", "pidfd_ino", "boot_id"}
+    netns: int              # the inode of its network namespace
+    place: Place            # where the keeper lives (and what must die with the pod: the ports forwarder)
+    userns: int | None = None  # a normal user's pod: the inode of the user namespace that owns the netns
+    created_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.run_id}/{self.agent_id}"
+
+    def alive(self) -> bool:
+        """The keeper is the recorded process, on this boot, not a zombie, still in the recorded netns."""
+        k = self.keeper
+        if k.get("boot_id") != proc.boot_id():
+            return False
+        fd = pidfd.open(k["pid"])
+        if fd is None:
+            return False
+        try:
+            ok, _ = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
+            if not ok or proc.is_zombie(k["pid"]):
+                return False
+            try:
+                return os.stat(f"/proc/{k['pid']}/ns/net").st_ino == self.netns
+            except OSError:
+                return False
+        finally:
+            os.close(fd)
+
+    def _ns_fd(self, kind: str, inode: int) -> int:
+        """An open descriptor of the keeper's namespace `kind`, proven to be the pod's: the keeper's identity
+        before the open, the namespace's inode and the keeper's start time after it (a pid reused meanwhile
+        has another start time)."""
+        k = self.keeper
+        fd = pidfd.open(k["pid"])
+        if fd is None:
+            raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: its keeper {k['pid']} is gone")
+        try:
+            ok, why = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
+            if not ok:
+                raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: {why}")
+            ns = proc.ns(kind, k["pid"])
+            st = proc.stat(k["pid"])
+            if os.fstat(ns).st_ino != inode or st is None or st.starttime != k.get("starttime"):
+                os.close(ns)
+                raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: its keeper {k['pid']} ended")
+            return ns
+        finally:
+            os.close(fd)
+
+    def netns_fd(self) -> int:
+        """An open (close-on-exec) descriptor of the pod's network namespace, for setns(2)."""
+        return self._ns_fd("net", self.netns)
+
+    def userns_fd(self) -> int | None:
+        """A normal user's pod: the user namespace that owns its netns (a cell joins it first); else None."""
+        return None if self.userns is None else self._ns_fd("user", self.userns)
+
+    def enter(self) -> None:
+        """This process (single-threaded: setns(CLONE_NEWUSER) refuses a threaded caller) joins the pod:
+        its user namespace when it has one, then its network namespace (the ports forwarder)."""
+        us = self.userns_fd()
+        net = self.netns_fd()
+        try:
+            if us is not None:
+                lsys.setns(us, lsys.CLONE_NEWUSER)
+            lsys.setns(net, lsys.CLONE_NEWNET)
+        finally:
+            os.close(net)
+            if us is not None:
+                os.close(us)
+
+    def as_dict(self) -> dict:
+        return {"run_id": self.run_id, "agent_id": self.agent_id, "keeper": self.keeper, "netns": self.netns,
+                "userns": self.userns, "place": self.place.paths(), "created_at": self.created_at}
+
+
+def _load(d: str) -> Pod | None:
+    try:
+        with open(os.path.join(d, "pod.json")) as f:
+            data = json.load(f)
+        return Pod(run_id=data["run_id"], agent_id=data["agent_id"], dir=d, keeper=data["keeper"],
+                   netns=data["netns"], userns=data.get("userns"), created_at=data.get("created_at", 0.0),
+                   place=Place(node=cgroup.Node(data["place"])) if data.get("place") else Place())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find(state, run_id: str, agent_id: str) -> Pod | None:
+    """The agent's pod if it is alive: its lock file exists and its keeper is proven alive; else None."""
+    d = pod_dir(state, run_id, agent_id)
+    if not os.path.exists(os.path.join(d, "pod.lock")):
+        return None
+    pod = _load(d)
+    return pod if pod is not None and pod.alive() else None
+
+
+# -- membership ----------------------------------------------------------------------------------------------
+class Membership(Record):
+    """One cell's hold on its pod: the shared lock's descriptor."""
+    pod: Pod
+    fd: int
+    created: bool = False   # this cell's join made the pod
+
+
+def _lock(path: str, mode: int, deadline: float | None, give_up=None) -> int | None:
+    """flock `path` (made if missing) in `mode`: its fd, None when `deadline` is None and it is held, when
+    `give_up()` says so while it waits, or when the path stopped naming the inode locked (a teardown
+    unlinked it: the caller starts again)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is None or (give_up is not None and give_up()):
+                    os.close(fd)
+                    return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(errno.ETIMEDOUT, f"{path} stayed locked for {JOIN_TIMEOUT:g} s") from None
+                time.sleep(0.002)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+    except BaseException:
+        os.close(fd)
+        raise
+    if not same:
+        os.close(fd)
+        return None
+    return fd
+
+
+def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
+         netns_owner: int | None = None) -> Membership:
+    """The cell's membership of its agent's pod, made when none is alive. Raises OSError when no keeper could
+    be made (the broker fails the cell with it)."""
+    d = pod_dir(state, run_id, agent_id)
+    path = os.path.join(d, "pod.lock")
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    while True:
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            fd = _lock(path, fcntl.LOCK_SH, deadline)
+        except FileNotFoundError:  # a teardown removed the directories between: make them again
+            fd = None
+        if fd is None:
+            continue  # torn down under us: its directory goes, a new one is made
+        pod = _load(d)
+        if pod is not None and pod.alive():
+            return Membership(pod=pod, fd=fd)
+        os.close(fd)  # none alive: make one, alone (exclusive), then be a member like any other
+
+        def made_meanwhile() -> bool:  # another joiner made it and holds it shared now: join that one
+            p = _load(d)
+            return p is not None and p.alive()
+        try:
+            fd = _lock(path, fcntl.LOCK_EX, deadline, made_meanwhile)
+        except FileNotFoundError:
+            fd = None
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"its keeper is gone while cells of the agent still hold the pod "
+                          f"({path}): a new pod is made once they end") from None
+        if fd is None:
+            continue
+        try:
+            pod = _load(d)
+            created = not (pod is not None and pod.alive())
+            if created:
+                pod = _create(d, backend, run_id, agent_id, stale=pod, own_userns=own_userns,
+                              netns_owner=netns_owner)
+            # exclusive -> shared is not atomic (flock(2)): a sweep may take it between; checked again below
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        if pod.alive() and os.path.exists(path) and os.fstat(fd).st_ino == os.stat(path).st_ino:
+            return Membership(pod=pod, fd=fd, created=created)
+        os.close(fd)
+
+
+def _create(d: str, backend, run_id: str, agent_id: str, stale: Pod | None, own_userns: bool,
+            netns_owner: int | None) -> Pod:
+    """Under the exclusive lock: what a dead pod left goes, a keeper is made, pod.json written."""
+    from .process import keeper
+    if stale is not None:
+        _kill(backend, stale)
+    place = backend_place(backend, run_id, agent_id)
+    if place.node is not None:
+        _kill(backend, Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper={}, netns=0, place=place))
+        place = backend.create(place, {})
+    try:
+        pid = keeper.start(backend, place, own_userns, netns_owner)
+        fd = os.pidfd_open(pid)
+        try:
+            ident = {"pid": pid, "pidfd_ino": pidfd.inode(fd) if pidfd.has_pidfs() else None,
+                     "starttime": proc.stat(pid).starttime, "boot_id": proc.boot_id()}
+        finally:
+            os.close(fd)
+        pod = Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper=ident, place=place, created_at=time.time(),
+                  netns=os.stat(f"/proc/{pid}/ns/net").st_ino,
+                  userns=os.stat(f"/proc/{pid}/ns/user").st_ino if own_userns else None)
+        tmp = os.path.join(d, "pod.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(pod.as_dict(), f)
+        os.replace(tmp, os.path.join(d, "pod.json"))
+    except BaseException:
+        _kill(backend, Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper={}, netns=0, place=place))
+        raise
+    return pod
+
+
+RETRY_AFTER = 0.5  # s: a controller of many cells tries once more to tear down a pod its leave found held
+
+
+def leave(state, backend, m: Membership | None, forks: bool = False) -> list[dict]:
+    """The cell has ended: release its shared lock; the last member out tears the pod down. Returns what
+    the teardown removed ([] while other members live).
+
+    `forks`: this process forks other cells meanwhile (serve, the API's Supervisor). A child between its
+    fork and the step that closes what it inherited (steps._stdio) holds a copy of every member descriptor
+    of this process, so the exclusive lock may be refused for that instant although no member is alive:
+    one more try a moment later (a timer thread) finds it free. A one-cell controller forks nothing then."""
+    if m is None:
+        return []
+    os.close(m.fd)
+    done = _teardown_if_free(backend, m.pod.dir)
+    if not done and forks:
+        import threading
+        t = threading.Timer(RETRY_AFTER, _teardown_quietly, (backend, m.pod.dir))
+        t.daemon = True
+        t.start()
+    return done
+
+
+def _teardown_quietly(backend, d: str) -> None:
+    try:
+        _teardown_if_free(backend, d)
+    except OSError:
+        pass  # left to the janitor's sweep
+
+
+def _teardown_if_free(backend, d: str) -> list[dict]:
+    """Tear the pod in `d` down when no member holds its lock (taken exclusive, without waiting)."""
+    path = os.path.join(d, "pod.lock")
+    try:
+        fd = _lock(path, fcntl.LOCK_EX, None)
+    except FileNotFoundError:
+        fd = None
+    if fd is None:
+        if not os.path.exists(path) and os.path.isdir(d):  # no lock file at all: a crash mid-create or -teardown
+            return teardown(backend, d)
+        return []
+    try:
+        return teardown(backend, d)
+    finally:
+        os.close(fd)
+
+
+def teardown(backend, d: str) -> list[dict]:
+    """Kill the pod's place (or its keeper, checked, without a tree), remove its directory. The caller holds
+    the exclusive lock, or there is no lock file. Idempotent; returns what went."""
+    items: list[dict] = []
+    pod = _load(d)
+    if pod is None:
+        run_id, agent_id = os.path.basename(os.path.dirname(d)), os.path.basename(d)
+        pod = Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper={}, netns=0,
+                  place=backend_place(backend, run_id, agent_id))
+    items += _kill(backend, pod)
+    # the lock file last: a joiner that opened it before waits for our exclusive lock and then finds the path
+    # gone (it starts again); one that made a new lock file meanwhile keeps it (and the directory: rmdir fails)
+    for name in (*STATE_FILES, "pod.lock"):
+        with suppress(FileNotFoundError):
+            os.unlink(os.path.join(d, name))
+    with suppress(OSError):
+        os.rmdir(d)
+        items.append({"kind": "pod", "path": d, "pod": pod.key})
+    with suppress(OSError):
+        os.rmdir(os.path.dirname(d))  # the run's pods directory, when this was its last
+    return items
+
+
+def _kill(backend, pod: Pod) -> list[dict]:
+    """Everything in the pod's place (the keeper, a forwarder), verified gone, and the place removed; without a
+    tree, the keeper alone through a checked pidfd."""
+    import signal
+    items = []
+    place = pod.place
+    if place.node is not None:
+        if place.dir and os.path.isdir(place.dir):
+            method, empty = backend.kill_place(place)
+            removed = backend.remove(place) if empty else []
+            items += [{"kind": "cgroup", "path": p} for p in removed]
+            if not empty:
+                items.append({"kind": "pod_place", "path": place.dir, "left": "still populated after the kill"})
+        return items
+    k = pod.keeper
+    if k.get("pid") and k.get("boot_id") == proc.boot_id():
+        ok, _ = pidfd.signal_if(k["pid"], signal.SIGKILL,
+                                lambda fd: pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime")))
+        if ok:
+            items.append({"kind": "pod_keeper", "pid": k["pid"]})
+    return items
+
+
+def sweep(state, backend, run_id: str | None = None) -> list[dict]:
+    """Every pod (of `run_id`, or all) no live cell holds: torn down. A member's lock keeps its pod."""
+    items: list[dict] = []
+    top = root(state)
+    runs = [run_id] if run_id is not None else _listdir(top)
+    for run in runs:
+        for agent in _listdir(os.path.join(top, run)):
+            items += _teardown_if_free(backend, os.path.join(top, run, agent))
+    return items
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return sorted(os.listdir(d))
+    except OSError:
+        return []

@@ -1,0 +1,283 @@
+"""Network pods (issue 28, "Servers beside later calls"): the cells of one agent of a named run share one private
+network namespace, so a server one cell started is reachable on localhost from the agent's later cells, and
+from nobody else: not from another agent's cells, not from the host. The pod goes with the agent's last cell;
+one a killed controller left behind goes with the janitor or `agnsup cleanup`. A role with network.pod = false
+keeps a namespace per cell."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agnsup import pod as pods
+from agnsup.linux import proc
+from agnsup.supervisor import Supervisor
+from conftest import write_role
+
+# a server on 127.0.0.1:PORT that says so in its worktree once it listens
+SERVER = ("import http.server, sys\n"
+          "s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)\n"
+          "open('listening', 'w').close()\n"
+          "s.serve_forever()\n")
+# exit 0 when GET http://localhost:PORT/ answers 200, 7 (curl's "could not connect") when nothing listens
+PROBE = ("import sys, urllib.request\n"
+         "try:\n"
+         "    print(urllib.request.urlopen('http://localhost:%s/' % sys.argv[1], timeout=5).status)\n"
+         "except OSError as e:\n"
+         "    print(e); sys.exit(7)\n")
+
+
+def _free_port() -> int:
+    """A port nothing on the host listens on (the host's loopback is not the pod's: a clash is harmless)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _wait_file(path: str, server=None, timeout: float = 120.0) -> None:
+    """Until the server says it listens (a cold first cell in the emulated v2 guest takes tens of seconds);
+    a server that ended first fails at once, with what it said."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if server is not None and server.poll() is not None:
+            err = server.stderr.read() if server.stderr else b""
+            pytest.fail(f"the server cell ended ({server.returncode}) before listening: {err!r}")
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _host_reaches(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _receipt(state: str, run: str, cell: str) -> dict:
+    with open(os.path.join(state, "cells", run, cell, "receipt.json")) as f:
+        return json.load(f)
+
+
+def _gone(pod: dict, state: str, run: str, agent: str) -> None:
+    """The pod went whole: its keeper, its cgroup place, its directory."""
+    keeper = pod["keeper"]
+    deadline = time.monotonic() + 10
+    while True:
+        st = proc.stat(keeper["pid"])
+        alive = st is not None and st.starttime == keeper["starttime"] and st.state != "Z"
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not alive, f"the keeper {keeper['pid']} outlived its pod"
+    for path in pod["place"].values():
+        assert not os.path.exists(path), f"the pod's place {path} is still there"
+    assert not os.path.exists(pods.pod_dir(state, run, agent))
+    assert pods.find(state, run, agent) is None
+
+
+def _pod_json(state: str, run: str, agent: str) -> dict:
+    with open(os.path.join(pods.pod_dir(state, run, agent), "pod.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def trees(tmp_path):
+    """Two worktrees: the server's and the later cells' (the worktree lock keeps a server's tree to itself)."""
+    out = []
+    for name in ("srv", "cli"):
+        d = tmp_path / name
+        d.mkdir()
+        out.append(str(d))
+    return out
+
+
+def test_a_server_one_cell_started_answers_the_agents_later_cell_and_nobody_else(agnsup, state, trees):
+    srv, cli = trees
+    port = _free_port()
+    server = agnsup.popen("run", "--run", "r", "--agent", "a", "--cell", "server", "--workdir", srv,
+                          "--changes", "live", "--",
+                          "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_file(os.path.join(srv, "listening"), server)
+        pod = _pod_json(state, "r", "a")
+        later = agnsup("run", "--run", "r", "--agent", "a", "--cell", "later", "--workdir", cli, "--",
+                       "python3", "-c", PROBE, str(port))
+        assert later.returncode == 0 and "200" in later.out, later.out + later.err
+        assert _receipt(state, "r", "later")["isolation"]["network_pod"] == "r/a"
+        # the hostile view: another agent of the same run, and the host itself
+        other = agnsup("run", "--run", "r", "--agent", "b", "--cell", "other", "--workdir", cli, "--",
+                       "python3", "-c", PROBE, str(port))
+        assert other.returncode == 7, other.out + other.err
+        assert _receipt(state, "r", "other")["isolation"]["network_pod"] == "r/b"
+        assert not _host_reaches(port)
+        assert pods.find(state, "r", "b") is None  # the other agent's pod went with its only cell
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)
+    _gone(pod, state, "r", "a")  # the last cell of the agent ended: the pod went with it
+    assert _receipt(state, "r", "server")["isolation"]["network_pod"] == "r/a"
+
+
+def test_the_api_spawns_a_server_and_a_later_call_of_the_agent_reaches_it(state, trees):
+    srv, cli = trees
+    port = _free_port()
+    with Supervisor(state) as sup:
+        h = sup.spawn(["python3", "-c", SERVER, str(port)], run_id="api", agent_id="a", workdir=srv,
+                      changes="live")
+        _wait_file(os.path.join(srv, "listening"))
+        pod = _pod_json(state, "api", "a")
+        r = sup.run(["python3", "-c", PROBE, str(port)], run_id="api", agent_id="a", workdir=cli)
+        assert r["exit_code"] == 0, r
+        r = sup.run(["python3", "-c", PROBE, str(port)], run_id="api", agent_id="b", workdir=cli)
+        assert r["exit_code"] == 7, r
+        assert pods.find(state, "api", "a") is not None  # the server still holds it
+        sup.cancel(cell_id=h["cell_id"], run_id="api")
+        sup.wait("api", h["cell_id"], timeout=30)
+    _gone(pod, state, "api", "a")
+
+
+def test_a_cell_outside_a_named_run_or_with_network_pod_false_has_a_namespace_of_its_own(agnsup, state, trees,
+                                                                                           policy_dir):
+    srv, cli = trees
+    write_role(policy_dir, "alone", network__pod="false")
+    env = {"AGNSUP_POLICY_DIR": str(policy_dir)}
+    port = _free_port()
+    server = agnsup.popen("run", "--role", "alone", "--run", "r", "--agent", "a", "--cell", "server",
+                          "--workdir", srv, "--changes", "live", "--", "python3", "-c", SERVER, str(port), env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_file(os.path.join(srv, "listening"), server)
+        later = agnsup("run", "--role", "alone", "--run", "r", "--agent", "a", "--cell", "later", "--workdir", cli,
+                       "--", "python3", "-c", PROBE, str(port), env=env)
+        assert later.returncode == 7, later.out + later.err
+        assert "network_pod" not in _receipt(state, "r", "later")["isolation"]
+        assert not os.path.exists(pods.root(state))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)
+    agnsup("run", "--cell", "plain", "--workdir", cli, "--", "true", check=0)  # the run "default": no pod
+    assert "network_pod" not in _receipt(state, "default", "plain")["isolation"]
+    assert not os.path.exists(pods.root(state))
+
+
+@pytest.mark.parametrize("sweeper", ["janitor", "cleanup"])
+def test_a_pod_a_sigkilled_controller_left_is_removed_by_the_janitor_and_cleanup(agnsup, state, trees, sweeper):
+    srv, cli = trees
+    port = _free_port()
+    server = agnsup.popen("run", "--run", "k", "--agent", "a", "--cell", "server", "--workdir", srv,
+                          "--changes", "live", "--",
+                          "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_file(os.path.join(srv, "listening"), server)
+    pod = _pod_json(state, "k", "a")
+    server.send_signal(signal.SIGKILL)  # no leave, no teardown: the kernel drops the controller's shared lock
+    server.wait(timeout=10)
+    place = list(pod["place"].values())
+    assert place and all(os.path.isdir(p) for p in place)
+    assert os.path.exists(os.path.join(pods.pod_dir(state, "k", "a"), "pod.json"))  # left behind, until ...
+    if sweeper == "janitor":
+        agnsup("janitor", check=0)
+    else:
+        agnsup("cleanup", "--run", "k", check=0)
+    _gone(pod, state, "k", "a")
+
+
+def test_a_normal_users_cells_of_one_agent_share_a_pod_or_the_skip_says_why(agnsup, state):
+    """uid 65534 (tests/test_bad_input.py's way of running agnsup as another user)."""
+    import shutil
+    import tempfile
+    from test_bad_input import _as_nobody
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("ENV_BLOCKED: root, setpriv and /usr/bin/python3 are needed to act as another user")
+    ver = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                         text=True).stdout.strip()
+    if ver != str(sys.version_info[:2]):
+        pytest.skip(f"ENV_BLOCKED: /usr/bin/python3 is {ver}, this venv's packages are for {sys.version_info[:2]}")
+    from agnsup import backend
+    own = tempfile.mkdtemp(prefix="agnsup-nobody-")
+    port = _free_port()
+    st = own + "/state"
+    try:
+        os.chown(own, 65534, 65534)
+        for d in ("srv", "cli"):
+            os.mkdir(os.path.join(own, d))
+            os.chown(os.path.join(own, d), 65534, 65534)
+        code = (f"import site, sys; site.addsitedir({[p for p in sys.path if p.endswith('site-packages')][0]!r}); "
+                "from agnsup.doors.entry import main; sys.argv[0] = 'agnsup'; main()")
+        server = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i",
+                                   "PATH=/usr/bin:/bin", "HOME=/nonexistent",
+                                   f"AGNSUP_ROOTS_REGISTRY={os.environ['AGNSUP_ROOTS_REGISTRY']}",
+                                   "/usr/bin/python3", "-c", code, "--state-dir", st, "run", "--run", "u",
+                                   "--agent", "a", "--workdir", own + "/srv", "--timeout", "60", "--changes", "live", "--",
+                                   "python3", "-c", SERVER, str(port)],
+                                  cwd=own + "/srv", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait_file(os.path.join(own, "srv", "listening"), server)
+            cp = _as_nobody("--state-dir", st, "run", "--run", "u", "--agent", "a", "--cell", "later",
+                            "--workdir", own + "/cli", "--", "python3", "-c", PROBE, str(port), cwd=own + "/cli")
+            iso = _receipt(st, "u", "later")["isolation"]
+            if "network_pod" not in iso:
+                pytest.skip("ENV_BLOCKED: network pod for a normal user: its cell's network namespace is owned by "
+                            "the user namespace the cell makes for itself (compiler.network_pod); cell "
+                            f"{'reached' if cp.returncode == 0 else 'did not reach'} the server")
+            assert cp.returncode == 0 and iso["network_pod"] == "u/a", cp.out + cp.err
+            assert not _host_reaches(port)
+            other = _as_nobody("--state-dir", st, "run", "--run", "u", "--agent", "b", "--workdir", own + "/cli",
+                               "--", "python3", "-c", PROBE, str(port), cwd=own + "/cli")
+            assert other.returncode == 7, other.out + other.err
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=30)
+        assert not os.path.exists(pods.pod_dir(st, "u", "a"))
+    finally:
+        leaked = backend.choose(st).purge()
+        shutil.rmtree(own, ignore_errors=True)
+    assert not leaked, leaked
+
+
+def test_joiners_racing_for_a_pod_that_does_not_exist_make_one_and_all_join_it(state, monkeypatch):
+    """Two `agnsup run` (or serve's threads) for the same agent at once: one makes the pod, the others wait
+    for it and join it (not the exclusive lock for as long as the first member lives). Every joiner is held
+    right after its first (shared) look, so all of them find no pod and go for the exclusive lock together."""
+    import fcntl
+    import threading
+    from agnsup import backend
+    b = backend.choose(state)
+    got, errors = [], []
+    monkeypatch.setattr(pods, "JOIN_TIMEOUT", 3.0)
+    together, looked = threading.Barrier(4), set()
+    lock = pods._lock
+
+    def held_after_the_first_look(path, mode, deadline, give_up=None):
+        fd = lock(path, mode, deadline, give_up)
+        if mode == fcntl.LOCK_SH and threading.get_ident() not in looked:
+            looked.add(threading.get_ident())
+            together.wait(timeout=10)
+        return fd
+    monkeypatch.setattr(pods, "_lock", held_after_the_first_look)
+
+    def join():
+        try:
+            t = time.monotonic()
+            got.append((pods.join(state, b, "race", "a"), time.monotonic() - t))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=join) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sum(m.created for m, _ in got) == 1
+    assert len({m.pod.keeper["pid"] for m, _ in got}) == 1
+    assert max(d for _, d in got) < pods.JOIN_TIMEOUT / 2
+    pod = pods.find(state, "race", "a").as_dict()
+    for m, _ in got:
+        pods.leave(state, b, m)
+    _gone(pod, state, "race", "a")

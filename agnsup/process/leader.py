@@ -300,7 +300,8 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
 def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
     # first: closed whatever fails below
-    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns)
+    s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns,
+              netns_shared=netns_fd is not None)  # a pod's: the hint counts what this cell added
     if plan.seccomp_refuse is not None:
         s.filter = seccomp.build(plan.seccomp_refuse)
     if plan.landlock_writable is not None:

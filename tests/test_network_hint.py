@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 
 import pytest
 
@@ -246,37 +247,27 @@ def test_a_loopback_role_talks_to_itself_without_a_hint_and_gets_one_when_it_rea
     assert tried.returncode == 1 and _last(tried.err).startswith(HINT + ": role lo has network.mode = \"loopback\"")
 
 
-def test_in_a_shared_namespace_the_count_is_what_the_cell_added(state, worktree, monkeypatch):
+def test_in_a_shared_namespace_the_count_is_what_the_cell_added(agnsup, worktree):
     """A pod's cells share one network namespace (the pod's keeper holds it): what a neighbour's tries left in
-    its counters before this cell started is not this cell's. Here a namespace a test process holds plays the
-    pod, with a try already counted; the cell joins it as a pod cell does (Setup.netns_fd, netns_shared)."""
-    import subprocess
+    its counters before this cell started is not this cell's. A sleeping cell of the agent holds its pod; two
+    later cells of the agent each try once: each counts one, not the pod's running total."""
+    import signal
     import time
-    from agnsup.process import leader
-    from agnsup.tool import run_process
-    import sys
-    keeper = subprocess.Popen(["unshare", "-n", "sh", "-c", "\"$0\" -c \"$1\" || true; exec sleep 60", sys.executable,
-                               CONNECT4],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = agnsup.popen("run", "--run", "hintpod", "--agent", "a", "--cell-id", "holder", "--", "sleep", "120",
+                          cwd=worktree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        ns = f"/proc/{keeper.pid}/ns/net"
-        for _ in range(200):  # until the keeper's own try is counted and it sleeps
-            if os.readlink(ns) != os.readlink("/proc/self/ns/net") and \
-                    os.readlink(f"/proc/{keeper.pid}/exe").endswith("sleep"):
-                break
+        pod_dir = os.path.join(agnsup.state, "pods", "hintpod", "a")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(pod_dir, "pod.json")):
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder's pod never appeared"
             time.sleep(0.05)
-        prepare = leader._prepare
-
-        def pod_prepare(plan, backend, place):
-            s = prepare(plan, backend, place)
-            s.netns_fd, s.netns_shared = os.open(ns, os.O_RDONLY | os.O_CLOEXEC), True
-            return s
-        monkeypatch.setattr(leader, "_prepare", pod_prepare)
-        r = run_process(["python3", "-c", CONNECT4], state_dir=state, workdir=worktree, cell_id="pod")
-        assert r["exit_code"] == 1 and r["network_hint"].startswith(HINT)
-        with open(r["receipt"]) as f:
-            net = json.load(f)["kernel_record"]["network"]
-        assert net["ipv4_no_route"] == 1, net  # the keeper's own try (before the cell started) is not counted
+        for cell in ("first", "second"):
+            r = agnsup("run", "--run", "hintpod", "--agent", "a", "--cell-id", cell, "--", "python3", "-c", CONNECT4,
+                       cwd=worktree)
+            assert r.returncode == 1 and HINT in r.err, r.err
+            net = _receipt(agnsup, cell)["kernel_record"]["network"]
+            assert net["ipv4_no_route"] == 1, (cell, net)  # the first's try (before the second started) is not its
+            assert _receipt(agnsup, cell)["isolation"]["network_pod"] == "hintpod/a"
     finally:
-        keeper.kill()
-        keeper.wait()
+        holder.send_signal(signal.SIGINT)  # ours: the CLI hands it to the cell, which ends
+        holder.wait(timeout=60)

@@ -189,7 +189,8 @@ class Controller:
 
     @staticmethod
     def _agent(spec) -> str:
-        return locks.agent_of(spec.run_id, spec.agent_id)
+        # in the run "default" (a call that names no run) each cell is an agent of its own, as for pods
+        return locks.agent_of(spec.run_id, spec.agent_id if spec.named_run else f"{spec.agent_id}.{spec.cell_id}")
 
     def _wait_for_lock(self, cell: Cell, notify=None, poll=None) -> int:
         """The cell's worktree lock: its agent's other cells are never in the way, another

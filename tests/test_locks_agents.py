@@ -157,3 +157,18 @@ def test_two_capturing_cells_of_one_agent_write_one_worktree_at_once_and_both_la
         out = sup.undo(run_id="R", agent_id="A")
         assert len(out["undone"]) == 2
         assert not [n for n in os.listdir(worktree) if n in ("shared", "own-w1", "own-w2")]
+
+
+def test_calls_that_name_no_run_are_each_an_agent_of_their_own_and_keep_out_of_each_others_worktree(agnsup, worktree):
+    """Two terminals' `agnsup run -- make` in one project (no --run): unrelated commands, as before issue 28; the
+    run "default" names no lasting agent (CellSpec.named_run), so its cells still exclude each other."""
+    first = agnsup.popen("run", "--cell", "d1", "--workdir", worktree, "--", "sh", "-c", "echo up; exec sleep 300",
+                         stdout=subprocess.PIPE)
+    try:
+        assert first.stdout.readline() == b"up\n"
+        cp = agnsup("run", "--cell", "d2", "--timeout", "2", "--workdir", worktree, "--", "true", check=75)
+        assert "held by cell d1 of run default" in cp.err, cp.err
+    finally:
+        agnsup("cancel", "--cell", "d1", "--grace", "0", check=0)
+        first.wait(30)
+        first.stdout.close()

@@ -235,16 +235,23 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     if capture:
         # Output redaction (governance.redact; docs/governance.md "Redaction"): the one place it applies.
         from .redact import for_receipt
-        redact = for_receipt(receipt)
-        for name in ("stdout", "stderr"):
-            try:
-                with open(os.path.join(cell_dir, name), "rb") as f:
-                    data = f.read(MAX_RETURNED_OUTPUT + 1)
-            except FileNotFoundError:
-                data = b""
-            result[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace"))
-            result[name + "_truncated"] = len(data) > MAX_RETURNED_OUTPUT
+        for name, (text, truncated) in captured(cell_dir, for_receipt(receipt)).items():
+            result[name], result[name + "_truncated"] = text, truncated
     return result
+
+
+def captured(cell_dir: str, redact) -> dict[str, tuple[str, bool]]:
+    """The cell's captured stdout and stderr as a caller gets them: redacted, at most MAX_RETURNED_OUTPUT bytes
+    each: {name: (text, truncated)} (a cell still running: what it wrote so far)."""
+    out = {}
+    for name in ("stdout", "stderr"):
+        try:
+            with open(os.path.join(cell_dir, name), "rb") as f:
+                data = f.read(MAX_RETURNED_OUTPUT + 1)
+        except FileNotFoundError:
+            data = b""
+        out[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace")), len(data) > MAX_RETURNED_OUTPUT
+    return out
 
 
 def network_hint(receipt: dict) -> str:

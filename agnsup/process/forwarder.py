@@ -63,7 +63,7 @@ def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None =
         os.close(go_w)
         go_w = -1
         fd, st_r = st_r, -1
-        status = _answer(fd, READY_TIMEOUT)  # closes fd
+        status = read_all(fd, READY_TIMEOUT)  # closes fd
     except BaseException:
         if go_w >= 0:
             os.close(go_w)  # EOF: a child still waiting exits without doing anything
@@ -82,24 +82,6 @@ def start(listen_fd: int, enter, attach, argv: list[str], log_path: str | None =
 
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
-
-
-def _answer(fd: int, timeout: float) -> bytes:
-    """Everything on `fd` until end of file (which is closed), or TimeoutError after `timeout` s."""
-    import select
-    import time
-    deadline = time.monotonic() + timeout
-    chunks = []
-    try:
-        while True:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise TimeoutError(0, f"the forwarder said nothing within {timeout:g} s")
-            b = os.read(fd, 4096)
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-    finally:
-        os.close(fd)
 
 
 def _close_all_but(keep) -> None:

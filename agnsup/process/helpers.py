@@ -43,11 +43,17 @@ def run_helper(argv: list[str], timeout: float, env: dict | None = None) -> tupl
     return cp.returncode, cp.stdout, cp.stderr
 
 
-def read_all(fd: int) -> bytes:
-    """Everything until EOF on `fd`, which is closed."""
+def read_all(fd: int, timeout: float | None = None) -> bytes:
+    """Everything until EOF on `fd`, which is closed; TimeoutError when that takes more than `timeout` s."""
     chunks = []
+    if timeout is not None:
+        import select
+        import time
+        deadline = time.monotonic() + timeout
     try:
         while True:
+            if timeout is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError(0, f"nothing more within {timeout:g} s")
             b = os.read(fd, 4096)
             if not b:
                 return b"".join(chunks)

@@ -232,7 +232,7 @@ class ProcessService:
         """The answer for a cell still being stopped at its deadline: exit 124 and what its captured files
         hold so far (redacted, at most MAX_RETURNED_OUTPUT each); its stop goes on (TERM, grace, kill) and
         its receipt follows. None if it ended meanwhile (the usual answer then)."""
-        from ...receipts import MAX_RETURNED_OUTPUT
+        from ...tool import captured
         try:
             redact = self.sup.redactor(p.run_id, p.cell_id)
         except (UnknownId, AttributeError):  # it ended in between (its running record is being dropped):
@@ -242,14 +242,9 @@ class ProcessService:
         cell_dir = self.sup.state.cell_dir(p.run_id, p.cell_id)
         out, md = {}, [("agnsup-run-id", p.run_id), ("agnsup-cell-id", p.cell_id), ("agnsup-state", "timeout"),
                        ("agnsup-reason", "timeout"), ("agnsup-receipt", os.path.join(cell_dir, "receipt.json"))]
-        for name in ("stdout", "stderr"):
-            try:
-                with open(os.path.join(cell_dir, name), "rb") as f:
-                    data = f.read(MAX_RETURNED_OUTPUT + 1)
-            except FileNotFoundError:
-                data = b""
-            out[name] = redact(data[:MAX_RETURNED_OUTPUT].decode(errors="replace")).encode()
-            if len(data) > MAX_RETURNED_OUTPUT:
+        for name, (text, truncated) in captured(cell_dir, redact).items():
+            out[name] = text.encode()
+            if truncated:
                 md.append((f"agnsup-{name}-truncated", "true"))
         context.set_trailing_metadata(md)
         return self.pb.ExecuteResponse(exit_code=124, **out)

@@ -281,3 +281,32 @@ def test_joiners_racing_for_a_pod_that_does_not_exist_make_one_and_all_join_it(s
     for m, _ in got:
         pods.leave(state, b, m)
     _gone(pod, state, "race", "a")
+
+
+def test_a_root_controller_without_cap_net_admin_makes_the_pod_in_a_user_namespace_of_its_own(agnsup, state, trees):
+    """A container given CAP_SYS_ADMIN only (process.namespaces.cell_netns): the keeper brings lo up in a
+    network namespace a user namespace of userns.netns_owner() owns; the agent's cells join it all the same."""
+    import shutil
+    from conftest import BIN
+    from agnsup.linux import userns
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("ENV_BLOCKED: root and setpriv (to drop CAP_NET_ADMIN from the bounding set)")
+    srv, cli = trees
+    port = _free_port()
+    drop = ["setpriv", "--bounding-set=-net_admin", BIN, "run", "--run", "c", "--agent", "a"]
+    server = subprocess.Popen([*drop, "--workdir", srv, "--changes", "live", "--", "python3", "-c", SERVER, str(port)],
+                              env=agnsup.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_file(os.path.join(srv, "listening"), server)
+        pod = _pod_json(state, "c", "a")
+        with open(f"/proc/{pod['keeper']['pid']}/status") as f:
+            uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        assert uids[1] == str(userns.netns_owner())  # its euid: the owner of the netns's user namespace
+        later = subprocess.run([*drop, "--workdir", cli, "--", "python3", "-c", PROBE, str(port)], env=agnsup.env,
+                               capture_output=True, text=True, timeout=120)
+        assert later.returncode == 0, later.stdout + later.stderr
+        assert not _host_reaches(port)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)
+    _gone(pod, state, "c", "a")

@@ -323,6 +323,20 @@ def test_a_refused_start_is_journaled(agnsup, worktree):
     assert agnsup.json("receipts", "--refused", "--run", "R", "--json")[0]["cell_id"] == "nf"
 
 
+def need_another_users_python() -> None:
+    """Skip, naming why, where this test cannot act as another user (uid 65534 running /usr/bin/python3 over this
+    venv's packages): not root, no setpriv, or a system Python of another version."""
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("ENV_BLOCKED: root, setpriv and /usr/bin/python3 are needed to act as another user")
+    ver = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                         text=True).stdout.strip()
+    if ver != str(sys.version_info[:2]):
+        pytest.skip(f"ENV_BLOCKED: /usr/bin/python3 is {ver}, this venv's packages are for {sys.version_info[:2]}")
+
+
 def _as_nobody(*args, cwd=None):
     """agnsup run as uid 65534 through the system python (this venv's interpreter lives
     under /root, which that uid cannot enter), with this checkout's packages."""
@@ -345,14 +359,7 @@ def test_unprivileged_use_says_what_is_needed_and_permission_denied_is_said_as_s
     permitted"; issue 14 gives the cell a user namespace); pointed at root's state root, ps/receipts/cancel --all say
     permission denied (were: "no live cells", "nothing was ever run")."""
     import shutil
-    import subprocess
-    import sys
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
-        pytest.skip("ENV_BLOCKED: root, setpriv and /usr/bin/python3 are needed to act as another user")
-    ver = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
-                         text=True).stdout.strip()
-    if ver != str(sys.version_info[:2]):
-        pytest.skip(f"ENV_BLOCKED: /usr/bin/python3 is {ver}, this venv's packages are for {sys.version_info[:2]}")
+    need_another_users_python()
     a, wt = recorded
     import tempfile
     from agnsup import backend

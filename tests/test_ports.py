@@ -262,13 +262,8 @@ def test_a_normal_users_pod_publishes_through_its_user_namespace_or_the_skip_say
     import shutil
     import sys
     import tempfile
-    from test_bad_input import _as_nobody
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
-        pytest.skip("ENV_BLOCKED: root, setpriv and /usr/bin/python3 are needed to act as another user")
-    ver = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
-                         text=True).stdout.strip()
-    if ver != str(sys.version_info[:2]):
-        pytest.skip(f"ENV_BLOCKED: /usr/bin/python3 is {ver}, this venv's packages are for {sys.version_info[:2]}")
+    from test_bad_input import _as_nobody, need_another_users_python
+    need_another_users_python()
     from agnsup import backend
     own = tempfile.mkdtemp(prefix="agnsup-nobody-")
     st = own + "/state"

@@ -218,3 +218,27 @@ def cleanup(state, run_id: str) -> dict:
         raise CellsStillRunning(f"run {run_id} has {len(running)} cell(s) still running ({', '.join(running)}): "
                                 f"not touched; cancel them first (agnsup cancel --run {run_id})", result=out)
     return out
+
+
+def cleanup_older_than(state, before: float) -> dict:
+    """`cleanup` of every run whose cells all ended before `before` (and that was not cleaned up
+    yet); a run with a cell still live is left alone whatever its age (`skipped`). Returns
+    {"cleaned": N, "items": [...], "runs": [{"run_id", "cleaned", "run_state"}], "skipped": [run ids]}."""
+    from . import janitor
+    janitor.on_start(state)  # a dead controller's cells are concluded first: their runs may be old now
+    j = state.journal()
+    try:
+        old, busy = j.runs_ended_before(before)
+    finally:
+        j.close()
+    out: dict = {"cleaned": 0, "items": [], "runs": [], "skipped": busy}
+    for run_id in old:
+        try:
+            r = cleanup(state, run_id)
+        except CellsStillRunning as e:  # a cell started in it meanwhile: cleaned but for that cell
+            r = e.details["result"]
+            out["skipped"].append(run_id)
+        out["items"] += [{**it, "run_id": run_id} for it in r["items"]]
+        out["runs"].append({"run_id": run_id, "cleaned": r["cleaned"], "run_state": r["run_state"]})
+    out["cleaned"] = len(out["items"])
+    return out

@@ -299,3 +299,14 @@ def test_a_notify_that_raises_cannot_orphan_a_queued_cell(sup, worktree):
     with pytest.raises(CancelledBeforeStart):  # it never started: its thread ended it
         sup.wait(h["run_id"], h["cell_id"], 30)
     assert sup.wait(first["run_id"], first["cell_id"], 30)["state"] == "cancelled"
+
+
+def test_eof_after_a_partial_line_on_a_pty_hands_the_line_on_then_end_of_file(sup, worktree):
+    # one VEOF would only hand "two" to cat's read; the second is the end of file (termios(3))
+    h = sup.spawn(["sh", "-c", "stty -echo; echo ready; cat; echo done"], workdir=worktree, stdin=True,
+                  pty={"cols": 80, "rows": 24})
+    r = Reader(sup, h)
+    r.until(b"ready")
+    sup.write_stdin(h["run_id"], h["cell_id"], b"one\ntwo", eof=True)
+    assert r.to_end().endswith(b"ready\r\none\r\ntwodone\r\n")
+    assert sup.wait(h["run_id"], h["cell_id"], 30)["exit_code"] == 0

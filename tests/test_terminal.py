@@ -146,3 +146,115 @@ def test_spawn_follow_at_a_terminal_is_interactive_like_run(agnsup, tmp_path, wo
         assert code == 3 and t.now == t.modes
     finally:
         s.close()
+
+
+# -- the terminal's end of input (issue 28 §6) ---------------------------------------------------
+# A pty wrapper whose own input is at end of file (script(1), expect, ssh -t, a CI runner's pty) types
+# the terminal's VEOF (^D) at once, before agnsup has set the terminal raw: it waits in the canonical
+# line discipline as an end of input, which raw mode would hand on as a NUL byte. The cell must read
+# end of file as it would without agnsup. Timeouts here are guards against a hang, never measures.
+READ_ALL = "import sys; print(repr(sys.stdin.read()))"
+
+
+def _script(agnsup, worktree, stdin: bytes) -> bytes:
+    import shlex
+    import shutil
+    if shutil.which("script") is None:
+        import pytest
+        pytest.skip("ENV_BLOCKED: no script(1) (util-linux) on this host")
+    line = shlex.join([BIN, "run", "--workdir", worktree, "--", "python3", "-c", READ_ALL])
+    p = subprocess.run(["script", "-qec", line, "/dev/null"], input=stdin, capture_output=True,
+                       env=agnsup.env, timeout=60)
+    return p.stdout
+
+
+def test_under_script_with_stdin_at_end_of_file_the_cell_reads_end_of_file(agnsup, worktree):
+    out = _script(agnsup, worktree, b"")
+    assert b"''\r\n" in out and b"^@" not in out, out
+
+
+def test_under_script_data_then_end_of_file_reaches_the_cell_then_end_of_file(agnsup, worktree):
+    out = _script(agnsup, worktree, b"hello\nworld\n")
+    assert b"'hello\\nworld\\n'\r\n" in out and b"^@" not in out, out
+
+
+def _pty_driver(agnsup, argv: list, typed: bytes, after: bytes = b"", hangup=False) -> tuple[bytes, int]:
+    """As expect or a CI runner: agnsup on a pty of ours (its controlling terminal); `typed` goes in
+    at once (still canonical), then, once `after` appeared on the terminal, the end of our input: ^D,
+    or with `hangup` we close the terminal. The output until it closes, and agnsup's exit status."""
+    import pty
+    pid, master = pty.fork()
+    if pid == 0:  # the child: exec at once (nothing else in a forked copy of pytest)
+        os.execve(BIN, [BIN, *argv], agnsup.env)
+    buf = b""
+    try:
+        os.write(master, typed if after else typed + b"\x04")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], deadline - time.monotonic())
+            if not r:
+                break
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: agnsup and the cell are gone
+                break
+            if not chunk:
+                break
+            buf += chunk
+            if after and after in buf:
+                if hangup:
+                    break
+                os.write(master, b"\x04")
+                after = b""
+    finally:
+        os.close(master)  # a hangup: agnsup cancels the cell if it still runs (the guard fired)
+        deadline = time.monotonic() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = done[1]
+        if not done[0]:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+    return buf, os.waitstatus_to_exitcode(status)
+
+
+def test_a_pty_driver_that_ends_its_input_at_once_gives_the_cell_end_of_file(agnsup, worktree):
+    out, code = _pty_driver(agnsup, ["run", "--workdir", worktree, "--", "python3", "-c", READ_ALL], b"")
+    assert b"''\r\n" in out and b"^@" not in out and code == 0, out
+
+
+def test_a_pty_driver_with_lines_then_the_end_of_its_input(agnsup, worktree):
+    # what the terminal held before agnsup went raw reaches the cell in order: a line, a partial
+    # line the terminal's ^D handed on, then the end of input
+    script = "import sys; print(repr(sys.stdin.readline())); print(repr(sys.stdin.read()))"
+    out, code = _pty_driver(agnsup, ["run", "--workdir", worktree, "--", "python3", "-c", script],
+                            b"one\ntwo\x04")
+    assert b"'one\\n'\r\n'two'\r\n" in out and b"^@" not in out and code == 0, out
+
+
+def test_an_end_of_input_typed_while_the_cell_runs_is_end_of_file_too(agnsup, worktree):
+    script = "import sys; print('ready', flush=True); print(repr(sys.stdin.read()))"
+    out, code = _pty_driver(agnsup, ["run", "--workdir", worktree, "--", "python3", "-c", script], b"",
+                            after=b"ready\r\n")
+    assert b"''\r\n" in out and code == 0, out
+
+
+def test_spawn_follow_under_a_pty_driver_with_its_input_ended_gives_end_of_file(agnsup, tmp_path, worktree):
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        out, code = _pty_driver(agnsup, ["spawn", "--follow", "--workdir", worktree, "--", "python3", "-c",
+                                         READ_ALL], b"hi\n")
+    finally:
+        s.close()
+    assert b"'hi\\n'\r\n" in out and b"^@" not in out and code == 0, out
+
+
+def test_a_hangup_of_the_terminal_cancels_the_cell_and_agnsup_ends_cleanly(agnsup, worktree):
+    # the far side closes the terminal (expect's `close`, a dropped ssh connection): SIGHUP cancels the
+    # cell; giving the modes back to a hung-up terminal fails (termios.error, EIO), and must not crash
+    out, code = _pty_driver(agnsup, ["run", "--workdir", worktree, "--", "sh", "-c", "echo ready; read x"], b"",
+                            after=b"ready\r\n", hangup=True)
+    assert code == 128 + signal.SIGHUP, out
+    ps = agnsup("ps", "--all", check=0)
+    assert "cancelled" in ps.out and "recovered" not in ps.out + ps.err, ps.out + ps.err

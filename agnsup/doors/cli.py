@@ -13,6 +13,7 @@ import click
 from ..egress.summary import size as _size
 from ..errors import AgnsupError, exit_code
 
+DEFAULT_PS_LIMIT = 50   # store.cells.DEFAULT_LIMIT (not imported here: startup cost of every command)
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -177,12 +178,27 @@ def _journal(obj):
 @main.command()
 @click.option("--run", "--run-id", "run_id", default=None, help="Only this run.")
 @click.option("--all", "show_all", is_flag=True, help="Include ended cells.")
+@click.option("--since", metavar="WHEN", default=None,
+              help="Cells alive at or after WHEN (ended ones too): an age (30m, 1h, 2d) or an ISO 8601 time.")
+@click.option("--until", metavar="WHEN", default=None, help="Cells started by WHEN (ended ones too).")
+@click.option("--state", "wanted", metavar="STATE", multiple=True,
+              help="running (not ended yet), ended, or one cell state (exited, failed, ...); repeatable.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, metavar="N",
+              help=f"The newest N cells (text: {DEFAULT_PS_LIMIT} unless given; 0: all).")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of cells.")
 @click.pass_obj
-def ps(obj, run_id, show_all, as_json):
-    """Cells and their states, as a run -> agent -> cell tree."""
-    from ..store.cells import listing, tree_text
-    cells = listing(_root(obj), run_id, show_all)
+def ps(obj, run_id, show_all, since, until, wanted, limit, as_json):
+    """Cells and their states, as a run -> agent -> cell tree. A run whose cells all
+    ended shows as ended (idle while its server, MCP or serve, is still up)."""
+    import time
+
+    from ..store.cells import check_states, listing, newest, parse_when, select, tree_text
+    now = time.time()
+    window = [None if w is None else parse_when(w, opt, now) for w, opt in ((since, "--since"), (until, "--until"))]
+    check_states(wanted)
+    filtered = since is not None or until is not None or bool(wanted)
+    cells = select(listing(_root(obj), run_id, show_all or filtered), *window, tuple(wanted))
+    cells, left_out = newest(cells, DEFAULT_PS_LIMIT if limit is None and not as_json else limit)
     if any(c["state"] in ("waiting", "starting", "running") for c in cells):
         from ..store.cells import reduced_of
         j = _journal(obj)
@@ -205,12 +221,32 @@ def ps(obj, run_id, show_all, as_json):
                 st, by = _record_state(row, states)
                 c["changes"] = {"record": f"{row['run_id']}/{row['record_id']}", "files": row["files"],
                                 "state": st, **({"undone_by": by} if st == "undone" else {})}
+    more = (f"{left_out} older cell(s) not shown: --limit 0 shows all, --since/--until/--state/--run narrow"
+            if left_out else None)
     if as_json:
         click.echo(json.dumps(cells, indent=2))
+        if more:
+            click.echo(f"agnsup ps: {more}", err=True)
     elif not cells:
-        click.echo("no cells" if show_all else "no live cells (--all shows ended ones)")
+        click.echo("no cells" if show_all or filtered else "no live cells (--all shows ended ones)")
     else:
-        click.echo("\n".join(tree_text(cells)))
+        click.echo("\n".join(tree_text(cells, _run_labels(obj))))
+        if more:
+            click.echo(f"({more})")
+
+
+def _run_labels(obj) -> dict:
+    """{run_id: what ps calls it} for the journal's active runs (store.cells.run_label)."""
+    from ..store.cells import run_label
+    j = _journal(obj)
+    if j is None:
+        return {}
+    try:
+        return {run: run_label("active", act) for run, act in j.run_activity().items()}
+    finally:
+        j.close()
+
+
 
 
 @main.command()
@@ -670,16 +706,33 @@ def wait(obj, cell_id, run_id, timeout, as_json):
 
 
 @main.command()
-@click.option("--run", "--run-id", "run_id", required=True, metavar="R", help="The run to clean up.")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="R", help="The run to clean up.")
+@click.option("--older-than", "older_than", default=None, metavar="AGE",
+              help="Every run whose cells all ended before AGE ago (30m, 12h, 2d) or an ISO 8601 time.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"cleaned": N, "items": [...]}.')
 @click.pass_obj
-def cleanup(obj, run_id, as_json):
+def cleanup(obj, run_id, older_than, as_json):
     """Reclaim what the run's ended cells left (cgroup directories, temp dirs,
     worktree locks, and once none runs, the run's change records: its cells
     can no longer be undone). Cells still running are not touched (exit 1;
-    cancel them first). A second call reports cleaned: 0."""
+    cancel them first). A second call reports cleaned: 0. --older-than: the
+    same for every old run; a run with a live cell is skipped (exit 0)."""
     from .. import cancel as cancelmod
-    from ..errors import CellsStillRunning
+    from ..errors import CellsStillRunning, UsageError
+    if (run_id is None) == (older_than is None):
+        raise UsageError("cleanup: give --run R or --older-than AGE (one of them)")
+    if older_than is not None:
+        import time
+
+        from ..store.cells import parse_when
+        result = cancelmod.cleanup_older_than(_state(obj), parse_when(older_than, "--older-than", time.time()))
+        if not _echo_json(as_json, result):
+            click.echo(f"cleaned {result['cleaned']} item(s) of {len(result['runs'])} run(s) older than "
+                       f"{older_than}" + (f"; {len(result['skipped'])} old run(s) with live cells not touched"
+                                          if result["skipped"] else ""))
+            for it in result["items"]:
+                click.echo(f"  {it['run_id']}: {it['kind']}: {it.get('path') or it.get('method')}")
+        return
     try:
         result, err = cancelmod.cleanup(_state(obj), run_id), None
     except CellsStillRunning as e:

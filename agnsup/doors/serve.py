@@ -396,8 +396,7 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
     path = socket_path or default_socket(StateRoot(state_dir).path)
     interactive = at_a_terminal() and os.isatty(1)
     if interactive:
-        size = os.get_terminal_size(0)
-        options = {**options, "stdin": True, "pty": {"cols": size.columns, "rows": size.lines}}
+        options = {**options, "stdin": True, "pty": _size_of_terminal()}
     with Client(path) as c:
         h = c.call("spawn", **spawn_request(argv, {**options, "stream": True}))
         print(json.dumps(h), file=sys.stderr, flush=True)
@@ -411,21 +410,25 @@ def main_follow(state_dir: str | None, socket_path: str | None, argv: list[str],
                     side.call(op, **ids, **args)
         handlers = {signal.SIGINT: lambda *_: side_call("signal", sig="INT")}
         if interactive:
-            handlers[signal.SIGWINCH] = lambda *_: side_call("resize", cols=os.get_terminal_size(0).columns,
-                                                             rows=os.get_terminal_size(0).lines)
+            handlers[signal.SIGWINCH] = lambda *_: side_call("resize", **_size_of_terminal())
         old = {n: signal.signal(n, fn) for n, fn in handlers.items()}
-        modes = _keyboard_to(path, ids) if interactive else None
+        term = _keyboard_to(path, ids) if interactive else None
         try:
             res = _follow(c, ids)
         finally:
-            if modes is not None:
-                import termios
-                termios.tcsetattr(0, termios.TCSADRAIN, modes)
+            if term is not None:
+                term.restore()  # our modes back (a terminal hung up meanwhile: nothing to restore)
             for n, fn in old.items():
                 signal.signal(n, fn)
         c.close()
         _say_why_stopped(res.get("receipt"))
         return res["exit_code"]
+
+
+def _size_of_terminal() -> dict:
+    """Our terminal's size; a pty nobody sized (0x0: pty.fork, many CI runners) as 80x24."""
+    size = os.get_terminal_size(0)
+    return {"cols": size.columns or 80, "rows": size.lines or 24}
 
 
 def _follow(c: "Client", ids: dict) -> dict:
@@ -444,22 +447,22 @@ def _follow(c: "Client", ids: dict) -> dict:
 
 
 def _keyboard_to(path: str, ids: dict):
-    """Our terminal raw, and a thread sending what is typed to the cell's stdin; the saved modes."""
-    import termios
-    import tty
-    modes = termios.tcgetattr(0)
-    tty.setraw(0, termios.TCSANOW)
+    """Our terminal raw, and a thread sending what is typed to the cell's stdin; the UserTerminal."""
+    from ..io.pump import UserTerminal
+    term = UserTerminal(0, None)  # raw; what it held before, each end of input sent as one (pump.end_of_input)
 
     def keys() -> None:
         with suppress(AgnsupError, OSError):  # the cell ended (its stdin is closed), or our terminal went away
             with Client(path) as side:
+                for data, ended in term.ahead:
+                    side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=ended)
                 while True:
                     data = os.read(0, 4096)
                     side.call("stdin", **ids, data_b64=base64.b64encode(data).decode(), eof=not data)
                     if not data:
                         return
     threading.Thread(target=keys, name="agnsup-keys", daemon=True).start()
-    return modes
+    return term
 
 
 def _say_why_stopped(receipt_path: str | None) -> None:

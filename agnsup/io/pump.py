@@ -74,6 +74,8 @@ class Stream:
             self.sock = socket.socket(fileno=os.dup(dst))
         self.splice = _is_fifo(src) and (self.kind == "file" or (self.kind == "nonblock" and _is_fifo(self.out)))
         self.blocked = False    # splice: the destination is full, waiting for POLLOUT
+        self.keys = False       # the user's terminal into the cell's pty: its end of input becomes the pty's
+        self.last = b"\n"       # keys: the last byte handed on (is the cell's line empty?)
 
     def close_out(self) -> None:
         if self.own_out:
@@ -145,6 +147,17 @@ class Pump:
         s.counted, s.nonblock, s.capped = counted, nonblock, capped
         self.streams.append(s)
 
+    def add_keys(self, terminal: "UserTerminal", master: int) -> None:
+        """What is typed at the user's `terminal` (raw) to the cell's pty `master` (ours to close):
+        first what it held before it went raw, each of its ends of input as the pty's VEOF; an end of
+        input later (a hangup) as end_of_input."""
+        self.add("stdin", os.dup(terminal.fd), master, own_dst=True, counted=False, nonblock=False)
+        s = self.streams[-1]
+        s.keys = True
+        if terminal.ahead:
+            eof = end_of_input(master, b"\n")  # the VEOF byte: one per end, as the user's terminal had them
+            self._take(s, b"".join(b + (eof if ended else b"") for b, ended in terminal.ahead))
+
     # -- the poll loop's view ---------------------------------------------
     def interest(self) -> dict[int, int]:
         """{fd: poll mask} this pump wants now."""
@@ -197,6 +210,8 @@ class Pump:
             size += len(b)
             if size >= READ_SIZE:
                 break
+        if ended and s.keys:
+            parts.append(end_of_input(s.out, parts[-1][-1:] if parts else s.last))
         if parts:
             self._take(s, parts[0] if len(parts) == 1 else b"".join(parts))
         if ended:
@@ -211,6 +226,8 @@ class Pump:
             self.total += len(data)
             if room is not None and len(data) > room:
                 data, self.overflowed = data[:room], True
+        if s.keys and data:
+            s.last = data[-1:]
         if s.broken is None:
             s.pending = memoryview(data)
 
@@ -358,14 +375,28 @@ def _unread(fd: int) -> int:
 class UserTerminal:
     """The terminal `agnsup run` was started from, while a cell uses a pty of its own through it:
     raw mode here (every key goes to the cell's pty, whose line discipline does the rest),
-    its size copied to the cell's pty, its modes restored however the cell ends."""
+    its size copied to the cell's pty, its modes restored however the cell ends.
 
-    def __init__(self, fd: int, cell_master: int):
+    `ahead`: what the terminal held before it went raw, as (bytes, ended) pieces: a line, or a
+    partial line or nothing `ended` by the terminal's end of input (VEOF). A wrapper whose own input
+    is at end of file (script(1), expect, a CI runner) types VEOF at once, while this terminal is
+    still canonical; going raw would turn that pending end of input into a NUL byte (n_tty keeps it
+    as a 0 in its buffer), so the cell got ^@ and never end of file. It is read first, as canonical
+    lines, with VEOF disabled meanwhile so one typed then stays a byte the raw read hands on."""
+
+    def __init__(self, fd: int, cell_master: int | None):
         import termios
         import tty
-        self.fd, self.master = fd, cell_master
-        self.saved = termios.tcgetattr(fd)
-        tty.setraw(fd, termios.TCSANOW)
+        self.fd, self.master, self.saved = fd, cell_master, None
+        self.ahead: list[tuple[bytes, bool]] = []
+        try:
+            self.saved = termios.tcgetattr(fd)
+            if self.saved[3] & termios.ICANON:
+                self.ahead = _canonical_lines(fd, self.saved)
+            tty.setraw(fd, termios.TCSANOW)
+        except BaseException:
+            self.restore()
+            raise
 
     def follow_size(self) -> None:
         """SIGWINCH here: the cell's pty takes our size (and the kernel sends it SIGWINCH)."""
@@ -378,11 +409,60 @@ class UserTerminal:
     def restore(self) -> None:
         import termios
         if self.saved is not None:
-            with suppress(OSError):  # the terminal went away (hangup): nothing to restore
+            with suppress(OSError, termios.error):  # the terminal went away (hangup, EIO): nothing to restore
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
             self.saved = None
+        if self.master is not None:
             os.close(self.master)
             self.master = None
+
+
+def _canonical_lines(fd: int, modes: list) -> list[tuple[bytes, bool]]:
+    """The complete lines and ends of input waiting on the canonical terminal `fd` (see UserTerminal)."""
+    import termios
+    cc = modes[6]
+    quiet = [*modes[:6], list(cc)]
+    quiet[6][termios.VEOF] = b"\0"  # _POSIX_VDISABLE: a ^D from now on is a byte, read raw later
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    ends = {b"\n", cc[termios.VEOL], cc[termios.VEOL2]}
+    lines = []
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    # canonical: POLLIN only for a whole line or an end of input, and a read returns one of them
+    while p.poll(0) and len(lines) < 4096:
+        try:
+            b = os.read(fd, 4096)
+        except OSError:
+            break
+        lines.append((b, not b or b[-1:] not in ends))  # a partial line or nothing: ended by VEOF
+        if not b and select.POLLHUP & dict(p.poll(0)).get(fd, 0):
+            break  # hung up: reads return 0 for ever
+    return lines
+
+
+def end_of_input(pty: int, last: bytes) -> bytes:
+    """What the cell's pty `pty` needs to read end of file after `last`, the last byte written to it.
+
+    VEOF at the start of a line; after a partial line twice (the first hands the line to the
+    reader, the second is the end of file: termios(3) "EOF"). A pty the cell set raw has no end of
+    input: VEOF once, the byte such programs (shells, REPLs) take for it. VEOF disabled: nothing."""
+    import termios
+    try:
+        iflag, lflag, cc = (a := termios.tcgetattr(pty))[0], a[3], a[6]
+    except (OSError, termios.error):
+        return b""
+    eof = cc[termios.VEOF]
+    if eof == b"\0":
+        return b""
+    if not lflag & termios.ICANON:
+        return eof
+    ends = {b"", b"\n", eof, cc[termios.VEOL], cc[termios.VEOL2], cc[termios.VKILL]}
+    if lflag & termios.ISIG:
+        ends |= {cc[termios.VINTR], cc[termios.VQUIT], cc[termios.VSUSP]}  # they flush the line
+    if iflag & termios.ICRNL and not iflag & termios.IGNCR:
+        ends.add(b"\r")
+    ends.discard(b"\0")  # a disabled one
+    return eof if last in ends else eof + eof
 
 
 class Tape:
@@ -463,8 +543,6 @@ class Input:
     `fd_lock`, held for one non-blocking call at a time, so close() and resize()
     never wait for a writer the cell does not read from."""
 
-    EOT = b"\x04"  # a pty's default VEOF: at the start of a line, read() returns 0 (termios(3))
-
     def __init__(self, fd: int, tty: bool):
         import threading
         self.fd: int | None = fd
@@ -472,6 +550,7 @@ class Input:
         self.turn = threading.Lock()
         self.fd_lock = threading.Lock()
         self.eof = False
+        self.last = b"\n"  # a pty: the last byte written (is the cell's line empty? end_of_input)
         os.set_blocking(fd, False)
 
     def write(self, data: bytes, eof: bool = False) -> None:
@@ -480,7 +559,11 @@ class Input:
         with self.turn:
             if self.eof:
                 raise BrokenPipeError(errno.EPIPE, "stdin was already closed (eof)")
-            view = memoryview(data + (self.EOT if eof and self.tty else b""))
+            if eof and self.tty:  # a pty has no end of file of its own: its VEOF at the start of a line
+                with self.fd_lock:
+                    if self.fd is not None:
+                        data = data + end_of_input(self.fd, data[-1:] or self.last)
+            view = memoryview(data)
             while True:
                 with self.fd_lock:
                     if self.fd is None:
@@ -496,6 +579,8 @@ class Input:
                     if n is not None:
                         view = view[n:]
                     if not view:
+                        if data:
+                            self.last = data[-1:]
                         if eof and not self.tty:
                             self.eof = True
                             self._close()

@@ -143,8 +143,8 @@ def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, dire
             child[n] = slave
         owned.append(slave)
         pump.add("tty", master, ttys[0] if ttys else 0)  # fd 0 of a terminal is open read-write
-        pump.add("stdin", os.dup(0), os.dup(master), own_dst=True, counted=False, nonblock=False)
         pump.terminal = UserTerminal(0, os.dup(master))
+        pump.add_keys(pump.terminal, os.dup(master))
     elif ttys:
         master, slave = _cell_pty(ttys[0])
         for n in ttys:

@@ -538,6 +538,28 @@ class Journal:
             q += " WHERE " + " AND ".join(where)
         return self._all(q + " ORDER BY c.created_at", tuple(args))
 
+    def run_activity(self) -> dict[str, tuple[bool, bool]]:
+        """{run_id: (has a live cell, a controller of its cells is still open)} of the active runs: what
+        `ps` shows for a run the journal calls active (an MCP or serve run whose server exited is ended)."""
+        rows = self._all(
+            f"SELECT r.run_id, EXISTS (SELECT 1 FROM cells c WHERE c.run_id = r.run_id AND c.{LIVE_CELL}), "
+            "EXISTS (SELECT 1 FROM cells c JOIN controllers k ON k.id = c.controller_id "
+            "WHERE c.run_id = r.run_id AND k.ended_at IS NULL) FROM runs r WHERE r.state = 'active'")
+        return {r[0]: (bool(r[1]), bool(r[2])) for r in rows}
+
+    def runs_ended_before(self, before: float) -> tuple[list[str], list[str]]:
+        """(runs not yet cleaned up whose cells all ended before `before`, the newest end or else the run's
+        start; runs started before `before` with a cell still live): what `cleanup --older-than` takes, and
+        what it leaves alone."""
+        old = self._all(
+            "SELECT r.run_id FROM runs r WHERE r.state != 'finished' AND NOT EXISTS (SELECT 1 FROM cells c "
+            f"WHERE c.run_id = r.run_id AND c.{LIVE_CELL}) AND COALESCE((SELECT MAX(c.ended_at) FROM cells c "
+            "WHERE c.run_id = r.run_id), r.created_at) < ? ORDER BY r.created_at", (before,))
+        busy = self._all(
+            f"SELECT r.run_id FROM runs r WHERE r.created_at < ? AND EXISTS (SELECT 1 FROM cells c "
+            f"WHERE c.run_id = r.run_id AND c.{LIVE_CELL}) ORDER BY r.created_at", (before,))
+        return [r[0] for r in old], [r[0] for r in busy]
+
     def events(self, run_id: str, cell_id: str) -> list:
         return self._all("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id", (run_id, cell_id))
 

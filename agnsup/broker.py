@@ -30,6 +30,7 @@ from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
 from .io import wiring
 from .linux import pidfd, proc
+from .store.state import named_run
 from .util.record import Factory, Record
 
 # How long after the leader ended a cell that another process cancelled (it owns
@@ -190,7 +191,8 @@ class Controller:
     @staticmethod
     def _agent(spec) -> str:
         # in the run "default" (a call that names no run) each cell is an agent of its own, as for pods
-        return locks.agent_of(spec.run_id, spec.agent_id if spec.named_run else f"{spec.agent_id}.{spec.cell_id}")
+        agent = spec.agent_id if named_run(spec.run_id) else f"{spec.agent_id}.{spec.cell_id}"
+        return locks.agent_of(spec.run_id, agent)
 
     def _wait_for_lock(self, cell: Cell, notify=None, poll=None) -> int:
         """The cell's worktree lock: its agent's other cells are never in the way, another

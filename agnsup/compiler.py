@@ -12,6 +12,7 @@ from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_hom
                          under)
 from .plan import REDUCED_LOSS, ExecutionPlan
 from .spec import CellSpec
+from .store.state import named_run
 
 def _expand(path: str, home: str) -> str:
     return os.path.join(home, path[2:]) if path == "~" or path.startswith("~/") else path
@@ -498,7 +499,7 @@ def network_pod(policy, spec: CellSpec, net: str, conf: dict) -> bool:
     network.mode deny and loopback, unless the role says network.pod = false; not for the run "default"
     (every call that names no run: unrelated commands at a shell would share one network). A normal user's
     cell of a pod joins the pod's user namespace instead of making its own (docs/isolation.md "Pods")."""
-    return net in POD_MODES and bool(policy.network.get("pod", True)) and spec.named_run
+    return net in POD_MODES and bool(policy.network.get("pod", True)) and named_run(spec.run_id)
 # The /dev/null class: devices every program may open for writing. The cell's own devpts and /dev/shm
 # exist only in its namespace: their rules are added in the child (process/steps.py).
 WRITABLE_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"]

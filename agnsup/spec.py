@@ -56,13 +56,6 @@ class CellSpec(Record):
     long_lived: bool = False       # request.long_lived: filesystem.changes "auto" runs it live
     changes: str | None = None     # request.changes: at_exit | live for this call, else the role's
 
-    @property
-    def named_run(self) -> bool:
-        """Did the call name its run? Only then is its agent one that lasts across calls: its cells share the
-        agent's pod (compiler.network_pod) and never block each other on a worktree (broker._agent). The run
-        "default" is every call that names none (unrelated commands at a shell): each cell an agent of its own."""
-        return self.run_id != "default"
-
 
 def new_cell_id() -> str:
     return "c-" + os.urandom(4).hex()  # os.urandom is what `secrets` uses, without its imports

@@ -653,7 +653,8 @@ def test_the_shipped_proxied_role_reaches_public_names_only(state, worktree, sit
     from agnsup import policy
     pol = policy.load("proxied")
     assert pol["network"] == {"mode": "allowlist", "allow": ["*"], "deny": [], "allow_private": False,
-                              "proxy_port": 3128, "allow_internal": [], "tunnels": "deny", "download_exec": "deny"}
+                              "proxy_port": 3128, "allow_internal": [], "tunnels": "deny", "download_exec": "deny",
+                              "pod": True}
     a = Agnsup(state, env={"AGNSUP_TEST_EGRESS_HOSTS": HOSTS})
     cp = a("run", "--role", "proxied", "--cell", "pub", "--workdir", worktree, "--", "curl", "-sS", "-o", "/dev/null",
            "-o", "/dev/null", "-w", "%{http_code}", f"http://pkg.test:{site['http']}/hello.txt", "http://pkg.test/hello.txt",

@@ -21,6 +21,7 @@ import fcntl
 import os
 import struct
 
+from . import proc
 from . import sys as lsys
 
 SIOCGIFFLAGS = 0x8913
@@ -77,11 +78,7 @@ def parse_counters(snmp: str, snmp6: str) -> dict[str, int]:
 
 def counters_here() -> dict[str, int]:
     """The counters of the calling thread's network namespace."""
-    texts = []
-    for name in ("snmp", "snmp6"):
-        with open(f"/proc/thread-self/net/{name}") as f:
-            texts.append(f.read())
-    return parse_counters(*texts)
+    return parse_counters(proc.net_text("snmp"), proc.net_text("snmp6"))
 
 
 def counters_in(fd: int) -> dict[str, int]:
@@ -89,7 +86,7 @@ def counters_in(fd: int) -> dict[str, int]:
     Needs CAP_SYS_ADMIN over the namespace's owner and in our own user namespace: a root controller.
     A normal user's cell namespace is owned by the cell's user namespace: a throwaway helper enters that
     first (enter_owner), then reads here."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    own = proc.ns("net", "thread-self")
     try:
         lsys.setns(fd, lsys.CLONE_NEWNET)
         try:

@@ -177,6 +177,13 @@ def ns(kind: str, pid: int | str = "self") -> int:
     return os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
 
 
+def net_text(name: str) -> str:
+    """A file of the calling thread's network namespace's /proc/net ("snmp", "snmp6": its counters). The thread's,
+    not the process's: a thread that setns(2) elsewhere reads that namespace's."""
+    with open(f"/proc/thread-self/net/{name}") as f:
+        return f.read()
+
+
 def ns_id(kind: str, pid: int | str = "self") -> str:
     """Which namespace it is ("mnt:[4026531841]"): equal for two processes in the same one."""
     return os.readlink(f"/proc/{pid}/ns/{kind}")

@@ -17,7 +17,7 @@ import os
 import signal
 
 from ..util import crashpoints
-from ..linux import landlock, mounts, netns, pidinit, userns
+from ..linux import landlock, mounts, netns, pidinit, proc, userns
 from ..linux import sys as lsys
 from ..util.record import Record
 
@@ -118,7 +118,7 @@ def _netns_watch(s: Setup) -> None:
     if s.netns_watch is None:
         return
     try:  # evidence for a hint, never a reason for the cell not to run: the controller says what it lacks
-        fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        fd = proc.ns("net")
         try:
             lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
         finally:

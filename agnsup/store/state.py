@@ -39,6 +39,13 @@ def registry_dir() -> str:
 DEFAULT_ROOTS = ("/var/lib/agnsup",)  # hidden whenever they exist, registered or not
 
 
+def named_run(run_id: str) -> bool:
+    """Did the call name its run? Only then is its agent one that lasts across calls: its cells share the
+    agent's pod (compiler.network_pod) and never block each other on a worktree (broker._agent). The run
+    "default" is every call that names none (unrelated commands at a shell): each cell an agent of its own."""
+    return run_id != "default"
+
+
 def check_id(kind: str, value: str) -> str:
     # ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z without compiling a regex on every start (the
     # regex this replaces ended in `$`, which also let a trailing newline through)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -262,6 +263,13 @@ def test_the_test_file_systems_come_down_even_when_a_test_fails_half_way(tmp_pat
     with open("/proc/self/mountinfo") as f:
         mounted = f.read()
     assert not any(m in mounted for m in made.values()), mounted
-    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    # a cell another test starts meanwhile copies the host's mount table into its namespace: the kernel then
+    # detaches (autoclear) when that copy goes, so the device may outlive close() by that cell's life
+    deadline = time.monotonic() + 60
+    while True:
+        attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+        if not any(dev + ":" in attached for dev in loops) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not any(dev + ":" in attached for dev in loops), attached
     assert not any(name.endswith(".img") for name in os.listdir(parent))

@@ -130,6 +130,13 @@ def test_execute_runs_a_command_as_a_cell_through_the_client_packages_executor(s
     cells = {c["cell_id"]: c for c in agnsup.json("ps", "--all", "--run", "sandboxd", "--json")}
     assert set(cells) == {"proc-1", "proc-2", "proc-3", "proc-4"}
     assert cells["proc-1"]["controller"] == server.ready["controller"] and cells["proc-1"]["exit_code"] == 3
+    # the network hint as every door gives it: only when the cell tried to reach out (issue 28)
+    _, call = server.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(command=["false"])))
+    assert "agnsup-network-hint" not in dict(call.trailing_metadata())
+    resp, call = server.stub.Execute.with_call(pb.ExecuteRequest(config=pb.ProcessConfig(command=[
+        "python3", "-c", "import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)"])))
+    assert resp.exit_code == 1
+    assert dict(call.trailing_metadata())["agnsup-network-hint"].startswith("agnsup: the cell ran without network")
 
 
 def test_the_clients_deadline_bounds_the_cell_and_answers_124_with_its_output(server, agnsup):

@@ -15,12 +15,14 @@ the call that started it, for clients whose public API has no Start (the k8s-age
 
 The role is the server's (`--role`), never the client's. agnsup's answers
 beyond the standard messages travel as metadata: trailing `agnsup-run-id`,
-`agnsup-cell-id`, `agnsup-state`, `agnsup-reason`, `agnsup-receipt` (and on
+`agnsup-cell-id`, `agnsup-state`, `agnsup-reason`, `agnsup-receipt`, and when they apply
+`agnsup-network-hint` and `agnsup-network-refused` (JSON) (and on
 Start, the same ids as initial metadata); on a refusal `agnsup-error-type`,
 `agnsup-exit-code` (agnsup's CLI exit code) and `agnsup-rule`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -207,6 +209,10 @@ class ProcessService:
               ("agnsup-reason", str(res["reason"])), ("agnsup-receipt", str(res["receipt"]))]
         if output:  # Execute's output is what run_process returns: say when it was cut
             md += [(f"agnsup-{k}-truncated", "true") for k in ("stdout", "stderr") if res.get(f"{k}_truncated")]
+        if res.get("network_hint"):  # only when the cell tried to reach out (tool.network_hint)
+            md.append(("agnsup-network-hint", res["network_hint"]))
+        if res.get("network_refused"):  # what the proxy refused and the key that allows it (JSON, ASCII)
+            md.append(("agnsup-network-refused", json.dumps(res["network_refused"])))
         context.set_trailing_metadata(md)
         return res
 

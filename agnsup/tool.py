@@ -223,13 +223,7 @@ def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capt
     result = {"run_id": receipt["run_id"], "agent_id": receipt["agent_id"], "cell_id": receipt["cell_id"],
               "exit_code": receipt["exit_code"], "state": receipt["state"], "reason": receipt["reason"],
               "receipt": os.path.join(cell_dir, "receipt.json")}
-    hint = network_hint(receipt)
-    if hint:
-        result["network_hint"] = hint
-    if receipt.get("network"):  # allowlist/internal: what the proxy refused, and the key that would allow it
-        from .egress.summary import refused
-        if refused(receipt["network"]):
-            result["network_refused"] = refused(receipt["network"])
+    result.update(network_said(receipt))
     if receipt.get("changes") and receipt["changes"].get("mode") != "none":  # issue 26: what it changed, undoable
         result["changes"] = receipt["changes"]
     if capture:
@@ -274,10 +268,29 @@ def network_hint(receipt: dict) -> str:
             f"allows it, or network.mode in the role{tried}")
 
 
-def refused_line(result: dict) -> str | None:
-    """The CLI's one stderr line for a cell whose connections the proxy refused (result's network_refused)."""
-    from .egress.summary import refused_line as line
-    return line(result["cell_id"], result["network_refused"]) if result.get("network_refused") else None
+def network_said(receipt: dict) -> dict:
+    """What a result says about the cell's network, only when it applies: `network_hint` (it tried to reach out
+    without a network) and `network_refused` (allowlist/internal: what the proxy refused, and the key that
+    would allow it)."""
+    said = {}
+    hint = network_hint(receipt)
+    if hint:
+        said["network_hint"] = hint
+    if receipt.get("network"):
+        from .egress.summary import refused
+        if refused(receipt["network"]):
+            said["network_refused"] = refused(receipt["network"])
+    return said
+
+
+def network_lines(result: dict) -> list[str]:
+    """The stderr lines a terminal gets after a cell (`agnsup run`, `spawn --follow`): the network hint, and one
+    line for the connections the proxy refused."""
+    lines = [result["network_hint"]] if result.get("network_hint") else []
+    if result.get("network_refused"):
+        from .egress.summary import refused_line
+        lines.append(refused_line(result["cell_id"], result["network_refused"]))
+    return lines
 
 
 def handle_tool_call(name: str, arguments, **context) -> dict:

@@ -271,3 +271,18 @@ def test_in_a_shared_namespace_the_count_is_what_the_cell_added(agnsup, worktree
     finally:
         holder.send_signal(signal.SIGINT)  # ours: the CLI hands it to the cell, which ends
         holder.wait(timeout=60)
+
+
+def test_spawn_follow_through_serve_says_the_hint_as_run_does(agnsup, worktree, tmp_path):
+    """`agnsup spawn --follow` (serve's client) ends with the same stderr lines as `agnsup run`: the hint only after
+    a try to reach out."""
+    from scenario import STARTERS
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        cp = agnsup("spawn", "--follow", "--cell", "f1", "--workdir", worktree, "--", "false", check=None)
+        assert cp.returncode == 1 and HINT not in cp.err, cp.err
+        cp = agnsup("spawn", "--follow", "--cell", "f2", "--workdir", worktree, "--", "python3", "-c", CONNECT4,
+                    check=None)
+        assert cp.returncode == 1 and _last(cp.err).startswith(HINT), cp.err
+    finally:
+        s.close()

@@ -145,11 +145,9 @@ def run(obj, command, **options):
     from ..tool import run_process
     result = run_process(list(command), **options, state_dir=obj["state_dir"], capture=False, entry="cli",
                          forward_signals=True)
-    if result.get("network_hint"):
-        click.echo(result["network_hint"], err=True)
-    if result.get("network_refused"):
-        from ..tool import refused_line
-        click.echo(refused_line(result), err=True)
+    from ..tool import network_lines
+    for line in network_lines(result):
+        click.echo(line, err=True)
     sys.exit(result["exit_code"])
 
 

@@ -93,7 +93,7 @@ def main() -> None:
         return
     state_dir, opts, command = parsed
     from ..errors import AgnsupError, exit_code
-    from ..tool import run_process
+    from ..tool import network_lines, run_process
     try:
         result = run_process(command, state_dir=state_dir, capture=False, entry="cli", forward_signals=True,
                              exit_after=True, **opts)
@@ -103,11 +103,8 @@ def main() -> None:
     except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
         sys.stderr.write(f"agnsup: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}\n")
         sys.exit(125)
-    if result.get("network_hint"):
-        sys.stderr.write(result["network_hint"] + "\n")
-    if result.get("network_refused"):
-        from ..tool import refused_line
-        sys.stderr.write(refused_line(result) + "\n")
+    for line in network_lines(result):
+        sys.stderr.write(line + "\n")
     # Everything is recorded (journal committed, receipt written, locks
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).

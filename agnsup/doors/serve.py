@@ -466,12 +466,14 @@ def _keyboard_to(path: str, ids: dict):
 
 
 def _say_why_stopped(receipt_path: str | None) -> None:
-    """As `agnsup run` does: one stderr line when a limit stopped the cell (its receipt says which)."""
-    from ..tool import stopped_line
+    """As `agnsup run` does: one stderr line when a limit stopped the cell (its receipt says which), and the
+    network's lines (the hint, the proxy's refusals)."""
+    from ..tool import network_lines, network_said, stopped_line
     try:
         with open(receipt_path) as f:
-            line = stopped_line(json.load(f))
+            receipt = json.load(f)
     except (OSError, TypeError, ValueError):
         return
-    if line:
-        print(line, file=sys.stderr, flush=True)
+    for line in (stopped_line(receipt), *network_lines({"cell_id": receipt.get("cell_id"), **network_said(receipt)})):
+        if line:
+            print(line, file=sys.stderr, flush=True)

@@ -42,7 +42,8 @@ from .linux import sys as lsys
 from .util.record import Record
 
 JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
-STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json", "keeper.sock")  # what a teardown removes from a pod's directory
+# what a teardown removes from a pod's directory
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json", "keeper.sock")
 
 
 def root(state) -> str:

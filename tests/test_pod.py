@@ -372,3 +372,26 @@ def test_a_seccomp_filter_that_refuses_unshare_fails_a_pod_cell_with_the_unshare
     else:
         assert line.startswith("agnsup: cell setup failed at step 'user_namespace': "), line
     assert not os.path.exists(pods.pod_dir(state, "s", "a"))
+
+
+def test_without_cap_sys_admin_a_pod_cell_names_cap_sys_admin_as_a_cell_of_its_own_does(agnsup, state, trees):
+    """A container without CAP_SYS_ADMIN (and CAP_NET_ADMIN: Docker's defaults): the keeper's namespaces are
+    refused before the cell's mounts would be; its line names what a cell of its own names (--cap-add
+    SYS_ADMIN, the mount namespace among the reduced pieces), not CAP_NET_ADMIN alone."""
+    import shutil
+    from conftest import BIN
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("ENV_BLOCKED: root and setpriv (to drop CAP_SYS_ADMIN and CAP_NET_ADMIN from the bounding set)")
+    srv, _ = trees
+    lines = []
+    for named in (["--run", "n", "--agent", "a"], []):  # a pod's cell, a cell of its own
+        cp = subprocess.run(["setpriv", "--bounding-set=-net_admin,-sys_admin", BIN, "run", *named, "--workdir", srv,
+                             "--", "true"], env=agnsup.env, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+        assert cp.returncode == 125, cp.stderr
+        lines.append(cp.stderr.strip().splitlines()[0])
+    pod_line, own_line = lines
+    fix = own_line[own_line.index("; fix: "):]
+    assert "--cap-add SYS_ADMIN" in fix and '"mount_namespace"' in fix, own_line
+    assert pod_line.endswith(fix) and "network_pod" not in pod_line, pod_line
+    assert not os.path.exists(pods.pod_dir(state, "n", "a"))

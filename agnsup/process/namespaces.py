@@ -293,14 +293,18 @@ def keeper_refusal(step: str, code: int, msg: str, own_userns: bool, netns_owner
     refuses them, the line a cell of its own would have given, with its fix (not "the pod's keeper: ..."):
     a normal user's refused user namespace (userns_refused), a root controller's without CAP_NET_ADMIN refused
     network namespace of its own (netns_refused, as cell_netns's), a root controller's refused unshare (the
-    'unshare' step's reduced_refusal). None: not a refusal (the keeper's own error then)."""
+    'unshare' step's reduced_refusal; also without CAP_NET_ADMIN when the mount namespace is refused too: a
+    cell of its own stops at its mounts before its network, e.g. a container without CAP_SYS_ADMIN). None: not
+    a refusal (the keeper's own error then)."""
     if step == "user_namespace" and own_userns and code in USERNS_REFUSED:
         return userns_refused(msg, code)
     if step != "network_namespace" or own_userns:
         return None
-    if netns_owner is not None:
+    netns_only = netns_owner is not None and not namespaces_refused().get("mount_namespace")
+    refused = None if netns_only else reduced_refusal("unshare", msg, code)
+    if refused is None and netns_owner is not None:
         return netns_refused(_own_netns_error(code, msg))
-    return reduced_refusal("unshare", msg, code)
+    return refused
 
 
 def netns_refused(e: OSError) -> SetupError:

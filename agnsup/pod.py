@@ -8,6 +8,9 @@ a pid alone. Its state is a directory:
     <state>/pods/<run_id>/<agent_id>/pod.json   the keeper (pid, start time, pidfd inode, boot id), the
                                                 netns inode, the place's directories, the user namespace's
     <state>/pods/<run_id>/<agent_id>/pod.lock   membership: a shared flock per member cell
+    <state>/pods/<run_id>/<agent_id>/keeper.sock where the keeper hands out its namespaces (keeper.ask: no
+                                                /proc/KEEPER/ns/*, which a root without CAP_SYS_PTRACE may
+                                                not open once the keeper's euid changed)
 
 Membership is the lock (flock(2): the kernel drops a dead holder's lock however it died). Each cell of the pod
 holds a shared lock on pod.lock for its life (its controller's descriptor, close-on-exec). Joining takes the
@@ -39,7 +42,8 @@ from .linux import sys as lsys
 from .util.record import Record
 
 JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
-STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json")  # what a teardown removes from a pod's directory
+# what a teardown removes from a pod's directory
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json", "keeper.sock")
 
 
 def root(state) -> str:
@@ -75,28 +79,23 @@ class Pod(Record):
         return f"{self.run_id}/{self.agent_id}"
 
     def alive(self) -> bool:
-        """The keeper is the recorded process, on this boot, not a zombie, still in the recorded netns."""
-        k = self.keeper
-        if k.get("boot_id") != proc.boot_id():
-            return False
-        fd = pidfd.open(k["pid"])
-        if fd is None:
+        """The keeper is the recorded process, on this boot, not a zombie, and hands out the recorded netns."""
+        if self.keeper.get("boot_id") != proc.boot_id():
             return False
         try:
-            ok, _ = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
-            if not ok or proc.is_zombie(k["pid"]):
-                return False
-            try:
-                return os.stat(f"/proc/{k['pid']}/ns/net").st_ino == self.netns
-            except OSError:
-                return False
-        finally:
-            os.close(fd)
+            net, us = self._ns_fds()
+        except OSError:
+            return False
+        for fd in (net, us):
+            if fd is not None:
+                os.close(fd)
+        return not proc.is_zombie(self.keeper["pid"])
 
-    def _ns_fd(self, kind: str, inode: int) -> int:
-        """An open descriptor of the keeper's namespace `kind`, proven to be the pod's: the keeper's identity
-        before the open, the namespace's inode and the keeper's start time after it (a pid reused meanwhile
-        has another start time)."""
+    def _ns_fds(self) -> tuple[int, int | None]:
+        """Open descriptors of the pod's network namespace and (a normal user's pod) user namespace, which
+        the keeper hands out (process.keeper.ask), proven to be the pod's: the keeper's identity before the
+        ask and after it (a pid reused meanwhile has another start time), the namespaces' inodes."""
+        from .process import keeper
         k = self.keeper
         fd = pidfd.open(k["pid"])
         if fd is None:
@@ -105,28 +104,43 @@ class Pod(Record):
             ok, why = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
             if not ok:
                 raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: {why}")
-            ns = proc.ns(kind, k["pid"])
-            st = proc.stat(k["pid"])
-            if os.fstat(ns).st_ino != inode or st is None or st.starttime != k.get("starttime"):
-                os.close(ns)
+            try:
+                net, us = keeper.ask(self.dir, k["pid"])
+            except ProcessLookupError as e:
+                raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: {e.strerror}") from None
+            if self.userns is None and us is not None:  # a root netns owner's: the cells join only the netns
+                os.close(us)
+                us = None
+            ok, _ = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
+            if (not ok or os.fstat(net).st_ino != self.netns or
+                    (self.userns is not None and (us is None or os.fstat(us).st_ino != self.userns))):
+                for ns in (net, us):
+                    if ns is not None:
+                        os.close(ns)
                 raise ProcessLookupError(errno.ESRCH, f"pod {self.key}: its keeper {k['pid']} ended")
-            return ns
+            return net, us
         finally:
             os.close(fd)
 
     def netns_fd(self) -> int:
         """An open (close-on-exec) descriptor of the pod's network namespace, for setns(2)."""
-        return self._ns_fd("net", self.netns)
+        net, us = self._ns_fds()
+        if us is not None:
+            os.close(us)
+        return net
 
     def userns_fd(self) -> int | None:
         """A normal user's pod: the user namespace that owns its netns (a cell joins it first); else None."""
-        return None if self.userns is None else self._ns_fd("user", self.userns)
+        if self.userns is None:
+            return None
+        net, us = self._ns_fds()
+        os.close(net)
+        return us
 
     def enter(self) -> None:
         """This process (single-threaded: setns(CLONE_NEWUSER) refuses a threaded caller) joins the pod:
         its user namespace when it has one, then its network namespace (the ports forwarder)."""
-        us = self.userns_fd()
-        net = self.netns_fd()
+        net, us = self._ns_fds()
         try:
             if us is not None:
                 lsys.setns(us, lsys.CLONE_NEWUSER)
@@ -235,8 +249,13 @@ def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
             pod = _load(d)
             created = not (pod is not None and pod.alive())
             if created:
-                pod = _create(d, backend, run_id, agent_id, stale=pod, own_userns=own_userns,
-                              netns_owner=netns_owner)
+                try:
+                    pod = _create(d, backend, run_id, agent_id, stale=pod, own_userns=own_userns,
+                                  netns_owner=netns_owner)
+                except BaseException:
+                    with suppress(OSError):
+                        teardown(backend, d)  # under our exclusive lock: nothing of a pod that never was stays
+                    raise
             # exclusive -> shared is not atomic (flock(2)): a sweep may take it between; checked again below
             fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
@@ -253,21 +272,29 @@ def _create(d: str, backend, run_id: str, agent_id: str, stale: Pod | None, own_
     from .process import keeper
     if stale is not None:
         _kill(backend, stale)
+    with suppress(FileNotFoundError):
+        os.unlink(os.path.join(d, keeper.SOCKET))  # a dead keeper's: the new one binds its own
     place = backend_place(backend, run_id, agent_id)
     if place.node is not None:
         _kill(backend, Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper={}, netns=0, place=place))
         place = backend.create(place, {})
     try:
-        pid = keeper.start(backend, place, own_userns, netns_owner)
+        pid = keeper.start(backend, place, d, own_userns, netns_owner)
         fd = os.pidfd_open(pid)
         try:
             ident = {"pid": pid, "pidfd_ino": pidfd.inode(fd) if pidfd.has_pidfs() else None,
                      "starttime": proc.stat(pid).starttime, "boot_id": proc.boot_id()}
         finally:
             os.close(fd)
+        net, us = keeper.ask(d, pid)
+        try:
+            inodes = os.fstat(net).st_ino, (os.fstat(us).st_ino if own_userns and us is not None else None)
+        finally:
+            for ns in (net, us):
+                if ns is not None:
+                    os.close(ns)
         pod = Pod(run_id=run_id, agent_id=agent_id, dir=d, keeper=ident, place=place, created_at=time.time(),
-                  netns=os.stat(f"/proc/{pid}/ns/net").st_ino,
-                  userns=os.stat(f"/proc/{pid}/ns/user").st_ino if own_userns else None)
+                  netns=inodes[0], userns=inodes[1])
         tmp = os.path.join(d, "pod.json.tmp")
         with open(tmp, "w") as f:
             json.dump(pod.as_dict(), f)

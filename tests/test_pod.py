@@ -280,8 +280,10 @@ def test_joiners_racing_for_a_pod_that_does_not_exist_make_one_and_all_join_it(s
 
 
 def test_a_root_controller_without_cap_net_admin_makes_the_pod_in_a_user_namespace_of_its_own(agnsup, state, trees):
-    """A container given CAP_SYS_ADMIN only (process.namespaces.cell_netns): the keeper brings lo up in a
-    network namespace a user namespace of userns.netns_owner() owns; the agent's cells join it all the same."""
+    """A container given CAP_SYS_ADMIN only (process.namespaces.cell_netns; Docker's recipe: no CAP_NET_ADMIN, no
+    CAP_SYS_PTRACE): the keeper brings lo up in a network namespace a user namespace of userns.netns_owner()
+    owns; the agent's cells join it all the same. Its euid is that owner's then, so a controller without
+    CAP_SYS_PTRACE may not open its /proc/PID/ns/*: the keeper hands them out itself (process.keeper.ask)."""
     import shutil
     from conftest import BIN
     from agnsup.linux import userns
@@ -289,7 +291,7 @@ def test_a_root_controller_without_cap_net_admin_makes_the_pod_in_a_user_namespa
         pytest.skip("ENV_BLOCKED: root and setpriv (to drop CAP_NET_ADMIN from the bounding set)")
     srv, cli = trees
     port = _free_port()
-    drop = ["setpriv", "--bounding-set=-net_admin", BIN, "run", "--run", "c", "--agent", "a"]
+    drop = ["setpriv", "--bounding-set=-net_admin,-sys_ptrace", BIN, "run", "--run", "c", "--agent", "a"]
     server = subprocess.Popen([*drop, "--workdir", srv, "--changes", "live", "--", "python3", "-c", SERVER, str(port)],
                               env=agnsup.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -306,3 +308,90 @@ def test_a_root_controller_without_cap_net_admin_makes_the_pod_in_a_user_namespa
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=30)
     _gone(pod, state, "c", "a")
+
+
+def test_the_keeper_hands_its_namespaces_to_its_own_uid_only(state):
+    """The keeper's socket (process.keeper.ask) is its user's alone (0600), and a process of another uid that
+    gets past the file's mode (CAP_DAC_OVERRIDE) gets no descriptor from it (SO_PEERCRED)."""
+    import stat
+    from agnsup import backend
+    from agnsup.linux import sys as lsys
+    from agnsup.process import keeper
+    if os.geteuid() != 0:
+        pytest.skip("ENV_BLOCKED: root (a process of another uid with CAP_DAC_OVERRIDE asks the keeper)")
+    b = backend.choose(state)
+    m = pods.join(state, b, "peer", "a")
+    pod = m.pod.as_dict()
+    try:
+        path = os.path.join(m.pod.dir, keeper.SOCKET)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.stat(path).st_uid == os.getuid()
+        net, us = keeper.ask(m.pod.dir, m.pod.keeper["pid"])  # its own uid: the pod's namespaces
+        assert os.fstat(net).st_ino == m.pod.netns
+        for fd in (net, us):
+            if fd is not None:
+                os.close(fd)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                os.seteuid(65534)
+                lsys.set_caps([lsys.CAP_NAMES.index("DAC_OVERRIDE")])
+                try:
+                    keeper.ask(m.pod.dir, m.pod.keeper["pid"])
+                    os.write(w, b"handed out")
+                except ProcessLookupError as e:
+                    os.write(w, str(e.strerror).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            said = f.read().decode()
+        os.waitpid(pid, 0)
+        assert "it refused us" in said, said
+        assert pods.find(state, "peer", "a") is not None  # the keeper serves on
+    finally:
+        pods.leave(state, b, m)
+    _gone(pod, state, "peer", "a")
+
+
+def test_a_seccomp_filter_that_refuses_unshare_fails_a_pod_cell_with_the_unshare_steps_line(agnsup, state, trees):
+    """The keeper makes the pod's namespaces before the cell makes its own: a host that refuses them gets the
+    line a cell of its own gives (process.namespaces.keeper_refusal: the filter and both fixes), not the
+    keeper's bare errno, and nothing is left behind."""
+    from conftest import BIN, seccomp_launcher
+    srv, _ = trees
+    cp = subprocess.run([sys.executable, "-c", seccomp_launcher({272: 1}), BIN, "run", "--run", "s", "--agent", "a",
+                         "--workdir", srv, "--", "true"], env=agnsup.env, capture_output=True, text=True,
+                        timeout=120, stdin=subprocess.DEVNULL)
+    assert cp.returncode != 0
+    line = cp.stderr.strip().splitlines()[0]
+    assert "network_pod" not in line and "keeper" not in line, line
+    if os.geteuid() == 0:
+        assert line.startswith("agnsup: cell setup failed at step 'unshare': ") and "isolation.reduced" in line, line
+    else:
+        assert line.startswith("agnsup: cell setup failed at step 'user_namespace': "), line
+    assert not os.path.exists(pods.pod_dir(state, "s", "a"))
+
+
+def test_without_cap_sys_admin_a_pod_cell_names_cap_sys_admin_as_a_cell_of_its_own_does(agnsup, state, trees):
+    """A container without CAP_SYS_ADMIN (and CAP_NET_ADMIN: Docker's defaults): the keeper's namespaces are
+    refused before the cell's mounts would be; its line names what a cell of its own names (--cap-add
+    SYS_ADMIN, the mount namespace among the reduced pieces), not CAP_NET_ADMIN alone."""
+    import shutil
+    from conftest import BIN
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("ENV_BLOCKED: root and setpriv (to drop CAP_SYS_ADMIN and CAP_NET_ADMIN from the bounding set)")
+    srv, _ = trees
+    lines = []
+    for named in (["--run", "n", "--agent", "a"], []):  # a pod's cell, a cell of its own
+        cp = subprocess.run(["setpriv", "--bounding-set=-net_admin,-sys_admin", BIN, "run", *named, "--workdir", srv,
+                             "--", "true"], env=agnsup.env, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+        assert cp.returncode == 125, cp.stderr
+        lines.append(cp.stderr.strip().splitlines()[0])
+    pod_line, own_line = lines
+    fix = own_line[own_line.index("; fix: "):]
+    assert "--cap-add SYS_ADMIN" in fix and '"mount_namespace"' in fix, own_line
+    assert pod_line.endswith(fix) and "network_pod" not in pod_line, pod_line
+    assert not os.path.exists(pods.pod_dir(state, "n", "a"))

@@ -59,8 +59,12 @@ def cell_netns() -> int:
     for fd in fds:
         os.close(fd)
     code, _, msg = answer.decode(errors="replace").partition("\0")
-    raise OSError(int(code) if code.isdigit() else errno.EPERM,
-                  f"a network namespace of the cell's own: {msg or 'the helper exited'}")
+    raise _own_netns_error(int(code) if code.isdigit() else errno.EPERM, msg or "the helper exited")
+
+
+def _own_netns_error(code: int, msg: str) -> OSError:
+    """cell_netns's failure (and the pod keeper's, keeper_refusal): netns_refused names its fix."""
+    return OSError(code, f"a network namespace of the cell's own: {msg}")
 
 
 def netns_counters(fd: int) -> dict[str, int]:
@@ -282,6 +286,25 @@ def userns_refused(msg: str, code: int | None) -> SetupError:
                       f"network and PID namespaces only inside a user namespace of its own; fix: {fix}; or accept "
                       'a reduced cell: isolation.reduced = ["mount_namespace", "network_namespace", "pid_namespace"] '
                       "(docs/hosts.md)", step="user_namespace", errno=code)
+
+
+def keeper_refusal(step: str, code: int, msg: str, own_userns: bool, netns_owner: int | None) -> SetupError | None:
+    """A pod's keeper (process/keeper.py) makes its namespaces before any cell of the pod does: when the host
+    refuses them, the line a cell of its own would have given, with its fix (not "the pod's keeper: ..."):
+    a normal user's refused user namespace (userns_refused), a root controller's without CAP_NET_ADMIN refused
+    network namespace of its own (netns_refused, as cell_netns's), a root controller's refused unshare (the
+    'unshare' step's reduced_refusal; also without CAP_NET_ADMIN when the mount namespace is refused too: a
+    cell of its own stops at its mounts before its network, e.g. a container without CAP_SYS_ADMIN). None: not
+    a refusal (the keeper's own error then)."""
+    if step == "user_namespace" and own_userns and code in USERNS_REFUSED:
+        return userns_refused(msg, code)
+    if step != "network_namespace" or own_userns:
+        return None
+    netns_only = netns_owner is not None and not namespaces_refused().get("mount_namespace")
+    refused = None if netns_only else reduced_refusal("unshare", msg, code)
+    if refused is None and netns_owner is not None:
+        return netns_refused(_own_netns_error(code, msg))
+    return refused
 
 
 def netns_refused(e: OSError) -> SetupError:

@@ -38,13 +38,20 @@ def test_cancel_of_an_agent_stops_its_trees_and_nothing_else_and_cancel_of_the_r
             wait_beats(info["heartbeats"])
         assert all(growing(infos["A1"]["heartbeats"] + infos["A2"]["heartbeats"]).values())
 
+        def free(cell):  # another agent's writer takes the cell's worktree at once (its own lock file, as a cell's)
+            probe = os.path.join(state, "locks", locks.worktree_key(wts[cell], "probe", cell) + ".lock")
+            fd = locks.try_acquire(probe, True, "probe", tree=wts[cell], agent="probe/p")
+            if fd is not None:
+                locks.release(probe, fd)
+            return fd is not None
+        assert not free("A1")  # held while A1 runs
         out = agnsup.json("cancel", "--run", "R2", "--agent", "A", "--grace", "0.5", "--json")
         assert out["cancelled"] == 2
         assert sorted(c["cell_id"] for c in out["cells"]) == ["A1", "A2"]
         assert all(c["state"] == "cancelled" and c["empty"] for c in out["cells"])
         for cell in ("A1", "A2"):
             assert gone(infos[cell]), f"{cell}: {[(p, alive(*p)) for p in tree_pids(infos[cell])]}"
-            assert locks.is_free(os.path.join(state, "locks", locks.worktree_key(wts[cell]) + ".lock"))
+            assert free(cell), f"{cell}'s worktree is still held"
             assert starter.exit_code("R2", cell) in (128 + signal.SIGTERM, 128 + signal.SIGKILL)
         # B1 untouched, the run still takes cells
         assert all(growing(infos["B1"]["heartbeats"]).values())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import suppress
 
 from ..errors import CellsStillRunning, JournalDamaged, StateError
 
@@ -136,24 +135,10 @@ def retention_days() -> float:
 
 
 def parse_before(text: str, now: float | None = None) -> float:
-    """A cut-off: an age (`30d`, `12h`, `90m`, `45s`) or a UTC date (`2026-11-01`, `2026-11-01T12:00`)."""
-    import calendar
-    from ..errors import UsageError
-    now = time.time() if now is None else now
-    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-    t = text.strip()
-    if t and t[-1] in units:
-        try:
-            n = float(t[:-1])
-        except ValueError:
-            n = -1.0
-        if n >= 0:
-            return now - n * units[t[-1]]
-    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
-        with suppress(ValueError):
-            return float(calendar.timegm(time.strptime(t.removesuffix("Z"), fmt)))
-    raise UsageError(f"--before: {text!r} is neither an age (30d, 12h, 90m, 45s) nor a UTC date "
-                     "(2026-11-01, 2026-11-01T12:00)")
+    """`journal prune --before`'s cut-off: an age (`30d`, `12h`, `90m`, `45s`) or a date, UTC unless it names an
+    offset (`2026-11-01`, `2026-11-01T12:00`): the same reading as `ps --since` (cells.parse_when)."""
+    from .cells import parse_when
+    return parse_when(text, "--before", time.time() if now is None else now)
 
 
 def prune(state, before: float, journal=None, compact: bool = False) -> dict:

@@ -26,6 +26,7 @@ import os
 import time
 
 from .errors import AgnsupError, SetupError, UnknownId, UsageError
+from .linux import pidfd
 
 LOOPBACK = "127.0.0.1"
 PORTS_FILE = "ports.json"
@@ -115,21 +116,6 @@ class _Locked:
         os.close(self.fd)  # the lock goes with the fd
 
 
-def _alive(r: dict) -> bool:
-    """Is the forwarder of record `r` still the process it started as (boot id, start time, pidfd inode)?"""
-    from .linux import pidfd, proc
-    if r.get("boot_id") != proc.boot_id():
-        return False
-    fd = pidfd.open(int(r.get("pid") or 0)) if r.get("pid") else None
-    if fd is None:
-        return False
-    try:
-        ok, _ = pidfd.matches(fd, r["pid"], r.get("pidfd_ino"), r.get("starttime"))
-        return ok and not proc.is_zombie(r["pid"])
-    finally:
-        os.close(fd)
-
-
 def _public(r: dict) -> dict:
     """What a caller sees of a record (the identity fields stay in the file)."""
     keys = ("run_id", "agent_id", "pod_port", "host", "host_port", "address", "url", "pid", "published_at", "by")
@@ -162,7 +148,7 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
     pod = find_pod(state, run_id, agent_id)
     d = pod.dir
     with _Locked(d, f"the pod of agent {agent_id!r} of run {run_id!r} ended meanwhile: nothing was published"):
-        records = [r for r in _read(d) if _alive(r)]
+        records = [r for r in _read(d) if pidfd.still(r)]
         for r in records:
             if r.get("pod_port") == port:
                 raise UsageError(f"port {port} of agent {agent_id}'s pod (run {run_id}) is already published at "
@@ -200,7 +186,7 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
 
 def _start(state, pod, sock, port: int, backend) -> dict:
     """The forwarder, started in the pod's place: its identity for the record."""
-    from .linux import pidfd, proc
+    from .linux import proc
     from .process import forwarder
     if backend is None:
         from . import backend as backends
@@ -230,7 +216,6 @@ def _start(state, pod, sock, port: int, backend) -> dict:
 
 def _keeper_fd(pod) -> int | None:
     """A pidfd of the pod's keeper, proven to be it (pod.json's identity): readable once the keeper ended."""
-    from .linux import pidfd
     k = getattr(pod, "keeper", None) or {}
     fd = pidfd.open(k["pid"]) if k.get("pid") else None
     if fd is None:
@@ -259,7 +244,6 @@ def _stop(rec: dict, grace: float) -> bool:
     whether it is gone."""
     import select
     import signal
-    from .linux import pidfd
     fd = pidfd.open(int(rec.get("pid") or 0)) if rec.get("pid") else None
     if fd is None:
         return True
@@ -294,7 +278,7 @@ def listing(state, run_id: str | None = None, agent_id: str | None = None) -> li
         except OSError:
             continue
         for a in agents:
-            out += [_public(rec) for rec in _read(os.path.join(top, r, a)) if _alive(rec)]
+            out += [_public(rec) for rec in _read(os.path.join(top, r, a)) if pidfd.still(rec)]
     return sorted(out, key=lambda x: (x["run_id"], x["agent_id"], x["pod_port"]))
 
 
@@ -307,8 +291,8 @@ def close(state, run_id: str, agent_id: str, port, journal=None, by: str | None 
     with _Locked(d, f"port {port} of agent {agent_id!r} of run {run_id!r} is not published (no pod)"):
         records = _read(d)
         mine = [r for r in records if r.get("pod_port") == port]
-        if not mine or not _alive(mine[0]):
-            _write(d, [r for r in records if r.get("pod_port") != port and _alive(r)])
+        if not mine or not pidfd.still(mine[0]):
+            _write(d, [r for r in records if r.get("pod_port") != port and pidfd.still(r)])
             raise UnknownId(f"port {port} of agent {agent_id!r} of run {run_id!r} is not published "
                             f"(agnsup ports --run {run_id} --agent {agent_id})")
         rec = mine[0]

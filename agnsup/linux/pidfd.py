@@ -68,6 +68,21 @@ def matches(fd: int, pid: int, pidfd_ino: int | None, starttime: int | None) -> 
     return True, "pidfd inode and start time match" if pidfd_ino is not None else "start time matches"
 
 
+def still(ident: dict) -> bool:
+    """Is the process a record names ({"pid", "pidfd_ino", "starttime", "boot_id"}: a pod's keeper, a port's
+    forwarder) alive and still itself: this boot, the same pidfd inode and start time, not a zombie?"""
+    pid = ident.get("pid")
+    if not pid or ident.get("boot_id") != proc.boot_id():
+        return False
+    fd = open(int(pid))
+    if fd is None:
+        return False
+    try:
+        return matches(fd, pid, ident.get("pidfd_ino"), ident.get("starttime"))[0] and not proc.is_zombie(pid)
+    finally:
+        os.close(fd)
+
+
 def send(fd: int, sig: int) -> bool:
     """Signal the exact process behind `fd`; False if it already exited."""
     try:

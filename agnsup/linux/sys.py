@@ -295,62 +295,45 @@ def fsmount_new(fstype: str, options: dict[str, str], attrs: int = 0) -> int:
         os.close(fs)
 
 
-# A descriptor passed over a Unix socket pair (unix(7), SCM_RIGHTS) without the `socket` module (its imports
-# cost more than a whole cell start on a busy host): the cell's child hands the controller its network
-# namespace this way (process/leader.py). <sys/socket.h>
-AF_UNIX = 1
-SOCK_SEQPACKET = 5
-SOL_SOCKET = 1
-SCM_RIGHTS = 1
-MSG_DONTWAIT = 0x40
-MSG_CMSG_CLOEXEC = 0x40000000
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-class _Msghdr(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.POINTER(_Iovec)),
-                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
-                ("flags", ctypes.c_int)]
-
-
-class _Cmsg1(ctypes.Structure):  # struct cmsghdr with one int of data: CMSG_LEN(4) = 20, CMSG_SPACE(4) = 24
-    _fields_ = [("len", ctypes.c_size_t), ("level", ctypes.c_int), ("type", ctypes.c_int), ("fd", ctypes.c_int),
-                ("pad", ctypes.c_int)]
-
-
+# Descriptors passed over a Unix socket (unix(7), SCM_RIGHTS): the one way agnsup hands a namespace from one of
+# its processes to another (the cell's child to its controller: process/leader.py; a throwaway helper to a
+# root controller without CAP_NET_ADMIN: process.namespaces.cell_netns; a pod's keeper to whoever joins it:
+# process/keeper.py). `_socket`, not `socket` (its Python layer is not needed; the run path imports it anyway).
 def seqpacket_pair() -> tuple[int, int]:
-    """socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC): two fds, each end keeps message boundaries."""
-    fds = (ctypes.c_int * 2)()
-    _check(_libc.socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds), "socketpair")
-    return fds[0], fds[1]
+    """socketpair(AF_UNIX, SOCK_SEQPACKET), close-on-exec: two fds, each end keeps message boundaries."""
+    import _socket
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    return a.detach(), b.detach()
 
 
-def send_fd(sock: int, data: bytes, fd: int) -> None:
-    """One message `data` (not empty) carrying a copy of `fd`."""
-    buf = ctypes.create_string_buffer(data, len(data))
-    iov = _Iovec(ctypes.cast(buf, ctypes.c_void_p), len(data))
-    cmsg = _Cmsg1(20, SOL_SOCKET, SCM_RIGHTS, fd, 0)
-    msg = _Msghdr(None, 0, ctypes.pointer(iov), 1, ctypes.cast(ctypes.pointer(cmsg), ctypes.c_void_p),
-                  ctypes.sizeof(cmsg), 0)
-    _check(_libc.sendmsg(ctypes.c_int(sock), ctypes.byref(msg), ctypes.c_int(0)), "sendmsg")
+def send_fds(sock, data: bytes, fds: list[int]) -> None:
+    """One message `data` (not empty) carrying copies of `fds`, on `sock` (an fd, or a socket object)."""
+    import _socket
+    import struct
+    s = _socket.socket(fileno=sock) if isinstance(sock, int) else sock
+    try:
+        s.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+    finally:
+        if s is not sock:
+            s.detach()
 
 
-def recv_fd(sock: int, size: int = 256) -> tuple[bytes, int | None]:
-    """(data, fd or None) of one message queued on `sock`, without waiting (b"", None: none yet, or the other end
-    closed without sending); the fd arrives close-on-exec."""
-    buf = ctypes.create_string_buffer(size)
-    iov = _Iovec(ctypes.cast(buf, ctypes.c_void_p), size)
-    cmsg = _Cmsg1(0, 0, 0, -1, 0)
-    msg = _Msghdr(None, 0, ctypes.pointer(iov), 1, ctypes.cast(ctypes.pointer(cmsg), ctypes.c_void_p),
-                  ctypes.sizeof(cmsg), 0)
-    n = _libc.recvmsg(ctypes.c_int(sock), ctypes.byref(msg), ctypes.c_int(MSG_DONTWAIT | MSG_CMSG_CLOEXEC))
-    if n < 0:
-        err = ctypes.get_errno()
-        if err in (11, 4):  # EAGAIN, EINTR: nothing queued
-            return b"", None
-        raise OSError(err, f"recvmsg: {os.strerror(err)}")
-    got = msg.controllen >= 20 and cmsg.level == SOL_SOCKET and cmsg.type == SCM_RIGHTS
-    return buf.raw[:n], (cmsg.fd if got else None)
+def recv_fds(sock, size: int = 256, max_fds: int = 1, wait: bool = True) -> tuple[bytes, list[int]]:
+    """(data, fds) of one message on `sock` (an fd, or a socket object, whose timeout holds), the fds
+    close-on-exec; b"" and []: the other end closed without a word, or (`wait` False) nothing queued yet."""
+    import _socket
+    import struct
+    s = _socket.socket(fileno=sock) if isinstance(sock, int) else sock
+    fds: list[int] = []
+    try:
+        flags = _socket.MSG_CMSG_CLOEXEC | (0 if wait else _socket.MSG_DONTWAIT)
+        data, ancillary, _flags, _addr = s.recvmsg(size, _socket.CMSG_SPACE(4 * max_fds), flags)
+    except (BlockingIOError, InterruptedError):
+        return b"", []
+    finally:
+        if s is not sock:
+            s.detach()
+    for level, kind, raw in ancillary:
+        if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
+            fds += struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) // 4 * 4])
+    return data, fds

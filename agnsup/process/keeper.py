@@ -154,7 +154,6 @@ def _serve(srv, fds: list[int], me: int) -> None:
     import _socket
     import struct
     import time
-    rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     creds = struct.calcsize("3i")
     while True:
         try:
@@ -166,7 +165,7 @@ def _serve(srv, fds: list[int], me: int) -> None:
         try:
             _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, creds))
             if uid == me:
-                conn.sendmsg([str(len(fds)).encode()], rights)
+                lsys.send_fds(conn, str(len(fds)).encode(), fds)
         except OSError:
             pass  # the asker went away: nothing to tell it
         finally:
@@ -199,10 +198,7 @@ def ask(where: str, pid: int) -> tuple[int, int | None]:
                 time.sleep(0.002)
         peer, _uid, _gid = struct.unpack("3i", s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED,
                                                             struct.calcsize("3i")))
-        answer, ancillary, _flags, _addr = s.recvmsg(16, _socket.CMSG_SPACE(2 * 4), _socket.MSG_CMSG_CLOEXEC)
-        for level, kind, data in ancillary:
-            if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
-                fds += struct.unpack(f"{len(data) // 4}i", data[:len(data) // 4 * 4])
+        answer, fds = lsys.recv_fds(s, 16, max_fds=2)
     except OSError as e:
         for fd in fds:
             os.close(fd)

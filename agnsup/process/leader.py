@@ -172,7 +172,10 @@ def _hold_netns(child: Child) -> None:
     if child.netns_watch is None:
         return
     try:
-        said, fd = lsys.recv_fd(child.netns_watch)
+        said, fds = lsys.recv_fds(child.netns_watch, wait=False)
+        for extra in fds[1:]:
+            os.close(extra)
+        fd = fds[0] if fds else None
         if fd is not None:
             child.netns_fd = fd
             child.netns_base = None if said == b"1" else netns.decode(said)

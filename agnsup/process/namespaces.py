@@ -28,31 +28,23 @@ def cell_netns() -> int:
     /proc entry ourselves, as its euid is the namespace's owner now and a container's root has no
     CAP_SYS_PTRACE), then exits; the fd keeps the namespace until the cell is in it. One fork per cell,
     only on such hosts."""
-    import _socket  # not `socket` (tens of ms of imports on a busy host): a socketpair and SCM_RIGHTS
-    import struct
-    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    ours, theirs = lsys.seqpacket_pair()
     pid = os.fork()
     if pid == 0:
         try:
-            ours.close()
+            os.close(ours)
             try:
                 netns.own_user_and_net_namespace(userns.netns_owner())
-                fd = proc.ns("net")
-                theirs.sendmsg([b"1"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))])
+                lsys.send_fds(theirs, b"1", [proc.ns("net")])
             except OSError as e:
-                theirs.send(f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
+                os.write(theirs, f"{e.errno or 0}\0{e.strerror or e}".encode(errors="replace"))
         finally:
             os._exit(0)
-    theirs.close()
-    fds: list[int] = []
+    os.close(theirs)
     try:
-        # b"": it died before saying anything
-        answer, ancillary, _flags, _addr = ours.recvmsg(4096, _socket.CMSG_SPACE(4), _socket.MSG_CMSG_CLOEXEC)
-        for level, kind, data in ancillary:
-            if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
-                fds += struct.unpack(f"{len(data) // 4}i", data[:len(data) // 4 * 4])
+        answer, fds = lsys.recv_fds(ours, 4096)  # b"": it died before saying anything
     finally:
-        ours.close()
+        os.close(ours)
         _let_go(pid)  # it exits by itself
     if answer == b"1" and len(fds) == 1:
         return fds[0]

@@ -120,7 +120,7 @@ def _netns_watch(s: Setup) -> None:
     try:  # evidence for a hint, never a reason for the cell not to run: the controller says what it lacks
         fd = proc.ns("net")
         try:
-            lsys.send_fd(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", fd)
+            lsys.send_fds(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", [fd])
         finally:
             os.close(fd)
     except OSError:

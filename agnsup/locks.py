@@ -21,6 +21,7 @@ old single lock file, `<tree digest>.lock`) is in everyone's way, as a writer.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import sys
@@ -59,21 +60,41 @@ def wait_bound(lock_timeout: float | None, timeout: float | None) -> tuple[float
     return lock_timeout, ("lock_timeout" if lock_timeout is not None else "")
 
 
-def _try(path: str, mode: int) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    try:
-        same = os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        same = False
-    if not same:  # unlinked by the previous holder after we opened it
-        os.close(fd)
-        return _try(path, mode)
-    return fd
+def flock_file(path: str, mode: int, deadline: float | None = None, give_up=None, follow: bool = True,
+               waited_for: str = "") -> int | None:
+    """flock `path` (made if missing) in `mode`; the locked fd, or None: when it is held and `deadline` is
+    None or `give_up()` says so while it waits. A lock file is unlinked by its last holder, so the lock taken
+    may be on an inode the path no longer names: `follow` takes the file the path names now, else None (the
+    caller reloads what that file guarded: pod.join). Past `deadline` (monotonic): TimeoutError."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is None or (give_up is not None and give_up()):
+                        os.close(fd)
+                        return None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(errno.ETIMEDOUT, f"{path} stayed locked{waited_for}") from None
+                    time.sleep(0.002)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            return fd
+        os.close(fd)  # unlinked by the previous holder after we opened it
+        if not follow:
+            return None
+
+
+_try = flock_file  # one attempt, no wait: the worktree locks' primitive
 
 
 def holder(path: str) -> str:

@@ -36,6 +36,7 @@ import os
 import time
 from contextlib import suppress
 
+from . import locks
 from .backend.base import Place
 from .linux import cgroup, pidfd, proc
 from .linux import sys as lsys
@@ -184,33 +185,9 @@ class Membership(Record):
 
 
 def _lock(path: str, mode: int, deadline: float | None, give_up=None) -> int | None:
-    """flock `path` (made if missing) in `mode`: its fd, None when `deadline` is None and it is held, when
-    `give_up()` says so while it waits, or when the path stopped naming the inode locked (a teardown
-    unlinked it: the caller starts again)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if deadline is None or (give_up is not None and give_up()):
-                    os.close(fd)
-                    return None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(errno.ETIMEDOUT, f"{path} stayed locked for {JOIN_TIMEOUT:g} s") from None
-                time.sleep(0.002)
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-    except BaseException:
-        os.close(fd)
-        raise
-    if not same:
-        os.close(fd)
-        return None
-    return fd
+    """The pod's lock in `mode`: None when held (and `deadline` is None, or `give_up()`), or when a teardown
+    unlinked it meanwhile (the caller starts again). locks.flock_file, the worktree locks' primitive."""
+    return locks.flock_file(path, mode, deadline, give_up, follow=False, waited_for=f" for {JOIN_TIMEOUT:g} s")
 
 
 def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,

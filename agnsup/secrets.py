@@ -79,7 +79,7 @@ def host_text(host: str, port: int) -> str:
 
 
 def _bad(where: str, name: str, what: str) -> UsageError:
-    return UsageError(f"{where}: secret {name!r}: {what}")
+    return UsageError(f"{where}: secret {name!r}: {what}", what=what)
 
 
 def parse_host(text, where: str = "secret", name: str = "?") -> tuple[str, int]:
@@ -87,6 +87,8 @@ def parse_host(text, where: str = "secret", name: str = "?") -> tuple[str, int]:
     import ipaddress
     if not isinstance(text, str) or not text:
         raise _bad(where, name, f"hosts: {text!r} is not a host name")
+    if "/" in text or "@" in text:
+        raise _bad(where, name, f"hosts: {text!r} is not a host name (HOST or HOST:PORT: no scheme, user or path)")
     host, port = text, 443
     if text.startswith("["):
         end = text.find("]")
@@ -300,6 +302,21 @@ def cell_env(refs: list[SecretRef]) -> dict[str, str]:
     return {r.env: r.placeholder for r in refs if r.env}
 
 
+def apply(spec, refs: list[SecretRef]) -> None:
+    """Put the secrets on a CellSpec: the placeholders and the trust knobs in its environment (a per-call --env
+    of the same name is refused), their references (no value) in spec.secrets."""
+    from .spec import CELL_TMP
+    placeholders = cell_env(refs)
+    for k in placeholders:
+        if spec.env_sources.get(k) == "call":
+            raise UsageError(f"--env {k}: the secret {next(r.name for r in refs if r.env == k)!r} sets it "
+                             "(to its placeholder)")
+    bundle, cert = os.path.join(CELL_TMP, CA_BUNDLE_REL), os.path.join(CELL_TMP, CA_CERT_REL)
+    for k, v in {**trust_env(bundle, cert), **placeholders}.items():
+        spec.env[k], spec.env_sources[k] = v, "secret" if k in placeholders else "agnsup"
+    spec.secrets = [r.table() for r in refs]
+
+
 # The variables that point the cell's clients at the bundle holding the controller's CA (docs/isolation.md).
 CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT")
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
@@ -332,13 +349,16 @@ def redaction_rules(secrets: list[Secret]) -> list[tuple[str, str]]:
 
 
 # The values of the cells this controller started, by (run_id, cell_id), while it may still return their
-# output (redact.for_receipt): memory only, dropped with the process.
+# output (redact.for_receipt): memory only, dropped with the process (the oldest past _KEEP).
 _LIVE: dict = {}
+_KEEP = 4096
 
 
 def remember(run_id: str, cell_id: str, secrets: list[Secret]) -> None:
     if secrets:
         _LIVE[(run_id, cell_id)] = list(secrets)
+        while len(_LIVE) > _KEEP:
+            _LIVE.pop(next(iter(_LIVE)))
 
 
 def held(run_id: str, cell_id: str) -> list[Secret]:

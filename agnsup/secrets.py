@@ -202,7 +202,7 @@ def parse_flag(text: str) -> SecretRef:
 def refs_of(role_tables: dict | None, call, role: str) -> list[SecretRef]:
     """The cell's secrets: the role's ([secrets.NAME], validated at load) and the call's (a dict name -> table,
     or CLI `--secret` strings). A call may not shadow a role's secret (UsageError)."""
-    refs = [parse_table(n, dict(t), f"role {role}") for n, t in (role_tables or {}).items()]
+    refs = [parse_table(n, dict(t.items()), f"role {role}") for n, t in (role_tables or {}).items()]
     mine = {r.name for r in refs}
     extra: list[SecretRef] = []
     if isinstance(call, dict):

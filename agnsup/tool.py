@@ -105,7 +105,7 @@ def prepare(state, journal, request: CellRequest):
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
     held = None
-    if pol.get("secrets") or request.secrets:  # after the gate: the secrets' references, then their values
+    if list(pol.get("secrets") or ()) or request.secrets:  # after the gate: the secrets' references, then values
         try:
             held = _secrets(state, pol, request, spec)
         except AgnsupError as e:
@@ -137,6 +137,8 @@ def _secrets(state, pol, request: CellRequest, spec) -> list:
     from . import secrets
     from .egress.ca import default_ca_dir
     refs = secrets.refs_of(pol.get("secrets"), request.secrets, request.role)
+    if not refs:
+        return None
     secrets.check(refs, pol.network)
     ca_dir = default_ca_dir(state.path)
     try:

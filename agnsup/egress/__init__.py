@@ -41,15 +41,13 @@ def proxy_env(port: int) -> dict[str, str]:
     return {**env, **{k.lower(): v for k, v in env.items()}}
 
 
-def serve(listener, rules, journal_path: str, run_id: str, cell_id: str, secrets=None, authority=None):
+def serve(listener, rules, journal_path: str, run_id: str, cell_id: str):
     """The proxy for one cell, accepting on `listener` from now on (the broker's start hook);
-    `rules`: the role's netpolicy.Rules, compiled into the plan (compiler.py); `secrets` (resolved
-    agnsup.secrets.Secret list) with the controller's `authority` (ca.authority()): intercepted."""
+    `rules`: the role's netpolicy.Rules, compiled into the plan (compiler.py)."""
     from .proxy import Proxy, resolver_from_env
     from .sink import JournalSink
     resolve, how = resolver_from_env()
-    return Proxy(listener, rules, resolve, JournalSink(journal_path, run_id, cell_id), how, secrets=secrets,
-                 authority=authority).start()
+    return Proxy(listener, rules, resolve, JournalSink(journal_path, run_id, cell_id), how).start()
 
 
 def receipt_section(proxy, network: dict, listener=None) -> dict:

@@ -437,7 +437,7 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
               port: int) -> None:
     """An intercepted CONNECT/SOCKS5: the cell's TLS ends here, one request goes upstream over our TLS.
     Raises proxy.Refused (answered already) for a refusal, OSError/ValueError for a broken connection."""
-    from .proxy import HANDSHAKE_TIMEOUT, Refused
+    from .proxy import CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, Refused
     rec["intercepted"] = True
     name = norm_host(host)
     cell = TLSServer(client, proxy.authority.server_context(name), early)
@@ -453,12 +453,13 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
             cell.sendall(_refusal_for(proxy, rec, e, host, port))
             cell.close_notify()
             raise Refused("refused", rec["rule"], rec["reason"], http_status=403).answered() from None
-        if b"100-continue" in head.lower():
+        if any(h.lower().startswith(b"expect:") and b"100-continue" in h.lower() for h in head.split(b"\r\n")):
             cell.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         client.settimeout(None)
-        upstream.settimeout(None)
+        upstream.settimeout(CONNECT_TIMEOUT)  # for the handshake; then as long as the response takes
         try:
             up = proxy.upstream_context().wrap_socket(upstream, server_hostname=name)
+            up.settimeout(None)
         except (ssl.SSLError, ssl.CertificateError) as e:
             reason = f"TLS to {name}:{port}: {getattr(e, 'verify_message', None) or e}"
             with suppress(OSError, ValueError):

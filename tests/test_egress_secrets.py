@@ -322,3 +322,16 @@ def test_the_journal_sink_commits_the_exfiltration_event(tmp_path):
     assert [(r[0], r[1], r[2], json.loads(r[3])) for r in rows] == [
         ("secret.exfiltration", "r1", "c1", {"name": "gh", "host": "x.test", "port": 443, "where": "url"})]
 
+
+
+def test_a_large_body_with_expect_100_continue_and_two_requests_in_one_client_both_arrive(px):
+    body = px.tmp / "two-mb"
+    body.write_bytes(b"z" * (2 << 20))
+    url = f"https://api.secret.test:{px.port}/up"
+    cp = _curl(px, url, "--data-binary", f"@{body}", "-H", "Expect: 100-continue", "--next", "--proxy", px.url,
+               "--cacert", px.bundle, url + "?again")
+    assert cp.returncode == 0 and cp.stdout == "authorized\nauthorized\n", cp.stderr
+    seen = px.upstream.https.seen
+    assert [s["path"] for s in seen] == ["/up", "/up?again"] and len(seen[0]["body"]) == 2 << 20
+    assert "Expect" not in seen[0]["headers"]
+    assert {s["name"]: s["used"] for s in px.proxy.secret_summary()}["gh"][0]["count"] == 2

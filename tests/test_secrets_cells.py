@@ -325,3 +325,20 @@ def _events(state) -> list[dict]:
         data = d.get("data") or d.get("detail") or "{}"
         out.append({"type": d.get("type") or d.get("kind"), "data": json.loads(data) if isinstance(data, str) else {}})
     return out
+
+
+def test_the_supervisor_uses_the_roles_secret_and_redacts_live_output(state, worktree, roles, canary, monkeypatch):
+    """The door of MCP, sandboxd and serve (agnsup.Supervisor): a role's secret, with no per-call option."""
+    from agnsup.supervisor import Supervisor
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(roles))
+    monkeypatch.setenv("SEC_TEST_CANARY", canary)
+    with open(os.path.join(worktree, "leak.txt"), "w") as f:  # the value, where the cell can read it
+        f.write(f"x{canary}y\n")
+    with Supervisor(state) as sup:
+        h = sup.spawn(["sh", "-c", 'echo "[$GITHUB_TOKEN]"; cat leak.txt'], role="vault", workdir=worktree,
+                      stream=True, timeout=60)
+        res = sup.wait(h["run_id"], h["cell_id"], 60)
+        out = sup.read_output(h["run_id"], h["cell_id"], 0, timeout=5)
+        live = b"".join(c["data"] for c in out["chunks"]).decode()
+        assert live == "[agnsup-secret:gh]\nx[REDACTED:redact.secret.gh]y\n", live
+        assert res["exit_code"] == 0 and canary not in json.dumps(res), res

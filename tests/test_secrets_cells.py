@@ -342,3 +342,22 @@ def test_the_supervisor_uses_the_roles_secret_and_redacts_live_output(state, wor
         live = b"".join(c["data"] for c in out["chunks"]).decode()
         assert live == "[agnsup-secret:gh]\nx[REDACTED:redact.secret.gh]y\n", live
         assert res["exit_code"] == 0 and canary not in json.dumps(res), res
+
+
+def test_a_normal_users_controller_gives_its_cell_the_placeholder_and_the_bundle(user, canary):
+    """An unprivileged controller (its cell's /tmp is filled inside the cell, its namespaces in a user namespace
+    of its own): the same placeholder, bundle and knobs; the value nowhere in the user's state root."""
+    wt = user.own_dir("wt-secrets")
+    pol = user.own_dir("policies-secrets")
+    write_role(pol, "open", network__mode='"allowlist"', network__allow=f'["{HOST}"]')
+    os.chown(os.path.join(pol, "open.toml"), user.uid, user.gid)
+    script = ('echo "[$T]"; tail -c 200 "$SSL_CERT_FILE" | grep -c "END CERTIFICATE"; '
+              f'cmp -s "$SSL_CERT_FILE" {SYSTEM_BUNDLE} && echo BOUND; cat "$NODE_EXTRA_CA_CERTS" > ca.pem')
+    cp = user("run", "--role", "open", "--workdir", wt, "--secret", f"x:source=env:SEC_TEST_CANARY,hosts={HOST},env=T",
+              "--", "sh", "-c", script, env={**user.env, "AGNSUP_POLICY_DIR": pol, "SEC_TEST_CANARY": canary})
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.startswith("[agnsup-secret:x]\n1\n"), cp.stdout
+    assert ("BOUND" in cp.stdout) == os.path.isfile(SYSTEM_BUNDLE)
+    assert _read(os.path.join(wt, "ca.pem")).startswith(b"-----BEGIN CERTIFICATE-----")
+    assert _everything_under(os.path.join(user.home, ".local", "state"), canary) == []
+    assert user.left() == []

@@ -649,6 +649,7 @@ class Journal:
     def restart_chain(self, old_head: dict | None) -> None:
         """`journal repair`: a chain that starts again (a rebuilt journal, or a head the journal no longer
         matches) begins with an event naming the old head; the head is then written whatever it was."""
+        self._anchor = 0  # heads seen before belong to the old chain (verify: anchors count from the restart on)
         with self.tx() as db:
             self.event(db, "chain.restarted", old_head=old_head)
             head = self._chain()

@@ -1023,7 +1023,7 @@ def verify(obj, as_json, public_key):
     from ..store import chain
     key = chain.load_public_key(public_key) if public_key else None
     j = _journal(obj)
-    snap = j.chain_snapshot() if j else {"chain": [], "events": {}, "receipts": {}}
+    snap = j.chain_snapshot() if j else {"chain": [], "events": {}, "receipts": {}, "cells_on_disk": []}
     r = chain.verify(snap, _root(obj).path, key)
     if not _echo_json(as_json, r, sort_keys=True):
         head = r["head"]

@@ -257,13 +257,12 @@ def verify(snap: dict, state_dir: str, public_key=None) -> dict:
 def _receipt_files(snap: dict, state_dir: str, seq_of: dict, broken: list) -> dict:
     """Each cell's receipt.json on disk against its journaled receipt rows (any of them: the janitor never
     overwrites one on disk)."""
-    from .journal import cells_on_disk
     journaled: dict[tuple, list] = {}
     for rid, (_, kind, run_id, cell_id, _t, data) in snap["receipts"].items():
         if kind == "cell":
             journaled.setdefault((run_id, cell_id), []).append((rid, data))
     out = {"checked": 0, "changed": 0, "not_journaled": 0}
-    for run_id, cell_id in cells_on_disk(state_dir):
+    for run_id, cell_id in snap.get("cells_on_disk") or ():
         path = os.path.join(state_dir, "cells", run_id, cell_id, "receipt.json")
         rows = journaled.get((run_id, cell_id))
         try:

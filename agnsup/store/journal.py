@@ -616,12 +616,14 @@ class Journal:
 
     # -- the chain (agnsup/store/chain.py) ---------------------------------------------
     def chain_snapshot(self) -> dict:
-        """The chain rows and the chained tables' rows (by id), one consistent read, for chain.verify."""
+        """The chain rows and the chained tables' rows (by id), one consistent read, and the cells on disk
+        (their receipt files), for chain.verify."""
         with self.lock or nullcontext():
             try:
                 self.db.execute("BEGIN")
                 try:
-                    return {"chain": [tuple(r) for r in self.db.execute(
+                    return {"cells_on_disk": cells_on_disk(os.path.dirname(self.path)),
+                            "chain": [tuple(r) for r in self.db.execute(
                                 "SELECT seq, tbl, row, prev, hash, anchor FROM chain ORDER BY seq")],
                             **{tbl: {r[0]: tuple(r) for r in self.db.execute(f"SELECT {cols} FROM {tbl}")}
                                for tbl, cols in _COLS.items()}}

@@ -16,7 +16,7 @@ in the state root, which no cell ever sees (tests/test_verify.py proves it). A
 head that points past the journal's end or at another hash is broken; records
 past the head are "not yet anchored" (a controller died between COMMIT and the
 head write: crash point `chain.head`) until the next writer re-anchors them. The
-head only moves forward (a flock around read-compare-replace), and each record
+head only moves forward (a flock around read-compare-write), and each record
 carries the head seq its writer had seen (`anchor`): a head older than an anchor
 was rolled back. What the chain cannot stop: root rewriting the tail after an old
 head and the head with it; ship the head (or `agnsup receipts --export jsonl`)
@@ -63,12 +63,24 @@ def head_path(state_dir: str) -> str:
 
 
 def read_head(path: str) -> dict | None:
-    """The head, None when there is none; ValueError when it is not a head."""
+    """The head, None when there is none; ValueError when it is not a head. Under a shared flock: a writer's
+    pwrite is never seen half done."""
+    import fcntl
     try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        raw = os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
+    return _parse(raw)
+
+
+def _parse(raw: bytes) -> dict | None:
+    if not raw:
+        return None  # created, never written (a writer died between open and pwrite)
     h = json.loads(raw)
     if not isinstance(h, dict) or not isinstance(h.get("seq"), int) or not isinstance(h.get("hash"), str):
         raise ValueError("not a head (seq, hash)")
@@ -96,18 +108,24 @@ def _signer():
     return _SIGNER
 
 
+HEAD_SIZE = 512  # the head is rewritten in place, padded to this size (a signed one takes ~230 bytes)
+
+
 def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int:
     """Anchor the chain at (seq, hash_) unless the head is already at or past seq (`force`: a new chain,
-    journal repair). Atomic (rename), 0600, under a flock so that it only moves forward. Returns the head
-    seq now on disk."""
+    journal repair). Returns the head seq now on disk.
+
+    In place, under an exclusive flock on the file itself, so that it only moves forward and readers (who
+    take a shared one) never see half of it: one pwrite of HEAD_SIZE bytes at offset 0 is not torn by a
+    process's death. Not a rename: ext4 flushes a file replaced by rename (auto_da_alloc), ~0.5 ms a
+    transaction here."""
     import fcntl  # on the run path already (locks.py)
-    path = head_path(state_dir)
-    lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(head_path(state_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         if not force:
             try:
-                cur = read_head(path)
+                cur = _parse(os.pread(fd, 4096, 0))
             except ValueError:
                 cur = None  # garbage: verify says so until a writer replaces it
             if cur is not None and cur["seq"] >= seq:
@@ -119,16 +137,14 @@ def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int
             head["sig"] = base64.b64encode(key.sign(f"{seq}:{hash_}".encode())).decode()
         elif err:
             head["unsigned"] = err
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (json.dumps(head, sort_keys=True) + "\n").encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        data = json.dumps(head, sort_keys=True).encode()
+        data = data.ljust(HEAD_SIZE - 1) + b"\n"
+        os.pwrite(fd, data, 0)
+        if os.fstat(fd).st_size != len(data):
+            os.ftruncate(fd, len(data))
         return seq
     finally:
-        os.close(lock)
+        os.close(fd)
 
 
 def load_public_key(path: str):

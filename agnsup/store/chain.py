@@ -261,9 +261,9 @@ def verify(snap: dict, state_dir: str, public_key=None) -> dict:
                                head.get("sig") else f"the head is not signed ({head.get('unsigned') or 'no key'})"})
     files = _receipt_files(snap, state_dir, seq_of, broken)
     broken.sort(key=lambda b: (b["seq"] is None, b["seq"] or 0))
-    out = {"ok": not broken, "records": len(chain), "head": head, "anchored": anchored,
-           "not_anchored": max(0, last - anchored), "pruned": n_pruned,
-           "receipt_files": files, "signature": signed, "broken": broken}
+    out: dict = {"ok": not broken, "records": len(chain), "head": head, "anchored": anchored,
+                 "not_anchored": max(0, last - anchored), "pruned": n_pruned,
+                 "receipt_files": files, "signature": signed, "broken": broken}
     if out["not_anchored"]:
         out["note"] = (f"{out['not_anchored']} record(s) past the head are not yet anchored (a controller died "
                        "before writing the head); the next writer anchors them")

@@ -144,11 +144,13 @@ class Journal:
         """One chain row per row this transaction inserted (one SELECT, one INSERT); the new (seq, hash)."""
         last = self.db.execute("SELECT seq, hash FROM chain ORDER BY seq DESC LIMIT 1").fetchone()
         seq, prev = (last[0], last[1]) if last else (0, chain.ZERO)
+        # never past the chain's end: a head seen before `journal repair` restarted the chain belongs to the old one
+        anchor = min(self._anchor, seq)
         rows = []
         for tbl, content in self._pending:
-            h = chain.link(prev, tbl, self._anchor, content)
+            h = chain.link(prev, tbl, anchor, content)
             seq += 1
-            rows.append((seq, tbl, content[0], prev, h, self._anchor))
+            rows.append((seq, tbl, content[0], prev, h, anchor))
             prev = h
         self._pending = []
         self.db.executemany("INSERT INTO chain(seq, tbl, row, prev, hash, anchor) VALUES (?,?,?,?,?,?)", rows)
@@ -690,19 +692,16 @@ class Journal:
                            "VALUES (?,?,?,?,?)", (run_id, cell_id, ended_at, path, now))
                 for table in ("events", "receipts", "connections", "cells"):  # the counts leave connections out
                     if table in chain.COLUMNS:
-                        ids = db.execute(f"DELETE FROM {table} WHERE run_id=? AND cell_id=? RETURNING id",
-                                         (run_id, cell_id)).fetchall()
-                        gone_rows.update((table, r[0]) for r in ids)
-                        out[table] += len(ids)
-                    else:
-                        gone = db.execute(f"DELETE FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id))
-                        if table in out:
-                            out[table] += gone.rowcount
+                        gone_rows.update((table, r[0]) for r in db.execute(
+                            f"SELECT id FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id)))
+                    gone = db.execute(f"DELETE FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id)).rowcount
+                    if table in out:
+                        out[table] += gone
             # the chain's own history (what was pruned, where a chain restarted) stays: verify reads it
-            ids = db.execute("DELETE FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN ('denied', 'refused')) "
-                             "AND kind NOT IN ('journal.pruned', 'chain.restarted') RETURNING id", (before,)).fetchall()
-            gone_rows.update(("events", r[0]) for r in ids)
-            out["events"] += len(ids)
+            old = ("FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN ('denied', 'refused')) "
+                   "AND kind NOT IN ('journal.pruned', 'chain.restarted')")
+            gone_rows.update(("events", r[0]) for r in db.execute("SELECT id " + old, (before,)))
+            out["events"] += db.execute("DELETE " + old, (before,)).rowcount
             out["controllers"] = db.execute(
                 "DELETE FROM controllers WHERE ended_at IS NOT NULL AND ended_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM cells c WHERE c.controller_id = controllers.id)", (before,)).rowcount

@@ -276,3 +276,24 @@ def test_a_key_that_does_not_load_leaves_the_head_unsigned_and_says_why(j, tmp_p
     monkeypatch.setattr(chain, "_SIGNER", [])
     cells(j, 1)
     assert "sig" not in head(j) and "cannot load" in head(j)["unsigned"] and str(bad) not in head(j)["unsigned"]
+
+
+def test_a_writer_that_saw_the_old_chains_head_does_not_break_the_restarted_one(tmp_path):
+    """A long-lived controller (serve) saw head 40 of the old chain; `journal repair` restarts the chain at 1:
+    its next records' anchors stay within the new chain, so verify holds."""
+    path = str(tmp_path / "journal.db")
+    live = Journal(path)
+    for i in range(40):
+        live.add_event("old", n=i)
+    assert live._anchor == 40
+    repairer = Journal(path)
+    try:
+        repairer.db.execute("DELETE FROM chain")  # as a rebuilt journal's empty chain
+        repairer.db.execute("DELETE FROM events")
+        repairer.restart_chain(head(live))
+        live.add_event("after the restart")
+        r = check(live)
+        assert r["ok"], r["broken"]
+    finally:
+        repairer.close()
+        live.close()

@@ -168,3 +168,18 @@ def test_a_cell_cannot_read_or_replace_the_head(agnsup, worktree, ran):
     cp = agnsup("run", "--workdir", worktree, "--", "python3", "-c", probe, agnsup.state, check=None)
     assert "no read" in cp.out and "no write" in cp.out, cp.out + cp.err
     assert verify(agnsup, rc=0)["ok"]
+
+
+def test_repair_of_a_journal_whose_tail_was_deleted_restarts_the_chain_and_keeps_the_break_visible(agnsup, ran):
+    """The head past the end (the last record and its chain row deleted): repair re-anchors with a
+    `chain.restarted` record naming the old head; a record edited inside the kept chain stays broken."""
+    seq, tbl, row = sql(agnsup, "SELECT seq, tbl, row FROM chain ORDER BY seq DESC LIMIT 1")[0]
+    sql(agnsup, f"DELETE FROM {tbl} WHERE id=?", (row,))
+    sql(agnsup, "DELETE FROM chain WHERE seq=?", (seq,))
+    edited = sql(agnsup, "SELECT seq, row FROM chain WHERE tbl='events' ORDER BY seq LIMIT 1")[0]
+    sql(agnsup, "UPDATE events SET kind='state.forged' WHERE id=?", (edited[1],))
+    assert agnsup.json("journal", "repair", "--json")["chain_restarted"]
+    broken = verify(agnsup, rc=1)["broken"]
+    assert [b["seq"] for b in broken] == [edited[0]], broken
+    (ev,) = sql(agnsup, "SELECT data FROM events WHERE kind='chain.restarted'")
+    assert json.loads(ev[0])["old_head"]["seq"] == seq

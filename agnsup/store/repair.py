@@ -102,9 +102,8 @@ def repair(state, backend=None) -> dict:
     try:
         # a rebuilt journal, or one its head no longer matches, starts a new chain: its first record names the
         # old head (the quarantined file still holds the old chain); breaks inside a kept chain stay visible
-        restarted = bool(moved) or any(b["seq"] is None or "head" in b["what"]
-                                       for b in chain.verify(j.chain_snapshot(), state.path)["broken"]
-                                       if "head" in b["what"])
+        restarted = bool(moved) or any("head" in b["what"]
+                                       for b in chain.verify(j.chain_snapshot(), state.path)["broken"])
         if restarted:
             j.restart_chain(old_head)
         known = j.known_cells()

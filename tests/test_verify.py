@@ -86,6 +86,13 @@ def test_a_receipt_file_edited_on_disk_is_named(agnsup, ran):
     assert any(path in b["what"] for b in out["broken"]) and out["receipt_files"]["changed"] == 1
 
 
+def test_a_receipt_file_deleted_on_disk_is_named(agnsup, ran):
+    path = os.path.join(agnsup.state, "cells", "default", "v0", "receipt.json")
+    os.unlink(path)
+    out = verify(agnsup, rc=1)
+    assert any(path in b["what"] and "gone" in b["what"] for b in out["broken"]) and out["receipt_files"]["gone"] == 1
+
+
 def test_a_head_replaced_by_an_older_one_is_named(agnsup, worktree):
     cells(agnsup, worktree, 1)
     with open(head_file(agnsup)) as f:

@@ -277,29 +277,42 @@ def _receipt_files(snap: dict, state_dir: str, seq_of: dict, broken: list) -> di
     for rid, (_, kind, run_id, cell_id, _t, data) in snap["receipts"].items():
         if kind == "cell":
             journaled.setdefault((run_id, cell_id), []).append((rid, data))
-    out = {"checked": 0, "changed": 0, "not_journaled": 0}
-    for run_id, cell_id in snap.get("cells_on_disk") or ():
+    out = {"checked": 0, "changed": 0, "not_journaled": 0, "gone": 0}
+    paths = snap.get("receipt_paths") or {}
+    for run_id, cell_id in sorted(set(snap.get("cells_on_disk") or []) | set(paths)):
         path = os.path.join(state_dir, "cells", run_id, cell_id, "receipt.json")
         rows = journaled.get((run_id, cell_id))
+        # the journal names this very file as the cell's receipt (the state root may be spelled otherwise)
+        named = (run_id, cell_id) in paths and os.path.realpath(paths[(run_id, cell_id)]) == os.path.realpath(path)
         try:
             with open(path) as f:
                 text = f.read()
         except FileNotFoundError:
+            # the controller writes a cell's receipt file before it journals its path (broker._conclude);
+            # receipt files are never removed (not by cleanup, not by prune)
+            if named:
+                out["gone"] += 1
+                rid = rows[-1][0] if rows else None
+                broken.append({"seq": seq_of.get(("receipts", rid)),
+                               "what": f"receipt file {path} is gone (the journal names it)"})
             continue
         except OSError as e:
             broken.append({"seq": None, "what": f"receipt file {path} is unreadable: {e.strerror}"})
             continue
-        if not rows:
-            out["not_journaled"] += 1  # pruned from the journal (or never concluded there): nothing to hold it to
-            continue
-        out["checked"] += 1
         try:
             on_disk = json.loads(text)
         except ValueError:
             on_disk = None
-        if not any(on_disk == json.loads(d) for _, d in rows):
+        same = any(on_disk == json.loads(d) for _, d in rows or ())
+        if not same and not named:
+            # pruned from the journal, or a file the journal never took as the cell's receipt (its controller
+            # died after writing it, before journaling it: the janitor journaled its own): nothing to hold it to
+            out["not_journaled"] += 1
+            continue
+        out["checked"] += 1
+        if not same:
             out["changed"] += 1
-            rid = rows[-1][0]
+            rid = rows[-1][0] if rows else None
             broken.append({"seq": seq_of.get(("receipts", rid)),
                            "what": f"receipt file {path} differs from its journaled content (receipts row {rid})"})
     return out

@@ -628,7 +628,9 @@ class Journal:
                             "chain": [tuple(r) for r in self.db.execute(
                                 "SELECT seq, tbl, row, prev, hash, anchor FROM chain ORDER BY seq")],
                             **{tbl: {r[0]: tuple(r) for r in self.db.execute(f"SELECT {cols} FROM {tbl}")}
-                               for tbl, cols in _COLS.items()}}
+                               for tbl, cols in _COLS.items()},
+                            "receipt_paths": {(r[0], r[1]): r[2] for r in self.db.execute(
+                                "SELECT run_id, cell_id, receipt_path FROM cells WHERE receipt_path IS NOT NULL")}}
                 finally:
                     self.db.execute("COMMIT")
             except sqlite3.Error as e:

@@ -297,3 +297,24 @@ def test_a_writer_that_saw_the_old_chains_head_does_not_break_the_restarted_one(
     finally:
         repairer.close()
         live.close()
+
+
+def test_a_receipt_file_is_held_to_the_journal_only_where_the_journal_names_it(tmp_path):
+    """A controller that died after writing its receipt file and before journaling it: the janitor journals a
+    receipt of its own and leaves the file; verify does not call that file changed. The file the journal
+    names, edited or removed, is broken."""
+    d = tmp_path / "cells" / "R"
+    for c in ("named", "orphan", "removed"):
+        (d / c).mkdir(parents=True)
+        (d / c / "receipt.json").write_text(json.dumps({"cell_id": c, "v": "on disk"}))
+    os.unlink(d / "removed" / "receipt.json")
+    rows = {i: (i, "cell", "R", c, 1.0, json.dumps({"cell_id": c, "v": "journaled"}))
+            for i, c in enumerate(("named", "orphan", "removed"), 1)}
+    snap = {"chain": [], "events": {}, "receipts": {}, "cells_on_disk": [("R", "named"), ("R", "orphan"),
+                                                                          ("R", "removed")],
+            "receipt_paths": {("R", c): str(d / c / "receipt.json") for c in ("named", "removed")}}
+    snap["receipts"] = rows
+    broken: list = []
+    out = chain._receipt_files(snap, str(tmp_path), {}, broken)
+    assert out == {"checked": 1, "changed": 1, "not_journaled": 1, "gone": 1}
+    assert sorted(b["what"].split(" ")[2].split("/")[-2] for b in broken) == ["named", "removed"]

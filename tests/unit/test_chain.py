@@ -318,3 +318,27 @@ def test_a_receipt_file_is_held_to_the_journal_only_where_the_journal_names_it(t
     out = chain._receipt_files(snap, str(tmp_path), {}, broken)
     assert out == {"checked": 1, "changed": 1, "not_journaled": 1, "gone": 1}
     assert sorted(b["what"].split(" ")[2].split("/")[-2] for b in broken) == ["named", "removed"]
+
+
+def test_writers_racing_on_one_journal_leave_an_intact_chain_and_a_head_at_its_end(tmp_path):
+    """Two connections (two controllers) write at once: each transaction chains after the other's, the head only
+    moves forward, and no record's anchor is past the head."""
+    import threading
+    path = str(tmp_path / "journal.db")
+    Journal(path).close()
+    journals = [Journal(path), Journal(path)]
+    try:
+        def write(j, n):
+            for i in range(n):
+                j.add_event("race", n=i)
+        threads = [threading.Thread(target=write, args=(j, 60)) for j in journals]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        r = check(journals[0])
+        assert r["ok"], r["broken"]
+        assert r["records"] == 120 and head(journals[0])["seq"] == 120
+    finally:
+        for j in journals:
+            j.close()

@@ -104,6 +104,27 @@ def test_a_controller_killed_at_a_crash_point_leaves_nothing_after_the_janitor(a
     assert again["recovered"] == [] and again["killed"] == []
 
 
+def test_records_committed_before_a_crash_at_the_head_write_are_not_yet_anchored_until_the_next_writer(
+        agnsup, worktree, tmp_path, policy_dir):
+    """Crash point chain.head: the transaction committed, the controller died before writing the head.
+    `agnsup verify` says the records past the head are not yet anchored and exits 0; the next writer (here the
+    janitor) anchors them."""
+    write_role(policy_dir, "quick", limits__grace="0.5")
+    agnsup.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+    agnsup("run", "--role", "quick", "--workdir", worktree, "--", "true", check=0)  # a head exists
+    anchored = json.loads(agnsup("verify", "--json", check=0).out)["records"]
+    rc, err = _crash_run(agnsup, tmp_path, "chain.head", "x-head", QUICK, [], worktree)
+    assert rc == -signal.SIGKILL, err
+    cp = agnsup("verify", check=0)
+    assert "not yet anchored (a controller died before writing the head)" in cp.out, cp.out
+    r = json.loads(agnsup("verify", "--json", check=0).out)
+    assert r["ok"] and r["anchored"] == anchored and r["not_anchored"] == r["records"] - anchored > 0
+    assert agnsup.json("janitor", "--json")["recovered"] == ["x-head"]
+    assert _assert_converged(agnsup, "x-head")["state"] == "recovered"
+    r = json.loads(agnsup("verify", "--json", check=0).out)
+    assert r["ok"] and r["not_anchored"] == 0 and r["anchored"] == r["records"] > anchored
+
+
 def _assert_committed(agnsup, worktree, cell, run="default"):
     """The worktree is as the cell left it (never half-merged), its record complete and undoable."""
     for rel, text in WRITTEN.items():

@@ -254,10 +254,23 @@ def _run_labels(obj) -> dict:
 @click.option("--refused", is_flag=True, help="Calls that started nothing: denied by governance, or the "
                                              "command not found / not executable.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of receipts.")
+@click.option("--export", "export", type=click.Choice(["jsonl"]), default=None,
+              help="Stream one JSON line per receipt with its chain record: seq, hash, prev, kind, run_id, cell_id, "
+                   "receipt (agnsup verify checks the chain; ship these lines off the host to keep it).")
 @click.pass_obj
-def receipts(obj, run_id, cell_id, recovery, refused, as_json):
+def receipts(obj, run_id, cell_id, recovery, refused, as_json, export):
     """Receipts of ended cells (or of recoveries) as JSON objects."""
     j = _journal(obj)
+    if export:
+        if refused or as_json:
+            raise click.UsageError("--export takes no --refused or --json")
+        kind = "recovery" if recovery else "cell"
+        out = sys.stdout
+        for seq, h, prev, _anchor, _id, k, r, c, _t, data in (j.chained_receipts(kind, run_id, cell_id) if j else ()):
+            out.write(f'{{"seq": {seq}, "hash": "{h}", "prev": "{prev}", "kind": {json.dumps(k)}, '
+                      f'"run_id": {json.dumps(r)}, "cell_id": {json.dumps(c)}, "receipt": {data}}}\n')
+        out.flush()
+        return
     if refused:
         items = [r for r in (j.refusals(run_id) if j else []) if cell_id is None or r["cell_id"] == cell_id]
         click.echo(json.dumps(items, indent=2, sort_keys=True) if as_json else
@@ -994,6 +1007,36 @@ def journal_prune(obj, before, as_json):
     if not _echo_json(as_json, out, sort_keys=True):
         click.echo(f"pruned {out['cells']} ended cell(s), {out['events']} event(s), {out['receipts']} receipt "
                    f"row(s); receipt files kept on disk ({len(out['archived'])} written there first)")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@click.option("--public-key", "public_key", metavar="PEM", default=None,
+              help="The operator's Ed25519 public key (PEM file): the head must carry its signature.")
+@click.pass_obj
+def verify(obj, as_json, public_key):
+    """Check that no receipt or event was rewritten: the journal's hash chain, each
+    record's content, the head in <state>/journal.head, and each cell's receipt
+    file on disk against its journaled content. Exit 0 intact (records past the
+    head are "not yet anchored": a controller died before writing it), 1 broken
+    (the first broken or missing seq is named), 125 usage."""
+    from ..store import chain
+    key = chain.load_public_key(public_key) if public_key else None
+    j = _journal(obj)
+    snap = j.chain_snapshot() if j else {"chain": [], "events": {}, "receipts": {}, "cells_on_disk": []}
+    r = chain.verify(snap, _root(obj).path, key)
+    if not _echo_json(as_json, r, sort_keys=True):
+        head = r["head"]
+        click.echo(f"journal chain: {'intact' if r['ok'] else 'BROKEN'}: {r['records']} record(s), head "
+                   f"{'seq ' + str(head['seq']) if head else 'none'}, {r['anchored']} anchored"
+                   + (f", {r['pruned']} pruned" if r["pruned"] else "")
+                   + (", signature verified" if r["signature"] else "")
+                   + f"; {r['receipt_files']['checked']} receipt file(s) checked")
+        if r.get("note"):
+            click.echo("  " + r["note"])
+        for b in r["broken"]:
+            click.echo(f"  {'seq ' + str(b['seq']) if b['seq'] is not None else 'journal'}: {b['what']}")
+    sys.exit(0 if r["ok"] else 1)
 
 
 @main.group("ports", cls=_Group, invoke_without_command=True)

@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - an interpreter without the private nam
     import sqlite3  # type: ignore[no-redef]  # the same module by its public name
 
 from ..errors import CancelledBeforeStart, JournalDamaged, RunNotActive, StateError
+from . import chain
 
 TERMINAL_CELL = ("exited", "failed", "timeout", "cancelled", "killed", "recovered")
 TERMINAL_RUN = ("cancelled", "finished", "recovered")
@@ -47,6 +48,7 @@ CELL_FLOW = {"waiting": ("starting", *TERMINAL_CELL), "starting": ("running", *T
              "running": TERMINAL_CELL}
 RUN_FLOW = {"active": TERMINAL_RUN, "finished": ("active",), "recovered": ("active",), "cancelled": ()}
 
+_COLS = {tbl: ", ".join(cols) for tbl, cols in chain.COLUMNS.items()}  # the chained columns, in hashing order
 _TERMINAL_SQL = ",".join(f"'{s}'" for s in TERMINAL_CELL)
 LIVE_CELL = f"state NOT IN ({_TERMINAL_SQL})"  # the cells_live partial index's predicate, to the letter
 OPEN_SQL = ("SELECT id, boot_id, lock_path FROM controllers WHERE ended_at IS NULL "
@@ -66,6 +68,8 @@ class Journal:
         """`check`: refuse a damaged journal or one that lost its history (preflight);
         only `agnsup journal repair` opens the new journal it rebuilds without it."""
         self.path = path
+        self._pending: list[tuple[str, tuple]] = []  # (table, row) this transaction inserted: chained before COMMIT
+        self._anchor = 0  # the newest head seq this process saw on disk (chain.py: each record carries it)
         self.lock = None  # a threading.RLock when one connection serves many threads (serve)
         if check:
             preflight(path)
@@ -99,6 +103,10 @@ class Journal:
                             if stmt.strip():
                                 self.db.execute(stmt)
                         self.db.execute(f"PRAGMA user_version = {num}")
+                if current < 8:  # the chain's first writer chains the rows already there
+                    ev = [("events", tuple(r)) for r in self.db.execute(f"SELECT {_COLS['events']} FROM events")]
+                    rc = [("receipts", tuple(r)) for r in self.db.execute(f"SELECT {_COLS['receipts']} FROM receipts")]
+                    self._pending = sorted(ev + rc, key=lambda x: (x[1][1 if x[0] == "events" else 4], x[0], x[1][0]))
         except sqlite3.DatabaseError as e:
             raise StateError(f"journal {self.path}: migration failed: {e}") from None
 
@@ -106,24 +114,55 @@ class Journal:
     def tx(self, crash_point: str | None = None):
         """One write transaction. `crash_point` names a test-only crash point
         fired after the statements ran and before COMMIT (crashpoints.py).
-        An SQLite error inside it rolls back and becomes a StateError."""
+        An SQLite error inside it rolls back and becomes a StateError.
+        The events and receipts rows it inserted are chained before COMMIT, in
+        the same transaction, and the head written after it (store/chain.py)."""
         with self.lock or nullcontext():
             try:
                 self.db.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as e:
                 raise StateError(f"journal {self.path}: cannot write: {e}") from None
+            self._pending = []
             try:
                 yield self.db
+                head = self._chain() if self._pending else None
                 if crash_point:
                     from ..util import crashpoints
                     crashpoints.hit(crash_point)
                 self.db.execute("COMMIT")
             except BaseException as e:
+                self._pending = []
                 with suppress(sqlite3.Error):
                     self.db.execute("ROLLBACK")
                 if isinstance(e, sqlite3.Error):
                     raise self._failed(e, f"journal {self.path}: cannot write: {e}") from None
                 raise
+            if head is not None:
+                self._write_head(*head)
+
+    def _chain(self) -> tuple[int, str]:
+        """One chain row per row this transaction inserted (one SELECT, one INSERT); the new (seq, hash)."""
+        last = self.db.execute("SELECT seq, hash FROM chain ORDER BY seq DESC LIMIT 1").fetchone()
+        seq, prev = (last[0], last[1]) if last else (0, chain.ZERO)
+        # never past the chain's end: a head seen before `journal repair` restarted the chain belongs to the old one
+        anchor = min(self._anchor, seq)
+        rows = []
+        for tbl, content in self._pending:
+            h = chain.link(prev, tbl, anchor, content)
+            seq += 1
+            rows.append((seq, tbl, content[0], prev, h, anchor))
+            prev = h
+        self._pending = []
+        self.db.executemany("INSERT INTO chain(seq, tbl, row, prev, hash, anchor) VALUES (?,?,?,?,?,?)", rows)
+        return seq, prev
+
+    def _write_head(self, seq: int, hash_: str, force: bool = False) -> None:
+        """After COMMIT (crash point `chain.head` between the two: verify says "not yet anchored"). A head that
+        cannot be written (a read-only state root) leaves the records unanchored, never fails the write."""
+        from ..util import crashpoints
+        crashpoints.hit("chain.head")
+        with suppress(OSError):
+            self._anchor = max(self._anchor, chain.write_head(os.path.dirname(self.path) or ".", seq, hash_, force))
 
     def _within(self, db):
         """The caller's transaction `db`, or one of its own."""
@@ -169,8 +208,9 @@ class Journal:
 
     # -- events and controllers -------------------------------------------
     def event(self, db, kind: str, run_id=None, cell_id=None, **data) -> None:
-        db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)",
-                   (time.time(), run_id, cell_id, kind, json.dumps(data) if data else None))
+        row = (time.time(), run_id, cell_id, kind, json.dumps(data) if data else None)
+        cur = db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)", row)
+        self._pending.append(("events", (cur.lastrowid, *row)))
 
     def add_event(self, kind: str, run_id=None, cell_id=None, **data) -> None:
         """One event in a transaction of its own."""
@@ -364,8 +404,9 @@ class Journal:
                 for r in rows]
 
     def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
-        db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)",
-                   (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True)))
+        row = (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True))
+        cur = db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)", row)
+        self._pending.append(("receipts", (cur.lastrowid, *row)))
 
     # -- change records (agnsup/changes.py) ------------------------------------
     def add_change(self, row: dict, db=None) -> None:
@@ -575,6 +616,52 @@ class Journal:
         except ValueError as e:  # a row SQLite returns whole but whose bytes were overwritten
             raise self._damaged(f"a receipt row is not JSON: {e}") from None
 
+    # -- the chain (agnsup/store/chain.py) ---------------------------------------------
+    def chain_snapshot(self) -> dict:
+        """The chain rows and the chained tables' rows (by id), one consistent read, and the cells on disk
+        (their receipt files), for chain.verify."""
+        with self.lock or nullcontext():
+            try:
+                self.db.execute("BEGIN")
+                try:
+                    return {"cells_on_disk": cells_on_disk(os.path.dirname(self.path)),
+                            "chain": [tuple(r) for r in self.db.execute(
+                                "SELECT seq, tbl, row, prev, hash, anchor FROM chain ORDER BY seq")],
+                            **{tbl: {r[0]: tuple(r) for r in self.db.execute(f"SELECT {cols} FROM {tbl}")}
+                               for tbl, cols in _COLS.items()},
+                            "receipt_paths": {(r[0], r[1]): r[2] for r in self.db.execute(
+                                "SELECT run_id, cell_id, receipt_path FROM cells WHERE receipt_path IS NOT NULL")}}
+                finally:
+                    self.db.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise self._failed(e, f"journal {self.path}: cannot read: {e}") from None
+
+    def chained_receipts(self, kind: str | None = None, run_id: str | None = None, cell_id: str | None = None):
+        """(seq, hash, prev, anchor, the receipts row) of each receipt whose chain record holds, in chain order,
+        streamed (a row the chain does not hold is verify's to name, not the export's to pass on)."""
+        where = [(f"r.{col}=?", val) for col, val in (("kind", kind), ("run_id", run_id), ("cell_id", cell_id)) if val]
+        q = (f"SELECT c.seq, c.hash, c.prev, c.anchor, {', '.join('r.' + c for c in chain.COLUMNS['receipts'])} "
+             "FROM chain c JOIN receipts r ON r.id = c.row WHERE c.tbl = 'receipts'")
+        q += "".join(" AND " + w for w, _ in where) + " ORDER BY c.seq"
+        try:
+            with self.lock or nullcontext():
+                cur = self.db.execute(q, tuple(v for _, v in where))
+                for r in cur:
+                    if chain.link(r[2], "receipts", r[3], tuple(r)[4:]) == r[1]:
+                        yield tuple(r)
+        except sqlite3.Error as e:
+            raise self._failed(e, f"journal {self.path}: cannot read: {e}") from None
+
+    def restart_chain(self, old_head: dict | None) -> None:
+        """`journal repair`: a chain that starts again (a rebuilt journal, or a head the journal no longer
+        matches) begins with an event naming the old head; the head is then written whatever it was."""
+        self._anchor = 0  # heads seen before belong to the old chain (verify: anchors count from the restart on)
+        with self.tx() as db:
+            self.event(db, "chain.restarted", old_head=old_head)
+            head = self._chain()
+            self._pending = []
+        self._write_head(*head, force=True)
+
     # -- check and repair (agnsup/store/repair.py) ------------------------------------
     def integrity(self) -> list[str]:
         """PRAGMA integrity_check: ["ok"], or what SQLite found wrong (reads the whole file)."""
@@ -600,23 +687,32 @@ class Journal:
         it refuses new cells forever. One transaction."""
         now = time.time()
         out = {"cells": 0, "events": 0, "receipts": 0, "controllers": 0, "runs": 0}
+        gone_rows: set[tuple[str, int]] = set()  # their chain rows stay: the event below names their seqs
         with self.tx() as db:
             for run_id, cell_id, ended_at, path in cells:
                 db.execute("INSERT OR REPLACE INTO pruned(run_id, cell_id, ended_at, receipt_path, pruned_at) "
                            "VALUES (?,?,?,?,?)", (run_id, cell_id, ended_at, path, now))
                 for table in ("events", "receipts", "connections", "cells"):  # the counts leave connections out
+                    if table in chain.COLUMNS:
+                        gone_rows.update((table, r[0]) for r in db.execute(
+                            f"SELECT id FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id)))
                     gone = db.execute(f"DELETE FROM {table} WHERE run_id=? AND cell_id=?", (run_id, cell_id)).rowcount
                     if table in out:
                         out[table] += gone
-            out["events"] += db.execute("DELETE FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN "
-                                        "('denied', 'refused'))", (before,)).rowcount
+            # the chain's own history (what was pruned, where a chain restarted) stays: verify reads it
+            old = ("FROM events WHERE t < ? AND (cell_id IS NULL OR kind IN ('denied', 'refused')) "
+                   "AND kind NOT IN ('journal.pruned', 'chain.restarted')")
+            gone_rows.update(("events", r[0]) for r in db.execute("SELECT id " + old, (before,)))
+            out["events"] += db.execute("DELETE " + old, (before,)).rowcount
             out["controllers"] = db.execute(
                 "DELETE FROM controllers WHERE ended_at IS NOT NULL AND ended_at < ? AND NOT EXISTS "
                 "(SELECT 1 FROM cells c WHERE c.controller_id = controllers.id)", (before,)).rowcount
             out["runs"] = db.execute(
                 "DELETE FROM runs WHERE state IN ('finished', 'recovered') AND NOT EXISTS "
                 "(SELECT 1 FROM cells c WHERE c.run_id = runs.run_id)").rowcount
-            self.event(db, "journal.pruned", before=before, **out)
+            seqs = [r[0] for r in db.execute("SELECT seq, tbl, row FROM chain") if (r[1], r[2]) in gone_rows] \
+                if gone_rows else []
+            self.event(db, "journal.pruned", before=before, **out, chain=chain.ranges(seqs))
         return out
 
     def compact(self) -> None:

@@ -92,9 +92,20 @@ def repair(state, backend=None) -> dict:
                 dst = os.path.join(qdir, f"journal-{stamp}.db{suffix}")
                 os.rename(src, dst)
                 moved.append(dst)
+    from . import chain
+    try:
+        old_head = chain.read_head(chain.head_path(state.path))
+    except (OSError, ValueError) as e:
+        old_head = {"unreadable": str(e)}
     j = jmod.Journal(path, check=False)
     imported, skipped = [], []
     try:
+        # a rebuilt journal, or one its head no longer matches, starts a new chain: its first record names the
+        # old head (the quarantined file still holds the old chain); breaks inside a kept chain stay visible
+        restarted = bool(moved) or any("head" in b["what"]
+                                       for b in chain.verify(j.chain_snapshot(), state.path)["broken"])
+        if restarted:
+            j.restart_chain(old_head)
         known = j.known_cells()
         for run_id, cell_id in jmod.cells_on_disk(state.path):
             if (run_id, cell_id) in known:
@@ -107,7 +118,8 @@ def repair(state, backend=None) -> dict:
             imported.append(f"{run_id}/{cell_id}")
         from .. import changes  # the change records on disk (issue 26): indexed again
         out = {"quarantined": moved, "imported": imported, "skipped": skipped,
-               "changes": changes.reindex(state.path, j), "problems_before": report["problems"]}
+               "changes": changes.reindex(state.path, j), "problems_before": report["problems"],
+               "chain_restarted": restarted}
         j.add_event("repair", **{k: v for k, v in out.items() if k != "problems_before"}, problems=report["problems"])
     finally:
         j.close()

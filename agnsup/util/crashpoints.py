@@ -11,7 +11,8 @@ Points (../shared/spec/authority-blackout.md, "Crash points"):
   cancel_grace, cancel_frozen, cleanup_before_rmdir, cleanup_tmp_half,
   janitor_after_kill,
   changes_mid_commit (changes.py: a commit or undo after its first step),
-  changes_before_record (every step done, record.json not yet written)
+  changes_before_record (every step done, record.json not yet written),
+  chain.head (journal.py: a transaction committed, its chain head not yet written)
 """
 import os
 import signal

@@ -17,8 +17,10 @@ the hostname check = the requested name) and relays ONE HTTP/1.1 request:
              placeholder is refused; the first BODY_HOLD bytes are held back with
              the head, so a small request is refused before anything went out; a
              later one aborts both connections (the upstream sees a cut request)
-    response relayed as it is, until the upstream closes; then the cell's
-             connection is closed (one request per connection: clients reconnect)
+    response relayed as it is, until the upstream closes, but for a secret's
+             value (an upstream that echoes the request's headers), overwritten
+             by as many `*`; then the cell's connection is closed (one request
+             per connection: clients reconnect)
 
 Everywhere else a placeholder is only looked for: a CONNECT or SOCKS5 name
 (`where` dns), a plain http:// request's line, headers or body, to any host. Any
@@ -151,7 +153,10 @@ class Secrets:
                 raise BadRequest("obsolete header line folding")
             if b":" not in h:
                 raise BadRequest("a header line without a colon")
-            key = h.split(b":", 1)[0].strip().lower()
+            key = h.split(b":", 1)[0]
+            if key != key.strip() or not key:  # RFC 9112 5.1: a server MUST reject it; two parsers could differ
+                raise BadRequest("whitespace before a header's colon")
+            key = key.lower()
             if key in _DROP:
                 continue
             h = self._substitute(h, key, here, used)
@@ -220,6 +225,43 @@ class Scanner:
             raise Exfiltration(name, "body")
         w = self.secrets.window
         self.tail = joined[-w:] if w else b""
+
+
+class Masker:
+    """A response stream with every secret value overwritten by as many `*` (lengths, so Content-Length and
+    chunk sizes, stay right): an upstream that echoes a request's headers (an error page, a debug endpoint)
+    must not hand the value to the cell. Only an end of a read that could begin a value waits for the next
+    read (a streamed response is not held back otherwise). A compressed response is not looked into."""
+
+    def __init__(self, values: list[bytes]):
+        self.values = sorted({v for v in values if v}, key=len, reverse=True)
+        self.buf = b""
+        self.masked = 0
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self.buf + data
+        for v in self.values:
+            if v in buf:
+                self.masked += buf.count(v)
+                buf = buf.replace(v, b"*" * len(v))
+        cut = len(buf) - max((_partial(buf, v) for v in self.values), default=0)
+        self.buf = buf[cut:]
+        return buf[:cut]
+
+    def flush(self) -> bytes:
+        out, self.buf = self.buf, b""
+        return out
+
+
+def _partial(buf: bytes, v: bytes) -> int:
+    """The length of the longest end of `buf` that is a beginning of `v` (shorter than v)."""
+    start = max(0, len(buf) - len(v) + 1)
+    i = buf.find(v[:1], start)
+    while i >= 0:
+        if v.startswith(buf[i:]):
+            return len(buf) - i
+        i = buf.find(v[:1], i + 1)
+    return 0
 
 
 class Reader:
@@ -419,6 +461,14 @@ def refusal(status: int, rule: str, reason: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+def _forms(s) -> list[bytes]:
+    """The forms of a secret's value a response could echo: as it is, and the Basic credential we made."""
+    out = [s.value]
+    if s.ref.inject.startswith("basic:"):
+        out.append(base64.b64encode(s.ref.inject[6:].encode() + b":" + s.value))
+    return out
+
+
 def _unquote(b: bytes) -> bytes:
     try:
         return unquote_to_bytes(b)
@@ -495,15 +545,20 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         held.flush()
         for n in used:
             proxy._note_use(n, name, port)
-        while True:  # the response, as it is, until the upstream closes
+        mask = Masker([v for s in proxy.secrets.secrets for v in _forms(s)])
+        while True:  # the response, until the upstream closes: as it is, but for an echoed value
             try:
                 data = up.recv(BUF)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                break
+                data = b""
+            out = mask.feed(data) if data else mask.flush()
+            if out:
+                cell.sendall(out)
+                rec["bytes_down"] += len(out)
             if not data:
                 break
-            cell.sendall(data)
-            rec["bytes_down"] += len(data)
+        if mask.masked:
+            rec["masked"] = mask.masked
         cell.close_notify()
     finally:
         if up is not None:

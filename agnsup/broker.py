@@ -27,7 +27,7 @@ import time
 from . import changes, home, locks, protect, receipts, reaper
 from .util import crashpoints
 from .process import helpers, leader, wait
-from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError
+from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError, UsageError
 from .io import wiring
 from .linux import pidfd, proc
 from .store.state import named_run
@@ -108,6 +108,10 @@ class Controller:
         long-lived thread every cell is forked from (process.leader.spawn), when this
         controller has many threads."""
         from . import backend as backends
+        from .store.chain import signing_problem
+        unsigned = signing_problem()
+        if unsigned:
+            raise UsageError(unsigned)
         self.state = state.ensure()
         self.journal = journal if journal is not None else state.journal()
         self.kind = kind

@@ -190,3 +190,14 @@ def test_repair_of_a_journal_whose_tail_was_deleted_restarts_the_chain_and_keeps
     assert [b["seq"] for b in broken] == [edited[0]], broken
     (ev,) = sql(agnsup, "SELECT data FROM events WHERE kind='chain.restarted'")
     assert json.loads(ev[0])["old_head"]["seq"] == seq
+
+
+def test_a_signing_key_that_does_not_load_refuses_the_controller_before_anything_starts(agnsup, worktree, tmp_path):
+    """The operator asked for signed heads: a controller never writes them unsigned (one line, 125, no cell)."""
+    (tmp_path / "bad.key").write_text("not a key")
+    agnsup.env[chain.KEY_ENV] = str(tmp_path / "bad.key")
+    marker = tmp_path / "ran"
+    cp = agnsup("run", "--workdir", worktree, "--cell", "k0", "--", "touch", str(marker), check=125)
+    assert len(cp.err.strip().splitlines()) == 1 and chain.KEY_ENV in cp.err and "bad.key" not in cp.err
+    assert not marker.exists()
+    assert not any(c["cell_id"] == "k0" for c in agnsup.json("ps", "--all", "--json"))

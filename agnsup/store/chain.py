@@ -108,6 +108,13 @@ def _signer():
     return _SIGNER
 
 
+def signing_problem() -> str | None:
+    """Why the operator's key (AGNSUP_SIGNING_KEY) cannot sign, None when it can or none is set. A controller
+    refuses to start with it (broker.Controller): heads the operator asked to be signed are never written
+    unsigned by a cell's controller. Other writers (cancel, cleanup) still write, unsigned, naming why."""
+    return _signer()[1]
+
+
 HEAD_SIZE = 512  # the head is rewritten in place, padded to this size (a signed one takes ~230 bytes)
 
 

@@ -15,6 +15,8 @@ request it received (`site.log`: method, host, path, headers, body) for the test
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
 - `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here.
 
+The same handler also listens for plain HTTP (`site.http_port`): where a placeholder must never be sent.
+
 The token lives in this process's memory only (never in a file). `site.ca_bundle` is a file with the system
 bundle and the test CA: the controller's own `SSL_CERT_FILE`, so the proxy trusts this server.
 """
@@ -267,8 +269,11 @@ class SecretSite:
         ctx.set_alpn_protocols(["http/1.1"])
         self._srv.socket = ctx.wrap_socket(self._srv.socket, server_side=True)
         self.port = self._srv.server_address[1]
-        self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
-        self._thread.start()
+        self._plain = _Server(("127.0.0.1", 0), _Handler)  # plain http://, where a placeholder must never go
+        self._plain.site = self
+        self.http_port = self._plain.server_address[1]
+        for srv in (self._srv, self._plain):
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
 
     def url(self, path="/hello", host=NAMES[0]) -> str:
         return f"https://{host}:{self.port}{path}"
@@ -283,5 +288,6 @@ class SecretSite:
             return list(self.log)
 
     def close(self) -> None:
-        self._srv.shutdown()
-        self._srv.server_close()
+        for srv in (self._srv, self._plain):
+            srv.shutdown()
+            srv.server_close()

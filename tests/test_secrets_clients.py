@@ -295,6 +295,47 @@ def test_node_fetch(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+# Node older than 22.21 (Node 20 here): fetch ignores the proxy variables. What it needs, without installing a
+# package: a dispatcher of its own undici (reached through the global dispatcher's class) whose connector
+# tunnels through HTTPS_PROXY (CONNECT) and opens TLS itself (trusting NODE_EXTRA_CA_CERTS, which agnsup sets).
+NODE_SHIM = r"""// Node < 22.21: fetch ignores HTTPS_PROXY. No package needed: a dispatcher of Node's own undici whose
+// connector tunnels through the proxy (CONNECT) and opens TLS with the requested name.
+const net = require("net"), tls = require("tls");
+async function proxied() {
+  await fetch("http://127.0.0.1:9/").catch(() => {});  // makes Node's global dispatcher, to reach its class
+  const Agent = globalThis[Symbol.for("undici.globalDispatcher.1")].constructor;
+  const proxy = new URL(process.env.HTTPS_PROXY || process.env.https_proxy);
+  const connect = (opts, cb) => {
+    const s = net.connect(Number(proxy.port), proxy.hostname, () =>
+      s.write(`CONNECT ${opts.hostname}:${opts.port || 443} HTTP/1.1\r\nHost: ${opts.hostname}:${opts.port || 443}\r\n\r\n`));
+    s.once("error", cb);
+    s.once("data", (d) => {
+      if (!/^HTTP\/1\.[01] 200/.test(d.toString())) return cb(new Error("proxy: " + d.toString().split("\r\n")[0]));
+      const t = tls.connect({ socket: s, servername: opts.servername || opts.hostname, ALPNProtocols: ["http/1.1"] },
+                            () => cb(null, t));
+      t.once("error", cb);
+    });
+  };
+  globalThis[Symbol.for("undici.globalDispatcher.1")] = new Agent({ connect });
+}
+proxied().then(() => fetch(process.argv[process.argv.length - 1])).then(r => r.text()).then(t => process.stdout.write(t))
+  .catch(e => { console.error(String(e.cause || e)); process.exit(3); });
+"""
+
+
+def test_node_fetch_through_a_tunnelling_dispatcher_on_older_nodes(sx):
+    v = _node_version()
+    if v is None:
+        pytest.skip("node is not installed")
+    with open(os.path.join(sx.worktree, "shim.js"), "w") as f:
+        f.write(NODE_SHIM)
+    cp = run_client(sx, "sbearer", "node", f"node shim.js {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, "node", "bearer")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 # ------------------------------------------------------------------------------- exfiltration attempts
 
 def _exfiltration(sx, cell: str) -> list[dict]:

@@ -49,6 +49,7 @@ class Prepared(Record):
     trail: list
     trace: list
     admit: object = None   # admit(usage) judges run quotas inside the intent transaction; raises Denied
+    secrets: list | None = None  # secrets.Secret values (memory only): the proxy puts them on the wire
 
 
 class Cell(Record):
@@ -88,6 +89,9 @@ class Cell(Record):
     landlock_audit: dict | None = None  # what it read once the tree was dead, or {"why": ...} it reads nothing
     net_tries: dict | None = None  # deny/loopback, a failed cell: what had no route out of its netns (netns_tries)
     pod: object = None           # pod.Membership: the cell's hold on its agent's network pod (plan.network_pod)
+    secrets: list | None = None  # secrets.Secret values (memory only, never journaled): handed to its proxy
+    authority: object = None     # egress.ca.Authority: the controller's CA, when the cell has secrets
+    secret_summary: list | None = None  # the receipt's `secrets` section, once the proxy stopped
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -112,6 +116,7 @@ class Controller:
         self.lock_path = state.controller_lock(self.id)
         self._lock_fd: int | None = None
         self._registered = self._ended = False
+        self._ca_cert: str | None = None  # <state>/ca/<id>.pem once a cell had secrets: removed at close
         if not one_cell:
             self._take_lock()
             self.journal.register_controller(self._row())
@@ -146,6 +151,12 @@ class Controller:
                 self.journal.end_controller(self.id)
                 self._ended = True
         finally:
+            if self._ca_cert is not None:  # its CA's key died with it: nothing may trust the certificate now
+                try:
+                    os.unlink(self._ca_cert)
+                except OSError:
+                    pass
+                self._ca_cert = None
             if self._lock_fd is not None:
                 locks.release(self.lock_path, self._lock_fd)
                 self._lock_fd = None
@@ -163,7 +174,7 @@ class Controller:
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
-                    stdin=stdin, pty=pty, stream=stream or pty is not None)
+                    stdin=stdin, pty=pty, stream=stream or pty is not None, secrets=prepared.secrets)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree, spec.run_id, spec.cell_id))
         if queue:
             cell.lock_fd, cell.lock_holder = locks.take(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),
@@ -254,7 +265,8 @@ class Controller:
             if cell.child.egress_listener is not None:  # allowlist/internal: the proxy is the cell's only way out
                 from . import egress
                 cell.egress = egress.serve(cell.child.egress_listener, plan.egress_rules, self.journal.path,
-                                           spec.run_id, spec.cell_id)
+                                           spec.run_id, spec.cell_id, secrets=cell.secrets,
+                                           authority=cell.authority)
             crashpoints.hit("after_exec")
             cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
         except AgnsupError as e:
@@ -291,6 +303,8 @@ class Controller:
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         home.make(plan)
+        if cell.secrets:
+            self._trust(cell)
         if plan.captures():
             cell.layer = changes.prepare_cell(self.state.path, plan)
         if cell.place.node is not None:
@@ -305,6 +319,25 @@ class Controller:
                    isolation=cell.isolation)
         cell.trace.append(st)
         self.journal.stage(spec.run_id, spec.cell_id, st, cgroup_ino=cell.place.inode)
+
+    def _trust(self, cell: Cell) -> None:
+        """A cell with secrets trusts the controller's CA (made at its first such cell, key in memory only): its
+        certificate at <state>/ca/<controller>.pem, and in the cell's own /tmp the bundle its clients read (the
+        host's system bundle + that certificate; the compiler binds it over the system bundle) and the
+        certificate alone (NODE_EXTRA_CA_CERTS). The values go to the cell's proxy and its output's redaction."""
+        from . import secrets
+        from .egress.ca import authority, default_ca_dir
+        cell.authority = authority(self.state.path, self.id)
+        if self._ca_cert is None:
+            self._ca_cert = cell.authority.write_cert(default_ca_dir(self.state.path))
+        for rel, data in ((secrets.CA_BUNDLE_REL, secrets.bundle_text(cell.authority.cert_pem)),
+                          (secrets.CA_CERT_REL, cell.authority.cert_pem)):
+            path = os.path.join(cell.plan.tmpdir, rel)
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            with open(path, "xb") as f:
+                f.write(data)
+            os.chmod(path, 0o444)
+        secrets.remember(cell.spec.run_id, cell.spec.cell_id, cell.secrets)
 
     def _join_pod(self, cell: Cell) -> int | tuple | None:
         """A cell of a pod (plan.network_pod): join its agent's pod (made when none is alive, agnsup/pod.py) and
@@ -442,6 +475,8 @@ class Controller:
             from . import egress
             listener = cell.child.egress_listener if cell.child is not None else None
             cell.network = egress.receipt_section(cell.egress, cell.plan.egress, listener)
+            if cell.plan.spec.secrets:  # what each secret was used for, refused for (never a value)
+                cell.secret_summary = egress.secret_section(cell.egress, cell.plan.spec.secrets)
             cell.egress = None
         if cell.child is not None:  # a cell that never ran: its network namespace is let go unread
             leader.netns_tries(cell.child, read=False)

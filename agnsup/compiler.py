@@ -152,6 +152,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
     home_clones += offline_clones
     home_places += offline_places
+    trust_clones, trust_places = _secret_trust(spec, tmpdir)
+    home_clones += trust_clones
+    home_places += trust_places
     allowed_sockets = _listed_sockets(fs, spec.role)
     run_dirs, run_shown = _private_run(policy, allowed_sockets)
     run_keys = [f"run{i}" for i in range(len(run_shown))]
@@ -442,6 +445,20 @@ def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]
         clones.append(("clone", os.path.join(tmpdir, rel), f"offline-{name}", True))
         places.append(("attach", target, f"offline-{name}"))
     return files, clones, places
+
+
+def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:
+    """A cell with secrets (agnsup/secrets.py): the bundle the broker writes in its /tmp (the host's system
+    bundle + the controller CA's certificate) bound read-only over the host's system bundle, where clients that
+    read no variable look. (clones, attaches); none when the host has no such file (the variables still point
+    at the bundle)."""
+    if not spec.secrets:
+        return [], []
+    from .secrets import CA_BUNDLE_REL, SYSTEM_BUNDLE
+    target = os.path.realpath(SYSTEM_BUNDLE)
+    if not os.path.isfile(target) or under(target, "/tmp"):
+        return [], []
+    return [("clone", os.path.join(tmpdir, CA_BUNDLE_REL), "secret-ca", True)], [("attach", target, "secret-ca")]
 
 
 def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, dict]:

@@ -487,6 +487,32 @@ class QuotaSection(_Strict):
                                           "cell starts after it.")
 
 
+class SecretSection(_Strict):
+    source: str = Field(description="Where the value comes from, read by the controller when a cell starts: "
+                        "'env:NAME' (the controller's environment; serve: its client's), 'file:/abs/path' (trailing "
+                        "newlines dropped), 'command:/abs/prog ARG...' (its stdout; a keyring helper). Never "
+                        "the value itself.")
+    env: str | None = Field(None, description="The cell variable that holds the placeholder "
+                            "'agnsup-secret:NAME' (never the value).")
+    hosts: list[str] = Field(description="Where the value may go: HTTPS hosts, 'name' or 'name:PORT' (443 by "
+                             "default), each allowed by network.allow; no wildcards.")
+    inject: str = Field("bearer", description="How the proxy puts it on requests to those hosts: 'bearer' "
+                        "(Authorization: Bearer VALUE), 'basic:USER' (Authorization: Basic of USER:VALUE), "
+                        "'header:NAME' (NAME: VALUE), 'placeholder' (only where the placeholder appears in a "
+                        "header, a Basic credential too). In every mode the placeholder in a header of a request "
+                        "to a listed host is replaced.")
+
+    @model_validator(mode="after")
+    def _parsed(self):
+        from .errors import UsageError
+        from .secrets import parse_table
+        try:
+            parse_table("x", self.model_dump(exclude_none=True), "secret")
+        except UsageError as e:
+            raise ValueError(e.details.get("what", e.message)) from None
+        return self
+
+
 class Policy(_Strict):
     role: RoleSection = Field(description="Who this is.")
     env: EnvSection = Field(description="The environment, built from nothing.")
@@ -498,6 +524,32 @@ class Policy(_Strict):
                                         "of the cell's process: seccomp, Landlock, capabilities, PID namespace.")
     process: ProcessSection = Field(default_factory=ProcessSection, description="Who the cell runs as.")
     quota: QuotaSection = Field(default_factory=QuotaSection, description="Run quotas, judged from the journal.")
+    secrets: dict[str, SecretSection] = Field(default_factory=dict, description="Credentials the cell uses but "
+                                              "never sees, by name (1-40 of a-z, 0-9, _, -): the cell gets the "
+                                              "placeholder, the controller's proxy puts the value on requests to "
+                                              "the listed hosts (docs/isolation.md, \"Secrets\").")
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: dict) -> dict:
+        from .secrets import NAME
+        for name in v:
+            if not NAME.match(name):
+                raise ValueError(f"{name!r} is not a secret name (1-40 of a-z, 0-9, _ and -)")
+        return v
+
+    @model_validator(mode="after")
+    def _secrets_go_through_the_proxy(self):
+        if not self.secrets:
+            return self
+        from .errors import UsageError
+        from .secrets import check, parse_table
+        try:
+            refs = [parse_table(n, t.model_dump(exclude_none=True), f"secrets.{n}") for n, t in self.secrets.items()]
+            check(refs, self.network.model_dump())
+        except UsageError as e:
+            raise ValueError(e.message) from None
+        return self
 
     @model_validator(mode="after")
     def _proxy_cannot_be_bypassed(self):

@@ -52,16 +52,30 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
     r["kernel_record"], r["kernel_stopped"] = kernel_record(cell.isolation or {}, r["limits"], usage, cell.network,
                                                             cell.decision, getattr(cell, "landlock_audit", None),
                                                             getattr(cell, "net_tries", None))
-    if plan is not None and getattr(plan, "redact", None) and cell.capture:
-        # What each redaction rule takes out of the output a caller gets back (tool.ended).
+    if getattr(spec, "secrets", None):  # issue 32: which secrets went where, how often, refused (no value)
+        r["secrets"] = getattr(cell, "secret_summary", None) or [
+            {"name": t["name"], "inject": t["inject"], "hosts": list(t["hosts"]), "env": t.get("env"),
+             "source": t["source"].split(":", 1)[0], "used": [], "refused": 0} for t in spec.secrets]
+    held = getattr(cell, "secrets", None) or []
+    if plan is not None and (getattr(plan, "redact", None) or held) and cell.capture:
+        # What each redaction rule takes out of the output a caller gets back (tool.ended); a cell's secret
+        # values are always taken out (redact.secret.<name>), whatever the role's rules.
         from .redact import receipt_section
-        r["output"]["redaction"] = receipt_section(plan.redact, spec.env, plan.cell_dir, MAX_RETURNED_OUTPUT)
+        r["output"]["redaction"] = receipt_section(plan.redact or {"rules": [], "patterns": {}}, spec.env,
+                                                   plan.cell_dir, MAX_RETURNED_OUTPUT, literals=_literals(held))
     r["limits"]["not_in_force"] = not_in_force(r["limits"])
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:
         r["error"] = error
     r["duration"] = round(r["ended_at"] - (cell.started_at or cell.created_at), 6)
     return r
+
+
+def _literals(held) -> list:
+    if not held:
+        return []
+    from .secrets import redaction_rules
+    return redaction_rules(held)
 
 
 def recovered_receipt(row, entry: dict, chain: list[dict], janitor: str, recovery_path: str, now: float) -> dict:

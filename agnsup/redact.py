@@ -15,7 +15,9 @@ patterns of its own (`redact_patterns = {name = "regex"}`):
     private_keys   PEM/OpenSSH/PGP private key blocks
 
 Each match becomes `[REDACTED:<rule id>]` and is counted under that rule id
-(`redact.aws_access_key_id`, `redact.host_secret`, `redact.role.<name>`).
+(`redact.aws_access_key_id`, `redact.host_secret`, `redact.role.<name>`). A cell's
+own secrets (agnsup/secrets.py) are always redacted, whatever the role's rules
+(`redact.secret.<name>`): their values are held in the controller's memory only.
 It applies where a caller's result is built from the captured output
 (tool.cell_result: run_process, the LLM tool call, serve), and the receipt
 carries the rule sets, the role's patterns and the counts
@@ -99,10 +101,13 @@ def host_secrets(environ, given_keys) -> list[str]:
 class Redactor:
     """Redacts text by the rule sets and patterns it was built with; `counts` accumulates per rule id."""
 
-    def __init__(self, rules, patterns: dict[str, str] | None = None, secrets: list[str] | None = None):
+    def __init__(self, rules, patterns: dict[str, str] | None = None, secrets: list[str] | None = None,
+                 literals: list[tuple[str, str]] | None = None):
         self.rules = [r for r in RULE_SETS if r in set(rules)]
         self.patterns = dict(patterns or {})
         self.secrets = list(secrets or []) if "host_secrets" in self.rules else []
+        # (rule id, value): the cell's own secrets (agnsup/secrets.py, redact.secret.<name>), whatever the rules
+        self.literals = [(rid, v) for rid, v in literals or () if v]
         self.counts: dict[str, int] = {}
 
     def _sub(self, rule_id: str, rx: re.Pattern, text: str, word_start: bool = False) -> str:
@@ -120,6 +125,11 @@ class Redactor:
     def __call__(self, text: str) -> str:
         if not text:
             return text
+        for rule_id, value in self.literals:  # first: a value may also match a format rule
+            n = text.count(value)
+            if n:
+                self.counts[rule_id] = self.counts.get(rule_id, 0) + n
+                text = text.replace(value, f"[REDACTED:{rule_id}]")
         if "private_keys" in self.rules:
             text = self._apply("private_keys", text)
         for value in self.secrets:
@@ -168,12 +178,13 @@ def captured(cell_dir: str, name: str, limit: int) -> tuple[bytes, bool]:
     return data[:limit], len(data) > limit
 
 
-def receipt_section(config: dict, given_keys, cell_dir: str, limit: int, environ=None) -> dict:
+def receipt_section(config: dict, given_keys, cell_dir: str, limit: int, environ=None, literals=None) -> dict:
     """The receipt's output.redaction: the rule sets, the role's patterns, and how many
-    matches each rule redacts from the output a caller gets back (stdout and stderr)."""
+    matches each rule redacts from the output a caller gets back (stdout and stderr);
+    `literals`: the cell's secrets as (rule id, value) (secrets.redaction_rules)."""
     import os
     red = Redactor(config["rules"], config["patterns"], host_secrets(os.environ if environ is None else environ,
-                                                                     given_keys))
+                                                                     given_keys), literals)
     for name in ("stdout", "stderr"):
         red(captured(cell_dir, name, limit)[0].decode(errors="replace"))
     return {"rules": red.rules, "patterns": red.patterns, "counts": dict(sorted(red.counts.items()))}
@@ -183,8 +194,19 @@ def for_receipt(receipt: dict, environ=None):
     """A function text -> redacted text for a cell's returned output, built from its receipt
     (output.redaction and env_keys); the identity when the role redacts nothing."""
     cfg = (receipt.get("output") or {}).get("redaction")
-    if not cfg:
+    literals = secret_literals(receipt.get("run_id"), receipt.get("cell_id")) if receipt.get("secrets") else []
+    if not cfg and not literals:
         return lambda text: text
     import os
+    cfg = cfg or {}
     return Redactor(cfg.get("rules", ()), cfg.get("patterns"),
-                    host_secrets(os.environ if environ is None else environ, receipt.get("env_keys", ())))
+                    host_secrets(os.environ if environ is None else environ, receipt.get("env_keys", ())), literals)
+
+
+def secret_literals(run_id, cell_id) -> list[tuple[str, str]]:
+    """The (rule id, value) of a cell's secrets this controller holds in memory (agnsup/secrets.py); []: none."""
+    import sys
+    mod = sys.modules.get("agnsup.secrets")  # loaded only by a controller that started a cell with secrets
+    if mod is None:
+        return []
+    return mod.redaction_rules(mod.held(run_id, cell_id))

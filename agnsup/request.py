@@ -55,6 +55,11 @@ KINDS = {
     "env": (lambda v: v is None or _strings(v) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
             'an object of strings ({"KEY": "VALUE"}) or a list of "KEY=VALUE" / "KEY" strings'),
     "dict": (lambda v: v is None or _strings(v), "an object of strings"),
+    "secrets": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, dict)
+                                                                    for k, t in v.items()))
+                or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+                'an object of secret tables ({"NAME": {"source": ..., "hosts": [...], ...}}) or a list of '
+                '"NAME:source=...,hosts=HOST+HOST,inject=...,env=VAR" strings'),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "death": (lambda v: v is None or v in ("kill", "keep"), '"kill" or "keep"'),
     "changes": (lambda v: v is None or v in ("at_exit", "live"), '"at_exit" or "live"'),
@@ -95,6 +100,14 @@ class CellRequest(Record):
                                 "(repeatable). KEY alone passes the host's value.",
                                 schema={"type": "object", "additionalProperties": {"type": "string"},
                                         "description": "Extra environment variables for this call."})
+    # Credentials the cell uses but never sees (agnsup/secrets.py): the runtime's to give, never the model's
+    # (no schema: no tool input takes it; sandboxd neither). The cell gets the placeholder agnsup-secret:NAME.
+    secrets: dict | None = opt(None, "secrets", "--secret", metavar="NAME:KEY=VAL,...",
+                               help="A secret the cell uses but never sees (repeatable): NAME:source=env:VAR|"
+                                    "file:/PATH|command:/PROG ARGS,hosts=HOST[:PORT]+HOST...,inject=bearer|"
+                                    "basic:USER|header:NAME|placeholder,env=VAR (the cell's VAR holds "
+                                    "agnsup-secret:NAME; the proxy puts the value on HTTPS requests to HOSTs). "
+                                    "Needs an allowlist role listing the hosts.")
     receipt_file: str | None = opt(None, "optstr", "--receipt", metavar="FILE",
                                    help="Also write the cell's receipt to FILE.")
     on_controller_death: str | None = opt(None, "death", "--on-controller-death", metavar="kill|keep",
@@ -155,6 +168,21 @@ class CellRequest(Record):
             options["env"] = [f"{k}={v}" for k, v in env.items()]
         elif isinstance(env, tuple):
             options["env"] = list(env)
+        sec = options.get("secrets")
+        if sec is not None and not isinstance(sec, dict):  # the CLI's --secret strings: parsed, checked here
+            if not sec:
+                options["secrets"] = None
+            else:
+                from .secrets import parse_flag
+                tables: dict = {}
+                for text in sec:
+                    ref = parse_flag(text)
+                    if ref.name in tables:
+                        raise UsageError(f"--secret {ref.name}: given twice")
+                    tables[ref.name] = {k: v for k, v in ref.table().items() if k != "name" and v is not None}
+                options["secrets"] = tables
+        elif sec == {}:
+            options["secrets"] = None
         if options.get("stream") or options.get("pty") is not None:
             options["capture"] = True  # a live cell's output is always captured: the files are the record
         return cls(argv=list(argv), **options)

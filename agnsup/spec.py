@@ -55,6 +55,7 @@ class CellSpec(Record):
     tool_env_dropped: list = Factory(list)  # toolconfig.ENV_KEYS left out for holding credentials
     long_lived: bool = False       # request.long_lived: filesystem.changes "auto" runs it live
     changes: str | None = None     # request.changes: at_exit | live for this call, else the role's
+    secrets: list = Factory(list)  # the cell's secrets by reference (secrets.SecretRef.table(): never a value)
 
 
 def new_cell_id() -> str:

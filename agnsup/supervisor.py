@@ -221,9 +221,14 @@ class Supervisor:
         from .redact import Redactor, host_secrets
         r = self._running(run_id, cell_id)
         cfg = r.cell.plan.redact
-        if not cfg:
+        literals = []
+        if r.cell.secrets:  # the cell's secret values, always (redact.secret.<name>)
+            from .secrets import redaction_rules
+            literals = redaction_rules(r.cell.secrets)
+        if not cfg and not literals:
             return lambda text: text
-        return Redactor(cfg["rules"], cfg["patterns"], host_secrets(os.environ, r.cell.spec.env))
+        cfg = cfg or {"rules": [], "patterns": {}}
+        return Redactor(cfg["rules"], cfg["patterns"], host_secrets(os.environ, r.cell.spec.env), literals)
 
     def cancel(self, cell_id: str | None = None, run_id: str | None = None, agent_id: str | None = None,
                everything: bool = False, grace: float | None = None) -> dict:
@@ -319,7 +324,7 @@ class Supervisor:
             raise UsageError(f"cell {cell_id!r} was not spawned with stream or pty: no live output to read "
                              "(its captured files are under its cell directory)")
         out = tape.read(since, timeout, max_bytes)
-        if r.cell.plan.redact:  # the role's output redaction, as on returned output (per chunk)
+        if r.cell.plan.redact or r.cell.secrets:  # the role's output redaction, as on returned output (per chunk)
             redact = self.redactor(run_id, cell_id)
             for c in out["chunks"]:
                 c["data"] = redact(c["data"].decode(errors="surrogateescape")).encode(errors="surrogateescape")

@@ -104,6 +104,12 @@ def prepare(state, journal, request: CellRequest):
         journal.record_denied(spec.run_id, spec.cell_id, argv=spec.argv, decision=decision.to_dict(), trail=trail,
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
+    held = None
+    if pol.get("secrets") or request.secrets:  # after the gate: the secrets' references, then their values
+        try:
+            held = _secrets(state, pol, request, spec)
+        except AgnsupError as e:
+            refuse(e)
     from .process import namespaces  # the id-mapped mount probe, once per device (a root controller's cells)
 
     def reversible(state_root: str, worktree: str) -> str | None:  # asked only of a cell that would capture
@@ -115,10 +121,34 @@ def prepare(state, journal, request: CellRequest):
                                                              "_namespaces": namespaces.namespaces_refused}, other_roots)
     except AgnsupError as e:  # a role this host cannot honour (filesystem.unix_sockets, require...)
         refuse(e)
+    if held is not None and not plan.mount_namespace:
+        refuse(UsageError(f"role {request.role}: secrets need the cell's own mount namespace (its CA bundle), which "
+                          "this cell runs without (isolation.reduced)"))
     trace.append(broker.stage("policy_compiler", policy_digest=plan.policy_digest, mounts=len(plan.mount_ops),
                               netns=plan.new_netns))
     return broker.Prepared(plan=plan, decision=decision.to_dict(), trail=trail, trace=trace,
-                           admit=governance.admission(spec, pol, decision.zone))
+                           admit=governance.admission(spec, pol, decision.zone), secrets=held)
+
+
+def _secrets(state, pol, request: CellRequest, spec) -> list:
+    """The cell's secrets (agnsup/secrets.py), checked before anything starts: their references (the role's and
+    the call's), where they may go against the role's lists, the CA directory, then each value from its source
+    (env: the caller's environment: serve's client's). A UsageError names what is wrong, never a value."""
+    from . import secrets
+    from .egress.ca import default_ca_dir
+    refs = secrets.refs_of(pol.get("secrets"), request.secrets, request.role)
+    secrets.check(refs, pol.network)
+    ca_dir = default_ca_dir(state.path)
+    try:
+        os.makedirs(ca_dir, mode=0o755, exist_ok=True)
+        writable = os.access(ca_dir, os.W_OK | os.X_OK)
+    except OSError as e:
+        raise UsageError(f"the CA directory {ca_dir} cannot be made: {e.strerror or e}") from None
+    if not writable:
+        raise UsageError(f"the CA directory {ca_dir} is not writable")
+    values = secrets.resolve(refs, os.environ if request.host_env is None else request.host_env)
+    secrets.apply(spec, refs)
+    return values
 
 
 def _supervise(ctl, prepared, request: CellRequest, forward_signals: bool) -> dict:

@@ -118,7 +118,7 @@ def _cell_options(f):
         if not o.flags:
             continue
         kw = {"help": o.help, "metavar": o.metavar}
-        if o.kind == "env":
+        if o.kind in ("env", "secrets"):
             kw.update(multiple=True)
         else:
             kw.update(default=o.default, show_default=o.default is not None, type=_CLICK_TYPES.get(o.kind))

@@ -40,7 +40,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         return None
     i += 1
     options, defaults = _run_options()
-    opts = {**defaults, "env": []}
+    opts = {**defaults, "env": [], "secrets": []}
     while i < len(argv):
         a = argv[i]
         if a == "--":
@@ -71,7 +71,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             if v != v or (kind == "pos" and v <= 0) or (kind == "nonneg" and v < 0):
                 return None
             opts[key] = v
-        elif kind == "env":
+        elif kind in ("env", "secrets"):
             opts[key].append(value)
         elif kind == "death" and value not in ("kill", "keep"):
             return None
@@ -80,6 +80,7 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
     command = argv[i:]
     if not command:
         return None
+    opts["secrets"] = tuple(opts["secrets"])  # as click's multiple option gives it
     if state_dir is None:
         state_dir = os.environ.get("AGNSUP_STATE_DIR") or None
     return state_dir, opts, command

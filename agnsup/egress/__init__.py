@@ -41,13 +41,27 @@ def proxy_env(port: int) -> dict[str, str]:
     return {**env, **{k.lower(): v for k, v in env.items()}}
 
 
-def serve(listener, rules, journal_path: str, run_id: str, cell_id: str):
+def serve(listener, rules, journal_path: str, run_id: str, cell_id: str, secrets=None, authority=None):
     """The proxy for one cell, accepting on `listener` from now on (the broker's start hook);
-    `rules`: the role's netpolicy.Rules, compiled into the plan (compiler.py)."""
+    `rules`: the role's netpolicy.Rules, compiled into the plan (compiler.py); `secrets` (secrets.Secret
+    values) and `authority` (ca.Authority): the cell's secrets, put on requests to their hosts only."""
     from .proxy import Proxy, resolver_from_env
     from .sink import JournalSink
     resolve, how = resolver_from_env()
-    return Proxy(listener, rules, resolve, JournalSink(journal_path, run_id, cell_id), how).start()
+    more = {"secrets": secrets, "authority": authority} if secrets else {}  # none: today's proxy
+    return Proxy(listener, rules, resolve, JournalSink(journal_path, run_id, cell_id), how, **more).start()
+
+
+def secret_section(proxy, refs: list[dict]) -> list[dict]:
+    """The receipt's `secrets` section: per secret its name, inject, hosts, env and what the proxy saw
+    (`used`: [{host, port, count}], `refused`: exfiltration attempts): never a value."""
+    seen = {}
+    if proxy is not None and hasattr(proxy, "secret_summary"):
+        seen = {s["name"]: s for s in proxy.secret_summary()}
+    return [{"name": r["name"], "inject": r["inject"], "hosts": list(r["hosts"]), "env": r.get("env"),
+             "source": r["source"].split(":", 1)[0],
+             "used": list(seen.get(r["name"], {}).get("used", [])),
+             "refused": int(seen.get(r["name"], {}).get("refused", 0))} for r in refs]
 
 
 def receipt_section(proxy, network: dict, listener=None) -> dict:

@@ -55,6 +55,11 @@ class Refused(Exception):
         super().__init__(reason)
         self.decision, self.rule, self.reason = decision, rule, reason
         self.socks_code, self.http_status = socks_code, http_status
+        self.sent = False  # the cell was answered already (inside its TLS: intercept.py)
+
+    def answered(self) -> "Refused":
+        self.sent = True
+        return self
 
 
 def system_resolver(name: str, port: int) -> list[str]:
@@ -84,8 +89,22 @@ def resolver_from_env(env=None) -> tuple[object, str]:
 
 
 class Proxy:
-    def __init__(self, listener: socket.socket, rules, resolve=system_resolver, sink=None, resolver_name="system"):
+    def __init__(self, listener: socket.socket, rules, resolve=system_resolver, sink=None, resolver_name="system",
+                 secrets=None, authority=None, upstream_context=None):
+        """`secrets` (agnsup.secrets.Secret list) and `authority` (ca.Authority): the connections to a
+        secret's hosts are intercepted (intercept.py); None: every connection is a plain relay.
+        `upstream_context`: the TLS client context of intercepted connections (tests; default: the
+        system's trust, ssl.create_default_context)."""
         self.listener, self.rules, self.resolve, self.sink = listener, rules, resolve, sink
+        self.secrets = self.authority = None
+        if secrets:
+            from .intercept import Secrets
+            if authority is None:
+                raise ValueError("a proxy with secrets needs the controller's Authority")
+            self.secrets, self.authority = Secrets(secrets), authority
+            self._upstream_ctx = upstream_context
+            self._uses: dict[tuple, int] = {}      # (secret, host, port) -> requests it went into
+            self._refusals: dict[str, int] = {}    # secret -> exfiltration attempts refused
         listener.setblocking(False)  # poll says readable; a connection reset meanwhile must not block accept
         self.resolver_name = resolver_name
         self._lock = threading.Lock()
@@ -159,9 +178,9 @@ class Proxy:
                 raise Refused("refused", "protocol", "SOCKS4 is not served (use socks5h://)")
             else:
                 upstream, rest = self._http(client, rec)
-            with self._lock:
-                if seq in self._live:
-                    self._live[seq][1] = upstream
+            self._track(seq, upstream)
+            if self.secrets is not None and self._intercept(client, upstream, rest, rec):
+                return
             client.settimeout(None)
             upstream.settimeout(None)
             if rest:
@@ -189,6 +208,8 @@ class Proxy:
             self._done(rec)
 
     def _answer_refusal(self, client: socket.socket, rec: dict, r: Refused) -> None:
+        if r.sent:
+            return
         with suppress(OSError):
             if rec.get("protocol") == "socks5":
                 client.sendall(bytes((5, r.socks_code, 0, 1, 0, 0, 0, 0, 0, 0)))
@@ -253,6 +274,8 @@ class Proxy:
         method, target, version = parts
         if method == b"CONNECT":
             rec["protocol"] = "http-connect"
+            if self.secrets is not None:
+                self._check_name(target.decode("utf-8", "replace"), None, rec)
             host, port = _split_hostport(target.decode("utf-8", "replace"), None)
             up = self._judge_and_connect(host, port, rec)
             client.sendall(version + b" 200 Connection established\r\n\r\n")
@@ -268,7 +291,11 @@ class Proxy:
             path = b"/" + path
         if b"@" in authority:
             raise Refused("refused", "protocol", "userinfo in a proxied URL", http_status=400)
+        if self.secrets is not None:
+            self._check_name(authority.decode("utf-8", "replace"), 80, rec)
         host, port = _split_hostport(authority.decode("utf-8", "replace"), 80)
+        if self.secrets is not None:
+            self._check_plain(head, host, port, rec)
         up = self._judge_and_connect(host, port, rec)
         kept = [h for h in headers.split(b"\r\n") if h and h.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS]
         if not any(h.lower().startswith(b"host:") for h in kept):
@@ -297,6 +324,8 @@ class Proxy:
         else:
             raise Refused("refused", "protocol", f"SOCKS5 address type {atyp}", socks_code=8)
         port = int.from_bytes(_recv_exact(client, 2), "big")
+        if self.secrets is not None:
+            self._check_name(host, port, rec)
         if cmd != 1:
             rec.update(requested=host, name=host, port=port)
             what = {2: "BIND", 3: "UDP ASSOCIATE"}.get(cmd, f"command {cmd}")
@@ -304,6 +333,76 @@ class Proxy:
         up = self._judge_and_connect(host, port, rec)
         client.sendall(bytes((5, 0, 0, 1, 0, 0, 0, 0, 0, 0)))
         return up, b""
+
+    # -- secrets (intercept.py) ------------------------------------------------------
+    def _intercept(self, client: socket.socket, upstream: socket.socket, rest: bytes, rec: dict) -> bool:
+        """Serve this connection here if a secret needs it (True: done); False: relay it as usual."""
+        from . import intercept
+        if rec.get("protocol") == "http":
+            intercept.serve_plain(self, client, upstream, rest, rec)
+            return True
+        if not self.secrets.intercepts(rec.get("requested"), rec.get("port")):
+            return False
+        intercept.serve_tls(self, client, upstream, rest, rec, rec["requested"], rec["port"])
+        return True
+
+    def _check_name(self, text: str, port: int | None, rec: dict) -> None:
+        from .intercept import Exfiltration, RULE
+        try:
+            self.secrets.check_name(text)
+        except Exfiltration as e:
+            rec.update(requested=text, name=text, port=port)
+            self._exfiltration(e.name, text, port, e.where)
+            raise Refused("refused", RULE, str(e)) from None
+
+    def _check_plain(self, head: bytes, host: str, port: int, rec: dict) -> None:
+        from .intercept import Exfiltration, RULE
+        try:
+            self.secrets.check_plain(head)
+        except Exfiltration as e:
+            rec.update(requested=host, name=host, port=port)
+            self._exfiltration(e.name, host, port, e.where)
+            raise Refused("refused", RULE, str(e)) from None
+
+    def _exfiltration(self, name: str, host: str, port: int | None, where: str) -> None:
+        """A placeholder seen where it may not go: counted for the receipt, an event in the journal."""
+        with self._lock:
+            self._refusals[name] = self._refusals.get(name, 0) + 1
+        if self.sink is not None and hasattr(self.sink, "event"):
+            self.sink.event("secret.exfiltration", name=name, host=host, port=port, where=where)
+
+    def _note_use(self, name: str, host: str, port: int) -> None:
+        with self._lock:
+            k = (name, host, port)
+            self._uses[k] = self._uses.get(k, 0) + 1
+
+    def upstream_context(self):
+        if self._upstream_ctx is None:
+            import ssl
+            ctx = ssl.create_default_context()  # the system's trust; honours SSL_CERT_FILE
+            ctx.set_alpn_protocols(["http/1.1"])
+            self._upstream_ctx = ctx
+        return self._upstream_ctx
+
+    def secret_summary(self) -> list[dict]:
+        """The receipt's `secrets`: per secret, its hosts, where it went (count per host) and refusals. No value."""
+        if self.secrets is None:
+            return []
+        with self._lock:
+            out = []
+            for s in self.secrets.secrets:
+                n = s.ref.name
+                out.append({"name": n, "inject": s.ref.inject, "hosts": [_host_text(h, p) for h, p in s.ref.hosts],
+                            "used": [{"host": h, "port": p, "count": c} for (m, h, p), c in self._uses.items()
+                                     if m == n],
+                            "refused": self._refusals.get(n, 0)})
+            return out
+
+    def _track(self, seq: int, sock) -> None:
+        """The connection's upstream socket, for stop() to shut down."""
+        with self._lock:
+            if seq in self._live:
+                self._live[seq][1] = sock
 
     # -- relay -------------------------------------------------------------------
     def _relay(self, client: socket.socket, upstream: socket.socket, rec: dict) -> None:
@@ -425,6 +524,11 @@ def _splice(s_fd: int, d_fd: int, rec: dict, counter: str) -> bool:
     finally:
         os.close(r)
         os.close(w)
+
+
+def _host_text(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return shown if port == 443 else f"{shown}:{port}"
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:

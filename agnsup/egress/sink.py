@@ -30,6 +30,10 @@ class JournalSink:
     def put(self, rec: dict) -> None:
         self.q.put(rec)
 
+    def event(self, kind: str, **data) -> None:
+        """A journal event of this cell (secret.exfiltration), committed with the next records."""
+        self.q.put((kind, data))
+
     def close(self, timeout: float = 10.0) -> None:
         self.q.put(_STOP)
         self._t.join(timeout)
@@ -56,9 +60,14 @@ class JournalSink:
                     stop = True
                     rows = [r for r in rows if r is not _STOP]
                 if rows and j is not None:
+                    events = [r for r in rows if isinstance(r, tuple)]
+                    rows = [r for r in rows if not isinstance(r, tuple)]
                     try:
                         with j.tx() as db:
-                            j.add_connections(db, self.run_id, self.cell_id, rows)
+                            if rows:
+                                j.add_connections(db, self.run_id, self.cell_id, rows)
+                            for kind, data in events:
+                                j.event(db, kind, self.run_id, self.cell_id, **data)
                     except Exception as e:  # noqa: BLE001
                         self.error = str(e)
                 last = time.monotonic()

@@ -1,0 +1,549 @@
+"""Secrets on the wire: the proxy reads the cell's request to a secret's host and puts the value in.
+
+A cell holds only a secret's placeholder (`agnsup-secret:NAME`). For a CONNECT (or
+SOCKS5) to a host:port that one of the cell's secrets lists, the proxy, after the
+usual judgement and TCP connect (proxy.py), terminates the cell's TLS with a leaf
+of the controller's CA (ca.py), opens TLS upstream itself (system trust; SNI and
+the hostname check = the requested name) and relays ONE HTTP/1.1 request:
+
+    head     refused (403) if a placeholder is in the request line, or in a header
+             when its secret does not list this destination; otherwise every
+             placeholder in a header is replaced by its value (inside a `Basic`
+             credential too: decoded, replaced, re-encoded), then the secrets of
+             this destination inject theirs (bearer, basic:USER, header:NAME);
+             `Connection: close` upstream, `Expect: 100-continue` answered here
+    body     Content-Length or chunked, scanned as it streams (the decoded bytes,
+             an overlap window of len(placeholder)-1 across reads and chunks): a
+             placeholder is refused; the first BODY_HOLD bytes are held back with
+             the head, so a small request is refused before anything went out; a
+             later one aborts both connections (the upstream sees a cut request)
+    response relayed as it is, until the upstream closes; then the cell's
+             connection is closed (one request per connection: clients reconnect)
+
+Everywhere else a placeholder is only looked for: a CONNECT or SOCKS5 name
+(`where` dns), a plain http:// request's line, headers or body, to any host. Any
+sighting is refused with rule `secret.exfiltration`, a connection record and an
+event {name, host, port, where}. TLS to a host no secret lists stays an opaque
+tunnel (proxy.py, unchanged): a placeholder inside it is invisible here and
+worth nothing there, since only the proxy can turn it into the value.
+
+Not served on an intercepted connection: HTTP/2 (ALPN offers http/1.1 only; a
+client that insists fails its handshake), protocol upgrades (WebSocket: the
+Upgrade header is dropped), a request that pipelines a second one (dropped with
+the connection), a compressed request body (Content-Encoding: scanned as sent,
+so a compressed placeholder is not seen, and is not replaced either).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import socket
+import ssl
+from contextlib import suppress
+from urllib.parse import unquote_to_bytes
+
+HEAD_MAX = 64 * 1024        # the request head (the proxy's limit)
+LINE_MAX = 8 * 1024         # a chunk-size or trailer line
+BODY_HOLD = 64 * 1024       # body bytes held back with the head before anything goes upstream
+BUF = 64 * 1024
+RULE = "secret.exfiltration"
+# Dropped from an intercepted request: hop-by-hop, or what we answer ourselves.
+_DROP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"upgrade",
+                   b"expect"})
+
+
+class Exfiltration(Exception):
+    """A placeholder where it may not go; `where`: url | header | body | dns."""
+
+    def __init__(self, name: str, where: str):
+        super().__init__(f"the placeholder of secret {name!r} in the request's {_WHERE[where]}")
+        self.name, self.where = name, where
+
+
+_WHERE = {"url": "URL", "header": "headers (a destination the secret does not list)", "body": "body",
+          "dns": "destination name"}
+
+
+class BadRequest(ValueError):
+    """A request the interception cannot frame (answered 400)."""
+
+
+def norm_host(host: str) -> str:
+    host = host.strip().lower().rstrip(".")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+class Secrets:
+    """One cell's secrets, as the proxy uses them: who is intercepted, what is replaced, what is refused."""
+
+    def __init__(self, secrets):
+        self.secrets = list(secrets)
+        self.dest: dict[tuple[str, int], list] = {}
+        for s in self.secrets:
+            if any(c in s.value for c in (b"\r", b"\n", b"\0")):
+                # would split a header: never put on the wire (the message names the secret, not the value)
+                raise ValueError(f"secret {s.ref.name!r}: its value holds a line break or NUL")
+            for h, p in s.ref.hosts:
+                self.dest.setdefault((norm_host(h), int(p)), []).append(s)
+        # (needle, secret name): the placeholder, and its %-encoded colon for URLs
+        self.needles = [(s.placeholder.encode(), s.ref.name) for s in self.secrets]
+        self.window = max((len(n) for n, _ in self.needles), default=1) - 1
+
+    def intercepts(self, host: str | None, port: int | None) -> list:
+        """The secrets that list host:port (the CONNECT/SOCKS name as requested); [] = a plain tunnel."""
+        if host is None or port is None:
+            return []
+        return self.dest.get((norm_host(host), port), [])
+
+    def find(self, data: bytes) -> str | None:
+        """The name of the first secret whose placeholder is in `data` (case-insensitive), or None."""
+        low = data.lower()
+        for needle, name in self.needles:
+            if needle in low:
+                return name
+        return None
+
+    def check_name(self, text: str) -> None:
+        """A CONNECT or SOCKS5 target, or a plain request's host: no placeholder (DNS labels are case-blind)."""
+        raw = text.encode("utf-8", "replace")
+        name = self.find(raw) or self.find(_unquote(raw))
+        if name:
+            raise Exfiltration(name, "dns")
+
+    def check_plain(self, head: bytes) -> None:
+        """A plain http:// request head: a placeholder anywhere in it is refused (nothing is substituted)."""
+        line, _, headers = head.partition(b"\r\n")
+        name = self.find(line) or self.find(_unquote(line))
+        if name:
+            raise Exfiltration(name, "url")
+        for h in headers.split(b"\r\n"):
+            name = self.find(h) or self.find(_basic_decoded(h))
+            if name:
+                raise Exfiltration(name, "header")
+
+    def scanner(self) -> "Scanner":
+        return Scanner(self)
+
+    # -- the intercepted request's head ------------------------------------------------
+    def rewrite_head(self, head: bytes, host: str, port: int) -> tuple[bytes, set, dict]:
+        """(the head to send upstream, names of the secrets put in, framing) for a request to host:port.
+        `head`: the request line and headers without the blank line. Raises Exfiltration, BadRequest."""
+        line, _, rest = head.partition(b"\r\n")
+        parts = line.split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            raise BadRequest("not an HTTP/1.x request")
+        name = self.find(line) or self.find(_unquote(line))
+        if name:
+            raise Exfiltration(name, "url")
+        here = {s.ref.name: s for s in self.intercepts(host, port)}
+        used: set[str] = set()
+        out: list[bytes] = []
+        for h in rest.split(b"\r\n") if rest else []:
+            if h[:1] in (b" ", b"\t"):
+                raise BadRequest("obsolete header line folding")
+            if b":" not in h:
+                raise BadRequest("a header line without a colon")
+            key = h.split(b":", 1)[0].strip().lower()
+            if key in _DROP:
+                continue
+            h = self._substitute(h, key, here, used)
+            out.append(h)
+        for s in here.values():
+            inj = s.ref.inject
+            if inj == "placeholder":
+                continue
+            if inj == "bearer":
+                hname, value = b"Authorization", b"Bearer " + s.value
+            elif inj.startswith("basic:"):
+                hname = b"Authorization"
+                value = b"Basic " + base64.b64encode(inj[6:].encode() + b":" + s.value)
+            elif inj.startswith("header:"):
+                hname, value = inj[7:].encode(), s.value
+            else:
+                raise ValueError(f"secret {s.ref.name!r}: unknown inject {inj!r}")
+            low = hname.lower()
+            out = [h for h in out if h.split(b":", 1)[0].strip().lower() != low]
+            out.append(hname + b": " + value)
+            used.add(s.ref.name)
+        framing = _framing(out)
+        return b"\r\n".join([line, *out, b"Connection: close"]) + b"\r\n\r\n", used, framing
+
+    def _substitute(self, h: bytes, key: bytes, here: dict, used: set) -> bytes:
+        """One header line: each placeholder replaced if its secret lists this destination, else refused."""
+        for needle, name in self.needles:
+            if needle in h.lower():
+                if name not in here or needle not in h:  # another host's, or a case-mangled one
+                    raise Exfiltration(name, "header")
+                h = h.replace(needle, here[name].value)
+                used.add(name)
+        if key in (b"authorization",):
+            k, _, v = h.partition(b":")
+            scheme, _, cred = v.strip().partition(b" ")
+            if scheme.lower() == b"basic":
+                try:
+                    plain = base64.b64decode(cred.strip(), validate=True)
+                except (binascii.Error, ValueError):
+                    return h
+                changed = plain
+                for needle, name in self.needles:
+                    if needle in changed.lower():
+                        if name not in here or needle not in changed:
+                            raise Exfiltration(name, "header")
+                        changed = changed.replace(needle, here[name].value)
+                        used.add(name)
+                if changed != plain:
+                    h = k + b": " + scheme + b" " + base64.b64encode(changed)
+        return h
+
+
+class Scanner:
+    """Placeholders in a byte stream fed in pieces: keeps the last len(placeholder)-1 bytes."""
+
+    def __init__(self, secrets: Secrets):
+        self.secrets = secrets
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            return
+        joined = self.tail + data
+        name = self.secrets.find(joined)
+        if name:
+            raise Exfiltration(name, "body")
+        w = self.secrets.window
+        self.tail = joined[-w:] if w else b""
+
+
+class Reader:
+    """Buffered reads from a recv(n) callable: lines, heads, and exactly-n streams."""
+
+    def __init__(self, recv, early: bytes = b""):
+        self.recv, self.buf = recv, bytearray(early)
+
+    def _fill(self) -> None:
+        data = self.recv(BUF)
+        if not data:
+            raise ConnectionAbortedError("the connection closed inside a request")
+        self.buf += data
+
+    def head(self, limit: int = HEAD_MAX) -> bytes:
+        """Up to the blank line (returned without it)."""
+        while True:
+            i = self.buf.find(b"\r\n\r\n")
+            if i >= 0:
+                out = bytes(self.buf[:i])
+                del self.buf[:i + 4]
+                return out
+            if len(self.buf) > limit:
+                raise BadRequest("request head too long")
+            self._fill()
+
+    def line(self, limit: int = LINE_MAX) -> bytes:
+        while True:
+            i = self.buf.find(b"\n")
+            if i >= 0:
+                out = bytes(self.buf[:i + 1])
+                del self.buf[:i + 1]
+                return out
+            if len(self.buf) > limit:
+                raise BadRequest("a chunk line too long")
+            self._fill()
+
+    def some(self, n: int) -> bytes:
+        if not self.buf:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
+def _framing(headers: list[bytes]) -> dict:
+    """{"length": N} or {"chunked": True} from the headers (RFC 9112 6.3; both, or a coding other
+    than chunked last, is refused: a proxy and a server that frame differently smuggle requests)."""
+    te = [h.split(b":", 1)[1].strip().lower() for h in headers if h.split(b":", 1)[0].strip().lower()
+          == b"transfer-encoding"]
+    cl = {h.split(b":", 1)[1].strip() for h in headers if h.split(b":", 1)[0].strip().lower() == b"content-length"}
+    if te:
+        if cl:
+            raise BadRequest("both Transfer-Encoding and Content-Length")
+        codings = [c.strip() for c in b",".join(te).split(b",") if c.strip()]
+        if not codings or codings[-1] != b"chunked" or codings.count(b"chunked") != 1:
+            raise BadRequest("a Transfer-Encoding other than chunked")
+        return {"chunked": True}
+    if len(cl) > 1:
+        raise BadRequest("conflicting Content-Length headers")
+    if cl:
+        v = next(iter(cl))
+        if not v.isdigit():
+            raise BadRequest("a bad Content-Length")
+        return {"length": int(v)}
+    return {"length": 0}
+
+
+def stream_body(reader: Reader, framing: dict, scanner: Scanner, send) -> int:
+    """Relay one request body from `reader` to `send`, as framed, scanning what it carries; bytes sent."""
+    sent = 0
+    if not framing.get("chunked"):
+        left = framing["length"]
+        while left:
+            data = reader.some(min(left, BUF))
+            scanner.feed(data)
+            send(data)
+            sent += len(data)
+            left -= len(data)
+        return sent
+    while True:
+        size_line = reader.line()
+        try:
+            size = int(size_line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise BadRequest("a bad chunk size") from None
+        if size < 0:
+            raise BadRequest("a bad chunk size")
+        scanner.feed(size_line.partition(b";")[2])  # chunk extensions are the body's too
+        send(size_line)
+        sent += len(size_line)
+        if size == 0:
+            while True:  # trailers, up to the blank line
+                t = reader.line()
+                scanner.feed(t)
+                send(t)
+                sent += len(t)
+                if t in (b"\r\n", b"\n"):
+                    return sent
+        left = size
+        while left:
+            data = reader.some(min(left, BUF))
+            scanner.feed(data)
+            send(data)
+            sent += len(data)
+            left -= len(data)
+        end = reader.line()
+        if end not in (b"\r\n", b"\n"):
+            raise BadRequest("a chunk longer than its size")
+        send(end)
+        sent += len(end)
+
+
+class Held:
+    """Sends to `sink` once more than BODY_HOLD bytes came (or at flush): until then, a refusal sends nothing."""
+
+    def __init__(self, sink, first: bytes):
+        self.sink, self.buf, self.started = sink, bytearray(first), False
+        self.limit = len(first) + BODY_HOLD
+
+    def __call__(self, data: bytes) -> None:
+        if self.started:
+            self.sink(data)
+            return
+        self.buf += data
+        if len(self.buf) > self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.started:
+            self.started = True
+            self.sink(bytes(self.buf))
+            self.buf = bytearray()
+
+
+class TLSServer:
+    """The cell's side of an intercepted connection: TLS through memory BIOs over a blocking socket,
+    so bytes the cell sent right behind its CONNECT (already read by the proxy) are not lost."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, early: bytes = b""):
+        self.sock = sock
+        self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        if early:
+            self.inc.write(early)
+        self.obj = ctx.wrap_bio(self.inc, self.out, server_side=True)
+
+    def _flush(self) -> None:
+        data = self.out.read()
+        if data:
+            self.sock.sendall(data)
+
+    def _io(self, fn, *args):
+        while True:
+            try:
+                r = fn(*args)
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = self.sock.recv(BUF)
+                if data:
+                    self.inc.write(data)
+                else:
+                    self.inc.write_eof()
+                continue
+            self._flush()
+            return r
+
+    def handshake(self) -> None:
+        self._io(self.obj.do_handshake)
+
+    def recv(self, n: int) -> bytes:
+        try:
+            return self._io(self.obj.read, n)
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            return b""
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self._io(self.obj.write, view[:16384])
+            view = view[n:]
+
+    def close_notify(self) -> None:
+        try:
+            self.obj.unwrap()
+        except (ssl.SSLError, OSError):
+            pass
+        try:
+            self._flush()
+        except OSError:
+            pass
+
+
+def refusal(status: int, rule: str, reason: str) -> bytes:
+    body = f"agnsup egress: refused by {rule}: {reason}\n".encode()
+    text = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 431: "Request Header Fields Too Large"}
+    return (f"HTTP/1.1 {status} {text.get(status, 'Refused')}\r\nContent-Type: text/plain\r\nX-Agnsup-Rule: {rule}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def _unquote(b: bytes) -> bytes:
+    try:
+        return unquote_to_bytes(b)
+    except (ValueError, TypeError):
+        return b
+
+
+def _basic_decoded(h: bytes) -> bytes:
+    """The decoded credential of an `Authorization: Basic` line (b"" otherwise)."""
+    k, _, v = h.partition(b":")
+    if k.strip().lower() not in (b"authorization", b"proxy-authorization"):
+        return b""
+    scheme, _, cred = v.strip().partition(b" ")
+    if scheme.lower() != b"basic":
+        return b""
+    try:
+        return base64.b64decode(cred.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+# -- one connection (the proxy's thread) -------------------------------------------------------------
+def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: bytes, rec: dict, host: str,
+              port: int) -> None:
+    """An intercepted CONNECT/SOCKS5: the cell's TLS ends here, one request goes upstream over our TLS.
+    Raises proxy.Refused (answered already) for a refusal, OSError/ValueError for a broken connection."""
+    from .proxy import HANDSHAKE_TIMEOUT, Refused
+    rec["intercepted"] = True
+    name = norm_host(host)
+    cell = TLSServer(client, proxy.authority.server_context(name), early)
+    client.settimeout(HANDSHAKE_TIMEOUT)
+    cell.handshake()
+    reader = Reader(cell.recv)
+    up = None
+    try:
+        try:
+            head = reader.head()
+            new_head, used, framing = proxy.secrets.rewrite_head(head, host, port)
+        except (Exfiltration, BadRequest) as e:
+            cell.sendall(_refusal_for(proxy, rec, e, host, port))
+            cell.close_notify()
+            raise Refused("refused", rec["rule"], rec["reason"], http_status=403).answered() from None
+        if b"100-continue" in head.lower():
+            cell.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        client.settimeout(None)
+        upstream.settimeout(None)
+        try:
+            up = proxy.upstream_context().wrap_socket(upstream, server_hostname=name)
+        except (ssl.SSLError, ssl.CertificateError) as e:
+            reason = f"TLS to {name}:{port}: {getattr(e, 'verify_message', None) or e}"
+            with suppress(OSError, ValueError):
+                cell.sendall(refusal(502, "tls", reason))
+                cell.close_notify()
+            raise Refused("failed", "tls", reason, http_status=502).answered() from None
+        proxy._track(rec["seq"], up)
+
+        def send(data: bytes) -> None:
+            up.sendall(data)
+            rec["bytes_up"] += len(data)
+
+        held = Held(send, new_head)
+        try:
+            stream_body(reader, framing, proxy.secrets.scanner(), held)
+        except (Exfiltration, BadRequest) as e:
+            if held.started:  # part of the request went out: cut both connections, no answer to make
+                _refusal_for(proxy, rec, e, host, port)
+                rec["reason"] += " (the request was cut: part of it had gone upstream)"
+                raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+            cell.sendall(_refusal_for(proxy, rec, e, host, port))
+            cell.close_notify()
+            raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+        held.flush()
+        for n in used:
+            proxy._note_use(n, name, port)
+        while True:  # the response, as it is, until the upstream closes
+            try:
+                data = up.recv(BUF)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break
+            if not data:
+                break
+            cell.sendall(data)
+            rec["bytes_down"] += len(data)
+        cell.close_notify()
+    finally:
+        if up is not None:
+            with suppress(OSError, ValueError):
+                up.close()
+
+
+def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: bytes, rec: dict) -> None:
+    """A plain http:// request while the cell has secrets: its head was checked (proxy._http); the body
+    is scanned as it streams, then the response relayed. One request: what follows it is dropped."""
+    from .proxy import Refused, _pump
+    head, _, early = first.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() != b"expect"]
+    if len(kept) < len(lines) - 1:  # the head is held back with the body's start: answer 100 here
+        head = b"\r\n".join([lines[0], *kept])
+        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    try:
+        framing = _framing(kept)
+    except BadRequest as e:
+        with suppress(OSError):
+            client.sendall(_refusal_for(proxy, rec, e, rec.get("name") or "", rec.get("port") or 80))
+        raise Refused("refused", rec["rule"], rec["reason"], http_status=400).answered() from None
+    client.settimeout(None)
+    upstream.settimeout(None)
+
+    def send(data: bytes) -> None:
+        upstream.sendall(data)
+        rec["bytes_up"] += len(data)
+
+    held = Held(send, head + b"\r\n\r\n")
+    try:
+        stream_body(Reader(client.recv, early), framing, proxy.secrets.scanner(), held)
+    except (Exfiltration, BadRequest) as e:
+        answer = _refusal_for(proxy, rec, e, rec.get("name") or "", rec.get("port") or 80)
+        if held.started:
+            rec["reason"] += " (the request was cut: part of it had gone upstream)"
+        else:
+            with suppress(OSError, ValueError):
+                client.sendall(answer)
+        raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+    held.flush()
+    _pump(upstream, client, rec, "bytes_down")
+
+
+def _refusal_for(proxy, rec: dict, e: Exception, host: str, port: int) -> bytes:
+    """Record the refusal on `rec` (and the event, for a placeholder); the HTTP answer to send."""
+    if isinstance(e, Exfiltration):
+        rec.update(decision="refused", rule=RULE, reason=str(e))
+        proxy._exfiltration(e.name, host, port, e.where)
+        return refusal(403, RULE, str(e))
+    rec.update(decision="refused", rule="protocol", reason=str(e))
+    return refusal(400, "protocol", str(e))

@@ -54,9 +54,15 @@ class Request:
     auth: str = ""      # bearer | basic | header | "" (which credential form matched)
 
     def text(self) -> str:
-        """Everything the server received, for a search."""
-        return "\n".join([f"{self.method} {self.path}", *(f"{k}: {v}" for k, v in self.headers.items()),
-                          self.body.decode("latin-1")])
+        """Everything the server received, for a search (a Basic credential decoded too)."""
+        lines = [f"{self.method} {self.path}", *(f"{k}: {v}" for k, v in self.headers.items())]
+        scheme, _, cred = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                lines.append(base64.b64decode(cred).decode("latin-1"))
+            except ValueError:
+                pass
+        return "\n".join([*lines, self.body.decode("latin-1")])
 
 
 def make_ca(names=NAMES):

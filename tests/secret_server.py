@@ -12,6 +12,7 @@ and 401 (with a Basic challenge, which git needs to send the credential of its U
 request it received (`site.log`: method, host, path, headers, body) for the test to inspect. It serves:
 
 - `/hello`: a line of text;
+- `/echo`: the request's headers, as a careless (or debugging) server sends them back;
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
 - `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here.
 
@@ -191,6 +192,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         req.status = 200
         if path == "/hello":
             return self._send(200, HELLO)
+        if path == "/echo":  # a server that echoes what it got (httpbin's /headers): the value comes back
+            return self._send(200, "".join(f"{k}: {v}\n" for k, v in req.headers.items()).encode())
         if path == f"/simple/{PKG}/" or path == "/simple/":
             html = f'<html><body><a href="/packages/{WHEEL}">{WHEEL}</a></body></html>\n'
             return self._send(200, html.encode(), "text/html")

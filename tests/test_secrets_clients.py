@@ -45,6 +45,8 @@ cat /proc/self/environ > .probe/self-environ.bin
 for p in /proc/[0-9]*; do cat "$p/environ" "$p/cmdline" 2>/dev/null; done > .probe/procs.bin
 grep -rlsE -D skip '""" + PATTERN + r"""' /tmp /etc /run /dev/shm "$HOME" . /proc/[0-9]*/environ \
     > .probe/grep.txt 2>/dev/null
+grep -rlsE -D skip 'PRIVATE KEY-{5}' /tmp /run /dev/shm "$HOME" . /proc/self/fd/ > .probe/keys.txt 2>/dev/null
+ls -la /proc/self/fd/ > .probe/fds.txt 2>&1
 true
 """
 # (role, inject): each role declares one secret `api` for api.secret.test, its placeholder in API_TOKEN
@@ -143,6 +145,8 @@ def assert_never_in_the_cell_nor_the_records(sx, cp) -> None:
     assert os.path.exists(os.path.join(probe, "grep.txt")), cp.out + cp.err
     with open(os.path.join(probe, "grep.txt")) as f:
         assert f.read() == "", "files the cell can read hold the value"
+    with open(os.path.join(probe, "keys.txt")) as f:
+        assert f.read() == "", "a private key in the cell's view"
     with open(os.path.join(probe, "env.txt")) as f:
         env = f.read()
     assert TOKEN_VAR not in env, "the controller's source variable reached the cell"
@@ -173,6 +177,17 @@ def assert_receipt_counts(sx, cell: str, inject: str, at_least: int = 1) -> dict
     return sec[0]
 
 
+def test_the_search_finds_a_value_the_cell_was_given(sx):
+    """The net itself: a value handed to the cell the old way (`--env`) is found by the cell's search, in its
+    environment, and in the records."""
+    cp = run_client(sx, "plain", "given", 'echo "$SECRET_TEST_TOKEN" > /tmp/copy', flags=("--env", TOKEN_VAR))
+    with open(os.path.join(sx.worktree, ".probe", "grep.txt")) as f:
+        found = f.read().splitlines()
+    assert "/tmp/copy" in found and any(re.fullmatch(r"/proc/[0-9]+/environ", p) for p in found), found
+    with pytest.raises(AssertionError, match="files the cell can read"):
+        assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 # ------------------------------------------------------------------------------------------- clients
 
 def test_curl_gets_a_bearer_token_it_never_saw(sx):
@@ -189,7 +204,7 @@ def test_curl_gets_a_bearer_token_it_never_saw(sx):
     ("sheader", "header", ""),                                 # the proxy sets X-Api-Key: VALUE
     ("splace", "header", f'-H "{HEADER}: $API_TOKEN"'),        # the client sends the placeholder, the proxy swaps it
     ("splace", "basic", '-u "robot:$API_TOKEN"'),              # ... inside a Basic credential too
-])
+], ids=["inject-basic", "inject-header", "placeholder-header", "placeholder-basic"])
 def test_curl_with_each_way_of_putting_the_value_on_the_wire(sx, role, auth, client):
     cp = run_client(sx, role, "curl", f"curl -fsS {client} {sx.site.url()}")
     assert cp.out == HELLO.decode(), cp.err
@@ -369,7 +384,7 @@ def _exfiltration(sx, cell: str) -> list[dict]:
     ("url", "url", 'curl -sS -o /dev/null -w "%{{http_code}}" "https://{api}:{port}/hello?k=$API_TOKEN"'),
     # in the body of a request to the secret's host
     ("body", "body", 'curl -sS -o /dev/null -w "%{{http_code}}" --data "token=$API_TOKEN" https://{api}:{port}/hello'),
-])
+], ids=["header-http-other", "header-http-api", "url", "body"])
 def test_a_placeholder_sent_anywhere_else_is_refused_and_journaled(sx, what, where, cmd):
     script = cmd.format(h=HEADER, other=OTHER, api=API, port=sx.site.port, http_port=sx.site.http_port)
     cp = run_client(sx, "splace", "exfil", script + "; echo")
@@ -444,7 +459,7 @@ def _flag(sx, **kv) -> str:
     ("silent-command", {"source": "command:/bin/true"}, "empty"),
     ("unlisted-host", {"hosts": "evil.example.com"}, "evil.example.com"),
     ("bad-inject", {"inject": "smoke-signal"}, "smoke-signal"),
-])
+], ids=["missing-env", "missing-file", "failing-command", "silent-command", "unlisted-host", "bad-inject"])
 def test_a_bad_secret_is_one_line_125_journaled_and_nothing_starts(sx, case, kv, fragment):
     cp = sx("run", "--role", "plain", "--cell", case, "--workdir", sx.worktree, "--secret", _flag(sx, **kv),
             "--", "touch", "started", check=125)
@@ -475,6 +490,57 @@ def test_a_ca_directory_that_cannot_be_written_is_refused(sx):
     cp = sx("run", "--role", "sbearer", "--cell", "noca", "--workdir", sx.worktree, "--", "touch", "started",
             check=125)
     _refused_before_anything_started(sx, cp, "noca", "CA directory")
+
+
+# ------------------------------------------------------------------------------------------- other doors
+
+def test_serve_takes_a_secret_from_its_clients_call_and_environment(sx, tmp_path):
+    """`agnsup spawn --secret` to a serve controller that does not hold the value: env: reads the calling
+    client's environment (the runtime's), as `--env KEY` does."""
+    from scenario import ServeStarter
+    srv = Agnsup(sx.state, env={k: sx.env[k] for k in ("AGNSUP_POLICY_DIR", "AGNSUP_TEST_EGRESS_HOSTS",
+                                                          "SSL_CERT_FILE")})
+    assert TOKEN_VAR not in srv.env
+    serve = ServeStarter(srv, tmp_path)
+    try:
+        flag = f"api:source=env:{TOKEN_VAR},hosts={API}:{sx.site.port},inject=bearer"
+        out = sx.json("spawn", "--role", "plain", "--cell", "served", "--workdir", sx.worktree, "--secret", flag,
+                      "--", "curl", "-fsS", sx.site.url())
+        assert out["cell_id"] == "served" and sx.canary not in json.dumps(out)
+        assert serve.exit_code("default", "served") == 0
+    finally:
+        serve.close()
+    with open(os.path.join(sx.state, "cells", "default", "served", "stdout"), "rb") as f:
+        assert f.read() == HELLO
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, "served", "bearer")
+    assert files_holding(sx.state, sx.canary.encode()) == []
+    assert sx.canary not in (tmp_path / "serve.err").read_text()
+
+
+def test_an_mcp_session_uses_its_roles_secret_and_no_tool_takes_one(sx):
+    """The model's door: the role's secret is used, no tool's input schema has `secrets` (the model cannot
+    name a destination or a source), and what comes back to the model is redacted."""
+    anyio = pytest.importorskip("anyio")
+    pytest.importorskip("mcp")
+    from test_mcp import session, value
+
+    async def main():
+        env = {k: sx.env[k] for k in ("AGNSUP_POLICY_DIR", "AGNSUP_TEST_EGRESS_HOSTS", "SSL_CERT_FILE", TOKEN_VAR,
+                                      "PATH")}
+        async with session(sx.state, sx.worktree, "--role", "sbearer", "--run-id", "default", env=env) as s:
+            tools = (await s.list_tools()).tools
+            assert not [t.name for t in tools if "secret" in json.dumps(t.input_schema).lower()]
+            hello = value(await s.call_tool("run_process", {"argv": ["curl", "-fsS", sx.site.url()]}))
+            echo = value(await s.call_tool("run_process", {"argv": ["curl", "-fsS", sx.site.url("/echo")]}))
+            bad = await s.call_tool("run_process", {"argv": ["true"], "secrets": {"x": {"source": "env:PATH"}}})
+        return hello, echo, bad
+
+    hello, echo, bad = anyio.run(main)
+    assert hello["stdout"] == HELLO.decode() and hello["exit_code"] == 0, hello
+    assert "Bearer [REDACTED:redact.secret.api]" in echo["stdout"] and sx.canary not in json.dumps(echo)
+    assert bad.is_error  # an argument the tool does not take
+    assert [(r.auth, r.status) for r in served(sx)] == [("bearer", 200), ("bearer", 200)]
 
 
 # ------------------------------------------------------------------------------------------- redaction

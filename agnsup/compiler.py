@@ -452,7 +452,7 @@ def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:
     bundle + the controller CA's certificate) bound read-only over the host's system bundle, where clients that
     read no variable look. (clones, attaches); none when the host has no such file (the variables still point
     at the bundle)."""
-    if not spec.secrets:
+    if not getattr(spec, "secrets", None):
         return [], []
     from .secrets import CA_BUNDLE_REL, SYSTEM_BUNDLE
     target = os.path.realpath(SYSTEM_BUNDLE)

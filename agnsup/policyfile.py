@@ -543,10 +543,12 @@ class Policy(_Strict):
         if not self.secrets:
             return self
         from .errors import UsageError
+        from .netpolicy import Rules, destination
         from .secrets import check, parse_table
         try:
             refs = [parse_table(n, t.model_dump(exclude_none=True), f"secrets.{n}") for n, t in self.secrets.items()]
-            check(refs, self.network.model_dump())
+            rules = Rules.of(self.network.model_dump())
+            check(refs, self.network.mode, lambda host, port: rules.match(destination(host), port))
         except UsageError as e:
             raise ValueError(e.message) from None
         return self

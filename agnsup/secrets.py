@@ -202,7 +202,7 @@ def parse_flag(text: str) -> SecretRef:
 def refs_of(role_tables: dict | None, call, role: str) -> list[SecretRef]:
     """The cell's secrets: the role's ([secrets.NAME], validated at load) and the call's (a dict name -> table,
     or CLI `--secret` strings). A call may not shadow a role's secret (UsageError)."""
-    refs = [parse_table(n, dict(t), f"role {role}") for n, t in (role_tables or {}).items()]
+    refs = [parse_table(n, dict(t.items()), f"role {role}") for n, t in (role_tables or {}).items()]
     mine = {r.name for r in refs}
     extra: list[SecretRef] = []
     if isinstance(call, dict):
@@ -219,22 +219,20 @@ def refs_of(role_tables: dict | None, call, role: str) -> list[SecretRef]:
     return refs + extra
 
 
-def check(refs: list[SecretRef], network, rules=None) -> None:
-    """Where the secrets may go, against the role (before anything starts): the role must send its traffic
-    through the proxy, each host must pass its lists as the proxy judges a name (no DNS here), and no two
-    secrets may put the same env variable."""
+def check(refs: list[SecretRef], mode: str, judge) -> None:
+    """Where the secrets may go, against the role (before anything starts): the role's traffic must go through
+    the proxy (`mode` allowlist or internal), each host must pass its lists as the proxy judges a name, with no
+    DNS: `judge(host, port)` -> a netpolicy.Verdict (Rules.match of the destination), and no two secrets may set
+    the same env variable."""
     if not refs:
         return
-    mode = network.get("mode", "deny") if hasattr(network, "get") else network["mode"]
     if mode not in ("allowlist", "internal"):
         raise UsageError(f"secret {refs[0].name!r}: secrets go out through the egress proxy: use an allowlist role "
                          f"(this role's network.mode is {mode!r})")
-    from .netpolicy import Rules, destination
-    rules = rules if rules is not None else Rules.of(network)
     envs: dict = {}
     for r in refs:
         for host, port in r.hosts:
-            v = rules.match(destination(host), port)
+            v = judge(host, port)
             if not v.allowed:
                 raise UsageError(f"{r.where}: secret {r.name!r} may go to {host_text(host, port)}, which the role "
                                  f"does not allow: {v.reason}")
@@ -244,10 +242,11 @@ def check(refs: list[SecretRef], network, rules=None) -> None:
             envs[r.env] = r.name
 
 
-def resolve(refs: list[SecretRef], env=None) -> list[Secret]:
+def resolve(refs: list[SecretRef], env=None, run=None) -> list[Secret]:
     """Each secret's value from its source, in the controller: `env` is the environment env: reads (default
-    os.environ; serve passes its client's). UsageError (one line, never the value) when a source is missing,
-    unreadable, empty, or its command fails."""
+    os.environ; serve passes its client's) and a command: runs with; `run(argv, timeout, env)` -> (status,
+    stdout, stderr) runs a command: source (process.helpers.run_helper). UsageError (one line, never the value)
+    when a source is missing, unreadable, empty, or its command fails."""
     env = os.environ if env is None else env
     out = []
     for r in refs:
@@ -264,7 +263,7 @@ def resolve(refs: list[SecretRef], env=None) -> list[Secret]:
             except OSError as e:
                 raise UsageError(f"{what}: cannot be read ({e.strerror})") from None
         else:
-            value = _command(rest, what, env)
+            value = _command(rest, what, env, run)
         value = value.rstrip(b"\r\n") if len(value) <= MAX_VALUE else None
         if value is None:
             raise UsageError(f"{what}: longer than {MAX_VALUE} bytes")
@@ -278,23 +277,19 @@ def resolve(refs: list[SecretRef], env=None) -> list[Secret]:
     return out
 
 
-def _command(text: str, what: str, env) -> bytes:
+def _command(text: str, what: str, env, run) -> bytes:
     import shlex
-    import subprocess
     try:
         argv = shlex.split(text)
     except ValueError as e:
         raise UsageError(f"{what}: not a command line ({e})") from None
-    try:
-        cp = subprocess.run(argv, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
-                            timeout=COMMAND_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise UsageError(f"{what}: did not finish within {COMMAND_TIMEOUT:g} s") from None
-    except OSError as e:
-        raise UsageError(f"{what}: cannot be run ({e.strerror})") from None
-    if cp.returncode != 0:  # its stderr is not quoted: a helper may print what it was asked for
-        raise UsageError(f"{what}: exited {cp.returncode}")
-    return cp.stdout
+    if not os.access(argv[0], os.X_OK) or os.path.isdir(argv[0]):
+        raise UsageError(f"{what}: {argv[0]} is not an executable file")
+    status, out, _err = run(argv, COMMAND_TIMEOUT, dict(env))
+    if status != 0:  # its stderr is not quoted: a helper may print what it was asked for
+        raise UsageError(f"{what}: exited {status}" + (f" or did not finish within {COMMAND_TIMEOUT:g} s"
+                                                         if status == 127 else ""))
+    return os.fsencode(out)
 
 
 def cell_env(refs: list[SecretRef]) -> dict[str, str]:
@@ -302,16 +297,15 @@ def cell_env(refs: list[SecretRef]) -> dict[str, str]:
     return {r.env: r.placeholder for r in refs if r.env}
 
 
-def apply(spec, refs: list[SecretRef]) -> None:
+def apply(spec, refs: list[SecretRef], cell_tmp: str) -> None:
     """Put the secrets on a CellSpec: the placeholders and the trust knobs in its environment (a per-call --env
-    of the same name is refused), their references (no value) in spec.secrets."""
-    from .spec import CELL_TMP
+    of the same name is refused), their references (no value) in spec.secrets. `cell_tmp`: the cell's /tmp."""
     placeholders = cell_env(refs)
     for k in placeholders:
         if spec.env_sources.get(k) == "call":
             raise UsageError(f"--env {k}: the secret {next(r.name for r in refs if r.env == k)!r} sets it "
                              "(to its placeholder)")
-    bundle, cert = os.path.join(CELL_TMP, CA_BUNDLE_REL), os.path.join(CELL_TMP, CA_CERT_REL)
+    bundle, cert = os.path.join(cell_tmp, CA_BUNDLE_REL), os.path.join(cell_tmp, CA_CERT_REL)
     for k, v in {**trust_env(bundle, cert), **placeholders}.items():
         spec.env[k], spec.env_sources[k] = v, "secret" if k in placeholders else "agnsup"
     spec.secrets = [r.table() for r in refs]

@@ -105,7 +105,7 @@ def prepare(state, journal, request: CellRequest):
                               chain=[s["stage"] for s in trace])
         governance.enforce(decision)
     held = None
-    if pol.get("secrets") or request.secrets:  # after the gate: the secrets' references, then their values
+    if list(pol.get("secrets") or ()) or request.secrets:  # after the gate: the secrets' references, then values
         try:
             held = _secrets(state, pol, request, spec)
         except AgnsupError as e:
@@ -136,8 +136,14 @@ def _secrets(state, pol, request: CellRequest, spec) -> list:
     (env: the caller's environment: serve's client's). A UsageError names what is wrong, never a value."""
     from . import secrets
     from .egress.ca import default_ca_dir
+    from .netpolicy import Rules, destination
+    from .process.helpers import run_helper
+    from .spec import CELL_TMP
     refs = secrets.refs_of(pol.get("secrets"), request.secrets, request.role)
-    secrets.check(refs, pol.network)
+    if not refs:
+        return None
+    rules = Rules.of(pol.network) if pol.network.mode in ("allowlist", "internal") else None
+    secrets.check(refs, pol.network.mode, lambda host, port: rules.match(destination(host), port))
     ca_dir = default_ca_dir(state.path)
     try:
         os.makedirs(ca_dir, mode=0o755, exist_ok=True)
@@ -146,8 +152,8 @@ def _secrets(state, pol, request: CellRequest, spec) -> list:
         raise UsageError(f"the CA directory {ca_dir} cannot be made: {e.strerror or e}") from None
     if not writable:
         raise UsageError(f"the CA directory {ca_dir} is not writable")
-    values = secrets.resolve(refs, os.environ if request.host_env is None else request.host_env)
-    secrets.apply(spec, refs)
+    values = secrets.resolve(refs, os.environ if request.host_env is None else request.host_env, run_helper)
+    secrets.apply(spec, refs, CELL_TMP)
     return values
 
 

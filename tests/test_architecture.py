@@ -31,7 +31,8 @@ LAYERS = [  # top to bottom
     ("reaper and process", ["agnsup.reaper", "agnsup.process", "agnsup.pod", "agnsup.receipts", "agnsup.io", "agnsup.locks",
                             "agnsup.egress", "agnsup.protect"]),
     ("backend and store", ["agnsup.backend", "agnsup.store", "agnsup.changes"]),
-    ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.util", "agnsup.policies", "agnsup.redact"]),
+    ("linux and shared", ["agnsup.linux", "agnsup.errors", "agnsup.util", "agnsup.policies", "agnsup.redact",
+                          "agnsup.secrets"]),
 ]
 DATA_PACKAGES = {"migrations", "policies"}  # package data shipped as agnsup.<name> (pyproject package-dir)
 

@@ -40,8 +40,10 @@ refusal, and the connection is closed. The remaining peers, processes of the
 server's own uid (or root) that are not cells, are its trusted callers: for
 them, and only them, a request's host-side options are honoured as given:
 `receipt_file` (written by the server, as its uid), `host_env` (the
-environment the role's passthrough keys are taken from) and `role`. MCP and
-sandboxd never take receipt_file or host_env from their clients.
+environment the role's passthrough keys and `env:` secret sources are taken
+from), `role` and `secrets` (agnsup/secrets.py: references, resolved in this
+server). MCP and sandboxd never take receipt_file, host_env or secrets from
+their clients.
 """
 from __future__ import annotations
 

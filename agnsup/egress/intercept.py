@@ -64,6 +64,14 @@ _WHERE = {"url": "URL", "header": "headers (a destination the secret does not li
           "dns": "destination name"}
 
 
+class Answered(Exception):
+    """The connection ended here, the cell answered already (proxy.py records it as refused or failed)."""
+
+    def __init__(self, decision: str, rule: str, reason: str):
+        super().__init__(reason)
+        self.decision, self.rule, self.reason = decision, rule, reason
+
+
 class BadRequest(ValueError):
     """A request the interception cannot frame (answered 400)."""
 
@@ -434,14 +442,15 @@ def _basic_decoded(h: bytes) -> bytes:
 
 # -- one connection (the proxy's thread) -------------------------------------------------------------
 def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: bytes, rec: dict, host: str,
-              port: int) -> None:
+              port: int, timeouts: tuple[float, float]) -> None:
     """An intercepted CONNECT/SOCKS5: the cell's TLS ends here, one request goes upstream over our TLS.
-    Raises proxy.Refused (answered already) for a refusal, OSError/ValueError for a broken connection."""
-    from .proxy import HANDSHAKE_TIMEOUT, Refused
+    `timeouts`: (the cell's handshake and request head, the upstream's TLS handshake). Raises Answered
+    for a refusal, OSError/ValueError for a broken connection."""
+    handshake_timeout, connect_timeout = timeouts
     rec["intercepted"] = True
     name = norm_host(host)
     cell = TLSServer(client, proxy.authority.server_context(name), early)
-    client.settimeout(HANDSHAKE_TIMEOUT)
+    client.settimeout(handshake_timeout)
     cell.handshake()
     reader = Reader(cell.recv)
     up = None
@@ -452,19 +461,20 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         except (Exfiltration, BadRequest) as e:
             cell.sendall(_refusal_for(proxy, rec, e, host, port))
             cell.close_notify()
-            raise Refused("refused", rec["rule"], rec["reason"], http_status=403).answered() from None
-        if b"100-continue" in head.lower():
+            raise Answered("refused", rec["rule"], rec["reason"]) from None
+        if any(h.lower().startswith(b"expect:") and b"100-continue" in h.lower() for h in head.split(b"\r\n")):
             cell.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         client.settimeout(None)
-        upstream.settimeout(None)
+        upstream.settimeout(connect_timeout)  # for the handshake; then as long as the response takes
         try:
             up = proxy.upstream_context().wrap_socket(upstream, server_hostname=name)
+            up.settimeout(None)
         except (ssl.SSLError, ssl.CertificateError) as e:
             reason = f"TLS to {name}:{port}: {getattr(e, 'verify_message', None) or e}"
             with suppress(OSError, ValueError):
                 cell.sendall(refusal(502, "tls", reason))
                 cell.close_notify()
-            raise Refused("failed", "tls", reason, http_status=502).answered() from None
+            raise Answered("failed", "tls", reason) from None
         proxy._track(rec["seq"], up)
 
         def send(data: bytes) -> None:
@@ -478,10 +488,10 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
             if held.started:  # part of the request went out: cut both connections, no answer to make
                 _refusal_for(proxy, rec, e, host, port)
                 rec["reason"] += " (the request was cut: part of it had gone upstream)"
-                raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+                raise Answered("refused", rec["rule"], rec["reason"]) from None
             cell.sendall(_refusal_for(proxy, rec, e, host, port))
             cell.close_notify()
-            raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+            raise Answered("refused", rec["rule"], rec["reason"]) from None
         held.flush()
         for n in used:
             proxy._note_use(n, name, port)
@@ -504,7 +514,6 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
 def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: bytes, rec: dict) -> None:
     """A plain http:// request while the cell has secrets: its head was checked (proxy._http); the body
     is scanned as it streams, then the response relayed. One request: what follows it is dropped."""
-    from .proxy import Refused, _pump
     head, _, early = first.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() != b"expect"]
@@ -516,7 +525,7 @@ def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: by
     except BadRequest as e:
         with suppress(OSError):
             client.sendall(_refusal_for(proxy, rec, e, rec.get("name") or "", rec.get("port") or 80))
-        raise Refused("refused", rec["rule"], rec["reason"], http_status=400).answered() from None
+        raise Answered("refused", rec["rule"], rec["reason"]) from None
     client.settimeout(None)
     upstream.settimeout(None)
 
@@ -534,9 +543,14 @@ def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: by
         else:
             with suppress(OSError, ValueError):
                 client.sendall(answer)
-        raise Refused("refused", rec["rule"], rec["reason"]).answered() from None
+        raise Answered("refused", rec["rule"], rec["reason"]) from None
     held.flush()
-    _pump(upstream, client, rec, "bytes_down")
+    while True:  # the response, until the upstream closes
+        data = upstream.recv(BUF)
+        if not data:
+            break
+        client.sendall(data)
+        rec["bytes_down"] += len(data)
 
 
 def _refusal_for(proxy, rec: dict, e: Exception, host: str, port: int) -> bytes:

@@ -338,12 +338,17 @@ class Proxy:
     def _intercept(self, client: socket.socket, upstream: socket.socket, rest: bytes, rec: dict) -> bool:
         """Serve this connection here if a secret needs it (True: done); False: relay it as usual."""
         from . import intercept
-        if rec.get("protocol") == "http":
-            intercept.serve_plain(self, client, upstream, rest, rec)
-            return True
-        if not self.secrets.intercepts(rec.get("requested"), rec.get("port")):
+        plain = rec.get("protocol") == "http"
+        if not plain and not self.secrets.intercepts(rec.get("requested"), rec.get("port")):
             return False
-        intercept.serve_tls(self, client, upstream, rest, rec, rec["requested"], rec["port"])
+        try:
+            if plain:
+                intercept.serve_plain(self, client, upstream, rest, rec)
+            else:
+                intercept.serve_tls(self, client, upstream, rest, rec, rec["requested"], rec["port"],
+                                    (HANDSHAKE_TIMEOUT, CONNECT_TIMEOUT))
+        except intercept.Answered as a:
+            raise Refused(a.decision, a.rule, a.reason).answered() from None
         return True
 
     def _check_name(self, text: str, port: int | None, rec: dict) -> None:

@@ -6,12 +6,19 @@ import pickle
 import pytest
 
 from agnsup import secrets
+from agnsup.netpolicy import Rules, destination
+from agnsup.process.helpers import run_helper
 from agnsup.errors import UsageError
 from agnsup.request import CellRequest
 
 CANARY = "canary-" + os.urandom(8).hex()
 ALLOWLIST = {"mode": "allowlist", "allow": ["api.secret.test:8443", "*.example.org"], "deny": ["bad.example.org"],
              "allow_private": True, "proxy_port": 3128}
+
+
+def check(refs, network):
+    rules = Rules.of(network) if network["mode"] in ("allowlist", "internal") else None
+    secrets.check(refs, network["mode"], lambda h, p: rules.match(destination(h), p))
 
 
 def ref(**table):
@@ -107,18 +114,18 @@ def test_a_call_may_not_shadow_a_role_secret():
 
 
 def test_where_it_may_go_is_judged_by_the_roles_lists_as_the_proxy_judges_a_name():
-    secrets.check([ref(), secrets.parse_table("b", {"source": "env:B", "hosts": ["a.example.org"]})], ALLOWLIST)
+    check([ref(), secrets.parse_table("b", {"source": "env:B", "hosts": ["a.example.org"]})], ALLOWLIST)
     for hosts, fragment in ((["evil.test"], "evil.test, which the role does not allow: evil.test:443 is not in"),
                             (["api.secret.test"], "api.secret.test, which the role does not allow"),  # port 443
                             (["bad.example.org"], "matches the deny entry")):
         with pytest.raises(UsageError) as e:
-            secrets.check([ref(hosts=hosts)], ALLOWLIST)
+            check([ref(hosts=hosts)], ALLOWLIST)
         assert fragment in e.value.message and "\n" not in e.value.message
     for mode in ("deny", "loopback", "host"):
         with pytest.raises(UsageError, match="secrets go out through the egress proxy: use an allowlist role"):
-            secrets.check([ref()], {"mode": mode})
+            check([ref()], {"mode": mode})
     with pytest.raises(UsageError, match="both set T"):
-        secrets.check([ref(env="T"), secrets.parse_table("b", {"source": "env:B", "hosts": ["a.example.org"],
+        check([ref(env="T"), secrets.parse_table("b", {"source": "env:B", "hosts": ["a.example.org"],
                                                                "env": "T"})], ALLOWLIST)
 
 
@@ -127,7 +134,7 @@ def test_resolve_reads_each_source_and_no_message_or_repr_holds_a_value(tmp_path
     f.write_text(CANARY + "\n")
     got = secrets.resolve([ref(source="env:GH"), secrets.parse_table("f", {"source": f"file:{f}", "hosts": ["a.t"]}),
                            secrets.parse_table("c", {"source": f"command:/bin/echo {CANARY}", "hosts": ["a.t"]})],
-                          env={"GH": CANARY, "PATH": "/bin"})
+                          env={"GH": CANARY, "PATH": "/bin"}, run=run_helper)
     assert [s.value for s in got] == [CANARY.encode()] * 3 and got[0].placeholder == "agnsup-secret:gh"
     for s in got:
         assert CANARY not in repr(s) and CANARY not in str(s) and CANARY not in repr([s])
@@ -143,13 +150,13 @@ def test_resolve_reads_each_source_and_no_message_or_repr_holds_a_value(tmp_path
     ("file:/nonexistent/token", {}, "cannot be read (No such file or directory)"),
     ("file:/", {}, "cannot be read (Is a directory)"),
     ("command:/bin/false", {}, "exited 1"),
-    ("command:/nonexistent/helper", {}, "cannot be run (No such file or directory)"),
+    ("command:/nonexistent/helper", {}, "/nonexistent/helper is not an executable file"),
     ("command:/bin/sh -c 'echo $X; echo $X >&2; exit 3'", {"X": CANARY}, "exited 3"),  # what it said: not quoted
     ("command:/bin/true", {}, "empty"),
 ])
 def test_a_source_that_gives_nothing_is_one_line_without_the_value(source, env, fragment):
     with pytest.raises(UsageError) as e:
-        secrets.resolve([ref(source=source)], env=env)
+        secrets.resolve([ref(source=source)], env=env, run=run_helper)
     m = e.value.message
     assert fragment in m and "\n" not in m and CANARY not in m and m.startswith("secrets: secret 'gh': source ")
 
@@ -158,7 +165,7 @@ def test_the_cell_env_gets_placeholders_and_the_trust_knobs_never_a_value():
     from agnsup.spec import CellSpec
     spec = CellSpec(argv=["true"], exe="/bin/true", role="r", run_id="r", agent_id="a", cell_id="c", workdir="/",
                     timeout=None, lock_timeout=None, env={"PATH": "/bin"}, env_sources={"PATH": "policy"}, token="t")
-    secrets.apply(spec, [ref(env="GITHUB_TOKEN")])
+    secrets.apply(spec, [ref(env="GITHUB_TOKEN")], "/tmp")
     assert spec.env["GITHUB_TOKEN"] == "agnsup-secret:gh" and spec.env_sources["GITHUB_TOKEN"] == "secret"
     for k in secrets.CA_ENV:
         assert spec.env[k] == "/tmp/.agnsup/ca/ca-certificates.crt"
@@ -166,7 +173,7 @@ def test_the_cell_env_gets_placeholders_and_the_trust_knobs_never_a_value():
     assert spec.secrets == [ref(env="GITHUB_TOKEN").table()]
     spec.env_sources["GITHUB_TOKEN"] = "call"
     with pytest.raises(UsageError, match="--env GITHUB_TOKEN: the secret 'gh' sets it"):
-        secrets.apply(spec, [ref(env="GITHUB_TOKEN")])
+        secrets.apply(spec, [ref(env="GITHUB_TOKEN")], "/tmp")
 
 
 def test_the_bundle_is_the_system_bundle_and_the_ca(tmp_path):

@@ -293,7 +293,7 @@ def test_a_placeholder_in_a_connect_or_socks_name_is_refused(px):
     name = b"agnsup-secret:npm.evil.test"
     out = _connect_raw(px, b"\x05\x01\x00" + b"\x05\x01\x00\x03" + bytes([len(name)]) + name + b"\x01\xbb")
     assert out[:2] == b"\x05\x00" and out[2:4] == b"\x05\x02"  # SOCKS5: not allowed by ruleset
-    assert [(e["name"], e["where"]) for e in _exfil_events(px)] == [("gh", "dns"), ("npm", "dns")]
+    assert [(e["name"], e["where"], e["port"]) for e in _exfil_events(px)] == [("gh", "dns", 443), ("npm", "dns", 443)]
     assert len(_records(px, "secret.exfiltration")) == 2
     assert {s["name"]: s["refused"] for s in px.proxy.secret_summary()} == {"gh": 1, "tok": 0, "npm": 1}
 

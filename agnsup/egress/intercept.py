@@ -151,7 +151,10 @@ class Secrets:
                 raise BadRequest("obsolete header line folding")
             if b":" not in h:
                 raise BadRequest("a header line without a colon")
-            key = h.split(b":", 1)[0].strip().lower()
+            key = h.split(b":", 1)[0]
+            if key != key.strip() or not key:  # RFC 9112 5.1: a server MUST reject it; two parsers could differ
+                raise BadRequest("whitespace before a header's colon")
+            key = key.lower()
             if key in _DROP:
                 continue
             h = self._substitute(h, key, here, used)

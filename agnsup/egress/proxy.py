@@ -356,6 +356,9 @@ class Proxy:
         try:
             self.secrets.check_name(text)
         except Exfiltration as e:
+            if port is None:  # a CONNECT target: its port, if it names one
+                tail = text.rpartition(":")[2]
+                port = int(tail) if tail.isdigit() and 0 < int(tail) < 65536 else None
             rec.update(requested=text, name=text, port=port)
             self._exfiltration(e.name, text, port, e.where)
             raise Refused("refused", RULE, str(e)) from None

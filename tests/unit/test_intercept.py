@@ -89,7 +89,8 @@ def test_hop_headers_and_expect_are_not_forwarded():
 
 @pytest.mark.parametrize("headers", [("Content-Length: 3", "Transfer-Encoding: chunked"),
                                      ("Transfer-Encoding: gzip",), ("Content-Length: 3", "Content-Length: 4"),
-                                     ("Content-Length: -1",), (" folded",)])
+                                     ("Content-Length: -1",), (" folded",),
+                                     ("Content-Length : 5",), ("no colon",)])
 def test_requests_that_cannot_be_framed_unambiguously_are_bad(headers):
     with pytest.raises(BadRequest):
         rewrite(head(*headers))

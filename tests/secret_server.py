@@ -207,7 +207,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _git(self, path_info: str, query: str, body: bytes) -> None:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_PROJECT_ROOT": self.server.site.git_root,
-               "GIT_HTTP_EXPORT_ALL": "1", "PATH_INFO": path_info, "QUERY_STRING": query,
+               "GIT_HTTP_EXPORT_ALL": "1", "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "http.receivepack",
+               "GIT_CONFIG_VALUE_0": "true", "PATH_INFO": path_info, "QUERY_STRING": query,
                "REQUEST_METHOD": self.command, "REMOTE_USER": "secret", "REMOTE_ADDR": "127.0.0.1",
                "CONTENT_TYPE": self.headers.get("Content-Type", ""), "CONTENT_LENGTH": str(len(body)),
                "GATEWAY_INTERFACE": "CGI/1.1", "SERVER_PROTOCOL": "HTTP/1.1"}
@@ -283,6 +284,12 @@ class SecretSite:
         self.http_port = self._plain.server_address[1]
         for srv in (self._srv, self._plain):
             threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def new_repo(self, name: str) -> str:
+        """Another bare repository `name`.git (a test that pushes gets its own); its path."""
+        bare = os.path.join(self.git_root, f"{name}.git")
+        make_repo(bare, os.path.join(self.dir, f"{name}-work"))
+        return bare
 
     def url(self, path="/hello", host=NAMES[0]) -> str:
         return f"https://{host}:{self.port}{path}"

@@ -291,6 +291,24 @@ def test_git_clone_with_a_basic_credential_the_proxy_adds(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+def test_git_push_of_a_large_pack_streams_through_the_body_scan(sx):
+    """A push POSTs a pack (chunked past git's 1 MiB post buffer): binary, scanned as it streams, and it lands."""
+    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
+        pytest.skip("git http-backend is not installed")
+    bare = sx.site.new_repo("push-" + _secrets.token_hex(4))
+    url = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/git/{os.path.basename(bare)}"
+    script = (f'git clone -q "{url}" w && (cd w && head -c 3000000 /dev/urandom > blob && git add blob && '
+              "git -c user.name=t -c user.email=t@t commit -qm blob && git push -q origin HEAD 2>&1 && echo pushed)")
+    cp = run_client(sx, "splace", "push", script, timeout=240)
+    assert cp.out.strip().endswith("pushed"), cp.out + cp.err
+    log = subprocess.run(["git", "-C", bare, "log", "--format=%s", "main"], capture_output=True, text=True).stdout
+    assert log.split() == ["blob", "one"]
+    got = assert_served_with_the_value(sx, "basic")
+    posts = [r for r in got if r.path.endswith("/git-receive-pack")]
+    assert posts and max(len(r.body) for r in posts) > 2_000_000
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 def test_pip_downloads_and_installs_from_an_index_that_needs_basic_auth(sx):
     # PIP_CONFIG_FILE=/dev/null: none of this host's pip configuration (its index, find-links, cert)
     index = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/simple/"

@@ -498,20 +498,58 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         held.flush()
         for n in used:
             proxy._note_use(n, name, port)
-        while True:  # the response, as it is, until the upstream closes
+        tell = CloseHead()
+        while True:  # the response, as it is (but for its connection option), until the upstream closes
             try:
                 data = up.recv(BUF)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 break
             if not data:
                 break
-            cell.sendall(data)
             rec["bytes_down"] += len(data)
+            data = tell(data)
+            if data:
+                cell.sendall(data)
+        if tell.buf:
+            cell.sendall(tell.buf)
         cell.close_notify()
     finally:
         if up is not None:
             with suppress(OSError, ValueError):
                 up.close()
+
+
+class CloseHead:
+    """The response's final head gets `Connection: close` (its own connection options dropped): the proxy
+    closes the cell's connection after one response, and a client that would reuse it (libcurl: git's
+    push of a pack past its post buffer, streamed from a callback, cannot be resent) must know. Interim
+    1xx heads, and what follows the final head, pass as they are; a head past HEAD_MAX passes unchanged."""
+
+    def __init__(self):
+        self.buf, self.done = b"", False
+
+    def __call__(self, data: bytes) -> bytes:
+        if self.done:
+            return data
+        self.buf += data
+        out = b""
+        while not self.done:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > HEAD_MAX:
+                    self.done = True
+                    out, self.buf = out + self.buf, b""
+                return out
+            head, self.buf = self.buf[:end], self.buf[end + 4:]
+            lines = head.split(b"\r\n")
+            status = lines[0].split(b" ", 2)
+            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+                out += head + b"\r\n\r\n"
+                continue
+            kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
+            out += b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + self.buf
+            self.buf, self.done = b"", True
+        return out
 
 
 def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: bytes, rec: dict) -> None:

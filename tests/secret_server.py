@@ -12,6 +12,7 @@ and 401 (with a Basic challenge, which git needs to send the credential of its U
 request it received (`site.log`: method, host, path, headers, body) for the test to inspect. It serves:
 
 - `/hello`: a line of text;
+- `/big?n=BYTES`: that many zero bytes;
 - `/echo`: the request's headers, as a careless (or debugging) server sends them back;
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
 - `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here.
@@ -192,6 +193,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         req.status = 200
         if path == "/hello":
             return self._send(200, HELLO)
+        if path == "/big":  # ?n=BYTES of zeros, streamed (a download through the proxy)
+            n = int(query.partition("n=")[2] or 0)
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            block = b"\0" * 65536
+            while n > 0:
+                self.wfile.write(block[:n])
+                n -= len(block)
+            return
         if path == "/echo":  # a server that echoes what it got (httpbin's /headers): the value comes back
             return self._send(200, "".join(f"{k}: {v}\n" for k, v in req.headers.items()).encode())
         if path == f"/simple/{PKG}/" or path == "/simple/":

@@ -340,10 +340,10 @@ def test_node_fetch(sx):
     v = _node_version()
     if v is None:
         pytest.skip("node is not installed")
-    if v < (22, 21) or v[0] == 23 or (v[0] == 24 and v < (24, 5)):
+    if v < (22, 21) or v[0] == 23:
         pytest.skip(f"ENV_BLOCKED: Node {v[0]}.{v[1]}'s fetch ignores HTTPS_PROXY (NODE_USE_ENV_PROXY needs Node "
-                    ">= 22.21 or 24.5) and its bundled undici (EnvHttpProxyAgent) is not reachable without "
-                    "installing the undici package: docs/isolation.md, Secrets")
+                    ">= 22.21 or 24) and its bundled undici's EnvHttpProxyAgent is not exported without installing "
+                    "the undici package: test_node_fetch_through_a_tunnelling_dispatcher_on_older_nodes is the way")
     cp = run_client(sx, "sbearer", "node", f"node -e '{NODE}' {sx.site.url()}")
     assert cp.out == HELLO.decode(), cp.err
     assert_served_with_the_value(sx, "bearer")

@@ -233,6 +233,25 @@ def test_a_per_call_secret_flag_works_as_a_role_secret(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+@pytest.mark.parametrize("kind", ["file", "command"])
+def test_a_value_from_a_file_or_a_helper_command(sx, tmp_path, kind):
+    """The other sources: a token file the controller reads (outside the cell's view: the cell's search of
+    its /tmp would find it) and a helper command (a keyring's), here printenv of the controller's variable."""
+    if kind == "file":
+        token = tmp_path / "token"
+        token.write_text(sx.canary + "\n")
+        token.chmod(0o600)
+        source = f"file:{token}"
+    else:
+        source = f"command:/usr/bin/printenv {TOKEN_VAR}"
+    flag = f"api:source={source},hosts={API}:{sx.site.port},inject=bearer,env=API_TOKEN"
+    cp = run_client(sx, "plain", kind, f"curl -fsS {sx.site.url()}", flags=("--secret", flag))
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, kind, "bearer")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 URLLIB = """
 import sys, urllib.request
 print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode(), end="")

@@ -15,7 +15,8 @@ request it received (`site.log`: method, host, path, headers, body) for the test
 - `/big?n=BYTES`: that many zero bytes;
 - `/echo`: the request's headers, as a careless (or debugging) server sends them back;
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
-- `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here.
+- `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here;
+- `/npm/<pkg>` and its tarball: an npm registry with that one package.
 
 The same handler also listens for plain HTTP (`site.http_port`): where a placeholder must never be sent.
 
@@ -29,6 +30,7 @@ import datetime
 import hashlib
 import http.server
 import ipaddress
+import json
 import os
 import ssl
 import subprocess
@@ -211,6 +213,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if path == f"/packages/{WHEEL}":
             with open(site.wheel, "rb") as f:
                 return self._send(200, f.read(), "application/octet-stream")
+        if path == f"/npm/{PKG}":  # an npm registry's packument; its tarball on the same registry
+            tgz = site.npm_tarball()
+            url = f"https://{self.headers.get('Host')}/npm/{PKG}/-/{PKG}-1.0.0.tgz"
+            dist = {"tarball": url, "shasum": hashlib.sha1(tgz).hexdigest(),
+                    "integrity": "sha512-" + base64.b64encode(hashlib.sha512(tgz).digest()).decode()}
+            doc = {"name": PKG, "dist-tags": {"latest": "1.0.0"},
+                   "versions": {"1.0.0": {"name": PKG, "version": "1.0.0", "dist": dist}}}
+            return self._send(200, json.dumps(doc).encode(), "application/json")
+        if path == f"/npm/{PKG}/-/{PKG}-1.0.0.tgz":
+            return self._send(200, site.npm_tarball(), "application/octet-stream")
         if path.startswith("/git/"):
             return self._git(path[len("/git"):], query, body)
         req.status = 404
@@ -295,6 +307,20 @@ class SecretSite:
         self.http_port = self._plain.server_address[1]
         for srv in (self._srv, self._plain):
             threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    def npm_tarball(self) -> bytes:
+        """The npm package PKG 1.0.0 (package/package.json, package/index.js), gzipped tar."""
+        import gzip
+        import io
+        import tarfile
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for name, data in (("package/package.json", json.dumps({"name": PKG, "version": "1.0.0"}).encode()),
+                               ("package/index.js", b"module.exports = 1;\n")):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                t.addfile(info, io.BytesIO(data))
+        return gzip.compress(buf.getvalue(), mtime=0)
 
     def new_repo(self, name: str) -> str:
         """Another bare repository `name`.git (a test that pushes gets its own); its path."""

@@ -252,6 +252,18 @@ def test_a_value_from_a_file_or_a_helper_command(sx, tmp_path, kind):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+def test_wget_trusts_the_system_bundle_agnsup_bound_over_the_hosts(sx):
+    """wget (GnuTLS) reads no bundle variable: it trusts /etc/ssl/certs/ca-certificates.crt, which the cell
+    sees as agnsup's bundle (the host's plus the controller CA)."""
+    if not os.path.exists("/usr/bin/wget"):
+        pytest.skip("wget is not installed")
+    cp = run_client(sx, "sheader", "wget", f"env -u SSL_CERT_FILE -u SSL_CERT_DIR wget -q -O - {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "header")
+    assert_receipt_counts(sx, "wget", f"header:{HEADER}")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 URLLIB = """
 import sys, urllib.request
 print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode(), end="")
@@ -340,6 +352,23 @@ def test_pip_downloads_and_installs_from_an_index_that_needs_basic_auth(sx):
     got = assert_served_with_the_value(sx, "basic")
     assert {r.path for r in got} >= {f"/simple/{PKG}/", f"/packages/{WHEEL}"}
     assert_receipt_counts(sx, "pip", "placeholder", at_least=4)
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_npm_installs_from_a_registry_with_the_placeholder_as_its_auth_token(sx):
+    """npm's own proxy and trust settings (HTTPS_PROXY, NODE_EXTRA_CA_CERTS) and an .npmrc that names the token
+    by the variable holding the placeholder, as a CI's does."""
+    if not os.path.exists("/usr/bin/npm"):
+        pytest.skip("npm is not installed")
+    reg = f"{API}:{sx.site.port}/npm/"
+    with open(os.path.join(sx.worktree, ".npmrc"), "w") as f:
+        f.write(f"registry=https://{reg}\n//{reg}:_authToken=${{API_TOKEN}}\n")
+    cp = run_client(sx, "splace", "npm", f"npm install --no-audit --no-fund --no-save {PKG} >/dev/null && "
+                    f"cat node_modules/{PKG}/index.js", timeout=240)
+    assert cp.out == "module.exports = 1;\n", cp.out + cp.err
+    got = assert_served_with_the_value(sx, "bearer")
+    assert {r.path for r in got} >= {f"/npm/{PKG}", f"/npm/{PKG}/-/{PKG}-1.0.0.tgz"}
+    assert_receipt_counts(sx, "npm", "placeholder", at_least=2)
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 

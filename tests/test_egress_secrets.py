@@ -78,6 +78,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                      "host": self.headers.get("Host")})
         ok = self.server.value is not None and self.server.value.encode() in str(self.headers).encode()
         reply = b"authorized\n" if ok else b"no credential\n"
+        if self.path.startswith("/echo"):  # a debug endpoint that shows the request's headers
+            reply = str(self.headers).encode()
         self.send_response(200 if ok else 401)
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
@@ -335,3 +337,10 @@ def test_a_large_body_with_expect_100_continue_and_two_requests_in_one_client_bo
     assert [s["path"] for s in seen] == ["/up", "/up?again"] and len(seen[0]["body"]) == 2 << 20
     assert "Expect" not in seen[0]["headers"]
     assert {s["name"]: s["used"] for s in px.proxy.secret_summary()}["gh"][0]["count"] == 2
+
+
+def test_an_upstream_that_echoes_the_value_shows_the_client_only_stars(px):
+    cp = _curl(px, f"https://api.secret.test:{px.port}/echo")  # _curl: the value is not in the client's output
+    assert cp.returncode == 0 and "Authorization: Bearer " + "*" * len(px.value) in cp.stdout, cp.stdout
+    assert px.value in px.upstream.https.seen[-1]["headers"]
+    assert _records(px)[-1]["masked"] == 1

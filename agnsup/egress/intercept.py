@@ -17,8 +17,10 @@ the hostname check = the requested name) and relays ONE HTTP/1.1 request:
              placeholder is refused; the first BODY_HOLD bytes are held back with
              the head, so a small request is refused before anything went out; a
              later one aborts both connections (the upstream sees a cut request)
-    response relayed as it is, until the upstream closes; then the cell's
-             connection is closed (one request per connection: clients reconnect)
+    response relayed as it is, until the upstream closes, but for a secret's
+             value (an upstream that echoes the request's headers), overwritten
+             by as many `*`; then the cell's connection is closed (one request
+             per connection: clients reconnect)
 
 Everywhere else a placeholder is only looked for: a CONNECT or SOCKS5 name
 (`where` dns), a plain http:// request's line, headers or body, to any host. Any
@@ -225,6 +227,43 @@ class Scanner:
         self.tail = joined[-w:] if w else b""
 
 
+class Masker:
+    """A response stream with every secret value overwritten by as many `*` (lengths, so Content-Length and
+    chunk sizes, stay right): an upstream that echoes a request's headers (an error page, a debug endpoint)
+    must not hand the value to the cell. Only an end of a read that could begin a value waits for the next
+    read (a streamed response is not held back otherwise). A compressed response is not looked into."""
+
+    def __init__(self, values: list[bytes]):
+        self.values = sorted({v for v in values if v}, key=len, reverse=True)
+        self.buf = b""
+        self.masked = 0
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self.buf + data
+        for v in self.values:
+            if v in buf:
+                self.masked += buf.count(v)
+                buf = buf.replace(v, b"*" * len(v))
+        cut = len(buf) - max((_partial(buf, v) for v in self.values), default=0)
+        self.buf = buf[cut:]
+        return buf[:cut]
+
+    def flush(self) -> bytes:
+        out, self.buf = self.buf, b""
+        return out
+
+
+def _partial(buf: bytes, v: bytes) -> int:
+    """The length of the longest end of `buf` that is a beginning of `v` (shorter than v)."""
+    start = max(0, len(buf) - len(v) + 1)
+    i = buf.find(v[:1], start)
+    while i >= 0:
+        if v.startswith(buf[i:]):
+            return len(buf) - i
+        i = buf.find(v[:1], i + 1)
+    return 0
+
+
 class Reader:
     """Buffered reads from a recv(n) callable: lines, heads, and exactly-n streams."""
 
@@ -422,6 +461,14 @@ def refusal(status: int, rule: str, reason: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+def _forms(s) -> list[bytes]:
+    """The forms of a secret's value a response could echo: as it is, and the Basic credential we made."""
+    out = [s.value]
+    if s.ref.inject.startswith("basic:"):
+        out.append(base64.b64encode(s.ref.inject[6:].encode() + b":" + s.value))
+    return out
+
+
 def _unquote(b: bytes) -> bytes:
     try:
         return unquote_to_bytes(b)
@@ -498,20 +545,24 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         held.flush()
         for n in used:
             proxy._note_use(n, name, port)
+        mask = Masker([v for s in proxy.secrets.secrets for v in _forms(s)])
         tell = CloseHead()
-        while True:  # the response, as it is (but for its connection option), until the upstream closes
-            try:
+        while True:  # the response, until the upstream closes: as it is, but for an echoed value and its
+            try:     # connection option (CloseHead)
                 data = up.recv(BUF)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                break
+                data = b""
+            out = mask.feed(data) if data else mask.flush()
+            out = tell(out) if out else b""
+            if not data:
+                out += tell.rest()
+            if out:
+                cell.sendall(out)
+                rec["bytes_down"] += len(out)
             if not data:
                 break
-            rec["bytes_down"] += len(data)
-            data = tell(data)
-            if data:
-                cell.sendall(data)
-        if tell.buf:
-            cell.sendall(tell.buf)
+        if mask.masked:
+            rec["masked"] = mask.masked
         cell.close_notify()
     finally:
         if up is not None:
@@ -549,6 +600,11 @@ class CloseHead:
             kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
             out += b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + self.buf
             self.buf, self.done = b"", True
+        return out
+
+    def rest(self) -> bytes:
+        """What is still held (a head the upstream never finished), as it came."""
+        out, self.buf = self.buf, b""
         return out
 
 

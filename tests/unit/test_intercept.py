@@ -185,3 +185,26 @@ def test_held_sends_nothing_until_the_hold_is_exceeded_or_flushed():
     big = Held(out.append, b"H")
     big(b"y" * (64 * 1024 + 1))
     assert big.started and len(out) == 1
+
+
+# -- the response ------------------------------------------------------------------------------
+def masked(values, *reads):
+    from agnsup.egress.intercept import Masker
+    m = Masker(values)
+    out = [m.feed(r) for r in reads] + [m.flush()]
+    return b"".join(out), m.masked, out
+
+
+def test_an_echoed_value_is_overwritten_with_as_many_stars_even_across_reads():
+    body = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\nyou sent: " + VALUE + b" and " + VALUE
+    for step in (1, 3, 7, len(body)):
+        out, n, _ = masked([VALUE], *(body[i:i + step] for i in range(0, len(body), step)))
+        assert VALUE not in out and len(out) == len(body) and n == 2
+        assert out.endswith(b"*" * len(VALUE))
+
+
+def test_a_streamed_response_is_held_back_only_where_a_value_could_begin():
+    _, _, out = masked([VALUE], b"data: one\n\n", b"data: two canary-5f", b"1e9a77c0\n\n")
+    assert out[0] == b"data: one\n\n"                    # nothing that could begin the value: sent at once
+    assert out[1] == b"data: two "                        # "canary-5f" waits
+    assert out[2] == b"*" * len(VALUE) + b"\n\n"

@@ -13,7 +13,7 @@ request it received (`site.log`: method, host, path, headers, body) for the test
 
 - `/hello`: a line of text;
 - `/big?n=BYTES`: that many zero bytes;
-- `/echo`: the request's headers, as a careless (or debugging) server sends them back;
+- `/echo`: the request's headers, as a careless (or debugging) server sends them back (`?gzip`: compressed);
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
 - `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here;
 - `/npm/<pkg>` and its tarball: an npm registry with that one package.
@@ -206,7 +206,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 n -= len(block)
             return
         if path == "/echo":  # a server that echoes what it got (httpbin's /headers): the value comes back
-            return self._send(200, "".join(f"{k}: {v}\n" for k, v in req.headers.items()).encode())
+            text = "".join(f"{k}: {v}\n" for k, v in req.headers.items()).encode()
+            if query == "gzip":  # ... compressed whatever the client accepts (httpbin's /gzip)
+                import gzip
+                return self._send(200, gzip.compress(text), extra=[("Content-Encoding", "gzip")])
+            return self._send(200, text)
         if path == f"/simple/{PKG}/" or path == "/simple/":
             html = f'<html><body><a href="/packages/{WHEEL}">{WHEEL}</a></body></html>\n'
             return self._send(200, html.encode(), "text/html")

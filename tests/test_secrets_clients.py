@@ -543,6 +543,20 @@ def test_a_placeholder_deep_in_a_streamed_body_cuts_the_request(sx, framing):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+def test_the_value_never_goes_with_a_host_header_naming_another_host(sx):
+    """Domain fronting: TLS to the secret's host (intercepted, the value injected), but a Host header naming
+    another name, which a shared front end (a CDN) routes to another tenant. The proxy refuses it (400, rule
+    protocol): the value never travels under another name."""
+    cp = run_client(sx, "sbearer", "front", f'curl -sS -o /dev/null -w "%{{http_code}}" -H "Host: evil.example:443" '
+                    f"{sx.site.url()}; echo")
+    assert cp.out.strip() == "400", (cp.out, cp.err)
+    assert sx.site.seen() == []
+    conns = receipt(sx.state, "front")["network"]["connections"]
+    assert [(c["decision"], c["rule"]) for c in conns] == [("refused", "protocol")], conns
+    assert "evil.example" in conns[0]["reason"]
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 def test_a_placeholder_inside_tls_to_another_host_is_worthless(sx):
     """Tunneled TLS to a host no secret lists is opaque to the proxy: the placeholder arrives as a placeholder
     (docs/isolation.md): the server of the other name sees `agnsup-secret:api`, never the value."""
@@ -657,7 +671,8 @@ def test_an_mcp_session_uses_its_roles_secret_and_no_tool_takes_one(sx):
             tools = (await s.list_tools()).tools
             assert not [t.name for t in tools if "secret" in json.dumps(t.input_schema).lower()]
             hello = value(await s.call_tool("run_process", {"argv": ["curl", "-fsS", sx.site.url()]}))
-            echo = value(await s.call_tool("run_process", {"argv": ["curl", "-fsS", sx.site.url("/echo")]}))
+            echo = value(await s.call_tool("run_process", {"argv": ["curl", "-fsS", "--compressed",
+                                                                    sx.site.url("/echo?gzip")]}))
             bad = await s.call_tool("run_process", {"argv": ["true"], "secrets": {"x": {"source": "env:PATH"}}})
         return hello, echo, bad
 
@@ -682,15 +697,33 @@ def _echo_through_the_api(api, cell: str) -> dict:
     from agnsup import Supervisor
     table = {"source": f"env:{TOKEN_VAR}", "hosts": [f"{API}:{api.site.port}"], "inject": "bearer"}
     with Supervisor(state_dir=api.state) as sup:
-        return sup.run(["curl", "-fsS", api.site.url("/echo")], run_id="default", cell_id=cell, role="plain",
-                       workdir=api.worktree, secrets={"api": table}, timeout=120)
+        return sup.run(["curl", "-fsS", "--compressed", api.site.url("/echo?gzip")], run_id="default",
+                       cell_id=cell, role="plain", workdir=api.worktree, secrets={"api": table}, timeout=120)
 
 
-def test_a_value_an_allowed_server_echoes_back_is_redacted_from_the_output(api):
-    """What a hostile cell can still do: ask the allowed host to send the credential back (a debugging
-    endpoint, httpbin's /headers). The output agnsup hands back (here the Python API's `secrets=`) masks it
-    (redact.secret.api), the journal and receipts hold none of it, and the receipt counts the redaction.
-    (`agnsup run` passes output through to its terminal: not redacted, docs/governance.md.)"""
+def test_a_value_an_allowed_server_echoes_back_is_masked_by_the_proxy(sx):
+    """What a hostile cell can still try: ask the allowed host to send the credential back (a debugging
+    endpoint, httpbin's /headers). The proxy overwrites the value in the response: the cell gets stars."""
+    cp = run_client(sx, "sbearer", "echo", f"curl -fsS {sx.site.url('/echo')}")
+    assert f"Authorization: Bearer {'*' * len(sx.canary)}\n" in cp.out, cp.out + cp.err
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+    conns = receipt(sx.state, "echo")["network"]["connections"]
+    assert [c.get("masked") for c in conns] == [1], conns
+
+
+@pytest.mark.xfail(strict=True, reason="LEAD/mitm: a compressed response is not looked into (docs/architecture.md): "
+                   "an allowed host that echoes the request gzipped (httpbin's /gzip) shows the cell the value")
+def test_a_compressed_echo_never_shows_the_cell_the_value(sx):
+    cp = run_client(sx, "sbearer", "gzecho", f"curl -fsS --compressed {sx.site.url('/echo?gzip')} > echoed.txt")
+    assert os.path.exists(os.path.join(sx.worktree, "echoed.txt")), cp.err
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
+def test_a_value_that_reaches_the_output_is_redacted_from_what_the_caller_gets(api):
+    """Where the value does come back (a compressed echo, which the proxy does not look into), the output agnsup
+    hands back (here the Python API's `secrets=`) masks it (redact.secret.api), the journal and receipts hold none
+    of it, and the receipt counts the redaction. (`agnsup run` passes output through to its terminal: not
+    redacted, docs/governance.md.)"""
     res = _echo_through_the_api(api, "echo")
     assert "Authorization: Bearer [REDACTED:redact.secret.api]" in res["stdout"], res
     assert api.canary not in json.dumps(res)
@@ -704,7 +737,8 @@ def test_a_value_an_allowed_server_echoes_back_is_redacted_from_the_output(api):
 
 
 @pytest.mark.xfail(strict=True, reason="LEAD: the capture files under the state root are kept as the cell wrote "
-                   "them (docs/governance.md, Redaction); issue 32 wants no value in the logs")
-def test_an_echoed_value_is_not_kept_in_the_capture_files(api):
+                   "them (docs/governance.md, Redaction; docs/isolation.md, Secrets 6); issue 32 wants no value in "
+                   "the logs")
+def test_a_value_that_reaches_the_output_is_not_kept_in_the_capture_files(api):
     _echo_through_the_api(api, "echo")
     assert files_holding(api.state, api.canary.encode()) == []

@@ -83,6 +83,41 @@ def norm_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def _authority(text: str) -> tuple[str, int | None] | None:
+    """'name', 'name:port', '[v6]:port' -> (normalised host, port or None); None if it is none of them."""
+    t = text.strip().lower()
+    if t.startswith("["):
+        end = t.find("]")
+        if end < 0:
+            return None
+        h, rest = t[:end + 1], t[end + 1:]
+    else:
+        h, colon, p = t.partition(":")
+        rest = colon + p
+    if rest and not (rest[:1] == ":" and rest[1:].isdigit()):
+        return None
+    return norm_host(h), int(rest[1:]) if rest else None
+
+
+def _same_origin(target: bytes, hosts: list[bytes], host: str, port: int) -> None:
+    """The request names the destination it was intercepted for, in its one Host header and in an absolute-form
+    target: else a front end shared by many names (a CDN) could route the value to another (domain fronting)."""
+    named = [h.decode("latin-1") for h in hosts]
+    if target[:1] != b"/" and target != b"*":
+        scheme, sep, after = target.decode("latin-1").partition("://")
+        if not sep or scheme.lower() != "https":
+            raise BadRequest("a request target that is neither a path nor an https:// URL")
+        named.append(after.split("/", 1)[0].split("?", 1)[0])
+    if len(hosts) != 1:
+        raise BadRequest("a request without exactly one Host header")
+    want = norm_host(host)
+    for text in named:
+        a = _authority(text)
+        if a is None or a[0] != want or a[1] not in (None, port):
+            raise BadRequest(f"the request names {text.strip()!r}, not {want}:{port} it was sent to (a secret's value "
+                             "goes only to the host it lists)")
+
+
 class Secrets:
     """One cell's secrets, as the proxy uses them: who is intercepted, what is replaced, what is refused."""
 
@@ -148,7 +183,10 @@ class Secrets:
         here = {s.ref.name: s for s in self.intercepts(host, port)}
         used: set[str] = set()
         out: list[bytes] = []
-        for h in rest.split(b"\r\n") if rest else []:
+        lines = rest.split(b"\r\n") if rest else []
+        _same_origin(parts[1], [h.split(b":", 1)[1] for h in lines if h.split(b":", 1)[0].lower() == b"host"],
+                     host, port)
+        for h in lines:
             if h[:1] in (b" ", b"\t"):
                 raise BadRequest("obsolete header line folding")
             if b":" not in h:

@@ -322,6 +322,26 @@ def test_git_clone_with_a_basic_credential_the_proxy_adds(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+SESSION = """
+import sys, requests
+s = requests.Session()
+print(" ".join(str(s.post(sys.argv[1], data=b"x" * 100, timeout=30).status_code) for _ in range(50)))
+"""
+
+
+def test_a_keep_alive_session_over_plain_http_in_a_cell_with_secrets(sx):
+    """The proxy serves one plain http:// request per connection in a cell with secrets (each is scanned);
+    the response says `Connection: close`, so a keep-alive client (requests' Session) opens a new one instead
+    of sending a POST, which it would not resend, down the closed one."""
+    if subprocess.run([sys.executable, "-c", "import requests"], capture_output=True).returncode:
+        pytest.skip(f"requests is not importable by the cell's python ({sys.executable})")
+    url = f"http://{OTHER}:{sx.site.http_port}/hello"
+    cp = run_client(sx, "sbearer", "session", f"{sys.executable} -c '{SESSION}' {url}")
+    assert cp.out.split() == ["401"] * 50, cp.out + cp.err
+    assert not any(sx.canary in r.text() for r in sx.site.seen())
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 def test_git_push_of_a_large_pack_streams_through_the_body_scan(sx):
     """A push POSTs a pack (chunked past git's 1 MiB post buffer): binary, scanned as it streams, and it lands."""
     if not os.path.exists("/usr/lib/git-core/git-http-backend"):

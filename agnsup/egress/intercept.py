@@ -680,12 +680,15 @@ def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: by
                 client.sendall(answer)
         raise Answered("refused", rec["rule"], rec["reason"]) from None
     held.flush()
-    while True:  # the response, until the upstream closes
+    tell = CloseHead()
+    while True:  # the response, until the upstream closes (its head saying so: CloseHead)
         data = upstream.recv(BUF)
+        out = tell(data) if data else tell.rest()
+        if out:
+            client.sendall(out)
+            rec["bytes_down"] += len(out)
         if not data:
             break
-        client.sendall(data)
-        rec["bytes_down"] += len(data)
 
 
 def _refusal_for(proxy, rec: dict, e: Exception, host: str, port: int) -> bytes:

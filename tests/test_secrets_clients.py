@@ -329,16 +329,21 @@ print(" ".join(str(s.post(sys.argv[1], data=b"x" * 100, timeout=30).status_code)
 """
 
 
-def test_a_keep_alive_session_over_plain_http_in_a_cell_with_secrets(sx):
-    """The proxy serves one plain http:// request per connection in a cell with secrets (each is scanned);
-    the response says `Connection: close`, so a keep-alive client (requests' Session) opens a new one instead
-    of sending a POST, which it would not resend, down the closed one."""
+@pytest.mark.parametrize("where", ["https-api", "http-other"])
+def test_a_keep_alive_session_in_a_cell_with_secrets(sx, where):
+    """The proxy serves one request per connection where it looks into them (an intercepted host; plain
+    http:// in a cell with secrets); the response says `Connection: close`, so a keep-alive client (requests'
+    Session) opens a new one instead of sending a POST, which it would not resend, down the closed one."""
     if subprocess.run([sys.executable, "-c", "import requests"], capture_output=True).returncode:
         pytest.skip(f"requests is not importable by the cell's python ({sys.executable})")
-    url = f"http://{OTHER}:{sx.site.http_port}/hello"
+    url = sx.site.url() if where == "https-api" else f"http://{OTHER}:{sx.site.http_port}/hello"
     cp = run_client(sx, "sbearer", "session", f"{sys.executable} -c '{SESSION}' {url}")
-    assert cp.out.split() == ["401"] * 50, cp.out + cp.err
-    assert not any(sx.canary in r.text() for r in sx.site.seen())
+    assert cp.out.split() == ["200" if where == "https-api" else "401"] * 50, cp.out + cp.err
+    if where == "https-api":
+        assert len(assert_served_with_the_value(sx, "bearer")) == 50
+        assert_receipt_counts(sx, "session", "bearer", at_least=50)
+    else:
+        assert not any(sx.canary in r.text() for r in sx.site.seen())
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 

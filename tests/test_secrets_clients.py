@@ -296,6 +296,27 @@ def test_python_requests_with_a_placeholder_header(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+AIOHTTP = """
+import asyncio, os, sys, aiohttp
+async def main():
+    async with aiohttp.ClientSession(trust_env=True) as s:
+        async with s.get(sys.argv[1], headers={"Authorization": "Bearer " + os.environ["API_TOKEN"]}) as r:
+            r.raise_for_status()
+            print(await r.text(), end="")
+asyncio.run(main())
+"""
+
+
+def test_python_aiohttp_with_a_placeholder_bearer(sx):
+    if subprocess.run([sys.executable, "-c", "import aiohttp"], capture_output=True).returncode:
+        pytest.skip(f"aiohttp is not importable by the cell's python ({sys.executable})")
+    cp = run_client(sx, "splace", "aiohttp", f"{sys.executable} -c '{AIOHTTP}' {sx.site.url()}")
+    assert cp.out == HELLO.decode(), cp.err
+    assert_served_with_the_value(sx, "bearer")
+    assert_receipt_counts(sx, "aiohttp", "placeholder")
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+
+
 def test_git_clone_over_https_with_the_placeholder_as_password(sx):
     if not os.path.exists("/usr/lib/git-core/git-http-backend"):
         pytest.skip("git http-backend is not installed")

@@ -83,6 +83,41 @@ def norm_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def _authority(text: str) -> tuple[str, int | None] | None:
+    """'name', 'name:port', '[v6]:port' -> (normalised host, port or None); None if it is none of them."""
+    t = text.strip().lower()
+    if t.startswith("["):
+        end = t.find("]")
+        if end < 0:
+            return None
+        h, rest = t[:end + 1], t[end + 1:]
+    else:
+        h, colon, p = t.partition(":")
+        rest = colon + p
+    if rest and not (rest[:1] == ":" and rest[1:].isdigit()):
+        return None
+    return norm_host(h), int(rest[1:]) if rest else None
+
+
+def _same_origin(target: bytes, hosts: list[bytes], host: str, port: int) -> None:
+    """The request names the destination it was intercepted for, in its one Host header and in an absolute-form
+    target: else a front end shared by many names (a CDN) could route the value to another (domain fronting)."""
+    named = [h.decode("latin-1") for h in hosts]
+    if target[:1] != b"/" and target != b"*":
+        scheme, sep, after = target.decode("latin-1").partition("://")
+        if not sep or scheme.lower() != "https":
+            raise BadRequest("a request target that is neither a path nor an https:// URL")
+        named.append(after.split("/", 1)[0].split("?", 1)[0])
+    if len(hosts) != 1:
+        raise BadRequest("a request without exactly one Host header")
+    want = norm_host(host)
+    for text in named:
+        a = _authority(text)
+        if a is None or a[0] != want or a[1] not in (None, port):
+            raise BadRequest(f"the request names {text.strip()!r}, not {want}:{port} it was sent to (a secret's value "
+                             "goes only to the host it lists)")
+
+
 class Secrets:
     """One cell's secrets, as the proxy uses them: who is intercepted, what is replaced, what is refused."""
 
@@ -148,7 +183,10 @@ class Secrets:
         here = {s.ref.name: s for s in self.intercepts(host, port)}
         used: set[str] = set()
         out: list[bytes] = []
-        for h in rest.split(b"\r\n") if rest else []:
+        lines = rest.split(b"\r\n") if rest else []
+        _same_origin(parts[1], [h.split(b":", 1)[1] for h in lines if h.split(b":", 1)[0].lower() == b"host"],
+                     host, port)
+        for h in lines:
             if h[:1] in (b" ", b"\t"):
                 raise BadRequest("obsolete header line folding")
             if b":" not in h:
@@ -546,12 +584,16 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         for n in used:
             proxy._note_use(n, name, port)
         mask = Masker([v for s in proxy.secrets.secrets for v in _forms(s)])
-        while True:  # the response, until the upstream closes: as it is, but for an echoed value
-            try:
+        tell = CloseHead()
+        while True:  # the response, until the upstream closes: as it is, but for an echoed value and its
+            try:     # connection option (CloseHead)
                 data = up.recv(BUF)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 data = b""
             out = mask.feed(data) if data else mask.flush()
+            out = tell(out) if out else b""
+            if not data:
+                out += tell.rest()
             if out:
                 cell.sendall(out)
                 rec["bytes_down"] += len(out)
@@ -564,6 +606,44 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         if up is not None:
             with suppress(OSError, ValueError):
                 up.close()
+
+
+class CloseHead:
+    """The response's final head gets `Connection: close` (its own connection options dropped): the proxy
+    closes the cell's connection after one response, and a client that would reuse it (libcurl: git's
+    push of a pack past its post buffer, streamed from a callback, cannot be resent) must know. Interim
+    1xx heads, and what follows the final head, pass as they are; a head past HEAD_MAX passes unchanged."""
+
+    def __init__(self):
+        self.buf, self.done = b"", False
+
+    def __call__(self, data: bytes) -> bytes:
+        if self.done:
+            return data
+        self.buf += data
+        out = b""
+        while not self.done:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > HEAD_MAX:
+                    self.done = True
+                    out, self.buf = out + self.buf, b""
+                return out
+            head, self.buf = self.buf[:end], self.buf[end + 4:]
+            lines = head.split(b"\r\n")
+            status = lines[0].split(b" ", 2)
+            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+                out += head + b"\r\n\r\n"
+                continue
+            kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
+            out += b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + self.buf
+            self.buf, self.done = b"", True
+        return out
+
+    def rest(self) -> bytes:
+        """What is still held (a head the upstream never finished), as it came."""
+        out, self.buf = self.buf, b""
+        return out
 
 
 def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: bytes, rec: dict) -> None:
@@ -600,12 +680,15 @@ def serve_plain(proxy, client: socket.socket, upstream: socket.socket, first: by
                 client.sendall(answer)
         raise Answered("refused", rec["rule"], rec["reason"]) from None
     held.flush()
-    while True:  # the response, until the upstream closes
+    tell = CloseHead()
+    while True:  # the response, until the upstream closes (its head saying so: CloseHead)
         data = upstream.recv(BUF)
+        out = tell(data) if data else tell.rest()
+        if out:
+            client.sendall(out)
+            rec["bytes_down"] += len(out)
         if not data:
             break
-        client.sendall(data)
-        rec["bytes_down"] += len(data)
 
 
 def _refusal_for(proxy, rec: dict, e: Exception, host: str, port: int) -> bytes:

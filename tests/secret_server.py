@@ -210,7 +210,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if query == "gzip":  # ... compressed whatever the client accepts (httpbin's /gzip)
                 import gzip
                 return self._send(200, gzip.compress(text), extra=[("Content-Encoding", "gzip")])
-            if query == "chunked":  # ... in 3-byte chunks: a value split by the chunked framing
+            if query == "chunked":  # ... in 3-byte chunks: a value split by the chunk framing
                 self.send_response(200)
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()

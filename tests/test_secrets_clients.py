@@ -742,8 +742,10 @@ def api(sx, monkeypatch):
 def _echo_through_the_api(api, cell: str) -> dict:
     from agnsup import Supervisor
     table = {"source": f"env:{TOKEN_VAR}", "hosts": [f"{API}:{api.site.port}"], "inject": "bearer"}
+    with open(os.path.join(api.worktree, "leak.txt"), "w") as f:  # a careless copy of the value the cell can read
+        f.write(f"x{api.canary}y\n")
     with Supervisor(state_dir=api.state) as sup:
-        return sup.run(["curl", "-fsS", api.site.url("/echo?chunked")], run_id="default",
+        return sup.run(["sh", "-c", f"curl -fsS {api.site.url('/echo?chunked')}; cat leak.txt"], run_id="default",
                        cell_id=cell, role="plain", workdir=api.worktree, secrets={"api": table}, timeout=120)
 
 
@@ -764,19 +766,22 @@ def test_a_compressed_echo_never_shows_the_cell_the_value(sx):
 
 
 def test_a_value_that_reaches_the_output_is_redacted_from_what_the_caller_gets(api):
-    """Where the value does come back (an echo in 3-byte chunks: the proxy's Masker reads the framed stream, so a
-    value split by chunk framing passes it), the output agnsup
+    """An echo in 3-byte chunks (a value split by the chunk framing) is unframed and masked by the proxy. Where the
+    value does come back (a careless copy in the worktree the cell reads), the output agnsup
     hands back (here the Python API's `secrets=`) masks it (redact.secret.api), the journal and receipts hold none
     of it, and the receipt counts the redaction. (`agnsup run` passes output through to its terminal: not
     redacted, docs/governance.md.)"""
     res = _echo_through_the_api(api, "echo")
-    assert f"Authorization: Bearer {'*' * len(api.canary)}\n" in res["stdout"], res  # scrubbed from its capture
+    stars = "*" * len(api.canary)
+    assert f"Authorization: Bearer {stars}\n" in res["stdout"], res  # the proxy's Masker
+    assert f"x{stars}y\n" in res["stdout"], res  # scrubbed from its capture when it ended
     assert api.canary not in json.dumps(res)
     assert [(r.auth, r.status) for r in served(api)] == [("bearer", 200)]
     rec = receipt(api.state, "echo")
     assert rec["output"]["redaction"]["counts"] == {"redact.secret.api": 1}
     assert [u["count"] for u in rec["secrets"][0]["used"]] == [1]
     assert rec["secrets"][0]["scrubbed"] == 1
+    assert [c.get("masked") for c in rec["network"]["connections"]] == [1]
 
 
 def test_a_value_that_reaches_the_output_is_not_kept_in_the_capture_files(api):

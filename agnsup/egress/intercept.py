@@ -636,8 +636,9 @@ class Decoder:
     """The response as the Masker must see it: a final head with Content-Encoding gzip/x-gzip/deflate has the
     body decoded here (its framing undone: Content-Length, chunked or until close) and relayed uncompressed,
     close-delimited (Content-Encoding, Content-Length and Transfer-Encoding dropped; CloseHead adds
-    `Connection: close`). Any other coding raises Opaque before a byte of that response went out. A response
-    without a coding passes as it is. Interim 1xx heads pass as they are."""
+    `Connection: close`). Any other coding raises Opaque before a byte of that response went out. A chunked
+    response without a coding is unframed the same way (a value split by the chunk framing would pass the
+    Masker, which reads the stream). Any other response passes as it is; interim 1xx heads too."""
 
     def __init__(self, head_request: bool = False):
         self.buf, self.done, self.z, self.head_request = b"", False, None, head_request
@@ -646,9 +647,10 @@ class Decoder:
         self.chunk = 0       # bytes left in the current chunk
         self.ended = False   # the body's framing ended (what follows is ignored)
         self.pend = b""      # a chunk-size line not complete yet
+        self.unframing = False  # the body is unframed (chunked) and/or decoded here
 
     def __call__(self, data: bytes) -> bytes:
-        if self.done and self.z is None:
+        if self.done and not self.unframing:
             return data
         self.buf += data
         out = b""
@@ -668,17 +670,19 @@ class Decoder:
             codings = [c.strip().lower() for h in lines[1:] if h.split(b":", 1)[0].strip().lower()
                        == b"content-encoding" for c in h.split(b":", 1)[1].split(b",")]
             codings = [c for c in codings if c and c != b"identity"]
-            if not codings:
-                out, self.buf = out + head + b"\r\n\r\n" + self.buf, b""
-                return out
-            if len(codings) != 1 or codings[0] not in _DECODABLE:
-                raise Opaque(f"a response in Content-Encoding {b', '.join(codings).decode(errors='replace')}, "
-                             "which the proxy cannot look into for a secret's value")
-            self.wbits = _DECODABLE[codings[0]]
-            self.z = zlib.decompressobj(self.wbits)
             fr = {h.split(b":", 1)[0].strip().lower(): h.split(b":", 1)[1].strip() for h in lines[1:] if b":" in h}
             te = fr.get(b"transfer-encoding", b"").lower()
             code = status[1] if len(status) > 1 else b""
+            if not codings and (not te or self.head_request or code in (b"204", b"304")):
+                out, self.buf = out + head + b"\r\n\r\n" + self.buf, b""
+                return out
+            if codings and (len(codings) != 1 or codings[0] not in _DECODABLE):
+                raise Opaque(f"a response in Content-Encoding {b', '.join(codings).decode(errors='replace')}, "
+                             "which the proxy cannot look into for a secret's value")
+            self.unframing = True  # chunked (a value split by the framing would pass the Masker), or coded
+            if codings:
+                self.wbits = _DECODABLE[codings[0]]
+                self.z = zlib.decompressobj(self.wbits)
             if self.head_request or code in (b"204", b"304"):
                 self.left = 0
             elif te:
@@ -732,7 +736,9 @@ class Decoder:
         return out
 
     def _inflate(self, data: bytes) -> bytes:
-        if not data or self.z is None:
+        if self.z is None:  # chunked only: the body as it is, its framing undone
+            return data
+        if not data:
             return b""
         if self.wbits == 15 and not getattr(self, "started", False):  # deflate: zlib-wrapped, or raw (old IIS)
             self.started = True

@@ -80,3 +80,12 @@ def test_the_request_upstream_accepts_identity_only():
                                 b"accept-encoding: zstd", "api", 443)
     lines = head.lower().split(b"\r\n")
     assert [h for h in lines if h.startswith(b"accept-encoding")] == [b"accept-encoding: identity"]
+
+
+def test_a_value_split_by_chunk_framing_is_masked_and_the_body_unframed():
+    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + b"".join(b"%x\r\n%s\r\n" % (len(BODY[i:i + 3]), BODY[i:i + 3]) for i in range(0, len(BODY), 3))
+           + b"0\r\n\r\n")
+    for step in (1, 4, len(raw)):
+        out = relay(raw, step)
+        assert out == b"HTTP/1.1 200 OK\r\n\r\n" + BODY.replace(VALUE, b"*" * len(VALUE)), out

@@ -17,10 +17,13 @@ the hostname check = the requested name) and relays ONE HTTP/1.1 request:
              placeholder is refused; the first BODY_HOLD bytes are held back with
              the head, so a small request is refused before anything went out; a
              later one aborts both connections (the upstream sees a cut request)
-    response relayed as it is, until the upstream closes, but for a secret's
-             value (an upstream that echoes the request's headers), overwritten
-             by as many `*`; then the cell's connection is closed (one request
-             per connection: clients reconnect)
+    response relayed until the upstream closes, with a secret's value (an
+             upstream that echoes the request's headers) overwritten by as many
+             `*`; the request asked for `Accept-Encoding: identity`, a gzip or
+             deflate response is decoded here and a chunked one unframed (both
+             relayed close-delimited: Decoder), any other coding refused (502,
+             `secret.opaque_response`); then the cell's connection is closed
+             (one request per connection: clients reconnect)
 
 Everywhere else a placeholder is only looked for: a CONNECT or SOCKS5 name
 (`where` dns), a plain http:// request's line, headers or body, to any host. Any
@@ -273,7 +276,8 @@ class Masker:
     """A response stream with every secret value overwritten by as many `*` (lengths, so Content-Length and
     chunk sizes, stay right): an upstream that echoes a request's headers (an error page, a debug endpoint)
     must not hand the value to the cell. Only an end of a read that could begin a value waits for the next
-    read (a streamed response is not held back otherwise). A compressed response is not looked into."""
+    read (a streamed response is not held back otherwise). It reads what Decoder gives it: a body decoded and
+    unframed where it was compressed or chunked."""
 
     def __init__(self, values: list[bytes]):
         self.values = sorted({v for v in values if v}, key=len, reverse=True)

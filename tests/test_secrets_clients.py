@@ -766,6 +766,19 @@ def test_a_compressed_echo_never_shows_the_cell_the_value(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+def test_a_response_in_a_coding_the_proxy_cannot_read_is_refused_not_relayed(sx):
+    """An allowed host that answers in brotli (or zstd, or stacked codings) although the proxy asked for identity:
+    the proxy cannot look for the value in it, so the cell gets a 502 and the record says why."""
+    cp = run_client(sx, "sbearer", "brecho", f"curl -sS -o body.txt -w '%{{http_code}}' {sx.site.url('/echo?br')}")
+    assert cp.out.strip().endswith("502"), cp.out + cp.err
+    with open(os.path.join(sx.worktree, "body.txt"), "rb") as f:
+        assert b"secret.opaque_response" in f.read()
+    assert_never_in_the_cell_nor_the_records(sx, cp)
+    conns = receipt(sx.state, "brecho")["network"]["connections"]
+    assert [(c.get("rule"), c.get("decision")) for c in conns] == [("secret.opaque_response", "refused")], conns
+    assert [r.headers.get("Accept-Encoding") for r in served(sx)] == ["identity"]
+
+
 def test_a_value_that_reaches_the_output_is_redacted_from_what_the_caller_gets(api):
     """An echo in 3-byte chunks (a value split by the chunk framing) is unframed and masked by the proxy. Where the
     value does come back (a careless copy in the worktree the cell reads), the output agnsup

@@ -496,8 +496,8 @@ class Controller:
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
         cell.lock_fd = None  # `released`: the reaper's release dropped the worktree lock the cell's target carried
         scrubbed = None
-        if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (agnsup/scrub.py)
-            from .scrub import scrub_cell
+        if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (agnsup/egress/scrub.py)
+            from .egress.scrub import scrub_cell
             scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         if scrubbed is not None:  # per secret; and as the redaction of its value (the files now hold `*`)

@@ -183,7 +183,7 @@ def test_the_value_is_redacted_from_returned_output_even_where_the_cell_can_read
                       workdir=worktree, timeout=60,
                       secrets={"tok": {"source": f"file:{token}", "hosts": [HOST]}})  # the role redacts nothing
     assert res["exit_code"] == 0, res
-    stars = "*" * len(canary) + "\n"  # the capture files were scrubbed when the cell ended (agnsup/scrub.py)
+    stars = "*" * len(canary) + "\n"  # the capture files were scrubbed when the cell ended (agnsup/egress/scrub.py)
     assert res["stdout"] == stars and res["stderr"] == stars
     with open(res["receipt"]) as f:
         r = json.load(f)

@@ -748,10 +748,16 @@ class Decoder:
             self.started = True
             if len(data) >= 2 and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
                 self.z = zlib.decompressobj(-15)
+        out = b""
         try:
-            return self.z.decompress(data)
+            while data:
+                out += self.z.decompress(data)
+                data = self.z.unused_data if self.z.eof else b""
+                if data and self.wbits == 47:  # gzip members may follow one another (RFC 1952 2.2)
+                    self.z = zlib.decompressobj(47)
         except zlib.error as e:
             raise Opaque(f"a compressed response that does not decode ({e})") from None
+        return out
 
     def rest(self) -> bytes:
         """At the upstream's close: what the decompressor still holds."""

@@ -89,3 +89,8 @@ def test_a_value_split_by_chunk_framing_is_masked_and_the_body_unframed():
     for step in (1, 4, len(raw)):
         out = relay(raw, step)
         assert out == b"HTTP/1.1 200 OK\r\n\r\n" + BODY.replace(VALUE, b"*" * len(VALUE)), out
+
+
+def test_gzip_members_that_follow_one_another_are_all_decoded():
+    body = gzip.compress(BODY[:10]) + gzip.compress(BODY[10:])
+    assert relay(response(body, b"gzip")).endswith(BODY.replace(VALUE, b"*" * len(VALUE)))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agnsup import scrub
+from agnsup.egress import scrub
 
 V = b"canary-0123456789abcdef"
 

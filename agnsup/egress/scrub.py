@@ -46,7 +46,7 @@ def scrub_file(path: str, values: list[bytes]) -> dict[bytes, int]:
 
 def scrub_cell(cell_dir: str, secrets) -> dict[str, int]:
     """Every regular file of the cell directory scrubbed of each secret's forms; {name: count} per secret."""
-    from .egress.intercept import _forms
+    from .intercept import _forms
     forms = {s.ref.name: _forms(s) for s in secrets}
     owner = {v: name for name, vs in forms.items() for v in vs}
     out = {name: 0 for name in forms}

@@ -496,7 +496,7 @@ class Controller:
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
         cell.lock_fd = None  # `released`: the reaper's release dropped the worktree lock the cell's target carried
         scrubbed = None
-        if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (agnsup/egress/scrub.py)
+        if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (egress/scrub.py)
             from .egress.scrub import scrub_cell
             scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)

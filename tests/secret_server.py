@@ -13,7 +13,8 @@ request it received (`site.log`: method, host, path, headers, body) for the test
 
 - `/hello`: a line of text;
 - `/big?n=BYTES`: that many zero bytes;
-- `/echo`: the request's headers, as a careless (or debugging) server sends them back (`?gzip`: compressed);
+- `/echo`: the request's headers, as a careless (or debugging) server sends them back (`?gzip`: compressed; `?br`: marked brotli;
+  `?chunked`: in 3-byte chunks);
 - `/git/repo.git/...`: a git repository over smart HTTP (`git http-backend` run as CGI);
 - `/simple/<pkg>/` and `/packages/<wheel>`: a PEP 503 simple index with one small wheel written here;
 - `/npm/<pkg>` and its tarball: an npm registry with that one package.
@@ -210,6 +211,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if query == "gzip":  # ... compressed whatever the client accepts (httpbin's /gzip)
                 import gzip
                 return self._send(200, gzip.compress(text), extra=[("Content-Encoding", "gzip")])
+            if query == "br":  # ... in a coding the proxy cannot read (these bytes are not brotli: never decoded)
+                return self._send(200, b"\x1b" + text, extra=[("Content-Encoding", "br")])
+            if query == "chunked":  # ... in 3-byte chunks: a value split by the chunk framing
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"".join(b"%x\r\n%s\r\n" % (len(text[i:i + 3]), text[i:i + 3])
+                                          for i in range(0, len(text), 3)) + b"0\r\n\r\n")
+                return
             return self._send(200, text)
         if path == f"/simple/{PKG}/" or path == "/simple/":
             html = f'<html><body><a href="/packages/{WHEEL}">{WHEEL}</a></body></html>\n'

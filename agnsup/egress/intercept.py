@@ -17,10 +17,13 @@ the hostname check = the requested name) and relays ONE HTTP/1.1 request:
              placeholder is refused; the first BODY_HOLD bytes are held back with
              the head, so a small request is refused before anything went out; a
              later one aborts both connections (the upstream sees a cut request)
-    response relayed as it is, until the upstream closes, but for a secret's
-             value (an upstream that echoes the request's headers), overwritten
-             by as many `*`; then the cell's connection is closed (one request
-             per connection: clients reconnect)
+    response relayed until the upstream closes, with a secret's value (an
+             upstream that echoes the request's headers) overwritten by as many
+             `*`; the request asked for `Accept-Encoding: identity`, a gzip or
+             deflate response is decoded here and a chunked one unframed (both
+             relayed close-delimited: Decoder), any other coding refused (502,
+             `secret.opaque_response`); then the cell's connection is closed
+             (one request per connection: clients reconnect)
 
 Everywhere else a placeholder is only looked for: a CONNECT or SOCKS5 name
 (`where` dns), a plain http:// request's line, headers or body, to any host. Any
@@ -41,6 +44,7 @@ import base64
 import binascii
 import socket
 import ssl
+import zlib
 from contextlib import suppress
 from urllib.parse import unquote_to_bytes
 
@@ -197,8 +201,11 @@ class Secrets:
             key = key.lower()
             if key in _DROP:
                 continue
+            if key == b"accept-encoding":  # the response must be one the Masker can read: identity
+                continue
             h = self._substitute(h, key, here, used)
             out.append(h)
+        out.append(b"Accept-Encoding: identity")
         for s in here.values():
             inj = s.ref.inject
             if inj == "placeholder":
@@ -269,7 +276,8 @@ class Masker:
     """A response stream with every secret value overwritten by as many `*` (lengths, so Content-Length and
     chunk sizes, stay right): an upstream that echoes a request's headers (an error page, a debug endpoint)
     must not hand the value to the cell. Only an end of a read that could begin a value waits for the next
-    read (a streamed response is not held back otherwise). A compressed response is not looked into."""
+    read (a streamed response is not held back otherwise). It reads what Decoder gives it: a body decoded and
+    unframed where it was compressed or chunked."""
 
     def __init__(self, values: list[bytes]):
         self.values = sorted({v for v in values if v}, key=len, reverse=True)
@@ -585,12 +593,24 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
             proxy._note_use(n, name, port)
         mask = Masker([v for s in proxy.secrets.secrets for v in _forms(s)])
         tell = CloseHead()
-        while True:  # the response, until the upstream closes: as it is, but for an echoed value and its
-            try:     # connection option (CloseHead)
+        plain = Decoder(head_request=new_head.startswith(b"HEAD "))
+        while True:  # the response, until the upstream closes: as it is (decoded: Decoder), but for an echoed
+            try:     # value and its connection option (CloseHead)
                 data = up.recv(BUF)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 data = b""
-            out = mask.feed(data) if data else mask.flush()
+            try:
+                seen = plain(data) if data else plain.rest()
+            except Opaque as e:
+                rec.update(decision="refused", rule=OPAQUE, reason=str(e))
+                if not tell.done:  # the final head was held: nothing of this response went out
+                    with suppress(OSError, ValueError):
+                        cell.sendall(refusal(502, OPAQUE, str(e)))
+                        cell.close_notify()
+                else:
+                    rec["reason"] += " (the response was cut: part of it had gone to the cell)"
+                raise Answered("refused", OPAQUE, rec["reason"]) from None
+            out = mask.feed(seen) if data else mask.feed(seen) + mask.flush()
             out = tell(out) if out else b""
             if not data:
                 out += tell.rest()
@@ -606,6 +626,147 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
         if up is not None:
             with suppress(OSError, ValueError):
                 up.close()
+
+
+OPAQUE = "secret.opaque_response"
+_DECODABLE = {b"gzip": 47, b"x-gzip": 47, b"deflate": 15}  # zlib wbits (47: a gzip header, 15: zlib)
+
+
+class Opaque(Exception):
+    """A response in an encoding the proxy cannot look into (br, zstd, compress, stacked codings)."""
+
+
+class Decoder:
+    """The response as the Masker must see it: a final head with Content-Encoding gzip/x-gzip/deflate has the
+    body decoded here (its framing undone: Content-Length, chunked or until close) and relayed uncompressed,
+    close-delimited (Content-Encoding, Content-Length and Transfer-Encoding dropped; CloseHead adds
+    `Connection: close`). Any other coding raises Opaque before a byte of that response went out. A chunked
+    response without a coding is unframed the same way (a value split by the chunk framing would pass the
+    Masker, which reads the stream). Any other response passes as it is; interim 1xx heads too."""
+
+    def __init__(self, head_request: bool = False):
+        self.buf, self.done, self.z, self.head_request = b"", False, None, head_request
+        self.left = None     # Content-Length bytes still to come; None: chunked or until close
+        self.chunked = False
+        self.chunk = 0       # bytes left in the current chunk
+        self.ended = False   # the body's framing ended (what follows is ignored)
+        self.pend = b""      # a chunk-size line not complete yet
+        self.unframing = False  # the body is unframed (chunked) and/or decoded here
+
+    def __call__(self, data: bytes) -> bytes:
+        if self.done and not self.unframing:
+            return data
+        self.buf += data
+        out = b""
+        while not self.done:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > HEAD_MAX:
+                    raise Opaque("a response head past the proxy's limit")
+                return out
+            head, self.buf = self.buf[:end], self.buf[end + 4:]
+            lines = head.split(b"\r\n")
+            status = lines[0].split(b" ", 2)
+            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+                out += head + b"\r\n\r\n"
+                continue
+            self.done = True
+            codings = [c.strip().lower() for h in lines[1:] if h.split(b":", 1)[0].strip().lower()
+                       == b"content-encoding" for c in h.split(b":", 1)[1].split(b",")]
+            codings = [c for c in codings if c and c != b"identity"]
+            fr = {h.split(b":", 1)[0].strip().lower(): h.split(b":", 1)[1].strip() for h in lines[1:] if b":" in h}
+            te = fr.get(b"transfer-encoding", b"").lower()
+            code = status[1] if len(status) > 1 else b""
+            if not codings and (not te or self.head_request or code in (b"204", b"304")):
+                out, self.buf = out + head + b"\r\n\r\n" + self.buf, b""
+                return out
+            if codings and (len(codings) != 1 or codings[0] not in _DECODABLE):
+                raise Opaque(f"a response in Content-Encoding {b', '.join(codings).decode(errors='replace')}, "
+                             "which the proxy cannot look into for a secret's value")
+            self.unframing = True  # chunked (a value split by the framing would pass the Masker), or coded
+            if codings:
+                self.wbits = _DECODABLE[codings[0]]
+                self.z = zlib.decompressobj(self.wbits)
+            if self.head_request or code in (b"204", b"304"):
+                self.left = 0
+            elif te:
+                self.chunked = True
+            elif fr.get(b"content-length", b"").isdigit():
+                self.left = int(fr[b"content-length"])
+            kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower()
+                    not in (b"content-encoding", b"content-length", b"transfer-encoding")]
+            out += b"\r\n".join([lines[0], *kept]) + b"\r\n\r\n"
+        body, self.buf = self._unframe(self.buf), b""
+        return out + self._inflate(body)
+
+    def _unframe(self, buf: bytes) -> bytes:
+        if self.ended:
+            return b""
+        if not self.chunked:
+            if self.left is None:
+                return buf
+            buf = buf[:self.left]
+            self.left -= len(buf)
+            self.ended = self.left == 0
+            return buf
+        out, buf, self.pend = b"", self.pend + buf, b""
+        while buf:
+            if self.chunk > 0:
+                piece = buf[:self.chunk]
+                out, buf, self.chunk = out + piece, buf[len(piece):], self.chunk - len(piece)
+                if not self.chunk:
+                    self.chunk = -2  # its CRLF
+                continue
+            if self.chunk < 0:
+                skip = min(-self.chunk, len(buf))
+                buf, self.chunk = buf[skip:], self.chunk + skip
+                continue
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > LINE_MAX:
+                    raise Opaque("a chunk-size line past the proxy's limit")
+                self.pend = buf  # the rest of the line comes with the next read
+                return out
+            size = buf[:end].split(b";", 1)[0].strip()
+            try:
+                n = int(size, 16)
+            except ValueError:
+                raise Opaque("a malformed chunked response") from None
+            buf = buf[end + 2:]
+            if n == 0:  # trailers are dropped with the framing
+                self.ended = True
+                return out
+            self.chunk = n
+        return out
+
+    def _inflate(self, data: bytes) -> bytes:
+        if self.z is None:  # chunked only: the body as it is, its framing undone
+            return data
+        if not data:
+            return b""
+        if self.wbits == 15 and not getattr(self, "started", False):  # deflate: zlib-wrapped, or raw (old IIS)
+            self.started = True
+            if len(data) >= 2 and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
+                self.z = zlib.decompressobj(-15)
+        out = b""
+        try:
+            while data:
+                out += self.z.decompress(data)
+                data = self.z.unused_data if self.z.eof else b""
+                if data and self.wbits == 47:  # gzip members may follow one another (RFC 1952 2.2)
+                    self.z = zlib.decompressobj(47)
+        except zlib.error as e:
+            raise Opaque(f"a compressed response that does not decode ({e})") from None
+        return out
+
+    def rest(self) -> bytes:
+        """At the upstream's close: what the decompressor still holds."""
+        if self.z is None:
+            return b""
+        try:
+            return self.z.flush()
+        except zlib.error as e:
+            raise Opaque(f"a compressed response that does not decode ({e})") from None
 
 
 class CloseHead:

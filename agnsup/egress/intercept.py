@@ -658,19 +658,14 @@ class Decoder:
             return data
         self.buf += data
         out = b""
-        while not self.done:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
+        if not self.done:
+            out, lines, self.buf = _final_head(self.buf)
+            if lines is None:
                 if len(self.buf) > HEAD_MAX:
                     raise Opaque("a response head past the proxy's limit")
                 return out
-            head, self.buf = self.buf[:end], self.buf[end + 4:]
-            lines = head.split(b"\r\n")
-            status = lines[0].split(b" ", 2)
-            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
-                out += head + b"\r\n\r\n"
-                continue
             self.done = True
+            status = lines[0].split(b" ", 2)
             codings = [c.strip().lower() for h in lines[1:] if h.split(b":", 1)[0].strip().lower()
                        == b"content-encoding" for c in h.split(b":", 1)[1].split(b",")]
             codings = [c for c in codings if c and c != b"identity"]
@@ -678,7 +673,7 @@ class Decoder:
             te = fr.get(b"transfer-encoding", b"").lower()
             code = status[1] if len(status) > 1 else b""
             if not codings and (not te or self.head_request or code in (b"204", b"304")):
-                out, self.buf = out + head + b"\r\n\r\n" + self.buf, b""
+                out, self.buf = out + b"\r\n".join(lines) + b"\r\n\r\n" + self.buf, b""
                 return out
             if codings and (len(codings) != 1 or codings[0] not in _DECODABLE):
                 raise Opaque(f"a response in Content-Encoding {b', '.join(codings).decode(errors='replace')}, "
@@ -769,6 +764,23 @@ class Decoder:
             raise Opaque(f"a compressed response that does not decode ({e})") from None
 
 
+def _final_head(buf: bytes) -> tuple[bytes, list[bytes] | None, bytes]:
+    """A response stream's heads: (the interim 1xx heads at its front, as they are; the final head's lines, None
+    while it is incomplete; what follows it, or the incomplete rest)."""
+    out = b""
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return out, None, buf
+        head, buf = buf[:end], buf[end + 4:]
+        lines = head.split(b"\r\n")
+        status = lines[0].split(b" ", 2)
+        if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+            out += head + b"\r\n\r\n"
+            continue
+        return out, lines, buf
+
+
 class CloseHead:
     """The response's final head gets `Connection: close` (its own connection options dropped): the proxy
     closes the cell's connection after one response, and a client that would reuse it (libcurl: git's
@@ -781,24 +793,15 @@ class CloseHead:
     def __call__(self, data: bytes) -> bytes:
         if self.done:
             return data
-        self.buf += data
-        out = b""
-        while not self.done:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buf) > HEAD_MAX:
-                    self.done = True
-                    out, self.buf = out + self.buf, b""
-                return out
-            head, self.buf = self.buf[:end], self.buf[end + 4:]
-            lines = head.split(b"\r\n")
-            status = lines[0].split(b" ", 2)
-            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
-                out += head + b"\r\n\r\n"
-                continue
-            kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
-            out += b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + self.buf
-            self.buf, self.done = b"", True
+        out, lines, self.buf = _final_head(self.buf + data)
+        if lines is None:
+            if len(self.buf) > HEAD_MAX:
+                self.done = True
+                out, self.buf = out + self.buf, b""
+            return out
+        kept = [h for h in lines[1:] if h.split(b":", 1)[0].strip().lower() not in (b"connection", b"keep-alive")]
+        out += b"\r\n".join([lines[0], *kept, b"Connection: close"]) + b"\r\n\r\n" + self.buf
+        self.buf, self.done = b"", True
         return out
 
     def rest(self) -> bytes:

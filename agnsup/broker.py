@@ -330,10 +330,10 @@ class Controller:
         host's system bundle + that certificate; the compiler binds it over the system bundle) and the
         certificate alone (NODE_EXTRA_CA_CERTS). The values go to the cell's proxy and its output's redaction."""
         from . import secrets
-        from .egress.ca import authority, default_ca_dir
+        from .egress.ca import authority
         cell.authority = authority(self.state.path, self.id)
         if self._ca_cert is None:
-            self._ca_cert = cell.authority.write_cert(default_ca_dir(self.state.path))
+            self._ca_cert = cell.authority.write_cert(self.state.ca_dir)
         for rel, data in ((secrets.CA_BUNDLE_REL, secrets.bundle_text(cell.authority.cert_pem)),
                           (secrets.CA_CERT_REL, cell.authority.cert_pem)):
             path = os.path.join(cell.plan.tmpdir, rel)

@@ -273,6 +273,8 @@ class _Janitor:
         self.j.end_controllers([ctl["id"] for ctl, _ in ended], self.id)
         for ctl, lock in ended:
             ctl["ended"] = True
+            with suppress(FileNotFoundError):  # its CA's key died with it: nothing may trust the certificate now
+                os.unlink(self.state.ca_cert(ctl["id"]))
             rel = locks.remove_if_free(lock)
             if rel:
                 ctl["lock_released"] = rel

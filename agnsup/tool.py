@@ -135,7 +135,6 @@ def _secrets(state, pol, request: CellRequest, spec) -> list:
     the call's), where they may go against the role's lists, the CA directory, then each value from its source
     (env: the caller's environment: serve's client's). A UsageError names what is wrong, never a value."""
     from . import secrets
-    from .egress.ca import default_ca_dir
     from .netpolicy import Rules, destination
     from .process.helpers import run_helper
     from .spec import CELL_TMP
@@ -144,7 +143,7 @@ def _secrets(state, pol, request: CellRequest, spec) -> list:
         return None
     rules = Rules.of(pol.network) if pol.network.mode in ("allowlist", "internal") else None
     secrets.check(refs, pol.network.mode, lambda host, port: rules.match(destination(host), port))
-    ca_dir = default_ca_dir(state.path)
+    ca_dir = state.ca_dir
     try:
         os.makedirs(ca_dir, mode=0o755, exist_ok=True)
         writable = os.access(ca_dir, os.W_OK | os.X_OK)

@@ -364,3 +364,25 @@ def test_a_normal_users_controller_gives_its_cell_the_placeholder_and_the_bundle
     assert _read(os.path.join(wt, "ca.pem")).startswith(b"-----BEGIN CERTIFICATE-----")
     assert _everything_under(os.path.join(user.home, ".local", "state"), canary) == []
     assert user.left() == []
+
+
+def test_a_killed_controllers_ca_certificate_is_removed_by_the_janitor(state, worktree, roles, canary):
+    """The CA's key died with its controller (SIGKILL: no close ran): the janitor removes the certificate it
+    left in <state>/ca, so nothing goes on trusting a certificate whose key nobody holds any more."""
+    import signal
+    import time
+    a = _cli(state, roles, canary)
+    p = a.popen("run", "--role", "vault", "--workdir", worktree, "--cell", "k", "--", "sleep", "60")
+    ca_dir = os.path.join(state, "ca")
+    try:
+        deadline = time.monotonic() + 30
+        while not (os.path.isdir(ca_dir) and os.listdir(ca_dir)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = os.listdir(ca_dir)
+        assert len(left) == 1 and left[0].endswith(".pem"), left
+    finally:
+        p.send_signal(signal.SIGKILL)  # our own child: the controller
+        p.wait()
+    assert os.listdir(ca_dir) == left  # no close ran: the certificate is still there
+    report = a.json("janitor", "--json")
+    assert os.listdir(ca_dir) == [], report

@@ -141,10 +141,6 @@ class Authority:
         return f"<Authority of controller {self.controller_id}>"
 
 
-def default_ca_dir(state_root: str) -> str:
-    return os.path.join(state_root, "ca")
-
-
 def authority(state_root: str, controller_id: str) -> Authority:
     """The controller's one Authority (made on first call, kept for the process's life)."""
     k = (os.path.abspath(state_root), controller_id)

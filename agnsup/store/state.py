@@ -154,6 +154,16 @@ class StateRoot:
     def controller_lock(self, cid: str) -> str:
         return os.path.join(self.path, "controllers", cid + ".lock")
 
+    @property
+    def ca_dir(self) -> str:
+        return os.path.join(self.path, "ca")
+
+    def ca_cert(self, cid: str) -> str:
+        """Controller `cid`'s CA certificate (egress/ca.py Authority.write_cert; public, its key only ever in
+        that controller's memory): written at its first cell with secrets, removed at its close or by the
+        janitor."""
+        return os.path.join(self.ca_dir, cid + ".pem")
+
     def worktree_lock(self, digest: str) -> str:
         return os.path.join(self.path, "locks", digest + ".lock")
 

@@ -600,7 +600,12 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 data = b""
             try:
-                seen = plain(data) if data else plain.rest()
+                for seen in plain.pieces(data):
+                    out = mask.feed(seen)
+                    out = tell(out) if out else b""
+                    if out:
+                        cell.sendall(out)
+                        rec["bytes_down"] += len(out)
             except Opaque as e:
                 rec.update(decision="refused", rule=OPAQUE, reason=str(e))
                 if not tell.done:  # the final head was held: nothing of this response went out
@@ -610,14 +615,12 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
                 else:
                     rec["reason"] += " (the response was cut: part of it had gone to the cell)"
                 raise Answered("refused", OPAQUE, rec["reason"]) from None
-            out = mask.feed(seen) if data else mask.feed(seen) + mask.flush()
-            out = tell(out) if out else b""
             if not data:
-                out += tell.rest()
-            if out:
-                cell.sendall(out)
-                rec["bytes_down"] += len(out)
-            if not data:
+                out = mask.flush()
+                out = (tell(out) if out else b"") + tell.rest()
+                if out:
+                    cell.sendall(out)
+                    rec["bytes_down"] += len(out)
                 break
         if mask.masked:
             rec["masked"] = mask.masked
@@ -630,6 +633,7 @@ def serve_tls(proxy, client: socket.socket, upstream: socket.socket, early: byte
 
 OPAQUE = "secret.opaque_response"
 _DECODABLE = {b"gzip": 47, b"x-gzip": 47, b"deflate": 15}  # zlib wbits (47: a gzip header, 15: zlib)
+MAX_INFLATE = 1 << 20  # decoded bytes per step of a compressed response (a bomb from the host stays bounded)
 
 
 class Opaque(Exception):
@@ -652,6 +656,8 @@ class Decoder:
         self.ended = False   # the body's framing ended (what follows is ignored)
         self.pend = b""      # a chunk-size line not complete yet
         self.unframing = False  # the body is unframed (chunked) and/or decoded here
+        self.pending = b""      # compressed bytes read, not decoded yet (drain)
+        self.started = False    # the first deflate bytes seen (zlib-wrapped or raw)
 
     def __call__(self, data: bytes) -> bytes:
         if self.done and not self.unframing:
@@ -737,29 +743,50 @@ class Decoder:
     def _inflate(self, data: bytes) -> bytes:
         if self.z is None:  # chunked only: the body as it is, its framing undone
             return data
-        if not data:
-            return b""
-        if self.wbits == 15 and not getattr(self, "started", False):  # deflate: zlib-wrapped, or raw (old IIS)
+        if data and self.wbits == 15 and not self.started:  # deflate: zlib-wrapped, or raw (old IIS)
             self.started = True
             if len(data) >= 2 and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
                 self.z = zlib.decompressobj(-15)
+        self.pending += data
+        return self.drain()
+
+    def drain(self) -> bytes:
+        """At most MAX_INFLATE more decoded bytes of what was read, b"" when nothing is pending: one read of a
+        compressed response never expands in memory past that at once (the relay drains, pieces())."""
         out = b""
         try:
-            while data:
-                out += self.z.decompress(data)
-                data = self.z.unused_data if self.z.eof else b""
-                if data and self.wbits == 47:  # gzip members may follow one another (RFC 1952 2.2)
+            while self.pending and not out:
+                data, self.pending = self.pending, b""
+                out = self.z.decompress(data, MAX_INFLATE)
+                if not self.z.eof:
+                    self.pending = self.z.unconsumed_tail
+                elif self.z.unused_data and self.wbits == 47:  # gzip members may follow one another (RFC 1952)
+                    self.pending = self.z.unused_data
                     self.z = zlib.decompressobj(47)
+                # (what follows the end of a deflate stream is not the body: dropped)
         except zlib.error as e:
             raise Opaque(f"a compressed response that does not decode ({e})") from None
         return out
+
+    def pieces(self, data: bytes):
+        """What `data` (b"": the upstream closed) gives the cell, in pieces of at most MAX_INFLATE decoded bytes
+        (the heads in the first)."""
+        if data:
+            yield self(data)
+        while self.pending:
+            yield self.drain()
+        if not data:
+            yield self.rest()
 
     def rest(self) -> bytes:
         """At the upstream's close: what the decompressor still holds."""
         if self.z is None:
             return b""
+        out = b""
+        while self.pending:
+            out += self.drain()
         try:
-            return self.z.flush()
+            return out + self.z.flush()
         except zlib.error as e:
             raise Opaque(f"a compressed response that does not decode ({e})") from None
 

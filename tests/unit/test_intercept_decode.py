@@ -94,3 +94,27 @@ def test_a_value_split_by_chunk_framing_is_masked_and_the_body_unframed():
 def test_gzip_members_that_follow_one_another_are_all_decoded():
     body = gzip.compress(BODY[:10]) + gzip.compress(BODY[10:])
     assert relay(response(body, b"gzip")).endswith(BODY.replace(VALUE, b"*" * len(VALUE)))
+
+
+def test_a_compressed_bomb_is_decoded_in_bounded_pieces():
+    """64 MiB of zeros gzipped (~64 KiB on the wire) read at once: the decoder never holds more than
+    MAX_INFLATE decoded bytes at a time, and everything arrives."""
+    from agnsup.egress.intercept import MAX_INFLATE
+    size = 64 << 20
+    raw = response(gzip.compress(b"\0" * size), b"gzip")
+    d = Decoder()
+    pieces = [*d.pieces(raw), *d.pieces(b"")]
+    head = pieces[0][:pieces[0].index(b"\r\n\r\n") + 4]
+    assert b"Content-Encoding" not in head
+    assert MAX_INFLATE <= 4 << 20 and max(len(p) for p in pieces) <= len(head) + MAX_INFLATE  # not 64 MiB at once
+    assert sum(len(p) for p in pieces) - len(head) == size
+
+
+@pytest.mark.timeout(10)
+def test_bytes_after_the_end_of_a_deflate_stream_are_dropped_not_spun_on():
+    """What follows a deflate stream's end is not the body: dropped (the decoder used to loop on it forever,
+    a proxy thread at 100 % CPU for as long as the controller lived)."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Encoding: deflate\r\n\r\n" + zlib.compress(b"hello world") + b"GARBAGE"
+    d = Decoder()
+    out = d(raw) + d.rest()
+    assert out.endswith(b"\r\n\r\nhello world")

@@ -52,6 +52,8 @@ true
 # (role, inject): each role declares one secret `api` for api.secret.test, its placeholder in API_TOKEN
 ROLES = (("sbearer", "bearer"), ("sbasic", "basic:robot"), ("sheader", f"header:{HEADER}"),
          ("splace", "placeholder"))
+needs_git_backend = pytest.mark.skipif(not os.path.exists("/usr/lib/git-core/git-http-backend"),
+                                       reason="git http-backend is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -317,9 +319,8 @@ def test_python_aiohttp_with_a_placeholder_bearer(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+@needs_git_backend
 def test_git_clone_over_https_with_the_placeholder_as_password(sx):
-    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
-        pytest.skip("git http-backend is not installed")
     url = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/git/repo.git"
     cp = run_client(sx, "splace", "git", f'git clone -q "{url}" cloned && cat cloned/README', timeout=240)
     assert cp.out == "cloned with an injected credential\n", cp.err
@@ -332,9 +333,8 @@ def test_git_clone_over_https_with_the_placeholder_as_password(sx):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+@needs_git_backend
 def test_git_clone_with_a_basic_credential_the_proxy_adds(sx):
-    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
-        pytest.skip("git http-backend is not installed")
     url = f"https://{API}:{sx.site.port}/git/repo.git"
     cp = run_client(sx, "sbasic", "git", f'git clone -q "{url}" cloned && cat cloned/README', timeout=240)
     assert cp.out == "cloned with an injected credential\n", cp.err
@@ -368,10 +368,9 @@ def test_a_keep_alive_session_in_a_cell_with_secrets(sx, where):
     assert_never_in_the_cell_nor_the_records(sx, cp)
 
 
+@needs_git_backend
 def test_git_push_of_a_large_pack_streams_through_the_body_scan(sx):
     """A push POSTs a pack (chunked past git's 1 MiB post buffer): binary, scanned as it streams, and it lands."""
-    if not os.path.exists("/usr/lib/git-core/git-http-backend"):
-        pytest.skip("git http-backend is not installed")
     bare = sx.site.new_repo("push-" + _secrets.token_hex(4))
     url = f"https://robot:$API_TOKEN@{API}:{sx.site.port}/git/{os.path.basename(bare)}"
     script = (f'git clone -q "{url}" w && (cd w && head -c 3000000 /dev/urandom > blob && git add blob && '

@@ -379,14 +379,21 @@ def _framing(headers: list[bytes]) -> dict:
 def stream_body(reader: Reader, framing: dict, scanner: Scanner, send) -> int:
     """Relay one request body from `reader` to `send`, as framed, scanning what it carries; bytes sent."""
     sent = 0
-    if not framing.get("chunked"):
-        left = framing["length"]
+
+    def out(data: bytes, scanned: bytes | None = None) -> None:
+        nonlocal sent
+        scanner.feed(data if scanned is None else scanned)
+        send(data)
+        sent += len(data)
+
+    def exactly(left: int) -> None:
         while left:
             data = reader.some(min(left, BUF))
-            scanner.feed(data)
-            send(data)
-            sent += len(data)
+            out(data)
             left -= len(data)
+
+    if not framing.get("chunked"):
+        exactly(framing["length"])
         return sent
     while True:
         size_line = reader.line()
@@ -396,29 +403,18 @@ def stream_body(reader: Reader, framing: dict, scanner: Scanner, send) -> int:
             raise BadRequest("a bad chunk size") from None
         if size < 0:
             raise BadRequest("a bad chunk size")
-        scanner.feed(size_line.partition(b";")[2])  # chunk extensions are the body's too
-        send(size_line)
-        sent += len(size_line)
+        out(size_line, scanned=size_line.partition(b";")[2])  # chunk extensions are the body's too
         if size == 0:
             while True:  # trailers, up to the blank line
                 t = reader.line()
-                scanner.feed(t)
-                send(t)
-                sent += len(t)
+                out(t)
                 if t in (b"\r\n", b"\n"):
                     return sent
-        left = size
-        while left:
-            data = reader.some(min(left, BUF))
-            scanner.feed(data)
-            send(data)
-            sent += len(data)
-            left -= len(data)
+        exactly(size)
         end = reader.line()
         if end not in (b"\r\n", b"\n"):
             raise BadRequest("a chunk longer than its size")
-        send(end)
-        sent += len(end)
+        out(end, scanned=b"")
 
 
 class Held:

@@ -376,7 +376,9 @@ def test_a_killed_controllers_ca_certificate_is_removed_by_the_janitor(state, wo
     ca_dir = os.path.join(state, "ca")
     try:
         deadline = time.monotonic() + 30
-        while not (os.path.isdir(ca_dir) and os.listdir(ca_dir)) and time.monotonic() < deadline:
+        def pems():  # the certificate is written to a temporary name first, then renamed
+            return [n for n in os.listdir(ca_dir) if n.endswith(".pem")] if os.path.isdir(ca_dir) else []
+        while not pems() and time.monotonic() < deadline:
             time.sleep(0.05)
         left = os.listdir(ca_dir)
         assert len(left) == 1 and left[0].endswith(".pem"), left

@@ -92,6 +92,7 @@ class Cell(Record):
     secrets: list | None = None  # secrets.Secret values (memory only, never journaled): handed to its proxy
     authority: object = None     # egress.ca.Authority: the controller's CA, when the cell has secrets
     secret_summary: list | None = None  # the receipt's `secrets` section, once the proxy stopped
+    scrubbed: dict | None = None  # {secret name: values masked in its capture files}, once it ended
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -495,20 +496,10 @@ class Controller:
 
     def _conclude(self, cell: Cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
         cell.lock_fd = None  # `released`: the reaper's release dropped the worktree lock the cell's target carried
-        scrubbed = None
         if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (egress/scrub.py)
             from .egress.scrub import scrub_cell
-            scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
+            cell.scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
-        if scrubbed is not None:  # per secret; and as the redaction of its value (the files now hold `*`)
-            for s in receipt.get("secrets") or []:
-                s["scrubbed"] = scrubbed.get(s["name"], 0)
-            red = (receipt.get("output") or {}).get("redaction")
-            if red is not None and any(scrubbed.values()):
-                for name, n in scrubbed.items():
-                    if n:
-                        red["counts"][f"redact.secret.{name}"] = red["counts"].get(f"redact.secret.{name}", 0) + n
-                red["counts"] = dict(sorted(red["counts"].items()))
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
             receipts.write(path, receipt)

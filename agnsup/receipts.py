@@ -56,6 +56,10 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         r["secrets"] = getattr(cell, "secret_summary", None) or [
             {"name": t["name"], "inject": t["inject"], "hosts": list(t["hosts"]), "env": t.get("env"),
              "source": t["source"].split(":", 1)[0], "used": [], "refused": 0} for t in spec.secrets]
+    scrubbed = getattr(cell, "scrubbed", None)  # {name: count}: its capture files, scrubbed when it ended
+    if scrubbed is not None:
+        for s in r["secrets"]:
+            s["scrubbed"] = scrubbed.get(s["name"], 0)
     held = getattr(cell, "secrets", None) or []
     if plan is not None and (getattr(plan, "redact", None) or held) and cell.capture:
         # What each redaction rule takes out of the output a caller gets back (tool.ended); a cell's secret
@@ -63,6 +67,12 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         from .redact import receipt_section
         r["output"]["redaction"] = receipt_section(plan.redact or {"rules": [], "patterns": {}}, spec.env,
                                                    plan.cell_dir, MAX_RETURNED_OUTPUT, literals=_literals(held))
+        if scrubbed and any(scrubbed.values()):  # the files now hold `*` where a value was: that value's redaction
+            counts = r["output"]["redaction"]["counts"]
+            for name, n in scrubbed.items():
+                if n:
+                    counts[f"redact.secret.{name}"] = counts.get(f"redact.secret.{name}", 0) + n
+            r["output"]["redaction"]["counts"] = dict(sorted(counts.items()))
     r["limits"]["not_in_force"] = not_in_force(r["limits"])
     r["limits_hit"] = limits_hit(usage, r["output"])
     if error:

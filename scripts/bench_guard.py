@@ -1,0 +1,227 @@
+"""The regression guard (issue 29): a few of agnsup's costs as ratios over a floor timed in the same
+interleaved rounds, written per commit and compared with the last recorded run (scripts/bench_ratios.py
+decides: WARN over 1.25x, FAIL over 2x twice). Run by `scripts/bench guard` and by .ci/run.
+
+    bench_guard.py AGNSUP --repo REPO [--rounds 60] [--record] [--only NAME,...]
+
+Ratios (each command timed once per round, the order reversed every other round, so a numerator and its
+floor see the same moments of a shared machine):
+    run/python        `agnsup run -- true` (a process per call: interpreter, imports, policy, journal,
+                      cgroups, namespaces, dead-man switch) over the same venv's `python -c pass`
+    serve/bwrap       one `true` cell through a running `agnsup serve` (its socket's `run` op: request to
+                      receipt) over `bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all true`
+    supervisor/bwrap  one `true` cell through an in-process Supervisor (the Python API) over the same bwrap
+Each door has its own state root and the cells one worktree, all under /var/tmp, removed at the end.
+
+Writes REPO/build/bench/ratios-<commit>.json (the record: commit, date, uname, host kind, load average before
+and after, each ratio with its medians, lower quartiles and rounds; the comparison's verdicts); --record also
+appends it to REPO/bench/ratios.jsonl (commit that line). Exit 1 when a ratio failed, 2 when it could not
+measure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ratios  # noqa: E402 - scripts/ is not a package
+
+BWRAP = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"]
+# name -> (numerator, floor): commands of Rig
+RATIOS = {"run/python": ("agnsup run -- true", "python -c pass"),
+          "serve/bwrap": ("serve cell of true", "bwrap"),
+          "supervisor/bwrap": ("Supervisor cell of true", "bwrap")}
+
+
+class Rig:
+    """The commands, ready to time: private state roots, one worktree, a serve and a Supervisor started."""
+
+    def __init__(self, agnsup: str, python: str):
+        self.tmp = tempfile.mkdtemp(prefix="agnsup-guard.", dir="/var/tmp")
+        self.wt = os.path.join(self.tmp, "wt")
+        os.mkdir(self.wt)
+        os.chdir(self.wt)  # the CLI's worktree (posix_spawn cannot chdir the child)
+        self.agnsup, self.python = agnsup, python
+        self.devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+        self.srv = self.client = self.sup = None
+        self.envs = {}
+        for door in ("cli", "serve", "api"):
+            state = os.path.join(self.tmp, door)
+            os.mkdir(state)
+            self.envs[door] = {**os.environ, "AGNSUP_STATE_DIR": state}
+        self.cmds = {
+            "agnsup run -- true": lambda: self._spawn([agnsup, "run", "--", "true"], self.envs["cli"]),
+            "python -c pass": lambda: self._spawn([python, "-c", "pass"], self.envs["cli"]),
+            "bwrap": lambda: self._spawn([shutil.which("bwrap") or "/usr/bin/bwrap", *BWRAP[1:]], self.envs["cli"]),
+            "serve cell of true": self._serve_cell,
+            "Supervisor cell of true": self._api_cell,
+        }
+
+    def start(self) -> None:
+        from agnsup.doors.serve import Client
+        from agnsup.supervisor import Supervisor
+        self.srv = subprocess.Popen([self.agnsup, "serve"], env=self.envs["serve"], cwd=self.wt,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        ready = json.loads(self.srv.stdout.readline() or "{}")
+        if "socket" not in ready:
+            raise RuntimeError(f"agnsup serve did not start (exit {self.srv.poll()})")
+        self.client = Client(ready["socket"])
+        self.client.__enter__()
+        self.sup = Supervisor(self.envs["api"]["AGNSUP_STATE_DIR"])
+        for run in self.cmds.values():  # warm-up: the policy caches, the journals, the page cache
+            run()
+
+    def _spawn(self, argv: list[str], env: dict) -> None:
+        pid = os.posix_spawn(argv[0], argv, env, file_actions=self.devnull)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"{' '.join(argv)}: exit {os.waitstatus_to_exitcode(status)}")
+
+    def _serve_cell(self) -> None:
+        r = self.client.call("run", argv=["true"], workdir=self.wt, run_id="guard")
+        if r.get("exit_code") != 0:
+            raise RuntimeError(f"serve cell of true: {r}")
+
+    def _api_cell(self) -> None:
+        r = self.sup.run(["true"], workdir=self.wt, run_id="guard")
+        if r.get("exit_code") != 0:
+            raise RuntimeError(f"Supervisor cell of true: {r}")
+
+    def rounds(self, names: list[str], n: int) -> dict[str, list[float]]:
+        """Milliseconds per command, interleaved: each round runs each command once, every other round in
+        reverse order."""
+        times: dict[str, list[float]] = {c: [] for c in names}
+        for i in range(n):
+            for c in (names if i % 2 == 0 else names[::-1]):
+                t = time.perf_counter()
+                self.cmds[c]()
+                times[c].append((time.perf_counter() - t) * 1000)
+        return times
+
+    def close(self) -> None:
+        if self.sup is not None:
+            self.sup.close()
+        if self.client is not None:
+            self.client.__exit__(None, None, None)
+        if self.srv is not None:
+            self.srv.terminate()
+            try:
+                self.srv.wait(60)
+            except subprocess.TimeoutExpired:
+                self.srv.kill()
+                self.srv.wait()
+            self.srv.stdout.close()
+        for env in self.envs.values():
+            subprocess.run([self.agnsup, "cancel", "--all", "--grace", "0"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+        os.chdir("/")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def measure(rig: Rig, names: list[str], n: int) -> dict[str, dict]:
+    cmds = []
+    for name in names:
+        for c in RATIOS[name]:
+            if c not in cmds:
+                cmds.append(c)
+    times = rig.rounds(cmds, n)
+    return {name: {**bench_ratios.ratio_of(times[RATIOS[name][0]], times[RATIOS[name][1]]),
+                   "of": list(RATIOS[name])} for name in names}
+
+
+def git(repo: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="bench_guard.py")
+    ap.add_argument("agnsup")
+    ap.add_argument("--repo", required=True)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--record", action="store_true", help="append the record to REPO/bench/ratios.jsonl")
+    ap.add_argument("--only", default="", help="comma-separated ratio names (default: all)")
+    a = ap.parse_args(argv)
+    names = [n for n in a.only.split(",") if n] or list(RATIOS)
+    unknown = [n for n in names if n not in RATIOS]
+    if unknown:
+        print(f"bench guard: unknown ratio {', '.join(unknown)} (known: {', '.join(RATIOS)})", file=sys.stderr)
+        return 2
+    python = os.path.join(os.path.dirname(a.agnsup), "python")
+    history_path = os.path.join(a.repo, "bench", "ratios.jsonl")
+    with open(history_path) if os.path.exists(history_path) else open(os.devnull) as f:
+        history = bench_ratios.parse_history(f.read(), history_path)
+    with open("/proc/self/mounts") as f:
+        layout = bench_ratios.cgroup_layout(f.read())
+    commit = git(a.repo, "rev-parse", "HEAD") or "unknown"
+    dirty = bool(git(a.repo, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/ratios.jsonl"))
+    u = os.uname()
+    rec = {"commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "uname": f"{u.sysname} {u.release} {u.machine}", "python": platform.python_version(),
+           "host": {"cgroup": layout, "cores": len(os.sched_getaffinity(0))},
+           "load_before": list(os.getloadavg()), "rounds": a.rounds}
+    prev = bench_ratios.previous(history, rec)
+    rig = Rig(a.agnsup, python)
+    detail: dict[str, dict] = {}
+    t0 = time.monotonic()
+    try:
+        rig.start()
+
+        def timed(which):
+            got = measure(rig, which or names, a.rounds)
+            if which is None:
+                detail.update(got)
+            else:
+                rec.setdefault("remeasured", {}).update(got)
+            return {k: v["ratio"] for k, v in got.items()}
+
+        verdicts, first, again = bench_ratios.guard(prev, timed)
+    except Exception as e:  # noqa: BLE001 - a command that failed or a door that did not start: said, exit 2
+        print(f"bench guard: could not measure: {e}", file=sys.stderr)
+        return 2
+    finally:
+        rig.close()
+    took = time.monotonic() - t0
+    rec["load_after"] = list(os.getloadavg())
+    rec["ratios"] = {k: ({**v, **rec["remeasured"][k], "first_ratio": v["ratio"]} if k in again else v)
+                     for k, v in detail.items()}
+    rec["seconds"] = round(took, 1)
+    rec["compared_with"] = prev and {"commit": prev["commit"], "date": prev["date"]}
+    rec["verdicts"] = [{"name": v.name, "level": v.level, "old": v.old, "new": v.new} for v in verdicts]
+    la = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    print(f"bench guard: {a.rounds} interleaved rounds in {took:.1f} s, commit {commit[:10]}{' (dirty)' if dirty else ''}, "
+          f"{layout} cgroups, {rec['host']['cores']} cores, load {la(rec['load_before'])} -> {la(rec['load_after'])}")
+    for name in names:
+        r = rec["ratios"][name]
+        num, den = RATIOS[name]
+        print(f"  {name:17} {r['ratio']:6.2f}x  ({num} {r['num_median_ms']:.1f} ms / {den} {r['den_median_ms']:.1f} ms"
+              f" medians; p25 {r['p25_ratio']:.2f}x)")
+    if prev is None:
+        print(f"no previous record of this host kind ({layout} cgroups, {rec['host']['cores']} cores) in "
+              f"bench/ratios.jsonl: nothing to compare, pass")
+    else:
+        print(f"against {prev['commit'][:10]} of {prev['date']} (bench/ratios.jsonl; WARN over "
+              f"{bench_ratios.WARN_OVER}x, FAIL over {bench_ratios.FAIL_OVER}x measured twice):")
+        for v in verdicts:
+            print("  " + v.line())
+    os.makedirs(os.path.join(a.repo, "build", "bench"), exist_ok=True)
+    out = os.path.join(a.repo, "build", "bench", f"ratios-{commit[:12]}.json")
+    with open(out, "w") as f:
+        json.dump(rec, f, indent=1)
+        f.write("\n")
+    print(f"written {os.path.relpath(out, a.repo)}")
+    if a.record:
+        with open(history_path, "a") as f:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        print(f"recorded: appended to bench/ratios.jsonl (commit it)")
+    return bench_ratios.exit_code(verdicts)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -219,7 +219,7 @@ def main(argv: list[str]) -> int:
     if a.record:
         with open(history_path, "a") as f:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        print(f"recorded: appended to bench/ratios.jsonl (commit it)")
+        print("recorded: appended to bench/ratios.jsonl (commit it)")
     return bench_ratios.exit_code(verdicts)
 
 

@@ -2,7 +2,7 @@
 interleaved rounds, written per commit and compared with the last recorded run (scripts/bench_ratios.py
 decides: WARN over 1.25x, FAIL over 2x twice). Run by `scripts/bench guard` and by .ci/run.
 
-    bench_guard.py AGNSUP --repo REPO [--rounds 60] [--record] [--only NAME,...]
+    bench_guard.py AGNSUP --repo REPO [--rounds 60] [--seconds 30] [--least 20] [--record] [--only NAME,...]
 
 Ratios (each command timed once per round, the order reversed every other round, so a numerator and its
 floor see the same moments of a shared machine):
@@ -93,11 +93,15 @@ class Rig:
         if r.get("exit_code") != 0:
             raise RuntimeError(f"Supervisor cell of true: {r}")
 
-    def rounds(self, names: list[str], n: int) -> dict[str, list[float]]:
+    def rounds(self, names: list[str], n: int, seconds: float, least: int) -> dict[str, list[float]]:
         """Milliseconds per command, interleaved: each round runs each command once, every other round in
-        reverse order."""
+        reverse order; n rounds, or fewer (never under `least`) once `seconds` have passed (a loaded
+        machine: CI's cost stays bounded, the medians of 20+ rounds still stable)."""
         times: dict[str, list[float]] = {c: [] for c in names}
+        end = time.monotonic() + seconds
         for i in range(n):
+            if i >= least and time.monotonic() > end:
+                break
             for c in (names if i % 2 == 0 else names[::-1]):
                 t = time.perf_counter()
                 self.cmds[c]()
@@ -124,13 +128,13 @@ class Rig:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def measure(rig: Rig, names: list[str], n: int) -> dict[str, dict]:
+def measure(rig: Rig, names: list[str], n: int, seconds: float, least: int) -> dict[str, dict]:
     cmds = []
     for name in names:
         for c in RATIOS[name]:
             if c not in cmds:
                 cmds.append(c)
-    times = rig.rounds(cmds, n)
+    times = rig.rounds(cmds, n, seconds, least)
     return {name: {**bench_ratios.ratio_of(times[RATIOS[name][0]], times[RATIOS[name][1]]),
                    "of": list(RATIOS[name])} for name in names}
 
@@ -144,7 +148,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bench_guard.py")
     ap.add_argument("agnsup")
     ap.add_argument("--repo", required=True)
-    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=60, help="rounds per measurement, at most")
+    ap.add_argument("--seconds", type=float, default=30, help="no new round after this long (per measurement)")
+    ap.add_argument("--least", type=int, default=20, help="rounds per measurement, at least")
     ap.add_argument("--record", action="store_true", help="append the record to REPO/bench/ratios.jsonl")
     ap.add_argument("--only", default="", help="comma-separated ratio names (default: all)")
     a = ap.parse_args(argv)
@@ -165,7 +171,7 @@ def main(argv: list[str]) -> int:
     rec = {"commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "uname": f"{u.sysname} {u.release} {u.machine}", "python": platform.python_version(),
            "host": {"cgroup": layout, "cores": len(os.sched_getaffinity(0))},
-           "load_before": list(os.getloadavg()), "rounds": a.rounds}
+           "load_before": list(os.getloadavg())}
     prev = bench_ratios.previous(history, rec)
     rig = Rig(a.agnsup, python)
     detail: dict[str, dict] = {}
@@ -174,7 +180,7 @@ def main(argv: list[str]) -> int:
         rig.start()
 
         def timed(which):
-            got = measure(rig, which or names, a.rounds)
+            got = measure(rig, which or names, a.rounds, a.seconds, min(a.least, a.rounds))
             if which is None:
                 detail.update(got)
             else:
@@ -195,7 +201,8 @@ def main(argv: list[str]) -> int:
     rec["compared_with"] = prev and {"commit": prev["commit"], "date": prev["date"]}
     rec["verdicts"] = [{"name": v.name, "level": v.level, "old": v.old, "new": v.new} for v in verdicts]
     la = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"bench guard: {a.rounds} interleaved rounds in {took:.1f} s, commit {commit[:10]}{' (dirty)' if dirty else ''}, "
+    n = min(r["rounds"] for r in detail.values())
+    print(f"bench guard: {n} interleaved rounds (at most {a.rounds}, none begun after {a.seconds:.0f} s) in {took:.1f} s, commit {commit[:10]}{' (dirty)' if dirty else ''}, "
           f"{layout} cgroups, {rec['host']['cores']} cores, load {la(rec['load_before'])} -> {la(rec['load_after'])}")
     for name in names:
         r = rec["ratios"][name]

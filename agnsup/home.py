@@ -3,11 +3,39 @@ from __future__ import annotations
 
 import os
 
+from .process.helpers import tmp_entries as entries
+
 
 def make(plan) -> None:
     """The cell's /tmp: its HOME, @runtime's links, the HOME's tool configuration and the caches'
     mount points, owned by the cell's uid when process.user sets one (or the cell is mapped), like the
-    HOME itself; the caches' host directories, kept between cells under the state root."""
+    HOME itself; the caches' host directories, kept between cells under the state root.
+
+    A cell whose /tmp is a tmpfs the controller makes (plan.tmp_tmpfs) gets only the directory here:
+    process.leader.make_tmp writes the same entries (process.helpers.tmp_entries) straight into its tmpfs, not through
+    ~20 files and directories on the state root's disk copied over and removed again (issue 29)."""
+    if getattr(plan, "tmp_tmpfs", False):
+        os.makedirs(plan.tmpdir)
+        # on disk only what a mount step takes from here (the offline resolv.conf and nsswitch.conf)
+        sources = [op[1] for op in plan.mount_ops if len(op) > 1 and isinstance(op[1], str)
+                   and op[1].startswith(plan.tmpdir + "/")]
+        ids = plan.cell_ids()
+        for e in entries(plan):
+            path = os.path.join(plan.tmpdir, e[1])
+            if not any(src == path or src.startswith(path + "/") for src in sources):
+                continue
+            if e[0] == "dir":
+                os.mkdir(path, e[2])
+            elif e[0] == "link":
+                os.symlink(e[2], path)
+            else:
+                with open(path, "xb") as f:
+                    f.write(e[3])
+            if ids is not None and e[0] != "link":
+                os.lchown(path, *ids)
+        _caches(plan)
+        os.chmod(plan.tmpdir, 0o1777)
+        return
     home = os.path.join(plan.tmpdir, "home")
     os.makedirs(home, mode=0o700)
     made = [home]
@@ -27,11 +55,15 @@ def make(plan) -> None:
     if ids is not None:
         for path in made:
             os.lchown(path, *ids)
+    _caches(plan)
+    os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
+
+
+def _caches(plan) -> None:
     for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
         os.makedirs(host_dir, mode=0o700, exist_ok=True)
         if plan.uid is not None:  # a mapped cell sees them through its id map: on-disk root is its root
             os.chown(host_dir, plan.uid, plan.gid)
-    os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
 
 
 def _parents(tmpdir: str, path: str) -> list[str]:

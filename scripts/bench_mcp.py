@@ -21,6 +21,11 @@ import time
 
 from scratch import scratch
 
+# the kernel's cost of a comparable set of namespaces (issue 29's yardstick), when bubblewrap is installed
+BWRAP = (["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"]
+         if any(os.access(os.path.join(d, "bwrap"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+         else None)
+
 
 def summary(xs: list[float]) -> dict:
     q = statistics.quantiles(xs, n=4)
@@ -34,6 +39,8 @@ async def bench(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
     srv = subprocess.Popen([agnsup, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = json.loads(srv.stdout.readline())
     samples: dict[str, list[float]] = {"fork/exec /bin/true": [], "serve run": [], "mcp run_process": []}
+    if BWRAP:
+        samples["bwrap --unshare-all true"] = []
     params = StdioServerParameters(command=agnsup, args=["mcp", "--workdir", wt, "--run-id", "mcp-bench"], env=env)
     try:
         with Client(ready["socket"]) as c, open(os.devnull, "w") as err:
@@ -53,6 +60,10 @@ async def bench(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
                     res = await s.call_tool("run_process", {"argv": ["true"]})
                     samples["mcp run_process"].append(time.perf_counter() - t0)
                     assert not res.is_error and res.structured_content["exit_code"] == 0, res
+                    if BWRAP:
+                        t0 = time.perf_counter()
+                        subprocess.run(BWRAP, check=True)
+                        samples["bwrap --unshare-all true"].append(time.perf_counter() - t0)
     finally:
         srv.terminate()
         srv.wait(60)
@@ -68,10 +79,12 @@ def main() -> int:
     with scratch(a.agnsup, "mcp") as (env, wt):
         res = anyio.run(bench, a.agnsup, env, wt, a.cells)
     serve = res["serve run"]["median_ms"]
-    print(f"{'per cell, interleaved':24} {'median ms':>10} {'p25':>8} {'p75':>8} {'x serve':>8}   (n={a.cells}, "
-          f"load {os.getloadavg()[0]:.1f})")
+    bw = res.get("bwrap --unshare-all true", {}).get("median_ms")
+    print(f"{'per cell, interleaved':24} {'median ms':>10} {'p25':>8} {'p75':>8} {'x serve':>8} {'x bwrap':>8}   "
+          f"(n={a.cells}, load {os.getloadavg()[0]:.1f})")
     for name, r in res.items():
-        print(f"{name:24} {r['median_ms']:10.2f} {r['p25_ms']:8.2f} {r['p75_ms']:8.2f} {r['median_ms'] / serve:8.2f}")
+        xb = f"{r['median_ms'] / bw:8.2f}" if bw else f"{'':8}"
+        print(f"{name:24} {r['median_ms']:10.2f} {r['p25_ms']:8.2f} {r['p75_ms']:8.2f} {r['median_ms'] / serve:8.2f} {xb}")
     print(json.dumps(res))
     return 0
 

@@ -60,3 +60,44 @@ def read_all(fd: int, timeout: float | None = None) -> bytes:
             chunks.append(b)
     finally:
         os.close(fd)
+
+
+def tmp_entries(plan) -> list[tuple]:
+    """What home.make writes below the cell's /tmp, in order, parents first: ("dir", rel, mode), ("link", rel,
+    target), ("file", rel, mode, bytes), with the modes home.make's mkdir/open give them under the process's
+    umask; every entry but the links is owned by plan.cell_ids() when not None (home.make's lchown), else by us."""
+    mask = _umask()
+    out: list[tuple] = [("dir", "home", 0o700 & ~mask)]
+    have = {"", "home"}
+
+    def parents(rel: str) -> None:
+        todo, d = [], os.path.dirname(rel)
+        while d not in have:
+            todo.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(todo):
+            have.add(d)
+            out.append(("dir", d, 0o755 & ~mask))
+    for rel, target in plan.tmp_links:
+        rel = os.path.normpath(rel)
+        parents(rel)
+        out.append(("link", rel, target))
+    for _, _, rel in plan.caches:
+        parents(os.path.join(os.path.normpath(rel), "."))
+    for rel, text in plan.tmp_files:
+        rel = os.path.normpath(rel)
+        parents(rel)
+        out.append(("file", rel, 0o666 & ~mask, text.encode()))
+    return out
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it: a race with other threads)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

@@ -9,11 +9,11 @@ import signal
 from contextlib import suppress
 
 from ..errors import NotExecutable, NotFound, SetupError
-from ..linux import host, landlock, mounts, netns, pidfd, pidinit, proc, seccomp
+from ..linux import host, landlock, netns, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..util.record import Record
 from . import clone, namespaces
-from .helpers import read_all
+from .helpers import read_all, tmp_entries
 from .steps import Setup, child as run_steps
 
 
@@ -355,9 +355,81 @@ def make_tmp(plan) -> int:
         opts.update(uid=str(ids[0]), gid=str(ids[1]))
     fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
     try:
-        mounts.copy_tree(plan.tmpdir, fd)
+        _fill_tmp(plan, fd, ids)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _fill_tmp(plan, fd: int, ids: tuple | None) -> None:
+    """The tmpfs's entries (tmp_entries: HOME, links, tool files, cache mount points), written straight into
+    it (home.make staged none of them on disk), then what else the broker put in the staging tmpdir (a
+    secret cell's CA files: broker._trust), merged."""
+    for e in tmp_entries(plan):
+        kind, rel = e[0], e[1]
+        if kind == "dir":
+            os.mkdir(rel, e[2], dir_fd=fd)
+            os.chmod(rel, e[2], dir_fd=fd)  # exactly the mode, as copy_tree gave it from disk
+        elif kind == "link":
+            os.symlink(e[2], rel, dir_fd=fd)
+        else:
+            out = os.open(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+            try:
+                os.write(out, e[3])
+                os.fchmod(out, e[2])
+            finally:
+                os.close(out)
+        if ids is not None and kind != "link":  # home.make leaves its links the controller's, as made
+            os.chown(rel, *ids, dir_fd=fd, follow_symlinks=False)
+    _merge_tree(plan.tmpdir, fd)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _merge_tree(src: str, dst_fd: int) -> None:
+    """mounts.copy_tree (owners and modes kept), descending into a directory the tmpfs has already."""
+    import stat as stat_mod
+    with os.scandir(src) as it:
+        found = list(it)
+    for e in found:
+        st = e.stat(follow_symlinks=False)
+        mode = stat_mod.S_IMODE(st.st_mode)
+        if stat_mod.S_ISDIR(st.st_mode):
+            try:
+                os.mkdir(e.name, 0o700, dir_fd=dst_fd)
+                made = True
+            except FileExistsError:
+                made = False
+            sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+            try:
+                _merge_tree(e.path, sub)
+                if made:
+                    os.fchmod(sub, mode)
+            finally:
+                os.close(sub)
+            if not made:
+                continue
+        elif _exists(e.name, dst_fd):
+            continue  # one of tmp_entries, which home.make also staged on disk for a mount step
+        elif stat_mod.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
+        elif stat_mod.S_ISREG(st.st_mode):
+            out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=dst_fd)
+            try:
+                with open(e.path, "rb") as f:
+                    os.write(out, f.read())
+                os.fchmod(out, mode)
+            finally:
+                os.close(out)
+        else:
+            continue
+        os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)
 

@@ -39,13 +39,17 @@ judge with `Rules`.
 """
 from __future__ import annotations
 
-import ipaddress
 import re
-import unicodedata
 from contextlib import suppress
-from urllib.parse import unquote, urlsplit
 
+from .util.lazy import LazyModule
 from .util.record import Record
+
+# Loaded by the first call that parses a URL, an address or a Unicode name (never by an argv call of a role
+# without network lists): agnsup/util/lazy.py.
+ipaddress = LazyModule("ipaddress")
+unicodedata = LazyModule("unicodedata")
+_urlparse = LazyModule("urllib.parse")
 
 DEFAULT_PORTS = (80, 443)
 MODES = ("allowlist", "internal")  # the network modes that go through the proxy
@@ -173,7 +177,7 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
     scheme = ""
     for variant in (u.replace("\\", "/"), u):  # WHATWG reads `\` as `/`; curl does not
         try:
-            sp = urlsplit(variant if "://" in variant else "http://" + variant)
+            sp = _urlparse.urlsplit(variant if "://" in variant else "http://" + variant)
             h = sp.hostname or ""
             scheme = scheme or sp.scheme
         except ValueError:
@@ -183,7 +187,8 @@ def normalise_host(url: str) -> tuple[str, str, list[str]]:
             hosts.append(h)
         if "%" in h:
             # WHATWG and curl's URL parser percent-decode the host: `%31%32%37.0.0.1` is 127.0.0.1.
-            d = unicodedata.normalize("NFKC", unquote(h, errors="replace").translate(_DOTS)).rstrip(".").lower()
+            d = unicodedata.normalize("NFKC", _urlparse.unquote(h, errors="replace").translate(_DOTS))
+            d = d.rstrip(".").lower()
             if d and d not in hosts:
                 hosts.append(d)
     return scheme, (hosts[0] if hosts else ""), hosts

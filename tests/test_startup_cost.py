@@ -18,12 +18,30 @@ import pytest
 HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", "dis", "shutil", "tree_sitter",
          "tree_sitter_bash", "pyroute2", "psutil", "secrets", "random", "hmac", "typing", "tomllib",
          "importlib.resources", "importlib.metadata", "socket", "tempfile", "bz2", "lzma", "datetime",
-         "sqlite3.dbapi2", "mcp", "mcp_types", "anyio", "starlette", "uvicorn")
+         "sqlite3.dbapi2", "mcp", "mcp_types", "anyio", "starlette", "uvicorn",
+         # issue 29: what an argv call of a role without network lists never needs: URL, address and Unicode host
+         # parsing (netpolicy loads them on first use: util/lazy.py), git's rules, the inline-program scan, the
+         # proxy's matcher (gate/checker.py loads each for a call that has something for it)
+         "ipaddress", "urllib.parse", "unicodedata", "agnsup.gate.git", "agnsup.gate.inline", "agnsup.gate.egress")
 
 # The console script's own entry point, under -X importtime: every module the
 # interpreter imports is listed on stderr as it happens (the CLI leaves with
 # os._exit, so no exit hook could list them).
 RUN = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.doors.entry import main; main()"
+
+
+def _at_start() -> set[str]:
+    """What the interpreter itself imports before any agnsup code (site, an editable install's finder: pathlib,
+    urllib.parse...): not the run path's doing."""
+    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, timeout=60)
+    return {line.rpartition("|")[2].strip() for line in cp.stderr.decode(errors="replace").splitlines()
+            if line.startswith("import time:")}
+
+
+def _heavy(mods: set[str]) -> list[str]:
+    start = _at_start()
+    return sorted(m for m in mods - start
+                  if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
 
 
 def _run_and_list_modules(state, worktree, tmp_path, *args, entry=("-c", RUN)):
@@ -42,7 +60,7 @@ def test_run_true_imports_nothing_heavy(state, worktree, tmp_path, role):
     _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")  # warms the policy cache
     mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--role", role, "--", "true")
     assert "agnsup.process.leader" in mods and "agnsup.store.journal" in mods  # it did run the cell path
-    heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
+    heavy = _heavy(mods)
     assert heavy == [], f"the run path imported {heavy}"
 
 
@@ -51,7 +69,7 @@ def test_python_m_agnsup_takes_the_same_fast_path(state, worktree, tmp_path):
     _run_and_list_modules(state, worktree, tmp_path, "run", "--", "true", entry=("-m", "agnsup"))
     mods = _run_and_list_modules(state, worktree, tmp_path, "run", "--", "true", entry=("-m", "agnsup"))
     assert "agnsup.process.leader" in mods
-    heavy = sorted(m for m in mods if m in HEAVY or m.split(".")[0] in ("click", "pydantic", "tree_sitter", "mcp", "anyio"))
+    heavy = _heavy(mods)
     assert heavy == [], f"python -m agnsup run imported {heavy}"
 
 

@@ -17,9 +17,9 @@ trail entry and the decision. Every denial names its evidence.
 
 from __future__ import annotations
 
-from . import git, hardline, network, programs, quota, sandbox, zones
+from . import hardline, network, programs, quota, sandbox, zones
 from .commands import analyze_argv, analyze_shell
-from .model import Analysis, Decision, Finding, GateContext, deny, ok, split_words
+from .model import UPLOADERS, Analysis, Decision, Finding, GateContext, deny, ok, split_words
 
 COMMAND_KEYS = ("command", "cmd", "script", "shell", "argv")
 ORDER = ("hardline", "gate", "policy", "git", "sandbox", "network", "zone", "quota")
@@ -105,12 +105,14 @@ def _check(tool_name: str, args: dict, ctx: GateContext, resolver) -> tuple[Deci
         elif name == "git":
             if an is None or not any(e.prog == "git" or e.prog.startswith("git-") for e in an.execs):
                 continue  # only a call that runs git has anything for this check
+            from . import git
             f = git.check(an, ctx)
         elif name == "sandbox":
             f = sandbox.check(tool_name, args, zone, an, ctx)
         elif name == "network":
             f = network.check(tool_name, args, an, ctx, resolver=resolver)
-            if f.allowed and an is not None and an.execs:  # a program or a line that reads a credential and sends
+            # a program or a line that reads a credential and sends (inline.check passes anything else as is)
+            if f.allowed and an is not None and an.execs and (an.exfil or any(e.prog in UPLOADERS for e in an.execs)):
                 from . import inline
                 f = inline.check(an, ctx, tool_name, f)
         elif name == "zone":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import re
 
-from . import git
 from .model import MAX_DEPTH, Analysis, Exec, operands, prog_name, split_words
 from .paths import LazyRe
 
@@ -424,6 +423,7 @@ def _nested(ex: Exec, an: Analysis, depth: int, stdin_code: str | None) -> None:
     if prog == "git" or prog.startswith("git-"):
         # `-c alias.x='!cmd'`, `-c core.pager=cmd`: git runs these through sh
         if all(lit):
+            from . import git  # only a line that runs git loads git's tables
             for code, where in git.shell_code(ex):
                 _nested_shell(code, an, depth, where, strict=False)
         return

@@ -54,7 +54,7 @@ from __future__ import annotations
 import re
 
 from .network import network_kind
-from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, Finding, GateContext, deny, ok_flagged
+from .model import CELL_TOOLS, DEFAULT_DENY_PATHS, UPLOADERS, Finding, GateContext, deny, ok_flagged
 from .paths import LazyRe
 
 RULE = "exfil.inline_program"
@@ -425,7 +425,7 @@ def note(code: str, an, ex, ran: list) -> None:
 
 # --- the same in plain shell: a client uploading a credential file ---------------------------------
 
-_UPLOADERS = frozenset({"curl", "wget", "http", "https", "xh", "xhs", "nc", "ncat", "netcat", "socat", "telnet"})
+_UPLOADERS = UPLOADERS
 _CURL_FILE = frozenset({"-T", "--upload-file"})
 _CURL_DATA = ("-d", "--data", "--data-binary", "--data-raw", "--data-ascii", "--data-urlencode", "-F", "--form",
               "--json", "--form-string")

@@ -33,6 +33,10 @@ DEFAULT_DENY_PATHS = (
 )
 
 
+# Command-line clients that can send what they read (gate/inline.py shell_uploads); the checker loads
+# inline.py only for a call with one of them or with an inline program (Analysis.exfil).
+UPLOADERS = frozenset({"curl", "wget", "http", "https", "xh", "xhs", "nc", "ncat", "netcat", "socat", "telnet"})
+
 class Kernel(Record, frozen=True):
     """What the kernel refuses inside a cell of the role, whatever the text says.
 

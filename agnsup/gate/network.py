@@ -38,7 +38,6 @@ from __future__ import annotations
 import re
 
 from ..netpolicy import METADATA_HOSTS, classify_address, host_address, internal_allowed, normalise_host
-from .egress import check_exec, check_url as check_listed
 from .model import CELL_TOOLS, Analysis, Exec, Finding, GateContext, deny, ok, ok_flagged
 from .paths import LazyRe
 
@@ -318,6 +317,7 @@ def check_commands(an: Analysis, ctx: GateContext, tool: str) -> tuple[Finding |
     flags: list[str] = []
     for ex in an.execs:
         if ctx.egress is not None:  # allowlist/internal: the proxy's own matcher (gate/egress.py)
+            from .egress import check_exec  # a role with lists (allowlist, internal) only
             f = check_exec(ex, ctx, tool, notes)
             if f:
                 return f, notes, ()
@@ -416,6 +416,7 @@ def check_url(url: str, ctx: GateContext, *, resolve: bool = True, resolver=None
         return deny("network.url", f"role '{ctx.role}' has network: deny, so no URL is fetched.", HINT_NET, url)
     if ctx.egress is not None and resolve:
         one = resolver or _resolve
+        from .egress import check_url as check_listed
         return check_listed(url, ctx, lambda name, _port: one(name))
     pinned = ""
     for h in hosts:

@@ -205,7 +205,14 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     deadline = until if until is not None else time.monotonic() + (grace if term else 0.0)
     first = None
     if time.monotonic() < deadline:
-        backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
+        if not scans and jobs and all(j.t.has_tree for j in jobs):
+            # trees only: the backend's wait for each (cgroup2: woken by the kernel when the tree
+            # empties, not a back-off whose sleeps outlast it by up to 50 ms)
+            for j in jobs:
+                if not backend.wait_empty(j.t.place, max(0.0, deadline - time.monotonic())):
+                    break
+        else:
+            backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
     elif not term:
         # nothing was signalled and no time was given: the scan just taken is the first kill round's
         # (the same candidates it would find; the rounds after it scan again until one finds none)

@@ -328,7 +328,7 @@ class CgroupBackend(Backend):
         empty ones above it. Returns the directories removed below `place`. Missing directories are
         not an error: removal is idempotent."""
         removed = []
-        for d in (d for p in place.node.paths.values() for d in cgroup.walk(p)):
+        for d in (d for p in place.node.paths.values() for d in self._rmdir_or_walk(p, removed)):
             for attempt in range(50):
                 try:
                     os.rmdir(d)
@@ -343,6 +343,22 @@ class CgroupBackend(Backend):
                     time.sleep(0.002)
         self._prune_up(place)
         return removed
+
+    @staticmethod
+    def _rmdir_or_walk(path: str, removed: list[str]) -> list[str]:
+        """`path` removed at once when it has no sub-cgroup and no task (a cell's directory, usually:
+        no listing of its ~20-60 interface files); else its directories deepest first (cgroup.walk),
+        for remove() to take one by one (EBUSY: a sub-cgroup, or a last task still leaving)."""
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            return cgroup.walk(path)
+        removed.append(path)
+        return []
 
     def prune(self, place: Place) -> list[str]:
         removed = [d for p in place.node.paths.values() for d in cgroup.walk(p) if cgroup.remove_if_empty(d)]

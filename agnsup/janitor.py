@@ -351,7 +351,13 @@ class _Janitor:
             except OSError as e:  # leave it for the next janitor; never mark what is not converged
                 c.error = str(e)
 
-        _each(converge, [c for c in cells if c.error is None])
+        chains: dict = {}
+
+        def read_chains() -> None:  # the journal's reads, in this thread while the workers remove files
+            for c in cells:
+                chains[c.cid, c.row["run_id"], c.row["cell_id"]] = self._chain(c.row)
+
+        _each(converge, [c for c in cells if c.error is None], meanwhile=read_chains)
         for c in cells:
             if c.error is not None:
                 continue
@@ -379,8 +385,9 @@ class _Janitor:
                  "receipt": {"kind": "recovery", "version": 1, "janitor": self.id, "boot_id": self.boot,
                              "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path},
                  # every cell that started has a cell receipt too (issue 12 item 4)
-                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry, self._chain(c.row), self.id,
-                                                            self.receipt_path, now)}
+                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry,
+                                                            chains[c.cid, c.row["run_id"], c.row["cell_id"]],
+                                                            self.id, self.receipt_path, now)}
                 for c in done_cells]
             self.j.conclude_recovered(concluded, self.id, now, self.receipt_path)
             compact = len(concluded) > COMPACT_CELLS  # indenting is pure Python: ~2 ms a receipt
@@ -427,16 +434,19 @@ class _Janitor:
                 if e["kind"].startswith("stage.") and e["data"]]
 
 
-def _each(work, cells: list[_Cell]) -> None:
+def _each(work, cells: list[_Cell], meanwhile=None) -> None:
     """work(c) for every cell, the cells of different worktrees side by side in up to RELEASE_THREADS
     threads: a cell's release is mostly rmdir(2) and unlink(2) (its temp dir, its change layer, its
     cgroup directories: ~30 calls of ~50-100 us on ext4), which the kernel overlaps; the cells of one
-    worktree one after another, in their order (a worktree's commits never interleave)."""
+    worktree one after another, in their order (a worktree's commits never interleave). `meanwhile()`:
+    this thread's own work, once the workers started (the journal's reads: its connection stays here)."""
     groups: dict = {}
     for c in cells:
         groups.setdefault(c.row["worktree"] or c.cid + "/" + c.row["cell_id"], []).append(c)
     batches = list(groups.values())
     if len(batches) < 2:
+        if meanwhile is not None:
+            meanwhile()
         for c in cells:
             work(c)
         return
@@ -461,7 +471,11 @@ def _each(work, cells: list[_Cell]) -> None:
                for _ in range(min(RELEASE_THREADS, len(batches)) - 1)]
     for t in threads:
         t.start()
-    worker()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        worker()
     for t in threads:
         t.join()
     if failed:

@@ -76,6 +76,9 @@ def orphans(agnsup: str, state: str, wt: str, layout, cells: int, per: int):
         c.send_signal(signal.SIGKILL)  # our own children: no shutdown hook runs
     for c in ctls:
         c.wait()
+    ended = [c.returncode for c in ctls if c.returncode != -signal.SIGKILL]
+    if ended:  # ended by itself between the last count and the kill: its cell is no orphan
+        raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit {ended[:5]})")
     time.sleep(SETTLE)  # let the burst of 100 controller starts die down: time the janitor, not the setup
     return base, want
 

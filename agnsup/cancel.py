@@ -83,12 +83,12 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
 
     Idempotent: what already ended is not counted, so a repeat reports 0."""
     from . import backend as backends, janitor, reaper
-    janitor.on_start(state)  # a dead controller's cells are the janitor's, not ours to cancel
     t0 = time.monotonic()
     reason = f"cancelled by {scope.label()} ({by or f'agnsup cancel (pid {os.getpid()})'})"
     backend = backend if backend is not None else backends.choose(state.path)
     j = state.journal()
     try:
+        janitor.on_start(state, j)  # a dead controller's cells are the janitor's, not ours to cancel
         try:
             rows = j.record_cancel(scope.kind, scope.run_id, scope.agent_id, scope.cell_id, reason)
         except StateError as e:  # read-only or full: kill first, then report what was not journaled
@@ -169,16 +169,19 @@ def _conclude(state, journal, keys: list[tuple[str, str]]) -> dict:
     """Wait until each cell's controller wrote its receipt; recover the cells of
     controllers that died meanwhile. Returns {(run, cell): final state}."""
     from . import janitor
+    from .util import backoff
     deadline = time.monotonic() + CONCLUDE_TIMEOUT
     ran_janitor = False
-    while True:
+    # the controllers conclude within milliseconds of the kill: look soon, then every 10 ms
+    for pause in backoff.delays(0.001, 0.01, 1.5):
         states = {k: journal.cell_state(*k) for k in keys}
         if all(s in TERMINAL_CELL for s in states.values()) or time.monotonic() >= deadline:
             return states
         if not ran_janitor and time.monotonic() > deadline - CONCLUDE_TIMEOUT / 2:
             janitor.on_start(state)  # a controller that died mid-cancel leaves its cells to us
             ran_janitor = True
-        time.sleep(0.01)
+        time.sleep(pause)
+    return {}  # not reached: delays() never ends
 
 
 # -- cleanup -------------------------------------------------------------------

@@ -106,15 +106,19 @@ def find(backend, t: Target, snap, ev=None, thorough: bool = False, exclude: tup
         k["evidence"].append(why)
         k["recheck"].append(recheck)
 
-    live = {pid: p for pid, p in snap.procs.items() if p.state not in ("Z", "X") and pid not in exclude}
+    def alive(pid):  # a lookup per pid, not a dict of the whole host per cell (100 cells: ~100k entries)
+        p = snap.procs.get(pid)
+        return p if p is not None and p.state not in ("Z", "X") and pid not in exclude else None
+
     if thorough and t.has_tree:
         for pid in backend.members(t.place):
-            if pid in live:
-                add(live[pid], f"member of the cell's cgroup {t.place.dir} (directory inode {t.place.inode} "
+            p = alive(pid)
+            if p is not None:
+                add(p, f"member of the cell's cgroup {t.place.dir} (directory inode {t.place.inode} "
                                "matches the journal)", "cgroup", "cgroup")
     if ev is None:
         return found, spared
-    leader = live.get(ev.leader)
+    leader = alive(ev.leader) if ev.leader is not None else None
     if thorough and leader is not None and ev.leader_ok:
         add(leader, f"journaled leader: boot id matches, {ev.leader_why}", "single", "leader")
     elif thorough and leader is not None and ev.leader_ok is False and leader.pid not in found:
@@ -124,8 +128,9 @@ def find(backend, t: Target, snap, ev=None, thorough: bool = False, exclude: tup
     more, why_spared = ev.find(snap)
     for pid, k in more.items():
         for why, recheck in zip(k["evidence"], k["recheck"]):
-            if pid in live:
-                add(live[pid], why, "single", recheck)
+            p = alive(pid)
+            if p is not None:
+                add(p, why, "single", recheck)
     spared.extend(s for s in why_spared if s["pid"] not in found)
     return found, spared
 
@@ -188,8 +193,9 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     jobs = [_Job(backend, t, thorough) for t in targets]
     scans = thorough or any(j.ev for j in jobs)
     snap = backend.snapshot(exclude) if scans else None
+    found = {}
     for j in jobs:
-        cands = j.find(backend, snap, thorough, exclude)
+        cands = found[j] = j.find(backend, snap, thorough, exclude)
         j.r.left = sorted(set(backend.members(j.t.place) if j.t.has_tree else ()) | set(cands))
         if term:
             j.r.signalled += backend.signal(j.t.place, signal.SIGTERM) if j.t.has_tree else 0
@@ -197,9 +203,21 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     if term:
         crashpoints.hit("cancel_grace")
     deadline = until if until is not None else time.monotonic() + (grace if term else 0.0)
+    first = None
     if time.monotonic() < deadline:
-        backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
-    _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans)
+        if not scans and jobs and all(j.t.has_tree for j in jobs):
+            # trees only: the backend's wait for each (cgroup2: woken by the kernel when the tree
+            # empties, not a back-off whose sleeps outlast it by up to 50 ms)
+            for j in jobs:
+                if not backend.wait_empty(j.t.place, max(0.0, deadline - time.monotonic())):
+                    break
+        else:
+            backoff.until(lambda: not _busy(backend, jobs, thorough, exclude, scans), deadline, 0.002, 0.05)
+    elif not term:
+        # nothing was signalled and no time was given: the scan just taken is the first kill round's
+        # (the same candidates it would find; the rounds after it scan again until one finds none)
+        first = found
+    _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans, first)
     return [j.r for j in jobs]
 
 
@@ -209,13 +227,18 @@ def _busy(backend, jobs, thorough, exclude, scans) -> bool:
                for j in jobs)
 
 
-def _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans) -> None:
+def _kill_rounds(backend, jobs, thorough, scope, exclude, on_plan, scans, first=None) -> None:
+    """`first`: {job: candidates} of a scan taken just before (stop: nothing happened since), the
+    first round's; every later round scans again."""
     pending = jobs
     for _ in range(KILL_ROUNDS if scans else 1):
-        snap = backend.snapshot(exclude) if scans else None
+        if first is not None:
+            found, first = first, None
+        else:
+            snap = backend.snapshot(exclude) if scans else None
+            found = {j: j.find(backend, snap, thorough, exclude) for j in pending}
         plans = [(j, cands, live) for j in pending
-                 for cands, live in [(j.find(backend, snap, thorough, exclude),
-                                      j.t.has_tree and backend.populated(j.t.place))] if cands or live]
+                 for cands, live in [(found[j], j.t.has_tree and backend.populated(j.t.place))] if cands or live]
         if not plans:
             return
         if on_plan is not None:

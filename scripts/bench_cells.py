@@ -1,11 +1,14 @@
 """Benchmarks of cancel and of the serve controller (run by scripts/bench).
 
-    bench_cells.py AGNSUP_BIN [--procs 1000] [--cells 1000]
+    bench_cells.py AGNSUP_BIN [--procs 1000] [--cells 1000] [--rounds 3] [--cancel-only]
 
 1. cancel: one cell holding PROCS processes that ignore SIGTERM, half of them
    double-forked `setsid` daemons (reparented out of the tree, still in the cgroup); time
    from `agnsup cancel --cell C --grace 0` being called to its return (it
-   returns once the cgroup is empty, removed and the receipt written).
+   returns once the cgroup is empty, removed and the receipt written); against
+   the raw kernel floor for the same tree started the same way: `1` written to
+   its cgroup.kill from this process, then poll(2) on cgroup.events until
+   `populated 0`. ROUNDS of each, alternating; medians and their ratio.
 2. serve: CELLS sequential short cells (`true`) through one `agnsup serve`
    over its socket, per-cell time against a plain fork/exec of /bin/true in
    the same run (compare the ratio; this machine is shared and noisy).
@@ -36,17 +39,18 @@ def _wait(cond, timeout, what):
         time.sleep(0.05)
 
 
-def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int) -> dict:
+def _big_cell(agnsup: str, env: dict, wt: str, nprocs: int, cell: str):
+    """(controller, its cell's v2 cgroup directory, processes in it) of a cell holding `nprocs` processes."""
     half = nprocs // 2
     # leader + `half` children + `half` daemons (each `setsid sh -c 'sleep &'` exits at once)
     # SIGTERM ignored (inherited across exec), so the kill after the grace does the work
     script = (f"trap '' TERM; i=0; while [ $i -lt {half} ]; do sleep 1000 & setsid sh -c 'sleep 1000 &' ; "
               "i=$((i+1)); done; echo up; wait")
-    p = subprocess.Popen([agnsup, "run", "--run-id", "bench", "--cell", "big", "--workdir", wt, "--",
+    p = subprocess.Popen([agnsup, "run", "--run-id", "bench", "--cell", cell, "--workdir", wt, "--",
                           "sh", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert p.stdout.readline() == b"up\n", "the tree did not start"
     row = [c for c in json.loads(subprocess.check_output([agnsup, "ps", "--json"], env=env))
-           if c["cell_id"] == "big"][0]
+           if c["cell_id"] == cell][0]
     cg = row["cgroup"].get("v2") or next(iter(row["cgroup"].values()))
 
     def count():
@@ -57,14 +61,58 @@ def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int) -> dict:
         return n
 
     _wait(lambda: count() >= nprocs, 120, f"{nprocs} processes in {cg}")
-    n = count()
+    return p, cg, count()
+
+
+def cancel_once(agnsup: str, env: dict, wt: str, nprocs: int, cell: str) -> dict:
+    """`agnsup cancel --cell C --grace 0`: call to return (the cgroup empty and removed, the receipt written)."""
+    p, cg, n = _big_cell(agnsup, env, wt, nprocs, cell)
     t0 = time.monotonic()
-    out = json.loads(subprocess.check_output([agnsup, "cancel", "--cell", "big", "--grace", "0", "--json"], env=env))
+    out = json.loads(subprocess.check_output([agnsup, "cancel", "--cell", cell, "--grace", "0", "--json"], env=env))
     took = time.monotonic() - t0
     p.wait(60)
     p.stdout.close()
     assert out["cancelled"] == 1 and out["cells"][0]["empty"] and not os.path.exists(cg), out
     return {"processes": n, "cancel_s": took, "kill": out["cells"][0]["kill"]}
+
+
+def raw_kill_once(agnsup: str, env: dict, wt: str, nprocs: int, cell: str) -> dict:
+    """The kernel's floor for the same tree, started the same way: from this process, `1` into the cell's
+    cgroup.kill, then poll(2) on its cgroup.events until it says `populated 0` (the verify)."""
+    import select
+    p, cg, n = _big_cell(agnsup, env, wt, nprocs, cell)
+    events = os.open(os.path.join(cg, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        poller = select.poll()
+        poller.register(events, select.POLLPRI | select.POLLERR)
+        t0 = time.monotonic()
+        with open(os.path.join(cg, "cgroup.kill"), "w") as f:
+            f.write("1")
+        while b"populated 0" not in os.pread(events, 4096, 0):
+            poller.poll(1000)  # the kernel notifies on every change of populated (kernfs_notify)
+        took = time.monotonic() - t0
+    finally:
+        os.close(events)
+    p.wait(60)  # its controller sees the tree gone and concludes the cell (not timed)
+    p.stdout.close()
+    return {"processes": n, "raw_s": took}
+
+
+def bench_cancel(agnsup: str, env: dict, wt: str, nprocs: int, rounds: int = 3) -> dict:
+    """`rounds` of each, alternating (the order flips every round): agnsup cancel vs the raw kill + verify."""
+    cancels, raws, n, kill = [], [], 0, None
+    for i in range(rounds):
+        order = ("cancel", "raw") if i % 2 == 0 else ("raw", "cancel")
+        for what in order:
+            if what == "cancel":
+                c = cancel_once(agnsup, env, wt, nprocs, f"big{i}")
+                cancels.append(c["cancel_s"])
+                n, kill = c["processes"], c["kill"]
+            else:
+                raws.append(raw_kill_once(agnsup, env, wt, nprocs, f"raw{i}")["raw_s"])
+    c, r = statistics.median(cancels), statistics.median(raws)
+    return {"processes": n, "cancel_s": c, "raw_s": r, "ratio": c / r, "kill": kill, "rounds": rounds,
+            "cancels": cancels, "raws": raws}
 
 
 def bench_serve(agnsup: str, env: dict, wt: str, ncells: int) -> dict:
@@ -104,10 +152,15 @@ def main(argv: list[str]) -> None:
     agnsup = argv[0]
     nprocs = int(argv[argv.index("--procs") + 1]) if "--procs" in argv else 1000
     ncells = int(argv[argv.index("--cells") + 1]) if "--cells" in argv else 1000
+    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
     with scratch(agnsup, "cells") as (env, wt):
-        c = bench_cancel(agnsup, env, wt, nprocs)
+        c = bench_cancel(agnsup, env, wt, nprocs, rounds)
         print(f"cancel, grace 0: {c['processes']} processes (half setsid daemons) gone, cgroup removed, "
-              f"receipt written in {c['cancel_s'] * 1000:.0f} ms ({c['kill']})")
+              f"receipt written in {c['cancel_s'] * 1000:.0f} ms ({c['kill']}); raw cgroup.kill + populated 0 "
+              f"of the same tree {c['raw_s'] * 1000:.0f} ms; ratio {c['ratio']:.2f}x (medians of {c['rounds']} "
+              "alternating rounds)")
+        if "--cancel-only" in argv:
+            return
         s = bench_serve(agnsup, env, wt, ncells)
         print(f"serve: {s['cells']} sequential cells, median {s['serve_median_ms']:.2f} ms/cell "
               f"(mean {s['serve_mean_ms']:.2f}); plain fork/exec of /bin/true {s['fork_exec_median_ms']:.2f} ms; "

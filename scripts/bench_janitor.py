@@ -54,20 +54,31 @@ def orphans(agnsup: str, state: str, wt: str, layout, cells: int, per: int):
                                       "--", "sh", "-c", payload], env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     want, deadline = cells * per, time.monotonic() + 300
-    while True:
-        n = len(cgroup.procs(base.primary[1])) if base.primary else 0
-        ended = [c.returncode for c in ctls if c.poll() is not None]
-        if ended:
-            raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit {ended[:5]})")
-        if n >= want:
-            break
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench: only {n} of {want} cell processes after 300 s")
-        time.sleep(0.2)
+    try:
+        while True:
+            n = len(cgroup.procs(base.primary[1])) if base.primary else 0
+            ended = [c.returncode for c in ctls if c.poll() is not None]
+            if ended:
+                raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit {ended[:5]})")
+            if n >= want:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench: only {n} of {want} cell processes after 300 s")
+            time.sleep(0.2)
+    except BaseException:
+        for c in ctls:  # never leave the others running: each ends its cell (TERM, grace, kill)
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in ctls:
+            c.wait()
+        raise
     for c in ctls:
         c.send_signal(signal.SIGKILL)  # our own children: no shutdown hook runs
     for c in ctls:
         c.wait()
+    ended = [c.returncode for c in ctls if c.returncode != -signal.SIGKILL]
+    if ended:  # ended by itself between the last count and the kill: its cell is no orphan
+        raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit {ended[:5]})")
     time.sleep(SETTLE)  # let the burst of 100 controller starts die down: time the janitor, not the setup
     return base, want
 

@@ -158,3 +158,31 @@ def test_reap_releases_only_what_is_verified_empty(k, tmp_path):
     k.spawn(10, dir=CELL, unkillable=True)
     r = reaper.reap(b, t)
     assert not r.empty and (tmp_path / "tmp").exists() and CELL in k.dirs
+
+
+class _CountingBackend(FakeBackend):
+    def __init__(self, k, **kw):
+        super().__init__(k, **kw)
+        self.scans = 0
+
+    def snapshot(self, exclude=()):
+        self.scans += 1
+        return super().snapshot(exclude)
+
+
+def test_without_a_term_request_the_first_scan_is_the_first_kill_rounds(k):
+    # nothing was signalled between them: one /proc scan, not two (the janitor's 100 cells: ~35 ms)
+    b = _CountingBackend(k)
+    t = _cell(b, k, token="tok", since=100, leader={"pid": 10, "pidfd_ino": None, "starttime": 100})
+    (r,) = reaper.stop(b, [t], thorough=True)
+    assert b.scans == 1 and r.empty and r.killed == []
+
+
+def test_a_round_that_killed_is_still_followed_by_a_scan_that_finds_none(k):
+    b = _CountingBackend(k)
+    t = _cell(b, k, token="tok", since=100, leader={"pid": 10, "pidfd_ino": None, "starttime": 100})
+    k.spawn(10, start=100, dir=CELL)
+    k.spawn(11, start=105, sid=11, token="tok")
+    (r,) = reaper.stop(b, [t], thorough=True)
+    assert {x["pid"] for x in r.killed} == {10, 11} and r.empty
+    assert b.scans == 2  # the first (stop's own, reused by round 1), then the one that finds none

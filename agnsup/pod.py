@@ -353,7 +353,7 @@ LINGER = 2.0
 def leave(state, backend, m: Membership | None, forks: bool = False, linger: "Linger | None" = None) -> list[dict]:
     """The cell has ended: release its shared locks; the last member out tears the pod down, or (`linger`, a
     controller of many cells) its controller keeps a hold on it for LINGER s (Linger). Either way what the
-    cells published closes when no member cell is left (ports.last_cell_left). Returns what the teardown
+    cells published closes when no member cell is left (close_ports). Returns what the teardown
     removed ([] while other members live, or while it lingers).
 
     `forks`: this process forks other cells meanwhile (serve, the API's Supervisor). A child between its
@@ -382,13 +382,60 @@ def leave(state, backend, m: Membership | None, forks: bool = False, linger: "Li
 
 
 def _close_ports(state, d: str) -> bool:
-    """The pod's published ports closed when no member cell is left (ports.last_cell_left); False when a
-    member cell still holds cells.lock (or a fork's copy of one does, for an instant)."""
-    from . import ports
     try:
-        return ports.last_cell_left(state, d)
+        return close_ports(d)
     except OSError:
-        return True  # the forwarders die with the pod's teardown all the same (linger, janitor)
+        return True  # the forwarders die with the pod's teardown all the same (linger's end, the janitor)
+
+
+def close_ports(d: str) -> bool:
+    """The pod in `d` has no member cell left: every forwarder of its published ports (ports.py's records,
+    ports.json) stopped through a checked pidfd and the records gone, under the pod directory's flock
+    (ports._Locked: one publish or close at a time, and a publish checks cells_held under it too). False when
+    a member cell holds cells.lock (nothing closed); True when done or nothing was published. No journal
+    event, as when the teardown kills them with the pod's place."""
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # torn down: they went with its place
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        path = os.path.join(d, "ports.json")
+        try:
+            with open(path) as f:
+                records = json.load(f)
+        except FileNotFoundError:
+            return True
+        except ValueError:
+            records = []
+        if cells_held(d):
+            return False
+        for rec in records if isinstance(records, list) else []:
+            if isinstance(rec, dict):
+                _stop_forwarder(rec)
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(dfd)
+
+
+def _stop_forwarder(rec: dict) -> None:
+    """SIGKILL a published port's forwarder, proven to be it (boot, pidfd inode, start time), and wait for it."""
+    import select
+    import signal
+    pid = rec.get("pid")
+    if not isinstance(pid, int) or rec.get("boot_id") != proc.boot_id():
+        return
+    fd = pidfd.open(pid)
+    if fd is None:
+        return
+    try:
+        ok, _ = pidfd.matches(fd, pid, rec.get("pidfd_ino"), rec.get("starttime"))
+        if ok and pidfd.send(fd, signal.SIGKILL):
+            select.select([fd], [], [], 5.0)
+    finally:
+        os.close(fd)
 
 
 def _teardown_quietly(backend, d: str, state=None) -> None:

@@ -14,8 +14,9 @@ The forwarder also holds a pidfd of the pod's keeper and ends when the keeper do
 ports on a host without cgroups too (pod._kill then kills the keeper alone).
 
 A port is a cell's: it closes when the pod's last member *cell* ends, also while a controller of many cells
-keeps the pod itself a moment longer (pod.Linger: only the namespace and its keeper linger). `last_cell_left`
-stops every forwarder then; a publish to a pod no member cell holds any more is refused as to no pod.
+keeps the pod itself a moment longer (pod.Linger: only the namespace and its keeper linger). pod.close_ports
+stops every forwarder then (pod.py is below this module: it reads these records itself, under the same lock); a
+publish to a pod no member cell holds any more is refused as to no pod.
 
 Only loopback: the host address is 127.0.0.1 and nothing else (a request for 0.0.0.0 or any other address is
 refused, and the forwarder checks its socket again before it serves). Each publish and close is a journal
@@ -265,25 +266,6 @@ def _stop(rec: dict, grace: float) -> bool:
         return bool(select.select([fd], [], [], 5.0)[0])
     finally:
         os.close(fd)
-
-
-def last_cell_left(state, d: str) -> bool:
-    """The pod in `d` has no member cell left (pod.leave): stop every forwarder of it, its records gone. False
-    when a member cell still holds it (nothing closed); True when done or there was nothing to close. No
-    journal event: as when the pod's teardown kills them (its place's kill)."""
-    from .pod import cells_held
-    try:
-        with _Locked(d, ""):
-            if not os.path.exists(os.path.join(d, PORTS_FILE)):
-                return True
-            if cells_held(d):
-                return False
-            for rec in _read(d):
-                _stop(rec, 0.0)
-            _write(d, [])
-    except UnknownId:  # torn down meanwhile: its forwarders went with its place
-        pass
-    return True
 
 
 def listing(state, run_id: str | None = None, agent_id: str | None = None) -> list[dict]:

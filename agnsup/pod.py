@@ -373,8 +373,8 @@ def leave(state, backend, m: Membership | None, forks: bool = False, linger: "Li
     os.close(m.fd)
     done = _teardown_if_free(backend, d)
     if not done:  # members live, or another controller's linger holds it: only its ports may close now
-        closed = _close_ports(state, d)
-        if forks and not closed:
+        _close_ports(state, d)
+        if forks:  # as before: a fork's copy may have refused it (the retry closes the ports too)
             t = threading.Timer(RETRY_AFTER, _teardown_quietly, (backend, d, state))
             t.daemon = True
             t.start()

@@ -423,8 +423,11 @@ def test_an_agents_sequential_cells_in_one_supervisor_reuse_its_lingering_pod_an
         assert [j[:2] for j in joined] == [(pod["keeper"]["pid"], pod["keeper"]["starttime"])] * 2, joined
         assert [j[2] for j in joined] == [True, False]  # one keeper made, for the first cell alone
         monkeypatch.setattr(pods, "LINGER", 0.1)  # the timer's end (not the close's): polled for, not timed
-        r3 = sup.run(["true"], run_id="ling", agent_id="b", workdir=cli)  # another agent: a pod of its own
+        # another agent: a pod of its own; and nothing of agent a's lingering pod (the hold's descriptor) in it
+        r3 = sup.run(["ls", "-l", "/proc/self/fd/"], run_id="ling", agent_id="b", workdir=cli, capture=True)
         assert r3["exit_code"] == 0 and joined[-1][0] != pod["keeper"]["pid"]
+        assert r3["stdout"].count(" -> ") >= 3 and "pod.lock" not in r3["stdout"] and "cells.lock" not in r3["stdout"], \
+            r3["stdout"]
         deadline = time.monotonic() + 60
         while os.path.exists(pods.pod_dir(state, "ling", "b")):
             assert time.monotonic() < deadline, "agent b's pod outlived its linger"

@@ -129,6 +129,10 @@ class Controller:
         self.backend = backend if backend is not None else backends.choose(state.path)
         self.backend.enter(helpers.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
+        self.pods = None  # pod.Linger: a controller of many cells keeps a pod a moment after its last cell left
+        if not one_cell:
+            from .pod import Linger
+            self.pods = Linger(self.backend, self.state)
 
     def _take_lock(self) -> None:
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
@@ -156,6 +160,12 @@ class Controller:
                 self.journal.end_controller(self.id)
                 self._ended = True
         finally:
+            if self.pods is not None:  # every lingering pod let go of at once, torn down when free
+                pods, self.pods = self.pods, None
+                try:
+                    pods.close()
+                except OSError:
+                    pass  # left to the janitor's sweep
             if self._ca_cert is not None:  # its CA's key died with it: nothing may trust the certificate now
                 try:
                     os.unlink(self._ca_cert)
@@ -356,7 +366,7 @@ class Controller:
         owner = userns.netns_owner() if os.geteuid() == 0 and not host.net_admin() else None
         try:
             cell.pod = pod.join(self.state, self.backend, spec.run_id, spec.agent_id,
-                                own_userns=cell.plan.user_namespace, netns_owner=owner)
+                                own_userns=cell.plan.user_namespace, netns_owner=owner, linger=self.pods)
             us = cell.pod.pod.userns_fd()  # a normal user's pod: its cells are of its user namespace
             try:
                 fd = cell.pod.pod.netns_fd()
@@ -371,13 +381,14 @@ class Controller:
         return (fd, us) if us is not None else fd
 
     def _leave_pod(self, cell: Cell) -> None:
-        """The cell's tree is dead: let go of its pod; the last member out tears it down (agnsup/pod.py)."""
+        """The cell's tree is dead: let go of its pod; the last member out tears it down, in a controller of many
+        cells after a linger of pod.LINGER s (agnsup/pod.py)."""
         if cell.pod is None:
             return
         from . import pod
         membership, cell.pod = cell.pod, None
         try:
-            pod.leave(self.state, self.backend, membership, forks=not self.one_cell)
+            pod.leave(self.state, self.backend, membership, forks=not self.one_cell, linger=self.pods)
         except OSError:
             pass  # a pod left behind is the janitor's (pod.sweep); the cell's end is recorded all the same
 

@@ -7,7 +7,10 @@ a pid alone. Its state is a directory:
 
     <state>/pods/<run_id>/<agent_id>/pod.json   the keeper (pid, start time, pidfd inode, boot id), the
                                                 netns inode, the place's directories, the user namespace's
-    <state>/pods/<run_id>/<agent_id>/pod.lock   membership: a shared flock per member cell
+    <state>/pods/<run_id>/<agent_id>/pod.lock   membership: a shared flock per member cell (and per lingering
+                                                controller, below)
+    <state>/pods/<run_id>/<agent_id>/cells.lock member cells only: a shared flock per member cell (what a
+                                                cell published closes when none holds it: ports.py)
     <state>/pods/<run_id>/<agent_id>/keeper.sock where the keeper hands out its namespaces (keeper.ask: no
                                                 /proc/KEEPER/ns/*, which a root without CAP_SYS_PTRACE may
                                                 not open once the keeper's euid changed)
@@ -19,6 +22,13 @@ member is alive then), makes a fresh keeper, writes pod.json, and goes back to s
 shared lock, then tries the exclusive one without waiting: got it, no member is alive, and the leaver tears
 the pod down (kills the place, removes the directory) while it holds it. A controller killed with SIGKILL
 drops its locks with it: the janitor (and `agnsup cleanup`) sweep every pod whose lock can be taken exclusive.
+
+A controller of many cells (serve, the API's Supervisor, MCP, sandboxd: `Linger`) keeps the last member's
+shared lock on pod.lock as a hold of its own for LINGER seconds after that member left, so the agent's next
+cell reuses the pod (no new keeper: 13-17 ms of a cell); then it lets go and tears the pod down if it is free.
+Its close lets go of every hold at once; its death drops them with it (the janitor's sweep, as above). What the
+cells published (ports.py) does not linger: it closes when the last member *cell* ends, which cells.lock tells.
+A one-cell controller (`agnsup run`) keeps nothing: its cell's end is the pod's when it was the last.
 
 What a pod shares, among one agent's cells only: the network namespace, so loopback ports and abstract Unix
 sockets. Each cell still has its own mount, IPC and PID namespaces, cgroup, Landlock domain and seccomp
@@ -33,6 +43,7 @@ import errno
 import fcntl
 import json
 import os
+import threading
 import time
 from contextlib import suppress
 
@@ -44,7 +55,8 @@ from .util.record import Record
 
 JOIN_TIMEOUT = 10.0  # how long a join waits for a creator or a teardown holding the lock exclusive
 # what a teardown removes from a pod's directory
-STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json", "keeper.sock")
+STATE_FILES = ("pod.json", "pod.json.tmp", "ports.json", "keeper.sock", "cells.lock")
+CELLS_LOCK = "cells.lock"
 
 
 def root(state) -> str:
@@ -182,6 +194,42 @@ class Membership(Record):
     pod: Pod
     fd: int
     created: bool = False   # this cell's join made the pod
+    cells: int | None = None  # its shared lock on cells.lock: a member cell (not a controller's linger)
+    reused: bool = False    # taken over from its controller's linger (Linger.take): no lock taken, no keeper made
+
+
+def _as_cell(m: Membership) -> Membership:
+    """The member's shared lock on cells.lock too (taken while it holds pod.lock shared: no teardown between,
+    so the file is the pod's own)."""
+    try:
+        fd = os.open(os.path.join(m.pod.dir, CELLS_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        os.close(m.fd)
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a check of cells_held() (an instant)
+    except BaseException:
+        os.close(fd)
+        os.close(m.fd)
+        raise
+    m.cells = fd
+    return m
+
+
+def cells_held(d: str) -> bool:
+    """Whether a member cell of the pod in `d` lives (holds cells.lock). A controller's linger is no member
+    cell. The caller holds the pod directory's flock (ports._Locked): one look at a time."""
+    try:
+        fd = os.open(os.path.join(d, CELLS_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 def _lock(path: str, mode: int, deadline: float | None, give_up=None) -> int | None:
@@ -191,11 +239,23 @@ def _lock(path: str, mode: int, deadline: float | None, give_up=None) -> int | N
 
 
 def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
-         netns_owner: int | None = None) -> Membership:
+         netns_owner: int | None = None, linger: "Linger | None" = None) -> Membership:
     """The cell's membership of its agent's pod, made when none is alive. Raises OSError when no keeper could
-    be made (the broker fails the cell with it)."""
+    be made (the broker fails the cell with it). `linger`: its controller's (a hold on the pod it keeps after
+    its last member left becomes this cell's membership when the pod is alive)."""
     d = pod_dir(state, run_id, agent_id)
     path = os.path.join(d, "pod.lock")
+    held = linger.take(d) if linger is not None else None
+    if held is not None:  # a shared lock of ours: no teardown since, so pod.json is this pod's
+        pod = _load(d)
+        if pod is not None and pod.alive():
+            return _as_cell(Membership(pod=pod, fd=held, reused=True))
+        os.close(held)  # its keeper died meanwhile: join like anyone (a new one is made)
+    return _as_cell(_join(d, path, backend, run_id, agent_id, own_userns, netns_owner))
+
+
+def _join(d: str, path: str, backend, run_id: str, agent_id: str, own_userns: bool,
+          netns_owner: int | None) -> Membership:
     deadline = time.monotonic() + JOIN_TIMEOUT
     while True:
         try:
@@ -283,11 +343,18 @@ def _create(d: str, backend, run_id: str, agent_id: str, stale: Pod | None, own_
 
 
 RETRY_AFTER = 0.5  # s: a controller of many cells tries once more to tear down a pod its leave found held
+# s a controller of many cells keeps a pod after its last member cell left (Linger). An agent's calls come one
+# after the other: its next call, after the model's turn, is usually within a second or two (and an agent
+# that thinks longer pays one keeper, 13-17 ms, not one per call). Short, so an idle agent's pod (a keeper
+# process, a cgroup place) does not stay for long after it stopped, and a test polls it away in seconds.
+LINGER = 2.0
 
 
-def leave(state, backend, m: Membership | None, forks: bool = False) -> list[dict]:
-    """The cell has ended: release its shared lock; the last member out tears the pod down. Returns what
-    the teardown removed ([] while other members live).
+def leave(state, backend, m: Membership | None, forks: bool = False, linger: "Linger | None" = None) -> list[dict]:
+    """The cell has ended: release its shared locks; the last member out tears the pod down, or (`linger`, a
+    controller of many cells) its controller keeps a hold on it for LINGER s (Linger). Either way what the
+    cells published closes when no member cell is left (close_ports). Returns what the teardown
+    removed ([] while other members live, or while it lingers).
 
     `forks`: this process forks other cells meanwhile (serve, the API's Supervisor). A child between its
     fork and the step that closes what it inherited (steps._stdio) holds a copy of every member descriptor
@@ -295,21 +362,180 @@ def leave(state, backend, m: Membership | None, forks: bool = False) -> list[dic
     one more try a moment later (a timer thread) finds it free. A one-cell controller forks nothing then."""
     if m is None:
         return []
+    if m.cells is not None:
+        os.close(m.cells)
+        m.cells = None
+    d = m.pod.dir
+    if linger is not None and linger.keep(d, m.fd):  # the pod lingers: its published ports do not
+        if not _close_ports(state, d) and forks:
+            linger.retry_ports(d)
+        return []
     os.close(m.fd)
-    done = _teardown_if_free(backend, m.pod.dir)
-    if not done and forks:
-        import threading
-        t = threading.Timer(RETRY_AFTER, _teardown_quietly, (backend, m.pod.dir))
-        t.daemon = True
-        t.start()
+    done = _teardown_if_free(backend, d)
+    if not done:  # members live, or another controller's linger holds it: only its ports may close now
+        _close_ports(state, d)
+        if forks:  # as before: a fork's copy may have refused it (the retry closes the ports too)
+            t = threading.Timer(RETRY_AFTER, _teardown_quietly, (backend, d, state))
+            t.daemon = True
+            t.start()
     return done
 
 
-def _teardown_quietly(backend, d: str) -> None:
+def _close_ports(state, d: str) -> bool:
     try:
-        _teardown_if_free(backend, d)
+        return close_ports(d)
+    except OSError:
+        return True  # the forwarders die with the pod's teardown all the same (linger's end, the janitor)
+
+
+def close_ports(d: str) -> bool:
+    """The pod in `d` has no member cell left: every forwarder of its published ports (ports.py's records,
+    ports.json) stopped through a checked pidfd and the records gone, under the pod directory's flock
+    (ports._Locked: one publish or close at a time, and a publish checks cells_held under it too). False when
+    a member cell holds cells.lock (nothing closed); True when done or nothing was published. No journal
+    event, as when the teardown kills them with the pod's place."""
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # torn down: they went with its place
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        path = os.path.join(d, "ports.json")
+        try:
+            with open(path) as f:
+                records = json.load(f)
+        except FileNotFoundError:
+            return True
+        except ValueError:
+            records = []
+        if cells_held(d):
+            return False
+        for rec in records if isinstance(records, list) else []:
+            if isinstance(rec, dict):
+                _stop_forwarder(rec)
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(dfd)
+
+
+def _stop_forwarder(rec: dict) -> None:
+    """SIGKILL a published port's forwarder, proven to be it (boot, pidfd inode, start time), and wait for it."""
+    import select
+    import signal
+    pid = rec.get("pid")
+    if not isinstance(pid, int) or rec.get("boot_id") != proc.boot_id():
+        return
+    fd = pidfd.open(pid)
+    if fd is None:
+        return
+    try:
+        ok, _ = pidfd.matches(fd, pid, rec.get("pidfd_ino"), rec.get("starttime"))
+        if ok and pidfd.send(fd, signal.SIGKILL):
+            select.select([fd], [], [], 5.0)
+    finally:
+        os.close(fd)
+
+
+def _teardown_quietly(backend, d: str, state=None) -> None:
+    try:
+        if not _teardown_if_free(backend, d) and state is not None:
+            _close_ports(state, d)
     except OSError:
         pass  # left to the janitor's sweep
+
+
+class Linger:
+    """A controller of many cells' holds on pods whose last member cell left: at most one per pod (the last
+    member's shared lock on pod.lock, close-on-exec, kept), let go LINGER s after it was taken and the pod
+    torn down when free. One timer thread for all of them (started with the first hold), woken on change."""
+
+    def __init__(self, backend, state=None):
+        self.backend, self.state = backend, state
+        self._holds: dict[str, list] = {}   # pod dir -> [fd, let go at (monotonic), retry ports at or None]
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def keep(self, d: str, fd: int) -> bool:
+        """Keep `fd` (a shared lock on the pod's pod.lock) as the hold on the pod in `d`; False (the caller
+        closes it) when this controller is closing or LINGER is 0. A second hold on the same pod is closed."""
+        if LINGER <= 0:
+            return False
+        with self._cv:
+            if self._closed:
+                return False
+            old = self._holds.get(d)
+            if old is not None:
+                os.close(old[0])
+            self._holds[d] = [fd, time.monotonic() + LINGER, None]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agnsup-pod-linger", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return True
+
+    def take(self, d: str) -> int | None:
+        """The hold on the pod in `d`, no longer lingering (a cell of it joins), or None."""
+        with self._cv:
+            h = self._holds.pop(d, None)
+            return h[0] if h is not None else None
+
+    def retry_ports(self, d: str) -> None:
+        with self._cv:
+            h = self._holds.get(d)
+            if h is not None:
+                h[2] = time.monotonic() + RETRY_AFTER
+                self._cv.notify()
+
+    def lingering(self) -> list[str]:
+        with self._cv:
+            return sorted(self._holds)
+
+    def close(self) -> list[dict]:
+        """Let go of every hold at once and tear each pod down that is free (the controller's close)."""
+        with self._cv:
+            self._closed = True
+            holds, self._holds = self._holds, {}
+            self._cv.notify()
+        items: list[dict] = []
+        for d, (fd, _, _) in holds.items():
+            os.close(fd)
+            with suppress(OSError):
+                items += _teardown_if_free(self.backend, d)
+        if self._thread is not None:
+            self._thread.join(5)
+        return items
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [(d, h) for d, h in self._holds.items() if h[1] <= now]
+                ports = [d for d, h in self._holds.items() if h[2] is not None and h[2] <= now]
+                for d, _ in due:
+                    del self._holds[d]
+                for d in ports:
+                    if d in self._holds:
+                        self._holds[d][2] = None
+                if not due and not ports:
+                    wake = min((t for h in self._holds.values() for t in (h[1], h[2]) if t is not None),
+                               default=None)
+                    self._cv.wait(None if wake is None else max(0.0, wake - now))
+                    continue
+            for d in ports:
+                if self.state is not None and not _close_ports(self.state, d):
+                    self.retry_ports(d)
+            for d, (fd, _, _) in due:
+                os.close(fd)
+                _teardown_quietly(self.backend, d, self.state)
+                if os.path.isdir(d):  # a fork's copy of the hold, for an instant: once more (leave's retry)
+                    t = threading.Timer(RETRY_AFTER, _teardown_quietly, (self.backend, d, self.state))
+                    t.daemon = True
+                    t.start()
 
 
 def _teardown_if_free(backend, d: str) -> list[dict]:

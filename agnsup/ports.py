@@ -13,6 +13,11 @@ its network namespace) and relays single-threaded with selectors (`forward_main`
 The forwarder also holds a pidfd of the pod's keeper and ends when the keeper does: the pod's end closes its
 ports on a host without cgroups too (pod._kill then kills the keeper alone).
 
+A port is a cell's: it closes when the pod's last member *cell* ends, also while a controller of many cells
+keeps the pod itself a moment longer (pod.Linger: only the namespace and its keeper linger). pod.close_ports
+stops every forwarder then (pod.py is below this module: it reads these records itself, under the same lock); a
+publish to a pod no member cell holds any more is refused as to no pod.
+
 Only loopback: the host address is 127.0.0.1 and nothing else (a request for 0.0.0.0 or any other address is
 refused, and the forwarder checks its socket again before it serves). Each publish and close is a journal
 event (`port.publish`, `port.close`). Every front door comes here: `agnsup ports`, Supervisor.publish_port /
@@ -148,6 +153,9 @@ def publish(state, run_id: str, agent_id: str, port, host_port=0, host=None, jou
     pod = find_pod(state, run_id, agent_id)
     d = pod.dir
     with _Locked(d, f"the pod of agent {agent_id!r} of run {run_id!r} ended meanwhile: nothing was published"):
+        from .pod import cells_held
+        if not cells_held(d):  # its last cell ended: the pod only lingers (pod.Linger), a port would outlive it
+            raise UnknownId(f"no pod for agent {agent_id!r} of run {run_id!r}: its last cell ended")
         records = [r for r in _read(d) if pidfd.still(r)]
         for r in records:
             if r.get("pod_port") == port:

@@ -395,3 +395,75 @@ def test_without_cap_sys_admin_a_pod_cell_names_cap_sys_admin_as_a_cell_of_its_o
     assert "--cap-add SYS_ADMIN" in fix and '"mount_namespace"' in fix, own_line
     assert pod_line.endswith(fix) and "network_pod" not in pod_line, pod_line
     assert not os.path.exists(pods.pod_dir(state, "n", "a"))
+
+
+def test_an_agents_sequential_cells_in_one_supervisor_reuse_its_lingering_pod_and_close_lets_go(state, trees,
+                                                                                                 monkeypatch):
+    """A controller of many cells keeps a pod a moment after its last cell left (pod.Linger): the agent's next cell
+    joins it (the same keeper) instead of making one. A long LINGER here, so "within the linger" is no matter of
+    timing; the Supervisor's close lets go at once and nothing is left. With LINGER = 0 each cell makes its own."""
+    srv, cli = trees
+    monkeypatch.setattr(pods, "LINGER", 600.0)
+    joined = []
+    join = pods.join
+
+    def recorded(*a, **kw):
+        m = join(*a, **kw)
+        joined.append((m.pod.keeper["pid"], m.pod.keeper["starttime"], m.created))
+        return m
+    monkeypatch.setattr(pods, "join", recorded)
+    with Supervisor(state) as sup:
+        r1 = sup.run(["true"], run_id="ling", agent_id="a", workdir=srv)
+        assert pods.find(state, "ling", "a") is not None  # it lingers: no member cell, the Supervisor's hold
+        assert not pods.cells_held(pods.pod_dir(state, "ling", "a"))
+        pod = _pod_json(state, "ling", "a")
+        r2 = sup.run(["true"], run_id="ling", agent_id="a", workdir=srv)
+        assert r1["exit_code"] == r2["exit_code"] == 0, (r1, r2)
+        assert _receipt(state, "ling", r2["cell_id"])["isolation"]["network_pod"] == "ling/a"
+        assert [j[:2] for j in joined] == [(pod["keeper"]["pid"], pod["keeper"]["starttime"])] * 2, joined
+        assert [j[2] for j in joined] == [True, False]  # one keeper made, for the first cell alone
+        monkeypatch.setattr(pods, "LINGER", 0.1)  # the timer's end (not the close's): polled for, not timed
+        # another agent: a pod of its own; and nothing of agent a's lingering pod (the hold's descriptor) in it
+        r3 = sup.run(["ls", "-l", "/proc/self/fd/"], run_id="ling", agent_id="b", workdir=cli, capture=True)
+        assert r3["exit_code"] == 0 and joined[-1][0] != pod["keeper"]["pid"]
+        assert r3["stdout"].count(" -> ") >= 3 and "pod.lock" not in r3["stdout"] and "cells.lock" not in r3["stdout"], \
+            r3["stdout"]
+        deadline = time.monotonic() + 60
+        while os.path.exists(pods.pod_dir(state, "ling", "b")):
+            assert time.monotonic() < deadline, "agent b's pod outlived its linger"
+            time.sleep(0.05)
+        assert pods.find(state, "ling", "a") is not None  # agent a's lingers on (600 s when it was kept)
+    _gone(pod, state, "ling", "a")
+    assert os.listdir(pods.root(state)) == []  # agent b's went too
+
+
+def test_a_sigkilled_supervisors_lingering_pod_is_removed_by_the_janitor(agnsup, state, trees):
+    """The dead-man path of a lingering pod: the controller's death drops its hold (the kernel), and the janitor's
+    sweep removes the pod as it removes one a killed `agnsup run` left."""
+    srv, _ = trees
+    code = ("import sys\n"
+            "from agnsup import pod\n"
+            "from agnsup.supervisor import Supervisor\n"
+            "pod.LINGER = 600.0\n"
+            "sup = Supervisor(sys.argv[1])\n"
+            "r = sup.run(['true'], run_id='kl', agent_id='a', workdir=sys.argv[2])\n"
+            "print(r['exit_code'], flush=True)\n"
+            "sys.stdin.read()\n")
+    ctl = subprocess.Popen([sys.executable, "-c", code, state, srv], env=agnsup.env, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = ctl.stdout.readline()
+        assert said.strip() == "0", said + ctl.stderr.read() if ctl.poll() is not None else said
+        pod = _pod_json(state, "kl", "a")
+        assert pods.find(state, "kl", "a") is not None  # it lingers, held by the living controller ...
+        agnsup("janitor", check=0)
+        assert pods.find(state, "kl", "a") is not None  # ... which the janitor leaves alone
+    finally:
+        ctl.send_signal(signal.SIGKILL)  # no close, no teardown: the kernel drops the controller's hold
+        ctl.wait(timeout=10)
+        ctl.stdout.close()
+        ctl.stderr.close()
+        ctl.stdin.close()
+    assert os.path.exists(os.path.join(pods.pod_dir(state, "kl", "a"), "pod.json"))  # left behind, until ...
+    agnsup("janitor", check=0)
+    _gone(pod, state, "kl", "a")

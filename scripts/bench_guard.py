@@ -116,7 +116,7 @@ class Rig:
         if self.srv is not None:
             self.srv.terminate()
             try:
-                self.srv.wait(60)
+                self.srv.wait(10)  # serve ends its cells and exits in well under a second
             except subprocess.TimeoutExpired:
                 self.srv.kill()
                 self.srv.wait()

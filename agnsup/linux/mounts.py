@@ -367,33 +367,54 @@ def _stdio_terminal() -> str | None:
     return None
 
 
-def copy_tree(src: str, dst_fd: int) -> None:
+def copy_tree(src: str, dst_fd: int, merge: bool = False) -> None:
     """Copy directories, files and symlinks below `src` into the directory `dst_fd`, with their owners
-    and modes (a handful of small entries: the broker's staging)."""
+    and modes (a handful of small entries: the broker's staging). `merge`: `dst_fd` already holds some of
+    them (a root cell's /tmp written by process.leader.make_tmp): a directory there is descended into and
+    keeps its mode and owner, any other entry there is kept as it is."""
     with os.scandir(src) as entries:
-        for e in entries:
-            st = e.stat(follow_symlinks=False)
-            mode = stat_mod.S_IMODE(st.st_mode)
-            if stat_mod.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
-            elif stat_mod.S_ISDIR(st.st_mode):
+        found = list(entries)
+    for e in found:
+        st = e.stat(follow_symlinks=False)
+        mode = stat_mod.S_IMODE(st.st_mode)
+        if stat_mod.S_ISDIR(st.st_mode):
+            try:
                 os.mkdir(e.name, 0o700, dir_fd=dst_fd)
-                sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
-                try:
-                    copy_tree(e.path, sub)
+                made = True
+            except FileExistsError:
+                if not merge:
+                    raise
+                made = False
+            sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+            try:
+                copy_tree(e.path, sub, merge)
+                if made:
                     os.fchmod(sub, mode)
-                finally:
-                    os.close(sub)
-            elif stat_mod.S_ISREG(st.st_mode):
-                out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                              dir_fd=dst_fd)
-                try:
-                    with open(e.path, "rb") as f:
-                        data = f.read()
-                    os.write(out, data)
-                    os.fchmod(out, mode)
-                finally:
-                    os.close(out)
-            else:
+            finally:
+                os.close(sub)
+            if not made:
                 continue
-            os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)
+        elif merge and _exists(e.name, dst_fd):
+            continue
+        elif stat_mod.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
+        elif stat_mod.S_ISREG(st.st_mode):
+            out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=dst_fd)
+            try:
+                with open(e.path, "rb") as f:
+                    os.write(out, f.read())
+                os.fchmod(out, mode)
+            finally:
+                os.close(out)
+        else:
+            continue
+        os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

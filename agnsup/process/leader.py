@@ -382,54 +382,6 @@ def _fill_tmp(plan, fd: int, ids: tuple | None) -> None:
                 os.close(out)
         if ids is not None and kind != "link":  # home.make leaves its links the controller's, as made
             os.chown(rel, *ids, dir_fd=fd, follow_symlinks=False)
-    _merge_tree(plan.tmpdir, fd)
-
-
-def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _merge_tree(src: str, dst_fd: int) -> None:
-    """mounts.copy_tree (owners and modes kept), descending into a directory the tmpfs has already."""
-    import stat as stat_mod
-    with os.scandir(src) as it:
-        found = list(it)
-    for e in found:
-        st = e.stat(follow_symlinks=False)
-        mode = stat_mod.S_IMODE(st.st_mode)
-        if stat_mod.S_ISDIR(st.st_mode):
-            try:
-                os.mkdir(e.name, 0o700, dir_fd=dst_fd)
-                made = True
-            except FileExistsError:
-                made = False
-            sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
-            try:
-                _merge_tree(e.path, sub)
-                if made:
-                    os.fchmod(sub, mode)
-            finally:
-                os.close(sub)
-            if not made:
-                continue
-        elif _exists(e.name, dst_fd):
-            continue  # one of tmp_entries, which home.make also staged on disk for a mount step
-        elif stat_mod.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(e.path), e.name, dir_fd=dst_fd)
-        elif stat_mod.S_ISREG(st.st_mode):
-            out = os.open(e.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                          dir_fd=dst_fd)
-            try:
-                with open(e.path, "rb") as f:
-                    os.write(out, f.read())
-                os.fchmod(out, mode)
-            finally:
-                os.close(out)
-        else:
-            continue
-        os.chown(e.name, st.st_uid, st.st_gid, dir_fd=dst_fd, follow_symlinks=False)
+    from ..linux import mounts
+    mounts.copy_tree(plan.tmpdir, fd, merge=True)  # what home.make staged on disk for a mount step too
 

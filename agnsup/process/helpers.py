@@ -93,11 +93,8 @@ def tmp_entries(plan) -> list[tuple]:
 
 def _umask() -> int:
     """The process's umask, read without changing it (os.umask sets it: a race with other threads)."""
+    from ..linux import proc
     try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+        return int((proc.status() or {}).get("Umask", "0022"), 8)
+    except ValueError:
+        return 0o022

@@ -343,7 +343,7 @@ def _create(d: str, backend, run_id: str, agent_id: str, stale: Pod | None, own_
 
 
 RETRY_AFTER = 0.5  # s: a controller of many cells tries once more to tear down a pod its leave found held
-# s a controller of many cells keeps a pod after its last member cell left (Linger). An agent's calls come one
+# How long a controller of many cells keeps a pod after its last member cell left (Linger). An agent's calls come one
 # after the other: its next call, after the model's turn, is usually within a second or two (and an agent
 # that thinks longer pays one keeper, 13-17 ms, not one per call). Short, so an idle agent's pod (a keeper
 # process, a cgroup place) does not stay for long after it stopped, and a test polls it away in seconds.

@@ -8,13 +8,15 @@ The cell runs `head -c MB*2^20 /dev/zero`; its stdout goes to, in turn:
   pty      a pty slave whose master we drain (agnsup pumps it through a pty of the cell's own)
   pipe     a pipe we drain (the cell gets that very pipe, no pump, when it may reopen it by path;
            a cell mapped to another uid, as agnsup as root runs it, may not: pumped, pipe -> pipe, uncapped)
+  file     a regular file of ours, mode 0644 (`agnsup run ... > out`): the same rule as a pipe (as root,
+           pumped: pipe -> file, spliced, uncapped)
   capture  the Python API's capture mode, into the cell's log file (pumped: pipe -> file; the
            receipt's sha256 of it included)
 
 each with a role whose output cap is far above MB (so the cap is counted but never hit),
 and the same `head` without agnsup into the same kind of destination ("bare"). Prints
 the median MB/s of each and the ratio. "net" takes out the fixed cost of a cell measured
-in the same rounds: `agnsup run -- true` (socket, pty, pipe), run_process(["true"]) in the
+in the same rounds: `agnsup run -- true` (socket, pty, pipe, file), run_process(["true"]) in the
 same process (capture). The capture case runs in the build's own interpreter (the console
 script's), timed inside it. `--base`: another build (e.g. main's), measured in the same
 rounds, interleaved, on its own state root. Ends with the goal line of issue 29 (net >= 800 MB/s
@@ -66,6 +68,8 @@ def through(argv: list[str], kind: str, env: dict, size: int) -> tuple[float, fl
         ours, theirs = os.openpty()
         import tty
         tty.setraw(theirs)  # bytes as they come: count them, no \r added
+    elif kind == "file":
+        return _into_file(argv, env, size)
     else:
         ours, theirs = os.pipe()
     got = []
@@ -81,6 +85,24 @@ def through(argv: list[str], kind: str, env: dict, size: int) -> tuple[float, fl
     os.close(ours)
     assert code == 0, f"{argv}: exit {code}"
     assert got[0] == size, f"{argv} into a {kind}: {got[0]} bytes, wanted {size}"
+    return took, cpu
+
+
+def _into_file(argv: list[str], env: dict, size: int) -> tuple[float, float]:
+    """through() for a regular file of ours as argv's stdout (in the bench's temp dir: page cache, like bare)."""
+    fd, path = tempfile.mkstemp(prefix="agnsup-bench-pump-file.", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    os.fchmod(fd, 0o644)
+    try:
+        start, cpu = time.monotonic(), _cpu(resource.RUSAGE_CHILDREN)
+        code = subprocess.run(argv, stdout=fd, stdin=subprocess.DEVNULL, env=env).returncode
+        cpu = _cpu(resource.RUSAGE_CHILDREN) - cpu
+        took = time.monotonic() - start
+        got = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    assert code == 0, f"{argv}: exit {code}"
+    assert got == size, f"{argv} into a file: {got} bytes, wanted {size}"
     return took, cpu
 
 
@@ -139,9 +161,9 @@ def main() -> None:
     ap.add_argument("--base", help="another build's agnsup, measured in the same rounds (interleaved)")
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="socket,pty,pipe,capture", help="the destinations to measure, comma-separated")
+    ap.add_argument("--only", default="socket,pty,pipe,file,capture", help="the destinations to measure, comma-separated")
     args = ap.parse_args()
-    kinds = [k for k in ("socket", "pty", "pipe", "capture") if k in args.only.split(",")]
+    kinds = [k for k in ("socket", "pty", "pipe", "file", "capture") if k in args.only.split(",")]
     size = args.mb << 20
     builds = {"agnsup": args.agnsup} if not args.base else {"base": args.base, "new": args.agnsup}
     root = tempfile.mkdtemp(prefix="agnsup-bench-pump.")

@@ -80,6 +80,8 @@ class _Forker:
         done = threading.Event()
         self.jobs.put((self._primed(fn) if self.primer is not None else fn, box, done))
         done.wait()
+        if self.primer is not None:  # the next request's zombie, after this one's fork, off its path
+            self.submit(self.primer.renew)
         ok, value = box[0]
         if not ok:
             raise value
@@ -88,10 +90,7 @@ class _Forker:
     def _primed(self, fn):
         def fork():
             self.primer.touch()
-            try:
-                return fn()  # returns in the parent only: the leader runs its steps and execs, or exits
-            finally:
-                self.primer.reap()
+            return fn()  # returns in the parent only: the leader runs its steps and execs, or exits
         return fork
 
     def prime(self) -> None:
@@ -123,6 +122,7 @@ class Supervisor:
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
         from .process.primer import Primer
         self._forker.primer = Primer(self.ctl.backend)
+        self._forker.submit(self._forker.primer.renew)  # the first request's zombie (process/primer.py)
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}

@@ -8,8 +8,9 @@ Python API: process.clone's fork path) joins its cgroups itself after fork, so e
 period there, after everything else the controller had done for it.
 
 Primer.prime() starts that wait when a request arrives, before its prepare: on the controller's forker thread (idle
-until the fork, which queues behind it), it writes the pid of a zombie of its own (a `true` it spawned and has
-not reaped yet: an exited process, which the kernel does not move; the write takes the lock all the same)
+until the fork, which queues behind it), it writes the pid of a zombie of its own (a `true` it spawned after the
+last fork and has not reaped yet: an exited process, which the kernel does not move; the write takes the lock
+all the same)
 into the cgroup.procs of agnsup's own directory (the backend's base, made by the first cell; the kernel's
 lock is the same for every directory and hierarchy). The grace period then elapses while the request's
 thread prepares, journals and places the cell; the leader's own writes after fork find the lock fast.
@@ -27,7 +28,10 @@ class Primer:
     """A zombie of ours and the cgroup.procs it is written to. Every call on the controller's forker thread:
     prime() at a request's arrival (the grace period waited there, ahead of the fork queued behind it),
     touch() just before the fork (the lock's fast state kept a grace period or two longer, so the leader's
-    writes right after land in it, however long the request took to prepare), reap() after the fork."""
+    writes right after land in it, however long the request took to prepare), renew() after the fork, off
+    the request's path: the next request's zombie, spawned now so that it has exited long before it is
+    written (on a loaded host a new process may wait many milliseconds for a CPU: never on a request's path).
+    Between requests the controller has that one exited, unreaped `true` as its child; reap() at its close."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -35,16 +39,15 @@ class Primer:
         self.procs_file: str | None = None
 
     def prime(self) -> bool:
-        self.reap()  # a request that never forked (queued, refused) left its zombie
         self.procs_file = target(self.backend)
-        if self.procs_file is None:
-            return False
-        self.pid = _zombie()
+        if self.pid is None:  # the first request (or a zombie someone else reaped): ready for the next one
+            self.pid = _spawn()
         return self.touch()
 
     def touch(self) -> bool:
-        """One write of the zombie's pid: True if the kernel took it."""
-        if self.pid is None or self.procs_file is None:
+        """One write of the zombie's pid, if it is one (exited, still ours: its number cannot be reused and the
+        kernel moves nothing): True if the kernel took it."""
+        if self.procs_file is None or not self._exited():
             return False
         try:
             fd = os.open(self.procs_file, os.O_WRONLY | os.O_CLOEXEC)
@@ -55,6 +58,24 @@ class Primer:
                 os.close(fd)
         except OSError:
             return False
+
+    def _exited(self) -> bool:
+        """Is our child self.pid a zombie now? False while it still runs (a write would move it) or when
+        there is none; one that is not our child any more (reaped elsewhere: its number may be anyone's) is
+        forgotten."""
+        if self.pid is None:
+            return False
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            self.pid = None
+            return False
+        return info is not None and info.si_pid == self.pid
+
+    def renew(self) -> None:
+        """After a fork: the used zombie reaped, the next one spawned (not waited for)."""
+        self.reap()
+        self.pid = _spawn()
 
     def reap(self) -> None:
         pid, self.pid = self.pid, None
@@ -75,18 +96,11 @@ def target(backend) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _zombie() -> int | None:
-    """The pid of a child of ours that has exited and is not reaped yet (the caller reaps it), or None."""
+def _spawn() -> int | None:
+    """A `true` child of ours, not waited for (Primer: written once it has exited), or None."""
     for exe in TRUE:
         try:
-            pid = os.posix_spawn(exe, [exe], {})  # vfork + exec: no copy of this process's memory
-            break
+            return os.posix_spawn(exe, [exe], {})  # vfork + exec: no copy of this process's memory
         except OSError:
             continue
-    else:
-        return None
-    try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, still ours: a zombie, its pid not reusable
-    except ChildProcessError:  # reaped by the kernel (SIGCHLD ignored): no zombie to write
-        return None
-    return pid
+    return None

@@ -25,39 +25,57 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_prime_writes_an_exited_child_of_ours_and_reaps_it_after_the_fork(tmp_path):
+def _zombie_of_ours(pid: int) -> bool:
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    return info is not None and info.si_pid == pid
+
+
+def _wait_exited(pid: int) -> None:
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_a_prime_writes_an_exited_child_of_ours_and_renew_reaps_it(tmp_path):
     """The pid written is a zombie of ours (exited, not reaped: the kernel moves nothing and its number cannot
-    be reused meanwhile); touched again before the fork, reaped after it: no child is left."""
+    be reused meanwhile), spawned ahead (renew, after the last fork); renew reaps it and spawns the next."""
     procs = tmp_path / "cgroup.procs"
     procs.write_text("")
     p = primer.Primer(_Backend({"v2": str(tmp_path)}))
-    assert p.prime()
-    pid = int(procs.read_text())
-    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-    assert info is not None and info.si_pid == pid  # exited, still ours
-    assert p.touch()
-    p.reap()
-    assert p.pid is None and _gone(pid)
-
-
-def test_a_second_prime_reaps_the_zombie_a_request_that_never_forked_left(tmp_path):
-    (tmp_path / "cgroup.procs").write_text("")
-    p = primer.Primer(_Backend({"v2": str(tmp_path)}))
-    p.prime()
+    p.renew()
     first = p.pid
-    p.prime()
-    assert _gone(first) and p.pid != first
+    _wait_exited(first)
+    assert p.prime() and p.touch()
+    assert int(procs.read_text()) == first and _zombie_of_ours(first)
+    p.renew()
+    assert _gone(first) and p.pid not in (None, first)
     p.reap()
+    assert p.pid is None
+
+
+def test_a_child_still_running_is_never_written(tmp_path):
+    """A write of a live process's pid would move it: a prime whose child has not exited yet writes nothing
+    (the first request of a controller, a burst); one reaped elsewhere is forgotten, never written."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    p = primer.Primer(_Backend({"v2": str(tmp_path)}))
+    p.pid = os.posix_spawn("/bin/sleep", ["sleep", "5"], {})
+    try:
+        assert not p.prime() and procs.read_text() == ""
+    finally:
+        os.kill(p.pid, 9)
+    _wait_exited(p.pid)
+    os.waitpid(p.pid, 0)  # reaped by someone else
+    assert not p.touch() and p.pid is None and procs.read_text() == ""
 
 
 @pytest.mark.parametrize("backend", [object(), _Backend({}), _Backend({"v2": "/nonexistent/agnsup-x"})])
-def test_no_base_directory_no_prime_and_no_child(backend):
+def test_no_base_directory_no_prime(backend):
     p = primer.Primer(backend)
-    assert not p.prime() and p.pid is None
+    assert not p.prime()
     assert not p.touch()
+    p.reap()
 
 
-def test_the_forker_touches_before_the_fork_and_reaps_after_it():
+def test_the_forker_touches_before_the_fork_and_renews_after_it():
     calls = []
 
     class Fake:
@@ -66,6 +84,9 @@ def test_the_forker_touches_before_the_fork_and_reaps_after_it():
 
         def touch(self):
             calls.append("touch")
+
+        def renew(self):
+            calls.append("renew")
 
         def reap(self):
             calls.append("reap")
@@ -78,4 +99,4 @@ def test_the_forker_touches_before_the_fork_and_reaps_after_it():
             f(lambda: (_ for _ in ()).throw(OSError("no fork")))
     finally:
         f.close()
-    assert calls == ["prime", "touch", "fork", "reap", "touch", "reap", "reap"]
+    assert calls == ["prime", "touch", "fork", "renew", "touch", "renew", "reap"]

@@ -54,8 +54,9 @@ class _Forker:
     *thread* that forked it ends (prctl(2)), and serve's request threads end with
     their connections."""
 
-    def __init__(self):
+    def __init__(self, primer=None):
         import queue
+        self.primer = primer  # process.primer.Primer: touched before each fork, its zombie reaped after
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="agnsup-forker", daemon=True)
         self.thread.start()
@@ -70,19 +71,41 @@ class _Forker:
                 box.append((True, fn()))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box.append((False, e))
-            done.set()
+            if done is not None:
+                done.set()
 
     def __call__(self, fn):
+        """Run `fn()` (leader.spawn's fork) on the thread and return what it returned there."""
         box: list = []
         done = threading.Event()
-        self.jobs.put((fn, box, done))
+        self.jobs.put((self._primed(fn) if self.primer is not None else fn, box, done))
         done.wait()
+        if self.primer is not None:  # the next request's zombie, after this one's fork, off its path
+            self.submit(self.primer.renew)
         ok, value = box[0]
         if not ok:
             raise value
         return value
 
+    def _primed(self, fn):
+        def fork():
+            self.primer.touch()
+            return fn()  # returns in the parent only: the leader runs its steps and execs, or exits
+        return fork
+
+    def prime(self) -> None:
+        """The cgroup lock's grace period, started now on the thread (process/primer.py)."""
+        if self.primer is not None:
+            self.submit(self.primer.prime)
+
+    def submit(self, fn) -> None:
+        """Run `fn()` on the thread, ahead of the jobs queued after it; nobody waits for it and what it raises
+        goes nowhere (process/primer.py: the cgroup lock's grace period, started at a request's arrival)."""
+        self.jobs.put((fn, [], None))
+
     def close(self) -> None:
+        if self.primer is not None:
+            self.submit(self.primer.reap)
         self.jobs.put(None)
         self.thread.join(5)
 
@@ -97,6 +120,9 @@ class Supervisor:
         self._forker = _Forker()
         self._backend = backend  # the cells' (and cancel's) instead of the host's (backend.choose): tests' fake
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
+        from .process.primer import Primer
+        self._forker.primer = Primer(self.ctl.backend)
+        self._forker.submit(self._forker.primer.renew)  # the first request's zombie (process/primer.py)
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
@@ -125,6 +151,9 @@ class Supervisor:
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
+        # the cgroup lock's grace period starts now, on the forker thread, and elapses while this thread
+        # prepares the cell (process/primer.py); the leader's own cgroup.procs writes after fork find it passed
+        self._forker.prime()
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
         cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,

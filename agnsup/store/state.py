@@ -38,6 +38,50 @@ def registry_dir() -> str:
 
 DEFAULT_ROOTS = ("/var/lib/agnsup",)  # hidden whenever they exist, registered or not
 
+# registry dir -> ((dev, ino, mtime_ns) of it, [(entry, target, real path of target)]): the registry as last
+# listed, so a controller of many cells reads its ~50 links and resolves their targets once, not per cell
+# (StateRoot.other_roots). Used only while the directory is unchanged, and only for a listing made over a
+# second after its last change (a change within the same timestamp tick would not move the mtime).
+_LISTED: dict = {}
+
+
+def _registered(reg: str) -> list[tuple[str, str, str]]:
+    try:
+        st = os.stat(reg)
+    except OSError:
+        return []
+    key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    hit = _LISTED.get(reg)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        names = os.listdir(reg)
+    except OSError:
+        names = []
+    out = []
+    for n in names:
+        entry = os.path.join(reg, n)
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        out.append((entry, target, os.path.realpath(target)))
+    import time
+    if time.time_ns() - st.st_mtime_ns > 1_000_000_000:
+        _LISTED[reg] = (key, out)
+    return out
+
+
+def _still_real(target: str, real: str) -> bool:
+    """Is `real` (the real path of `target` when the registry was listed) still the directory `target` names:
+    a directory, no symlink, the same inode? Else the caller resolves `target` again."""
+    import stat
+    try:
+        a, b = os.stat(target), os.lstat(real)
+    except OSError:
+        return False
+    return stat.S_ISDIR(b.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
 
 def named_run(run_id: str) -> bool:
     """Did the call name its run? Only then is its agent one that lasts across calls: its cells share the
@@ -92,27 +136,17 @@ class StateRoot:
 
     def other_roots(self) -> list[str]:
         """Every other state root known on this host that still holds a journal (a cell
-        sees none of them); entries whose root is gone are dropped."""
+        sees none of them), as real paths; entries whose root is gone are dropped."""
         out = []
-        reg = registry_dir()
-        try:
-            names = os.listdir(reg)
-        except OSError:
-            names = []
-        for n in names:
-            entry = os.path.join(reg, n)
-            try:
-                target = os.readlink(entry)
-            except OSError:
-                continue
+        for entry, target, real in _registered(registry_dir()):
             if os.path.exists(os.path.join(target, "journal.db")):
-                out.append(target)
+                out.append(real if _still_real(target, real) else os.path.realpath(target))
             elif not os.path.exists(target):
                 with contextlib.suppress(OSError):
                     os.unlink(entry)
-        out += [p for p in DEFAULT_ROOTS if os.path.isdir(p)]
+        out += [os.path.realpath(p) for p in DEFAULT_ROOTS if os.path.isdir(p)]
         own = os.path.realpath(self.path)
-        return sorted({os.path.realpath(p) for p in out} - {own})
+        return sorted(set(out) - {own})
 
     def unusable(self, e: OSError) -> StateError:
         """What is wrong with the state root, in words (not "File exists")."""

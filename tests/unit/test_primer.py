@@ -1,0 +1,102 @@
+"""The cgroup lock's primer (issue 29, process/primer.py): what it writes, and that it leaves no process behind."""
+import os
+
+import pytest
+
+from agnsup.process import primer
+from agnsup.supervisor import _Forker
+
+
+class _Base:
+    def __init__(self, paths):
+        self.paths = paths
+
+
+class _Backend:
+    def __init__(self, paths):
+        self.base = _Base(paths)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _zombie_of_ours(pid: int) -> bool:
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    return info is not None and info.si_pid == pid
+
+
+def _wait_exited(pid: int) -> None:
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_a_prime_writes_an_exited_child_of_ours_and_renew_reaps_it(tmp_path):
+    """The pid written is a zombie of ours (exited, not reaped: the kernel moves nothing and its number cannot
+    be reused meanwhile), spawned ahead (renew, after the last fork); renew reaps it and spawns the next."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    p = primer.Primer(_Backend({"v2": str(tmp_path)}))
+    p.renew()
+    first = p.pid
+    _wait_exited(first)
+    assert p.prime() and p.touch()
+    assert int(procs.read_text()) == first and _zombie_of_ours(first)
+    p.renew()
+    assert _gone(first) and p.pid not in (None, first)
+    p.reap()
+    assert p.pid is None
+
+
+def test_a_child_still_running_is_never_written(tmp_path):
+    """A write of a live process's pid would move it: a prime whose child has not exited yet writes nothing
+    (the first request of a controller, a burst); one reaped elsewhere is forgotten, never written."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    p = primer.Primer(_Backend({"v2": str(tmp_path)}))
+    p.pid = os.posix_spawn("/bin/sleep", ["sleep", "5"], {})
+    try:
+        assert not p.prime() and procs.read_text() == ""
+    finally:
+        os.kill(p.pid, 9)
+    _wait_exited(p.pid)
+    os.waitpid(p.pid, 0)  # reaped by someone else
+    assert not p.touch() and p.pid is None and procs.read_text() == ""
+
+
+@pytest.mark.parametrize("backend", [object(), _Backend({}), _Backend({"v2": "/nonexistent/agnsup-x"})])
+def test_no_base_directory_no_prime(backend):
+    p = primer.Primer(backend)
+    assert not p.prime()
+    assert not p.touch()
+    p.reap()
+
+
+def test_the_forker_touches_before_the_fork_and_renews_after_it():
+    calls = []
+
+    class Fake:
+        def prime(self):
+            calls.append("prime")
+
+        def touch(self):
+            calls.append("touch")
+
+        def renew(self):
+            calls.append("renew")
+
+        def reap(self):
+            calls.append("reap")
+
+    f = _Forker(Fake())
+    try:
+        f.prime()
+        assert f(lambda: calls.append("fork") or 7) == 7
+        with pytest.raises(OSError):
+            f(lambda: (_ for _ in ()).throw(OSError("no fork")))
+    finally:
+        f.close()
+    assert calls == ["prime", "touch", "fork", "renew", "touch", "renew", "reap"]

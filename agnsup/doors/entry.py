@@ -1,11 +1,14 @@
-"""The console script's entry point: a fast path for `agnsup run`.
+"""The console script's entry point: fast paths for `agnsup run` and `agnsup cancel`.
 
 click costs ~40 ms to import, about ten times what bwrap needs to start a
 whole sandbox, so the common `agnsup [--state-dir D] run [OPTIONS] -- CMD...`
-is parsed here with no imports. Anything this parser does not fully
-understand (help, an unknown option, a bad value, another command) goes to
-the click CLI in agnsup/doors/cli.py, which stays the reference: a parity test
-(tests/test_entry.py) runs the same argv through both.
+and `agnsup [--state-dir D] cancel [--cell C] [--run R] [--agent A] [--all]
+[--grace S] [--json]` (a kill switch: issue 29) are parsed here with no
+imports. Anything these parsers do not fully understand (help, an unknown
+option, a bad value, another command) goes to the click CLI in
+agnsup/doors/cli.py, which stays the reference: parity tests
+(tests/test_entry.py) run the same argv through both. `cancel` runs the same
+function either way (cancel_command), with click's output and exit codes.
 """
 from __future__ import annotations
 
@@ -86,9 +89,179 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
     return state_dir, opts, command
 
 
+# `cancel`'s options: {flag: (keyword, takes a value)} (agnsup/doors/cli.py's cancel command)
+CANCEL_OPTIONS = {"--cell": ("cell_id", True), "--cell-id": ("cell_id", True), "--run": ("run_id", True),
+                  "--run-id": ("run_id", True), "--agent": ("agent_id", True), "--agent-id": ("agent_id", True),
+                  "--all": ("everything", False), "--grace": ("grace", True), "--json": ("as_json", False),
+                  "--state-dir": ("state_dir", True)}
+
+
+def parse_cancel(argv: list[str]) -> tuple[str | None, dict] | None:
+    """(state_dir, cancel's keyword arguments) for a plain `cancel` invocation, else None
+    (click then parses it: help, errors and anything unusual read as they always did)."""
+    i, state_dir = 0, None
+    while i < len(argv) and argv[i] != "cancel":
+        a = argv[i]
+        if a == "--state-dir" and i + 1 < len(argv):
+            state_dir, i = argv[i + 1], i + 2
+        elif a.startswith("--state-dir="):
+            state_dir, i = a.split("=", 1)[1], i + 1
+        else:
+            return None
+    if i >= len(argv):
+        return None
+    i += 1
+    opts: dict = {"cell_id": None, "run_id": None, "agent_id": None, "everything": False, "grace": None,
+                  "as_json": False}
+    seen = set()
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name not in CANCEL_OPTIONS or name in seen:
+            return None
+        seen.add(name)
+        key, takes_value = CANCEL_OPTIONS[name]
+        if not takes_value:
+            if eq:
+                return None
+            opts[key], i = True, i + 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value, i = argv[i + 1], i + 2
+        else:
+            i += 1
+        if value == "" or value.startswith("-"):
+            return None
+        if key == "grace":
+            digits = value.replace(".", "", 1)
+            if not digits or any(c not in "0123456789" for c in digits):
+                return None
+            opts["grace"] = float(value)
+        elif key == "state_dir":  # cli.md: also accepted after the command name
+            state_dir = value
+        else:
+            opts[key] = value
+    if len({k for k, _ in (CANCEL_OPTIONS[n] for n in seen)}) != len(seen):
+        return None  # --cell and --cell-id both: click keeps the last one; let it say which
+    if state_dir == "":
+        return None
+    if state_dir is None:
+        state_dir = os.environ.get("AGNSUP_STATE_DIR") or None
+    import codecs
+    for stream in (sys.stdout, sys.stderr):  # click re-wraps an ASCII stream (its text would differ)
+        try:
+            if codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "ascii":
+                return None
+        except LookupError:
+            pass
+    return state_dir, opts
+
+
+def existing_state(state_dir: str | None):
+    """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
+    from ..errors import UnknownId
+    from ..store.state import StateRoot
+    st = StateRoot(state_dir)
+    if not st.exists():
+        from ..store.journal import preflight
+        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
+        raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
+    return st
+
+
+def cancel_command(state_dir, cell_id, run_id, agent_id, everything, grace, as_json, echo, fail) -> None:
+    """`agnsup cancel`, for click and for the fast path alike: `echo(text, err=False)` prints a line,
+    `fail(error)` prints its line and exits; an AgnsupError raised here is the caller's to report."""
+    import json
+    from .. import cancel as cancelmod
+    from ..errors import StateError
+    try:
+        state = existing_state(state_dir)
+        j = state.journal()
+    except StateError as e:
+        from ..errors import NoPermission
+        if not everything or isinstance(e, NoPermission):  # another user's root: nothing of ours to kill
+            raise
+        # the kill switch works from whatever evidence survives (a damaged or lost journal)
+        from ..store.state import StateRoot
+        result = cancelmod.cancel_unjournaled(StateRoot(state_dir), cancelmod.Scope("all"), grace, e)
+    else:
+        try:
+            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+        finally:
+            j.close()
+        result = cancelmod.cancel(state, scope, grace)
+    if as_json:
+        echo(json.dumps(result, indent=2))
+    else:
+        echo(f"cancelled {result['cancelled']} {'process(es)' if 'root' in result else 'cell(s)'} "
+             f"of {result['scope']}")
+        for c in result["cells"]:
+            echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
+                 + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
+    if result.get("journaled") is False:
+        what = result.get("note") or result.get("root", {}).get("note") or ""
+        fail(StateError(f"cancel {'killed' if result['cancelled'] else 'found'} {result['cancelled']} "
+                        f"{'process(es)' if 'root' in result else 'cell(s)'}"
+                        f"{' (' + what + ')' if what else ''} but could not journal it: {result['not_journaled']}"))
+
+
+def _echo(text: str, err: bool = False) -> None:
+    """click.echo's line: ANSI sequences stripped when the stream is not a terminal, flushed."""
+    stream = sys.stderr if err else sys.stdout
+    if "\x1b" in text:
+        try:
+            tty = stream.isatty()
+        except Exception:
+            tty = False
+        if not tty:
+            import re
+            text = re.sub(r"\033\[[0-?]*[ -/]*[@-~]", "", text)  # click._compat.strip_ansi
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)  # the journal is closed and every line is out: no interpreter teardown to wait for
+
+
+def _cancel_main(state_dir: str | None, opts: dict) -> None:
+    """The fast path's `cancel`: the exit codes and lines of cli.py's _Group, _json_errors and _fail."""
+    from ..errors import AgnsupError, StateError, exit_code
+
+    def fail(e: AgnsupError) -> None:
+        _echo(f"agnsup: {e.message}", err=True)
+        _exit(exit_code(e))
+
+    try:
+        try:
+            cancel_command(state_dir, **opts, echo=_echo, fail=fail)
+        except AgnsupError as e:
+            if opts["as_json"]:  # _json_errors: the refusal as JSON on stdout too
+                import json
+                from ..errors import as_value
+                _echo(json.dumps(as_value(e), indent=2))
+            fail(e)
+        except OSError as e:  # a full disk, a read-only state root...: one line, not a traceback
+            fail(StateError(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"))
+    except (EOFError, KeyboardInterrupt):  # click: a blank line closes the terminal's ^C echo, then Abort
+        _echo("", err=True)
+        _echo("agnsup: aborted", err=True)
+        _exit(130)
+    _exit(0)
+
+
 def main() -> None:
     parsed = parse_run(sys.argv[1:])
     if parsed is None:
+        cancel_args = parse_cancel(sys.argv[1:])
+        if cancel_args is not None:
+            _cancel_main(*cancel_args)
+            return
         from .cli import main as cli_main
         cli_main()
         return

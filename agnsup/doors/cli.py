@@ -664,7 +664,7 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
 
     Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
     """
-    from .entry import cancel_command  # the console script's fast path runs the same function
+    from .cancel_cli import cancel_command  # the console script's fast path runs the same function
     cancel_command(obj["state_dir"], cell_id, run_id, agent_id, everything, grace, as_json, click.echo, _fail)
 
 
@@ -872,7 +872,7 @@ def spawn(obj, socket_path, follow, command, **options):
 
 def _state(obj):
     """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
-    from .entry import existing_state
+    from .cancel_cli import existing_state
     return existing_state(obj["state_dir"])
 
 

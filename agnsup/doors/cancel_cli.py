@@ -37,11 +37,11 @@ def cancel_command(state_dir, cell_id, run_id, agent_id, everything, grace, as_j
         from ..store.state import StateRoot
         result = cancelmod.cancel_unjournaled(StateRoot(state_dir), cancelmod.Scope("all"), grace, e)
     else:
-        try:
-            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
+        try:  # one connection for the lookup and the cancel
+            result = cancelmod.cancel(state, cancelmod.resolve(j, cell_id, run_id, agent_id, everything), grace,
+                                      journal=j)
         finally:
             j.close()
-        result = cancelmod.cancel(state, scope, grace)
     if as_json:
         echo(json.dumps(result, indent=2))
     else:

@@ -63,6 +63,7 @@ CANCEL_CASES = [
     ["cancel", "--json", "--all"],
     ["cancel", "--cell-id", "c1", "--grace", "10"],
     ["cancel"],
+    ["--state-dir", "--x", "cancel", "--all"],
 ]
 CANCEL_FALLBACK = [
     ["cancel", "--help"], ["cancel", "-h"], ["cancel", "--cell"], ["cancel", "--grace", "-1", "--all"],

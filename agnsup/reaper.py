@@ -221,6 +221,16 @@ def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0
     return [j.r for j in jobs]
 
 
+def term_leader(backend, t: Target) -> int:
+    """SIGTERM to the cell's journaled leader alone (cancel with no grace period), through a pidfd rechecked
+    against the leader's journaled identity (pidfd inode, start time), never by its pid alone: 1 when sent."""
+    if not t.leader or not t.leader.get("pid"):
+        return 0
+    cand = {"pid": t.leader["pid"], "starttime": t.leader.get("starttime"), "recheck": ["leader"]}
+    ok, _ = backend.signal_checked(cand, signal.SIGTERM, lambda fd, c: backend.recheck(fd, c, t.leader, None))
+    return int(ok)
+
+
 def _busy(backend, jobs, thorough, exclude, scans) -> bool:
     snap = backend.snapshot(exclude) if scans else None
     return any((j.t.has_tree and backend.populated(j.t.place)) or j.find(backend, snap, thorough, exclude)

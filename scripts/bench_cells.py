@@ -16,6 +16,7 @@ Needs root (cgroups). Uses a private state root, removed at the end.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import statistics
@@ -88,7 +89,14 @@ def raw_kill_once(agnsup: str, env: dict, wt: str, nprocs: int, cell: str) -> di
         t0 = time.monotonic()
         with open(os.path.join(cg, "cgroup.kill"), "w") as f:
             f.write("1")
-        while b"populated 0" not in os.pread(events, 4096, 0):
+        while True:
+            try:
+                if b"populated 0" in os.pread(events, 4096, 0):
+                    break
+            except OSError as e:  # ENODEV: its controller saw it empty and removed it first
+                if e.errno != errno.ENODEV:
+                    raise
+                break
             poller.poll(1000)  # the kernel notifies on every change of populated (kernfs_notify)
         took = time.monotonic() - t0
     finally:

@@ -290,3 +290,12 @@ def test_a_child_that_fails_its_setup_says_why_while_the_controller_joins_it(sta
     with open(os.path.join(state, "cells", "default", "broken", "receipt.json")) as f:
         r = json.load(f)
     assert r["state"] == "failed" and "step 'setsid'" in r["error"]
+
+
+def test_cancel_imports_nothing_heavy(state, worktree, tmp_path):
+    """`agnsup cancel` (a kill switch, issue 29) takes the console script's fast path too: no click."""
+    _run_and_list_modules(state, worktree, tmp_path, "run", "--cell", "c", "--", "true")
+    mods = _run_and_list_modules(state, worktree, tmp_path, "cancel", "--all", "--grace", "0", "--json")
+    assert "agnsup.cancel" in mods and "agnsup.doors.cancel_cli" in mods  # it did run the cancel path
+    heavy = _heavy(mods)
+    assert heavy == [], f"the cancel path imported {heavy}"

@@ -664,34 +664,8 @@ def cancel(obj, cell_id, run_id, agent_id, everything, grace, as_json):
 
     Examples: agnsup cancel --run R --agent A; agnsup cancel --all --grace 0
     """
-    from .. import cancel as cancelmod
-    from ..errors import StateError
-    try:
-        state = _state(obj)
-        j = state.journal()
-    except StateError as e:
-        from ..errors import NoPermission
-        if not everything or isinstance(e, NoPermission):  # another user's root: nothing of ours to kill
-            raise
-        # the kill switch works from whatever evidence survives (a damaged or lost journal)
-        result = cancelmod.cancel_unjournaled(_root(obj), cancelmod.Scope("all"), grace, e)
-    else:
-        try:
-            scope = cancelmod.resolve(j, cell_id, run_id, agent_id, everything)
-        finally:
-            j.close()
-        result = cancelmod.cancel(state, scope, grace)
-    if not _echo_json(as_json, result):
-        click.echo(f"cancelled {result['cancelled']} {'process(es)' if 'root' in result else 'cell(s)'} "
-                   f"of {result['scope']}")
-        for c in result["cells"]:
-            click.echo(f"  {c['run_id']}/{c['agent_id']}/{c['cell_id']}: {c['state']}"
-                       + (f" (kill: {c['kill']})" if c["kill"] else "") + "".join(f"; {n}" for n in c["notes"]))
-    if result.get("journaled") is False:
-        what = result.get("note") or result.get("root", {}).get("note") or ""
-        _fail(StateError(f"cancel {'killed' if result['cancelled'] else 'found'} {result['cancelled']} "
-                         f"{'process(es)' if 'root' in result else 'cell(s)'}"
-                         f"{' (' + what + ')' if what else ''} but could not journal it: {result['not_journaled']}"))
+    from .cancel_cli import cancel_command  # the console script's fast path runs the same function
+    cancel_command(obj["state_dir"], cell_id, run_id, agent_id, everything, grace, as_json, click.echo, _fail)
 
 
 @main.command()
@@ -898,13 +872,8 @@ def spawn(obj, socket_path, follow, command, **options):
 
 def _state(obj):
     """The state root of an existing journal (cancel/cleanup only act on what was recorded)."""
-    from ..errors import UnknownId
-    st = _root(obj)
-    if not st.exists():
-        from ..store.journal import preflight
-        preflight(os.path.join(st.path, "journal.db"))  # cells on disk: the journal lost them, not "never run"
-        raise UnknownId(f"no journal at {st.path}: nothing was ever run with this state root")
-    return st
+    from .cancel_cli import existing_state
+    return existing_state(obj["state_dir"])
 
 
 @main.command()

@@ -1,11 +1,14 @@
-"""The console script's entry point: a fast path for `agnsup run`.
+"""The console script's entry point: fast paths for `agnsup run` and `agnsup cancel`.
 
 click costs ~40 ms to import, about ten times what bwrap needs to start a
 whole sandbox, so the common `agnsup [--state-dir D] run [OPTIONS] -- CMD...`
-is parsed here with no imports. Anything this parser does not fully
-understand (help, an unknown option, a bad value, another command) goes to
-the click CLI in agnsup/doors/cli.py, which stays the reference: a parity test
-(tests/test_entry.py) runs the same argv through both.
+and `agnsup [--state-dir D] cancel [--cell C] [--run R] [--agent A] [--all]
+[--grace S] [--json]` (a kill switch: issue 29) are parsed here with no
+imports. Anything these parsers do not fully understand (help, an unknown
+option, a bad value, another command) goes to the click CLI in
+agnsup/doors/cli.py, which stays the reference: parity tests
+(tests/test_entry.py) run the same argv through both. `cancel` runs the same
+function either way (cancel_cli.cancel_command), with click's output and exit codes.
 """
 from __future__ import annotations
 
@@ -86,9 +89,83 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
     return state_dir, opts, command
 
 
+# `cancel`'s options: {flag: (keyword, takes a value)} (agnsup/doors/cli.py's cancel command)
+CANCEL_OPTIONS = {"--cell": ("cell_id", True), "--cell-id": ("cell_id", True), "--run": ("run_id", True),
+                  "--run-id": ("run_id", True), "--agent": ("agent_id", True), "--agent-id": ("agent_id", True),
+                  "--all": ("everything", False), "--grace": ("grace", True), "--json": ("as_json", False),
+                  "--state-dir": ("state_dir", True)}
+
+
+def parse_cancel(argv: list[str]) -> tuple[str | None, dict] | None:
+    """(state_dir, cancel's keyword arguments) for a plain `cancel` invocation, else None
+    (click then parses it: help, errors and anything unusual read as they always did)."""
+    i, state_dir = 0, None
+    while i < len(argv) and argv[i] != "cancel":
+        a = argv[i]
+        if a == "--state-dir" and i + 1 < len(argv):
+            state_dir, i = argv[i + 1], i + 2
+        elif a.startswith("--state-dir="):
+            state_dir, i = a.split("=", 1)[1], i + 1
+        else:
+            return None
+    if i >= len(argv):
+        return None
+    i += 1
+    opts: dict = {"cell_id": None, "run_id": None, "agent_id": None, "everything": False, "grace": None,
+                  "as_json": False}
+    seen = set()
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name not in CANCEL_OPTIONS or name in seen:
+            return None
+        seen.add(name)
+        key, takes_value = CANCEL_OPTIONS[name]
+        if not takes_value:
+            if eq:
+                return None
+            opts[key], i = True, i + 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value, i = argv[i + 1], i + 2
+        else:
+            i += 1
+        if value == "" or value.startswith("-"):
+            return None
+        if key == "grace":
+            digits = value.replace(".", "", 1)
+            if not digits or any(c not in "0123456789" for c in digits):
+                return None
+            opts["grace"] = float(value)
+        elif key == "state_dir":  # cli.md: also accepted after the command name
+            state_dir = value
+        else:
+            opts[key] = value
+    if len({k for k, _ in (CANCEL_OPTIONS[n] for n in seen)}) != len(seen):
+        return None  # --cell and --cell-id both: click keeps the last one; let it say which
+    if state_dir == "":
+        return None
+    if state_dir is None:
+        state_dir = os.environ.get("AGNSUP_STATE_DIR") or None
+    import codecs
+    for stream in (sys.stdout, sys.stderr):  # click re-wraps an ASCII stream (its text would differ)
+        try:
+            if codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "ascii":
+                return None
+        except LookupError:
+            pass
+    return state_dir, opts
+
+
 def main() -> None:
     parsed = parse_run(sys.argv[1:])
     if parsed is None:
+        cancel_args = parse_cancel(sys.argv[1:])
+        if cancel_args is not None:
+            from .cancel_cli import main as cancel_main
+            cancel_main(*cancel_args)
+            return
         from .cli import main as cli_main
         cli_main()
         return

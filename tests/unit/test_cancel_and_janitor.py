@@ -2,6 +2,7 @@
 what they touch, what they spare and why, what they record."""
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -62,6 +63,29 @@ def test_cancelling_an_agent_records_the_first_reason_and_kills_its_directory_on
     again = cancel.cancel(state, cancel.Scope("cell", "R", None, "c1"), grace=0.0, by="again", backend=b)
     assert j.cancel_reason("R", "c1").endswith("(test)")  # first reason wins
     assert again["cells"][0]["signalled"] == 0
+
+
+def test_a_cancel_with_no_grace_sends_sigterm_to_the_leader_alone_then_kills_the_tree_at_once(world, monkeypatch):
+    state, j, k, b = world
+    monkeypatch.setattr(cancel, "CONCLUDE_TIMEOUT", 0.1)
+    controller(state, j, "ctl-live", alive=True)
+    place = cell(j, b, k, "ctl-live", "c1", pid=10)
+    k.procs[10].ignores_term = True
+    k.spawn(11, start=101, dir=place.dir)  # would die at SIGTERM: it is killed without one
+    (c1,) = cancel.cancel(state, cancel.Scope("cell", "R", None, "c1"), grace=0.0, backend=b)["cells"]
+    assert c1["empty"] and c1["signalled"] == 1 and c1["kill"] == "fake.kill"
+    assert k.procs[10].signals == [signal.SIGTERM, signal.SIGKILL] and k.procs[11].signals == [signal.SIGKILL]
+
+
+def test_a_reused_leader_pid_gets_no_sigterm_from_a_cancel_with_no_grace(world, monkeypatch):
+    state, j, k, b = world
+    monkeypatch.setattr(cancel, "CONCLUDE_TIMEOUT", 0.1)
+    controller(state, j, "ctl-live", alive=True)
+    cell(j, b, k, "ctl-live", "c1", pid=10)
+    k.procs[10].exit()
+    k.spawn(10, start=999)  # the number reused outside the cell
+    (c1,) = cancel.cancel(state, cancel.Scope("cell", "R", None, "c1"), grace=0.0, backend=b)["cells"]
+    assert c1["signalled"] == 0 and k.procs[10].alive and k.procs[10].signals == []
 
 
 def test_cancel_never_touches_a_directory_recreated_at_the_cells_path(world, monkeypatch):

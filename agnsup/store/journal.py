@@ -604,6 +604,23 @@ class Journal:
     def events(self, run_id: str, cell_id: str) -> list:
         return self._all("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id", (run_id, cell_id))
 
+    def stage_events(self, cells: list[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
+        """{(run_id, cell_id): the data of each of its `stage.*` events, in order} for many cells at once:
+        one read per run and 500 cells (events_by_cell), not one a cell (the janitor's cell receipts)."""
+        out: dict[tuple[str, str], list[str]] = {k: [] for k in cells}
+        by_run: dict[str, list[str]] = {}
+        for run_id, cell_id in out:
+            by_run.setdefault(run_id, []).append(cell_id)
+        for run_id, ids in by_run.items():
+            for i in range(0, len(ids), 500):
+                part = ids[i:i + 500]
+                for cell_id, kind, data in self._all(
+                        f"SELECT cell_id, kind, data FROM events WHERE run_id=? AND cell_id IN "
+                        f"({','.join('?' * len(part))}) ORDER BY id", (run_id, *part)):
+                    if kind.startswith("stage.") and data:
+                        out[run_id, cell_id].append(data)
+        return out
+
     def connections(self, run_id: str, cell_id: str) -> list[dict]:
         return [dict(r) for r in self._all("SELECT * FROM connections WHERE run_id=? AND cell_id=? ORDER BY seq",
                                            (run_id, cell_id))]

@@ -525,16 +525,20 @@ class Journal:
                                 ended_at=now, receipt_path=receipt_path)
                 self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor,
                            controller=c["controller"])
+            runs: dict[str, tuple[bool, str]] = {}  # (other cells live, state): asked once a run (nothing below moves it)
             for c in cells:
                 run_id, entry = c["run_id"], c["entry"]
-                if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
-                    entry["run_state"] = "active"
+                if run_id not in runs:
+                    if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
+                        runs[run_id] = (True, "active")
+                    else:
+                        cur = db.execute("UPDATE runs SET state='recovered', ended_at=? WHERE run_id=? AND "
+                                         "state='active'", (now, run_id))
+                        runs[run_id] = (False, "recovered" if cur.rowcount else
+                                        db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0])
+                live, entry["run_state"] = runs[run_id]
+                if live:
                     entry["notes"].append(f"run {run_id} has other live cells: it stays active")
-                else:
-                    cur = db.execute("UPDATE runs SET state='recovered', ended_at=? WHERE run_id=? AND state='active'",
-                                     (now, run_id))
-                    entry["run_state"] = "recovered" if cur.rowcount else \
-                        db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
                 self._add_receipt(db, "recovery", run_id, c["cell_id"], c["receipt"])
                 if c.get("cell_receipt") is not None:
                     self._add_receipt(db, "cell", run_id, c["cell_id"], c["cell_receipt"])

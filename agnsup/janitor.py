@@ -270,7 +270,8 @@ class _Janitor:
 
     def _end_controllers(self, dead: list[tuple[dict, str]]) -> None:
         """A controller is marked ended only once all its cells are terminal; one transaction for all."""
-        ended = [(ctl, lock) for ctl, lock in dead if not self.j.live_cells_of(ctl["id"])]
+        live = self.j.with_live_cells([ctl["id"] for ctl, _ in dead])
+        ended = [(ctl, lock) for ctl, lock in dead if ctl["id"] not in live]
         if not ended:
             return
         self.j.end_controllers([ctl["id"] for ctl, _ in ended], self.id)

@@ -502,6 +502,15 @@ class Journal:
     def live_cells_of(self, cid: str) -> list:
         return self._all(f"SELECT * FROM cells WHERE controller_id=? AND {LIVE_CELL} ORDER BY created_at", (cid,))
 
+    def with_live_cells(self, cids: list[str]) -> set[str]:
+        """Which of the controllers `cids` have a live cell: one read per 500 (cells_live), not one each."""
+        out: set[str] = set()
+        for i in range(0, len(cids), 500):
+            part = cids[i:i + 500]
+            out.update(r[0] for r in self._all(f"SELECT DISTINCT controller_id FROM cells WHERE controller_id IN "
+                                               f"({','.join('?' * len(part))}) AND {LIVE_CELL}", tuple(part)))
+        return out
+
     def recovery_plans(self, run_id: str, cell_id: str) -> list[dict]:
         """What earlier janitors journaled they were about to kill in this cell."""
         return [json.loads(d or "{}") for (d,) in self._all(

@@ -152,3 +152,14 @@ def test_stage_events_of_many_cells_are_each_cells_own_stage_events_in_order(j):
     assert got == one_by_one
     assert [json.loads(d)["stage"] for d in got["R", "c1"]][-2:] == ["spawn", "exec"]
     assert got["S", "nope"] == [] and ("R", "c3") not in got
+
+
+def test_with_live_cells_names_the_controllers_that_still_have_one(j):
+    begin(j, cell="c1")
+    begin(j, cell="c2")
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c1", "controller": "ctl-1", "entry": {"notes": []},
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert j.with_live_cells(["ctl-1", "ctl-2"]) == {"ctl-1"} == {r["controller_id"] for r in j.live_cells_of("ctl-1")}
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c2", "controller": "ctl-1", "entry": {"notes": []},
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert j.with_live_cells(["ctl-1", "ctl-2"]) == set() and j.with_live_cells([]) == set()

@@ -534,7 +534,7 @@ class Journal:
                                 ended_at=now, receipt_path=receipt_path)
                 self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor,
                            controller=c["controller"])
-            runs: dict[str, tuple[bool, str]] = {}  # (other cells live, state): asked once a run (nothing below moves it)
+            runs: dict[str, tuple[bool, str]] = {}  # (other cells live, state), asked once a run: nothing here moves it
             for c in cells:
                 run_id, entry = c["run_id"], c["entry"]
                 if run_id not in runs:

@@ -270,7 +270,8 @@ class _Janitor:
 
     def _end_controllers(self, dead: list[tuple[dict, str]]) -> None:
         """A controller is marked ended only once all its cells are terminal; one transaction for all."""
-        ended = [(ctl, lock) for ctl, lock in dead if not self.j.live_cells_of(ctl["id"])]
+        live = self.j.with_live_cells([ctl["id"] for ctl, _ in dead])
+        ended = [(ctl, lock) for ctl, lock in dead if ctl["id"] not in live]
         if not ended:
             return
         self.j.end_controllers([ctl["id"] for ctl, _ in ended], self.id)
@@ -354,8 +355,7 @@ class _Janitor:
         chains: dict = {}
 
         def read_chains() -> None:  # the journal's reads, in this thread while the workers remove files
-            for c in cells:
-                chains[c.cid, c.row["run_id"], c.row["cell_id"]] = self._chain(c.row)
+            chains.update(self._chains(cells))
 
         _each(converge, [c for c in cells if c.error is None], meanwhile=read_chains)
         for c in cells:
@@ -385,17 +385,20 @@ class _Janitor:
                  "receipt": {"kind": "recovery", "version": 1, "janitor": self.id, "boot_id": self.boot,
                              "controller": c.cid, "cell": c.entry, "t": now, "path": self.receipt_path},
                  # every cell that started has a cell receipt too (issue 12 item 4)
-                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry,
-                                                            chains[c.cid, c.row["run_id"], c.row["cell_id"]],
+                 "cell_receipt": receipts.recovered_receipt(c.row, c.entry, chains[c.row["run_id"], c.row["cell_id"]],
                                                             self.id, self.receipt_path, now)}
                 for c in done_cells]
             self.j.conclude_recovered(concluded, self.id, now, self.receipt_path)
             compact = len(concluded) > COMPACT_CELLS  # indenting is pure Python: ~2 ms a receipt
-            for c in concluded:  # and on disk, where no receipt is (one on disk is never overwritten)
+
+            def on_disk(c: dict) -> None:  # and on disk, where no receipt is (one on disk is never overwritten)
                 path = os.path.join(self.state.cell_dir(c["run_id"], c["cell_id"]), "receipt.json")
                 if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
                     with suppress(OSError):  # the journal holds it
                         receipts.write(path, c["cell_receipt"], compact=compact)
+            # one file each in its own cell directory: side by side, as the releases (a create and a rename
+            # on the state root's file system each)
+            _each(on_disk, concluded, key=id)
 
     def _commit_changes(self, c: _Cell) -> None:
         """The cell captured its worktree changes and its controller died before committing them (or
@@ -428,21 +431,26 @@ class _Janitor:
             print(f"agnsup: janitor: unfinished changes not finished yet: {e}", file=sys.stderr, flush=True)
             return []
 
-    def _chain(self, row) -> list[dict]:
-        """The stages as the cell's events journaled them."""
-        return [json.loads(e["data"]) for e in self.j.events(row["run_id"], row["cell_id"])
-                if e["kind"].startswith("stage.") and e["data"]]
+    def _chains(self, cells: list[_Cell]) -> dict:
+        """{(run_id, cell_id): the stages as the cell's events journaled them} (one read per run)."""
+        rows = self.j.stage_events([(c.row["run_id"], c.row["cell_id"]) for c in cells])
+        return {k: [json.loads(d) for d in data] for k, data in rows.items()}
 
 
-def _each(work, cells: list[_Cell], meanwhile=None) -> None:
+def _worktree(c: _Cell) -> str:
+    return c.row["worktree"] or c.cid + "/" + c.row["cell_id"]
+
+
+def _each(work, cells: list, meanwhile=None, key=_worktree) -> None:
     """work(c) for every cell, the cells of different worktrees side by side in up to RELEASE_THREADS
     threads: a cell's release is mostly rmdir(2) and unlink(2) (its temp dir, its change layer, its
     cgroup directories: ~30 calls of ~50-100 us on ext4), which the kernel overlaps; the cells of one
     worktree one after another, in their order (a worktree's commits never interleave). `meanwhile()`:
-    this thread's own work, once the workers started (the journal's reads: its connection stays here)."""
+    this thread's own work, once the workers started (the journal's reads: its connection stays here).
+    `key`: what puts cells one after another (the same key: in order, in one thread)."""
     groups: dict = {}
     for c in cells:
-        groups.setdefault(c.row["worktree"] or c.cid + "/" + c.row["cell_id"], []).append(c)
+        groups.setdefault(key(c), []).append(c)
     batches = list(groups.values())
     if len(batches) < 2:
         if meanwhile is not None:

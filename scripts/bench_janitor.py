@@ -47,19 +47,28 @@ def orphans(agnsup: str, state: str, wt: str, layout, cells: int, per: int):
     base = cgroup.base_node(layout, state)
     payload = f"i=1; while [ $i -lt {per} ]; do sleep 3600 & i=$((i+1)); done; exec sleep 3600"
     ctls = []
+    logs = os.path.join(wt, "stderr")  # beside the worktrees: what a controller that ended early said
+    os.makedirs(logs, exist_ok=True)
     for i in range(cells):
         d = os.path.join(wt, f"j{i}")
         os.makedirs(d, exist_ok=True)
-        ctls.append(subprocess.Popen([agnsup, "run", "--workdir", d, "--run-id", "jbench", "--cell", f"c{i}",
-                                      "--", "sh", "-c", payload], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with open(os.path.join(logs, f"c{i}"), "wb") as err:
+            ctls.append(subprocess.Popen([agnsup, "run", "--workdir", d, "--run-id", "jbench", "--cell", f"c{i}",
+                                          "--", "sh", "-c", payload], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=err))
+
+    def said(c) -> str:
+        with open(os.path.join(logs, f"c{ctls.index(c)}"), "rb") as f:
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(nothing on stderr)"
     want, deadline = cells * per, time.monotonic() + 300
     try:
         while True:
             n = len(cgroup.procs(base.primary[1])) if base.primary else 0
-            ended = [c.returncode for c in ctls if c.poll() is not None]
+            ended = [c for c in ctls if c.poll() is not None]
             if ended:
-                raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit {ended[:5]})")
+                raise SystemExit(f"bench: {len(ended)} controller(s) ended before the kill (exit "
+                                 f"{[c.returncode for c in ended[:5]]}; the first said: {said(ended[0])})")
             if n >= want:
                 break
             if time.monotonic() > deadline:

@@ -138,6 +138,36 @@ def test_rmtree_removes_a_tree_deeper_than_the_open_file_limit(tmp_path):
     assert not os.path.lexists(top), "a tree deeper than RLIMIT_NOFILE was left behind"
 
 
+def test_rmtree_lists_through_proc_and_falls_back_to_the_descriptor_without_it(tmp_path, monkeypatch):
+    """The walk lists a directory through /proc/self/fd/N (os.scandir(fd) would duplicate the descriptor:
+    three system calls more a directory); where /proc is missing, through the descriptor."""
+    from agnsup.linux import fs
+    real, seen = os.scandir, []
+
+    def by_path_only(arg):
+        seen.append(arg)
+        if isinstance(arg, int):
+            raise AssertionError("listed through a duplicated descriptor")
+        return real(arg)
+    for no_proc in (False, True):
+        top = tmp_path / f"cell-tmp{int(no_proc)}"
+        (top / ".agnsup" / "etc").mkdir(parents=True)
+        (top / ".agnsup" / "etc" / "resolv.conf").write_text("x")
+        (top / "link").symlink_to(tmp_path)
+        if no_proc:
+            def no_proc_scandir(arg):
+                seen.append(arg)
+                if isinstance(arg, str) and arg.startswith("/proc/"):
+                    raise FileNotFoundError(2, "no /proc here", arg)
+                return real(arg)
+            monkeypatch.setattr(fs.os, "scandir", no_proc_scandir)
+        else:
+            monkeypatch.setattr(fs.os, "scandir", by_path_only)
+        fs.rmtree(str(top))
+        assert not os.path.lexists(top) and tmp_path.is_dir()
+    assert any(isinstance(a, int) for a in seen)  # the fallback ran
+
+
 def test_rmtree_stops_where_the_tree_was_moved_under_it(tmp_path):
     """Coming back up through '..' (past the fds it keeps open) is checked by inode: a directory moved
     out of the tree mid-walk leads elsewhere, and nothing there is removed by name."""

@@ -103,21 +103,18 @@ def _drain(stack: list, strict: bool) -> None:
             with quiet:
                 os.rmdir(name, dir_fd=parent[0])
             continue
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-        except OSError:
-            is_dir = False
+        entry_name, is_dir = entry
         if not is_dir:
             with quiet:
-                os.unlink(entry.name, dir_fd=fd)
+                os.unlink(entry_name, dir_fd=fd)
             continue
         try:
-            sub = open_dir(entry.name, fd)
+            sub = open_dir(entry_name, fd)
         except OSError:
             if strict:
                 raise
             continue  # e.g. not readable: left for the next reap
-        stack.append([sub, None, entry.name, None])
+        stack.append([sub, None, entry_name, None])
         stack[-1][1] = _entries(sub, strict)  # (sub on the stack first: closed should this raise)
         if len(stack) > _OPEN_DIRS + 1:
             far = stack[-_OPEN_DIRS - 1]  # never stack[0]: the caller owns that fd
@@ -143,10 +140,27 @@ def _reopen_parent(child: int, ident: tuple) -> int | None:
 
 
 def _entries(fd: int, strict: bool):
+    """(name, is a directory) of each entry of the directory open as `fd`. Listed through its
+    /proc/self/fd link, the very directory the descriptor holds (a magic link, proc(5)): opendir's
+    open, fstat, getdents and close, where os.scandir(fd) costs three calls more a directory (it
+    duplicates the descriptor, sets its flags, and rewinds it before closing). The type is taken
+    now, while `fd` is that directory (d_type; an lstat only where the file system leaves it out).
+    Without /proc (or where the link refuses what the descriptor allows), through the descriptor."""
     try:
-        with os.scandir(fd) as it:
-            return iter(list(it))
+        try:
+            it = os.scandir(f"/proc/self/fd/{fd}")
+        except (FileNotFoundError, PermissionError):  # no /proc here; a mode changed since the open
+            it = os.scandir(fd)
+        with it:
+            return iter([(e.name, _is_dir(e)) for e in it])
     except OSError:
         if strict:
             raise
         return iter(())
+
+
+def _is_dir(entry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False

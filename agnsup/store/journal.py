@@ -502,6 +502,15 @@ class Journal:
     def live_cells_of(self, cid: str) -> list:
         return self._all(f"SELECT * FROM cells WHERE controller_id=? AND {LIVE_CELL} ORDER BY created_at", (cid,))
 
+    def with_live_cells(self, cids: list[str]) -> set[str]:
+        """Which of the controllers `cids` have a live cell: one read per 500 (cells_live), not one each."""
+        out: set[str] = set()
+        for i in range(0, len(cids), 500):
+            part = cids[i:i + 500]
+            out.update(r[0] for r in self._all(f"SELECT DISTINCT controller_id FROM cells WHERE controller_id IN "
+                                               f"({','.join('?' * len(part))}) AND {LIVE_CELL}", tuple(part)))
+        return out
+
     def recovery_plans(self, run_id: str, cell_id: str) -> list[dict]:
         """What earlier janitors journaled they were about to kill in this cell."""
         return [json.loads(d or "{}") for (d,) in self._all(
@@ -525,16 +534,20 @@ class Journal:
                                 ended_at=now, receipt_path=receipt_path)
                 self.event(db, "state.recovered", c["run_id"], c["cell_id"], janitor=janitor,
                            controller=c["controller"])
+            runs: dict[str, tuple[bool, str]] = {}  # (other cells live, state), asked once a run: nothing here moves it
             for c in cells:
                 run_id, entry = c["run_id"], c["entry"]
-                if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
-                    entry["run_state"] = "active"
+                if run_id not in runs:
+                    if db.execute(f"SELECT 1 FROM cells WHERE run_id=? AND {LIVE_CELL} LIMIT 1", (run_id,)).fetchone():
+                        runs[run_id] = (True, "active")
+                    else:
+                        cur = db.execute("UPDATE runs SET state='recovered', ended_at=? WHERE run_id=? AND "
+                                         "state='active'", (now, run_id))
+                        runs[run_id] = (False, "recovered" if cur.rowcount else
+                                        db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0])
+                live, entry["run_state"] = runs[run_id]
+                if live:
                     entry["notes"].append(f"run {run_id} has other live cells: it stays active")
-                else:
-                    cur = db.execute("UPDATE runs SET state='recovered', ended_at=? WHERE run_id=? AND state='active'",
-                                     (now, run_id))
-                    entry["run_state"] = "recovered" if cur.rowcount else \
-                        db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
                 self._add_receipt(db, "recovery", run_id, c["cell_id"], c["receipt"])
                 if c.get("cell_receipt") is not None:
                     self._add_receipt(db, "cell", run_id, c["cell_id"], c["cell_receipt"])
@@ -603,6 +616,23 @@ class Journal:
 
     def events(self, run_id: str, cell_id: str) -> list:
         return self._all("SELECT * FROM events WHERE run_id=? AND cell_id=? ORDER BY id", (run_id, cell_id))
+
+    def stage_events(self, cells: list[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
+        """{(run_id, cell_id): the data of each of its `stage.*` events, in order} for many cells at once:
+        one read per run and 500 cells (events_by_cell), not one a cell (the janitor's cell receipts)."""
+        out: dict[tuple[str, str], list[str]] = {k: [] for k in cells}
+        by_run: dict[str, list[str]] = {}
+        for run_id, cell_id in out:
+            by_run.setdefault(run_id, []).append(cell_id)
+        for run_id, ids in by_run.items():
+            for i in range(0, len(ids), 500):
+                part = ids[i:i + 500]
+                for cell_id, kind, data in self._all(
+                        f"SELECT cell_id, kind, data FROM events WHERE run_id=? AND cell_id IN "
+                        f"({','.join('?' * len(part))}) ORDER BY id", (run_id, *part)):
+                    if kind.startswith("stage.") and data:
+                        out[run_id, cell_id].append(data)
+        return out
 
     def connections(self, run_id: str, cell_id: str) -> list[dict]:
         return [dict(r) for r in self._all("SELECT * FROM connections WHERE run_id=? AND cell_id=? ORDER BY seq",

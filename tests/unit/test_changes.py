@@ -277,6 +277,27 @@ def test_id_shift_gives_the_files_of_a_mapped_cell_their_in_cell_owners(env):
     assert os.stat(env.wt).st_uid == 0  # the root's owner is not taken for a change
 
 
+@needs_root
+def test_a_mapped_cell_that_changed_nothing_drops_its_layer_without_the_slow_path(env, monkeypatch):
+    """The upper's root of a mapped cell holds the worktree root's owner shifted (mounts.overlay): a cell
+    that wrote nothing is still "nothing changed" at a glance (the janitor's case for every dead cell)."""
+    base = 100000
+    c = env.cell()
+    os.chown(c.upper, base, base)
+
+    def slow(*a, **k):
+        raise AssertionError("an empty layer went through the slow path")
+    monkeypatch.setattr(changes, "_shift_ids", slow)
+    monkeypatch.setattr(changes, "_scan", slow)
+    ch = changes.commit(env.st, "R", c.id, env.wt, agent_id="A", id_shift=base)
+    assert ch["files"] == 0 and "record" not in ch
+    assert not os.path.exists(c.layer.dir)
+    c2 = env.cell()  # a root whose owner the cell did change (shifted, not the worktree's) is not empty at a glance
+    os.chown(c2.upper, base + 1000, base + 1000)
+    with pytest.raises(AssertionError, match="slow path"):
+        changes.commit(env.st, "R", c2.id, env.wt, agent_id="A", id_shift=base)
+
+
 # -- undo, redo, refusals --------------------------------------------------------------------------------
 def _destroy(env) -> Cell:
     c = env.cell()

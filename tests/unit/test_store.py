@@ -1,4 +1,5 @@
 """The journal store on a real SQLite file: the state machine, first-reason-wins, quotas' counts."""
+import json
 import time
 
 import pytest
@@ -108,7 +109,57 @@ def test_recovery_marks_the_run_recovered_only_when_no_other_cell_lives(j):
     assert len(j.receipts("recovery", "R")) == 2
 
 
+def test_cells_of_one_run_recovered_together_each_say_the_runs_state(j):
+    """conclude_recovered asks a run once for all its cells in the batch: every entry still says it."""
+    for c in ("c1", "c2", "c3"):
+        begin(j, cell=c)
+    entries = [{"notes": []} for _ in range(2)]
+    j.conclude_recovered([{"run_id": "R", "cell_id": c, "controller": "ctl-1", "entry": e,
+                           "receipt": {"kind": "recovery"}} for c, e in zip(("c1", "c2"), entries)],
+                         "jan-1", time.time(), "/r.json")
+    assert [e["run_state"] for e in entries] == ["active", "active"] and j.run("R")["state"] == "active"
+    assert all(e["notes"] == ["run R has other live cells: it stays active"] for e in entries)
+    begin(j, run="S", cell="d1")
+    begin(j, run="S", cell="d2")
+    more = [{"notes": []} for _ in range(3)]
+    j.conclude_recovered([{"run_id": r, "cell_id": c, "controller": "ctl-1", "entry": e, "receipt": {"kind": "recovery"}}
+                          for (r, c), e in zip((("R", "c3"), ("S", "d1"), ("S", "d2")), more)],
+                         "jan-1", time.time(), "/r.json")
+    assert [e["run_state"] for e in more] == ["recovered"] * 3 and all(e["notes"] == [] for e in more)
+    assert j.run("R")["state"] == j.run("S")["state"] == "recovered"
+
+
 def test_the_terminal_states_are_spelled_once_and_the_live_index_serves_the_janitor(j):
     assert all(f"'{s}'" in LIVE_CELL for s in TERMINAL_CELL)
     plan = j.query_plan(OPEN_SQL)
     assert "controllers_open" in plan and "cells_live" in plan, plan
+
+
+def test_stage_events_of_many_cells_are_each_cells_own_stage_events_in_order(j):
+    """The janitor reads the stage events of every recovered cell at once: per cell exactly what reading
+    its events one cell at a time and keeping the `stage.*` ones with data gives."""
+    for run, cell in (("R", "c1"), ("R", "c2"), ("R", "c3"), ("S", "c1")):
+        begin(j, run=run, cell=cell)
+    j.add_event("stage.spawn", "R", "c1", stage="spawn", t=1)
+    j.add_event("state.running", "R", "c1", x=1)
+    j.add_event("stage.spawn", "R", "c2", stage="spawn", t=2)
+    j.add_event("stage.exec", "R", "c1", stage="exec", t=3)
+    j.add_event("stage.empty", "R", "c1")  # no data: not a stage of the chain
+    j.add_event("stage.spawn", "S", "c1", stage="spawn", t=4)
+    keys = [("R", "c1"), ("R", "c2"), ("S", "c1"), ("S", "nope")]
+    got = j.stage_events(keys)
+    one_by_one = {k: [e["data"] for e in j.events(*k) if e["kind"].startswith("stage.") and e["data"]] for k in keys}
+    assert got == one_by_one
+    assert [json.loads(d)["stage"] for d in got["R", "c1"]][-2:] == ["spawn", "exec"]
+    assert got["S", "nope"] == [] and ("R", "c3") not in got
+
+
+def test_with_live_cells_names_the_controllers_that_still_have_one(j):
+    begin(j, cell="c1")
+    begin(j, cell="c2")
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c1", "controller": "ctl-1", "entry": {"notes": []},
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert j.with_live_cells(["ctl-1", "ctl-2"]) == {"ctl-1"} == {r["controller_id"] for r in j.live_cells_of("ctl-1")}
+    j.conclude_recovered([{"run_id": "R", "cell_id": "c2", "controller": "ctl-1", "entry": {"notes": []},
+                           "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
+    assert j.with_live_cells(["ctl-1", "ctl-2"]) == set() and j.with_live_cells([]) == set()

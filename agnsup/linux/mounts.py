@@ -270,11 +270,14 @@ def _mask(path: str) -> None:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return  # nothing there, or nothing this cell's uid could reach anyway
-    if stat_mod.S_ISDIR(st.st_mode):
-        lsys.mount("tmpfs", path, "tmpfs", lsys.MS_RDONLY | lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC,
-                   "size=4k,mode=000")
-    else:
-        lsys.mount("/dev/null", path, None, lsys.MS_BIND)
+    try:
+        if stat_mod.S_ISDIR(st.st_mode):
+            lsys.mount("tmpfs", path, "tmpfs", lsys.MS_RDONLY | lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC,
+                       "size=4k,mode=000")
+        else:
+            lsys.mount("/dev/null", path, None, lsys.MS_BIND)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # removed since the stat (another state root being deleted as this cell starts): nothing to mask
         # Read-only by mount_setattr, which changes that one flag: a remount (MS_REMOUNT|MS_BIND) sets
         # every per-mount flag anew, and where the kernel locked the source's nosuid, nodev or noexec (a
         # container's nosuid /dev seen from a normal user's own user namespace: mount_namespaces(7)) one

@@ -28,10 +28,11 @@ def _run_options() -> tuple[dict, dict]:
     return flags, defaults
 
 
-def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
-    """(state_dir, run options, command) for a plain `run` invocation, else None."""
+def _command_start(argv: list[str], command: str) -> tuple[int, str | None] | None:
+    """(the index after `command`, the group's --state-dir or None) when argv is `[--state-dir D] COMMAND ...`,
+    else None (any other group option, or another command: click's)."""
     i, state_dir = 0, None
-    while i < len(argv) and argv[i] != "run":
+    while i < len(argv) and argv[i] != command:
         a = argv[i]
         if a == "--state-dir" and i + 1 < len(argv):
             state_dir, i = argv[i + 1], i + 2
@@ -39,9 +40,15 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
             state_dir, i = a.split("=", 1)[1], i + 1
         else:
             return None
-    if i >= len(argv) or state_dir == "":
+    return None if i >= len(argv) else (i + 1, state_dir)
+
+
+def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
+    """(state_dir, run options, command) for a plain `run` invocation, else None."""
+    start = _command_start(argv, "run")
+    if start is None or start[1] == "":
         return None
-    i += 1
+    i, state_dir = start
     options, defaults = _run_options()
     opts = {**defaults, "env": [], "secrets": []}
     while i < len(argv):
@@ -99,18 +106,10 @@ CANCEL_OPTIONS = {"--cell": ("cell_id", True), "--cell-id": ("cell_id", True), "
 def parse_cancel(argv: list[str]) -> tuple[str | None, dict] | None:
     """(state_dir, cancel's keyword arguments) for a plain `cancel` invocation, else None
     (click then parses it: help, errors and anything unusual read as they always did)."""
-    i, state_dir = 0, None
-    while i < len(argv) and argv[i] != "cancel":
-        a = argv[i]
-        if a == "--state-dir" and i + 1 < len(argv):
-            state_dir, i = argv[i + 1], i + 2
-        elif a.startswith("--state-dir="):
-            state_dir, i = a.split("=", 1)[1], i + 1
-        else:
-            return None
-    if i >= len(argv):
+    start = _command_start(argv, "cancel")
+    if start is None:
         return None
-    i += 1
+    i, state_dir = start
     opts: dict = {"cell_id": None, "run_id": None, "agent_id": None, "everything": False, "grace": None,
                   "as_json": False}
     seen = set()

@@ -43,6 +43,14 @@ def _command_start(argv: list[str], command: str) -> tuple[int, str | None] | No
     return None if i >= len(argv) else (i + 1, state_dir)
 
 
+def _value(argv: list[str], i: int, eq: str, value: str) -> tuple[str, int] | None:
+    """(an option's value, the index after it): `--opt=value` carries it, `--opt value` takes the next
+    argument; None when there is none."""
+    if eq:
+        return value, i + 1
+    return None if i + 1 >= len(argv) else (argv[i + 1], i + 2)
+
+
 def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
     """(state_dir, run options, command) for a plain `run` invocation, else None."""
     start = _command_start(argv, "run")
@@ -61,12 +69,10 @@ def parse_run(argv: list[str]) -> tuple[str | None, dict, list[str]] | None:
         name, eq, value = a.partition("=")
         if name not in options and name != "--state-dir":
             return None
-        if not eq:
-            if i + 1 >= len(argv):
-                return None
-            value, i = argv[i + 1], i + 2
-        else:
-            i += 1
+        taken = _value(argv, i, eq, value)
+        if taken is None:
+            return None
+        value, i = taken
         if name == "--state-dir":  # cli.md: also accepted after the command name
             if value == "":
                 return None
@@ -124,12 +130,10 @@ def parse_cancel(argv: list[str]) -> tuple[str | None, dict] | None:
                 return None
             opts[key], i = True, i + 1
             continue
-        if not eq:
-            if i + 1 >= len(argv):
-                return None
-            value, i = argv[i + 1], i + 2
-        else:
-            i += 1
+        taken = _value(argv, i, eq, value)
+        if taken is None:
+            return None
+        value, i = taken
         if value == "" or value.startswith("-"):
             return None
         if key == "grace":

@@ -1,4 +1,4 @@
-"""The fast `run` parser agrees with the click CLI, or steps aside."""
+"""The fast `run` and `cancel` parsers agree with the click CLI, or step aside."""
 import click
 import pytest
 
@@ -21,19 +21,16 @@ FALLBACK = [
 ]
 
 
-def _click_parse(argv):
+def _click_parse(argv, command="run"):
+    """The keyword arguments click's `command` gets for argv (its body replaced), and the group's state_dir."""
     captured = {}
-
-    def fake(obj, **kw):
-        captured.update(kw, state_dir=obj["state_dir"])
-
-    run = cli.main.commands["run"]
-    orig = run.callback
-    run.callback = click.pass_obj(lambda obj, **kw: fake(obj, **kw))
+    cmd = cli.main.commands[command]
+    orig = cmd.callback
+    cmd.callback = click.pass_obj(lambda obj, **kw: captured.update(kw, state_dir=obj["state_dir"]))
     try:
         cli.main.main(argv, standalone_mode=False, auto_envvar_prefix=None)
     finally:
-        run.callback = orig
+        cmd.callback = orig
     return captured
 
 
@@ -74,28 +71,16 @@ CANCEL_FALLBACK = [
 ]
 
 
-def _click_parse_cancel(argv):
-    captured = {}
-    cmd = cli.main.commands["cancel"]
-    orig = cmd.callback
-    cmd.callback = click.pass_obj(lambda obj, **kw: captured.update(kw, state_dir=obj["state_dir"]))
-    try:
-        cli.main.main(argv, standalone_mode=False, auto_envvar_prefix=None)
-    finally:
-        cmd.callback = orig
-    return captured
-
-
 @pytest.mark.parametrize("argv", CANCEL_CASES, ids=" ".join)
 def test_the_fast_parser_reads_cancel_exactly_as_click_does(argv, monkeypatch):
     monkeypatch.delenv("AGNSUP_STATE_DIR", raising=False)
     state_dir, opts = parse_cancel(argv)
-    assert {**opts, "state_dir": state_dir} == _click_parse_cancel(argv)
+    assert {**opts, "state_dir": state_dir} == _click_parse(argv, "cancel")
 
 
 def test_the_fast_cancel_parser_takes_the_state_root_from_the_environment_as_click_does(monkeypatch):
     monkeypatch.setenv("AGNSUP_STATE_DIR", "/from/env")
-    assert parse_cancel(["cancel", "--all"])[0] == _click_parse_cancel(["cancel", "--all"])["state_dir"] == "/from/env"
+    assert parse_cancel(["cancel", "--all"])[0] == _click_parse(["cancel", "--all"], "cancel")["state_dir"] == "/from/env"
     assert parse_cancel(["--state-dir", "/x", "cancel"])[0] == "/x"
 
 

@@ -3,6 +3,8 @@ directory is unchanged, and what it kept never hides a root registered later or 
 import os
 import time
 
+import pytest
+
 from agnsup.store import state as statemod
 from agnsup.store.state import StateRoot
 
@@ -24,11 +26,17 @@ def _age(reg) -> None:
     os.utime(reg, (old, old))
 
 
-def test_a_root_registered_after_a_kept_listing_is_still_hidden(tmp_path, monkeypatch):
+@pytest.fixture
+def reg(tmp_path, monkeypatch):
+    """An empty roots registry of the test's own, and no listing kept from another test."""
     reg = tmp_path / "reg"
     reg.mkdir()
     monkeypatch.setenv("AGNSUP_ROOTS_REGISTRY", str(reg))
     monkeypatch.setattr(statemod, "_LISTED", {})
+    return reg
+
+
+def test_a_root_registered_after_a_kept_listing_is_still_hidden(tmp_path, reg):
     me, a, b = _root(tmp_path / "me"), _root(tmp_path / "a"), _root(tmp_path / "b")
     os.symlink(a, reg / "a")
     _age(reg)
@@ -39,26 +47,18 @@ def test_a_root_registered_after_a_kept_listing_is_still_hidden(tmp_path, monkey
     assert _others(me) == [a, b]
 
 
-def test_a_recent_listing_is_not_kept(tmp_path, monkeypatch):
+def test_a_recent_listing_is_not_kept(tmp_path, reg):
     """A change in the same timestamp tick as the listing would not move the mtime: a listing made within a
     second of the registry's last change is used once, never kept."""
-    reg = tmp_path / "reg"
-    reg.mkdir()
-    monkeypatch.setenv("AGNSUP_ROOTS_REGISTRY", str(reg))
-    monkeypatch.setattr(statemod, "_LISTED", {})
     me, a = _root(tmp_path / "me"), _root(tmp_path / "a")
     os.symlink(a, reg / "a")
     assert _others(me) == [a]
     assert str(reg) not in statemod._LISTED
 
 
-def test_a_root_whose_path_now_leads_elsewhere_is_hidden_where_it_is(tmp_path, monkeypatch):
+def test_a_root_whose_path_now_leads_elsewhere_is_hidden_where_it_is(tmp_path, reg):
     """The kept real path of a root is used only while it is still the same directory: a root moved and
     left a symlink at its old path is hidden at its new real path."""
-    reg = tmp_path / "reg"
-    reg.mkdir()
-    monkeypatch.setenv("AGNSUP_ROOTS_REGISTRY", str(reg))
-    monkeypatch.setattr(statemod, "_LISTED", {})
     me, a = _root(tmp_path / "me"), _root(tmp_path / "a")
     os.symlink(a, reg / "a")
     _age(reg)

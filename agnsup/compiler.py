@@ -33,11 +33,11 @@ def _homes_and_home_roots() -> list[str]:
     return sorted(found)
 
 
-def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None, roots_real: bool = False) -> str | None:
+def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:
     """Why a cell may not have `wt` (a real path) as its writable worktree, or None: "/", a
     system directory or an ancestor of one (a cell could rewrite the host: /etc, /opt),
-    a home or a home root (every user's keys), a state root or inside one. `roots_real`: `other_roots` are real paths
-    already (StateRoot.other_roots: ~50 realpath calls fewer a cell on a shared host)."""
+    a home or a home root (every user's keys), a state root or inside one. `other_roots`: real paths, as
+    StateRoot.other_roots gives them (resolved once per controller, not per cell)."""
     if wt == "/":
         return "is the root of the file system"
     for d in (*SYSTEM_TREES, *SYSTEM_TOPS, *_homes_and_home_roots(), *invoking_homes_safe(env)):
@@ -47,7 +47,7 @@ def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None, roots_r
         if under(wt, d):
             return f"lies inside the system directory {d}"
     # (a worktree holding a state root is allowed: the root is masked inside it, the mask goes last)
-    for r in (os.path.realpath(state_root), *(other_roots if roots_real else map(os.path.realpath, other_roots))):
+    for r in (os.path.realpath(state_root), *other_roots):
         if under(wt, r):
             return f"is or lies inside the state root {r}"
     return None

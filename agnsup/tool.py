@@ -91,7 +91,7 @@ def prepare(state, journal, request: CellRequest):
     # A worktree the cell may write is never the system, a home or a state root; a read-only
     # one may be a system directory (a look at /etc), never "/" (its attach would show again
     # what the cell's mounts hide).
-    why = compiler.worktree_refusal(spec.worktree, state.path, other_roots, roots_real=True) \
+    why = compiler.worktree_refusal(spec.worktree, state.path, other_roots) \
         if pol.filesystem.worktree == "rw" else "is the root of the file system" if spec.worktree == "/" else None
     if why is not None:
         refuse(UsageError(f"worktree {spec.worktree} {why}: a cell never gets it as its worktree; run in a "

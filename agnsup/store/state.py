@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
+import time
 from contextlib import suppress
 
 from ..errors import NoPermission, StateError, UsageError
@@ -66,7 +68,6 @@ def _registered(reg: str) -> list[tuple[str, str, str]]:
         except OSError:
             continue
         out.append((entry, target, os.path.realpath(target)))
-    import time
     if time.time_ns() - st.st_mtime_ns > 1_000_000_000:
         _LISTED[reg] = (key, out)
     return out
@@ -75,7 +76,6 @@ def _registered(reg: str) -> list[tuple[str, str, str]]:
 def _still_real(target: str, real: str) -> bool:
     """Is `real` (the real path of `target` when the registry was listed) still the directory `target` names:
     a directory, no symlink, the same inode? Else the caller resolves `target` again."""
-    import stat
     try:
         a, b = os.stat(target), os.lstat(real)
     except OSError:
@@ -215,7 +215,6 @@ def _ancestors(path: str) -> list[str]:
 
 
 def _kind(path: str) -> str:
-    import stat
     try:
         m = os.lstat(path).st_mode
     except OSError:

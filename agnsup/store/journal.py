@@ -505,10 +505,9 @@ class Journal:
     def with_live_cells(self, cids: list[str]) -> set[str]:
         """Which of the controllers `cids` have a live cell: one read per 500 (cells_live), not one each."""
         out: set[str] = set()
-        for i in range(0, len(cids), 500):
-            part = cids[i:i + 500]
+        for part, marks in _in_parts(cids):
             out.update(r[0] for r in self._all(f"SELECT DISTINCT controller_id FROM cells WHERE controller_id IN "
-                                               f"({','.join('?' * len(part))}) AND {LIVE_CELL}", tuple(part)))
+                                               f"({marks}) AND {LIVE_CELL}", part))
         return out
 
     def recovery_plans(self, run_id: str, cell_id: str) -> list[dict]:
@@ -625,11 +624,10 @@ class Journal:
         for run_id, cell_id in out:
             by_run.setdefault(run_id, []).append(cell_id)
         for run_id, ids in by_run.items():
-            for i in range(0, len(ids), 500):
-                part = ids[i:i + 500]
+            for part, marks in _in_parts(ids):
                 for cell_id, kind, data in self._all(
-                        f"SELECT cell_id, kind, data FROM events WHERE run_id=? AND cell_id IN "
-                        f"({','.join('?' * len(part))}) ORDER BY id", (run_id, *part)):
+                        f"SELECT cell_id, kind, data FROM events WHERE run_id=? AND cell_id IN ({marks}) ORDER BY id",
+                        (run_id, *part)):
                     if kind.startswith("stage.") and data:
                         out[run_id, cell_id].append(data)
         return out
@@ -907,3 +905,10 @@ def peek_open_controllers(path: str) -> list | None:
             return db.execute(OPEN_SQL).fetchall()
     except sqlite3.Error:
         return None
+
+
+def _in_parts(values: list, size: int = 500) -> list[tuple[tuple, str]]:
+    """`values` in parts of at most `size` (SQLite's bound on a statement's variables), each with its
+    "?,?,..." for an IN (...) list."""
+    parts = [tuple(values[i:i + size]) for i in range(0, len(values), size)]
+    return [(p, ",".join("?" * len(p))) for p in parts]

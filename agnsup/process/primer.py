@@ -19,6 +19,7 @@ refuses the write or takes no lock for it) only leaves the cost where it was.
 """
 from __future__ import annotations
 
+import errno
 import os
 
 TRUE = ("/bin/true", "/usr/bin/true")
@@ -37,6 +38,7 @@ class Primer:
         self.backend = backend
         self.pid: int | None = None
         self.procs_file: str | None = None
+        self.refused: int | None = None  # the errno of the last write the kernel refused (touch)
 
     def prime(self) -> bool:
         self.procs_file = target(self.backend)
@@ -46,18 +48,26 @@ class Primer:
 
     def touch(self) -> bool:
         """One write of the zombie's pid, if it is one (exited, still ours: its number cannot be reused and the
-        kernel moves nothing): True if the kernel took it."""
+        kernel moves nothing): True if the write reached the kernel's migration (`refused`: the errno it
+        answered, None when it took it). The kernel takes its lock before it looks up the pid or checks the
+        directory, so a refusal still starts the grace period: on a pure-v2 host agnsup's base has controllers
+        in its subtree_control and refuses every process (the no-internal-process rule)."""
         if self.procs_file is None or not self._exited():
             return False
         try:
             fd = os.open(self.procs_file, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, str(self.pid).encode())
-                return True
-            finally:
-                os.close(fd)
         except OSError:
             return False
+        try:
+            os.write(fd, str(self.pid).encode())
+            self.refused = None
+        except OSError as e:
+            if e.errno == errno.ENODEV:  # the directory is being removed: refused before the lock
+                return False
+            self.refused = e.errno
+        finally:
+            os.close(fd)
+        return True
 
     def _exited(self) -> bool:
         """Is our child self.pid a zombie now? False while it still runs (a write would move it) or when

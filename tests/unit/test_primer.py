@@ -100,3 +100,15 @@ def test_the_forker_touches_before_the_fork_and_renews_after_it():
     finally:
         f.close()
     assert calls == ["prime", "touch", "fork", "renew", "touch", "renew", "reap"]
+
+
+def test_a_write_the_kernel_refuses_still_counts_as_reached_and_says_why(tmp_path):
+    """A pure-v2 base refuses every process (EBUSY: it has controllers) after the kernel took its lock, so
+    the grace period starts all the same: touch() says the write reached the kernel and keeps the errno."""
+    import errno
+    p = primer.Primer(_Backend({"v2": str(tmp_path)}))
+    p.renew()
+    _wait_exited(p.pid)
+    p.procs_file = "/dev/full"  # every write: ENOSPC
+    assert p.touch() and p.refused == errno.ENOSPC
+    p.reap()

@@ -48,17 +48,13 @@ class _Running:
         self.started.set()
 
 
-class _Forker:
-    """The thread every cell of a Supervisor is forked from. It lives as long as the
-    Supervisor: a cell's PR_SET_PDEATHSIG (on_controller_death = kill) fires when the
-    *thread* that forked it ends (prctl(2)), and serve's request threads end with
-    their connections."""
+class _Worker:
+    """A thread that runs the functions queued to it, in order, for as long as the Supervisor lives."""
 
-    def __init__(self, primer=None):
+    def __init__(self, name: str):
         import queue
-        self.primer = primer  # process.primer.Primer: touched before each fork, its zombie reaped after
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="agnsup-forker", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
@@ -74,40 +70,68 @@ class _Forker:
             if done is not None:
                 done.set()
 
-    def __call__(self, fn):
-        """Run `fn()` (leader.spawn's fork) on the thread and return what it returned there."""
+    def call(self, fn):
+        """Run `fn()` on the thread and return what it returned there."""
         box: list = []
         done = threading.Event()
-        self.jobs.put((self._primed(fn) if self.primer is not None else fn, box, done))
+        self.jobs.put((fn, box, done))
         done.wait()
-        if self.primer is not None:  # the next request's zombie, after this one's fork, off its path
-            self.submit(self.primer.renew)
         ok, value = box[0]
         if not ok:
             raise value
         return value
 
-    def _primed(self, fn):
-        def fork():
-            self.primer.touch()
-            return fn()  # returns in the parent only: the leader runs its steps and execs, or exits
-        return fork
-
-    def prime(self) -> None:
-        """The cgroup lock's grace period, started now on the thread (process/primer.py)."""
-        if self.primer is not None:
-            self.submit(self.primer.prime)
-
     def submit(self, fn) -> None:
-        """Run `fn()` on the thread, ahead of the jobs queued after it; nobody waits for it and what it raises
-        goes nowhere (process/primer.py: the cgroup lock's grace period, started at a request's arrival)."""
+        """Run `fn()` on the thread after the jobs queued before it; nobody waits for it and what it raises goes
+        nowhere."""
         self.jobs.put((fn, [], None))
 
     def close(self) -> None:
-        if self.primer is not None:
-            self.submit(self.primer.reap)
         self.jobs.put(None)
         self.thread.join(5)
+
+
+class _Forker:
+    """The thread every cell of a Supervisor is forked from. It lives as long as the
+    Supervisor: a cell's PR_SET_PDEATHSIG (on_controller_death = kill) fires when the
+    *thread* that forked it ends (prctl(2)), and serve's request threads end with
+    their connections.
+
+    The primer (process/primer.py: the cgroup lock's grace period, started at a request's arrival) runs on a
+    thread of its own, never on this one: a prime or touch that waits a grace period (6-16 ms) holds no fork
+    up behind it (issue 29, third round: on the forker, a touch that found the lock's fast state expired made
+    the fork wait a whole grace period, ~6 ms a cell on average). Both threads are the controller's, so the
+    primer's zombie is ours to wait for from either."""
+
+    def __init__(self, primer=None):
+        self.primer = primer  # process.primer.Primer: touched before each fork, its zombie reaped after
+        self.worker = _Worker("agnsup-forker")
+        self.side = _Worker("agnsup-primer")
+
+    def __call__(self, fn):
+        """Run `fn()` (leader.spawn's fork) on the thread and return what it returned there."""
+        if self.primer is not None:  # keeps the lock's fast state for the leader's join; waits on its own thread
+            self.side.submit(self.primer.touch)
+        try:
+            return self.worker.call(fn)  # returns in the parent only: the leader runs its steps and execs, or exits
+        finally:
+            if self.primer is not None:  # the next request's zombie, after this one's fork, off its path
+                self.side.submit(self.primer.renew)
+
+    def prime(self) -> None:
+        """The cgroup lock's grace period, started now on the primer's thread (process/primer.py)."""
+        if self.primer is not None:
+            self.side.submit(self.primer.prime)
+
+    def submit(self, fn) -> None:
+        """Run `fn()` on the primer's thread; nobody waits for it and what it raises goes nowhere."""
+        self.side.submit(fn)
+
+    def close(self) -> None:
+        if self.primer is not None:
+            self.side.submit(self.primer.reap)
+        self.side.close()
+        self.worker.close()
 
 
 class Supervisor:
@@ -151,9 +175,6 @@ class Supervisor:
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
-        # the cgroup lock's grace period starts now, on the forker thread, and elapses while this thread
-        # prepares the cell (process/primer.py); the leader's own cgroup.procs writes after fork find it passed
-        self._forker.prime()
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
         cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,

@@ -221,7 +221,8 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("setsid", lambda s: os.setsid(), False),    # new session and process group
     ("controlling_terminal", lambda s: s.ctty and s.ctty(), False),  # fd 0 (a pty): its foreground group is ours
     # join the cell's cgroups: every hierarchy it was not born in (born in one: the controller moves it)
-    ("cgroup", lambda s: s.place.node is not None and not s.born and s.backend.attach(s.place, 0), False),
+    # (alone: we have one thread, so a v1 hierarchy's `tasks` moves the whole of us, without the grace period)
+    ("cgroup", lambda s: s.place.node is not None and not s.born and s.backend.attach(s.place, 0, alone=True), False),
     ("signals", _signals, False),                # default dispositions, empty mask
     # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
     # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the

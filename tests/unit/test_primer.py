@@ -75,31 +75,39 @@ def test_no_base_directory_no_prime(backend):
     p.reap()
 
 
-def test_the_forker_touches_before_the_fork_and_renews_after_it():
-    calls = []
+def test_the_forker_touches_before_the_fork_and_renews_after_it_on_a_thread_of_its_own():
+    """The primer's calls run in order on their own thread, never on the forker's: a touch that waits a grace
+    period holds no fork up (issue 29, third round)."""
+    import threading
+    calls, threads = [], {}
 
     class Fake:
-        def prime(self):
-            calls.append("prime")
+        def __getattr__(self, name):
+            if name not in ("prime", "touch", "renew", "reap"):
+                raise AttributeError(name)
 
-        def touch(self):
-            calls.append("touch")
+            def call():
+                calls.append(name)
+                threads.setdefault(name, set()).add(threading.current_thread().name)
+            return call
 
-        def renew(self):
-            calls.append("renew")
-
-        def reap(self):
-            calls.append("reap")
+    def fork(value):
+        def run():
+            threads.setdefault("fork", set()).add(threading.current_thread().name)
+            return value
+        return run
 
     f = _Forker(Fake())
     try:
         f.prime()
-        assert f(lambda: calls.append("fork") or 7) == 7
+        assert f(fork(7)) == 7
         with pytest.raises(OSError):
             f(lambda: (_ for _ in ()).throw(OSError("no fork")))
     finally:
         f.close()
-    assert calls == ["prime", "touch", "fork", "renew", "touch", "renew", "reap"]
+    assert calls == ["prime", "touch", "renew", "touch", "renew", "reap"]
+    assert threads["fork"] == {"agnsup-forker"}
+    assert all(threads[n] == {"agnsup-primer"} for n in ("prime", "touch", "renew", "reap")), threads
 
 
 def test_a_write_the_kernel_refuses_still_counts_as_reached_and_says_why(tmp_path):

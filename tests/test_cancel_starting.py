@@ -42,13 +42,13 @@ def test_a_cancel_between_identity_and_cgroup_join_stops_the_cell(state, worktre
         if sup.ctl.backend.kind == "none" or not sup.ctl.backend.trees:
             pytest.skip("ENV_BLOCKED: cgroup: no cell tree to join (the window is the cgroup join)")
 
-        def late_attach(place, pid, born=False):
+        def late_attach(place, pid, born=False, **how):
             if pid == 0:  # in the forked leader (a copy of this process), before it joins its cgroups
                 open(held, "w").close()
                 deadline = time.monotonic() + 60
                 while not os.path.exists(go) and time.monotonic() < deadline:
                     time.sleep(0.005)
-            return attach(place, pid, born)
+            return attach(place, pid, born, **how)
         sup.ctl.backend.attach = late_attach
 
         spawned: list = []

@@ -149,7 +149,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
-    offline_files, offline_clones, offline_places = _offline_resolver(policy, spec.role, tmpdir)
+    offline_files, offline_clones, offline_places, shared = _offline_resolver(policy, spec.role, state_root)
     home_clones += offline_clones
     home_places += offline_places
     trust_clones, trust_places = _secret_trust(spec, tmpdir)
@@ -216,6 +216,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     ops.extend(("mask", p) for p in sockets)
     return _plan(policy, spec, reduced, conf, home, wt, None, offline_files,
                  cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops, tmp_tmpfs=tmp_tmpfs, deny_masked=masked,
+                 shared_files=shared,
                  home_hidden=hidden, home_exposed=exposed, caches=caches, devices=devices, shm_max=shm_max,
                  protected=protected, protected_lifted=lifted, run_private=run_dirs, run_shown=run_shown,
                  sockets_masked=sockets, sockets_allowed=allowed_sockets, changes=changes)
@@ -407,15 +408,18 @@ NETWORK_NSS = ("dns", "resolve", "mdns", "mdns4", "mdns6", "mdns_minimal", "mdns
 UNREACHABLE_NAMESERVER = "192.0.2.1"
 
 
-def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]:
+def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, list, list]:
     """deny/loopback: name resolution fails at once, with "not found" rather than "try
     again" (which pip and npm retry for 10-70 s): the cell's /etc/nsswitch.conf looks
     hosts up in files, then dns, then files again, and its /etc/resolv.conf names a server
     no cell can reach (the query has no route: the kernel counts it). (files, clones,
-    attaches); the files are written in the cell's /tmp and bound read-only over the
-    host's (their real paths: /etc/resolv.conf is often a symlink into /run)."""
+    attaches, shared files); the files are written in the cell's /tmp, and bound read-only over the
+    host's (their real paths: /etc/resolv.conf is often a symlink into /run) from a copy under
+    <state>/offline named by its content, written once for every cell that binds the same text: not two
+    directories and two files made and removed on the state root's disk per cell (issue 29: on an ext4
+    without a journal each new inode costs ~0.3 ms while many were deleted in the last 30 s)."""
     if policy.network.mode not in ("deny", "loopback"):
-        return [], [], []
+        return [], [], [], []
     why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
     # A server no cell can reach (RFC 5737, documentation only): a query fails at once, and the kernel counts
     # it in the cell's namespace (Ip OutNoRoutes: the network hint's evidence, linux/netns.py).
@@ -435,16 +439,18 @@ def _offline_resolver(policy, role: str, tmpdir: str) -> tuple[list, list, list]
                 # last answer "not found" (EAI_NONAME), never dns's "try again" (EAI_AGAIN), which clients retry
                 lines[i] = "hosts: " + " ".join([*(kept or ["files"]), "dns", "files"])
         texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
-    files, clones, places = [], [], []
+    from hashlib import sha256
+    files, clones, places, shared = [], [], [], []
     for name, text in texts.items():
         target = os.path.realpath(os.path.join("/etc", name))
         if not os.path.isfile(target) or under(target, "/tmp"):
             continue
-        rel = os.path.join(".agnsup", "etc", name)
-        files.append((rel, text))
-        clones.append(("clone", os.path.join(tmpdir, rel), f"offline-{name}", True))
+        files.append((os.path.join(".agnsup", "etc", name), text))
+        source = os.path.join(state_root, "offline", f"{sha256(text.encode()).hexdigest()[:24]}-{name}")
+        shared.append((source, text))
+        clones.append(("clone", source, f"offline-{name}", True))
         places.append(("attach", target, f"offline-{name}"))
-    return files, clones, places
+    return files, clones, places, shared
 
 
 def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:

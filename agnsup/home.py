@@ -14,6 +14,7 @@ def make(plan) -> None:
     A cell whose /tmp is a tmpfs the controller makes (plan.tmp_tmpfs) gets only the directory here:
     process.leader.make_tmp writes the same entries (process.helpers.tmp_entries) straight into its tmpfs, not through
     ~20 files and directories on the state root's disk copied over and removed again (issue 29)."""
+    _shared(plan)
     if getattr(plan, "tmp_tmpfs", False):
         os.makedirs(plan.tmpdir)
         # on disk only what a mount step takes from here (the offline resolv.conf and nsswitch.conf)
@@ -57,6 +58,21 @@ def make(plan) -> None:
             os.lchown(path, *ids)
     _caches(plan)
     os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
+
+
+def _shared(plan) -> None:
+    """The files a mount step binds that many cells share (plan.shared_files: the offline resolver's), named by
+    their content: written once, whole (a temporary name, then rename: a concurrent controller writes the same
+    bytes), readable by any cell's ids (bound read-only), never removed with a cell."""
+    for path, text in getattr(plan, "shared_files", ()):
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, path)
 
 
 def _caches(plan) -> None:

@@ -60,6 +60,8 @@ class ExecutionPlan(Record):
     egress_rules: object = None            # ... and as netpolicy.Rules, what the proxy judges by
     tmp_links: list[tuple] = Factory(list)  # (path inside the cell's /tmp, target): @runtime, home_allow in HOME
     tmp_files: list[tuple] = Factory(list)  # (path inside the cell's /tmp, text): toolconfig's HOME files
+    shared_files: list[tuple] = Factory(list)  # (path under <state>/offline, text): what a mount step binds, the same
+                                               # for many cells: written once (home.make), never removed per cell
     home_config: dict = Factory(dict)       # what of the user's tool configuration crossed (toolconfig)
     tmp_tmpfs: bool = False                 # root: /tmp is a tmpfs of limits.tmp_max the controller makes and
                                             # fills from tmpdir (process.leader.make_tmp); else the tmpdir itself

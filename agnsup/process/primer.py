@@ -7,13 +7,15 @@ grace period or two of the last one does not wait. A threaded controller's leade
 Python API: process.clone's fork path) joins its cgroups itself after fork, so each cell waited a whole grace
 period there, after everything else the controller had done for it.
 
-Primer.prime() starts that wait when a request arrives, before its prepare: on the controller's forker thread (idle
-until the fork, which queues behind it), it writes the pid of a zombie of its own (a `true` it spawned after the
-last fork and has not reaped yet: an exited process, which the kernel does not move; the write takes the lock
-all the same)
+Primer.prime() starts that wait once the cell's cgroup directories exist (broker.Controller._make_place; not
+before them: the kernel waits the grace period holding its cgroup_mutex, which every mkdir takes): on a thread of
+the controller's own (supervisor._Forker's agnsup-primer, never the forker: no fork waits behind it), it writes the
+pid of a zombie of its own (a `true` it spawned after the last fork and has not reaped yet: an exited process,
+which the kernel does not move; the write takes the lock all the same)
 into the cgroup.procs of agnsup's own directory (the backend's base, made by the first cell; the kernel's
 lock is the same for every directory and hierarchy). The grace period then elapses while the request's
-thread prepares, journals and places the cell; the leader's own writes after fork find the lock fast.
+thread finishes the place and the leader is forked; the leader's own v2 write after fork finds the lock fast
+(its v1 joins write `tasks`, which takes no such lock: backend.cgroups.CgroupBackend.attach).
 Nothing moves and nothing is judged by it: any failure (no base directory yet, no `true`, a kernel that
 refuses the write or takes no lock for it) only leaves the cost where it was.
 """
@@ -26,9 +28,9 @@ TRUE = ("/bin/true", "/usr/bin/true")
 
 
 class Primer:
-    """A zombie of ours and the cgroup.procs it is written to. Every call on the controller's forker thread:
-    prime() at a request's arrival (the grace period waited there, ahead of the fork queued behind it),
-    touch() just before the fork (the lock's fast state kept a grace period or two longer, so the leader's
+    """A zombie of ours and the cgroup.procs it is written to. Every call on one thread of the controller (in
+    order; any thread of ours may wait for our child): prime() once the cell's cgroup directories exist (the grace
+    period waited there, beside the request's thread), touch() just before the fork (the lock's fast state kept a grace period or two longer, so the leader's
     writes right after land in it, however long the request took to prepare), renew() after the fork, off
     the request's path: the next request's zombie, spawned now so that it has exited long before it is
     written (on a loaded host a new process may wait many milliseconds for a CPU: never on a request's path).

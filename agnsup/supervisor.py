@@ -97,7 +97,7 @@ class _Forker:
     *thread* that forked it ends (prctl(2)), and serve's request threads end with
     their connections.
 
-    The primer (process/primer.py: the cgroup lock's grace period, started at a request's arrival) runs on a
+    The primer (process/primer.py: the cgroup lock's grace period, started once a cell's cgroups exist) runs on a
     thread of its own, never on this one: a prime or touch that waits a grace period (6-16 ms) holds no fork
     up behind it (issue 29, third round: on the forker, a touch that found the lock's fast state expired made
     the fork wait a whole grace period, ~6 ms a cell on average). Both threads are the controller's, so the

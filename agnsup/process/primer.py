@@ -30,8 +30,8 @@ TRUE = ("/bin/true", "/usr/bin/true")
 class Primer:
     """A zombie of ours and the cgroup.procs it is written to. Every call on one thread of the controller (in
     order; any thread of ours may wait for our child): prime() once the cell's cgroup directories exist (the grace
-    period waited there, beside the request's thread), touch() just before the fork (the lock's fast state kept a grace period or two longer, so the leader's
-    writes right after land in it, however long the request took to prepare), renew() after the fork, off
+    period waited there, beside the request's thread), touch() just before the fork (the lock's fast state kept
+    a grace period or two longer, so the leader's write right after lands in it), renew() after the fork, off
     the request's path: the next request's zombie, spawned now so that it has exited long before it is
     written (on a loaded host a new process may wait many milliseconds for a CPU: never on a request's path).
     Between requests the controller has that one exited, unreaped `true` as its child; reap() at its close."""

@@ -81,6 +81,11 @@ def _exit(code: int) -> None:
 
 def main(state_dir: str | None, opts: dict) -> None:
     """The fast path's `cancel`: the exit codes and lines of cli.py's _Group, _json_errors and _fail."""
+    # No cyclic garbage collection in this short process (it ends with os._exit): the imports on the way to the
+    # kill (~120 modules) trip a dozen collection passes, ~1 ms of a kill switch's start (issue 29); what one
+    # cancel allocates is freed by reference counting, and a scope of many cells holds a list of dicts each.
+    import gc
+    gc.disable()
     from ..errors import AgnsupError, StateError, exit_code
 
     def fail(e: AgnsupError) -> None:

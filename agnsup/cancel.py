@@ -102,13 +102,14 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
         scope_place = backend.scope(scope.run_id, scope.agent_id) \
             if backend.trees and scope.kind in ("agent", "run") else None
         if grace > 0:
-            done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place)
+            done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place,
+                               list_left=False)
         else:
             # no grace period: only the leader's answer to SIGTERM counts (it is the cell's exit status: 143 when
             # the command obeyed it, cli.md); the rest of the tree is killed at once, not first sent SIGTERM one
             # pidfd at a time (~1,000 processes: 10-70 ms of a cancel, issue 29)
             termed = [reaper.term_leader(backend, t) for _, t in targets]
-            done = reaper.stop(backend, [t for _, t in targets], scope=scope_place)
+            done = reaper.stop(backend, [t for _, t in targets], scope=scope_place, list_left=False)
             for r, n in zip(done, termed):
                 r.signalled += n
         for (c, _), r in zip(targets, done):

@@ -183,20 +183,23 @@ def _evidence(backend, t: Target):
 
 # -- stop -----------------------------------------------------------------------
 def stop(backend, targets: list[Target], *, term: bool = False, grace: float = 0.0, until: float | None = None,
-         thorough: bool = False, scope=None, exclude: tuple = (), on_plan=None) -> list[Reaped]:
+         thorough: bool = False, scope=None, exclude: tuple = (), on_plan=None, list_left: bool = True) -> list[Reaped]:
     """End every process of `targets`. `term`: SIGTERM first; then wait until they
     are gone or the grace period is over (`until`: a monotonic deadline instead);
     then kill rounds until a round finds nothing. `scope`: a run or agent place
     whose whole tree is these targets (one kill reaches them all). `on_plan(plans)`
     hears [(target, candidates)] before each round's kill (the janitor journals
-    them). `exclude`: pids never touched (a leader the caller reaps itself)."""
+    them). `exclude`: pids never touched (a leader the caller reaps itself).
+    `list_left`: Reaped.left lists the tree's pids when the stop began; a caller that never reads
+    it (cancel) says False: a tree of ~1,000 processes is not read and parsed before its kill."""
     jobs = [_Job(backend, t, thorough) for t in targets]
     scans = thorough or any(j.ev for j in jobs)
     snap = backend.snapshot(exclude) if scans else None
     found = {}
     for j in jobs:
         cands = found[j] = j.find(backend, snap, thorough, exclude)
-        j.r.left = sorted(set(backend.members(j.t.place) if j.t.has_tree else ()) | set(cands))
+        listed = backend.members(j.t.place) if j.t.has_tree and list_left else ()
+        j.r.left = sorted(set(listed) | set(cands))
         if term:
             j.r.signalled += backend.signal(j.t.place, signal.SIGTERM) if j.t.has_tree else 0
             j.r.signalled += sum(ok for ok, _ in j.signal(backend, cands, signal.SIGTERM).values())

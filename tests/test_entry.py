@@ -125,3 +125,31 @@ def test_the_fast_cancel_prints_and_exits_exactly_as_click_does(tmp_path):
         v = json.loads(text)
         return {**v, "duration": 0, "reason": v["reason"].rsplit("(pid", 1)[0]}
     assert (fc, fe) == (sc, se) == (0, "") and same(fo) == same(so) and fo.count("\n") == so.count("\n")
+
+
+def test_the_fast_cancel_leaves_its_journal_connection_to_the_exit(tmp_path):
+    """As `agnsup run` does: the last connection's close would checkpoint the WAL (fdatasyncs and an unlink,
+    10-15 ms between a cancel's receipt and its result line, issue 29); what it read and committed stays
+    readable. The click path closes its connection, which (the last one) removes the WAL."""
+    import os
+    from agnsup.store.state import StateRoot
+    root = StateRoot(str(tmp_path / "state")).ensure()
+    root.journal().close()  # the last connection closed: checkpointed, no WAL
+    wal = os.path.join(root.path, "journal.db-wal")
+    assert not os.path.exists(wal)
+    fast, slow = _both(root.path, "cancel", "--all", "--grace", "0")
+    assert fast == slow == (0, "cancelled 0 cell(s) of every live cell\n", "")
+    assert not os.path.exists(wal)  # click's close (the second run) removed it, as before
+    import subprocess
+    import sys
+    cp = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; "
+                         "from agnsup.doors.entry import main; main()", "cancel", "--all", "--grace", "0"],
+                        env={**os.environ, "AGNSUP_STATE_DIR": root.path}, capture_output=True, text=True, timeout=60)
+    assert (cp.returncode, cp.stdout) == (0, "cancelled 0 cell(s) of every live cell\n")
+    assert os.path.exists(wal)  # left to the exit: no checkpoint on the kill switch's path
+    j = root.journal()
+    try:
+        assert j.open_controllers() == []  # the journal reads as it did
+    finally:
+        j.close()
+

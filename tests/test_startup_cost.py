@@ -88,6 +88,20 @@ def test_the_cell_was_recorded(state, worktree, tmp_path):
     assert [s["stage"] for s in receipt["chain"]][:3] == ["public_tool", "spec_builder", "governance"]
 
 
+def test_cancel_imports_only_the_backend_the_host_needs(state, worktree, tmp_path):
+    """`agnsup cancel` (issue 29: every module before its kill is on the kill switch's path) imports the
+    systemd backend only where it may be chosen (root on pure cgroup v2, a normal user without a writable
+    hierarchy), the delegated one only for a normal user with AGNSUP_CGROUP_BASE."""
+    from agnsup.linux import cgroup
+    _run_and_list_modules(state, worktree, tmp_path, "run", "--", "true")  # a journal to cancel in
+    mods = _run_and_list_modules(state, worktree, tmp_path, "cancel", "--all", "--grace", "0")
+    assert "agnsup.backend.cgroups" in mods and "agnsup.reaper" in mods  # it did take the cancel path
+    if os.geteuid() == 0 and cgroup.detect_layout().kind != "v2":  # (a normal user may ask its systemd manager)
+        assert "agnsup.backend.systemd" not in mods
+    if os.geteuid() == 0 or not os.environ.get("AGNSUP_CGROUP_BASE"):
+        assert "agnsup.backend.delegated" not in mods
+
+
 def _nest(top, depth: int) -> None:
     """`depth` directories named d below `top`, made through two fds at a time."""
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 
-from . import systemd
 from .base import Backend, Untracked
 from .cgroups import for_layout
-from .delegated import Delegated
 from ..linux import cgroup
+# backend/systemd.py and backend/delegated.py are imported where _choose picks them: a root on a hybrid or
+# v1 host, the CLI's cancel among them, never needs either (issue 29: every module on the way to the kill)
 
 
 def choose(state_root: str, mountinfo: str | None = None) -> Backend:
@@ -44,6 +44,7 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
     base = os.environ.get("AGNSUP_CGROUP_BASE") if live else None
     off = live and os.environ.get("AGNSUP_CGROUP_LAYOUT") == "none"  # cgroups turned off on this host
     if layout.kind == "none" and not root and live and not off and not base:
+        from . import systemd
         user_layout = systemd.user_layout()
         if user_layout is not None:
             return systemd.SystemdUserScope(user_layout, state_root), \
@@ -54,10 +55,13 @@ def _choose(state_root: str, mountinfo: str | None) -> tuple[Backend, str]:
         return Untracked(), ("no cgroup hierarchy is writable here" + ("" if root else
                              ", none is delegated to this user (AGNSUP_CGROUP_BASE) and no systemd user manager runs"))
     if layout.v2 and not root and base:
+        from .delegated import Delegated
         return Delegated(layout, state_root), f"a normal user; AGNSUP_CGROUP_BASE={base} names its delegated subtree"
-    if layout.kind == "v2" and root and not base and live and systemd.booted():
-        return systemd.SystemdScope(layout, state_root), \
-            "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
+    if layout.kind == "v2" and root and not base and live:
+        from . import systemd
+        if systemd.booted():
+            return systemd.SystemdScope(layout, state_root), \
+                "root on pure cgroup v2 with systemd as PID 1 (it owns the tree): agnsup's own unit, Delegate=yes"
     why = {"v2": "cgroup2 is writable and carries the controllers", "hybrid": "cgroup2 is writable for tracking "
            "and cgroup.kill; memory, pids and cpu are v1 hierarchies", "v1": "only v1 hierarchies are writable"}
     return for_layout(layout, state_root), why[layout.kind] + (f" (under AGNSUP_CGROUP_BASE={base})" if base else "")

@@ -20,9 +20,15 @@ def existing_state(state_dir: str | None):
     return st
 
 
-def cancel_command(state_dir, cell_id, run_id, agent_id, everything, grace, as_json, echo, fail) -> None:
+def cancel_command(state_dir, cell_id, run_id, agent_id, everything, grace, as_json, echo, fail,
+                   close_journal: bool = True) -> None:
     """`agnsup cancel`, for click and for the fast path alike: `echo(text, err=False)` prints a line,
-    `fail(error)` prints its line and exits; an AgnsupError raised here is the caller's to report."""
+    `fail(error)` prints its line and exits; an AgnsupError raised here is the caller's to report.
+    `close_journal=False`: the caller ends the process with os._exit right after (the fast path), and the
+    connection is left to the exit, as `agnsup run` leaves its own (broker.Controller.close): when the cell's
+    controller has exited first, the last connection's close checkpoints the WAL (fdatasyncs, writes and an
+    unlink: 10-15 ms seen, between the receipt and the result line of 1 cancel in 8, issue 29); every commit
+    was made before, and a WAL left behind is what a crash after the last commit leaves."""
     import json
     from .. import cancel as cancelmod
     from ..errors import StateError
@@ -41,7 +47,8 @@ def cancel_command(state_dir, cell_id, run_id, agent_id, everything, grace, as_j
             result = cancelmod.cancel(state, cancelmod.resolve(j, cell_id, run_id, agent_id, everything), grace,
                                       journal=j)
         finally:
-            j.close()
+            if close_journal:
+                j.close()
     if as_json:
         echo(json.dumps(result, indent=2))
     else:
@@ -81,6 +88,11 @@ def _exit(code: int) -> None:
 
 def main(state_dir: str | None, opts: dict) -> None:
     """The fast path's `cancel`: the exit codes and lines of cli.py's _Group, _json_errors and _fail."""
+    # No cyclic garbage collection in this short process (it ends with os._exit): the imports on the way to the
+    # kill (~120 modules) trip a dozen collection passes, ~1 ms of a kill switch's start (issue 29); what one
+    # cancel allocates is freed by reference counting, and a scope of many cells holds a list of dicts each.
+    import gc
+    gc.disable()
     from ..errors import AgnsupError, StateError, exit_code
 
     def fail(e: AgnsupError) -> None:
@@ -89,7 +101,7 @@ def main(state_dir: str | None, opts: dict) -> None:
 
     try:
         try:
-            cancel_command(state_dir, **opts, echo=_echo, fail=fail)
+            cancel_command(state_dir, **opts, echo=_echo, fail=fail, close_journal=False)  # _exit ends us
         except AgnsupError as e:
             if opts["as_json"]:  # _json_errors: the refusal as JSON on stdout too
                 import json

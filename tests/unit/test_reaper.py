@@ -57,6 +57,23 @@ def test_without_a_term_request_the_rest_of_the_tree_is_killed_at_once(k):
     assert r.method == "fake.kill" and k.procs[10].signals == [signal.SIGKILL]
 
 
+def test_a_stop_that_need_not_list_the_tree_kills_it_all_the_same_without_reading_it_first(k, monkeypatch):
+    """cancel's stop (list_left=False, issue 29): the tree is not read before its kill (~1,000 pids), and
+    the kill still reaches every process in it and is verified."""
+    b = FakeBackend(k)
+    t = _cell(b, k)
+    for pid in (10, 11, 12):
+        k.spawn(pid, dir=CELL, ignores_term=True)
+    listed = []  # how many kills had been written at each listing of the tree
+    members = b.members
+    monkeypatch.setattr(b, "populated", lambda place: bool(b._in(place.dir)))  # cgroup.events: no listing
+    monkeypatch.setattr(b, "members", lambda place: listed.append(len(b.kills)) or members(place))
+    (r,) = reaper.stop(b, [t], list_left=False)
+    assert 0 not in listed and r.left == []
+    assert r.empty and r.method == "fake.kill" and all(p.signals == [signal.SIGKILL] for p in k.procs.values())
+    assert k.live() == []
+
+
 def test_one_kill_of_the_scope_reaches_an_agent_whose_every_cell_is_cancelled(k):
     b = FakeBackend(k)
     t1, t2 = _cell(b, k, "c1"), _cell(b, k, "c2")

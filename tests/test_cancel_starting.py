@@ -22,7 +22,7 @@ from agnsup import cancel as cancelmod
 from agnsup.supervisor import Supervisor
 from scenario import wait_for
 
-FORKED = "fork, cgroup.procs by the child"
+FORKED = "fork, cgroup.procs (v1: tasks) by the child"
 
 
 def test_a_cancel_between_identity_and_cgroup_join_stops_the_cell(state, worktree, tmp_path, monkeypatch):

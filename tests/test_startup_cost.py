@@ -206,8 +206,8 @@ def test_rmtree_stops_where_the_tree_was_moved_under_it(tmp_path):
 # ---------------------------------------------------------------- clone3(CLONE_INTO_CGROUP)
 
 CGROUPS = "import sys; sys.stdout.write(open('/proc/self/cgroup').read())"
-CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
-FORK = "fork, cgroup.procs by the child"
+CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, tasks by the child for v1"
+FORK = "fork, cgroup.procs (v1: tasks) by the child"
 
 
 def _receipt(state, cell):

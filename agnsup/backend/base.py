@@ -12,7 +12,8 @@ and only `place`, `from_journal` and `usage` are asked of it):
     scope(run, agent=None) -> Place             the run's or agent's place (one kill reaches all below)
     cells_under(scope) -> {dirs}                the cell directories below it
     clone_dir(place) -> path|None               the cgroup2 directory to be born in (clone3)
-    attach(place, pid, born=False)              move a process in (0: the caller; born: in clone_dir already)
+    attach(place, pid, born=False, alone=False) move a process in (0: the caller; born: in clone_dir already;
+                                                alone: the caller, single-threaded, moves its one thread)
     members(place) / populated(place)           who is in the tree
     signal(place, sig) -> int                   every member, each through a checked pidfd
     kill(place) -> method                       the whole tree at once (or as close as the host allows)

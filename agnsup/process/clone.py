@@ -10,8 +10,11 @@ from ..linux import proc
 from ..linux import sys as lsys
 from .helpers import read_all
 
-JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
-JOIN_FORK = "fork, cgroup.procs by the child"
+# how a leader entered its cgroups (the receipt's isolation.cgroup_join); a v1 hierarchy's join is the child's own
+# write of `tasks` where it can (backend.cgroups.CgroupBackend.attach, alone: no global lock, no grace period)
+JOIN_CLONE3 = "clone3(CLONE_INTO_CGROUP) for v2, tasks by the child for v1"
+JOIN_CLONE3_USERNS = "clone3(CLONE_INTO_CGROUP) for v2, cgroup.procs by the controller for v1"
+JOIN_FORK = "fork, cgroup.procs (v1: tasks) by the child"
 
 # clone3 failures that mean "not here" (old kernel, seccomp of a container,
 # no cgroup2 delegation): fork and write cgroup.procs instead.

@@ -95,14 +95,15 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         raise _failed("pid_namespace", e, plan) from None
     _close_setup(s, forked=True)
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
-                  cgroup_join=clone.JOIN_CLONE3 if born else clone.JOIN_FORK, handoff=s.egress,
+                  cgroup_join=(clone.JOIN_FORK if not born else clone.JOIN_CLONE3_USERNS if s.in_userns
+                               else clone.JOIN_CLONE3), handoff=s.egress,
                   tmp_fd=(s.premade or {}).get("tmp"), netns_watch=watch_r)
     try:
-        if born:
-            # A v1 cgroup.procs write may wait for an RCU grace period (the same
-            # cgroup_threadgroup_rwsem): made here, it overlaps the child's own
-            # setup instead of adding to it. Done before the barrier, so the
-            # command still never runs outside any of its cgroups.
+        if born and s.in_userns:
+            # Born in a user namespace of its own, the child cannot join its v1 hierarchies itself: moved here
+            # (cgroup.procs: the kernel's global lock, which may wait an RCU grace period, overlapping the child's
+            # setup). Before the barrier, so the command still never runs outside any of its cgroups. Any other
+            # born child joins them itself, by `tasks` (steps: "cgroup").
             backend.attach(place, pid, born=True)
         if child.pidfd is None:
             child.pidfd = os.pidfd_open(pid)

@@ -47,7 +47,7 @@ class Setup(Record):
     err_w: int | None = None      # the setup report
     status_w: int | None = None  # PID namespace: the init reports the command's status here
     controller: int = 0          # the controller's pid (crashpoints)
-    born: bool = False           # born in its cgroup (clone3): the controller moves it into the rest
+    born: bool = False           # born in its cgroup2 directory (clone3): it joins the rest itself (steps: "cgroup")
     ctty: object = None          # makes fd 0 the controlling terminal (built by spawn)
     in_userns: bool = False      # born in a user namespace of its own
 
@@ -220,9 +220,11 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("stdio", _stdio, False),                    # fds 0-2; close every other fd but the pipes and the ruleset
     ("setsid", lambda s: os.setsid(), False),    # new session and process group
     ("controlling_terminal", lambda s: s.ctty and s.ctty(), False),  # fd 0 (a pty): its foreground group is ours
-    # join the cell's cgroups: every hierarchy it was not born in (born in one: the controller moves it)
-    # (alone: we have one thread, so a v1 hierarchy's `tasks` moves the whole of us, without the grace period)
-    ("cgroup", lambda s: s.place.node is not None and not s.born and s.backend.attach(s.place, 0, alone=True), False),
+    # join the cell's cgroups: every hierarchy it was not born in (alone: we have one thread, so a v1 hierarchy's
+    # `tasks` moves the whole of us, without the kernel's global lock and its grace period). Born in a user
+    # namespace of its own (a normal user's clone3), it may not write the host's files: the controller moves it
+    ("cgroup", lambda s: s.place.node is not None and not (s.born and s.in_userns)
+     and s.backend.attach(s.place, 0, born=s.born, alone=True), False),
     ("signals", _signals, False),                # default dispositions, empty mask
     # not root: mount and network namespaces only inside a user namespace of our own, whose maps we write
     # ourselves (one id each, as `unshare -r` does; no newuidmap needed). Root: the namespaces stay the

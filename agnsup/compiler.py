@@ -439,7 +439,7 @@ def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, l
                 # last answer "not found" (EAI_NONAME), never dns's "try again" (EAI_AGAIN), which clients retry
                 lines[i] = "hosts: " + " ".join([*(kept or ["files"]), "dns", "files"])
         texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
-    from hashlib import sha256
+    from .util.digest import sha256  # not hashlib: libcrypto, ~4 ms on every run of a role without network
     files, clones, places, shared = [], [], [], []
     for name, text in texts.items():
         target = os.path.realpath(os.path.join("/etc", name))

@@ -22,7 +22,9 @@ HEAVY = ("click", "pydantic", "pydantic_core", "dataclasses", "inspect", "ast", 
          # issue 29: what an argv call of a role without network lists never needs: URL, address and Unicode host
          # parsing (netpolicy loads them on first use: util/lazy.py), git's rules, the inline-program scan, the
          # proxy's matcher (gate/checker.py loads each for a call that has something for it)
-         "ipaddress", "urllib.parse", "unicodedata", "agnsup.gate.git", "agnsup.gate.inline", "agnsup.gate.egress")
+         "ipaddress", "urllib.parse", "unicodedata", "agnsup.gate.git", "agnsup.gate.inline", "agnsup.gate.egress",
+         # hashlib loads libcrypto (~4 ms): the run path's digests come from util/digest.py (CPython's _sha256)
+         "hashlib", "_hashlib")
 
 # The console script's own entry point, under -X importtime: every module the
 # interpreter imports is listed on stderr as it happens (the CLI leaves with

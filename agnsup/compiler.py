@@ -149,7 +149,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
-    offline_files, offline_clones, offline_places, shared = _offline_resolver(policy, spec.role, state_root)
+    offline_clones, offline_places, shared = _offline_resolver(policy, spec.role, state_root)
     home_clones += offline_clones
     home_places += offline_places
     trust_clones, trust_places = _secret_trust(spec, tmpdir)
@@ -214,7 +214,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     sockets = _seen_sockets(shown=[wt, *tmp_rt, *exposed], hidden=[*hidden, *run_dirs, *masked],
                             allowed=allowed_sockets)
     ops.extend(("mask", p) for p in sockets)
-    return _plan(policy, spec, reduced, conf, home, wt, None, offline_files,
+    return _plan(policy, spec, reduced, conf, home, wt, None,
                  cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=ops, tmp_tmpfs=tmp_tmpfs, deny_masked=masked,
                  shared_files=shared,
                  home_hidden=hidden, home_exposed=exposed, caches=caches, devices=devices, shm_max=shm_max,
@@ -223,7 +223,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
 
 
 def _plan(policy, spec: CellSpec, reduced: dict, conf: dict, home: str, wt: str, links_tmpdir: str | None,
-          more_files: list, **fields) -> ExecutionPlan:
+          **fields) -> ExecutionPlan:
     """What the full and the reduced plan fill alike; `fields`: the rest, where they differ."""
     fs, lim = policy.filesystem, policy.limits
     home_links, home_files, home_config = _home_config(fs, spec, home, wt)
@@ -242,7 +242,7 @@ def _plan(policy, spec: CellSpec, reduced: dict, conf: dict, home: str, wt: str,
         grace=float(lim.grace), timeout=spec.timeout if spec.timeout is not None else lim.timeout,
         worktree_mode=fs.worktree, policy_digest=policy.get("_digest", ""), home=fs.home,
         redact=redact_config(policy.governance), tmp_links=_runtime_links(spec, links_tmpdir) + home_links,
-        tmp_files=home_files + more_files, home_config=home_config, **fields, **conf)
+        tmp_files=home_files, home_config=home_config, **fields, **conf)
 
 
 def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, conf: dict) -> dict:
@@ -408,18 +408,18 @@ NETWORK_NSS = ("dns", "resolve", "mdns", "mdns4", "mdns6", "mdns_minimal", "mdns
 UNREACHABLE_NAMESERVER = "192.0.2.1"
 
 
-def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, list, list]:
+def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, list]:
     """deny/loopback: name resolution fails at once, with "not found" rather than "try
     again" (which pip and npm retry for 10-70 s): the cell's /etc/nsswitch.conf looks
     hosts up in files, then dns, then files again, and its /etc/resolv.conf names a server
-    no cell can reach (the query has no route: the kernel counts it). (files, clones,
-    attaches, shared files); the files are written in the cell's /tmp, and bound read-only over the
-    host's (their real paths: /etc/resolv.conf is often a symlink into /run) from a copy under
+    no cell can reach (the query has no route: the kernel counts it). (clones, attaches,
+    shared files): bound read-only over the host's (their real paths: /etc/resolv.conf is often a
+    symlink into /run) from a copy under
     <state>/offline named by its content, written once for every cell that binds the same text: not two
     directories and two files made and removed on the state root's disk per cell (issue 29: on an ext4
     without a journal each new inode costs ~0.3 ms while many were deleted in the last 30 s)."""
     if policy.network.mode not in ("deny", "loopback"):
-        return [], [], [], []
+        return [], [], []
     why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
     # A server no cell can reach (RFC 5737, documentation only): a query fails at once, and the kernel counts
     # it in the cell's namespace (Ip OutNoRoutes: the network hint's evidence, linux/netns.py).
@@ -440,17 +440,16 @@ def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, l
                 lines[i] = "hosts: " + " ".join([*(kept or ["files"]), "dns", "files"])
         texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
     from .util.digest import sha256  # not hashlib: libcrypto, ~4 ms on every run of a role without network
-    files, clones, places, shared = [], [], [], []
+    clones, places, shared = [], [], []
     for name, text in texts.items():
         target = os.path.realpath(os.path.join("/etc", name))
         if not os.path.isfile(target) or under(target, "/tmp"):
             continue
-        files.append((os.path.join(".agnsup", "etc", name), text))
         source = os.path.join(state_root, "offline", f"{sha256(text.encode()).hexdigest()[:24]}-{name}")
         shared.append((source, text))
         clones.append(("clone", source, f"offline-{name}", True))
         places.append(("attach", target, f"offline-{name}"))
-    return files, clones, places, shared
+    return clones, places, shared
 
 
 def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:
@@ -749,7 +748,7 @@ def _reduced_plan(spec: CellSpec, policy, state_root: str, host: dict, reduced: 
         lost.append("writes outside the worktree and the cell's /tmp: nothing but the uid's own permissions "
                     "holds them (no Landlock)")
     conf["not_in_force"].extend(f"{x} (reduced: no mount namespace)" for x in lost)
-    return _plan(policy, spec, reduced, conf, home, wt, tmpdir, [],
+    return _plan(policy, spec, reduced, conf, home, wt, tmpdir,
                  cell_dir=cell_dir, tmpdir=tmpdir, mount_ops=[], mount_namespace=False, tmp_tmpfs=False,
                  deny_masked=[], caches=[], devices=devices, shm_max=0, protected=[],
                  protected_lifted=list(fs.writable_protected), changes=changes)

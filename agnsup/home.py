@@ -17,7 +17,7 @@ def make(plan) -> None:
     _shared(plan)
     if getattr(plan, "tmp_tmpfs", False):
         os.makedirs(plan.tmpdir)
-        # on disk only what a mount step takes from here (the offline resolv.conf and nsswitch.conf)
+        # on disk only what a mount step takes from here (a secret's trust files)
         sources = [op[1] for op in plan.mount_ops if len(op) > 1 and isinstance(op[1], str)
                    and op[1].startswith(plan.tmpdir + "/")]
         ids = plan.cell_ids()

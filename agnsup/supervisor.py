@@ -123,9 +123,10 @@ class _Forker:
         if self.primer is not None:
             self.side.submit(self.primer.prime)
 
-    def submit(self, fn) -> None:
-        """Run `fn()` on the primer's thread; nobody waits for it and what it raises goes nowhere."""
-        self.side.submit(fn)
+    def use(self, primer) -> None:
+        """Prime with `primer` from now on; its first zombie is spawned at once, on the primer's thread."""
+        self.primer = primer
+        self.side.submit(primer.renew)
 
     def close(self) -> None:
         if self.primer is not None:
@@ -145,8 +146,7 @@ class Supervisor:
         self._backend = backend  # the cells' (and cancel's) instead of the host's (backend.choose): tests' fake
         self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
         from .process.primer import Primer
-        self._forker.primer = Primer(self.ctl.backend)
-        self._forker.submit(self._forker.primer.renew)  # the first request's zombie (process/primer.py)
+        self._forker.use(Primer(self.ctl.backend))  # process/primer.py
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}

@@ -516,14 +516,15 @@ class Controller:
             from .egress.scrub import scrub_cell
             cell.scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
+        text = receipts.dumps(receipt)  # one encoding for the file and the journal's row
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         try:
-            receipts.write(path, receipt)
+            receipts.write(path, receipt, text=text)
         except OSError:
             path = None
         ends = self.id if self.one_cell and self._registered else None  # its one cell concluded: so is the controller
         try:
-            self.journal.conclude_cell(receipt, path, end_controller=ends)
+            self.journal.conclude_cell(receipt, path, end_controller=ends, text=text)
         except StateError as e:  # a full or read-only state root: the tree is gone, say what is not recorded
             raise StateError(f"cell {cell.spec.cell_id} ended ({receipt['state']}, exit {receipt['exit_code']}) but "
                              f"its end could not be journaled (receipt {'at ' + path if path else 'not written'}; "

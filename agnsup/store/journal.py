@@ -324,15 +324,17 @@ class Journal:
         if why:
             raise CancelledBeforeStart(f"cell {cell_id} of run {run_id} was {why} before it started")
 
-    def conclude_cell(self, receipt: dict, receipt_path: str | None, end_controller: str | None = None) -> None:
+    def conclude_cell(self, receipt: dict, receipt_path: str | None, end_controller: str | None = None,
+                      text: str | None = None) -> None:
         """The cell's terminal state and its receipt, in one transaction (with
-        `end_controller`: a one-cell controller ends with its cell)."""
+        `end_controller`: a one-cell controller ends with its cell). `text`: the
+        receipt as receipts.dumps encoded it for its file (the row holds the same)."""
         run_id, cell_id = receipt["run_id"], receipt["cell_id"]
         with self.tx() as db:
             self._move_cell(db, run_id, cell_id, receipt["state"], ended_at=receipt["ended_at"],
                             exit_code=receipt["exit_code"], signal=receipt["signal"], reason=receipt["reason"],
                             receipt_path=receipt_path)
-            self._add_receipt(db, "cell", run_id, cell_id, receipt)
+            self._add_receipt(db, "cell", run_id, cell_id, receipt, text)
             self.event(db, "state." + receipt["state"], run_id, cell_id, reason=receipt["reason"],
                        exit_code=receipt["exit_code"])
             row = None
@@ -403,8 +405,8 @@ class Journal:
         return [{"t": r["t"], "run_id": r["run_id"], "op": r["kind"][len("port."):], **json.loads(r["data"] or "{}")}
                 for r in rows]
 
-    def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict) -> None:
-        row = (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True))
+    def _add_receipt(self, db, kind: str, run_id, cell_id, data: dict, text: str | None = None) -> None:
+        row = (kind, run_id, cell_id, time.time(), json.dumps(data, sort_keys=True) if text is None else text)
         cur = db.execute("INSERT INTO receipts(kind, run_id, cell_id, t, data) VALUES (?,?,?,?,?)", row)
         self._pending.append(("receipts", (cur.lastrowid, *row)))
 

@@ -102,6 +102,18 @@ def test_finish_reaps_concludes_writes_the_receipt_and_releases_the_place_and_th
     assert cell.lock_fd is None
 
 
+def test_the_receipt_file_holds_the_journaled_receipt_byte_for_byte(w):
+    """One encoding for both (receipts.dumps): `agnsup verify` holds the file to the row."""
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    w.k.procs[cell.child.pid].exit(0)
+    receipt = ctl.finish(cell, Waited())
+    with open(os.path.join(cell.plan.cell_dir, "receipt.json")) as f:
+        text = f.read()
+    (row,) = ctl.journal._all("SELECT data FROM receipts WHERE kind='cell' AND run_id='R' AND cell_id='c1'")
+    assert text == row["data"] + "\n" and json.loads(text) == receipt
+
+
 def test_a_leader_killed_by_a_signal_ends_killed_with_128_plus_the_signal(w):
     ctl = w.controller()
     cell = ctl.start(w.prepared(), capture=True)

@@ -48,6 +48,9 @@ CELL_FLOW = {"waiting": ("starting", *TERMINAL_CELL), "starting": ("running", *T
              "running": TERMINAL_CELL}
 RUN_FLOW = {"active": TERMINAL_RUN, "finished": ("active",), "recovered": ("active",), "cancelled": ()}
 
+# each state's allowed predecessors, quoted for SQL (`_move_cell`'s guard)
+_FROM_SQL = {to: ",".join(f"'{was}'" for was, nxt in CELL_FLOW.items() if to in nxt)
+             for to in {s for nxt in CELL_FLOW.values() for s in nxt}}
 _COLS = {tbl: ", ".join(cols) for tbl, cols in chain.COLUMNS.items()}  # the chained columns, in hashing order
 _TERMINAL_SQL = ",".join(f"'{s}'" for s in TERMINAL_CELL)
 LIVE_CELL = f"state NOT IN ({_TERMINAL_SQL})"  # the cells_live partial index's predicate, to the letter
@@ -307,10 +310,14 @@ class Journal:
         """The leader's identity, before it may exec. A cancel recorded meanwhile
         wins: CancelledBeforeStart, and the command never runs. The crash point
         "journal_tx" dies inside this transaction (SQLite rolls it back)."""
+        fields = {k: ident[k] for k in ("pid", "pidfd_ino", "starttime", "pgid")} | {"started_at": ident["started_at"]}
         with self.tx(crash_point="journal_tx") as db:
-            self.refuse_cancelled(run_id, cell_id)  # the same connection: it reads inside this transaction
-            self._set(db, run_id, cell_id, {k: ident[k] for k in ("pid", "pidfd_ino", "starttime", "pgid")}
-                      | {"started_at": ident["started_at"]})
+            # written only while no cancel is recorded (read inside this transaction: a canceller's commit is
+            # before it or after it); else refuse_cancelled raises and the transaction rolls back
+            cols = ", ".join(f"{k}=:{k}" for k in fields)
+            if not db.execute(f"UPDATE cells SET {cols} WHERE run_id=:_r AND cell_id=:_c "
+                              "AND COALESCE(cancel_reason, '') = ''", {**fields, "_r": run_id, "_c": cell_id}).rowcount:
+                self.refuse_cancelled(run_id, cell_id)
             self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
 
     def cancel_reason(self, run_id: str, cell_id: str) -> str | None:
@@ -357,13 +364,17 @@ class Journal:
         db.execute(f"UPDATE cells SET {cols} WHERE run_id=:_r AND cell_id=:_c", {**fields, "_r": run_id, "_c": cell_id})
 
     def _move_cell(self, db, run_id: str, cell_id: str, state: str, **fields) -> None:
+        """One UPDATE of the state and `fields`, guarded by the states that may go to `state` (CELL_FLOW);
+        when it changed no row, the cell's state (or its absence) says why."""
+        assert "state" not in fields, "the state is the move's own argument"
+        sets, was = "".join(f", {k}=:{k}" for k in fields), _FROM_SQL.get(state)
+        if was and db.execute(f"UPDATE cells SET state=:_s{sets} WHERE run_id=:_r AND cell_id=:_c AND state IN ({was})",
+                              {**fields, "_s": state, "_r": run_id, "_c": cell_id}).rowcount:
+            return
         row = db.execute("SELECT state FROM cells WHERE run_id=? AND cell_id=?", (run_id, cell_id)).fetchone()
         if row is None:
             raise StateError(f"journal {self.path}: no cell {cell_id!r} in run {run_id!r}")
-        if state not in CELL_FLOW.get(row[0], ()):
-            raise StateError(f"journal {self.path}: cell {cell_id} of run {run_id} cannot go from {row[0]} to {state}")
-        self._set(db, run_id, cell_id, fields)
-        db.execute("UPDATE cells SET state=? WHERE run_id=? AND cell_id=?", (state, run_id, cell_id))
+        raise StateError(f"journal {self.path}: cell {cell_id} of run {run_id} cannot go from {row[0]} to {state}")
 
     def _move_run(self, db, run_id: str, was: str, state: str, **fields) -> None:
         if state not in RUN_FLOW.get(was, ()):

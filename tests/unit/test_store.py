@@ -43,6 +43,21 @@ def test_a_cell_goes_starting_running_terminal_and_never_changes_after(j):
                                                          "state.exited"]
 
 
+def test_a_refused_move_changes_no_field_of_the_cell(j):
+    """The flow's guard is in the same UPDATE as the fields (journal._move_cell): a terminal cell's exit code,
+    reason and receipt path stay as concluded."""
+    begin(j)
+    j.conclude_cell(receipt(), "/r1")
+    late = {**receipt(state="killed"), "exit_code": 137, "signal": 9, "reason": "killed"}
+    with pytest.raises(StateError, match="cannot go from exited to killed"):
+        j.conclude_cell(late, "/r2")
+    row = j.cell("R", "c1")
+    assert (row["state"], row["exit_code"], row["signal"], row["reason"], row["receipt_path"]) == \
+        ("exited", 0, None, "exited", "/r1")
+    with pytest.raises(StateError, match="no cell 'c9' in run 'R'"):
+        j.mark_running("R", "c9")
+
+
 def test_a_cell_id_is_never_reused_in_a_run_but_may_be_in_another(j):
     begin(j)
     with pytest.raises(RunNotActive, match="never reused"):

@@ -114,6 +114,26 @@ def test_the_receipt_file_holds_the_journaled_receipt_byte_for_byte(w):
     assert text == row["data"] + "\n" and json.loads(text) == receipt
 
 
+def test_a_controller_of_many_cells_checkpoints_the_wal_on_a_thread_of_its_own(w):
+    from agnsup.store import journal as store
+    ctl = w.controller()
+    cp = ctl.journal._checkpointer
+    assert cp is not None and cp.thread.is_alive()
+    assert ctl.journal.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == store.WAL_PAGES * 4
+    for i in range(store.CHECKPOINT_EVERY):
+        ctl.journal.add_event("test.commit", "R", None, i=i)
+    import time
+    deadline = time.monotonic() + 60  # a bound for a stuck thread, not a timing: done counts what it ran
+    while not cp.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cp.done == 1
+    busy, frames, copied = ctl.journal.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert busy == 0 and frames == copied  # nothing it left behind
+    assert ctl.journal.integrity() == ["ok"]
+    one = w.controller(one_cell=True)  # the CLI's: the auto-checkpoint as always, no thread
+    assert one.journal._checkpointer is None
+
+
 def test_a_leader_killed_by_a_signal_ends_killed_with_128_plus_the_signal(w):
     ctl = w.controller()
     cell = ctl.start(w.prepared(), capture=True)

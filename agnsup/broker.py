@@ -285,6 +285,8 @@ class Controller:
                                            authority=cell.authority)
             crashpoints.hit("after_exec")
             cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
+            # the receipt file's inode while the command runs, not at its end (receipts.reserve)
+            receipts.reserve(os.path.join(plan.cell_dir, "receipt.json"))
         except AgnsupError as e:
             self.fail(cell, e)
             raise

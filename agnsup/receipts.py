@@ -146,12 +146,27 @@ def dumps(receipt: dict) -> str:
     return json.dumps(receipt, sort_keys=True)
 
 
+def _tmp(path: str) -> str:
+    return f"{path}.{os.getpid()}.tmp"
+
+
+def reserve(path: str) -> None:
+    """Make the file `write` will fill and rename, ahead of time: a controller calls it while the cell runs, so
+    that the receipt's new inode is not made at the cell's end, on its caller's path (a new inode on a busy ext4
+    without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Best effort: write makes it when
+    it is not there."""
+    try:
+        os.close(os.open(_tmp(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666))
+    except OSError:
+        pass
+
+
 def write(path: str, receipt: dict, compact: bool = False, text: str | None = None) -> None:
     """Atomically. `compact`: one line, through the C encoder (indenting is pure
     Python: ~100 ms for a recovery receipt of 1,000 processes). `text`: the
     receipt already encoded (dumps), written as it is."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = _tmp(path)  # reserve() may have made it: then rewritten, not created
     if text is None:
         text = (json.dumps(receipt, sort_keys=True, separators=(",", ":")) if compact else
                 json.dumps(receipt, indent=2, sort_keys=True))

@@ -114,6 +114,19 @@ def test_the_receipt_file_holds_the_journaled_receipt_byte_for_byte(w):
     assert text == row["data"] + "\n" and json.loads(text) == receipt
 
 
+def test_the_receipt_file_is_made_while_the_cell_runs_and_filled_at_its_end(w):
+    """receipts.reserve: its inode made after the start, not on the end's path; the end renames it in place."""
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    names = os.listdir(cell.plan.cell_dir)
+    assert f"receipt.json.{os.getpid()}.tmp" in names and "receipt.json" not in names
+    w.k.procs[cell.child.pid].exit(0)
+    receipt = ctl.finish(cell, Waited())
+    assert not [n for n in os.listdir(cell.plan.cell_dir) if n.startswith("receipt.json.")]
+    with open(os.path.join(cell.plan.cell_dir, "receipt.json")) as f:
+        assert json.load(f) == receipt
+
+
 def test_a_controller_of_many_cells_checkpoints_the_wal_on_a_thread_of_its_own(w):
     from agnsup.store import journal as store
     ctl = w.controller()

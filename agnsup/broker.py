@@ -127,6 +127,8 @@ class Controller:
             self.journal.register_controller(self._row())
             self._registered = True
             self.journal.checkpoint_behind()  # the WAL's checkpoints off its cells' commits (store/journal.py)
+        else:
+            self.journal.checkpoint_in_quiet_commits()  # ... into its identity commit (store/journal.py)
         self.backend = backend if backend is not None else backends.choose(state.path)
         self.backend.enter(helpers.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker

@@ -1,5 +1,6 @@
 """The journal store on a real SQLite file: the state machine, first-reason-wins, quotas' counts."""
 import json
+import os
 import time
 
 import pytest
@@ -56,6 +57,31 @@ def test_a_refused_move_changes_no_field_of_the_cell(j):
         ("exited", 0, None, "exited", "/r1")
     with pytest.raises(StateError, match="no cell 'c9' in run 'R'"):
         j.mark_running("R", "c9")
+
+
+def _wal_frames(j) -> int:
+    page = j.db.execute("PRAGMA page_size").fetchone()[0]
+    return max(0, (os.path.getsize(j.path + "-wal") - 32) // (page + 24))
+
+
+def test_a_one_cell_controller_checkpoints_in_its_identity_commit_not_in_the_others(j):
+    """checkpoint_in_quiet_commits: the commits on the caller's path leave the WAL past the usual bound; the
+    identity's, made while the child sets up, folds it in (the next write then starts the WAL again)."""
+    from agnsup.store.journal import WAL_PAGES
+    j.checkpoint_in_quiet_commits()
+    begin(j)
+    i = 0
+    while _wal_frames(j) <= WAL_PAGES + 50 and i < 1000:
+        j.add_event("test.filler", "R", "c1", pad="x" * 3000, i=i)
+        i += 1
+    assert _wal_frames(j) > WAL_PAGES + 50  # no auto-checkpoint (and restart) in those commits
+    j.commit_identity("R", "c1", {"pid": 5, "pidfd_ino": None, "starttime": 9, "pgid": 5, "started_at": 1.0},
+                      {"stage": "process_supervisor"})
+    j.add_event("test.after", "R", "c1")
+    busy, frames, copied = j.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert busy == 0 and frames < 20  # the WAL started again after the identity commit's checkpoint
+    assert j.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == WAL_PAGES * 4
+    assert j.cell("R", "c1")["pid"] == 5
 
 
 def test_a_cell_id_is_never_reused_in_a_run_but_may_be_in_another(j):

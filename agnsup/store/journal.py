@@ -153,18 +153,19 @@ class Journal:
             if head is not None:
                 self._write_head(*head)
             if self._checkpointer is not None:
-                self._checkpointer.committed()
+                self._checkpointer.committed(quiet)
 
     def checkpoint_behind(self) -> None:
         """A controller of many cells (the Supervisor: serve, MCP, sandboxd, the Python API): the WAL's
-        checkpoint on a thread of its own, with a connection of its own, after every CHECKPOINT_EVERY commits of
-        this connection, instead of inside whichever commit crossed wal_autocheckpoint (a cell's, on its request's
-        path: the WAL's frames copied into the database between two fdatasyncs, ~2 ms every ~5 cells here, more
-        on a busy disk). What a commit guarantees is unchanged: with synchronous=NORMAL a commit is in the WAL,
-        which survives the process, when COMMIT returns; a checkpoint only folds the WAL into the database, and
-        SQLite's own checkpoint is crash-safe wherever it stops. This connection's auto-checkpoint stays, at
-        4x the pages, as the bound should the thread fall behind (a PASSIVE checkpoint never waits for readers
-        or writers: it copies what it can)."""
+        checkpoint on a thread of its own, with a connection of its own, at the first identity commit after
+        CHECKPOINT_EVERY commits of this connection (while the cell's child sets up and its request thread waits
+        for the exec: _Checkpointer.committed), instead of inside whichever commit crossed wal_autocheckpoint (a
+        cell's, on its request's path: the WAL's frames copied into the database between two fdatasyncs, ~2 ms
+        every ~5 cells here, more on a busy disk). What a commit guarantees is unchanged: with
+        synchronous=NORMAL a commit is in the WAL, which survives the process, when COMMIT returns; a checkpoint
+        only folds the WAL into the database, and SQLite's own checkpoint is crash-safe wherever it stops. This
+        connection's auto-checkpoint stays, at 4x the pages, as the bound should the thread fall behind (a
+        PASSIVE checkpoint never waits for readers or writers: it copies what it can)."""
         if self._checkpointer is None:
             self.db.execute(f"PRAGMA wal_autocheckpoint = {WAL_PAGES * 4}")
             self._checkpointer = _Checkpointer(self.path)
@@ -855,10 +856,12 @@ class _Checkpointer:
         self.thread = threading.Thread(target=self._loop, name="agnsup-checkpoint", daemon=True)
         self.thread.start()
 
-    def committed(self) -> None:
-        """One commit of the main connection (under its lock, when it has one)."""
+    def committed(self, quiet: bool) -> None:
+        """One commit of the main connection (under its lock, when it has one). The thread is woken at a quiet
+        one (a cell's identity: its request thread then waits for the child's exec, its CPU free), or after
+        4x the commits without one."""
         self.count += 1
-        if self.count >= CHECKPOINT_EVERY:
+        if self.count >= CHECKPOINT_EVERY * (1 if quiet else 4):
             self.count = 0
             self.wake.set()
 

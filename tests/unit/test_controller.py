@@ -128,23 +128,35 @@ def test_the_receipt_file_is_made_while_the_cell_runs_and_filled_at_its_end(w):
 
 
 def test_a_controller_of_many_cells_checkpoints_the_wal_on_a_thread_of_its_own(w):
+    """Journal.checkpoint_behind: woken at the first quiet commit (an identity's) after CHECKPOINT_EVERY
+    commits, or after 4x without one; the main connection's auto-checkpoint only a bound."""
+    import time
     from agnsup.store import journal as store
     ctl = w.controller()
     cp = ctl.journal._checkpointer
     assert cp is not None and cp.thread.is_alive()
     assert ctl.journal.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == store.WAL_PAGES * 4
+
+    def ran(n):
+        deadline = time.monotonic() + 60  # a bound for a stuck thread, not a timing: done counts what it ran
+        while cp.done < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return cp.done
+
     for i in range(store.CHECKPOINT_EVERY):
         ctl.journal.add_event("test.commit", "R", None, i=i)
-    import time
-    deadline = time.monotonic() + 60  # a bound for a stuck thread, not a timing: done counts what it ran
-    while not cp.done and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cp.done == 1
+    assert cp.count == store.CHECKPOINT_EVERY and cp.done == 0  # not woken by ordinary commits
+    ctl.journal.commit_identity("R", "none", {"pid": 5, "pidfd_ino": None, "starttime": 9, "pgid": 5,
+                                              "started_at": 1.0}, {"stage": "process_supervisor"})
+    assert ran(1) == 1 and cp.count == 0
+    for i in range(store.CHECKPOINT_EVERY * 4):  # none of them quiet: the bound wakes it
+        ctl.journal.add_event("test.commit", "R", None, i=i)
+    assert ran(2) == 2
     busy, frames, copied = ctl.journal.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     assert busy == 0 and frames == copied  # nothing it left behind
     assert ctl.journal.integrity() == ["ok"]
-    one = w.controller(one_cell=True)  # the CLI's: the auto-checkpoint as always, no thread
-    assert one.journal._checkpointer is None
+    one = w.controller(one_cell=True)  # the CLI's: checkpoint_in_quiet_commits, no thread
+    assert one.journal._checkpointer is None and one.journal._quiet_checkpoint
 
 
 def test_a_leader_killed_by_a_signal_ends_killed_with_128_plus_the_signal(w):

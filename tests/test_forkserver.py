@@ -1,0 +1,65 @@
+"""A Supervisor's cells are born in its fork server (process/forkserver.py, issue 29, fourth round): a small
+single-threaded process, the leaders' parent, tied to the Supervisor's forker thread by PR_SET_PDEATHSIG as each
+leader is tied to it.
+
+Checked to fail: with the "pdeathsig" step of process/steps.py doing nothing (the leader's tie to the server
+removed), the SIGKILLed server's `sleep` cell goes on running and the wait below times out (its leader is
+re-parented, alive)."""
+import os
+import signal
+import sys
+
+import pytest
+
+from agnsup.errors import SetupError
+from agnsup.supervisor import Supervisor
+
+
+def _status(pid: int) -> dict:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+
+
+def test_a_supervisor_cells_leader_is_the_child_of_a_small_fork_server_not_of_the_controller(state, worktree):
+    with Supervisor(state) as sup:
+        h = sup.spawn(["sleep", "300"], workdir=worktree, run_id="born", cell_id="c1")
+        server = sup._forker.server.pid
+        assert server is not None and server != os.getpid()
+        assert int(_status(h["pid"])["PPid"]) == server
+        srv, me = _status(server), _status(os.getpid())
+        assert int(srv["PPid"]) == os.getpid() and srv["Threads"] == "1"
+        # small: a fresh interpreter with agnsup.process, not a copy of this controller (not a timing)
+        assert int(srv["VmRSS"].split()[0]) * 2 < int(me["VmRSS"].split()[0]), (srv["VmRSS"], me["VmRSS"])
+        sup.signal("born", "c1", "KILL")
+        assert sup.wait("born", "c1", timeout=30)["state"] == "killed"
+
+
+def test_the_fork_server_killed_alone_kills_its_cells_and_the_controller_reports_them(state, worktree):
+    with Supervisor(state) as sup:
+        h = sup.spawn(["sleep", "300"], workdir=worktree, run_id="dead", cell_id="c1")
+        server = sup._forker.server.pid
+        leader = os.pidfd_open(h["pid"])
+        try:
+            os.kill(server, signal.SIGKILL)  # our own Supervisor's server
+            res = sup.wait("dead", "c1", timeout=30)
+            assert res is not None, "the cell outlived its fork server"
+            assert res["state"] == "killed" and res["exit_code"] == 128 + signal.SIGKILL, res
+            assert sup.receipt("dead", "c1")["state"] == "killed"
+            import select
+            assert select.select([leader], [], [], 0)[0], "the leader still runs"
+        finally:
+            os.close(leader)
+        # the next spawn starts a new server
+        assert sup.run(["true"], workdir=worktree, run_id="dead", cell_id="c2")["exit_code"] == 0
+        assert sup._forker.server.pid not in (None, server)
+
+
+def test_a_fork_server_that_cannot_start_fails_the_spawn_clearly_and_journals_it(state, worktree, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with Supervisor(state) as sup:
+        with pytest.raises(SetupError) as e:
+            sup.spawn(["true"], workdir=worktree, run_id="refused", cell_id="c1")
+        assert "fork_server" in str(e.value) and "/nonexistent/python" in str(e.value), str(e.value)
+        row = sup.ctl.journal.cell("refused", "c1")
+        assert row["state"] == "failed", dict(row)
+        assert sup.receipt("refused", "c1")["state"] == "failed"

@@ -36,6 +36,7 @@ import signal
 
 from ..linux import sys as lsys
 
+STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
 MAX_REQUEST = 1 << 20  # bytes of one spawn request (the pickled Setup); a larger one is refused, never cut
 _FD_FIELDS = ("barrier_r", "err_w", "status_w", "netns_fd", "pod_userns", "netns_watch", "userns_fd")
 
@@ -109,6 +110,10 @@ class Client:
                 os.close(self.sock)
                 self.sock = None
         if self.pid is not None:
+            import select
+            if self.pidfd is not None and not select.select([self.pidfd], [], [], STOP_WAIT)[0]:
+                # our end has a copy somewhere (a child forked without closing it): no EOF; ours to end
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             try:
                 os.waitpid(self.pid, 0)
             except ChildProcessError:

@@ -109,10 +109,6 @@ class _Forker:
         self.starting = threading.Lock()
         self.worker.submit(self._ensure)  # at once, off the caller's path: the first cell finds it ready
 
-    def __call__(self, fn):
-        """Run `fn()` on the thread and return what it returned there."""
-        return self.worker.call(fn)
-
     def _ensure(self) -> None:
         with self.starting:
             if not self.server.alive():

@@ -35,6 +35,7 @@ import os
 import signal
 
 from ..linux import sys as lsys
+from .helpers import _umask
 
 STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
 MAX_REQUEST = 1 << 20  # bytes of one spawn request (the pickled Setup); a larger one is refused, never cut
@@ -82,6 +83,9 @@ class Client:
                 lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)  # follows this (the forker) thread
                 if os.getppid() != parent:
                     os._exit(1)  # it died already: nothing to serve
+                # a process group of its own: a terminal's ^C, ^\ and hangup go to the controller's group, whose
+                # own handling (serve: its shutdown) decides about the cells; the server follows the controller
+                os.setpgid(0, 0)
                 if theirs != 3:
                     out = os.dup2(theirs, 3)
                 os.set_inheritable(3, True)
@@ -200,6 +204,7 @@ def pack(s) -> tuple[dict, list[int]]:
     d["filter"] = s.filter.groups if s.filter else None
     d["egress"] = (s.egress.port, ref(s.egress.child_fd())) if s.egress else None
     d["ctty"] = bool(s.ctty)
+    d["umask"] = _umask()  # the controller's now, as a leader forked here would have it
     return d, fds
 
 
@@ -309,12 +314,14 @@ def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
         blob, path, chan_at = pickle.loads(data)
         chan = fds[chan_at]
         s = unpack(blob, fds, landlock, seccomp)
+        umask = blob["umask"]
         s.parent_fd = me
         if s.plan.pid_namespace:
             s.init_name = pidinit.own_name_plan()  # where *our* argv lies: the leader is a copy of us
         pid, pidfd, s.born = clone.new(path, s.plan.pid_namespace, s.in_userns, s.pod_userns)
         born = s.born
         if pid == 0:
+            os.umask(umask)
             steps.child(s)  # never returns
         if pidfd is None:
             pidfd = os.pidfd_open(pid)

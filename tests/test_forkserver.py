@@ -63,3 +63,12 @@ def test_a_fork_server_that_cannot_start_fails_the_spawn_clearly_and_journals_it
         row = sup.ctl.journal.cell("refused", "c1")
         assert row["state"] == "failed", dict(row)
         assert sup.receipt("refused", "c1")["state"] == "failed"
+
+
+def test_a_fork_server_that_cannot_import_agnsup_says_why(state, worktree, monkeypatch):
+    from agnsup.supervisor import PRELOAD
+    monkeypatch.setattr("agnsup.supervisor.PRELOAD", (*PRELOAD, "agnsup.no_such_module"))
+    with Supervisor(state) as sup:
+        with pytest.raises(SetupError) as e:
+            sup.spawn(["true"], workdir=worktree, run_id="refused", cell_id="c1")
+        assert "fork_server" in str(e.value) and "no_such_module" in str(e.value), str(e.value)

@@ -61,7 +61,8 @@ class Client:
         self.why: str | None = None  # why the last start failed
 
     def alive(self) -> bool:
-        if self.pidfd is None:
+        """Started (it said "ready": spawns may talk to it) and not exited."""
+        if self.sock is None or self.pidfd is None:
             return False
         import select
         return not select.select([self.pidfd], [], [], 0)[0]
@@ -97,11 +98,15 @@ class Client:
                 finally:
                     os._exit(127)
         os.close(theirs)
-        self.sock, self.pid = ours, pid
-        self.pidfd = os.pidfd_open(pid)
+        self.pid, self.pidfd = pid, os.pidfd_open(pid)
         said, _ = lsys.recv_fds(ours)
-        if said != b"ready":
+        if said == b"ready":
+            self.sock = ours  # from now on spawns use it (alive): never before its "ready", which is ours to read
+        else:
+            os.close(ours)
             why = said.decode(errors="replace") if said else "it exited before it was ready"
+            if why.startswith("refused "):  # "refused ERRNO WHY" (its exec, or its imports)
+                why = why.split(" ", 2)[2]
             self.stop()
             self.why = f"the fork server could not start ({sys.executable}): {why}"
             raise ServerGone(errno.ECHILD, self.why)
@@ -209,22 +214,32 @@ def pack(s) -> tuple[dict, list[int]]:
 
 
 # -- the server's side ---------------------------------------------------------------------------------------------
-_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from agnsup.process.forkserver import serve; serve(3, " \
-        "int(sys.argv[2]), sys.argv[3:])"
+_BOOT = """import os, sys
+try:
+    sys.path.insert(0, sys.argv[1])
+    from agnsup.process.forkserver import serve
+except BaseException as e:
+    os.write(3, f"refused 0 cannot import agnsup from {sys.argv[1]}: {e!r}".encode())
+    os._exit(1)
+serve(3, int(sys.argv[2]), sys.argv[3:])"""
 
 
 def serve(sock: int, controller: int, preload: list[str]) -> None:
     """The server's loop: spawn requests on `sock`, reaps on each cell's channel; returns at EOF."""
     if os.getppid() != controller:  # the forker thread ended before our PR_SET_PDEATHSIG could
         os._exit(1)
-    import pickle
-    import select
-    import socket
-    from . import clone, steps
-    from ..linux import landlock, pidinit, seccomp
-    import importlib
-    for name in preload:  # what a request unpickles (the Supervisor names the modules), before the first one
-        importlib.import_module(name)
+    try:
+        import importlib
+        import pickle
+        import select
+        import socket
+        from . import clone, steps
+        from ..linux import landlock, pidinit, seccomp
+        for name in preload:  # what a request unpickles (the Supervisor names the modules), before the first one
+            importlib.import_module(name)
+    except BaseException as e:  # noqa: BLE001 - said to the controller, which raises it at the spawn
+        os.write(sock, f"refused 0 {e!r}".encode())
+        os._exit(1)
     os.set_inheritable(sock, False)
     me = os.pidfd_open(os.getpid())  # each leader polls it after its PR_SET_PDEATHSIG (steps: "pdeathsig")
     os.set_inheritable(me, False)

@@ -72,3 +72,13 @@ def test_a_fork_server_that_cannot_import_agnsup_says_why(state, worktree, monke
         with pytest.raises(SetupError) as e:
             sup.spawn(["true"], workdir=worktree, run_id="refused", cell_id="c1")
         assert "fork_server" in str(e.value) and "no_such_module" in str(e.value), str(e.value)
+
+
+def test_a_spawn_request_larger_than_a_socket_message_reaches_the_cell_whole(state, worktree):
+    """A big environment makes a request larger than one SOCK_SEQPACKET message can be: it goes in a memfd.
+    Checked to fail: with forkserver.INLINE at 1 MiB the send fails (EMSGSIZE) and the spawn with it."""
+    env = {f"BIG{i}": str(i) * 100_000 for i in range(3)}  # 300 KB (one string may have 128 KiB: execve(2))
+    with Supervisor(state) as sup:
+        r = sup.run(["sh", "-c", 'echo $((${#BIG0} + ${#BIG1} + ${#BIG2})) "${BIG2#"${BIG2%?}"}"'],
+                    workdir=worktree, run_id="big", env=env, capture=True)
+    assert r["exit_code"] == 0 and r["stdout"].split() == ["300000", "2"], r

@@ -38,7 +38,8 @@ from ..linux import sys as lsys
 from .helpers import _umask
 
 STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
-MAX_REQUEST = 1 << 20  # bytes of one spawn request (the pickled Setup); a larger one is refused, never cut
+INLINE = 1 << 16  # bytes of a spawn request (the pickled Setup) sent in its message; a larger one (a big
+# environment) goes in a memfd sent with it: a SOCK_SEQPACKET message is at most the socket's buffer (~208 KiB)
 _FD_FIELDS = ("barrier_r", "err_w", "status_w", "netns_fd", "pod_userns", "netns_watch", "userns_fd")
 
 
@@ -140,10 +141,13 @@ class Client:
         blob, fds = pack(s)
         ours, theirs = lsys.seqpacket_pair()
         fds.append(theirs)
+        data = b""
         try:
             data = pickle.dumps((blob, path, len(fds) - 1), protocol=pickle.HIGHEST_PROTOCOL)
-            if len(data) > MAX_REQUEST:
-                raise OSError(errno.E2BIG, f"a spawn request of {len(data)} bytes (at most {MAX_REQUEST})")
+            if len(data) > INLINE:
+                fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
+                data, whole = b"M", data
+                os.write(fds[-1], whole)  # a memfd takes it whole
             with self.lock:
                 if self.sock is None:
                     raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
@@ -159,6 +163,8 @@ class Client:
             raise
         finally:
             os.close(theirs)
+            if data == b"M":
+                os.close(fds[-1])
         if not said:
             os.close(ours)
             raise ServerGone(errno.ECHILD, "the fork server died")
@@ -303,7 +309,7 @@ def serve(sock: int, controller: int, preload: list[str]) -> None:
 def _recv(sock: int, socket) -> tuple[bytes, list[int]]:
     s = socket.socket(fileno=sock)
     try:
-        data, anc, _flags, _addr = s.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(4 * 64), socket.MSG_CMSG_CLOEXEC)
+        data, anc, _flags, _addr = s.recvmsg(INLINE + 4096, socket.CMSG_SPACE(4 * 64), socket.MSG_CMSG_CLOEXEC)
     finally:
         s.detach()
     import array
@@ -326,6 +332,13 @@ def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
     """One request: (the answer, the fds it carries, the cell's channel). The leader never returns from here."""
     chan = s = None
     try:
+        if data == b"M":  # the request is in the memfd sent last
+            big = fds.pop()
+            try:
+                size = os.fstat(big).st_size
+                data = os.pread(big, size, 0)
+            finally:
+                os.close(big)
         blob, path, chan_at = pickle.loads(data)
         chan = fds[chan_at]
         s = unpack(blob, fds, landlock, seccomp)

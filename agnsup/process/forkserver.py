@@ -76,7 +76,9 @@ class Client:
         ours, theirs = lsys.seqpacket_pair()
         parent = os.getpid()
         top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        argv = [sys.executable, "-I", "-S", "-c", _BOOT, top, str(parent), *self.preload]
+        # -I ignores PYTHONDONTWRITEBYTECODE: the controller's choice is passed on as -B
+        argv = [sys.executable, "-I", "-S", *(("-B",) if sys.dont_write_bytecode else ()), "-c", _BOOT, top,
+                str(parent), *self.preload]
         pid = os.fork()
         if pid == 0:  # the controller's copy, for as long as execve takes
             out = theirs

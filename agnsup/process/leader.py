@@ -12,7 +12,7 @@ from ..errors import NotExecutable, NotFound, SetupError
 from ..linux import host, landlock, netns, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..util.record import Record
-from . import clone, forkserver, namespaces
+from . import clone, namespaces
 from .helpers import read_all, tmp_entries
 from .steps import Setup, child as run_steps
 
@@ -89,7 +89,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
             if fd is not None:
                 os.close(fd)
         _close_setup(s)
-        if isinstance(e, forkserver.ServerGone):
+        from .forkserver import ServerGone  # (a Supervisor's spawn loaded it already)
+        if isinstance(e, ServerGone):
             raise SetupError(f"cell setup failed at step 'fork_server': {e.strerror}", step="fork_server",
                              errno=e.errno) from None
         if s.ids is not None and e.errno in namespaces.USERNS_REFUSED:
@@ -167,8 +168,9 @@ def _wait(child: Child):
     if child.reap_channel is None:
         info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         return info.si_code, info.si_status
+    from .forkserver import reap  # loaded by a Supervisor only: `agnsup run` never has a channel
     channel, child.reap_channel = child.reap_channel, None
-    return forkserver.reap(channel)
+    return reap(channel)
 
 
 def watches_netns(plan) -> bool:

@@ -4,8 +4,9 @@ A Supervisor (serve, MCP, sandboxd, the Python API) is a threaded controller of 
 cell cost ~4.5 ms in page tables and copy-on-write faults (the leader's, the command's, and ~1,300 a cell in the
 controller itself, which writes to pages the leader shares), and a threaded process may not use the raw clone3,
 so every leader joined its cgroup2 directory by a cgroup.procs write (the kernel's global lock and its RCU grace
-period; process/primer.py hid it). Instead the Supervisor starts this small, single-threaded process once (a
-fresh interpreter that imports only what the leader's steps need, ~12 MB) and hands it each cell's spawn:
+period; a primer, removed with this, partly hid it). Instead the Supervisor starts this small, single-threaded
+process once (a fresh interpreter that imports only what the leader's steps need, ~12 MB) and hands it each
+cell's spawn:
 
 - the request: steps.Setup as data (the plan, the backend and place for the cgroup step, pickled) and its fds by
   SCM_RIGHTS (stdio, the barrier and report pipes, the namespaces, the /tmp tmpfs, the Landlock ruleset; the

@@ -164,7 +164,8 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
 
 def _wait(child: Child):
     """Reap the leader (waiting for its exit): its waitid result as (si_code, si_status); None when it was born
-    in a fork server that is gone (the leader died with it: PR_SET_PDEATHSIG)."""
+    in a fork server that is gone (the leader died with it: PR_SET_PDEATHSIG; a "keep" leader outlived it and
+    was reaped by whoever inherited it: its status is lost, collect says SIGKILL)."""
     if child.reap_channel is None:
         info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         return info.si_code, info.si_status

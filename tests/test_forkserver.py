@@ -82,3 +82,25 @@ def test_a_spawn_request_larger_than_a_socket_message_reaches_the_cell_whole(sta
         r = sup.run(["sh", "-c", 'echo $((${#BIG0} + ${#BIG1} + ${#BIG2})) "${BIG2#"${BIG2%?}"}"'],
                     workdir=worktree, run_id="big", env=env, capture=True)
     assert r["exit_code"] == 0 and r["stdout"].split() == ["300000", "2"], r
+
+
+def test_a_keep_cell_that_outlives_its_killed_fork_server_still_gets_its_own_exit_status(state, worktree):
+    """A leader of on_controller_death = "keep" has no PR_SET_PDEATHSIG: the server's death leaves it running, and
+    whoever inherits it reaps it. The controller reads its status from pidfs (PIDFD_INFO_EXIT, Linux 6.15+)."""
+    from agnsup.linux import pidfd
+    probe = os.fork()
+    if probe == 0:
+        os._exit(3)
+    fd = os.pidfd_open(probe)
+    os.waitpid(probe, 0)
+    supported = pidfd.exit_status(fd) == 3 << 8
+    os.close(fd)
+    if not supported:
+        pytest.skip("ENV_BLOCKED: PIDFD_INFO_EXIT (Linux 6.15+): the status of a leader reaped elsewhere")
+    with Supervisor(state) as sup:
+        sup.spawn(["sh", "-c", "read line; exit 7"], workdir=worktree, run_id="keep", cell_id="c1",
+                  on_controller_death="keep", stdin=True)
+        os.kill(sup._forker.server.pid, signal.SIGKILL)  # our own Supervisor's server
+        sup.write_stdin("keep", "c1", b"go\n", eof=True)  # now it ends, unreaped by its dead server
+        res = sup.wait("keep", "c1", timeout=30)
+        assert res is not None and (res["state"], res["exit_code"]) == ("exited", 7), res

@@ -164,14 +164,43 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
 
 def _wait(child: Child):
     """Reap the leader (waiting for its exit): its waitid result as (si_code, si_status); None when it was born
-    in a fork server that is gone (the leader died with it: PR_SET_PDEATHSIG; a "keep" leader outlived it and
-    was reaped by whoever inherited it: its status is lost, collect says SIGKILL)."""
+    in a fork server that is gone and the kernel cannot say how it ended (before 6.15: collect says SIGKILL,
+    which PR_SET_PDEATHSIG sent it; a "keep" leader that outlived its server ends unknown there)."""
     if child.reap_channel is None:
         info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
         return info.si_code, info.si_status
     from .forkserver import reap  # loaded by a Supervisor only: `agnsup run` never has a channel
     channel, child.reap_channel = child.reap_channel, None
-    return reap(channel)
+    info = reap(channel)
+    if info is None:  # the server is gone: pidfs may still know how the leader ended (6.15+)
+        status = _reaped_elsewhere(child.pidfd)
+        if status is not None:
+            info = (os.CLD_EXITED, os.WEXITSTATUS(status)) if os.WIFEXITED(status) else \
+                (os.CLD_KILLED, os.WTERMSIG(status))
+    return info
+
+
+REAPED_ELSEWHERE = 5.0  # seconds a leader whose fork server died is waited for to be reaped by its new parent
+
+
+def _reaped_elsewhere(fd: int) -> int | None:
+    """The wait status of a leader whose fork server died, once its new parent (init, a subreaper) reaped it:
+    pidfd.exit_status, asked for up to REAPED_ELSEWHERE s after its exit (an init may reap late: this project's
+    VMs' reaps orphans every ~1.5 s); None when the kernel cannot say."""
+    import select
+    import time
+    select.select([fd], [], [])  # its exit (a leader the server left: PR_SET_PDEATHSIG, or the barrier's EOF)
+    deadline = time.monotonic() + REAPED_ELSEWHERE
+    while True:
+        status = pidfd.exit_status(fd)
+        if status is None:
+            with suppress(ChildProcessError):  # we are its new parent (a subreaper): ours to reap
+                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+                if info is not None:
+                    return (info.si_status << 8) if info.si_code == os.CLD_EXITED else info.si_status
+        if status is not None or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)
 
 
 def watches_netns(plan) -> bool:

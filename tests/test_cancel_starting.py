@@ -2,9 +2,9 @@
 before its leader can be found, is not lost.
 
 The race behind the intermittent tests/test_mcp.py failure (an MCP request given up on
-right after its cell's spawn): in a multi-threaded controller (Supervisor: serve, mcp)
-the leader is forked and joins its cgroups itself, so for a moment after its identity
-is committed its cgroup is empty. A cancel recorded then passes commit_identity's check
+right after its cell's spawn): a leader that is forked and joins its cgroups itself (a
+Supervisor's before its fork server; now only where clone3(CLONE_INTO_CGROUP) is refused)
+leaves its cgroup empty for a moment after its identity is committed. A cancel recorded then passes commit_identity's check
 (already done), and its reaper finds nothing to stop; the leader then joins, is
 released and runs its command with nobody left to cancel it.
 

@@ -322,13 +322,8 @@ class Controller:
 
     def _make_place(self, cell: Cell) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
-        if cell.place.node is not None:  # first: the grace period below overlaps the rest of the place
+        if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
-            if self.forker is not None:
-                # the cgroup lock's grace period from now, on a thread of its own, while the place is finished
-                # and the leader forked (supervisor._Forker.prime); not before the mkdirs above: the kernel
-                # waits it holding its cgroup_mutex, which every mkdir takes
-                self.forker.prime()
         home.make(plan)
         if cell.secrets:
             self._trust(cell)

@@ -91,47 +91,37 @@ class _Worker:
         self.thread.join(5)
 
 
+# what a spawn request carries (process/forkserver.py): the plan, the backend and its place, the proxy's handoff
+PRELOAD = ("agnsup.plan", "agnsup.backend.cgroups", "agnsup.egress.handoff")
+
+
 class _Forker:
-    """The thread every cell of a Supervisor is forked from. It lives as long as the
-    Supervisor: a cell's PR_SET_PDEATHSIG (on_controller_death = kill) fires when the
-    *thread* that forked it ends (prctl(2)), and serve's request threads end with
-    their connections.
+    """The thread a Supervisor's fork server is started from, and the server (process/forkserver.py), in which
+    every cell's leader is born. The thread lives as long as the Supervisor: the server's PR_SET_PDEATHSIG (set
+    before its exec) fires when the *thread* that forked it ends (prctl(2)), and serve's request threads end
+    with their connections; each leader's follows the server. A server that died is started again, from this
+    thread, by the next spawn."""
 
-    The primer (process/primer.py: the cgroup lock's grace period, started once a cell's cgroups exist) runs on a
-    thread of its own, never on this one: a prime or touch that waits a grace period (6-16 ms) holds no fork
-    up behind it (issue 29, third round: on the forker, a touch that found the lock's fast state expired made
-    the fork wait a whole grace period, ~6 ms a cell on average). Both threads are the controller's, so the
-    primer's zombie is ours to wait for from either."""
-
-    def __init__(self, primer=None):
-        self.primer = primer  # process.primer.Primer: touched before each fork, its zombie reaped after
+    def __init__(self):
+        from .process.forkserver import Client
+        self.server = Client(PRELOAD)
         self.worker = _Worker("agnsup-forker")
-        self.side = _Worker("agnsup-primer")
+        self.starting = threading.Lock()
+        self.worker.submit(self._ensure)  # at once, off the caller's path: the first cell finds it ready
 
-    def __call__(self, fn):
-        """Run `fn()` (leader.spawn's fork) on the thread and return what it returned there."""
-        if self.primer is not None:  # keeps the lock's fast state for the leader's join; waits on its own thread
-            self.side.submit(self.primer.touch)
-        try:
-            return self.worker.call(fn)  # returns in the parent only: the leader runs its steps and execs, or exits
-        finally:
-            if self.primer is not None:  # the next request's zombie, after this one's fork, off its path
-                self.side.submit(self.primer.renew)
+    def _ensure(self) -> None:
+        with self.starting:
+            if not self.server.alive():
+                self.server.start()
 
-    def prime(self) -> None:
-        """The cgroup lock's grace period, started now on the primer's thread (process/primer.py)."""
-        if self.primer is not None:
-            self.side.submit(self.primer.prime)
-
-    def use(self, primer) -> None:
-        """Prime with `primer` from now on; its first zombie is spawned at once, on the primer's thread."""
-        self.primer = primer
-        self.side.submit(primer.renew)
+    def spawn(self, s, cgroup2: str | None):
+        """leader.spawn's clone, in the fork server: (pid, pidfd, born, reap channel)."""
+        if not self.server.alive():
+            self.worker.call(self._ensure)  # raises forkserver.ServerGone saying why it cannot start
+        return self.server.spawn(s, cgroup2)
 
     def close(self) -> None:
-        if self.primer is not None:
-            self.side.submit(self.primer.reap)
-        self.side.close()
+        self.worker.call(self.server.stop)
         self.worker.close()
 
 
@@ -142,11 +132,9 @@ class Supervisor:
         from .store.state import StateRoot
         self.state = StateRoot(state_dir).ensure()
         janitor.on_start(self.state)
-        self._forker = _Forker()
         self._backend = backend  # the cells' (and cancel's) instead of the host's (backend.choose): tests' fake
-        self.ctl = broker.Controller(self.state, kind=kind, forker=self._forker, backend=backend)
-        from .process.primer import Primer
-        self._forker.use(Primer(self.ctl.backend))  # process/primer.py
+        self.ctl = broker.Controller(self.state, kind=kind, backend=backend)
+        self.ctl.forker = self._forker = _Forker()  # after the backend entered its place (systemd: its unit)
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}

@@ -1,7 +1,8 @@
-"""A threaded controller's leader joins its cell's cgroups itself, after fork (issue 29, third round): a v1
-hierarchy through `tasks` (one thread moving itself: the kernel skips its global cgroup_threadgroup_rwsem and
-so the RCU grace period a cgroup.procs write waits for), v2 through cgroup.procs. Both the PID namespace's init
-(the leader) and the command are in the cell's directory of every hierarchy its receipt names.
+"""A Supervisor's leader is born in its fork server (process/forkserver.py, issue 29, fourth round) by
+clone3(CLONE_INTO_CGROUP), in its cgroup2 directory, and joins its v1 hierarchies itself through `tasks` (one
+thread moving itself: the kernel skips its global cgroup_threadgroup_rwsem and so the RCU grace period a
+cgroup.procs write waits for). Both the PID namespace's init (the leader) and the command are in the cell's
+directory of every hierarchy its receipt names.
 
 Checked to fail: with CgroupBackend.attach writing nothing to the v1 hierarchies for a leader that moves
 itself, the memory, pids and cpu lines below name the controller's cgroup, not the cell's."""
@@ -25,7 +26,7 @@ def test_a_forked_leader_and_its_command_are_in_every_hierarchy_of_their_cell(st
     assert r["exit_code"] == 0, r
     with open(r["receipt"]) as f:
         receipt = json.load(f)
-    assert receipt["isolation"]["cgroup_join"].startswith("fork"), receipt["isolation"]  # a threaded controller
+    assert receipt["isolation"]["cgroup_join"].startswith("clone3"), receipt["isolation"]  # its single-threaded server
     text = r["stdout"]
     n = len(text.splitlines()) // 2
     command, init = (_lines("\n".join(text.splitlines()[:n])), _lines("\n".join(text.splitlines()[n:])))

@@ -227,6 +227,38 @@ def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user)
     assert user.left() == []
 
 
+SUPERVISOR_CALLER = r'''
+import json, os
+from agnsup.supervisor import Supervisor
+with Supervisor() as sup:
+    r = sup.run(["sh", "-c", "set -- /proc/[0-9]*; echo pids $#"], capture=True, run_id="u")
+    h = sup.spawn(["sleep", "300"], run_id="u", cell_id="held")
+    with open(f"/proc/{h['pid']}/status") as f:
+        parent = int(next(line.split()[1] for line in f if line.startswith("PPid:")))
+    server = sup._forker.server.pid
+    sup.signal("u", "held", "KILL")
+    sup.wait("u", "held", timeout=60)
+with open(r["receipt"]) as f:
+    iso = json.load(f)["isolation"]
+print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"], "server": server, "parent": parent,
+                  "me": os.getpid()}))
+'''
+
+
+def test_a_normal_users_supervisor_cell_is_born_in_its_fork_server_with_its_pid_namespace(user):
+    """A Supervisor's leader is its fork server's child (process/forkserver.py), for a normal user too: the server
+    is single-threaded, so its clone3 makes the user namespace and the PID namespace in one call."""
+    p = subprocess.Popen([user.python, "-c", SUPERVISOR_CALLER], env=user.env, cwd=user.work,
+                         preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["pid_namespace"] is True and r["stdout"].strip() == "pids 2", r
+    assert r["parent"] == r["server"] and r["server"] not in (None, r["me"]), r
+    assert user.left() == []
+
+
 def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     wt = user.own_dir("wt2")
 

@@ -36,7 +36,8 @@ class Handoff:
         """In the child, inside its new network namespace with lo up: listen, send, close.
         The controller's end was closed by the child's fd sweep: forget it, never close it
         (its number may belong to a new socket by now)."""
-        self.ours.detach()
+        if self.ours is not None:  # None: born in a fork server, which never had the controller's end
+            self.ours.detach()
         lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             lst.bind((PROXY_HOST, self.port))

@@ -53,6 +53,29 @@ def inode(fd: int) -> int:
 
 
 
+# pidfs's PIDFD_GET_INFO (linux/pidfd.h, Linux 6.15+): _IOWR(0xFF, 11, struct pidfd_info), whose first 64 bytes
+# (PIDFD_INFO_SIZE_VER0) are mask, cgroupid, pid, tgid, ppid, ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid,
+# exit_code; PIDFD_INFO_EXIT asks for exit_code, a wait status, set once the process was reaped by anyone
+_PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
+_PIDFD_INFO_EXIT = 1 << 3
+
+
+def exit_status(fd: int) -> int | None:
+    """The wait status (waitpid(2)'s) of the process behind `fd` once it was reaped, by whichever parent it
+    had; None where the kernel cannot say (before 6.15, or not reaped yet)."""
+    import fcntl
+    import struct
+    buf = bytearray(struct.pack("=Q", _PIDFD_INFO_EXIT) + bytes(56))
+    try:
+        fcntl.ioctl(fd, _PIDFD_GET_INFO, buf, True)
+    except OSError:
+        return None
+    mask, = struct.unpack_from("=Q", buf, 0)
+    if not mask & _PIDFD_INFO_EXIT:
+        return None
+    return struct.unpack_from("=i", buf, 60)[0]
+
+
 def matches(fd: int, pid: int, pidfd_ino: int | None, starttime: int | None) -> tuple[bool, str]:
     """Does the process behind `fd` have the journaled identity? (answer, why)."""
     if pidfd_ino is not None and has_pidfs():

@@ -33,6 +33,7 @@ class Child(Record):
     netns_fd: int | None = None    # ... then the cell's netns, held until it ended (its counters: netns_tries)
     netns_base: dict | None = None  # ... the counters at its start in a shared netns (a fresh one starts at 0)
     netns_why: str | None = None   # ... or why we hold none
+    reap_channel: int | None = None  # born in a fork server: its parent, which reaps it when asked here (_wait)
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
@@ -41,9 +42,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
 
     Returns with the child's identity; the caller journals it and then lets the
     command run with `release(plan, child)`, or never with `abandon(child)`.
-    `forker(fn)`: run the fork in a thread that lives as long as the controller
-    (supervisor.Supervisor): PR_SET_PDEATHSIG fires when the *thread* that forked
-    the cell exits (prctl(2)), and a serve request's thread ends with its connection.
+    `forker`: a Supervisor's (supervisor._Forker): the leader is born in its fork server
+    (process/forkserver.py), not in this threaded process; None: forked here (a one-cell controller).
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
     namespace a normal user's cell joins instead of making its own); spawn closes them."""
@@ -58,20 +58,16 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
         if isinstance(e, OSError):
             raise _failed("confinement", e, plan) from None
         raise
-    s.stdio, s.controller = stdio, os.getpid()
-    if ctty:  # TIOCSCTTY on fd 0, for the child: built here, so the child imports nothing
-        import fcntl
-        import termios
-        s.ctty = lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    s.stdio, s.controller, s.ctty = stdio, os.getpid(), ctty
     s.barrier_r, barrier_w = os.pipe()
     err_r, s.err_w = os.pipe()
-    status_r = None
+    status_r = channel = None
     watch_r, s.netns_watch = lsys.seqpacket_pair() if watches_netns(plan) else (None, None)
+    s.in_userns = s.ids is not None and plan.pid_namespace
+    cgroup2 = backend.clone_dir(place) if place.node else None
 
     def fork() -> tuple[int, int | None, bool]:
-        s.in_userns = s.ids is not None and plan.pid_namespace
-        pid, fd, s.born = clone.new(backend.clone_dir(place) if place.node else None, plan.pid_namespace, s.in_userns,
-                                    s.pod_userns)
+        pid, fd, s.born = clone.new(cgroup2, plan.pid_namespace, s.in_userns, s.pod_userns)
         if pid == 0:
             os.close(barrier_w)
             os.close(err_r)
@@ -84,12 +80,19 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     try:
         if plan.pid_namespace:
             status_r, s.status_w = os.pipe()
-        pid, fd, born = forker(fork) if forker is not None else fork()
+        if forker is not None:  # a Supervisor's: born in its fork server (process/forkserver.py)
+            pid, fd, born, channel = forker.spawn(s, cgroup2)
+        else:
+            pid, fd, born = fork()
     except OSError as e:
         for fd in (barrier_w, err_r, status_r, watch_r):
             if fd is not None:
                 os.close(fd)
         _close_setup(s)
+        from .forkserver import ServerGone  # (a Supervisor's spawn loaded it already)
+        if isinstance(e, ServerGone):
+            raise SetupError(f"cell setup failed at step 'fork_server': {e.strerror}", step="fork_server",
+                             errno=e.errno) from None
         if s.ids is not None and e.errno in namespaces.USERNS_REFUSED:
             raise namespaces.userns_refused(e.strerror or str(e), e.errno) from None
         raise _failed("pid_namespace", e, plan) from None
@@ -97,7 +100,7 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     child = Child(pid=pid, pidfd=fd, identity={}, status_fd=status_r, barrier_fd=barrier_w, report_fd=err_r,
                   cgroup_join=(clone.JOIN_FORK if not born else clone.JOIN_CLONE3_USERNS if s.in_userns
                                else clone.JOIN_CLONE3), handoff=s.egress,
-                  tmp_fd=(s.premade or {}).get("tmp"), netns_watch=watch_r)
+                  tmp_fd=(s.premade or {}).get("tmp"), netns_watch=watch_r, reap_channel=channel)
     try:
         if born and s.in_userns:
             # Born in a user namespace of its own, the child cannot join its v1 hierarchies itself: moved here
@@ -133,7 +136,7 @@ def release(plan, child: Child) -> None:
     report = read_all(child.report_fd)
     child.report_fd = None
     if report:
-        os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+        _wait(child)
         _close(child)
         raise _child_error(plan, report)
     _hold_netns(child)
@@ -143,7 +146,7 @@ def release(plan, child: Child) -> None:
         except OSError as e:
             # cannot happen once the command executed; if it does, the command never runs unserved
             pidfd.send(child.pidfd, signal.SIGKILL)
-            os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+            _wait(child)
             os.close(child.pidfd)
             raise SetupError(f"cell setup failed at step 'egress': {e}", step="egress") from None
 
@@ -153,10 +156,51 @@ def abandon(child: Child, read_report: bool = False) -> bytes:
     without exec; reaped here. Returns its setup report if `read_report`."""
     os.close(child.barrier_fd)
     report = read_all(child.report_fd) if read_report else os.close(child.report_fd)
-    _close(child)
     with suppress(ChildProcessError):
-        os.waitpid(child.pid, 0)
+        _wait(child)
+    _close(child)
     return report or b""
+
+
+def _wait(child: Child):
+    """Reap the leader (waiting for its exit): its waitid result as (si_code, si_status); None when it was born
+    in a fork server that is gone and the kernel cannot say how it ended (before 6.15: collect says SIGKILL,
+    which PR_SET_PDEATHSIG sent it; a "keep" leader that outlived its server ends unknown there)."""
+    if child.reap_channel is None:
+        info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+        return info.si_code, info.si_status
+    from .forkserver import reap  # loaded by a Supervisor only: `agnsup run` never has a channel
+    channel, child.reap_channel = child.reap_channel, None
+    info = reap(channel)
+    if info is None:  # the server is gone: pidfs may still know how the leader ended (6.15+)
+        status = _reaped_elsewhere(child.pidfd)
+        if status is not None:
+            info = (os.CLD_EXITED, os.WEXITSTATUS(status)) if os.WIFEXITED(status) else \
+                (os.CLD_KILLED, os.WTERMSIG(status))
+    return info
+
+
+REAPED_ELSEWHERE = 5.0  # seconds a leader whose fork server died is waited for to be reaped by its new parent
+
+
+def _reaped_elsewhere(fd: int) -> int | None:
+    """The wait status of a leader whose fork server died, once its new parent (init, a subreaper) reaped it:
+    pidfd.exit_status, asked for up to REAPED_ELSEWHERE s after its exit (an init may reap late: this project's
+    VMs' reaps orphans every ~1.5 s); None when the kernel cannot say."""
+    import select
+    import time
+    select.select([fd], [], [])  # its exit (a leader the server left: PR_SET_PDEATHSIG, or the barrier's EOF)
+    deadline = time.monotonic() + REAPED_ELSEWHERE
+    while True:
+        status = pidfd.exit_status(fd)
+        if status is None:
+            with suppress(ChildProcessError):  # we are its new parent (a subreaper): ours to reap
+                info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+                if info is not None:
+                    return (info.si_status << 8) if info.si_code == os.CLD_EXITED else info.si_status
+        if status is not None or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)
 
 
 def watches_netns(plan) -> bool:
@@ -211,6 +255,9 @@ def netns_tries(child: Child, read: bool) -> dict | None:
 
 def _close(child: Child) -> None:
     """What the controller holds of a leader that never ran its command."""
+    if child.reap_channel is not None:  # not reaped here: the server reaps it when it exits
+        os.close(child.reap_channel)
+        child.reap_channel = None
     for fd in (child.netns_watch, child.netns_fd):
         if fd is not None:
             os.close(fd)
@@ -232,17 +279,19 @@ def _close_tmp(child: Child) -> None:
 
 def collect(child: Child) -> tuple[int | None, int | None]:
     """Reap the leader once its tree is dead: (exit status, killing signal) of the command."""
-    info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED)
+    info = _wait(child)
     os.close(child.pidfd)
     if child.tmp_fd is not None:  # the bytes in use on the cell's /tmp tmpfs
         sv = os.fstatvfs(child.tmp_fd)
         child.tmp_used = (sv.f_blocks - sv.f_bfree) * sv.f_frsize
         _close_tmp(child)
     status = sig = None
-    if info.si_code == os.CLD_EXITED:
-        status = info.si_status
+    if info is None:  # its fork server died and the kernel killed it (PR_SET_PDEATHSIG): SIGKILL
+        sig = signal.SIGKILL
+    elif info[0] == os.CLD_EXITED:
+        status = info[1]
     else:
-        sig = info.si_status
+        sig = info[1]
     if child.status_fd is not None:  # a PID-namespace init: the command's own status
         status, sig = pidinit.command_status(child.status_fd, status, sig)
     return status, sig

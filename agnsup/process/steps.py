@@ -13,8 +13,11 @@ running unrecorded.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import select
 import signal
+import termios
 
 from ..util import crashpoints
 from ..linux import landlock, mounts, netns, pidinit, proc, userns
@@ -48,7 +51,8 @@ class Setup(Record):
     status_w: int | None = None  # PID namespace: the init reports the command's status here
     controller: int = 0          # the controller's pid (crashpoints)
     born: bool = False           # born in its cgroup2 directory (clone3): it joins the rest itself (steps: "cgroup")
-    ctty: object = None          # makes fd 0 the controlling terminal (built by spawn)
+    ctty: bool = False           # fd 0 (a pty) becomes the controlling terminal
+    parent_fd: int | None = None  # born in a fork server: a pidfd of the server, whose death must kill us
     in_userns: bool = False      # born in a user namespace of its own
 
 
@@ -67,11 +71,17 @@ def child(s: Setup) -> None:
             os._exit(127 if step == "exec" and code == errno.ENOENT else 126 if step == "exec" else 125)
 
 
+def _pdeathsig(s: Setup) -> None:
+    lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if s.parent_fd is not None and select.select([s.parent_fd], [], [], 0)[0]:  # readable: the server exited
+        raise OSError(errno.ESRCH, "the fork server died")
+
+
 def _stdio(s: Setup) -> None:
     for target, fd in enumerate(s.stdio or ()):
         if fd is not None and fd != target:
             os.dup2(fd, target)
-    keep = {s.barrier_r, s.err_w, s.status_w, s.ruleset.fd if s.ruleset else None,
+    keep = {s.barrier_r, s.err_w, s.status_w, s.parent_fd, s.ruleset.fd if s.ruleset else None,
             s.egress.child_fd() if s.egress else None, s.userns_fd, s.netns_fd, s.pod_userns, s.netns_watch,
             *(s.premade or {}).values()}
     low = 3
@@ -188,8 +198,8 @@ def _cell_user(s: Setup) -> None:
     os.setresuid(0, 0, 0)
     if s.plan.dies_with_controller and not s.plan.pid_namespace:
         # a credential change clears PR_SET_PDEATHSIG (commit_creds): the leader carries it again;
-        # had the controller died in between, the barrier that follows sees EOF
-        lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
+        # had the controller died in between, the barrier that follows sees EOF (and had the fork server: _pdeathsig)
+        _pdeathsig(s)
 
 
 def _capabilities(s: Setup) -> None:
@@ -216,10 +226,13 @@ REFUSED = True  # a host that refuses namespaces stops a cell here (namespaces.r
 STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step the plan does not ask for does nothing
     # on_controller_death = kill, first: the kernel SIGKILLs us when the controller's forking thread dies
     # (prctl(2)); had it died already, the barrier sees EOF
-    ("pdeathsig", lambda s: s.plan.dies_with_controller and lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL), False),
+    # (born in a fork server: its thread's death kills us; had it died already, we leave now: our parent is then
+    # another process, whose death kills nobody)
+    ("pdeathsig", lambda s: s.plan.dies_with_controller and _pdeathsig(s), False),
     ("stdio", _stdio, False),                    # fds 0-2; close every other fd but the pipes and the ruleset
     ("setsid", lambda s: os.setsid(), False),    # new session and process group
-    ("controlling_terminal", lambda s: s.ctty and s.ctty(), False),  # fd 0 (a pty): its foreground group is ours
+    # fd 0 (a pty): its foreground group is ours
+    ("controlling_terminal", lambda s: s.ctty and fcntl.ioctl(0, termios.TIOCSCTTY, 0), False),
     # join the cell's cgroups: every hierarchy it was not born in (alone: we have one thread, so a v1 hierarchy's
     # `tasks` moves the whole of us, without the kernel's global lock and its grace period). Born in a user
     # namespace of its own (a normal user's clone3), it may not write the host's files: the controller moves it

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 from agnsup.backend.base import Backend, Place
 from agnsup.linux import cgroup, session
@@ -189,12 +188,10 @@ class FakeProcesses:
         self.calls: list[tuple[str, int | None]] = []
         self.fail: dict[str, Exception] = {}
         self.on_release = None
-        self.forked_in: list[str] = []  # the threads the leaders were forked from
         self._pid = 5000
 
     def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False, netns_fd=None) -> FakeChild:
         def fork():
-            self.forked_in.append(threading.current_thread().name)
             if "spawn" in self.fail:
                 raise self.fail["spawn"]
             self._pid += 1
@@ -205,7 +202,7 @@ class FakeProcesses:
             return FakeChild(p.pid, r, {"pid": p.pid, "pidfd_ino": None, "starttime": p.starttime, "pgid": p.pid,
                                         "boot_id": "fake-boot"})
         self.calls.append(("spawn", None))
-        return forker(fork) if forker is not None else fork()
+        return fork()  # a Supervisor's would be born in its fork server (process/forkserver.py): none here
 
     def release(self, plan, child) -> None:
         self.calls.append(("release", child.pid))

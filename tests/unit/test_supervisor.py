@@ -6,6 +6,7 @@ import fcntl
 import os
 import struct
 import termios
+import threading
 
 import pytest
 
@@ -52,12 +53,18 @@ def test_spawn_returns_at_once_and_wait_gives_the_result_once_the_leader_ended(w
         {k: res[k] for k in ("state", "exit_code", "receipt")}
 
 
-def test_the_cells_are_forked_from_the_supervisors_own_thread(w):
-    """PR_SET_PDEATHSIG fires when the thread that forked a cell ends: never a request's thread."""
-    h = w.spawn(capture=True)
-    assert w.procs.forked_in == ["agnsup-forker"]
-    w.leader(h).exit(0)
-    w.sup.wait("R", "c1", timeout=WAIT)
+def test_the_fork_server_is_started_from_the_supervisors_own_thread(tmp_path, monkeypatch):
+    """PR_SET_PDEATHSIG fires when the thread that forked a process ends: the fork server's (every cell's leader
+    is its child, process/forkserver.py) is the Supervisor's own thread, never a request's."""
+    from agnsup.process import forkserver
+    started_in = []
+    monkeypatch.setattr(forkserver.Client, "start", lambda self: started_in.append(threading.current_thread().name))
+    world = World(tmp_path, monkeypatch)
+    try:
+        world.sup._forker.worker.call(lambda: None)  # the start queued at its creation has run
+        assert started_in == ["agnsup-forker"]
+    finally:
+        world.sup.close(grace=0.0)
 
 
 def test_list_shows_live_cells_without_their_token_and_ended_ones_on_request(w):
@@ -132,7 +139,7 @@ def test_a_signal_to_a_queued_cell_cancels_it_and_it_never_starts(w):
     w.sup.signal("R", "c2", "INT")
     with pytest.raises(CancelledBeforeStart):
         w.sup.wait("R", "c2", timeout=WAIT)
-    assert len(w.procs.forked_in) == 1 and w.sup.ctl.journal.cell_state("R", "c2") == "cancelled"
+    assert [c for c, _ in w.procs.calls].count("spawn") == 1 and w.sup.ctl.journal.cell_state("R", "c2") == "cancelled"
     w.leader(first).exit(0)
     w.sup.wait("R", "c1", timeout=WAIT)
 

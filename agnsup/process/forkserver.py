@@ -1,0 +1,401 @@
+"""The fork server: the one process a Supervisor's cells are born from (issue 29, fourth round).
+
+A Supervisor (serve, MCP, sandboxd, the Python API) is a threaded controller of ~40-60 MB. Forking it for each
+cell cost ~4.5 ms in page tables and copy-on-write faults (the leader's, the command's, and ~1,300 a cell in the
+controller itself, which writes to pages the leader shares), and a threaded process may not use the raw clone3,
+so every leader joined its cgroup2 directory by a cgroup.procs write (the kernel's global lock and its RCU grace
+period; a primer, removed with this, partly hid it). Instead the Supervisor starts this small, single-threaded
+process once (a fresh interpreter that imports only what the leader's steps need, ~12 MB) and hands it each
+cell's spawn:
+
+- the request: steps.Setup as data (the plan, the backend and place for the cgroup step, pickled) and its fds by
+  SCM_RIGHTS (stdio, the barrier and report pipes, the namespaces, the /tmp tmpfs, the Landlock ruleset; the
+  seccomp filter is rebuilt here from its groups), with one end of a socketpair of the cell's own (its reap);
+- the server: clone.new (clone3 CLONE_INTO_CGROUP, born in its v2 directory: it is single-threaded), the
+  leader runs steps.STEPS exactly as a leader forked in-process does; the answer: the leader's pid and pidfd;
+- the reap: the leader is the server's child, so only the server can wait for it. It never reaps one unasked
+  (the leader's pid, the cell's session id, stays reserved until the controller has stopped the rest of the
+  tree); the controller asks on the cell's socketpair once the leader exited (its pidfd polls readable for any
+  process) and gets its waitid status back. A socketpair the controller closed unasked (an abandoned cell in a
+  dead thread): the server reaps the leader whenever it exits.
+
+The dead-man switch: the server's PR_SET_PDEATHSIG (SIGKILL) follows the Supervisor's forker thread, set before
+its exec and checked against getppid() after; each leader's follows the server's one thread, checked against the
+server's pidfd right after (steps: "pdeathsig"); the server also exits at the socketpair's EOF (the Supervisor
+closed). So a SIGKILLed controller kills the server, which kills every leader that dies with its controller; a
+SIGKILLed server alone kills its cells too, and the controller reports them (their reap answers nothing: EOF).
+
+A server that cannot start or died: the next spawn starts a new one from the forker thread; a spawn the server did
+not answer fails with SetupError at step "fork_server" (journaled as any failed start). There is no in-process
+fallback: one way a Supervisor forks (a threaded controller's in-process fork was the slow path this replaces).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+from ..linux import sys as lsys
+from .helpers import _umask
+
+STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
+INLINE = 1 << 16  # bytes of a spawn request (the pickled Setup) sent in its message; a larger one (a big
+# environment) goes in a memfd sent with it: a SOCK_SEQPACKET message is at most the socket's buffer (~208 KiB)
+_FD_FIELDS = ("barrier_r", "err_w", "status_w", "netns_fd", "pod_userns", "netns_watch", "userns_fd")
+
+
+class ServerGone(OSError):
+    """The fork server did not answer (it could not start, or died)."""
+
+
+# -- the controller's side ---------------------------------------------------------------------------------------
+class Client:
+    """The Supervisor's handle on its fork server. `start` on the forker thread only (the server's
+    PR_SET_PDEATHSIG follows the thread that forked it); `spawn` from any thread (one at a time)."""
+
+    def __init__(self, preload: tuple[str, ...] = ()):
+        import threading
+        self.preload = preload  # modules the server imports at its start: those of what a request carries
+        self.sock: int | None = None
+        self.pid: int | None = None
+        self.pidfd: int | None = None
+        self.lock = threading.Lock()
+        self.why: str | None = None  # why the last start failed
+
+    def alive(self) -> bool:
+        """Started (it said "ready": spawns may talk to it) and not exited."""
+        if self.sock is None or self.pidfd is None:
+            return False
+        import select
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+    def start(self) -> None:
+        """Fork and exec the server (a fresh interpreter: `python -I -S`, agnsup's directory first on its path)
+        and wait for its "ready". Raises ServerGone saying why it did not start."""
+        import sys
+        self.stop()
+        ours, theirs = lsys.seqpacket_pair()
+        parent = os.getpid()
+        top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # -I ignores PYTHONDONTWRITEBYTECODE: the controller's choice is passed on as -B
+        argv = [sys.executable, "-I", "-S", *(("-B",) if sys.dont_write_bytecode else ()), "-c", _BOOT, top,
+                str(parent), *self.preload]
+        pid = os.fork()
+        if pid == 0:  # the controller's copy, for as long as execve takes
+            out = theirs
+            try:
+                os.close(ours)
+                lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)  # follows this (the forker) thread
+                if os.getppid() != parent:
+                    os._exit(1)  # it died already: nothing to serve
+                # a process group of its own: a terminal's ^C, ^\ and hangup go to the controller's group, whose
+                # own handling (serve: its shutdown) decides about the cells; the server follows the controller
+                os.setpgid(0, 0)
+                if theirs != 3:
+                    out = os.dup2(theirs, 3)
+                os.set_inheritable(3, True)
+                os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the controller's stdio stays (a leader's default)
+                os.execve(sys.executable, argv, os.environ)
+            except BaseException as e:  # noqa: BLE001 - said to the controller, never raised here
+                try:
+                    os.write(out, f"refused {getattr(e, 'errno', 0) or 0} {e}".encode())
+                finally:
+                    os._exit(127)
+        os.close(theirs)
+        self.pid, self.pidfd = pid, os.pidfd_open(pid)
+        said, _ = lsys.recv_fds(ours)
+        if said == b"ready":
+            self.sock = ours  # from now on spawns use it (alive): never before its "ready", which is ours to read
+        else:
+            os.close(ours)
+            why = said.decode(errors="replace") if said else "it exited before it was ready"
+            if why.startswith("refused "):  # "refused ERRNO WHY" (its exec, or its imports)
+                why = why.split(" ", 2)[2]
+            self.stop()
+            self.why = f"the fork server could not start ({sys.executable}): {why}"
+            raise ServerGone(errno.ECHILD, self.why)
+        self.why = None
+
+    def stop(self) -> None:
+        """Close our end (the server exits at EOF) and reap it."""
+        with self.lock:  # not under a spawn's exchange
+            if self.sock is not None:
+                os.close(self.sock)
+                self.sock = None
+        if self.pid is not None:
+            import select
+            if self.pidfd is not None and not select.select([self.pidfd], [], [], STOP_WAIT)[0]:
+                # our end has a copy somewhere (a child forked without closing it): no EOF; ours to end
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+            self.pid = None
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def spawn(self, s, path: str | None) -> tuple[int, int, bool, int]:
+        """(pid, pidfd, born in `path`, the cell's reap channel) of a new leader running steps.STEPS with
+        `s` (steps.Setup). Raises the clone's OSError as the in-process clone would, ServerGone if the
+        server did not answer."""
+        import pickle
+        blob, fds = pack(s)
+        ours, theirs = lsys.seqpacket_pair()
+        fds.append(theirs)
+        data = b""
+        try:
+            data = pickle.dumps((blob, path, len(fds) - 1), protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) > INLINE:
+                fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
+                data, whole = b"M", data
+                os.write(fds[-1], whole)  # a memfd takes it whole
+            with self.lock:
+                if self.sock is None:
+                    raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
+                try:
+                    lsys.send_fds(self.sock, data, fds)
+                    said, got = lsys.recv_fds(self.sock, 256, 1)
+                except OSError as e:
+                    said, got = b"", []
+                    if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
+                        raise
+        except BaseException:
+            os.close(ours)
+            raise
+        finally:
+            os.close(theirs)
+            if data == b"M":
+                os.close(fds[-1])
+        if not said:
+            os.close(ours)
+            raise ServerGone(errno.ECHILD, "the fork server died")
+        word, *rest = said.decode().split(" ", 2)
+        if word != "ok":
+            os.close(ours)
+            for fd in got:
+                os.close(fd)
+            raise OSError(int(rest[0]), rest[1] if len(rest) > 1 else os.strerror(int(rest[0])))
+        return int(rest[0]), got[0], rest[1] == "1", ours
+
+
+def reap(channel: int) -> tuple[int, int] | None:
+    """(si_code, si_status) of a leader the server forked, once it exited; None if the server is gone (it
+    died: the leader had PR_SET_PDEATHSIG and got SIGKILL, or exited unreaped by us). Closes `channel`."""
+    try:
+        os.write(channel, b"reap")
+        said = os.read(channel, 64)
+    except OSError:
+        said = b""
+    finally:
+        os.close(channel)
+    if not said:
+        return None
+    code, status = said.split()
+    return int(code), int(status)
+
+
+def pack(s) -> tuple[dict, list[int]]:
+    """steps.Setup as plain data and the fds it names (each field's fd replaced by its index in the list)."""
+    fds: list[int] = []
+
+    def ref(fd):
+        if fd is None:
+            return None
+        fds.append(fd)
+        return len(fds) - 1
+    d = {n: getattr(s, n) for n in ("plan", "backend", "place", "ids", "netns_shared", "controller", "in_userns")}
+    if s.place is not None and getattr(s.place, "oom_fd", None) is not None:
+        from ..util.record import replace
+        d["place"] = replace(s.place, oom_fd=None)  # the controller's eventfd: nothing the child uses
+    for n in _FD_FIELDS:
+        d[n] = ref(getattr(s, n))
+    d["stdio"] = tuple(ref(fd) for fd in s.stdio) if s.stdio is not None else None
+    d["premade"] = {k: ref(fd) for k, fd in s.premade.items()} if s.premade else s.premade
+    d["ruleset"] = (s.ruleset.version, s.ruleset.log_tag, s.ruleset.handled, s.ruleset.scoped,
+                    ref(s.ruleset.fd)) if s.ruleset else None
+    d["filter"] = s.filter.groups if s.filter else None
+    d["egress"] = (s.egress.port, ref(s.egress.child_fd())) if s.egress else None
+    d["ctty"] = bool(s.ctty)
+    d["umask"] = _umask()  # the controller's now, as a leader forked here would have it
+    return d, fds
+
+
+# -- the server's side ---------------------------------------------------------------------------------------------
+_BOOT = """import os, sys
+try:
+    sys.path.insert(0, sys.argv[1])
+    from agnsup.process.forkserver import serve
+except BaseException as e:
+    os.write(3, f"refused 0 cannot import agnsup from {sys.argv[1]}: {e!r}".encode())
+    os._exit(1)
+serve(3, int(sys.argv[2]), sys.argv[3:])"""
+
+
+def serve(sock: int, controller: int, preload: list[str]) -> None:
+    """The server's loop: spawn requests on `sock`, reaps on each cell's channel; returns at EOF."""
+    if os.getppid() != controller:  # the forker thread ended before our PR_SET_PDEATHSIG could
+        os._exit(1)
+    try:
+        import importlib
+        import pickle
+        import select
+        import socket
+        from . import clone, steps
+        from ..linux import landlock, pidinit, seccomp
+        for name in preload:  # what a request unpickles (the Supervisor names the modules), before the first one
+            importlib.import_module(name)
+    except BaseException as e:  # noqa: BLE001 - said to the controller, which raises it at the spawn
+        os.write(sock, f"refused 0 {e!r}".encode())
+        os._exit(1)
+    os.set_inheritable(sock, False)
+    me = os.pidfd_open(os.getpid())  # each leader polls it after its PR_SET_PDEATHSIG (steps: "pdeathsig")
+    os.set_inheritable(me, False)
+    lsys.send_fds(sock, b"ready", [])
+    children: dict[int, tuple[int, int]] = {}  # channel -> (pid, pidfd): a leader not yet reaped
+    asked: dict[int, int] = {}   # pidfd -> channel: asked to reap, not exited yet
+    orphans: dict[int, int] = {}  # pidfd -> pid: its channel closed unasked; reaped when it exits
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+
+    def reap_now(pidfd: int):
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+        return None if info is None or info.si_pid == 0 else info
+
+    while True:
+        for fd, _ev in poller.poll():
+            if fd == sock:
+                try:
+                    data, fds = _recv(sock, socket)
+                except ConnectionResetError:
+                    data, fds = b"", []
+                if not data:
+                    os._exit(0)  # the Supervisor closed: its cells were cancelled first, or die with us now
+                answer, sent, chan = _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp)
+                lsys.send_fds(sock, answer, sent) if sent else os.write(sock, answer)
+                if sent:
+                    children[chan] = (int(answer.split()[1]), sent[0])
+                    poller.register(chan, select.POLLIN)
+            elif fd in children:
+                pid, pidfd = children.pop(fd)
+                poller.unregister(fd)
+                try:
+                    word = os.read(fd, 16)
+                except OSError:
+                    word = b""
+                if word == b"reap":
+                    info = reap_now(pidfd)
+                    if info is None:  # not exited yet (abandon): answered when it is
+                        asked[pidfd] = fd
+                        poller.register(pidfd, select.POLLIN)
+                        continue
+                    _answer(fd, info)
+                else:
+                    os.close(fd)
+                    orphans[pidfd] = pid
+                    poller.register(pidfd, select.POLLIN)
+                    continue
+                os.close(pidfd)
+            elif fd in asked or fd in orphans:
+                info = reap_now(fd)
+                if info is None:
+                    continue
+                poller.unregister(fd)
+                if fd in asked:
+                    _answer(asked.pop(fd), info)
+                else:
+                    orphans.pop(fd)
+                os.close(fd)
+
+
+def _recv(sock: int, socket) -> tuple[bytes, list[int]]:
+    s = socket.socket(fileno=sock)
+    try:
+        data, anc, _flags, _addr = s.recvmsg(INLINE + 4096, socket.CMSG_SPACE(4 * 64), socket.MSG_CMSG_CLOEXEC)
+    finally:
+        s.detach()
+    import array
+    fds = array.array("i")
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def _answer(chan: int, info) -> None:
+    try:
+        os.write(chan, f"{info.si_code} {info.si_status}".encode())
+    except OSError:
+        pass
+    os.close(chan)
+
+
+def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
+    """One request: (the answer, the fds it carries, the cell's channel). The leader never returns from here."""
+    chan = s = None
+    try:
+        if data == b"M":  # the request is in the memfd sent last
+            big = fds.pop()
+            try:
+                size = os.fstat(big).st_size
+                data = os.pread(big, size, 0)
+            finally:
+                os.close(big)
+        blob, path, chan_at = pickle.loads(data)
+        chan = fds[chan_at]
+        s = unpack(blob, fds, landlock, seccomp)
+        umask = blob["umask"]
+        s.parent_fd = me
+        if s.plan.pid_namespace:
+            s.init_name = pidinit.own_name_plan()  # where *our* argv lies: the leader is a copy of us
+        pid, pidfd, s.born = clone.new(path, s.plan.pid_namespace, s.in_userns, s.pod_userns)
+        born = s.born
+        if pid == 0:
+            os.umask(umask)
+            steps.child(s)  # never returns
+        if pidfd is None:
+            pidfd = os.pidfd_open(pid)
+        os.set_inheritable(pidfd, False)
+        return f"ok {pid} {int(born)}".encode(), [pidfd], chan
+    except BaseException as e:  # noqa: BLE001 - the controller raises it, as an in-process clone would
+        if chan is not None:
+            os.close(chan)
+            chan = None
+        return f"err {getattr(e, 'errno', None) or errno.EINVAL} {getattr(e, 'strerror', None) or e}".encode(), \
+            [], None
+    finally:
+        if s is not None and s.egress is not None:
+            s.egress.theirs.detach()  # its fd is closed below, with the others: the leader has its copy
+        for fd in fds:
+            if fd != chan:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def unpack(d: dict, fds: list[int], landlock, seccomp):
+    """pack's inverse, in the server: a steps.Setup whose fds are the received copies."""
+    from .steps import Setup
+    at = lambda i: None if i is None else fds[i]  # noqa: E731
+    s = Setup(plan=d["plan"], backend=d["backend"], place=d["place"], ids=d["ids"], netns_shared=d["netns_shared"],
+              controller=d["controller"], in_userns=d["in_userns"], ctty=d["ctty"])
+    for n in _FD_FIELDS:
+        setattr(s, n, at(d[n]))
+    s.stdio = tuple(at(i) for i in d["stdio"]) if d["stdio"] is not None else None
+    s.premade = {k: at(i) for k, i in d["premade"].items()} if d["premade"] else d["premade"]
+    if d["ruleset"] is not None:
+        rs = landlock.Ruleset.__new__(landlock.Ruleset)
+        rs.version, rs.log_tag, rs.handled, rs.scoped, i = d["ruleset"]
+        rs.fd = fds[i]
+        s.ruleset = rs
+    if d["filter"] is not None:
+        s.filter = seccomp.build(d["filter"])
+    if d["egress"] is not None:
+        from ..egress.handoff import Handoff
+        h = Handoff.__new__(Handoff)
+        import socket
+        h.port, h.ours, h.theirs = d["egress"][0], None, socket.socket(fileno=fds[d["egress"][1]])
+        s.egress = h
+    return s

@@ -74,6 +74,24 @@ def test_a_fork_server_that_cannot_import_agnsup_says_why(state, worktree, monke
         assert "fork_server" in str(e.value) and "no_such_module" in str(e.value), str(e.value)
 
 
+def test_a_fork_server_that_never_says_ready_fails_the_spawn_in_bounded_time(state, worktree, monkeypatch, tmp_path):
+    """An interpreter that hangs (a stuck import, a hung file system) is no server: the spawn fails, saying so,
+    and the hung process is ended. Checked to fail: without the bound the spawn waits for ever (the test's own
+    timeout)."""
+    import agnsup.process.forkserver as forkserver
+    hang = tmp_path / "python"
+    hang.write_text("#!/bin/sh\nexec sleep 300\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))
+    monkeypatch.setattr(forkserver, "READY_WAIT", 0.5)
+    with Supervisor(state) as sup:
+        with pytest.raises(SetupError) as e:
+            sup.spawn(["true"], workdir=worktree, run_id="hung", cell_id="c1")
+        assert "fork_server" in str(e.value) and "did not say ready" in str(e.value), str(e.value)
+        assert sup._forker.server.pid is None  # the hung one was killed and reaped
+        assert sup.ctl.journal.cell("hung", "c1")["state"] == "failed"
+
+
 def test_a_spawn_request_larger_than_a_socket_message_reaches_the_cell_whole(state, worktree):
     """A big environment makes a request larger than one SOCK_SEQPACKET message can be: it goes in a memfd.
     Checked to fail: with forkserver.INLINE at 1 MiB the send fails (EMSGSIZE) and the spawn with it."""

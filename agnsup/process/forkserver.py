@@ -38,6 +38,7 @@ import signal
 from ..linux import sys as lsys
 from .helpers import _umask
 
+READY_WAIT = 30.0  # seconds a starting server gets to import what it needs and say "ready"
 STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
 INLINE = 1 << 16  # bytes of a spawn request (the pickled Setup) sent in its message; a larger one (a big
 # environment) goes in a memfd sent with it: a SOCK_SEQPACKET message is at most the socket's buffer (~208 KiB)
@@ -103,7 +104,12 @@ class Client:
                     os._exit(127)
         os.close(theirs)
         self.pid, self.pidfd = pid, os.pidfd_open(pid)
-        said, _ = lsys.recv_fds(ours)
+        import select
+        # its "ready" (or why not), or its exit; a server stuck in its imports (a hung file system) is no server
+        if select.select([ours], [], [], READY_WAIT)[0]:
+            said, _ = lsys.recv_fds(ours)
+        else:
+            said = f"refused {errno.ETIMEDOUT} it did not say ready within {READY_WAIT:.0f} s".encode()
         if said == b"ready":
             self.sock = ours  # from now on spawns use it (alive): never before its "ready", which is ours to read
         else:

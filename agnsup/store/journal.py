@@ -82,7 +82,7 @@ class Journal:
             self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
             self.db.row_factory = sqlite3.Row
             self.db.execute("PRAGMA busy_timeout = 30000")
-            mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _wal_mode(self.db)
             self.db.execute("PRAGMA synchronous = NORMAL")
             # `agnsup run` exits without the checkpoint-on-close (broker.Controller.close),
             # so the next start rebuilds the WAL index from the WAL (~4 us a page):
@@ -889,6 +889,22 @@ class _Checkpointer:
         self.closing = True
         self.wake.set()
         self.thread.join(30)
+
+
+def _wal_mode(db) -> str:
+    """PRAGMA journal_mode = WAL, retried while another connection is switching the same fresh file: the switch
+    takes SHARED then EXCLUSIVE, and SQLite answers SQLITE_BUSY at once, without the busy handler, to one of two
+    connections that both hold SHARED and want more (a deadlock it refuses to wait in: two controllers started
+    together on a new state root; seen ~1 open in 75). Bounded by the busy timeout."""
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _latest() -> int:

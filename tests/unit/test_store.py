@@ -204,3 +204,38 @@ def test_with_live_cells_names_the_controllers_that_still_have_one(j):
     j.conclude_recovered([{"run_id": "R", "cell_id": "c2", "controller": "ctl-1", "entry": {"notes": []},
                            "receipt": {"kind": "recovery"}}], "jan-1", time.time(), "/r.json")
     assert j.with_live_cells(["ctl-1", "ctl-2"]) == set() and j.with_live_cells([]) == set()
+
+
+def test_the_switch_to_wal_is_retried_while_another_connection_switches_the_same_fresh_file():
+    """Two controllers started together on a new state root both switch its fresh journal to WAL: SQLite answers
+    one of them SQLITE_BUSY at once, without the busy handler (two SHARED locks that both want EXCLUSIVE: it refuses
+    to wait in a deadlock), which made `agnsup mcp` twice at once fail ~1 open in 75 with "database is locked".
+    Checked to fail without the retry in journal._wal_mode."""
+    import sqlite3
+    from agnsup.store import journal
+
+    class Busy:
+        tries = 0
+
+        def execute(self, sql):
+            assert sql == "PRAGMA journal_mode = WAL"
+            self.tries += 1
+            if self.tries < 3:
+                e = sqlite3.OperationalError("database is locked")
+                e.sqlite_errorcode = sqlite3.SQLITE_BUSY
+                raise e
+            return self
+
+        def fetchone(self):
+            return ("wal",)
+
+    db = Busy()
+    assert journal._wal_mode(db) == "wal" and db.tries == 3
+
+    class Broken(Busy):
+        def execute(self, sql):
+            e = sqlite3.OperationalError("disk I/O error")
+            e.sqlite_errorcode = sqlite3.SQLITE_IOERR
+            raise e
+    with pytest.raises(sqlite3.OperationalError):  # anything else is not retried
+        journal._wal_mode(Broken())

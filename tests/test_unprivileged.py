@@ -214,15 +214,20 @@ print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"]})
 '''
 
 
-def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
-    """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
-    throwaway child of its own, with CLONE_PARENT (process/clone.py)."""
-    p = subprocess.Popen([user.python, "-c", THREADED_CALLER], env=user.env, cwd=user.work,
+def _caller(user, script: str) -> dict:
+    """Run a Python API script as the normal user; its last line of JSON."""
+    p = subprocess.Popen([user.python, "-c", script], env=user.env, cwd=user.work,
                          preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    r = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_threaded_caller_gives_a_normal_users_cell_its_pid_namespace_too(user):
+    """The raw clone3 is for single-threaded processes only: a threaded controller clones from a
+    throwaway child of its own, with CLONE_PARENT (process/clone.py)."""
+    r = _caller(user, THREADED_CALLER)
     assert r["pid_namespace"] is True and r["stdout"].strip() == "pids 2", r
     assert user.left() == []
 
@@ -248,12 +253,7 @@ print(json.dumps({"stdout": r["stdout"], "pid_namespace": iso["pid_namespace"], 
 def test_a_normal_users_supervisor_cell_is_born_in_its_fork_server_with_its_pid_namespace(user):
     """A Supervisor's leader is its fork server's child (process/forkserver.py), for a normal user too: the server
     is single-threaded, so its clone3 makes the user namespace and the PID namespace in one call."""
-    p = subprocess.Popen([user.python, "-c", SUPERVISOR_CALLER], env=user.env, cwd=user.work,
-                         preexec_fn=user._enter, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err
-    r = json.loads(out.strip().splitlines()[-1])
+    r = _caller(user, SUPERVISOR_CALLER)
     assert r["pid_namespace"] is True and r["stdout"].strip() == "pids 2", r
     assert r["parent"] == r["server"] and r["server"] not in (None, r["me"]), r
     assert user.left() == []

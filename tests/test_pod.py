@@ -65,17 +65,22 @@ def _receipt(state: str, run: str, cell: str) -> dict:
         return json.load(f)
 
 
+def _keeper_ends(keeper: dict, seconds: float) -> bool:
+    """Has the keeper (pod.json's identity) ended within `seconds`?"""
+    deadline = time.monotonic() + seconds
+    while True:
+        st = proc.stat(keeper["pid"])
+        if st is None or st.starttime != keeper["starttime"] or st.state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _gone(pod: dict, state: str, run: str, agent: str) -> None:
     """The pod went whole: its keeper, its cgroup place, its directory."""
     keeper = pod["keeper"]
-    deadline = time.monotonic() + 10
-    while True:
-        st = proc.stat(keeper["pid"])
-        alive = st is not None and st.starttime == keeper["starttime"] and st.state != "Z"
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not alive, f"the keeper {keeper['pid']} outlived its pod"
+    assert _keeper_ends(keeper, 10), f"the keeper {keeper['pid']} outlived its pod"
     for path in pod["place"].values():
         assert not os.path.exists(path), f"the pod's place {path} is still there"
     assert not os.path.exists(pods.pod_dir(state, run, agent))
@@ -168,17 +173,23 @@ def test_a_cell_outside_a_named_run_or_with_network_pod_false_has_a_namespace_of
     assert not os.path.exists(pods.root(state))
 
 
-@pytest.mark.parametrize("sweeper", ["janitor", "cleanup"])
-def test_a_pod_a_sigkilled_controller_left_is_removed_by_the_janitor_and_cleanup(agnsup, state, trees, sweeper):
-    srv, cli = trees
+def _pod_of_a_sigkilled_controller(agnsup, state: str, srv: str, run: str) -> dict:
+    """A server cell of agent "a" in a pod of run `run`, its controller then SIGKILLed (no leave, no teardown: the
+    kernel drops the controller's shared lock); the pod's pod.json."""
     port = _free_port()
-    server = agnsup.popen("run", "--run", "k", "--agent", "a", "--cell", "server", "--workdir", srv,
+    server = agnsup.popen("run", "--run", run, "--agent", "a", "--cell", "server", "--workdir", srv,
                           "--changes", "live", "--",
                           "python3", "-c", SERVER, str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_file(os.path.join(srv, "listening"), server)
-    pod = _pod_json(state, "k", "a")
-    server.send_signal(signal.SIGKILL)  # no leave, no teardown: the kernel drops the controller's shared lock
+    pod = _pod_json(state, run, "a")
+    server.send_signal(signal.SIGKILL)
     server.wait(timeout=10)
+    return pod
+
+
+@pytest.mark.parametrize("sweeper", ["janitor", "cleanup"])
+def test_a_pod_a_sigkilled_controller_left_is_removed_by_the_janitor_and_cleanup(agnsup, state, trees, sweeper):
+    pod = _pod_of_a_sigkilled_controller(agnsup, state, trees[0], "k")
     place = list(pod["place"].values())
     assert place and all(os.path.isdir(p) for p in place)
     assert os.path.exists(os.path.join(pods.pod_dir(state, "k", "a"), "pod.json"))  # left behind, until ...
@@ -187,6 +198,19 @@ def test_a_pod_a_sigkilled_controller_left_is_removed_by_the_janitor_and_cleanup
     else:
         agnsup("cleanup", "--run", "k", check=0)
     _gone(pod, state, "k", "a")
+
+
+def test_a_keeper_whose_members_all_died_ends_by_itself_without_a_janitor(agnsup, state, trees):
+    """A crashed controller (SIGKILL: no leave, no teardown) leaves no process of its pod behind: the keeper finds
+    pod.lock free on two probes in a row (process/keeper.py, PROBE s apart) and exits; what stays is files and an
+    empty place, the janitor's to sweep. Checked to fail with the keeper's probe taken out: it serves on."""
+    from agnsup.process import keeper as keeper_mod
+    pod = _pod_of_a_sigkilled_controller(agnsup, state, trees[0], "kd")
+    keeper = pod["keeper"]
+    assert _keeper_ends(keeper, 6 * keeper_mod.PROBE + 10), f"the keeper {keeper['pid']} outlived every member of its pod"
+    assert pods.find(state, "kd", "a") is None  # a dead keeper: no pod to join (the next joiner makes one)
+    agnsup("janitor", check=0)  # the files and the emptied place
+    _gone(pod, state, "kd", "a")
 
 
 def test_a_normal_users_cells_of_one_agent_share_a_pod_or_the_skip_says_why(agnsup, state):

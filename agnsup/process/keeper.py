@@ -9,8 +9,13 @@ keeper's euid is the netns owner's (process.namespaces.cell_netns: the same trap
 
 Forked twice, so it is nobody's child here: the middle child forks it and exits at once; whoever tears the pod
 down (any controller, the janitor, `agnsup cleanup`) kills it through the place, and init (or the nearest
-subreaper) reaps it. Before anything else it closes every descriptor it inherited but its report pipe: a copy
-of a controller's liveness lock or of a pod lock held here would keep that lock taken for the keeper's life.
+subreaper) reaps it. It also ends by itself once no member holds the pod (its controllers died without leaving:
+SIGKILL, a crashed API script): every PROBE seconds it tries pod.lock exclusive without waiting, and on the second
+success in a row it exits holding it (a joiner waiting for its shared lock then finds the keeper dead and makes a
+new pod, as after any keeper's death; the directory and the emptied place are the janitor's to sweep). So a
+crashed controller leaves no process of a pod behind, only files. Before anything else it closes every descriptor
+it inherited but its report pipe: a copy of a controller's liveness lock or of a pod lock held here would keep
+that lock taken for the keeper's life (the pod.lock it probes is a description of its own, opened afterwards).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from .helpers import read_all
 _MAXFD = os.sysconf("SC_OPEN_MAX")
 SOCKET = "keeper.sock"  # in the pod's directory: where the keeper hands out its namespaces (ask)
 ASK_TIMEOUT = 5.0       # s: a keeper that neither answers nor refuses (stopped, frozen) is no keeper
+PROBE = 5.0             # s between the keeper's tries of pod.lock (it ends on the second free one in a row)
+LOCK = "pod.lock"       # in the pod's directory: the members' shared locks (agnsup/pod.py)
 
 
 def start(backend, place, where: str, own_userns: bool, netns_owner: int | None) -> int:
@@ -117,7 +124,11 @@ def _keeper(r: int, w: int, backend, place, where: str, own_userns: bool, netns_
         finally:
             os.umask(umask)
             os.chdir("/")  # the controller's cwd (a worktree's mount) is not kept busy
+        wfd = os.open(where, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         srv.listen(64)
+        # the members' lock, opened as who started us (before any euid change): a description of our own, so
+        # holding nothing until we probe it (_serve)
+        members = os.open(LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=wfd)
         if own_userns:
             step = "user_namespace"
             uid, gid = os.getuid(), os.getgid()
@@ -138,6 +149,7 @@ def _keeper(r: int, w: int, backend, place, where: str, own_userns: bool, netns_
         step = "namespaces"
         fds = [proc.ns("net")] + ([proc.ns("user")] if own_userns or netns_owner is not None else [])
         me = os.getuid()  # as SO_PEERCRED shows a peer's uid: both seen from the user namespace we are in now
+        os.close(wfd)
         os.write(w, f"ok\0{os.getpid()}".encode())
         os.close(w)
     except BaseException as e:  # noqa: BLE001 - a report, never a return into the controller's code
@@ -146,16 +158,31 @@ def _keeper(r: int, w: int, backend, place, where: str, own_userns: bool, netns_
                      .encode(errors="replace"))
         finally:
             os._exit(1)
-    _serve(srv, fds, me)
+    _serve(srv, fds, me, members)
 
 
-def _serve(srv, fds: list[int], me: int) -> None:
-    """In the keeper, for ever: each connection of a process of uid `me` gets `fds`; any other, nothing."""
+def _serve(srv, fds: list[int], me: int, members: int) -> None:
+    """In the keeper, until no member holds the pod (`members`: pod.lock, _unheld): each connection of a
+    process of uid `me` gets `fds`; any other, nothing."""
     import _socket
+    import fcntl
+    import select
     import struct
     import time
     creds = struct.calcsize("3i")
+    free = 0  # pod.lock found free this many probes in a row
     while True:
+        if not select.select([srv], [], [], PROBE)[0]:
+            try:
+                fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                free = 0  # a member holds it (or a joiner, a teardown, the janitor's sweep): we serve on
+                continue
+            free += 1
+            if free >= 2:
+                os._exit(0)  # no member for a whole PROBE: released with our exit; the pod is dead from now
+            fcntl.flock(members, fcntl.LOCK_UN)
+            continue
         try:
             fd, _ = srv._accept()
         except OSError:

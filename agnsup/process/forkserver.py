@@ -42,6 +42,7 @@ READY_WAIT = 30.0  # seconds a starting server gets to import what it needs and 
 STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
 INLINE = 1 << 16  # bytes of a spawn request (the pickled Setup) sent in its message; a larger one (a big
 # environment) goes in a memfd sent with it: a SOCK_SEQPACKET message is at most the socket's buffer (~208 KiB)
+MAX_FDS = 64  # descriptors one spawn request may carry (stdio, pipes, namespaces, the ruleset, a memfd: ~15)
 _FD_FIELDS = ("barrier_r", "err_w", "status_w", "netns_fd", "pod_userns", "netns_watch", "userns_fd")
 
 
@@ -245,11 +246,11 @@ def serve(sock: int, controller: int, preload: list[str]) -> None:
         os._exit(1)
     try:
         import importlib
-        import pickle
         import select
-        import socket
-        from . import clone, steps
-        from ..linux import landlock, pidinit, seccomp
+        # what each spawn uses (_spawn, unpack), loaded now: an import that fails is said at once, not per spawn
+        import pickle  # noqa: F401
+        from . import clone, steps  # noqa: F401
+        from ..linux import landlock, pidinit, seccomp  # noqa: F401
         for name in preload:  # what a request unpickles (the Supervisor names the modules), before the first one
             importlib.import_module(name)
     except BaseException as e:  # noqa: BLE001 - said to the controller, which raises it at the spawn
@@ -273,12 +274,12 @@ def serve(sock: int, controller: int, preload: list[str]) -> None:
         for fd, _ev in poller.poll():
             if fd == sock:
                 try:
-                    data, fds = _recv(sock, socket)
+                    data, fds = lsys.recv_fds(sock, INLINE + 4096, MAX_FDS)
                 except ConnectionResetError:
                     data, fds = b"", []
                 if not data:
                     os._exit(0)  # the Supervisor closed: its cells were cancelled first, or die with us now
-                answer, sent, chan = _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp)
+                answer, sent, chan = _spawn(data, fds, me)
                 lsys.send_fds(sock, answer, sent) if sent else os.write(sock, answer)
                 if sent:
                     children[chan] = (int(answer.split()[1]), sent[0])
@@ -315,20 +316,6 @@ def serve(sock: int, controller: int, preload: list[str]) -> None:
                 os.close(fd)
 
 
-def _recv(sock: int, socket) -> tuple[bytes, list[int]]:
-    s = socket.socket(fileno=sock)
-    try:
-        data, anc, _flags, _addr = s.recvmsg(INLINE + 4096, socket.CMSG_SPACE(4 * 64), socket.MSG_CMSG_CLOEXEC)
-    finally:
-        s.detach()
-    import array
-    fds = array.array("i")
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds)
-
-
 def _answer(chan: int, info) -> None:
     try:
         os.write(chan, f"{info.si_code} {info.si_status}".encode())
@@ -337,8 +324,11 @@ def _answer(chan: int, info) -> None:
     os.close(chan)
 
 
-def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
+def _spawn(data, fds, me):
     """One request: (the answer, the fds it carries, the cell's channel). The leader never returns from here."""
+    import pickle
+    from . import clone, steps
+    from ..linux import pidinit
     chan = s = None
     try:
         if data == b"M":  # the request is in the memfd sent last
@@ -350,7 +340,7 @@ def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
                 os.close(big)
         blob, path, chan_at = pickle.loads(data)
         chan = fds[chan_at]
-        s = unpack(blob, fds, landlock, seccomp)
+        s = unpack(blob, fds)
         umask = blob["umask"]
         s.parent_fd = me
         if s.plan.pid_namespace:
@@ -381,8 +371,9 @@ def _spawn(data, fds, me, pickle, clone, steps, landlock, pidinit, seccomp):
                     pass
 
 
-def unpack(d: dict, fds: list[int], landlock, seccomp):
+def unpack(d: dict, fds: list[int]):
     """pack's inverse, in the server: a steps.Setup whose fds are the received copies."""
+    from ..linux import landlock, seccomp
     from .steps import Setup
     at = lambda i: None if i is None else fds[i]  # noqa: E731
     s = Setup(plan=d["plan"], backend=d["backend"], place=d["place"], ids=d["ids"], netns_shared=d["netns_shared"],

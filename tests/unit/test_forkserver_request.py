@@ -1,7 +1,6 @@
 """process/forkserver.py's request: steps.Setup as data and fds, and back (no process, no root)."""
 import os
 
-from agnsup.linux import landlock, seccomp
 from agnsup.process import forkserver, steps
 
 MADE_BY_THE_SERVER = {"init_name", "parent_fd", "born"}  # where its own argv lies, its pidfd, how it cloned
@@ -24,7 +23,7 @@ def test_a_setup_packed_and_unpacked_names_the_same_fds_in_their_places():
                         stdio=(ends[4], None, ends[5]), premade={"tmp": ends[6]})
         d, fds = forkserver.pack(s)
         assert len(fds) == 7
-        back = forkserver.unpack(d, fds, landlock, seccomp)
+        back = forkserver.unpack(d, fds)
         for name in ("ids", "netns_shared", "controller", "in_userns", "ctty", "barrier_r", "err_w", "status_w",
                      "netns_watch", "stdio", "premade", "netns_fd", "pod_userns", "userns_fd", "ruleset", "filter",
                      "egress"):

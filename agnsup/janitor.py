@@ -393,6 +393,7 @@ class _Janitor:
 
             def on_disk(c: dict) -> None:  # and on disk, where no receipt is (one on disk is never overwritten)
                 path = os.path.join(self.state.cell_dir(c["run_id"], c["cell_id"]), "receipt.json")
+                receipts.discard_reserved(path)  # the dead controller's, made while the cell ran
                 if not os.path.lexists(path) and os.path.isdir(os.path.dirname(path)):
                     with suppress(OSError):  # the journal holds it
                         receipts.write(path, c["cell_receipt"], compact=compact)

@@ -161,6 +161,22 @@ def reserve(path: str) -> None:
         pass
 
 
+def discard_reserved(path: str) -> None:
+    """Remove what `reserve` (or a `write` cut short) left for `path`: a dead controller's empty file. Only for
+    a cell whose controller is dead (the janitor's), where no writer is left."""
+    folder, name = os.path.split(path)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(name + ".") and n.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(folder, n))
+            except OSError:
+                pass
+
+
 def write(path: str, receipt: dict, compact: bool = False, text: str | None = None) -> None:
     """Atomically. `compact`: one line, through the C encoder (indenting is pure
     Python: ~100 ms for a recovery receipt of 1,000 processes). `text`: the

@@ -122,6 +122,9 @@ def test_janitor_recovers_a_stubborn_tree_after_the_controller_is_killed(agnsup,
         assert {k["pid"] for k in own["recovery"]["killed"]} >= {pid for pid, _ in tree_pids(info)}
         with open(os.path.join(agnsup.state, "cells", "default", "a1", "receipt.json")) as f:
             assert json.load(f) == own
+        # the dead controller's receipt file, made empty while the cell ran (receipts.reserve), is not left
+        left = [n for n in os.listdir(os.path.join(agnsup.state, "cells", "default", "a1")) if n.endswith(".tmp")]
+        assert not left, left
 
         # idempotent: the second janitor does nothing
         rep2 = agnsup.json("janitor", "--json")

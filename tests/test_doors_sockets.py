@@ -346,10 +346,21 @@ def test_serve_refuses_a_cell_that_reaches_its_socket_and_journals_the_peer(stat
         assert len(refused) == 1 and refused[0]["peer"]["pid"] > 0
         assert any(e.startswith("cgroup ") for e in refused[0]["peer"]["evidence"]) or \
             any("AGNSUP_CELL_TOKEN" in e for e in refused[0]["peer"]["evidence"]), refused[0]
+        # a cell that writes its request only after serve answered still writes it and reads its refusal
+        late = _strict(P_ASK.replace("try:\n    s.sendall", "import time; time.sleep(0.5)\ntry:\n    s.sendall", 1))
+        cp = a("run", "--role", "reacher", "--cell", "late", "--workdir", worktree, "--", "python3", "-c", late,
+               sock, ask)
+        assert cp.returncode == 0 and '"exit_code": 126' in cp.out, cp.out + cp.err
         with Client(sock) as c:  # the server's own uid, not a cell: a trusted caller
             assert c.call("ping")["pid"] == s.ready["pid"]
     finally:
         s.close()
+
+
+def _strict(client: str) -> str:
+    """A refused client that fails when its request cannot be written (the refusal's answer lost to EPIPE)."""
+    assert 'print("send:", e.strerror)' in client
+    return client.replace('print("send:", e.strerror)', 'sys.exit("send: " + e.strerror)')
 
 
 def test_a_serve_started_after_a_long_running_cell_in_a_new_state_root_refuses_it(hostile):
@@ -412,9 +423,9 @@ def test_mcp_over_a_unix_socket_refuses_a_cell_peer(state, worktree, policy_dir,
         packaged_role(policy_dir, "readonly", "reacher", sockets=[sock])
         cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", P_MCP_GET, f"unix:{sock}")
         assert cp.returncode == 0, cp.out + cp.err
-        # a client that writes its request only after mcp answered and closed still reads the 403 (CI saw one
-        # whose write came late fail with EPIPE before it read the answer)
-        late = P_MCP_GET.replace("token = b", "import time; time.sleep(0.5)\ntoken = b", 1)
+        # a client that writes its request only after mcp answered still writes it and reads the 403 (CI saw one
+        # whose write came late fail with EPIPE before it read the answer): serve.refuse drains before it closes
+        late = _strict(P_MCP_GET.replace("token = b", "import time; time.sleep(0.5)\ntoken = b", 1))
         cp = a("run", "--role", "reacher", "--workdir", worktree, "--", "python3", "-c", late, f"unix:{sock}")
         assert cp.returncode == 0, cp.out + cp.err
         assert [r for r in refusals(state) if r.get("entry") == "mcp"]

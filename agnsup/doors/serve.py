@@ -136,6 +136,45 @@ def _refused(p, journal, what: str) -> str | None:
     return line
 
 
+DRAIN_SECONDS = 1.0   # how long a refused peer's request is read (and dropped) after its answer
+DRAIN_BYTES = 65536
+_drainers = threading.BoundedSemaphore(16)  # refused peers drained at once; past that, closed at once
+
+
+def refuse(conn: socket.socket, answer: bytes) -> None:
+    """Answer a refused peer and close its connection without losing the answer: the peer may write its request
+    after we answered (it cannot know it is refused), and a write to a closed socket fails with EPIPE (Unix) or
+    makes the kernel reset the connection, unread answer and all (TCP). So our write side is shut, and what the
+    peer sends is read and dropped for up to DRAIN_SECONDS (DRAIN_BYTES) on a thread of a bounded few, then closed.
+    Never blocks its caller (mcp refuses on its event loop's accept)."""
+    try:
+        conn.sendall(answer)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        conn.close()
+        return
+    if not _drainers.acquire(blocking=False):
+        conn.close()
+        return
+
+    def drain() -> None:
+        import time
+        try:
+            deadline, left = time.monotonic() + DRAIN_SECONDS, DRAIN_BYTES
+            while left > 0 and (wait := deadline - time.monotonic()) > 0:
+                conn.settimeout(wait)
+                data = conn.recv(min(left, 4096))
+                if not data:
+                    break
+                left -= len(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            _drainers.release()
+    threading.Thread(target=drain, name="agnsup-refused", daemon=True).start()
+
+
 def listen_unix(path: str, what: str) -> socket.socket:
     """A listening Unix socket at `path`, mode 0600 from birth (whoever can connect can
     start cells as this user); a dead server's socket file is replaced, a live one's is
@@ -257,9 +296,10 @@ class Server:
         try:
             refused = peer_refusal(conn, self.sup.ctl.journal, "serve")
             if refused is not None:
-                f.write(json.dumps({"ok": False, "error": refused, "error_type": "Denied",
-                                    "exit_code": 126}).encode() + b"\n")
-                f.flush()
+                f.close()
+                refuse(conn, json.dumps({"ok": False, "error": refused, "error_type": "Denied",
+                                         "exit_code": 126}).encode() + b"\n")
+                conn = None
                 return
             while True:
                 line = f.readline(MAX_REQUEST)
@@ -274,7 +314,8 @@ class Server:
             return
         finally:
             f.close()
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     def _dispatch(self, line: bytes, note) -> dict:
         """One request -> its response; `note(text)` sends a {"note"} line first (spawn, run: lock waits)."""

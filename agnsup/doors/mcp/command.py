@@ -84,13 +84,14 @@ def _listener(where: tuple[str, str | int]):
 def _peer_checked(listener, journal):
     """The listener with the peer check of every agnsup control socket (serve.peer_refusal; on a loopback port
     serve.tcp_peer_refusal, before the bearer token is looked at): a process of an agnsup cell gets one 403 answer
-    carrying the refusal line, journaled, and its connection is closed before uvicorn sees it. asyncio accepts through
-    this object's accept() (loop.create_server(sock=)), and a non-blocking accept with nothing left raises
-    BlockingIOError as before."""
+    carrying the refusal line, journaled, and its connection is closed before uvicorn sees it (serve.refuse: what
+    it writes after the answer is first read and dropped for a second, so that a late request does not lose the
+    answer). asyncio accepts through this object's accept() (loop.create_server(sock=)), and a non-blocking accept
+    with nothing left raises BlockingIOError as before."""
 
     class CheckedListener(socket.socket):
         def accept(self):
-            from ..serve import peer_refusal, tcp_peer_refusal
+            from ..serve import peer_refusal, refuse, tcp_peer_refusal
             while True:
                 conn, addr = super().accept()
                 if self.family == socket.AF_UNIX:
@@ -101,12 +102,8 @@ def _peer_checked(listener, journal):
                 if refused is None:
                     return conn, addr
                 body = json.dumps({"ok": False, "error": refused, "error_type": "Denied", "exit_code": 126}).encode()
-                try:
-                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                except OSError:
-                    pass
-                conn.close()
+                refuse(conn, b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     return CheckedListener(fileno=listener.detach())
 
 

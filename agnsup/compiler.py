@@ -80,10 +80,12 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
     that no hidden home covers: a mapped cell, a uid that owns nothing on the host, could not reach a
     worktree or runtime below them. They are hidden like homes (an empty tmpfs that may be entered,
     with the mount points of what lies below): the cell reaches what it needs, never their other entries."""
-    out = []
+    out: list[str] = []
+    seen: set[str] = set()  # a directory above several of `paths` is looked at once
     for p in paths:
         d = os.path.dirname(p)
-        while d not in ("/", ""):
+        while d not in ("/", "") and d not in seen:
+            seen.add(d)
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
                 with suppress(OSError):
                     if not os.stat(d).st_mode & 0o001:

@@ -156,3 +156,19 @@ def test_within_one_cell_the_invoking_homes_are_looked_up_once_and_again_at_the_
         second = host.invoking_homes()
     assert str(two) in second and str(one) not in second and len(calls) == 2
     assert host.invoking_homes() == second and len(calls) == 3  # outside a look: every call looks
+
+
+def test_the_gate_context_is_kept_for_the_same_policy_and_made_again_for_another_or_a_new_home(
+        policy_dir, monkeypatch, settled, tmp_path):
+    from agnsup import governance
+    write_role(policy_dir, "memo", governance__mode='"open"')
+    monkeypatch.setenv("AGNSUP_POLICY_DIR", str(policy_dir))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    pol = policy.load("memo")
+    ctx = governance.context(pol, "/w", "/s")
+    assert governance.context(policy.load("memo"), "/w", "/s") is ctx and ctx.mode == "open"
+    assert governance.context(pol, "/w2", "/s").worktree == "/w2"
+    write_role(policy_dir, "memo", governance__mode='"locked"')  # the role edited: a new policy, a new context
+    assert governance.context(policy.load("memo"), "/w", "/s").mode == "locked"
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    assert governance.context(pol, "/w", "/s").home == str(tmp_path / "elsewhere")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import pwd
+from _thread import _local  # threading.local itself: `threading` (and contextvars, ~0.25 ms) is not on run's path
 from contextlib import contextmanager, suppress
-from contextvars import ContextVar
 
 from ..errors import SetupError
 
@@ -151,7 +151,7 @@ def all_homes() -> list[str]:
 
 # --- one look per cell: what a cell's prepare asks of the host several times, asked once ---
 
-_look: ContextVar[dict | None] = ContextVar("agnsup_host_look", default=None)
+_look = _local()  # .memo: the current look's memo, each thread its own
 
 
 @contextmanager
@@ -160,17 +160,18 @@ def one_look():
     and the real paths asked through `realpath` are looked up once and remembered; outside it, every call looks
     again. Nothing is kept from one cell to the next: a home or a symlink changed between two cells is seen by
     the second (the child mounts by path later anyway: the window is the one every cell already had between
-    its plan and its mounts). A ContextVar: each thread preparing a cell has its own."""
-    token = _look.set({})
+    its plan and its mounts). Each thread preparing a cell has its own."""
+    outer = getattr(_look, "memo", None)
+    _look.memo = {}
     try:
         yield
     finally:
-        _look.reset(token)
+        _look.memo = outer
 
 
 def realpath(path: str) -> str:
     """os.path.realpath, remembered within one_look()."""
-    memo = _look.get()
+    memo = getattr(_look, "memo", None)
     if memo is None:
         return os.path.realpath(path)
     key = ("real", path)
@@ -187,7 +188,7 @@ def invoking_homes(env=None) -> list[str]:
     environment variable here can only add a hidden path, never remove one. A home
     of "/" is the filesystem the role already shows, not a home: skipped. Within
     one_look() (env None: this process's environment), computed once."""
-    memo = _look.get() if env is None else None
+    memo = getattr(_look, "memo", None) if env is None else None
     if memo is None:
         return _invoking_homes(os.environ if env is None else env)
     found = memo.get("homes")

@@ -372,13 +372,9 @@ class Controller:
         try:
             cell.pod = pod.join(self.state, self.backend, spec.run_id, spec.agent_id,
                                 own_userns=cell.plan.user_namespace, netns_owner=owner, linger=self.pods)
-            us = cell.pod.pod.userns_fd()  # a normal user's pod: its cells are of its user namespace
-            try:
-                fd = cell.pod.pod.netns_fd()
-            except BaseException:
-                if us is not None:
-                    os.close(us)
-                raise
+            # those its join's proof of the keeper got (pod.Pod.ns_fds); a normal user's pod: its cells are of its
+            # user namespace too
+            fd, us = cell.pod.pod.ns_fds()
         except OSError as e:
             raise SetupError(f"cell setup failed at step 'network_pod': the network pod of agent {spec.agent_id} "
                              f"of run {spec.run_id}: {e.strerror or e}", step="network_pod", errno=e.errno) from None

@@ -9,7 +9,7 @@ from contextlib import suppress
 
 from .errors import SetupError, UsageError
 from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
-                         under)
+                         realpath, under)
 from .plan import REDUCED_LOSS, ExecutionPlan
 from .spec import CellSpec
 from .store.state import named_run
@@ -47,21 +47,32 @@ def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str 
         if under(wt, d):
             return f"lies inside the system directory {d}"
     # (a worktree holding a state root is allowed: the root is masked inside it, the mask goes last)
-    for r in (os.path.realpath(state_root), *other_roots):
+    for r in (realpath(state_root), *other_roots):
         if under(wt, r):
             return f"is or lies inside the state root {r}"
     return None
 
 
+_RUNTIME: dict = {}  # (sys.executable, sys.prefix, sys.base_prefix, @runtime wanted) -> runtime_paths
+
+
 def runtime_paths(policy) -> list[str]:
     """What a cell needs of the interpreter running agnsup: the venv, the
     interpreter's real prefix (a venv's python is often a symlink into a
-    pyenv/asdf tree under the home), and the @runtime PATH directory."""
+    pyenv/asdf tree under the home), and the @runtime PATH directory.
+
+    Resolved once per controller (issue 29, fifth round: ~25 lstat and 3 readlink a cell, twice): these are
+    the controller's own static paths, the interpreter it runs, keyed by what names them. A symlink among
+    them swapped later changes what the controller itself executes, not what a cell is given of the host."""
     import sys
-    paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    if "@runtime" in policy.env.path:
-        paths.append(os.path.dirname(sys.executable))
-    return [os.path.realpath(p) for p in paths]
+    key = (sys.executable, sys.prefix, sys.base_prefix, "@runtime" in policy.env.path)
+    found = _RUNTIME.get(key)
+    if found is None:
+        paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+        if key[3]:
+            paths.append(os.path.dirname(sys.executable))
+        found = _RUNTIME[key] = [os.path.realpath(p) for p in paths]
+    return list(found)
 
 
 def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
@@ -69,10 +80,12 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
     that no hidden home covers: a mapped cell, a uid that owns nothing on the host, could not reach a
     worktree or runtime below them. They are hidden like homes (an empty tmpfs that may be entered,
     with the mount points of what lies below): the cell reaches what it needs, never their other entries."""
-    out = []
+    out: list[str] = []
+    seen: set[str] = set()  # a directory above several of `paths` is looked at once
     for p in paths:
         d = os.path.dirname(p)
-        while d not in ("/", ""):
+        while d not in ("/", "") and d not in seen:
+            seen.add(d)
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
                 with suppress(OSError):
                     if not os.stat(d).st_mode & 0o001:
@@ -101,7 +114,7 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter, mapped: bool = False)
         homes = outermost(h for h in all_homes() if not any(under(h, m) or under(m, h) for m in mine))
     else:
         homes = outermost(mine + all_homes())
-    wanted = runtime_paths(policy) + list(interpreter) + [os.path.realpath(_expand(p, home)) for p in fs.home_allow] \
+    wanted = runtime_paths(policy) + list(interpreter) + [realpath(_expand(p, home)) for p in fs.home_allow] \
         + [os.path.realpath(p) for p in fs.get("unix_sockets", ())]
     if mapped:
         shown = homes + (mine if fs.home == "ro" else [])
@@ -129,13 +142,13 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     reduced, host = _reduced(policy, spec, host)
     if "mount_namespace" in reduced:
         return _reduced_plan(spec, policy, state_root, host, reduced)
-    state_real = os.path.realpath(state_root)
+    state_real = realpath(state_root)
     if wt == state_real or wt.startswith(state_real + "/"):
         raise UsageError(f"workdir {wt} is inside the state root {state_real}, which cells never see")
     cell_dir = os.path.join(state_root, "cells", spec.run_id, spec.cell_id)
     tmpdir = os.path.join(cell_dir, "tmp")
     home = os.path.expanduser("~")
-    deny = [os.path.realpath(_expand(p, home)) for p in fs.deny]
+    deny = [realpath(_expand(p, home)) for p in fs.deny]
     caches = cache_dirs(fs, spec, state_root)
     devices = host_devices(fs, spec.role)
     conf = _confinement(policy, spec, wt, tmpdir, home, fs.worktree == "rw", host,
@@ -269,7 +282,7 @@ def changes_mode(fs, spec: CellSpec, wt: str, state_root: str, host: dict, iso, 
     if asked == "auto" and spec.long_lived and not required:
         return {**out, "mode": "live", "why": "a long-lived cell (spawn) under filesystem.changes = \"auto\": "
                 "its writes are seen as they happen"}
-    state_real = os.path.realpath(state_root)
+    state_real = realpath(state_root)
     why = f"the state root {state_real} lies inside the worktree" if under(state_real, wt) else None
     probe = host.get("_reversible")
     if why is None and probe is not None:
@@ -483,7 +496,7 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     include = next((os.path.realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
                                                                                                    "config"))
                     if r in linked), None)
-    allowed = [os.path.realpath(_expand(p, home)) for p in fs.home_allow]
+    allowed = [realpath(_expand(p, home)) for p in fs.home_allow]
 
     def shown(path: str) -> bool:  # what of the home the cell sees: its worktree, home_allow, all of it (ro)
         real = os.path.realpath(path)
@@ -554,7 +567,7 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
                                       if not allowed)
     if wanted["landlock"] and not host["landlock"]:
         writable = [tmpdir] + ([wt] if worktree_rw else [])
-        writable += [os.path.realpath(_expand(p, home)) for p in iso.writable] + list(cache_writable)
+        writable += [realpath(_expand(p, home)) for p in iso.writable] + list(cache_writable)
         out["landlock_writable"] = writable + WRITABLE_DEVICES
         out["landlock_abi"] = host["_abi"]
     uid = gid = None

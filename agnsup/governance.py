@@ -39,7 +39,29 @@ def kernel_of(policy, state_root: str | None):
                   masked=() if no_mounts else tuple(fs.deny) + ((state_root,) if state_root else ()))
 
 
+# A controller of many cells judges its cells against the same few contexts: (id(policy), worktree, state root,
+# home) -> (the policy, its GateContext). A GateContext is frozen, and everything it holds is read from its key: the
+# policy object (policy.load hands out a new one whenever a role's files change: kept here by reference, so its id
+# cannot be another policy's while the entry lives), the worktree, the state root, and the home (HOME, else the
+# password database) looked up at each call.
+_CONTEXTS: dict = {}
+CONTEXTS_KEPT = 64
+
+
 def context(policy, worktree: str, state_root: str | None):
+    home = os.path.expanduser("~")
+    key = (id(policy), worktree, state_root, home)
+    kept = _CONTEXTS.get(key)
+    if kept is not None and kept[0] is policy:
+        return kept[1]
+    ctx = _context(policy, worktree, state_root, home)
+    if len(_CONTEXTS) >= CONTEXTS_KEPT:
+        _CONTEXTS.clear()
+    _CONTEXTS[key] = (policy, ctx)
+    return ctx
+
+
+def _context(policy, worktree: str, state_root: str | None, home: str):
     from .gate import GateContext
     from .gate.quota import limits_of
     gov, fs = policy.governance, policy.filesystem
@@ -51,7 +73,7 @@ def context(policy, worktree: str, state_root: str | None):
         role=policy.role.name, mode=gov.mode, network=policy.network.mode,
         worktree=worktree, worktree_writable=fs.worktree == "rw",
         writable=("/tmp", "/dev/shm", "/dev/null"), deny_paths=tuple(fs.deny),
-        state_root=state_root, home=os.path.expanduser("~"),
+        state_root=state_root, home=home,
         allow_commands=gov.allow_commands, deny_commands=gov.deny_commands,
         yellow_allow=gov.yellow_allow, unparseable=gov.unparseable,
         quota=limits_of(policy.quota), kernel=kernel_of(policy, state_root), kernel_enforced=gov.kernel_enforced,

@@ -21,7 +21,7 @@ def make(plan) -> None:
         sources = [op[1] for op in plan.mount_ops if len(op) > 1 and isinstance(op[1], str)
                    and op[1].startswith(plan.tmpdir + "/")]
         ids = plan.cell_ids()
-        for e in entries(plan):
+        for e in entries(plan) if sources else ():  # usually none: then not even the list of entries
             path = os.path.join(plan.tmpdir, e[1])
             if not any(src == path or src.startswith(path + "/") for src in sources):
                 continue

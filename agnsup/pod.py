@@ -91,18 +91,39 @@ class Pod(Record):
     def key(self) -> str:
         return f"{self.run_id}/{self.agent_id}"
 
-    def alive(self) -> bool:
-        """The keeper is the recorded process, on this boot, not a zombie, and hands out the recorded netns."""
+    def alive(self, keep: bool = False) -> bool:
+        """The keeper is the recorded process, on this boot, not a zombie, and hands out the recorded netns.
+        `keep`: the namespaces' descriptors it handed out for this proof are kept for ns_fds() (a joining cell's:
+        one ask of the keeper a cell, not two); drop_held() closes them when the caller does not use them."""
         if self.keeper.get("boot_id") != proc.boot_id():
             return False
         try:
             net, us = self._ns_fds()
         except OSError:
             return False
+        ok = not proc.is_zombie(self.keeper["pid"])
+        if ok and keep:
+            self.drop_held()
+            object.__setattr__(self, "_held", (net, us))
+            return True
         for fd in (net, us):
             if fd is not None:
                 os.close(fd)
-        return not proc.is_zombie(self.keeper["pid"])
+        return ok
+
+    def drop_held(self) -> None:
+        """Close the descriptors alive(keep=True) kept, if any are left."""
+        held = self.__dict__.pop("_held", None)
+        for fd in held or ():
+            if fd is not None:
+                os.close(fd)
+
+    def ns_fds(self) -> tuple[int, int | None]:
+        """(network namespace, user namespace or None): those alive(keep=True) kept when it proved the pod
+        alive, else asked of the keeper now (_ns_fds). Each descriptor pins its namespace: one the keeper
+        handed out a moment earlier is the pod's as much as a fresh one."""
+        held = self.__dict__.pop("_held", None)
+        return held if held is not None else self._ns_fds()
 
     def _ns_fds(self) -> tuple[int, int | None]:
         """Open descriptors of the pod's network namespace and (a normal user's pod) user namespace, which
@@ -204,12 +225,14 @@ def _as_cell(m: Membership) -> Membership:
     try:
         fd = os.open(os.path.join(m.pod.dir, CELLS_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except BaseException:
+        m.pod.drop_held()
         os.close(m.fd)
         raise
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a check of cells_held() (an instant)
     except BaseException:
         os.close(fd)
+        m.pod.drop_held()
         os.close(m.fd)
         raise
     m.cells = fd
@@ -248,7 +271,7 @@ def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
     held = linger.take(d) if linger is not None else None
     if held is not None:  # a shared lock of ours: no teardown since, so pod.json is this pod's
         pod = _load(d)
-        if pod is not None and pod.alive():
+        if pod is not None and pod.alive(keep=True):
             return _as_cell(Membership(pod=pod, fd=held, reused=True))
         os.close(held)  # its keeper died meanwhile: join like anyone (a new one is made)
     return _as_cell(_join(d, path, backend, run_id, agent_id, own_userns, netns_owner))
@@ -266,7 +289,7 @@ def _join(d: str, path: str, backend, run_id: str, agent_id: str, own_userns: bo
         if fd is None:
             continue  # torn down under us: its directory goes, a new one is made
         pod = _load(d)
-        if pod is not None and pod.alive():
+        if pod is not None and pod.alive(keep=True):
             return Membership(pod=pod, fd=fd)
         os.close(fd)  # none alive: make one, alone (exclusive), then be a member like any other
 
@@ -298,8 +321,9 @@ def _join(d: str, path: str, backend, run_id: str, agent_id: str, own_userns: bo
         except BaseException:
             os.close(fd)
             raise
-        if pod.alive() and os.path.exists(path) and os.fstat(fd).st_ino == os.stat(path).st_ino:
+        if pod.alive(keep=True) and os.path.exists(path) and os.fstat(fd).st_ino == os.stat(path).st_ino:
             return Membership(pod=pod, fd=fd, created=created)
+        pod.drop_held()
         os.close(fd)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import suppress
 
 from .util.digest import sha256
@@ -190,9 +191,66 @@ def _frozen(v):
     return Frozen(v) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
 
 
+# A controller of many cells loads its roles once (issue 29, fifth round): (role, state root) -> (the files'
+# identity, the policy). The identity is everything load reads: the policy directories searched (AGNSUP_POLICY_DIR),
+# the role file found, each presets directory and the preset files in it, each as (device, inode, size, mtime,
+# ctime). An edit in place moves the file's ctime, a replacement (rename) its inode and its directory's times, a
+# new file in AGNSUP_POLICY_DIR changes which file `find` returns. Kept only when every one of them was last
+# changed over MEMO_SETTLED ns before it was read: a write in the same clock tick as the read could otherwise
+# leave all five numbers as they were (the registry listing in store/state.py keeps the same rule).
+_MEMO: dict = {}
+_PRESET_LISTS: dict = {}  # presets directory -> (its identity, the *.toml names in it)
+MEMO_SETTLED = 1_000_000_000
+
+
+def _ident(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _identity(path: str) -> tuple | None:
+    """The identity of what load(role) reads when `path` is the role's file; None when some of it changed within
+    the last MEMO_SETTLED ns (or could not be looked at): then nothing is kept."""
+    idents = [_ident(path)]
+    for d in policy_dirs():
+        pd = os.path.join(d, "presets")
+        ident = _ident(pd)
+        idents.append(ident)
+        if ident is None:
+            continue
+        listed = _PRESET_LISTS.get(pd)
+        if listed is None or listed[0] != ident:
+            try:
+                listed = _PRESET_LISTS[pd] = (ident, tuple(sorted(n for n in os.listdir(pd) if n.endswith(".toml"))))
+            except OSError:
+                return None
+        idents += [(n, _ident(os.path.join(pd, n))) for n in listed[1]]
+    now = time.time_ns()
+    for i in idents:
+        st = i[1] if i is not None and isinstance(i[0], str) else i
+        if st is not None and now - max(st[3], st[4]) <= MEMO_SETTLED:
+            return None
+    return (tuple(policy_dirs()), path, *idents)
+
+
 def load(role: str, state_root: str | None = None) -> Frozen:
-    """The validated policy for `role`, with "_file" and "_digest" (and "_preset")."""
+    """The validated policy for `role`, with "_file" and "_digest" (and "_preset"). Remembered per process while
+    the files it came from are unchanged (_MEMO above)."""
     path = find(role)
+    ident = _identity(path)
+    kept = _MEMO.get((role, state_root))
+    if ident is not None and kept is not None and kept[0] == ident:
+        return kept[1]
+    pol = _load(role, path, state_root)
+    if ident is not None:
+        _MEMO[(role, state_root)] = (ident, pol)
+    return pol
+
+
+def _load(role: str, path: str, state_root: str | None) -> Frozen:
     raw = _read(path)
     digest = sha256(raw).hexdigest()
     key = sha256(raw + _presets_digest()).hexdigest()

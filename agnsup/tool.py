@@ -66,6 +66,13 @@ def prepare(state, journal, request: CellRequest):
 
     Returns a broker.Prepared; raises Denied (journaled first) when governance
     refuses. Shared by run_process and the serve controller."""
+    from .linux import host
+
+    with host.one_look():  # the invoking homes and the state root's real path: asked once in this cell
+        return _prepare(state, journal, request)
+
+
+def _prepare(state, journal, request: CellRequest):
     from . import broker, compiler, governance, policy, spec as specmod
     from .linux import host
 

@@ -491,3 +491,30 @@ def test_a_sigkilled_supervisors_lingering_pod_is_removed_by_the_janitor(agnsup,
     assert os.path.exists(os.path.join(pods.pod_dir(state, "kl", "a"), "pod.json"))  # left behind, until ...
     agnsup("janitor", check=0)
     _gone(pod, state, "kl", "a")
+
+
+def test_a_cell_joining_a_lingering_pod_asks_its_keeper_once_and_lands_in_the_pods_namespace(state, trees,
+                                                                                             monkeypatch):
+    """The namespaces the keeper hands out for the join's proof that the pod is alive are the ones the cell joins
+    (Pod.alive(keep=True), Pod.ns_fds): one ask a cell, and the cell's network namespace is the pod's recorded one.
+    A keeper replaced behind pod.json is no pod (its netns inode differs): the cell gets a new pod, never that
+    namespace."""
+    from agnsup.process import keeper
+    srv, _ = trees
+    monkeypatch.setattr(pods, "LINGER", 600.0)
+    asked = []
+    ask = keeper.ask
+    monkeypatch.setattr(keeper, "ask", lambda *a, **kw: asked.append(a) or ask(*a, **kw))
+    with Supervisor(state) as sup:
+        sup.run(["true"], run_id="once", agent_id="a", workdir=srv)
+        pod = _pod_json(state, "once", "a")
+        asked.clear()
+        r = sup.run(["readlink", "/proc/self/ns/net"], run_id="once", agent_id="a", workdir=srv, capture=True)
+        assert r["exit_code"] == 0 and r["stdout"].strip() == f"net:[{pod['netns']}]", r
+        assert len(asked) == 1, asked
+        # pod.json names a netns the keeper does not hand out: not alive, so a new pod (another keeper)
+        path = os.path.join(pods.pod_dir(state, "once", "a"), "pod.json")
+        with open(path, "w") as f:
+            json.dump({**pod, "netns": pod["netns"] + 1}, f)
+        r = sup.run(["readlink", "/proc/self/ns/net"], run_id="once", agent_id="a", workdir=srv, capture=True)
+        assert r["exit_code"] == 0 and r["stdout"].strip() != f"net:[{pod['netns']}]", r

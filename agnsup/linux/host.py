@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import pwd
-from contextlib import suppress
+from _thread import _local  # threading.local itself: `threading` (and contextvars, ~0.25 ms) is not on run's path
+from contextlib import contextmanager, suppress
 
 from ..errors import SetupError
 
@@ -148,13 +149,60 @@ def all_homes() -> list[str]:
     return list(_passwd_cache["real"])
 
 
+# --- one look per cell: what a cell's prepare asks of the host several times, asked once ---
+
+_look = _local()  # .memo: the current look's memo, each thread its own
+
+
+@contextmanager
+def one_look():
+    """Within it (tool.prepare: one cell's spec, gate and plan, a millisecond or two), the invoking user's homes
+    and the real paths asked through `realpath` are looked up once and remembered; outside it, every call looks
+    again. Nothing is kept from one cell to the next: a home or a symlink changed between two cells is seen by
+    the second (the child mounts by path later anyway: the window is the one every cell already had between
+    its plan and its mounts). Each thread preparing a cell has its own."""
+    outer = getattr(_look, "memo", None)
+    _look.memo = {}
+    try:
+        yield
+    finally:
+        _look.memo = outer
+
+
+def realpath(path: str) -> str:
+    """os.path.realpath, remembered within one_look()."""
+    memo = getattr(_look, "memo", None)
+    if memo is None:
+        return os.path.realpath(path)
+    key = ("real", path)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = os.path.realpath(path)
+    return found
+
+
 def invoking_homes(env=None) -> list[str]:
     """The homes a cell must not read (real paths, outermost only): the real uid's
     passwd home, $HOME, and when root runs agnsup through sudo, SUDO_USER's home
     (that human's keys and tokens are what a root cell would otherwise read). An
     environment variable here can only add a hidden path, never remove one. A home
-    of "/" is the filesystem the role already shows, not a home: skipped."""
-    env = os.environ if env is None else env
+    of "/" is the filesystem the role already shows, not a home: skipped. Within
+    one_look() (env None: this process's environment), computed once."""
+    memo = getattr(_look, "memo", None) if env is None else None
+    if memo is None:
+        return _invoking_homes(os.environ if env is None else env)
+    found = memo.get("homes")
+    if found is None:
+        try:
+            found = memo["homes"] = _invoking_homes(os.environ)
+        except SetupError as e:
+            found = memo["homes"] = e
+    if isinstance(found, SetupError):
+        raise found
+    return list(found)
+
+
+def _invoking_homes(env) -> list[str]:
     found = []
     with suppress(KeyError):
         found.append(pwd.getpwuid(os.getuid()).pw_dir)

@@ -69,6 +69,8 @@ def child(s: Setup) -> None:
         for step, run, _ in STEPS:
             run(s)
     except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
+        if isinstance(e, _NoCommand):
+            step, e = "init", e.args[0]
         code = getattr(e, "errno", None) or 0
         msg = getattr(e, "strerror", None) or str(e)
         try:
@@ -174,6 +176,11 @@ def _landlock(s: Setup) -> None:
         pidinit.take_own_name(s.init_name, lsys.prctl, comm_only=True)  # /proc/1/comm "agnsup-init" again
 
 
+class _NoCommand(Exception):
+    """posix_spawn could not make the command's process (pids.max, RLIMIT_NPROC, memory): reported at step "init",
+    as a failed fork of it was, not as an error of the command's execve."""
+
+
 def _exec(s: Setup) -> None:
     """The command: execve. In a PID namespace we are its init: the command is started by posix_spawn(3)
     (glibc's vfork and execve: nothing of this interpreter is copied or runs in the child; it returns only once
@@ -185,7 +192,12 @@ def _exec(s: Setup) -> None:
     if not s.plan.pid_namespace:
         os.execve(spec.exe, spec.argv, spec.env)
     pidinit.block_signals()  # nothing is lost between the spawn and sigwaitinfo
-    pid = os.posix_spawn(spec.exe, spec.argv, spec.env, setsigmask=(), setsigdef=pidinit.WAITED)
+    try:
+        pid = os.posix_spawn(spec.exe, spec.argv, spec.env, setsigmask=(), setsigdef=pidinit.WAITED)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.ENOMEM):
+            raise _NoCommand(e) from None
+        raise
     code = 125
     try:
         os.close(s.err_w)  # the command's copy closed at its execve (close-on-exec): EOF there means it ran

@@ -384,6 +384,33 @@ def test_host_root_opts_out_and_the_receipt_says_so(agnsup, worktree, policy_dir
     assert _receipt(agnsup.state)["isolation"]["mapped_uid"] is False
 
 
+PID1_LINKS = """
+import os
+for link in ("cwd", "exe", "root"):
+    try:
+        print("WORKED", link, os.readlink("/proc/1/" + link))
+    except OSError as e:
+        print("refused", link, e.strerror)
+for name in ("environ", "mem"):
+    try:
+        open("/proc/1/" + name, "rb").close()
+        print("WORKED", name)
+    except OSError as e:
+        print("refused", name, e.strerror)
+"""
+
+
+def test_a_host_root_cell_cannot_read_its_inits_proc_links_or_memory(agnsup, worktree, policy_dir):
+    """The PID namespace's init takes the command's confinement (the same uid, the same capabilities) and starts
+    it: a host-root cell's init changes no credential on the way, so only its PR_SET_DUMPABLE 0 keeps the command
+    out of /proc/1's links (the fork server's interpreter), environment and memory (process/steps.py "init_guard")."""
+    write_role(policy_dir, "hostroot", isolation__host_root="true")
+    cp = agnsup("run", "--role", "hostroot", "--workdir", worktree, "--", "python3", "-c", PID1_LINKS,
+                env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)
+    assert _receipt(agnsup.state)["isolation"]["pid_namespace"] is True
+    assert "WORKED" not in cp.out and cp.out.count("refused") == 5, cp.out + cp.err
+
+
 def test_require_mapped_uid_with_host_root_is_a_policy_error(agnsup, worktree, policy_dir):
     write_role(policy_dir, "contradict", isolation__host_root="true", isolation__require='["mapped_uid"]')
     cp = agnsup("run", "--role", "contradict", "--workdir", worktree, "--", "true",

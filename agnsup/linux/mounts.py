@@ -131,13 +131,21 @@ def apply(ops: list, userns_fd: int | None = None, premade: dict | None = None) 
             elif op.kind == "overlay":
                 overlay(op.path, clones.pop(op.key), op.points)
             elif op.kind == "attach":
-                if not os.path.exists(op.path):  # a file clone lands on an existing file point
-                    os.makedirs(op.path, exist_ok=True)
-                lsys.move_mount_fd(clones.pop(op.key), op.path)
+                _attach(clones.pop(op.key), op.path)
         except OSError as e:
             raise OSError(e.errno, f"mount step {op.kind} {op.path}: {e.strerror}") from None
     for fd in clones.values():
         os.close(fd)
+
+
+def _attach(fd: int, path: str) -> None:
+    """The detached tree `fd` at `path`; a directory point missing there is made first (a file clone lands
+    on an existing file point). Tried first, the point made only at ENOENT: most points exist already."""
+    try:
+        lsys.move_mount_fd(fd, path)
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
+        lsys.move_mount_fd(fd, path)
 
 
 def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
@@ -151,8 +159,13 @@ def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
     # 0755: any uid may pass through to what is attached below (a mapped cell owns nothing on the host,
     # and /root is 0700) and list it: it holds only those mount points. The host owner where we may
     # name it (host root); in a normal user's namespace only that user is mapped, and the tmpfs is theirs.
-    owner = f",uid={st.st_uid},gid={st.st_gid}" if os.geteuid() == 0 and keep_owner else ""
-    lsys.mount("tmpfs", path, "tmpfs", flags, f"size=64k,nr_inodes=4096,mode=755{owner}")
+    owner = f",uid={st.st_uid},gid={st.st_gid}" if keep_owner and os.geteuid() == 0 else ""
+    data = f"size=64k,nr_inodes=4096,mode=755{owner}"
+    if not points:
+        # nothing to make inside: mounted read-only at once (as a mask is), one call instead of two
+        lsys.mount("tmpfs", path, "tmpfs", flags | lsys.MS_RDONLY, data)
+        return
+    lsys.mount("tmpfs", path, "tmpfs", flags, data)
     old = os.umask(0o022)  # points readable as on any host directory, whatever the controller's umask
     try:
         for p, is_dir in points:
@@ -316,14 +329,16 @@ def _dev(shm_size: int, devices: tuple, userns_fd: int | None = None) -> None:
         old = os.umask(0)
         try:
             for p, fd in clones:
-                os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)  # /dev/dri/renderD128
+                if os.path.dirname(p) != "/dev":  # the tmpfs's root exists: only a role's /dev/dri/renderD128
+                    os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
                 os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666))
                 lsys.move_mount_fd(fd, p)
             if made:
                 from .userns import cell_range
                 uid, gid, _ = cell_range()
                 for p, st in made:
-                    os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
+                    if os.path.dirname(p) != "/dev":
+                        os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
                     os.mknod(p, st.st_mode, st.st_rdev)
                     os.chown(p, uid, gid)
             os.mkdir("/dev/pts", 0o755)

@@ -1,8 +1,14 @@
 """PID 1 of a cell's PID namespace: forwards signals, reaps, passes the status on.
 
-The controller forks the init (journaled as the cell's leader); the init
-forks the command (process/ does both forks: only it creates
-processes) and then runs `supervise`. The init:
+The controller (or its fork server) forks the init (journaled as the cell's
+leader). The init confines itself exactly as the command is confined (the
+same steps, in the same order: process/steps.py), the barrier passed, starts
+the command with posix_spawn (vfork and execve: nothing of the init's
+interpreter is copied; process/ does both: only it creates processes) and
+then runs `supervise`. So the init holds no capability, uid or file access
+the command lacks; it is non-dumpable (its uid is the command's: only that
+keeps the command from its /proc/1 links and memory, and from ptrace). The
+init:
 
 - forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH,
   SIGCONT and SIGALRM to the command (tini's default: to the command, not its
@@ -63,11 +69,15 @@ def own_name_plan() -> tuple:
     return (*proc.arg_env_bounds(), ctypes.create_string_buffer(INIT_NAME))
 
 
-def take_own_name(plan: tuple, prctl) -> None:
+def take_own_name(plan: tuple, prctl, comm_only: bool = False) -> None:
     """Make /proc/1/cmdline read "agnsup-init" (NULs after it), /proc/1/environ nothing, and the comm
-    "agnsup-init", in the init before it forks the command. `plan`: own_name_plan() from the
-    controller; `prctl`: linux.sys.prctl (the child imports nothing)."""
+    "agnsup-init", in the init before it starts the command. `plan`: own_name_plan() from the
+    controller; `prctl`: linux.sys.prctl (the child imports nothing). `comm_only`: the comm again (Landlock's
+    restrict_self named the process after its domain's log tag for the domain's record)."""
     arg_start, arg_end, env_start, env_end, comm = plan
+    if comm_only:
+        prctl(_PR_SET_NAME, ctypes.addressof(comm))
+        return
     if arg_end > arg_start:
         ctypes.memset(arg_start, 0, arg_end - arg_start)
         name = INIT_NAME[:arg_end - arg_start - 1]  # the last byte stays NUL: the kernel reads the range as is

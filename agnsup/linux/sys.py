@@ -306,11 +306,19 @@ def seqpacket_pair() -> tuple[int, int]:
     return a.detach(), b.detach()
 
 
+def _unix(fd: int):
+    """A socket object over the AF_UNIX socket `fd` (detach it after use). Its family and type named: without
+    them the socket module asks the kernel for them (getsockname, two getsockopt) on every message; SCM_RIGHTS
+    exists only on AF_UNIX, and neither sendmsg nor recvmsg of a connected socket reads the type."""
+    import _socket
+    return _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, fd)
+
+
 def send_fds(sock, data: bytes, fds: list[int]) -> None:
     """One message `data` (not empty) carrying copies of `fds`, on `sock` (an fd, or a socket object)."""
     import _socket
     import struct
-    s = _socket.socket(fileno=sock) if isinstance(sock, int) else sock
+    s = _unix(sock) if isinstance(sock, int) else sock
     try:
         s.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
     finally:
@@ -323,7 +331,7 @@ def recv_fds(sock, size: int = 256, max_fds: int = 1, wait: bool = True) -> tupl
     close-on-exec; b"" and []: the other end closed without a word, or (`wait` False) nothing queued yet."""
     import _socket
     import struct
-    s = _socket.socket(fileno=sock) if isinstance(sock, int) else sock
+    s = _unix(sock) if isinstance(sock, int) else sock
     fds: list[int] = []
     try:
         flags = _socket.MSG_CMSG_CLOEXEC | (0 if wait else _socket.MSG_DONTWAIT)

@@ -35,8 +35,11 @@ import errno
 import os
 import signal
 
+from collections import namedtuple
+
 from ..linux import sys as lsys
 from .helpers import _umask
+from .steps import PLAN_FIELDS, SPEC_FIELDS
 
 READY_WAIT = 30.0  # seconds a starting server gets to import what it needs and say "ready"
 STOP_WAIT = 2.0  # seconds the server gets to exit at our socket's EOF before we SIGKILL it
@@ -44,6 +47,10 @@ INLINE = 1 << 16  # bytes of a spawn request (the pickled Setup) sent in its mes
 # environment) goes in a memfd sent with it: a SOCK_SEQPACKET message is at most the socket's buffer (~208 KiB)
 MAX_FDS = 64  # descriptors one spawn request may carry (stdio, pipes, namespaces, the ruleset, a memfd: ~15)
 _FD_FIELDS = ("barrier_r", "err_w", "status_w", "netns_fd", "pod_userns", "netns_watch", "userns_fd")
+
+# the plan as a request carries it: only the fields steps.STEPS reads (collections.namedtuple: small to pickle)
+LeaderPlan = namedtuple("LeaderPlan", PLAN_FIELDS)
+LeaderSpec = namedtuple("LeaderSpec", SPEC_FIELDS)
 
 
 class ServerGone(OSError):
@@ -212,7 +219,10 @@ def pack(s) -> tuple[dict, list[int]]:
             return None
         fds.append(fd)
         return len(fds) - 1
-    d = {n: getattr(s, n) for n in ("plan", "backend", "place", "ids", "netns_shared", "controller", "in_userns")}
+    d = {n: getattr(s, n) for n in ("backend", "place", "ids", "netns_shared", "controller", "in_userns")}
+    d["plan"] = None if s.plan is None else LeaderPlan._make(
+        LeaderSpec._make(getattr(s.plan.spec, f) for f in LeaderSpec._fields) if f == "spec" else getattr(s.plan, f)
+        for f in LeaderPlan._fields)
     if s.place is not None and getattr(s.place, "oom_fd", None) is not None:
         from ..util.record import replace
         d["place"] = replace(s.place, oom_fd=None)  # the controller's eventfd: nothing the child uses

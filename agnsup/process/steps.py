@@ -25,6 +25,12 @@ from ..linux import sys as lsys
 from ..util.record import Record
 
 _MAXFD = os.sysconf("SC_OPEN_MAX")
+
+# What of the plan (plan.ExecutionPlan) and of its spec the steps read: all a fork server is sent of them
+# (forkserver.pack; a plan pickled whole is ~5.7 KB of a ~7.3 KB request, ~3x the objects to unpickle)
+PLAN_FIELDS = ("mount_namespace", "new_netns", "pid_namespace", "dies_with_controller", "mount_ops", "devices",
+               "drop_caps", "cap_keep", "uid", "gid", "no_new_privs", "spec")
+SPEC_FIELDS = ("exe", "argv", "env", "workdir")
 _PROC_FLAGS = lsys.MS_NOSUID | lsys.MS_NODEV | lsys.MS_NOEXEC
 
 
@@ -63,6 +69,8 @@ def child(s: Setup) -> None:
         for step, run, _ in STEPS:
             run(s)
     except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
+        if isinstance(e, _NoCommand):
+            step, e = "init", e.args[0]
         code = getattr(e, "errno", None) or 0
         msg = getattr(e, "strerror", None) or str(e)
         try:
@@ -86,7 +94,8 @@ def _stdio(s: Setup) -> None:
             *(s.premade or {}).values()}
     low = 3
     for fd in sorted(k for k in keep if k is not None):
-        os.closerange(low, fd)
+        if fd > low:  # adjacent kept fds: no range between them (a system call that fails with EINVAL)
+            os.closerange(low, fd)
         low = fd + 1
     os.closerange(low, _MAXFD)
 
@@ -146,26 +155,55 @@ def _egress(s: Setup) -> None:
     crashpoints.hit("child_setup", s.controller)
 
 
-def _init(s: Setup) -> None:
-    """A PID namespace's: fork the command and stay as its init (linux/pidinit.py); the command goes on."""
+def _init_guard(s: Setup) -> None:
+    """A PID namespace's init has taken the command's credentials (cell_user, user), and a credential change
+    clears the parent-death signal and makes a process dumpable again (commit_creds): both set again here, before
+    it is confined further and starts the command. Had the controller died in between, the barrier sees EOF (and
+    had the fork server: _pdeathsig)."""
     if not s.plan.pid_namespace:
         return
-    pidinit.block_signals()
-    pid = os.fork()
-    if pid:
-        code = 125
-        try:
-            os.close(s.err_w)  # the command holds its own copy: EOF there still means its execve worked
-            if s.ruleset:
-                s.ruleset.close()
-            # Non-dumpable: nothing in the cell can open /proc/1/mem or ptrace the
-            # init, which keeps the capabilities the command drops.
-            lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
-            code = pidinit.supervise(pid, s.status_w)
-        finally:
-            os._exit(code)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    os.close(s.status_w)
+    if s.plan.dies_with_controller:
+        _pdeathsig(s)
+    # Non-dumpable: nothing in the cell (the command runs with the init's own uid) can open /proc/1/mem, read
+    # its /proc links or ptrace it: PTRACE_MODE_READ of a non-dumpable process needs CAP_SYS_PTRACE over its
+    # mm's user namespace, the host's (ptrace(2))
+    lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
+
+
+def _landlock(s: Setup) -> None:
+    s.ruleset.restrict_self()  # the domain's record keeps its creator's comm: the log tag (landlock.Ruleset)
+    if s.plan.pid_namespace:
+        pidinit.take_own_name(s.init_name, lsys.prctl, comm_only=True)  # /proc/1/comm "agnsup-init" again
+
+
+class _NoCommand(Exception):
+    """posix_spawn could not make the command's process (pids.max, RLIMIT_NPROC, memory): reported at step "init",
+    as a failed fork of it was, not as an error of the command's execve."""
+
+
+def _exec(s: Setup) -> None:
+    """The command: execve. In a PID namespace we are its init: the command is started by posix_spawn(3)
+    (glibc's vfork and execve: nothing of this interpreter is copied or runs in the child; it returns only once
+    the execve worked, else raises its error), and we stay its init (linux/pidinit.py), never returning. The
+    command gets an empty signal mask and the signals the init waits for at their defaults, and inherits all
+    else of ours: namespaces, cgroups, credentials, capabilities, no_new_privs, the Landlock domain, the seccomp
+    filter, cwd, umask, rlimits, session, fds 0-2 (every other fd here is close-on-exec)."""
+    spec = s.plan.spec
+    if not s.plan.pid_namespace:
+        os.execve(spec.exe, spec.argv, spec.env)
+    pidinit.block_signals()  # nothing is lost between the spawn and sigwaitinfo
+    try:
+        pid = os.posix_spawn(spec.exe, spec.argv, spec.env, setsigmask=(), setsigdef=pidinit.WAITED)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.ENOMEM):
+            raise _NoCommand(e) from None
+        raise
+    code = 125
+    try:
+        os.close(s.err_w)  # the command's copy closed at its execve (close-on-exec): EOF there means it ran
+        code = pidinit.supervise(pid, s.status_w)
+    finally:
+        os._exit(code)
 
 
 def _landlock_rules(s: Setup) -> None:
@@ -253,22 +291,22 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("loopback", lambda s: s.plan.new_netns and s.netns_fd is None and netns.loopback_up(), False),
     ("egress", _egress, False),                  # allowlist/internal roles: the proxy's listener
     # PID namespace roles: its own /proc; "agnsup-init" in /proc/1/cmdline before the command exists (it never
-    # sees the controller's argv there); the barrier; fork the command and stay its init
+    # sees the controller's argv there). We are the namespace's init: confined below exactly as the command will
+    # be (it inherits all of it), we start the command at "exec" and stay its init
     ("proc", lambda s: s.plan.pid_namespace and lsys.mount("proc", "/proc", "proc", _PROC_FLAGS), REFUSED),
     ("init_name", lambda s: s.plan.pid_namespace and pidinit.take_own_name(s.init_name, lsys.prctl), False),
-    ("barrier", lambda s: s.plan.pid_namespace and _barrier(s), False),
-    ("init", _init, False),
     # confine (docs/isolation.md), in this order because each step needs what the next one takes away
     ("landlock_rules", _landlock_rules, False),  # the fresh /dev/shm, devpts and /tmp, stdio files, terminals
     ("cell_user", _cell_user, False),            # a mapped cell: uid and gid 0 in the cells' user namespace
     ("capabilities", _capabilities, False),      # the bounding set; no process.user: down to what the role keeps
     ("user", _user, False),                      # process.user: its uid and gid
+    ("init_guard", _init_guard, False),          # a PID namespace's init: its parent-death signal, non-dumpable
     ("no_new_privs", lambda s: s.plan.no_new_privs and lsys.set_no_new_privs(), False),
-    ("landlock", lambda s: s.ruleset and s.ruleset.restrict_self(), False),
+    ("landlock", lambda s: s.ruleset and _landlock(s), False),
     ("seccomp", lambda s: s.filter and s.filter.load(), False),  # last: it refuses mount and unshare
-    ("barrier", lambda s: s.plan.pid_namespace or _barrier(s), False),  # until our identity is journaled
+    ("barrier", _barrier, False),                # until our identity is journaled: no command before that
     ("chdir", lambda s: os.chdir(s.plan.spec.workdir), False),
-    ("exec", lambda s: os.execve(s.plan.spec.exe, s.plan.spec.argv, s.plan.spec.env), False),
+    ("exec", _exec, False),
 )
 
 # Where a host that refuses namespaces stops a cell: the steps marked REFUSED, and the controller's own

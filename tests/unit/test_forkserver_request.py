@@ -31,3 +31,43 @@ def test_a_setup_packed_and_unpacked_names_the_same_fds_in_their_places():
     finally:
         for fd in ends:
             os.close(fd)
+
+
+def _plan_reads(path: str) -> tuple[set, set]:
+    """(plan.X, plan.spec.Y) read in the module at `path`."""
+    import ast
+    fields, spec = set(), set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "plan":
+            fields.add(node.attr)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "spec" \
+                and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == "plan":
+            spec.add(node.attr)
+    return fields, spec
+
+
+def test_the_plan_a_request_carries_has_every_field_the_leader_steps_read():
+    """A Supervisor's leader gets only steps.PLAN_FIELDS of the plan: a step reading another would fail there."""
+    fields, spec = set(), set()
+    for module in (steps, forkserver):
+        f, sp = _plan_reads(module.__file__)
+        fields |= f
+        spec |= sp
+    assert fields <= set(steps.PLAN_FIELDS), fields - set(steps.PLAN_FIELDS)
+    assert spec <= set(steps.SPEC_FIELDS), spec - set(steps.SPEC_FIELDS)
+
+
+def test_a_packed_plan_keeps_the_values_of_those_fields():
+    import pickle
+    from types import SimpleNamespace
+    spec = SimpleNamespace(exe="/bin/true", argv=["true"], env={"A": "1"}, workdir="/w", unread="x")
+    plan = SimpleNamespace(**{f: (f, 1) for f in steps.PLAN_FIELDS if f != "spec"}, spec=spec, unread="y")
+    d, _ = forkserver.pack(steps.Setup(plan=plan))
+    back = pickle.loads(pickle.dumps(d))["plan"]
+    for f in steps.PLAN_FIELDS:
+        if f != "spec":
+            assert getattr(back, f) == (f, 1)
+    assert (back.spec.exe, back.spec.argv, back.spec.env, back.spec.workdir) == ("/bin/true", ["true"], {"A": "1"}, "/w")
+    assert not hasattr(back, "unread") and not hasattr(back.spec, "unread")

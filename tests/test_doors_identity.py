@@ -403,7 +403,7 @@ for name in ("environ", "mem"):
 def test_a_host_root_cell_cannot_read_its_inits_proc_links_or_memory(agnsup, worktree, policy_dir):
     """The PID namespace's init takes the command's confinement (the same uid, the same capabilities) and starts
     it: a host-root cell's init changes no credential on the way, so only its PR_SET_DUMPABLE 0 keeps the command
-    out of /proc/1's links (the fork server's interpreter), environment and memory (process/steps.py "init_guard")."""
+    out of /proc/1's links (the fork server's interpreter), environment and memory (process/steps.py "after_credentials")."""
     write_role(policy_dir, "hostroot", isolation__host_root="true")
     cp = agnsup("run", "--role", "hostroot", "--workdir", worktree, "--", "python3", "-c", PID1_LINKS,
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=0)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -30,6 +32,7 @@ if os.geteuid() != 0:
 # move_mount 429, mount_setattr 442: EPERM; clone3 435: ENOSYS (what runc's profile answers, so fork is used)
 DEFAULT_PROFILE = seccomp_launcher({272: 1, 165: 1, 308: 1, 430: 1, 428: 1, 429: 1, 442: 1, 435: 38})
 ALL = ["mount_namespace", "network_namespace", "pid_namespace", "cgroup"]
+NOBODY = 65534
 
 
 class Host:
@@ -204,9 +207,22 @@ def test_a_reduced_cell_has_its_own_session_and_process_group(host, worktree):
     assert sid != os.getsid(0)
 
 
-def test_killing_a_reduced_cells_controller_kills_its_leader_and_the_janitor_recovers_the_rest(host, worktree):
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "process_user"])
+def test_killing_a_reduced_cells_controller_kills_its_leader_and_the_janitor_recovers_the_rest(host, worktree,
+                                                                                              policy_dir, as_user):
     """The dead-man switch of a cell without a PID namespace is the leader's PR_SET_PDEATHSIG; what the leader
-    started outlives it (named in the receipt) until the janitor finds it by session + token and kills it."""
+    started outlives it (named in the receipt) until the janitor finds it by session + token and kills it.
+    With process.user the leader changes its uid, which clears the signal: it is set again after (process/steps.py
+    "after_credentials")."""
+    role = "reduced"
+    if as_user:
+        role = "reduceduser"
+        write_role(policy_dir, role, isolation__reduced=json.dumps(ALL), process__user=str(NOBODY))
+        host.env["AGNSUP_POLICY_DIR"] = str(policy_dir)
+        # no mount namespace: the host's own path must let uid 65534 in (pytest's tmp_path does not)
+        worktree = tempfile.mkdtemp(prefix="agnsup-test-reduced-", dir="/var/tmp")
+        os.chmod(worktree, 0o755)
+        os.chown(worktree, NOBODY, NOBODY)  # where its shell writes the background pid
     bg = os.path.join(worktree, "bg")
 
     def bg_pid() -> int | None:
@@ -215,7 +231,7 @@ def test_killing_a_reduced_cells_controller_kills_its_leader_and_the_janitor_rec
                 return int(f.read().strip() or 0) or None
         except OSError:
             return None
-    ctl = host.popen("run", "--role", "reduced", "--workdir", worktree, "--cell", "dm", "--", "sh", "-c",
+    ctl = host.popen("run", "--role", role, "--workdir", worktree, "--cell", "dm", "--", "sh", "-c",
                      f'sleep 300 & echo $! > "{bg}"; exec sleep 301', stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     try:
@@ -244,6 +260,8 @@ def test_killing_a_reduced_cells_controller_kills_its_leader_and_the_janitor_rec
             ctl.wait()
         for pid in procs_with_env("AGNSUP_CELL_ID", "dm"):
             os.kill(pid, signal.SIGKILL)
+        if as_user:
+            shutil.rmtree(worktree, ignore_errors=True)
 
 
 def test_the_cells_own_seccomp_filter_is_stacked_on_the_containers(host, worktree):

@@ -155,19 +155,19 @@ def _egress(s: Setup) -> None:
     crashpoints.hit("child_setup", s.controller)
 
 
-def _init_guard(s: Setup) -> None:
-    """A PID namespace's init has taken the command's credentials (cell_user, user), and a credential change
-    clears the parent-death signal and makes a process dumpable again (commit_creds): both set again here, before
-    it is confined further and starts the command. Had the controller died in between, the barrier sees EOF (and
-    had the fork server: _pdeathsig)."""
-    if not s.plan.pid_namespace:
-        return
+def _after_credentials(s: Setup) -> None:
+    """The leader has taken the command's credentials (cell_user, user), and a credential change clears the
+    parent-death signal and makes a process dumpable again (commit_creds): the signal is set again here for every
+    cell that dies with its controller (the init of a PID namespace, or a leader without one), and a PID
+    namespace's init is made non-dumpable again, before it is confined further and starts the command. Had the
+    controller died in between, the barrier sees EOF (and had the fork server: _pdeathsig)."""
     if s.plan.dies_with_controller:
         _pdeathsig(s)
-    # Non-dumpable: nothing in the cell (the command runs with the init's own uid) can open /proc/1/mem, read
-    # its /proc links or ptrace it: PTRACE_MODE_READ of a non-dumpable process needs CAP_SYS_PTRACE over its
-    # mm's user namespace, the host's (ptrace(2))
-    lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
+    if s.plan.pid_namespace:
+        # Non-dumpable: nothing in the cell (the command runs with the init's own uid) can open /proc/1/mem, read
+        # its /proc links or ptrace it: PTRACE_MODE_READ of a non-dumpable process needs CAP_SYS_PTRACE over its
+        # mm's user namespace, the host's (ptrace(2))
+        lsys.prctl(lsys.PR_SET_DUMPABLE, 0)
 
 
 def _landlock(s: Setup) -> None:
@@ -233,11 +233,7 @@ def _cell_user(s: Setup) -> None:
     lsys.setns(s.userns_fd, lsys.CLONE_NEWUSER)
     os.setgroups([])
     os.setresgid(0, 0, 0)
-    os.setresuid(0, 0, 0)
-    if s.plan.dies_with_controller and not s.plan.pid_namespace:
-        # a credential change clears PR_SET_PDEATHSIG (commit_creds): the leader carries it again;
-        # had the controller died in between, the barrier that follows sees EOF (and had the fork server: _pdeathsig)
-        _pdeathsig(s)
+    os.setresuid(0, 0, 0)  # (which clears the parent-death signal: set again at "after_credentials")
 
 
 def _capabilities(s: Setup) -> None:
@@ -300,7 +296,7 @@ STEPS = (  # (the name a failure reports, the step, REFUSED), in order; a step t
     ("cell_user", _cell_user, False),            # a mapped cell: uid and gid 0 in the cells' user namespace
     ("capabilities", _capabilities, False),      # the bounding set; no process.user: down to what the role keeps
     ("user", _user, False),                      # process.user: its uid and gid
-    ("init_guard", _init_guard, False),          # a PID namespace's init: its parent-death signal, non-dumpable
+    ("after_credentials", _after_credentials, False),  # the parent-death signal again; an init: non-dumpable
     ("no_new_privs", lambda s: s.plan.no_new_privs and lsys.set_no_new_privs(), False),
     ("landlock", lambda s: s.ruleset and _landlock(s), False),
     ("seccomp", lambda s: s.filter and s.filter.load(), False),  # last: it refuses mount and unshare

@@ -8,7 +8,7 @@ def test_the_steps_run_from_the_dead_man_switch_to_execve_with_the_barrier_befor
     assert names.count("barrier") == 1 and names.index("seccomp") == names.index("barrier") - 1  # confined, waits
     # a PID namespace's init takes the command's confinement and starts it at "exec": after a credential change
     # (cell_user, user) its parent-death signal and non-dumpable flag are set again, before it is confined further
-    assert names.index("user") + 1 == names.index("init_guard") < names.index("no_new_privs")
+    assert names.index("user") + 1 == names.index("after_credentials") < names.index("no_new_privs")
     assert "init" not in names  # no fork of the init: posix_spawn at "exec"
 
 

@@ -23,6 +23,7 @@ import threading
 from contextlib import suppress
 
 from .errors import UnknownId, UsageError
+from .util import crashpoints
 
 SIGNALS = {"INT": 2, "TERM": 15, "KILL": 9}  # what Supervisor.signal sends (signal(7) numbers)
 
@@ -169,7 +170,7 @@ class Supervisor:
                               stdin=request.stdin, pty=request.pty, stream=request.stream, queue=True)
         r = _Running(cell, request)
         if not cell.waiting:
-            r.attach(self.ctl.waiter(cell))
+            r.attach(self.ctl.waiter(cell, hold=True))
         key = (cell.spec.run_id, cell.spec.cell_id)
         with self._guard:
             self._cells[key] = r
@@ -189,16 +190,17 @@ class Supervisor:
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
         key = (r.cell.spec.run_id, r.cell.spec.cell_id)
+        later: list = []  # what finish left for after the result (Controller.finish)
         try:
             if r.cell.waiting:
                 self.ctl.resume(r.cell)
-                r.attach(self.ctl.waiter(r.cell))
+                r.attach(self.ctl.waiter(r.cell, hold=True))
             r.waiter.wait()
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
                 os.close(r.group_fd)
                 r.group_fd = None
-            receipt = self.ctl.finish(r.cell, r.waiter)
+            receipt = self.ctl.finish(r.cell, r.waiter, later)
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
@@ -221,7 +223,9 @@ class Supervisor:
                         # a waiter that already holds `r` gets r.result; a later one reads the
                         # journal and the output files (_ended): the same result
                         self._cells.pop(key, None)
+            waiter = r.waiter
             r.done.set()
+            _after_result(waiter, later)
 
     def run(self, argv: list[str], **options) -> dict:
         """spawn, then wait: the result dict of run_process."""
@@ -437,6 +441,20 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _after_result(waiter, later: list) -> None:
+    """On a cell's thread, once its result is out: the mount namespace its waiter held let go first (its overlay is
+    unmounted before the layer's directories go), then what finish left for now (Controller.finish's `later`), in
+    order. Best effort, as each was before the result: what fails, or what a crash here leaves, is the janitor's
+    (an unchanged change layer keeps its pending marker until it is gone: changes.finish_all drops it)."""
+    crashpoints.hit("after_result")
+    if waiter is not None:
+        with suppress(OSError):
+            waiter.let_go()
+    for fn in later:
+        with suppress(Exception):
+            fn()
 
 
 def journal_result(state, journal, run_id: str, cell_id: str) -> dict:

@@ -430,6 +430,12 @@ class Controller:
         change layer's directories (its pending marker stays until they are gone: changes.finish_all). Everything
         the receipt states is done before it is written; None: all now."""
         spec, target = cell.spec, cell.target()
+        if target.has_tree and cell.plan.pid_namespace:
+            # The leader was its PID namespace's init: the kernel reported its exit only once every other process
+            # of the namespace was gone (zap_pid_ns_processes), and the rest of the tree is the cgroup's to kill,
+            # not evidence's: its pid need not stay reserved until the stop below. Its reap (the fork server's
+            # round trip) overlaps the stop.
+            leader.ask_reap(cell.child)
         why = self.journal.cancel_reason(spec.run_id, spec.cell_id)  # a cancel by any process (agnsup cancel)
         until = waiter.grace_until()  # a stop in progress gets its grace period for the rest of the tree too
         if until is None and why:

@@ -139,6 +139,7 @@ class Supervisor:
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
+        self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
         self._guard = threading.Lock()
         self.closed = False
 
@@ -172,9 +173,11 @@ class Supervisor:
         if not cell.waiting:
             r.attach(self.ctl.waiter(cell, hold=True))
         key = (cell.spec.run_id, cell.spec.cell_id)
+        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         with self._guard:
             self._cells[key] = r
-        threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True).start()
+            self._threads.add(t)
+        t.start()
         if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
             line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
                     f"(held by {cell.lock_holder or 'another cell'})")
@@ -226,6 +229,8 @@ class Supervisor:
             waiter = r.waiter
             r.done.set()
             _after_result(waiter, later)
+            with self._guard:
+                self._threads.discard(threading.current_thread())
 
     def run(self, argv: list[str], **options) -> dict:
         """spawn, then wait: the result dict of run_process."""
@@ -433,6 +438,11 @@ class Supervisor:
                                  by=f"supervisor {self.ctl.id} shutting down", backend=self._backend)
             for _, r in live:
                 r.done.wait(30)
+        with self._guard:
+            ending = list(self._threads)
+        for t in ending:  # what their cells' ends left for after the result (_after_result): a few ms at most
+            if t.is_alive():
+                t.join(5)
         self.ctl.close()
         self._forker.close()
 

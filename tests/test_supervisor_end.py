@@ -13,7 +13,10 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from agnsup.supervisor import Supervisor
+from conftest import skip_unless_capturable
 from scenario import wait_for
 
 
@@ -36,6 +39,8 @@ def _cell_thread_ended(cell_id: str) -> bool:
 
 
 def test_a_cells_mount_namespace_is_held_while_it_runs_and_let_go_after_its_result(state, worktree):
+    if os.geteuid() != 0:
+        pytest.skip("ENV_BLOCKED: root (a normal user may not open the init's /proc/PID/ns: it is not dumpable)")
     with Supervisor(state) as sup:
         h = sup.spawn(["sleep", "30"], workdir=worktree, cell_id="held")
         assert len(_held_mount_namespaces()) == 1  # the running cell's own (its waiter's hold)
@@ -48,7 +53,7 @@ def test_a_cells_mount_namespace_is_held_while_it_runs_and_let_go_after_its_resu
         assert _held_mount_namespaces() == set()
 
 
-CRASHING = """import sys, time
+CRASHING = """import json, sys, time
 from agnsup.supervisor import Supervisor
 sup = Supervisor(sys.argv[1])
 h = sup.spawn(["true"], workdir=sys.argv[2], cell_id="c1")
@@ -57,8 +62,10 @@ time.sleep(60)  # the cell's thread kills the process at after_result
 """
 
 
-def test_a_supervisor_killed_after_a_result_leaves_its_unchanged_layer_to_the_janitor(agnsup, state, worktree):
-    p = subprocess.run([sys.executable, "-c", "import json\n" + CRASHING, state, worktree],
+def test_a_supervisor_killed_after_a_result_leaves_its_unchanged_layer_to_the_janitor(agnsup, state, worktree,
+                                                                                    tmp_path):
+    skip_unless_capturable(str(tmp_path))  # (the state root is in it)
+    p = subprocess.run([sys.executable, "-c", CRASHING, state, worktree],
                        env={**agnsup.env, "AGNSUP_TEST_CRASH_AT": "after_result"}, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr

@@ -5,7 +5,9 @@ result and that work leaves only what the next janitor removes (crash point `aft
 
 Checked to fail: without the let-go (`Waiter.let_go` doing nothing) the first test finds the cells' mount
 namespaces still held; with the unchanged layer's pending marker removed before the result (the layer then
-unknown to the janitor) the second finds the layer left after the janitor."""
+unknown to the janitor) the crash test finds the layer left after the janitor. The daemon test guards the end's
+property around the early reap of a PID namespace's init (not seen failing: what gives it, the namespace and the
+cgroup's kill, is not what this change touches)."""
 import json
 import os
 import signal
@@ -15,9 +17,10 @@ import threading
 
 import pytest
 
+from agnsup.linux import proc
 from agnsup.supervisor import Supervisor
-from conftest import skip_unless_capturable
-from scenario import wait_for
+from conftest import procs_with_env, skip_unless_capturable
+from scenario import alive, wait_for
 
 
 def _held_mount_namespaces() -> set[str]:
@@ -51,6 +54,25 @@ def test_a_cells_mount_namespace_is_held_while_it_runs_and_let_go_after_its_resu
             assert sup.wait(h["run_id"], f"t{i}", 30)["exit_code"] == 0
         wait_for(lambda: all(_cell_thread_ended(c) for c in ("held", "t0", "t1", "t2")), 10, "the cells' threads")
         assert _held_mount_namespaces() == set()
+
+
+def test_a_daemon_the_command_left_is_dead_before_the_result_though_the_leader_is_reaped_early(state, worktree):
+    """finish asks the fork server to reap a PID namespace's init before the rest of the tree is stopped (its pid
+    no longer kept as evidence): a daemon in a session of its own that ignores TERM and HUP must still be dead
+    when the result comes, and the command's own status reported. (The kernel's PID namespace and the cgroup's
+    kill guarantee it; the test keeps them from being traded away for the early reap.)"""
+    with Supervisor(state) as sup:
+        h = sup.spawn(["sh", "-c", "setsid sh -c 'trap \"\" TERM HUP; exec sleep 300' & sleep 1; exit 3"],
+                      workdir=worktree, cell_id="daemon")
+
+        def sleeps():  # (host pid, start time) of the daemon's `sleep 300` and the command's `sleep 1`
+            return [(p, st.starttime) for p in procs_with_env("AGNSUP_CELL_ID", "daemon")
+                    if (st := proc.stat(p)) is not None and st.comm == "sleep"]
+        seen = wait_for(lambda: len(sleeps()) == 2 and sleeps(), 10, "the daemon and the command's sleep")
+        res = sup.wait(h["run_id"], "daemon", 30)
+        assert (res["state"], res["exit_code"]) == ("exited", 3), res
+        assert seen and not any(alive(p, t) for p, t in seen), seen
+        assert procs_with_env("AGNSUP_CELL_ID", "daemon") == []
 
 
 CRASHING = """import json, sys, time

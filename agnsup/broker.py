@@ -20,6 +20,7 @@ conclusion. What is durable when is unchanged (tests/test_crashpoints.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -402,20 +403,35 @@ class Controller:
         self.journal.commit_identity(cell.spec.run_id, cell.spec.cell_id, {**ident, "started_at": cell.started_at}, st)
 
     # -- wait and finish --------------------------------------------------
-    def waiter(self, cell: Cell, wake_fd: int | None = None) -> wait.Waiter:
+    def waiter(self, cell: Cell, wake_fd: int | None = None, hold: bool = False) -> wait.Waiter:
+        """`hold`: the waiter holds the cell's mount namespace (Waiter.hold_mounts), and the caller lets it go
+        after the cell's result (a Supervisor: its teardown off the path from the command's exit to the result)."""
         tree = reaper.Tree(self.backend, cell.target(), cell.child.pidfd)
         waiter = wait.Waiter(cell.child.pidfd, tree, cell.plan.grace, cell.plan.timeout, wake_fd, pump=cell.pump,
                                    oom_fd=cell.place.oom_fd)
+        if hold and cell.plan.mount_namespace:
+            waiter.hold_mounts(cell.child.pid)
         if cell.cancelled_starting:
             # cancelled after its identity commit, before its leader was surely in its tree: the
             # canceller's reaper may have found nothing, so the stop is ours (TERM, grace, kill)
             waiter.request_stop("cancelled", cell.cancelled_starting)
         return waiter
 
-    def finish(self, cell: Cell, waiter: wait.Waiter) -> dict:
+    def finish(self, cell: Cell, waiter: wait.Waiter, later: list | None = None) -> dict:
         """The leader has exited: reap the rest of the tree, then the leader; release
-        what the cell held, journal its end, write its receipt."""
+        what the cell held, journal its end, write its receipt.
+
+        `later`: a list the caller runs after it handed the result over (a Supervisor's cell thread): finish puts
+        there what need not precede the result, and whose loss in a crash the janitor makes good: an unchanged
+        change layer's directories (its pending marker stays until they are gone: changes.finish_all). Everything
+        the receipt states is done before it is written; None: all now."""
         spec, target = cell.spec, cell.target()
+        if target.has_tree and cell.plan.pid_namespace:
+            # The leader was its PID namespace's init: the kernel reported its exit only once every other process
+            # of the namespace was gone (zap_pid_ns_processes), and the rest of the tree is the cgroup's to kill,
+            # not evidence's: its pid need not stay reserved until the stop below. Its reap (the fork server's
+            # round trip) overlaps the stop.
+            leader.ask_reap(cell.child)
         why = self.journal.cancel_reason(spec.run_id, spec.cell_id)  # a cancel by any process (agnsup cancel)
         until = waiter.grace_until()  # a stop in progress gets its grace period for the rest of the tree too
         if until is None and why:
@@ -444,7 +460,7 @@ class Controller:
                                   kill_method=waiter.kill_method or left.method, leftover=left.left)
         cell.net_tries = leader.netns_tries(cell.child, read=outcome.exit_code != 0)  # the network hint's evidence
         self._close_fds(cell)
-        self._commit_changes(cell)  # the tree is dead; the worktree lock is still ours; before protect.settle
+        self._commit_changes(cell, later)  # the tree is dead; the worktree lock is still ours; before protect.settle
         if cell.protect_start is not None:  # what it planted where tools run files on their own leaves the worktree
             cell.protected = protect.settle_cell(self.journal, spec.run_id, spec.cell_id, cell.plan.cell_dir,
                                                  cell.protect_start)
@@ -454,13 +470,18 @@ class Controller:
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
-    def _commit_changes(self, cell: Cell) -> None:
+    def _commit_changes(self, cell: Cell, later: list | None = None) -> None:
         """The receipt's `changes` section (changes.at_end): a commit that fails leaves its plan for the
-        janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same."""
+        janitor (changes.finish_all) and the section names the error; the cell's end is recorded all the same.
+        With `later` (finish's), a layer the cell left unchanged is removed after the result (changes.unchanged)."""
         if cell.layer is not None:  # the agent's other cells may be committing into the same worktree
             with locks.commit_mutex(os.path.dirname(changes.layer_dir(self.state.path, cell.spec.run_id,
                                                                        cell.spec.cell_id))):
-                section = changes.at_end(self.state.path, cell.plan, True)
+                if later is not None and changes.unchanged(self.state.path, cell.plan):
+                    section = changes.nothing_changed()
+                    later.append(functools.partial(changes.drop_unchanged, self.state.path, cell.plan))
+                else:
+                    section = changes.at_end(self.state.path, cell.plan, True)
         else:
             section = changes.at_end(self.state.path, cell.plan, False)
         if section is not None:

@@ -837,6 +837,29 @@ def at_end(state_root: str, plan, captured: bool) -> dict | None:
     return {"mode": plan.changes["mode"], "why": plan.changes.get("why")}
 
 
+def unchanged(state_root: str, plan) -> bool:
+    """At a capturing cell's end, its tree dead: would `at_end` find nothing to land and only remove the layer?
+    (No plan or record in flight, the overlay not refused, an empty upper whose root is the worktree's.) Then the
+    receipt's section is nothing_changed() and the layer's removal (drop_unchanged) may wait until after the cell's
+    result: a crash meanwhile leaves the layer with its pending marker, and the janitor's finish_all finds an empty
+    upper of an ended cell and drops it ("empty"), as it would have been dropped here."""
+    spec = plan.spec
+    d = layer_dir(state_root, spec.run_id, spec.cell_id)
+    if ran_live(d) is not None or any(os.path.lexists(os.path.join(d, n)) for n in ("plan.json", "record.json")):
+        return False
+    return _empty_layer(d, spec.worktree, plan.mapped["uid"] if plan.mapped else None)
+
+
+def nothing_changed() -> dict:
+    """The receipt's `changes` section of a capturing cell that changed nothing."""
+    return _summary(None)
+
+
+def drop_unchanged(state_root: str, plan) -> None:
+    """The layer `unchanged` found empty, removed (its pending marker last)."""
+    _drop_layer(state_root, plan.spec.run_id, plan.spec.cell_id)
+
+
 def ran_live(layer: str) -> str | None:
     """Why the kernel refused a capturing cell's overlay, which then ran live (mounts.LAYER_LIVE), else None."""
     from .linux.mounts import LAYER_LIVE
@@ -866,7 +889,7 @@ def commit(state_root: str, run_id: str, cell_id: str, worktree: str, *, agent_i
         raise UnknownId(f"no change layer for cell {cell_id} of run {run_id}")
     if _empty_layer(rec, worktree, id_shift):
         _drop_layer(state_root, run_id, cell_id)
-        return _summary(None)
+        return nothing_changed()
     upper = os.path.join(rec, "upper")
     meta = _pending_meta(state_root, run_id, cell_id)
     if id_shift:

@@ -396,8 +396,7 @@ def release(backend, t: Target) -> list[dict]:
     if t.has_tree:
         crashpoints.hit("cleanup_before_rmdir")
         released += [{"kind": "cgroup", "path": d} for d in backend.remove(t.place)]
-    if t.tmpdir and os.path.lexists(t.tmpdir):
-        _remove_tree(t.tmpdir)
+    if t.tmpdir and _remove_tree(t.tmpdir):
         released.append({"kind": "tmpdir", "path": t.tmpdir})
     if t.lock_fd is not None:
         locks.release(t.lock_path, t.lock_fd)
@@ -419,8 +418,21 @@ def reap(backend, t: Target, **stop_options) -> Reaped:
     return r
 
 
-def _remove_tree(path: str) -> None:
-    if crashpoints.enabled("cleanup_tmp_half"):
+def _remove_tree(path: str) -> bool:
+    """Remove the temp dir `path` and all in it; False: there was none. An empty one (a cell with a /tmp of its own
+    leaves its on-disk directory empty) goes in one rmdir, without a listing."""
+    half = crashpoints.enabled("cleanup_tmp_half")
+    if not half:
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass  # not empty, or not a directory: removed below
+    if not os.path.lexists(path):
+        return False
+    if half:
         # remove one entry, then die: the next reap must finish the job
         for name in os.listdir(path):
             p = os.path.join(path, name)
@@ -428,3 +440,4 @@ def _remove_tree(path: str) -> None:
             break
         crashpoints.hit("cleanup_tmp_half")
     fs.rmtree(path)
+    return True

@@ -181,13 +181,22 @@ def write(path: str, receipt: dict, compact: bool = False, text: str | None = No
     """Atomically. `compact`: one line, through the C encoder (indenting is pure
     Python: ~100 ms for a recovery receipt of 1,000 processes). `text`: the
     receipt already encoded (dumps), written as it is."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = _tmp(path)  # reserve() may have made it: then rewritten, not created
     if text is None:
         text = (json.dumps(receipt, sort_keys=True, separators=(",", ":")) if compact else
                 json.dumps(receipt, indent=2, sort_keys=True))
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o666)
+    except FileNotFoundError:  # its directory first (a cell's exists: its output files are in it)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(tmp, flags, 0o666)
+    try:
+        data = (text + "\n").encode()
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

@@ -23,6 +23,7 @@ import threading
 from contextlib import suppress
 
 from .errors import UnknownId, UsageError
+from .util import crashpoints
 
 SIGNALS = {"INT": 2, "TERM": 15, "KILL": 9}  # what Supervisor.signal sends (signal(7) numbers)
 
@@ -138,6 +139,7 @@ class Supervisor:
         self.ctl.journal.lock = threading.RLock()
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
+        self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
         self._guard = threading.Lock()
         self.closed = False
 
@@ -169,11 +171,13 @@ class Supervisor:
                               stdin=request.stdin, pty=request.pty, stream=request.stream, queue=True)
         r = _Running(cell, request)
         if not cell.waiting:
-            r.attach(self.ctl.waiter(cell))
+            r.attach(self.ctl.waiter(cell, hold=True))
         key = (cell.spec.run_id, cell.spec.cell_id)
+        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         with self._guard:
             self._cells[key] = r
-        threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True).start()
+            self._threads.add(t)
+        t.start()
         if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
             line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
                     f"(held by {cell.lock_holder or 'another cell'})")
@@ -189,16 +193,17 @@ class Supervisor:
     def _supervise(self, r: _Running) -> None:
         from .tool import ended
         key = (r.cell.spec.run_id, r.cell.spec.cell_id)
+        later: list = []  # what finish left for after the result (Controller.finish)
         try:
             if r.cell.waiting:
                 self.ctl.resume(r.cell)
-                r.attach(self.ctl.waiter(r.cell))
+                r.attach(self.ctl.waiter(r.cell, hold=True))
             r.waiter.wait()
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
                 os.close(r.group_fd)
                 r.group_fd = None
-            receipt = self.ctl.finish(r.cell, r.waiter)
+            receipt = self.ctl.finish(r.cell, r.waiter, later)
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
@@ -221,7 +226,11 @@ class Supervisor:
                         # a waiter that already holds `r` gets r.result; a later one reads the
                         # journal and the output files (_ended): the same result
                         self._cells.pop(key, None)
+            waiter = r.waiter
             r.done.set()
+            _after_result(waiter, later)
+            with self._guard:
+                self._threads.discard(threading.current_thread())
 
     def run(self, argv: list[str], **options) -> dict:
         """spawn, then wait: the result dict of run_process."""
@@ -429,6 +438,11 @@ class Supervisor:
                                  by=f"supervisor {self.ctl.id} shutting down", backend=self._backend)
             for _, r in live:
                 r.done.wait(30)
+        with self._guard:
+            ending = list(self._threads)
+        for t in ending:  # what their cells' ends left for after the result (_after_result): a few ms at most
+            if t.is_alive():
+                t.join(5)
         self.ctl.close()
         self._forker.close()
 
@@ -437,6 +451,20 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _after_result(waiter, later: list) -> None:
+    """On a cell's thread, once its result is out: the mount namespace its waiter held let go first (its overlay is
+    unmounted before the layer's directories go), then what finish left for now (Controller.finish's `later`), in
+    order. Best effort, as each was before the result: what fails, or what a crash here leaves, is the janitor's
+    (an unchanged change layer keeps its pending marker until it is gone: changes.finish_all drops it)."""
+    crashpoints.hit("after_result")
+    if waiter is not None:
+        with suppress(OSError):
+            waiter.let_go()
+    for fn in later:
+        with suppress(Exception):
+            fn()
 
 
 def journal_result(state, journal, run_id: str, cell_id: str) -> dict:

@@ -184,8 +184,18 @@ def write(path: str, value: str) -> None:
 
 
 def read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
+    """A cgroup file's text. Through the descriptor, without Python's file object: 4 system calls for a small
+    file, not 9 (its fstat, isatty ioctl and seeks), and a cell's end reads about a dozen of these."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:  # to EOF: a kernfs file may come in parts (cgroup.procs of a big tree)
+            b = os.read(fd, 65536)
+            if not b:
+                return b"".join(chunks).decode()
+            chunks.append(b)
+    finally:
+        os.close(fd)
 
 
 def enable_controllers(dirs: list[str], wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:

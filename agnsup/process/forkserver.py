@@ -194,11 +194,23 @@ class Client:
         return int(rest[0]), got[0], rest[1] == "1", ours
 
 
-def reap(channel: int) -> tuple[int, int] | None:
-    """(si_code, si_status) of a leader the server forked, once it exited; None if the server is gone (it
-    died: the leader had PR_SET_PDEATHSIG and got SIGKILL, or exited unreaped by us). Closes `channel`."""
+def ask_reap(channel: int) -> bool:
+    """Ask the server to reap the leader (it answers once the leader exited); `reap` then reads the answer. False:
+    the server is gone (reap says so too)."""
     try:
         os.write(channel, b"reap")
+    except OSError:
+        return False
+    return True
+
+
+def reap(channel: int, asked: bool = False) -> tuple[int, int] | None:
+    """(si_code, si_status) of a leader the server forked, once it exited; None if the server is gone (it
+    died: the leader had PR_SET_PDEATHSIG and got SIGKILL, or exited unreaped by us). Closes `channel`.
+    `asked`: ask_reap did the asking already."""
+    try:
+        if not asked:
+            os.write(channel, b"reap")
         said = os.read(channel, 64)
     except OSError:
         said = b""

@@ -34,6 +34,7 @@ class Child(Record):
     netns_base: dict | None = None  # ... the counters at its start in a shared netns (a fresh one starts at 0)
     netns_why: str | None = None   # ... or why we hold none
     reap_channel: int | None = None  # born in a fork server: its parent, which reaps it when asked here (_wait)
+    reap_asked: bool = False         # ... asked already (ask_reap), the answer read by _wait
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
@@ -171,7 +172,7 @@ def _wait(child: Child):
         return info.si_code, info.si_status
     from .forkserver import reap  # loaded by a Supervisor only: `agnsup run` never has a channel
     channel, child.reap_channel = child.reap_channel, None
-    info = reap(channel)
+    info = reap(channel, child.reap_asked)
     if info is None:  # the server is gone: pidfs may still know how the leader ended (6.15+)
         status = _reaped_elsewhere(child.pidfd)
         if status is not None:
@@ -275,6 +276,15 @@ def _close_tmp(child: Child) -> None:
     if child.tmp_fd is not None:
         os.close(child.tmp_fd)
         child.tmp_fd = None
+
+
+def ask_reap(child: Child) -> None:
+    """The leader has exited: a fork server's child is reaped by the server, asked here so that its round trip
+    overlaps the caller's work until `collect` reads the answer. Only where its pid needs no keeping meanwhile (the
+    caller's say: Controller.finish)."""
+    if child.reap_channel is not None and not child.reap_asked:
+        from .forkserver import ask_reap as ask
+        child.reap_asked = ask(child.reap_channel)
 
 
 def collect(child: Child) -> tuple[int | None, int | None]:

@@ -68,6 +68,28 @@ class Waiter:
         self.term_sent_at: float | None = None
         self.stop_signal: int = signal.SIGTERM  # what the tree got first
         self.kill_method: str | None = None
+        self.mounts: int | None = None  # the cell's mount namespace, while held (hold_mounts)
+
+    def hold_mounts(self, pid: int) -> None:
+        """Hold the mount namespace of the leader `pid` (unreaped: the number is still ours) until `let_go`.
+
+        The last process of a mount namespace tears it down in its exit: every mount of the cell (~40: its
+        overlay, tmpfs, binds) unmounted and an expedited RCU grace period waited for (namespace_unlock), ~1 ms
+        here, before its pidfd says it exited. Held here, the leader's exit ends the tree without that wait: the
+        tree is dead as soon (zap_pid_ns_processes; the mounts hold no process), and the teardown runs at
+        `let_go`, after the cell's result (Supervisor._supervise). Best effort: a leader already gone (a command
+        that ended within the spawn), or a /proc we may not read (the init is not dumpable: root only), holds
+        nothing and costs the wait as before. A controller killed meanwhile lets go with its descriptors."""
+        try:
+            self.mounts = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.mounts = None
+
+    def let_go(self) -> None:
+        """The held mount namespace (hold_mounts) let go: its teardown runs here when ours was the last reference."""
+        fd, self.mounts = self.mounts, None
+        if fd is not None:
+            os.close(fd)
 
     def request_stop(self, reason: str, cancel_reason: str | None = None, sig: int = signal.SIGTERM) -> None:
         """Send `sig` (SIGTERM) to the whole tree now; SIGKILL it when the grace period

@@ -12,7 +12,8 @@ Points (../shared/spec/authority-blackout.md, "Crash points"):
   janitor_after_kill,
   changes_mid_commit (changes.py: a commit or undo after its first step),
   changes_before_record (every step done, record.json not yet written),
-  chain.head (journal.py: a transaction committed, its chain head not yet written)
+  chain.head (journal.py: a transaction committed, its chain head not yet written),
+  after_result (supervisor.py: a Supervisor cell's result handed over, what may follow it not yet done)
 """
 import os
 import signal

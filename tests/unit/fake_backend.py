@@ -229,10 +229,13 @@ class FakeProcesses:
     def netns_tries(self, child, read: bool) -> dict | None:
         return None  # a fake leader has no network namespace to count in
 
+    def ask_reap(self, child) -> None:
+        pass  # no fork server: collect reaps at once
+
     def install(self, monkeypatch) -> "FakeProcesses":
         """In place of the real process layer, where the broker calls it (the one line to change when it moves)."""
         from agnsup.process import leader
-        for name in ("spawn", "release", "abandon", "collect", "netns_tries"):
+        for name in ("spawn", "release", "abandon", "collect", "netns_tries", "ask_reap"):
             monkeypatch.setattr(leader, name, getattr(self, name))
         from agnsup import broker  # nor the keeper of a network pod (agnsup/pod.py): a cell here joins none
         monkeypatch.setattr(broker.Controller, "_join_pod", lambda ctl, cell: None)

@@ -7,6 +7,7 @@ import signal
 import time
 
 from ..util import crashpoints
+from ..linux import proc
 from ..errors import CancelledBeforeStart, exit_code
 from ..util.record import Record
 
@@ -81,7 +82,7 @@ class Waiter:
         that ended within the spawn), or a /proc we may not read (the init is not dumpable: root only), holds
         nothing and costs the wait as before. A controller killed meanwhile lets go with its descriptors."""
         try:
-            self.mounts = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            self.mounts = proc.ns("mnt", pid)
         except OSError:
             self.mounts = None
 

@@ -117,6 +117,9 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
         pods = _sweep_pods(state, jan.backend)
         if pods:
             report["pods"] = pods
+        held = _sweep_held(jan.backend)  # after the pods: the run directories they were in
+        if held:
+            report["cgroups"] = held
         return report
     finally:
         locks.release(lock_path, fd)
@@ -171,6 +174,15 @@ def _sweep_pods(state, backend) -> list[dict]:
         return pod.sweep(state, backend)
     except OSError as e:
         return [{"kind": "pod", "error": f"sweeping pods: {e.strerror or e}"}]
+
+
+def _sweep_held(backend) -> list[dict]:
+    """The empty run and agent directories (and the base) of this state root's cgroup tree removed: what a
+    controller of many cells killed while it kept them between its cells leaves (backend/cgroups.py: hold)."""
+    try:
+        return [{"kind": "cgroup", "path": d} for d in backend.sweep_ancestors()]
+    except OSError as e:
+        return [{"kind": "cgroup", "error": f"sweeping empty cgroup directories: {e.strerror or e}"}]
 
 
 class _Cell:

@@ -28,6 +28,7 @@ def _left(state):
 
 
 def test_a_supervisor_keeps_its_cells_agent_directories_between_cells_and_removes_them_at_close(state, worktree):
+    first: dict = {}
     with Supervisor(state) as sup:
         for i in range(3):
             h = sup.spawn(["true"], workdir=worktree, run_id="R", agent_id="A", cell_id=f"c{i}")
@@ -35,7 +36,7 @@ def test_a_supervisor_keeps_its_cells_agent_directories_between_cells_and_remove
             kept = {d: os.stat(d).st_ino for d in _agent_dirs(state, "R", "A")}
             assert kept and not any(os.path.exists(p) for p in cgroup.scope_node(
                 _base(state), "R", "A", f"c{i}").paths.values())  # the cell's own directories are gone
-            first = first if i else kept
+            first = first or kept
             assert kept == first, "the agent's directories were made again"
         assert h["cgroup"].startswith(tuple(kept))
     assert _left(state) == []

@@ -24,7 +24,10 @@ or from another boot, and each of its cells not yet in a terminal state:
 4. in one transaction: the cell -> `recovered`, its run -> `recovered` when no
    other cell of it lives, a `recovery` receipt row; the receipt file is
    <state>/recovery/<janitor id>.json;
-5. every change layer, commit or undo left in flight (changes.finish_all) finished.
+5. every change layer, commit or undo left in flight (changes.finish_all) finished;
+   then network pods no live cell holds torn down (pod.sweep), and the empty run and
+   agent directories a killed controller of many cells kept (backend/cgroups.py: hold)
+   removed (_sweep_held: report "cgroups").
 
 Every cell of every dead controller goes through these steps together: one
 /proc scan per kill round serves all cells, one transaction journals a round's

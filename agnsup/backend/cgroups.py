@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import threading
 import time
 from contextlib import suppress
 
@@ -507,10 +506,11 @@ class _Held:
     agent is harmless: rmdir(2) refuses a directory with a cell in it, and create makes what vanished again."""
 
     def __init__(self, prune):
+        import threading  # here: the fork server preloads this module (supervisor.PRELOAD) and needs no threads
         self._prune = prune                 # {hierarchy: dir} -> None (CgroupBackend._prune_from)
         self._due: dict[str, list] = {}     # agent directory (first hierarchy) -> [{hierarchy: dir}, due (monotonic)]
         self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._thread: "threading.Thread | None" = None
         self._closed = False
 
     def keep(self, dirs: dict[str, str]) -> bool:
@@ -524,6 +524,7 @@ class _Held:
             old = self._due.get(key)
             self._due[key] = [{**(old[0] if old else {}), **dirs}, time.monotonic() + HOLD_IDLE]
             if self._thread is None:
+                import threading
                 self._thread = threading.Thread(target=self._run, name="agnsup-cgroup-hold", daemon=True)
                 self._thread.start()
             self._cv.notify()

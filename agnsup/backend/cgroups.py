@@ -54,7 +54,7 @@ class CgroupBackend(Backend):
         """This process is a controller of many cells (the Supervisor): a cell's end removes the cell's own
         directories only; its agent's, its run's and the base directory, in every hierarchy, stay while the agent's
         cells keep coming, so the next cell makes one directory per hierarchy, not four (a hybrid host: 4 mkdir a
-        cell instead of 13, and 4 rmdir instead of 15). They go when the agent had no cell end for HOLD_IDLE s, or at
+        cell instead of 14, and 4 rmdir instead of 15). They go when the agent had no cell end for HOLD_IDLE s, or at
         let_go (the controller's close); a controller killed meanwhile leaves them empty, to the janitor's sweep
         (sweep_ancestors). `agnsup run` (one cell) does not hold: its cell's end removes them, as before."""
         if self._held is None:

@@ -79,18 +79,22 @@ class CgroupBackend(Backend):
         cell id is never reused within a run, and a recreated directory must not pass as ours."""
         paths = place.node.paths
         for p in paths.values():
+            # held (a controller of many cells): the agent's directory is usually there, and the cell's mkdir
+            # alone makes the cell (os.makedirs with exist_ok costs a failed mkdir when it exists); else made first
+            parents = self._held is None
             for _ in range(5):
-                try:
-                    os.mkdir(p)  # EEXIST here is the cell's own directory: never ours, raised
-                    break
-                except FileNotFoundError:
-                    pass  # the agent's directory (or one above) is not there: not yet, or no longer (hold)
                 # The run's and agent's directories are shared: the cleanup of a neighbour cell that just
                 # ended (or the janitor's sweep) may rmdir them, empty, under us: makedirs then fails with
                 # ENOENT, or with EEXIST when it vanished between its mkdir and its isdir check, or the
                 # cell's mkdir with ENOENT. Each time: make them again.
-                with suppress(FileNotFoundError, FileExistsError):
-                    os.makedirs(os.path.dirname(p), exist_ok=True)
+                if parents:
+                    with suppress(FileNotFoundError, FileExistsError):
+                        os.makedirs(os.path.dirname(p), exist_ok=True)
+                try:
+                    os.mkdir(p)  # EEXIST here is the cell's own directory: never ours, raised
+                    break
+                except FileNotFoundError:
+                    parents = True
             else:
                 raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
         v2 = paths.get("v2")

@@ -107,3 +107,17 @@ def test_a_spawn_request_carries_the_backend_without_its_hold(tmp_path):
         assert copy._held is None and copy.base == b.base
     finally:
         b.let_go()
+
+
+def test_a_holding_backend_makes_again_what_a_sweep_removed_under_it(tmp_path):
+    b = _backend(tmp_path)
+    b.hold()
+    try:
+        b.remove(_cell(b, "c1"))
+        assert b.sweep_ancestors()  # the janitor, while this controller lives: its kept directories go
+        c2 = _cell(b, "c2")        # the cell's mkdir fails (ENOENT): the parents are made, then the cell
+        assert all(os.path.isdir(p) for p in c2.node.paths.values())
+        b.remove(c2)
+    finally:
+        b.let_go()
+    assert not any(os.path.exists(p) for p in b.base.paths.values())

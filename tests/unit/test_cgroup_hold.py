@@ -9,6 +9,7 @@ gone after the first cell (and made again); with sweep_ancestors removing nothin
 import os
 import pickle
 import time
+from contextlib import contextmanager
 
 from agnsup.backend import cgroups
 from agnsup.backend.base import Place
@@ -23,6 +24,17 @@ def _backend(tmp_path):
     return b
 
 
+@contextmanager
+def _holding(tmp_path):
+    """A backend that holds, let go at the end however the test went."""
+    b = _backend(tmp_path)
+    b.hold()
+    try:
+        yield b
+    finally:
+        b.let_go()
+
+
 def _cell(b, cell, run="R", agent="A"):
     return b.create(Place(node=cgroup.cell_node(b.base, run, agent, cell, {})), {})
 
@@ -32,9 +44,7 @@ def _agent_dirs(b, run="R", agent="A"):
 
 
 def test_a_holding_backend_keeps_the_agents_directories_between_cells_and_removes_them_at_let_go(tmp_path):
-    b = _backend(tmp_path)
-    b.hold()
-    try:
+    with _holding(tmp_path) as b:
         c1 = _cell(b, "c1")
         inodes = [os.stat(d).st_ino for d in _agent_dirs(b)]
         assert b.remove(c1) == list(c1.node.paths.values())  # the cell's own directories, in every hierarchy
@@ -42,8 +52,6 @@ def test_a_holding_backend_keeps_the_agents_directories_between_cells_and_remove
         c2 = _cell(b, "c2")
         assert [os.stat(d).st_ino for d in _agent_dirs(b)] == inodes  # the same directories: not made again
         b.remove(c2)
-    finally:
-        b.let_go()
     assert not any(os.path.exists(p) for p in b.base.paths.values())
 
 
@@ -55,9 +63,7 @@ def test_without_a_hold_a_cells_end_removes_every_empty_directory_above_it(tmp_p
 
 def test_an_idle_agents_directories_go_after_hold_idle_and_a_busy_agents_stay(tmp_path, monkeypatch):
     monkeypatch.setattr(cgroups, "HOLD_IDLE", 0.2)
-    b = _backend(tmp_path)
-    b.hold()
-    try:
+    with _holding(tmp_path) as b:
         b.remove(_cell(b, "a1", agent="A"))
         busy = _cell(b, "b1", agent="B")  # agent B's cell still lives: its directories stay however long
         wait_for(lambda: not any(os.path.exists(d) for d in _agent_dirs(b, agent="A")), 10, "agent A's directories")
@@ -65,20 +71,14 @@ def test_an_idle_agents_directories_go_after_hold_idle_and_a_busy_agents_stay(tm
         assert all(os.path.isdir(d) for d in busy.node.paths.values())
         b.remove(busy)
         wait_for(lambda: not any(os.path.exists(p) for p in b.base.paths.values()), 10, "the base")
-    finally:
-        b.let_go()
 
 
 def test_a_pods_place_is_pruned_at_its_teardown_even_while_holding(tmp_path):
-    b = _backend(tmp_path)
-    b.hold()
-    try:
+    with _holding(tmp_path) as b:
         pod = Place(node=cgroup.Node({"v2": os.path.join(cgroup.scope_node(b.base, "R").paths["v2"], "pod-A")}))
         b.create(pod, {})
         b.remove(pod)
         assert not os.path.exists(b.base.paths["v2"])  # the pod's end is its run's, when nothing else is there
-    finally:
-        b.let_go()
 
 
 def test_the_sweep_removes_empty_run_and_agent_directories_only(tmp_path):
@@ -99,25 +99,17 @@ def test_the_sweep_removes_empty_run_and_agent_directories_only(tmp_path):
 
 
 def test_a_spawn_request_carries_the_backend_without_its_hold(tmp_path):
-    b = _backend(tmp_path)
-    b.hold()
-    try:
+    with _holding(tmp_path) as b:
         b.remove(_cell(b, "c1"))
         copy = pickle.loads(pickle.dumps(b))  # process/forkserver.py pickles the backend with the plan
         assert copy._held is None and copy.base == b.base
-    finally:
-        b.let_go()
 
 
 def test_a_holding_backend_makes_again_what_a_sweep_removed_under_it(tmp_path):
-    b = _backend(tmp_path)
-    b.hold()
-    try:
+    with _holding(tmp_path) as b:
         b.remove(_cell(b, "c1"))
         assert b.sweep_ancestors()  # the janitor, while this controller lives: its kept directories go
         c2 = _cell(b, "c2")        # the cell's mkdir fails (ENOENT): the parents are made, then the cell
         assert all(os.path.isdir(p) for p in c2.node.paths.values())
         b.remove(c2)
-    finally:
-        b.let_go()
     assert not any(os.path.exists(p) for p in b.base.paths.values())

@@ -137,6 +137,7 @@ class Controller:
         if not one_cell:
             from .pod import Linger
             self.pods = Linger(self.backend, self.state)
+            self.backend.hold()  # its cells' agent, run and base directories stay between cells (let go at close)
 
     def _take_lock(self) -> None:
         self._lock_fd = locks.acquire(self.lock_path, True, 0, "controller", self.id)
@@ -170,6 +171,7 @@ class Controller:
                     pods.close()
                 except OSError:
                     pass  # left to the janitor's sweep
+            self.backend.let_go()  # after the pods: the directories they hung from too
             if self._ca_cert is not None:  # its CA's key died with it: nothing may trust the certificate now
                 try:
                     os.unlink(self._ca_cert)

@@ -24,7 +24,10 @@ or from another boot, and each of its cells not yet in a terminal state:
 4. in one transaction: the cell -> `recovered`, its run -> `recovered` when no
    other cell of it lives, a `recovery` receipt row; the receipt file is
    <state>/recovery/<janitor id>.json;
-5. every change layer, commit or undo left in flight (changes.finish_all) finished.
+5. every change layer, commit or undo left in flight (changes.finish_all) finished;
+   then network pods no live cell holds torn down (pod.sweep), and the empty run and
+   agent directories a killed controller of many cells kept (backend/cgroups.py: hold)
+   removed (_sweep_held: report "cgroups").
 
 Every cell of every dead controller goes through these steps together: one
 /proc scan per kill round serves all cells, one transaction journals a round's
@@ -117,6 +120,9 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
         pods = _sweep_pods(state, jan.backend)
         if pods:
             report["pods"] = pods
+        held = _sweep_held(jan.backend)  # after the pods: the run directories they were in
+        if held:
+            report["cgroups"] = held
         return report
     finally:
         locks.release(lock_path, fd)
@@ -171,6 +177,15 @@ def _sweep_pods(state, backend) -> list[dict]:
         return pod.sweep(state, backend)
     except OSError as e:
         return [{"kind": "pod", "error": f"sweeping pods: {e.strerror or e}"}]
+
+
+def _sweep_held(backend) -> list[dict]:
+    """The empty run and agent directories (and the base) of this state root's cgroup tree removed: what a
+    controller of many cells killed while it kept them between its cells leaves (backend/cgroups.py: hold)."""
+    try:
+        return [{"kind": "cgroup", "path": d} for d in backend.sweep_ancestors()]
+    except OSError as e:
+        return [{"kind": "cgroup", "error": f"sweeping empty cgroup directories: {e.strerror or e}"}]
 
 
 class _Cell:

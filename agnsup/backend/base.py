@@ -141,6 +141,17 @@ class Backend:
         method = self.kill(place) if self.populated(place) else None
         return method, self.wait_empty(place, verify)
 
+    def hold(self) -> None:
+        """This process is a controller of many cells: what their trees hang from may stay between them
+        (backend/cgroups.py); nothing here."""
+
+    def let_go(self) -> None:
+        """The end of hold(): what it kept removed (the controller's close)."""
+
+    def sweep_ancestors(self) -> list[str]:
+        """The empty directories a killed controller's hold left, removed (the janitor)."""
+        return []
+
     def purge(self) -> list[str]:
         """Kill whatever is left under this state root's own cgroup root and remove it
         (a private root of the self-test or of a test, at its end). Returns what was there."""

@@ -32,17 +32,42 @@ FREEZE_TIMEOUT = 2.0  # how long a v1 freezer may take to report FROZEN before w
 
 SIGNAL_BATCH = 256    # pidfds held at once by signal() (a process may start with RLIMIT_NOFILE 1024)
 ZOMBIE_CHECK = 0.05   # s without a change of cgroup.events before wait_empty looks for a tree of zombies
+# How long a controller of many cells (hold) keeps an agent's directories, and those above them, after that agent's
+# last cell ended. They are empty directories (no process, no limit of their own), so longer than a pod's linger
+# (pod.LINGER, which keeps a keeper process): an agent's next call usually comes within seconds, and one that comes
+# later pays their mkdirs again (~0.35 ms on a hybrid host), nothing more.
+HOLD_IDLE = 10.0
 
 
 class CgroupBackend(Backend):
     env_blocked = ()
     trees = True
+    _held: "_Held | None" = None  # hold(): a controller of many cells keeps what its cells hang from
 
     def __init__(self, layout, state_root: str):
         self.layout = layout
         self.kind = layout.kind
         self.base = cgroup.base_node(layout, state_root)
         self.tracking = self.base.primary[0] if self.base.primary else "none"
+
+    def hold(self) -> None:
+        """This process is a controller of many cells (the Supervisor): a cell's end removes the cell's own
+        directories only; its agent's, its run's and the base directory, in every hierarchy, stay while the agent's
+        cells keep coming, so the next cell makes one directory per hierarchy, not four (a hybrid host: 4 mkdir a
+        cell instead of 14, and 4 rmdir instead of 15). They go when the agent had no cell end for HOLD_IDLE s, or at
+        let_go (the controller's close); a controller killed meanwhile leaves them empty, to the janitor's sweep
+        (sweep_ancestors). `agnsup run` (one cell) does not hold: its cell's end removes them, as before."""
+        if self._held is None:
+            self._held = _Held(self._prune_from)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_held": None}  # a spawn request carries the backend (process/forkserver.py)
+
+    def let_go(self) -> None:
+        """The end of hold(): every directory it kept removed now, when empty (the controller's close)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def place(self, run_id: str, agent_id: str, cell_id: str, limits: dict) -> Place:
         return Place(node=cgroup.cell_node(self.base, run_id, agent_id, cell_id, limits))
@@ -54,17 +79,22 @@ class CgroupBackend(Backend):
         cell id is never reused within a run, and a recreated directory must not pass as ours."""
         paths = place.node.paths
         for p in paths.values():
+            # held (a controller of many cells): the agent's directory is usually there, and the cell's mkdir
+            # alone makes the cell (os.makedirs with exist_ok costs a failed mkdir when it exists); else made first
+            parents = self._held is None
             for _ in range(5):
                 # The run's and agent's directories are shared: the cleanup of a neighbour cell that just
-                # ended may rmdir them, empty, under us: makedirs then fails with ENOENT, or with EEXIST
-                # when it vanished between its mkdir and its isdir check. Either way: make them again.
+                # ended (or the janitor's sweep) may rmdir them, empty, under us: makedirs then fails with
+                # ENOENT, or with EEXIST when it vanished between its mkdir and its isdir check, or the
+                # cell's mkdir with ENOENT. Each time: make them again.
+                if parents:
+                    with suppress(FileNotFoundError, FileExistsError):
+                        os.makedirs(os.path.dirname(p), exist_ok=True)
                 try:
-                    os.makedirs(os.path.dirname(p), exist_ok=True)
-                except (FileNotFoundError, FileExistsError):
-                    continue
-                with suppress(FileNotFoundError):
                     os.mkdir(p)  # EEXIST here is the cell's own directory: never ours, raised
                     break
+                except FileNotFoundError:
+                    parents = True
             else:
                 raise OSError(errno.ENOENT, f"cannot create cgroup {p}", p)
         v2 = paths.get("v2")
@@ -353,7 +383,10 @@ class CgroupBackend(Backend):
                     if e.errno != errno.EBUSY or attempt == 49:
                         raise
                     time.sleep(0.002)
-        self._prune_up(place)
+        held = self._held
+        if not (held is not None and _hangs_from_agent(place) and
+                held.keep({h: os.path.dirname(p) for h, p in place.node.paths.items()})):
+            self._prune_up(place)  # (a pod's place, run-R/pod-A: its teardown is the pod's end, pruned now)
         return removed
 
     @staticmethod
@@ -380,11 +413,31 @@ class CgroupBackend(Backend):
     def _prune_up(self, place: Place) -> None:
         """The agent, run and base directories above `place`, if now empty; never
         above our own base directory: what is above it is not ours."""
-        for h, p in place.node.paths.items():
+        self._prune_from({h: os.path.dirname(p) for h, p in place.node.paths.items()})
+
+    def _prune_from(self, dirs: dict[str, str]) -> None:
+        """Each directory of `dirs` ({hierarchy: path}) and those above it, while empty, up to our base."""
+        for h, up in dirs.items():
             top = self.base.paths.get(h)
-            up = os.path.dirname(p)
             while top and (up == top or up.startswith(top + "/")) and cgroup.remove_if_empty(up):
                 up = os.path.dirname(up)
+
+    def sweep_ancestors(self) -> list[str]:
+        """The empty run and agent directories below this state root's own base, and the base, in every hierarchy,
+        removed (the janitor): what a controller of many cells killed while it held them (hold) leaves, which no
+        journaled cell names. Only directories by the names scope_node gives (`run-R`, `run-R/agent-A`): a cell's
+        or a pod's place is never touched (one being made is empty for an instant), nor anything with a
+        sub-cgroup or a process (rmdir(2) refuses them: EBUSY). A live controller's empty ones may go too: its next
+        cell makes them again (create)."""
+        removed = []
+        for top in self.base.paths.values():
+            for run in _named(top, "run-"):
+                removed += [d for d in _named(run, "agent-") if cgroup.remove_if_empty(d)]
+                if cgroup.remove_if_empty(run):
+                    removed.append(run)
+            if cgroup.remove_if_empty(top):
+                removed.append(top)
+        return removed
 
     def roots(self) -> dict:
         return self.base.as_dict()
@@ -448,6 +501,78 @@ class Cgroup1(CgroupBackend):
             with suppress(FileNotFoundError):
                 cgroup.write(state, "THAWED")  # a frozen v1 task cannot die until thawed
         return "freezer" if frozen else "freezer (never reached FROZEN: killed while freezing)"
+
+
+class _Held:
+    """A controller of many cells' hold on the directories its cells hang from (CgroupBackend.hold): per agent, its
+    directory in each hierarchy, removed with those above it (when empty) HOLD_IDLE s after the agent's last cell
+    ended. One timer thread for all (started with the first), woken on change. A removal racing a new cell of the
+    agent is harmless: rmdir(2) refuses a directory with a cell in it, and create makes what vanished again."""
+
+    def __init__(self, prune):
+        import threading  # here: the fork server preloads this module (supervisor.PRELOAD) and needs no threads
+        self._prune = prune                 # {hierarchy: dir} -> None (CgroupBackend._prune_from)
+        self._due: dict[str, list] = {}     # agent directory (first hierarchy) -> [{hierarchy: dir}, due (monotonic)]
+        self._cv = threading.Condition()
+        self._thread: "threading.Thread | None" = None
+        self._closed = False
+
+    def keep(self, dirs: dict[str, str]) -> bool:
+        """Keep `dirs` (a cell's agent directories) for HOLD_IDLE s more; False once closing (the caller prunes)."""
+        if not dirs:
+            return False
+        key = next(iter(dirs.values()))
+        with self._cv:
+            if self._closed:
+                return False
+            old = self._due.get(key)
+            self._due[key] = [{**(old[0] if old else {}), **dirs}, time.monotonic() + HOLD_IDLE]
+            if self._thread is None:
+                import threading
+                self._thread = threading.Thread(target=self._run, name="agnsup-cgroup-hold", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            due, self._due = self._due, {}
+            self._cv.notify()
+        for dirs, _ in due.values():
+            with suppress(OSError):
+                self._prune(dirs)
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [k for k, (_, at) in self._due.items() if at <= now]
+                if not due:
+                    wake = min((at for _, at in self._due.values()), default=None)
+                    self._cv.wait(None if wake is None else max(0.0, wake - now))
+                    continue
+                gone = [self._due.pop(k)[0] for k in due]
+            for dirs in gone:
+                with suppress(OSError):
+                    self._prune(dirs)
+
+
+def _hangs_from_agent(place: Place) -> bool:
+    """A cell's place (`run-R/agent-A/cell-C`), not a pod's (`run-R/pod-A`)."""
+    return bool(place.dir) and os.path.basename(os.path.dirname(place.dir)).startswith("agent-")
+
+
+def _named(directory: str, prefix: str) -> list[str]:
+    """The subdirectories of `directory` whose names start with `prefix` ([] if it is gone)."""
+    try:
+        return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []
 
 
 def for_layout(layout, state_root: str) -> CgroupBackend:

@@ -1,0 +1,172 @@
+"""Spare inodes: a controller of many cells makes the empty directories and files its next cells need on the state
+root's disk ahead of time, on a thread of its own, and a cell claims one by rename(2) into place (issue 29).
+
+Why: on a busy ext4 (this project's hosts: no journal, docs/hosts.md) a new inode waits for the recently deleted
+ones (`find_inode_bit`), ~300 us a mkdir under /var/tmp against ~30 us a rename; a Supervisor cell of a
+worktree-writing role made ~12 of them on its path (its directory and tmp/, stdout, stderr, the protected paths'
+baseline, the receipt's reserve, the worktree lock, the change layer's run, cell, upper and work directories and
+its pending marker).
+
+    <state>/spares/<controller id>/<kind>.<n>     empty; removed at the controller's close, or by the janitor
+                                                  once that controller is dead (sweep)
+
+A spare holds nothing of a cell before it is claimed: an empty directory (a cell's: with an empty tmp/; a change
+layer's: with empty upper/ and work/) or an empty file, made by the controller's process with the mode the cell's
+own path uses (so: the same owner, and the umask of the moment it was made). A claim is renameat2 with
+RENAME_NOREPLACE: it never replaces what is there (a directory's rename would replace an empty one), and any
+failure (none ready, the target's parent missing, another file system) leaves the caller to make the inode as
+before. `agnsup run` (one cell) has no maker: every claim says no at once.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from contextlib import suppress
+
+DIR = "spares"
+# kind -> (mode, children: None for a file): each as the cell's own path makes it
+KINDS = {
+    "cell": (0o777, ("tmp",)),       # cells/<run>/<cell>/ and its tmp/ (home.make: os.makedirs)
+    "layer": (0o700, ("upper", "work")),  # changes/<run>/<cell>/ (changes.prepare)
+    "dir": (0o700, ()),              # changes/<run>/ (changes.prepare)
+    "f600": (0o600, None),           # stdout, stderr, the worktree lock, the pending marker
+    "f666": (0o666, None),           # the receipt's reserve, protect-start.json
+}
+# how many of each are kept ready: two cells' worth (a third concurrent cell makes its own, as before)
+WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 8, "f666": 4}
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+_makers: dict[str, "Maker"] = {}  # state root path -> the live maker of this process
+_renameat2 = None
+
+
+def area(state_root: str, controller_id: str) -> str:
+    return os.path.join(state_root, DIR, controller_id)
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    return _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0
+
+
+def claim(kind: str, target: str) -> bool:
+    """Put a ready spare of `kind` at `target` (which must not exist; its parent must); False when none was put
+    there, and the caller makes it as before."""
+    for m in _makers.values():  # one in a Supervisor
+        if target.startswith(m.root_slash):
+            return m.claim(kind, target)
+    return False
+
+
+def start(state_root: str, controller_id: str) -> "Maker | None":
+    """A controller of many cells: its maker (None where renameat2 is missing: then nothing changes)."""
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+        except AttributeError:  # glibc before 2.28
+            return None
+        fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        fn.restype = ctypes.c_int
+        _renameat2 = fn
+    m = Maker(state_root, controller_id)
+    _makers[m.root] = m
+    m.thread.start()
+    return m
+
+
+class Maker:
+    def __init__(self, state_root: str, controller_id: str):
+        self.root = os.path.abspath(state_root)
+        self.root_slash = self.root + "/"
+        self.dir = area(self.root, controller_id)
+        self.ready: dict[str, collections.deque] = {k: collections.deque() for k in KINDS}
+        self._n = 0
+        self._wake = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="agnsup-spares", daemon=True)
+
+    def claim(self, kind: str, target: str) -> bool:
+        try:
+            src = self.ready[kind].popleft()
+        except IndexError:
+            self._poke()
+            return False
+        try:
+            ok = _rename_noreplace(src, target)
+        except (TypeError, ValueError):  # a path with a NUL: the caller's own call refuses it
+            ok = False
+        if not ok and os.path.lexists(src):
+            self.ready[kind].appendleft(src)  # still a good spare: kept
+        self._poke()
+        return ok
+
+    def _poke(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _run(self) -> None:
+        try:
+            for d in (os.path.dirname(self.dir), self.dir):  # 0700, as the state root's other folders
+                with suppress(FileExistsError):
+                    os.mkdir(d, 0o700)
+        except OSError:
+            return  # no spares: every claim says no
+        while True:
+            with self._wake:
+                while not self._stop and all(len(self.ready[k]) >= WANT[k] for k in KINDS):
+                    self._wake.wait()
+                if self._stop:
+                    return
+            for kind, (mode, children) in KINDS.items():
+                while len(self.ready[kind]) < WANT[kind] and not self._stop:
+                    path = os.path.join(self.dir, f"{kind}.{self._n}")
+                    self._n += 1
+                    try:
+                        _make(path, mode, children)
+                    except OSError:
+                        return  # a full or read-only disk: the cells make their own, as before
+                    self.ready[kind].append(path)
+
+    def close(self) -> None:
+        """Stop making, then remove what is left (a crash before the end leaves it to the janitor's sweep)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self.thread.join(5)
+        _makers.pop(self.root, None)
+        remove(self.dir)
+
+
+def _make(path: str, mode: int, children) -> None:
+    if children is None:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode))
+        return
+    os.mkdir(path, mode)
+    for c in children:
+        os.mkdir(os.path.join(path, c), mode)
+
+
+def remove(folder: str) -> None:
+    """A controller's spare area, best effort (empty files and directories two levels deep)."""
+    from .linux import fs
+    with suppress(OSError):
+        fs.rmtree(folder)
+
+
+def controller_name(name: str) -> bool:
+    """Is `name` a controller's id (broker.Controller: "ctl-" and hex), the only names a spare area has?"""
+    return name.startswith("ctl-") and len(name) > 4 and all(c in "0123456789abcdef" for c in name[4:])
+
+
+def sweep(state_root: str, controller_id: str) -> bool:
+    """The janitor's: a dead controller's spare area removed (nothing in it is a cell's). True if there was one."""
+    if not controller_name(controller_id):
+        return False
+    folder = area(state_root, controller_id)
+    if not os.path.lexists(folder):
+        return False
+    remove(folder)
+    return True

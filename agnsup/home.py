@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
-from . import spares
+from .store import spares
 from .process.helpers import tmp_entries as entries
 
 
@@ -16,11 +17,14 @@ def make(plan) -> None:
     process.leader.make_tmp writes the same entries (process.helpers.tmp_entries) straight into its tmpfs, not through
     ~20 files and directories on the state root's disk copied over and removed again (issue 29)."""
     _shared(plan)
-    # the cell's directory and its tmp/: a controller of many cells' spare (spares.py), else made here
-    claimed = os.path.dirname(plan.tmpdir) == plan.cell_dir and spares.claim("cell", plan.cell_dir)
+    # the cell's directory and its tmp/: a controller of many cells' spare (store/spares.py), else made here
+    claimed = os.path.basename(plan.tmpdir) == "tmp" and spares.claim("cell", os.path.dirname(plan.tmpdir))
     if getattr(plan, "tmp_tmpfs", False):
         if not claimed:
             os.makedirs(plan.tmpdir)
+        else:  # a spare's tmp/ is there (one failed mkdir, no new inode), never missing
+            with suppress(FileExistsError):
+                os.mkdir(plan.tmpdir)
         # on disk only what a mount step takes from here (a secret's trust files)
         sources = [op[1] for op in plan.mount_ops if len(op) > 1 and isinstance(op[1], str)
                    and op[1].startswith(plan.tmpdir + "/")]

@@ -127,7 +127,7 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
 def _sweep_spares(state) -> list[str]:
     """The spare areas of controllers that are dead (spares.py: empty directories and files made ahead of their
     cells, nothing of a cell's in them): removed; a live controller's are its own. One listing a pass."""
-    from . import spares
+    from .store import spares
     try:
         ids = os.listdir(os.path.join(state.path, spares.DIR))
     except OSError:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from . import spares
+from .store import spares
 
 RECEIPT_VERSION = 1
 MAX_RETURNED_OUTPUT = 64 * 1024  # captured output a caller gets back (tool.ended); redaction counts cover it
@@ -158,7 +158,7 @@ def reserve(path: str) -> None:
     without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Best effort: write makes it when
     it is not there."""
     tmp = _tmp(path)
-    spares.claim("f666", tmp)  # a controller of many cells' spare file (spares.py): then the open finds it
+    spares.claim("f666", tmp)  # a controller of many cells' spare file (store/spares.py): then the open finds it
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666))
     except OSError:

@@ -137,9 +137,9 @@ class Supervisor:
         self.ctl = broker.Controller(self.state, kind=kind, backend=backend)
         self.ctl.forker = self._forker = _Forker()  # after the backend entered its place (systemd: its unit)
         self.ctl.journal.lock = threading.RLock()
-        # the cells' empty directories and files on the state root's disk, made ahead between cells (spares.py);
+        # the cells' empty directories and files on the state root's disk, made ahead between cells (store/spares.py);
         # after the controller's lock is held: the janitor sweeps only a dead controller's
-        from . import spares
+        from .store import spares
         self._spares = spares.start(self.state.path, self.ctl.id)
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}

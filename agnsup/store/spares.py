@@ -38,7 +38,7 @@ WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 8, "f666": 4}
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
-_makers: dict[str, "Maker"] = {}  # state root path -> the live maker of this process
+_makers: dict[str, "Maker"] = {}  # spare area -> the live makers of this process (a Supervisor's)
 _renameat2 = None
 
 
@@ -47,6 +47,7 @@ def area(state_root: str, controller_id: str) -> str:
 
 
 def _rename_noreplace(src: str, dst: str) -> bool:
+    assert _renameat2 is not None  # set by start, before any maker exists
     return _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0
 
 
@@ -72,7 +73,7 @@ def start(state_root: str, controller_id: str) -> "Maker | None":
         fn.restype = ctypes.c_int
         _renameat2 = fn
     m = Maker(state_root, controller_id)
-    _makers[m.root] = m
+    _makers[m.dir] = m
     m.thread.start()
     return m
 
@@ -84,6 +85,7 @@ class Maker:
         self.dir = area(self.root, controller_id)
         self.ready: dict[str, collections.deque] = {k: collections.deque() for k in KINDS}
         self._n = 0
+        self.claimed = 0  # how many were put in place (tests, profiles)
         self._wake = threading.Condition()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="agnsup-spares", daemon=True)
@@ -98,7 +100,9 @@ class Maker:
             ok = _rename_noreplace(src, target)
         except (TypeError, ValueError):  # a path with a NUL: the caller's own call refuses it
             ok = False
-        if not ok and os.path.lexists(src):
+        if ok:
+            self.claimed += 1
+        elif os.path.lexists(src):
             self.ready[kind].appendleft(src)  # still a good spare: kept
         self._poke()
         return ok
@@ -136,7 +140,7 @@ class Maker:
             self._stop = True
             self._wake.notify()
         self.thread.join(5)
-        _makers.pop(self.root, None)
+        _makers.pop(self.dir, None)
         remove(self.dir)
 
 
@@ -151,7 +155,7 @@ def _make(path: str, mode: int, children) -> None:
 
 def remove(folder: str) -> None:
     """A controller's spare area, best effort (empty files and directories two levels deep)."""
-    from .linux import fs
+    from ..linux import fs
     with suppress(OSError):
         fs.rmtree(folder)
 

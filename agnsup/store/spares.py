@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from contextlib import suppress
 
 DIR = "spares"
@@ -35,6 +36,7 @@ KINDS = {
 }
 # how many of each are kept ready: two cells' worth (a third concurrent cell makes its own, as before)
 WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 8, "f666": 4}
+QUIET = 0.004  # s without a claim before the maker makes a spare (Maker._quiet)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
@@ -85,12 +87,15 @@ class Maker:
         self.dir = area(self.root, controller_id)
         self.ready: dict[str, collections.deque] = {k: collections.deque() for k in KINDS}
         self._n = 0
+        self._last = 0.0  # time.monotonic() of the last claim
+        self._idle = False  # the maker waits for a claim (all kinds full)
         self.claimed = 0  # how many were put in place (tests, profiles)
         self._wake = threading.Condition()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="agnsup-spares", daemon=True)
 
     def claim(self, kind: str, target: str) -> bool:
+        self._last = time.monotonic()
         try:
             src = self.ready[kind].popleft()
         except IndexError:
@@ -108,8 +113,10 @@ class Maker:
         return ok
 
     def _poke(self) -> None:
-        with self._wake:
-            self._wake.notify()
+        if self._idle:  # once a burst: the maker, woken, waits for the quiet itself
+            self._idle = False
+            with self._wake:
+                self._wake.notify()
 
     def _run(self) -> None:
         try:
@@ -121,11 +128,14 @@ class Maker:
         while True:
             with self._wake:
                 while not self._stop and all(len(self.ready[k]) >= WANT[k] for k in KINDS):
+                    self._idle = True
                     self._wake.wait()
+                self._idle = False
                 if self._stop:
                     return
             for kind, (mode, children) in KINDS.items():
                 while len(self.ready[kind]) < WANT[kind] and not self._stop:
+                    self._quiet()
                     path = os.path.join(self.dir, f"{kind}.{self._n}")
                     self._n += 1
                     try:
@@ -133,6 +143,17 @@ class Maker:
                     except OSError:
                         return  # a full or read-only disk: the cells make their own, as before
                     self.ready[kind].append(path)
+
+    def _quiet(self) -> None:
+        """Wait until no claim came for QUIET s: a cell's claims come in a burst (its place, stdio, the receipt's
+        reserve), and a spare made meanwhile would contend with them (the spare area's directory lock that each
+        claim's rename takes, the GIL); after the burst the cell runs and ends, and the disk is the maker's."""
+        while not self._stop:
+            left = self._last + QUIET - time.monotonic()
+            if left <= 0:
+                return
+            with self._wake:
+                self._wake.wait(left)
 
     def close(self) -> None:
         """Stop making, then remove what is left (a crash before the end leaves it to the janitor's sweep)."""

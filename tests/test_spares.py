@@ -11,9 +11,11 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from agnsup.store import spares
 from agnsup.supervisor import Supervisor
-from conftest import skip_unless_capturable
+from conftest import procs_with_env, skip_unless_capturable
 from scenario import wait_for
 
 
@@ -146,3 +148,44 @@ def test_a_claimed_spare_is_owned_and_moded_as_the_cells_own_path_made_it(state,
     assert seen["claimed"] == seen["made"], seen
     assert set(seen["made"][0]) == {".", "stdout", "stderr", "receipt.json", "protect-start.json"}  # at the end
     assert set(seen["made"][2]) == {".", "tmp", "stdout", "stderr", "protect-start.json"}  # while it ran
+
+
+CRASHING = """import json, sys, time
+from agnsup.store import spares
+from agnsup.supervisor import Supervisor
+from agnsup.util import crashpoints
+sup = Supervisor(sys.argv[1])
+h = sup.spawn(["true"], workdir=sys.argv[2], cell_id="c1", run_id="r")  # the run's cells/r/ made
+sup.wait("r", "c1", 30)
+while not all(len(sup._spares.ready[k]) >= spares.WANT[k] for k in spares.KINDS):
+    time.sleep(0.01)
+print(json.dumps({"area": sup._spares.dir}), flush=True)
+crashpoints._AT = sys.argv[3]
+sup.spawn(["sh", "-c", "echo a > f1; sleep 1000 & exec sleep 1000"], workdir=sys.argv[2], cell_id="c2", run_id="r",
+          capture=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("point", ["after_intent", "after_cgroup", "after_exec"])
+def test_a_supervisor_killed_with_claimed_spares_leaves_nothing_after_the_janitor(agnsup, state, worktree, tmp_path,
+                                                                                   point):
+    skip_unless_capturable(str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", CRASHING, state, worktree, point], env=agnsup.env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    area = json.loads(p.stdout.splitlines()[0])["area"]
+    assert os.path.isdir(area)
+    rep = agnsup.json("janitor", "--json")
+    assert rep["recovered"] == ["c2"], rep
+    assert procs_with_env("AGNSUP_CELL_ID", "c2") == []
+    assert not os.path.exists(area)
+    assert not os.path.exists(os.path.join(state, "cells", "r", "c2", "tmp"))
+    assert not os.listdir(os.path.join(state, "locks"))
+    assert not os.listdir(os.path.join(state, "controllers"))
+    assert not os.path.exists(os.path.join(state, "changes", "r", "c2", "upper"))
+    assert not os.listdir(os.path.join(state, "changes", "pending"))
+    for name in os.listdir(os.path.join(state, "cells", "r", "c2")) if point != "after_intent" else ():
+        assert name in ("receipt.json", "stdout", "stderr", "protect-start.json"), name  # nothing left of a spare
+    again = agnsup.json("janitor", "--json")
+    assert again["recovered"] == [] and not again.get("spares"), again

@@ -34,8 +34,6 @@ import os
 import stat as stat_mod
 from contextlib import suppress
 
-from .store import spares
-
 # Worktree-relative paths sandbox-runtime refuses writes to (a worktree that is a home has
 # the shell's start-up files in it; .gitconfig is read as ~/.gitconfig there).
 TOP = (".gitconfig", ".gitmodules", ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile", ".ripgreprc",
@@ -402,9 +400,7 @@ def start(plan) -> dict:
     found = scan(wt)
     snap = {"worktree": wt, "baseline": as_plan(found), "digests": digests(wt, found, lifted) if lifted else {},
             "lifted": list(lifted)}
-    path = os.path.join(plan.cell_dir, "protect-start.json")
-    spares.claim("f666", path)  # a controller of many cells' spare file (store/spares.py): then the open finds it
-    with open(path, "w") as f:
+    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
         json.dump(snap, f)
     return snap
 

@@ -10,8 +10,6 @@ import json
 import os
 import time
 
-from .store import spares
-
 RECEIPT_VERSION = 1
 MAX_RETURNED_OUTPUT = 64 * 1024  # captured output a caller gets back (tool.ended); redaction counts cover it
 
@@ -152,15 +150,16 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+reserved_name = _tmp  # what reserve makes (a controller's cell spare holds it: broker.spare_files)
+
+
 def reserve(path: str) -> None:
     """Make the file `write` will fill and rename, ahead of time: a controller calls it while the cell runs, so
     that the receipt's new inode is not made at the cell's end, on its caller's path (a new inode on a busy ext4
     without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Best effort: write makes it when
     it is not there."""
-    tmp = _tmp(path)
-    spares.claim("f666", tmp)  # a controller of many cells' spare file (store/spares.py): then the open finds it
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666))
+        os.close(os.open(_tmp(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666))
     except OSError:
         pass
 

@@ -140,7 +140,7 @@ class Supervisor:
         # the cells' empty directories and files on the state root's disk, made ahead between cells (store/spares.py);
         # after the controller's lock is held: the janitor sweeps only a dead controller's
         from .store import spares
-        self._spares = spares.start(self.state.path, self.ctl.id)
+        self._spares = spares.start(self.state.path, self.ctl.id, broker.spare_files())
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends

@@ -80,10 +80,12 @@ def test_a_cell_whose_spares_are_missing_or_broken_still_runs(state, worktree, t
         # broken: the cell spares lost their tmp/, the layers their upper/ and work/; missing: every file spare
         for path in ready["cell"]:
             os.rmdir(os.path.join(path, "tmp"))
+            for name in ("stdout", "stderr", "protect-start.json"):
+                os.unlink(os.path.join(path, name))
         for path in ready["layer"]:
             os.rmdir(os.path.join(path, "upper"))
             os.rmdir(os.path.join(path, "work"))
-        for path in ready["f600"] + ready["f666"]:
+        for path in ready["f600"]:
             os.unlink(path)
         h = sup.spawn(["sh", "-c", "echo out; echo hi > f; touch /tmp/x"], workdir=worktree, cell_id="c1",
                       capture=True, run_id="r")
@@ -144,10 +146,38 @@ def test_a_claimed_spare_is_owned_and_moded_as_the_cells_own_path_made_it(state,
             seen[cell_id] = (_inodes(os.path.join(state, "cells", "r", cell_id)), *layer)
         # its cell dir (with tmp/), stdout, stderr, protect-start.json, the receipt's reserve, the worktree lock,
         # the change layer (with upper/ and work/), its pending marker; the run's layer directory when it was gone
-        assert sup._spares.claimed - claims_before >= 8, sup._spares.claimed - claims_before
+        assert sup._spares.claimed - claims_before >= 4, sup._spares.claimed - claims_before
     assert seen["claimed"] == seen["made"], seen
     assert set(seen["made"][0]) == {".", "stdout", "stderr", "receipt.json", "protect-start.json"}  # at the end
+    assert set(os.listdir(os.path.join(state, "cells", "r", "claimed"))) == set(
+        os.listdir(os.path.join(state, "cells", "r", "made")))
     assert set(seen["made"][2]) == {".", "tmp", "stdout", "stderr", "protect-start.json"}  # while it ran
+
+
+def test_a_claimed_cell_spare_keeps_only_the_files_its_cell_opens(state, worktree, tmp_path):
+    """A read-only cell opens no protect-start.json: a claimed spare's is unlinked (broker._make_place, spares.trim),
+    and its directory ends as the cell's own path leaves it."""
+    skip_unless_capturable(str(tmp_path))
+    with Supervisor(state) as sup:
+        sup.spawn(["true"], workdir=worktree, cell_id="c0", run_id="r", role="readonly")  # cells/r/ made
+        sup.wait("r", "c0", 30)
+        for cell_id, with_spares in (("made", False), ("claimed", True)):
+            if with_spares:
+                wait_for(lambda: _ready(sup), 10, "the spares")
+                before = sup._spares.claimed
+            else:
+                saved, spares._makers = spares._makers, {}
+            try:
+                sup.spawn(["true"], workdir=worktree, cell_id=cell_id, run_id="r", role="readonly")
+                assert sup.wait("r", cell_id, 30)["exit_code"] == 0
+            finally:
+                if not with_spares:
+                    spares._makers = saved
+        assert sup._spares.claimed > before
+    made, claimed = (os.path.join(state, "cells", "r", c) for c in ("made", "claimed"))
+    assert sorted(os.listdir(claimed)) == sorted(os.listdir(made))
+    assert "protect-start.json" not in os.listdir(made)
+    assert _inodes(claimed) == _inodes(made)
 
 
 CRASHING = """import json, sys, time

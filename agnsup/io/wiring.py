@@ -10,7 +10,6 @@ import fcntl
 import os
 import stat
 
-from ..store import spares
 from ..util.digest import file_sha256
 from .pump import Input, Pump, Tape, UserTerminal, at_a_terminal, set_winsize, stat_of
 
@@ -40,8 +39,6 @@ def stdio(cell) -> tuple:
         if cell.capture:
             d = cell.plan.cell_dir
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            for name in ("stdout", "stderr"):  # a controller of many cells' spares (store/spares.py), else made here
-                spares.claim("f600", os.path.join(d, name))
             dst = {1: os.open(os.path.join(d, "stdout"), flags, 0o600)}
             owned.append(dst[1])
             dst[2] = os.open(os.path.join(d, "stderr"), flags, 0o600)

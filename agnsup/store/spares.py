@@ -26,16 +26,17 @@ import time
 from contextlib import suppress
 
 DIR = "spares"
-# kind -> (mode, children: None for a file): each as the cell's own path makes it
+# kind -> (mode, children: None for a file, else (name, mode, is a directory) each), as the cell's own path makes them
 KINDS = {
-    "cell": (0o777, ("tmp",)),       # cells/<run>/<cell>/ and its tmp/ (home.make: os.makedirs)
-    "layer": (0o700, ("upper", "work")),  # changes/<run>/<cell>/ (changes.prepare)
+    # cells/<run>/<cell>/ with its tmp/ (home.make: os.makedirs), and the files the cell's own path opens in it
+    # (Maker(cell_files)): what the cell does not use is unlinked at its claim (trim)
+    "cell": (0o777, (("tmp", 0o777, True),)),
+    "layer": (0o700, (("upper", 0o700, True), ("work", 0o700, True))),  # changes/<run>/<cell>/ (changes.prepare)
     "dir": (0o700, ()),              # changes/<run>/ (changes.prepare)
-    "f600": (0o600, None),           # stdout, stderr, the worktree lock, the pending marker
-    "f666": (0o666, None),           # the receipt's reserve, protect-start.json
+    "f600": (0o600, None),           # the worktree lock (locks), the change layer's pending marker (changes)
 }
 # how many of each are kept ready: two cells' worth (a third concurrent cell makes its own, as before)
-WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 8, "f666": 4}
+WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 4}
 QUIET = 0.004  # s without a claim before the maker makes a spare (Maker._quiet)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -62,8 +63,17 @@ def claim(kind: str, target: str) -> bool:
     return False
 
 
-def start(state_root: str, controller_id: str) -> "Maker | None":
-    """A controller of many cells: its maker (None where renameat2 is missing: then nothing changes)."""
+def trim(cell_dir: str, names) -> None:
+    """Unlink the files of a claimed cell spare that this cell does not use (each is made by the cell's own path
+    when it does: a cell that does not capture has no stdout file, a read-only one no protect-start.json)."""
+    for name in names:
+        with suppress(FileNotFoundError):
+            os.unlink(os.path.join(cell_dir, name))
+
+
+def start(state_root: str, controller_id: str, cell_files: dict[str, int] | None = None) -> "Maker | None":
+    """A controller of many cells: its maker (None where renameat2 is missing: then nothing changes).
+    `cell_files`: name -> mode of the empty files a cell spare holds (the controller's cells open them)."""
     global _renameat2
     if _renameat2 is None:
         import ctypes
@@ -74,17 +84,20 @@ def start(state_root: str, controller_id: str) -> "Maker | None":
         fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
         fn.restype = ctypes.c_int
         _renameat2 = fn
-    m = Maker(state_root, controller_id)
+    m = Maker(state_root, controller_id, cell_files or {})
     _makers[m.dir] = m
     m.thread.start()
     return m
 
 
 class Maker:
-    def __init__(self, state_root: str, controller_id: str):
+    def __init__(self, state_root: str, controller_id: str, cell_files: dict[str, int]):
         self.root = os.path.abspath(state_root)
         self.root_slash = self.root + "/"
         self.dir = area(self.root, controller_id)
+        self.kinds = dict(KINDS)
+        mode, children = KINDS["cell"]
+        self.kinds["cell"] = (mode, children + tuple((n, m, False) for n, m in cell_files.items()))
         self.ready: dict[str, collections.deque] = {k: collections.deque() for k in KINDS}
         self._n = 0
         self._last = 0.0  # time.monotonic() of the last claim
@@ -133,7 +146,7 @@ class Maker:
                 self._idle = False
                 if self._stop:
                     return
-            for kind, (mode, children) in KINDS.items():
+            for kind, (mode, children) in self.kinds.items():
                 while len(self.ready[kind]) < WANT[kind] and not self._stop:
                     self._quiet()
                     path = os.path.join(self.dir, f"{kind}.{self._n}")
@@ -170,8 +183,11 @@ def _make(path: str, mode: int, children) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode))
         return
     os.mkdir(path, mode)
-    for c in children:
-        os.mkdir(os.path.join(path, c), mode)
+    for name, m, is_dir in children:
+        if is_dir:
+            os.mkdir(os.path.join(path, name), m)
+        else:
+            _make(os.path.join(path, name), m, None)
 
 
 def remove(folder: str) -> None:

@@ -335,8 +335,9 @@ class Controller:
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
         if home.make(plan):  # a spare (store/spares.py, spare_files): what this cell does not open goes
+            rw = plan.worktree_mode == "rw"
             spares.trim(plan.cell_dir, [n for n, used in (("stdout", cell.capture), ("stderr", cell.capture),
-                                                          ("protect-start.json", plan.worktree_mode == "rw")) if not used])
+                                                          ("protect-start.json", rw)) if not used])
         if cell.secrets:
             self._trust(cell)
         if plan.captures():

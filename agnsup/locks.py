@@ -28,7 +28,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-from .store import spares
 from .util import backoff
 from .util.digest import sha256
 from .errors import LockTimeout
@@ -169,8 +168,6 @@ def _try_tree(path: str, mode: int, tree: str, agent: str | None = None, owner: 
     mutex = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # flock on the directory
     try:
         fcntl.flock(mutex, fcntl.LOCK_EX)
-        if agent is not None:  # a cell's own file, made and unlinked each cell: a controller's spare (store/spares.py)
-            spares.claim("f600", path)
         fd = _try(path, fcntl.LOCK_EX if agent is not None else mode)
         if fd is None:
             return None, path

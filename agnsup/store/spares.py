@@ -2,20 +2,23 @@
 root's disk ahead of time, on a thread of its own, and a cell claims one by rename(2) into place (issue 29).
 
 Why: on a busy ext4 (this project's hosts: no journal, docs/hosts.md) a new inode waits for the recently deleted
-ones (`find_inode_bit`), ~300 us a mkdir under /var/tmp against ~30 us a rename; a Supervisor cell of a
-worktree-writing role made ~12 of them on its path (its directory and tmp/, stdout, stderr, the protected paths'
-baseline, the receipt's reserve, the worktree lock, the change layer's run, cell, upper and work directories and
-its pending marker).
+ones (`find_inode_bit`): 60-300 us a mkdir under /var/tmp here, depending on the other deletions of the last ~30 s,
+against ~35 us a rename. A Supervisor cell of a worktree-writing role made ~11 of them on its path; claimed now:
+its directory with tmp/ and the files its own path opens in it (stdout, stderr, protect-start.json, the receipt's
+reserve: one rename for all, those it does not open unlinked, `trim`), the change layer's run directory, its cell
+directory with upper/ and work/, and its pending marker. Not claimed: the worktree lock (a claim into locks/ measured
+slower than the create it replaced, +0.06-0.10 ms), and what the kernel makes in the layer's work/ at the overlay's
+mount (work/work, incompat/volatile and its `dirty`: the overlay empties and makes its work directory itself).
 
     <state>/spares/<controller id>/<kind>.<n>     empty; removed at the controller's close, or by the janitor
-                                                  once that controller is dead (sweep)
+                                                  once that controller is dead (janitor._sweep_spares)
 
-A spare holds nothing of a cell before it is claimed: an empty directory (a cell's: with an empty tmp/; a change
-layer's: with empty upper/ and work/) or an empty file, made by the controller's process with the mode the cell's
-own path uses (so: the same owner, and the umask of the moment it was made). A claim is renameat2 with
-RENAME_NOREPLACE: it never replaces what is there (a directory's rename would replace an empty one), and any
-failure (none ready, the target's parent missing, another file system) leaves the caller to make the inode as
-before. `agnsup run` (one cell) has no maker: every claim says no at once.
+A spare holds nothing of a cell before it is claimed: empty directories and files, made by the controller's process
+with the modes the cell's own path uses (so: the same owner, and the umask of the moment it was made). A claim is
+renameat2 with RENAME_NOREPLACE: it never replaces what is there (a directory's rename would replace an empty one),
+and any failure (none ready, the target's parent missing: the first cell of a run, another file system) leaves the
+caller to make the inode as before; a claimed directory whose subdirectories went missing has them made again.
+`agnsup run` (one cell) has no maker: every claim says no at once.
 """
 from __future__ import annotations
 
@@ -33,10 +36,10 @@ KINDS = {
     "cell": (0o777, (("tmp", 0o777, True),)),
     "layer": (0o700, (("upper", 0o700, True), ("work", 0o700, True))),  # changes/<run>/<cell>/ (changes.prepare)
     "dir": (0o700, ()),              # changes/<run>/ (changes.prepare)
-    "f600": (0o600, None),           # the worktree lock (locks), the change layer's pending marker (changes)
+    "f600": (0o600, None),           # the change layer's pending marker (changes)
 }
 # how many of each are kept ready: two cells' worth (a third concurrent cell makes its own, as before)
-WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 4}
+WANT = {"cell": 2, "layer": 2, "dir": 2, "f600": 2}
 QUIET = 0.004  # s without a claim before the maker makes a spare (Maker._quiet)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -97,7 +100,7 @@ class Maker:
         self.dir = area(self.root, controller_id)
         self.kinds = dict(KINDS)
         mode, children = KINDS["cell"]
-        self.kinds["cell"] = (mode, children + tuple((n, m, False) for n, m in cell_files.items()))
+        self.kinds["cell"] = (mode, (*(children or ()), *((n, m, False) for n, m in cell_files.items())))
         self.ready: dict[str, collections.deque] = {k: collections.deque() for k in KINDS}
         self._n = 0
         self._last = 0.0  # time.monotonic() of the last claim

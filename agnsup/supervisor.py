@@ -233,6 +233,8 @@ class Supervisor:
             waiter = r.waiter
             r.done.set()
             _after_result(waiter, later)
+            if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
+                self._spares.refill()
             with self._guard:
                 self._threads.discard(threading.current_thread())
 

@@ -74,7 +74,8 @@ def test_a_cell_whose_spares_are_missing_or_broken_still_runs(state, worktree, t
                 m.claimed_kinds.add(kind)
             return ok
         m.claim = noting
-        m._poke()
+        with m._wake:
+            m._wake.notify()
         m.thread.join(5)
         ready = {k: list(v) for k, v in m.ready.items()}
         # broken: the cell spares lost their tmp/, the layers their upper/ and work/; missing: every file spare

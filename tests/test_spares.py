@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -122,28 +123,35 @@ def _layer(state: str, run_id: str, cell_id: str) -> dict:
     return out
 
 
+@contextmanager
+def _spares(sup, on: bool):
+    """The cells started inside: with the Supervisor's spares all ready (on), or with none to claim (off)."""
+    if on:
+        wait_for(lambda: _ready(sup), 10, "the spares")
+        yield
+        return
+    saved, spares._makers = spares._makers, {}
+    try:
+        yield
+    finally:
+        spares._makers = saved
+
+
 def test_a_claimed_spare_is_owned_and_moded_as_the_cells_own_path_made_it(state, worktree, tmp_path):
     skip_unless_capturable(str(tmp_path))
     seen = {}
     with Supervisor(state) as sup:
         for cell_id, with_spares in (("made", False), ("claimed", True)):
-            if with_spares:
-                wait_for(lambda: _ready(sup), 10, "the spares")
-                claims_before = sup._spares.claimed
-            else:
-                saved, spares._makers = spares._makers, {}
-            try:
+            claims_before = sup._spares.claimed
+            with _spares(sup, with_spares):
                 # `sleep`: the layer is looked at while it is there (an unchanged one goes after the result)
                 sup.spawn(["sh", "-c", "echo out; sleep 30"], workdir=worktree, cell_id=cell_id, capture=True,
-                              run_id="r")
+                          run_id="r")
                 wait_for(lambda: os.path.isdir(os.path.join(state, "changes", "r", cell_id, "work", "work")), 10,
                          "the overlay")
                 layer = _layer(state, "r", cell_id), _inodes(os.path.join(state, "cells", "r", cell_id))
                 sup.signal("r", cell_id, "KILL")
                 sup.wait("r", cell_id, 30)
-            finally:
-                if not with_spares:
-                    spares._makers = saved
             seen[cell_id] = (_inodes(os.path.join(state, "cells", "r", cell_id)), *layer)
         # its cell dir (with tmp/, stdout, stderr, protect-start.json, the receipt's reserve), the change layer (with
         # upper/ and work/), its pending marker; the run's layer directory when it was gone
@@ -163,17 +171,10 @@ def test_a_claimed_cell_spare_keeps_only_the_files_its_cell_opens(state, worktre
         sup.spawn(["true"], workdir=worktree, cell_id="c0", run_id="r", role="readonly")  # cells/r/ made
         sup.wait("r", "c0", 30)
         for cell_id, with_spares in (("made", False), ("claimed", True)):
-            if with_spares:
-                wait_for(lambda: _ready(sup), 10, "the spares")
-                before = sup._spares.claimed
-            else:
-                saved, spares._makers = spares._makers, {}
-            try:
+            before = sup._spares.claimed
+            with _spares(sup, with_spares):
                 sup.spawn(["true"], workdir=worktree, cell_id=cell_id, run_id="r", role="readonly")
                 assert sup.wait("r", cell_id, 30)["exit_code"] == 0
-            finally:
-                if not with_spares:
-                    spares._makers = saved
         assert sup._spares.claimed > before
     made, claimed = (os.path.join(state, "cells", "r", c) for c in ("made", "claimed"))
     assert sorted(os.listdir(claimed)) == sorted(os.listdir(made))

@@ -173,11 +173,11 @@ class Maker:
 
     def close(self) -> None:
         """Stop making, then remove what is left (a crash before the end leaves it to the janitor's sweep)."""
+        _makers.pop(self.dir, None)  # first: no claim starts from here while its folder goes
         with self._wake:
             self._stop = True
             self._wake.notify()
         self.thread.join(5)
-        _makers.pop(self.dir, None)
         remove(self.dir)
 
 

@@ -31,6 +31,7 @@ from .process import helpers, leader, wait
 from .errors import AgnsupError, CancelledBeforeStart, Denied, RunNotActive, SetupError, StateError, UsageError
 from .io import wiring
 from .linux import pidfd, proc
+from .store import spares
 from .store.state import named_run
 from .util.record import Factory, Record
 
@@ -101,6 +102,14 @@ class Cell(Record):
                              leader=self.identity or None, token=spec.token,
                              since=self.identity.get("starttime") or 0, tmpdir=self.plan.tmpdir,
                              lock_path=self.lock_path, lock_fd=self.lock_fd)
+
+
+def spare_files() -> dict[str, int]:
+    """The empty files a controller's cell spare holds (store/spares.py), name -> mode as the cell's own path makes
+    them: its output files (io/wiring.stdio), the protected paths' baseline (protect.start), the receipt's reserve
+    (receipts.reserve: named by the controller's pid); _make_place unlinks those a cell does not open."""
+    return {"stdout": 0o600, "stderr": 0o600, "protect-start.json": 0o666,
+            os.path.basename(receipts.reserved_name("receipt.json")): 0o666}
 
 
 class Controller:
@@ -327,7 +336,10 @@ class Controller:
         spec, plan, backend = cell.spec, cell.plan, self.backend
         if cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
-        home.make(plan)
+        if home.make(plan):  # a spare (store/spares.py, spare_files): what this cell does not open goes
+            rw = plan.worktree_mode == "rw"
+            spares.trim(plan.cell_dir, [n for n, used in (("stdout", cell.capture), ("stderr", cell.capture),
+                                                          ("protect-start.json", rw)) if not used])
         if cell.secrets:
             self._trust(cell)
         if plan.captures():

@@ -49,6 +49,7 @@ import sys
 import time
 from contextlib import suppress
 
+from .store import spares
 from .linux import fs
 from .util import crashpoints
 from .errors import AmbiguousId, ChangeConflict, NotReversible, StateError, UnknownId
@@ -104,6 +105,8 @@ def _mark_pending(state_root: str, run_id: str, record_id: str, meta: dict | Non
                   owner: tuple[int, int] | None = None) -> None:
     p = _pending(state_root, run_id, record_id)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    if owner is None:  # a controller of many cells' spare file (store/spares.py): then the open finds it
+        spares.claim("f600", p)
     try:
         fd = os.open(p, flags, 0o600)
     except FileNotFoundError:
@@ -144,6 +147,10 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
     for attempt in range(3):
         try:
             for p in (top, os.path.dirname(d), d):
+                # the run's directory and the layer (with upper/ and work/): a controller of many cells' spares
+                # (store/spares.py), the state root's owner's as these are; else made here
+                if owner is None and p != top and spares.claim("layer" if p == d else "dir", p):
+                    continue
                 try:
                     os.mkdir(p, 0o700)
                 except FileExistsError:
@@ -155,7 +162,7 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
             if attempt == 2:       # as empty (_drop_layer) between two mkdir: it is made again
                 raise
     layer = Layer(d, os.path.join(d, "upper"), os.path.join(d, "work"))
-    for p in (layer.upper, layer.work):
+    for p in (layer.upper, layer.work):  # a spare's are there: two failed mkdir (no new inode), never missing
         os.makedirs(p, mode=0o700, exist_ok=True)
         if owner is not None:
             os.chown(p, *owner)

@@ -2,21 +2,31 @@
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
+from .store import spares
 from .process.helpers import tmp_entries as entries
 
 
-def make(plan) -> None:
+def make(plan) -> bool:
     """The cell's /tmp: its HOME, @runtime's links, the HOME's tool configuration and the caches'
     mount points, owned by the cell's uid when process.user sets one (or the cell is mapped), like the
     HOME itself; the caches' host directories, kept between cells under the state root.
 
     A cell whose /tmp is a tmpfs the controller makes (plan.tmp_tmpfs) gets only the directory here:
     process.leader.make_tmp writes the same entries (process.helpers.tmp_entries) straight into its tmpfs, not through
-    ~20 files and directories on the state root's disk copied over and removed again (issue 29)."""
+    ~20 files and directories on the state root's disk copied over and removed again (issue 29).
+
+    True when the cell's directory was a controller's spare (store/spares.py), with its empty files in it."""
     _shared(plan)
+    # the cell's directory and its tmp/: a controller of many cells' spare (store/spares.py), else made here
+    claimed = os.path.basename(plan.tmpdir) == "tmp" and spares.claim("cell", os.path.dirname(plan.tmpdir))
     if getattr(plan, "tmp_tmpfs", False):
-        os.makedirs(plan.tmpdir)
+        if not claimed:
+            os.makedirs(plan.tmpdir)
+        else:  # a spare's tmp/ is there (one failed mkdir, no new inode), never missing
+            with suppress(FileExistsError):
+                os.mkdir(plan.tmpdir)
         # on disk only what a mount step takes from here (a secret's trust files)
         sources = [op[1] for op in plan.mount_ops if len(op) > 1 and isinstance(op[1], str)
                    and op[1].startswith(plan.tmpdir + "/")]
@@ -36,7 +46,7 @@ def make(plan) -> None:
                 os.lchown(path, *ids)
         _caches(plan)
         os.chmod(plan.tmpdir, 0o1777)
-        return
+        return claimed
     home = os.path.join(plan.tmpdir, "home")
     os.makedirs(home, mode=0o700)
     made = [home]
@@ -58,6 +68,7 @@ def make(plan) -> None:
             os.lchown(path, *ids)
     _caches(plan)
     os.chmod(plan.tmpdir, 0o1777)  # it is the cell's /tmp: sticky and world-writable, like the real one
+    return claimed
 
 
 def _shared(plan) -> None:

@@ -130,6 +130,19 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
             j.close()
 
 
+def _sweep_spares(state) -> list[str]:
+    """The spare areas of controllers that are dead (spares.py: empty directories and files made ahead of their
+    cells, nothing of a cell's in them): removed; a live controller's are its own. One listing a pass."""
+    from .store import spares
+    try:
+        ids = os.listdir(os.path.join(state.path, spares.DIR))
+    except OSError:
+        return []
+    swept = [cid for cid in ids if spares.controller_name(cid) and locks.is_free(state.controller_lock(cid))
+             and spares.sweep(state.path, cid)]
+    return swept
+
+
 def _without_journal(state, error, backend=None) -> dict:
     """Recovery when the journal is damaged or lost its history (issue 12 item 3):
     from the evidence that survives. The controllers' liveness locks say whether
@@ -232,6 +245,9 @@ class _Janitor:
             # transaction for the plans of a round and one for the outcome
             self._recover(cells)
         self._end_controllers(dead)
+        swept = _sweep_spares(self.state)
+        if swept:
+            report["spares"] = swept
         finished = self._finish_changes()
         if finished:
             report["changes"] = finished

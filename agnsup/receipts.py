@@ -150,6 +150,9 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+reserved_name = _tmp  # what reserve makes (a controller's cell spare holds it: broker.spare_files)
+
+
 def reserve(path: str) -> None:
     """Make the file `write` will fill and rename, ahead of time: a controller calls it while the cell runs, so
     that the receipt's new inode is not made at the cell's end, on its caller's path (a new inode on a busy ext4

@@ -137,6 +137,10 @@ class Supervisor:
         self.ctl = broker.Controller(self.state, kind=kind, backend=backend)
         self.ctl.forker = self._forker = _Forker()  # after the backend entered its place (systemd: its unit)
         self.ctl.journal.lock = threading.RLock()
+        # the cells' empty directories and files on the state root's disk, made ahead between cells (store/spares.py);
+        # after the controller's lock is held: the janitor sweeps only a dead controller's
+        from .store import spares
+        self._spares = spares.start(self.state.path, self.ctl.id, broker.spare_files())
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
@@ -229,6 +233,8 @@ class Supervisor:
             waiter = r.waiter
             r.done.set()
             _after_result(waiter, later)
+            if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
+                self._spares.refill()
             with self._guard:
                 self._threads.discard(threading.current_thread())
 
@@ -443,6 +449,8 @@ class Supervisor:
         for t in ending:  # what their cells' ends left for after the result (_after_result): a few ms at most
             if t.is_alive():
                 t.join(5)
+        if self._spares is not None:  # before the controller ends: a crash in between leaves them to the janitor
+            self._spares.close()
         self.ctl.close()
         self._forker.close()
 

@@ -259,6 +259,52 @@ def test_a_normal_users_supervisor_cell_is_born_in_its_fork_server_with_its_pid_
     assert user.left() == []
 
 
+SPARES_CALLER = r'''
+import json, os, stat, time
+from agnsup.store import spares
+from agnsup.supervisor import Supervisor
+
+def inodes(state, cell):
+    out = {}
+    for rel in ("cells/u/" + cell, "cells/u/%s/tmp" % cell, "cells/u/%s/stdout" % cell, "cells/u/%s/stderr" % cell,
+                "changes/u/" + cell, "changes/u/%s/upper" % cell, "changes/u/%s/work" % cell):
+        st = os.lstat(os.path.join(state, rel))
+        out[rel.replace(cell, "C")] = [st.st_uid, st.st_gid, stat.filemode(st.st_mode)]
+    return out
+
+seen = {}
+with Supervisor() as sup:
+    state = sup.state.path
+    for cell, with_spares in (("made", False), ("claimed", True)):
+        if with_spares:
+            while not all(len(sup._spares.ready[k]) >= spares.WANT[k] for k in spares.KINDS):
+                time.sleep(0.01)
+            before = sup._spares.claimed
+        else:
+            saved, spares._makers = spares._makers, {}
+        h = sup.spawn(["sh", "-c", "echo out; sleep 30"], run_id="u", cell_id=cell, capture=True)
+        while not os.path.isdir(os.path.join(state, "changes/u", cell, "work/work")):
+            time.sleep(0.01)
+        seen[cell] = inodes(state, cell)
+        sup.signal("u", cell, "KILL")
+        sup.wait("u", cell, timeout=60)
+        if not with_spares:
+            spares._makers = saved
+    claimed = sup._spares.claimed - before
+print(json.dumps({"seen": seen, "claimed": claimed, "uid": os.getuid(), "left": os.listdir(os.path.join(state, "spares"))}))
+'''
+
+
+def test_a_normal_users_supervisor_claims_spares_owned_and_moded_as_its_cells_own(user):
+    """A normal user's Supervisor makes its spares too (agnsup/store/spares.py): what a cell claims is the user's,
+    with the modes the cell's own path gives, and nothing is left at its close."""
+    r = _caller(user, SPARES_CALLER)
+    assert r["seen"]["claimed"] == r["seen"]["made"], r
+    assert r["seen"]["made"]["cells/u/C"][0] == r["uid"], r
+    assert r["claimed"] >= 3 and r["left"] == [], r
+    assert user.left() == []
+
+
 def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     wt = user.own_dir("wt2")
 

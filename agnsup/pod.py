@@ -473,93 +473,58 @@ def _teardown_quietly(backend, d: str, state=None) -> None:
 class Linger:
     """A controller of many cells' holds on pods whose last member cell left: at most one per pod (the last
     member's shared lock on pod.lock, close-on-exec, kept), let go LINGER s after it was taken and the pod
-    torn down when free. One timer thread for all of them (started with the first hold), woken on change."""
+    torn down when free; a pod whose published ports could not be closed retries them every RETRY_AFTER s while
+    it lingers. One timer thread for all of them (util/deadlines.py)."""
 
     def __init__(self, backend, state=None):
+        from .util.deadlines import Deadlines
         self.backend, self.state = backend, state
-        self._holds: dict[str, list] = {}   # pod dir -> [fd, let go at (monotonic), retry ports at or None]
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        # ("linger", pod dir) -> the hold's fd; ("ports", pod dir) -> None: its ports' next retry
+        self._due = Deadlines(self._fire, "agnsup-pod-linger")
 
     def keep(self, d: str, fd: int) -> bool:
         """Keep `fd` (a shared lock on the pod's pod.lock) as the hold on the pod in `d`; False (the caller
         closes it) when this controller is closing or LINGER is 0. A second hold on the same pod is closed."""
         if LINGER <= 0:
             return False
-        with self._cv:
-            if self._closed:
-                return False
-            old = self._holds.get(d)
-            if old is not None:
-                os.close(old[0])
-            self._holds[d] = [fd, time.monotonic() + LINGER, None]
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="agnsup-pod-linger", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return True
+        self._due.pop(("ports", d))
+        return self._due.put(("linger", d), LINGER, lambda old: (old is not None and os.close(old)) or fd)
 
     def take(self, d: str) -> int | None:
         """The hold on the pod in `d`, no longer lingering (a cell of it joins), or None."""
-        with self._cv:
-            h = self._holds.pop(d, None)
-            return h[0] if h is not None else None
+        self._due.pop(("ports", d))
+        return self._due.pop(("linger", d))
 
     def retry_ports(self, d: str) -> None:
-        with self._cv:
-            h = self._holds.get(d)
-            if h is not None:
-                h[2] = time.monotonic() + RETRY_AFTER
-                self._cv.notify()
+        if self._due.has(("linger", d)):
+            self._due.put(("ports", d), RETRY_AFTER, lambda _: None)
 
     def lingering(self) -> list[str]:
-        with self._cv:
-            return sorted(self._holds)
+        return sorted(d for kind, d in self._due.keys() if kind == "linger")
 
     def close(self) -> list[dict]:
         """Let go of every hold at once and tear each pod down that is free (the controller's close)."""
-        with self._cv:
-            self._closed = True
-            holds, self._holds = self._holds, {}
-            self._cv.notify()
         items: list[dict] = []
-        for d, (fd, _, _) in holds.items():
-            os.close(fd)
-            with suppress(OSError):
-                items += _teardown_if_free(self.backend, d)
-        if self._thread is not None:
-            self._thread.join(5)
+        for (kind, d), fd in self._due.close().items():
+            if kind == "linger":
+                os.close(fd)
+                with suppress(OSError):
+                    items += _teardown_if_free(self.backend, d)
         return items
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                due = [(d, h) for d, h in self._holds.items() if h[1] <= now]
-                ports = [d for d, h in self._holds.items() if h[2] is not None and h[2] <= now]
-                for d, _ in due:
-                    del self._holds[d]
-                for d in ports:
-                    if d in self._holds:
-                        self._holds[d][2] = None
-                if not due and not ports:
-                    wake = min((t for h in self._holds.values() for t in (h[1], h[2]) if t is not None),
-                               default=None)
-                    self._cv.wait(None if wake is None else max(0.0, wake - now))
-                    continue
-            for d in ports:
-                if self.state is not None and not _close_ports(self.state, d):
-                    self.retry_ports(d)
-            for d, (fd, _, _) in due:
-                os.close(fd)
-                _teardown_quietly(self.backend, d, self.state)
-                if os.path.isdir(d):  # a fork's copy of the hold, for an instant: once more (leave's retry)
-                    t = threading.Timer(RETRY_AFTER, _teardown_quietly, (self.backend, d, self.state))
-                    t.daemon = True
-                    t.start()
+    def _fire(self, key: tuple[str, str], fd) -> None:
+        kind, d = key
+        if kind == "ports":
+            if self.state is not None and not _close_ports(self.state, d):
+                self.retry_ports(d)
+            return
+        self._due.pop(("ports", d))
+        os.close(fd)
+        _teardown_quietly(self.backend, d, self.state)
+        if os.path.isdir(d):  # a fork's copy of the hold, for an instant: once more (leave's retry)
+            t = threading.Timer(RETRY_AFTER, _teardown_quietly, (self.backend, d, self.state))
+            t.daemon = True
+            t.start()
 
 
 def _teardown_if_free(backend, d: str) -> list[dict]:

@@ -506,60 +506,28 @@ class Cgroup1(CgroupBackend):
 class _Held:
     """A controller of many cells' hold on the directories its cells hang from (CgroupBackend.hold): per agent, its
     directory in each hierarchy, removed with those above it (when empty) HOLD_IDLE s after the agent's last cell
-    ended. One timer thread for all (started with the first), woken on change. A removal racing a new cell of the
-    agent is harmless: rmdir(2) refuses a directory with a cell in it, and create makes what vanished again."""
+    ended, on one timer thread (util/deadlines.py). A removal racing a new cell of the agent is harmless: rmdir(2)
+    refuses a directory with a cell in it, and create makes what vanished again."""
 
     def __init__(self, prune):
-        import threading  # here: the fork server preloads this module (supervisor.PRELOAD) and needs no threads
+        from ..util.deadlines import Deadlines  # here: the fork server preloads this module and needs no threads
         self._prune = prune                 # {hierarchy: dir} -> None (CgroupBackend._prune_from)
-        self._due: dict[str, list] = {}     # agent directory (first hierarchy) -> [{hierarchy: dir}, due (monotonic)]
-        self._cv = threading.Condition()
-        self._thread: "threading.Thread | None" = None
-        self._closed = False
+        # agent directory (first hierarchy) -> {hierarchy: dir}
+        self._due = Deadlines(lambda _, dirs: self._quietly(dirs), "agnsup-cgroup-hold")
 
     def keep(self, dirs: dict[str, str]) -> bool:
         """Keep `dirs` (a cell's agent directories) for HOLD_IDLE s more; False once closing (the caller prunes)."""
         if not dirs:
             return False
-        key = next(iter(dirs.values()))
-        with self._cv:
-            if self._closed:
-                return False
-            old = self._due.get(key)
-            self._due[key] = [{**(old[0] if old else {}), **dirs}, time.monotonic() + HOLD_IDLE]
-            if self._thread is None:
-                import threading
-                self._thread = threading.Thread(target=self._run, name="agnsup-cgroup-hold", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return True
+        return self._due.put(next(iter(dirs.values())), HOLD_IDLE, lambda old: {**(old or {}), **dirs})
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            due, self._due = self._due, {}
-            self._cv.notify()
-        for dirs, _ in due.values():
-            with suppress(OSError):
-                self._prune(dirs)
-        if self._thread is not None:
-            self._thread.join(5)
+        for dirs in self._due.close().values():
+            self._quietly(dirs)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                due = [k for k, (_, at) in self._due.items() if at <= now]
-                if not due:
-                    wake = min((at for _, at in self._due.values()), default=None)
-                    self._cv.wait(None if wake is None else max(0.0, wake - now))
-                    continue
-                gone = [self._due.pop(k)[0] for k in due]
-            for dirs in gone:
-                with suppress(OSError):
-                    self._prune(dirs)
+    def _quietly(self, dirs: dict[str, str]) -> None:
+        with suppress(OSError):
+            self._prune(dirs)
 
 
 def _hangs_from_agent(place: Place) -> bool:

@@ -966,7 +966,10 @@ def _explain_missing(state_root: str, journal, record_id: str, run_id: str | Non
         if cell["state"] not in TERMINAL_CELL:
             raise NotReversible(f"cell {record_id} of run {r} is still {cell['state']}: its changes land when it ends")
         d = layer_dir(state_root, r, record_id)
-        if any(os.path.lexists(os.path.join(d, n)) for n in ("plan.json", "upper", "record.json")):
+        # its receipt says it changed nothing (nothing_changed): a layer still on disk is only its empty one, which
+        # its controller removes after the cell's result (drop_unchanged), not a commit in flight
+        unchanged = ch.get("files") == 0 and "record" not in ch and not ch.get("error")
+        if not unchanged and any(os.path.lexists(os.path.join(d, n)) for n in ("plan.json", "upper", "record.json")):
             raise NotReversible(f"the changes of cell {record_id} of run {r} are not committed yet"
                                 f"{' (' + str(ch['error']) + ')' if ch.get('error') else ''}: the janitor finishes "
                                 "the commit (agnsup janitor)")

@@ -311,7 +311,8 @@ def test_a_normal_users_supervisor_claims_spares_owned_and_moded_as_its_cells_ow
     r = _caller(user, SPARES_CALLER)
     assert r["seen"]["claimed"] == r["seen"]["made"], r
     assert r["seen"]["made"]["cells/u/C"][0] == r["uid"], r
-    assert r["claimed"] >= 3 and r["left"] == [], r
+    layer = any(k.startswith("changes/") for k in r["seen"]["made"])  # none where cells run live (the v2 guest)
+    assert r["claimed"] >= (3 if layer else 1) and r["left"] == [], r
     assert user.left() == []
 
 

@@ -578,7 +578,9 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
         uid, gid = _ids(proc_.user, proc_.group, spec.role)
     out["uid"], out["gid"] = uid, gid
     if root and uid is None and not iso.host_root:
-        out["mapped"] = _mapped(spec, wt, host, state_root if cache_writable else "", missing,
+        # home = "ro" shows a mapped cell the invoking user's homes through its id map too (_home_ops)
+        homes = invoking_homes() if policy.filesystem.home == "ro" else []
+        out["mapped"] = _mapped(spec, [wt, state_root if cache_writable else "", *homes], host, missing,
                                 "mapped_uid" in iso.require)
     if root:
         keep = [] if uid is not None else sorted(CAP_NAMES.index(c) for c in iso.capabilities)
@@ -594,14 +596,14 @@ def _confinement(policy, spec: CellSpec, wt: str, tmpdir: str, home: str, worktr
     return out
 
 
-def _mapped(spec: CellSpec, wt: str, host: dict, state_root: str, missing: list, required: bool) -> dict | None:
+def _mapped(spec: CellSpec, idmapped: list[str], host: dict, missing: list, required: bool) -> dict | None:
     """A root controller's cell as uid 0 of the cells' user namespace, when this host can: the namespace
-    (host["mapped_uid"]) and id-mapped mounts of the worktree's (and the caches') file system
-    (host["_idmap"](path), probed once per device). Else None: the cell runs as host root, and why is
-    named in not_in_force (refused when the role requires mapped_uid)."""
+    (host["mapped_uid"]) and id-mapped mounts of the file systems in `idmapped` (the worktree's, the
+    caches', a home = "ro" home's; host["_idmap"](path), probed once per device). Else None: the cell runs
+    as host root, and why is named in not_in_force (refused when the role requires mapped_uid)."""
     why = host.get("mapped_uid", "the host's facts (linux/host.protections) do not say")
     probe = host.get("_idmap")
-    for path in (wt, state_root):
+    for path in idmapped:
         if why is None and path and probe is not None:
             why = probe(path)
     if why is not None:

@@ -14,6 +14,7 @@ import os
 import pwd
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -302,3 +303,29 @@ def test_home_allow_with_a_visible_home_is_refused(agnsup, worktree, policy_dir)
     cp = agnsup("run", "--role", "badmix", "--workdir", worktree, "--", "true",
                 env={"AGNSUP_POLICY_DIR": str(policy_dir)}, check=125)
     assert "home_allow applies to a hidden home" in cp.err, cp.err
+
+
+def test_home_ro_on_a_file_system_that_cannot_be_id_mapped_runs_the_cell_as_host_root_and_says_why(
+        agnsup, worktree, policy_dir):
+    # A root controller's cell is uid 0 of the cells' user namespace; home = "ro" shows it the home through an
+    # id-mapped clone. ramfs refuses id-mapped mounts (as NFS or 9p homes do): the controller must see that
+    # before the start, like a worktree's (not fail in the child's mount step).
+    if os.getuid() != 0:
+        pytest.skip("mapped cells are a root controller's")
+    from pathlib import Path
+    home = Path(tempfile.mkdtemp(prefix="agnsup-test-ramhome-", dir="/var/tmp"))  # a cell has its own /tmp
+    subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(home)], check=True)
+    try:
+        token = secrets.token_hex(8)
+        (home / "note").write_text(token)
+        write_role(policy_dir, "homeread", filesystem__home='"ro"')
+        cp = agnsup("run", "--role", "homeread", "--workdir", worktree, "--", "python3", "-c", READ,
+                    *_split(str(home / "note")), env={"AGNSUP_POLICY_DIR": str(policy_dir), "HOME": str(home)},
+                    check=0)
+        assert cp.returncode == 0 and f"READ {home}/note {token}" in cp.out, (cp.out, cp.err)
+        receipt = _receipt(agnsup.state)
+        assert [m for m in receipt["isolation"]["not_in_force"] if m.startswith("mapped_uid (the cell runs as host root)")
+                and str(home) in m], receipt["isolation"]
+    finally:
+        subprocess.run(["umount", str(home)], check=True)
+        home.rmdir()

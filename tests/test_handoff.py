@@ -244,3 +244,21 @@ def test_a_listener_of_another_uid_is_not_used(worktree):
         lst.stdout.close()
         _cleanup_cgroups(state)
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_hand_off_imports_no_controller_and_no_socket_or_json(agnsup, served, worktree):
+    """Its cost is the point of it: the client reads the console script's own entry point, then only the C halves
+    of socket, json and signal (tests/test_startup_cost.py measures the in-process path)."""
+    run = "import sys; sys.argv = ['agnsup', *sys.argv[1:]]; from agnsup.doors.entry import main; main()"
+    at_start = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, timeout=60)
+    cp = subprocess.run([sys.executable, "-X", "importtime", "-c", run, "run", "--cell", "imp", "--workdir", worktree,
+                         "--", "true"], env=agnsup.env, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert cp.returncode == 0, cp.stderr.decode()
+
+    def mods(err: bytes) -> set[str]:
+        return {line.rpartition("|")[2].strip() for line in err.decode().splitlines() if line.startswith("import time:")}
+    new = mods(cp.stderr) - mods(at_start.stderr)
+    assert "agnsup.doors.handoff" in new and _receipt(agnsup, "imp")["controller"] == served.ready["controller"]
+    heavy = {"agnsup.tool", "agnsup.broker", "agnsup.supervisor", "agnsup.store.state", "agnsup.store.journal",
+             "socket", "json", "signal", "contextlib", "enum", "re", "threading", "struct"}
+    assert not new & heavy, sorted(new & heavy)

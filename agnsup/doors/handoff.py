@@ -135,7 +135,7 @@ def run(state_dir: str | None, opts: dict, command: list[str]) -> None:
     s = _connect(path)
     if s is None:
         return
-    import signal
+    import _signal as signal  # not `signal`: its enums cost ~1 ms of imports
     dumps, loads = _codec()
     try:
         data = dumps(request(command, opts)).encode() + b"\n"
@@ -189,7 +189,7 @@ def run(state_dir: str | None, opts: dict, command: list[str]) -> None:
 
 def _back(s, old: dict, caught: list) -> None:
     """Nothing ran: our handlers undone, and a signal that came meanwhile raised again for the in-process path."""
-    import signal
+    import _signal as signal  # not `signal`: its enums cost ~1 ms of imports
     s.close()
     for n, h in old.items():
         signal.signal(n, h)

@@ -487,8 +487,12 @@ class _Lines:
     def readline(self, limit: int) -> tuple[bytes, list[int]]:
         """(the next line, at most `limit` bytes; b"" at the end, the fds that came with it)."""
         while b"\n" not in self.buf and len(self.buf) < limit:
-            data, fds, _, _ = socket.recv_fds(self.conn, 65536, self.MAX_FDS, socket.MSG_CMSG_CLOEXEC)
-            self.fds += fds
+            # recvmsg itself: socket.recv_fds drops its flags (3.11), and these must be close-on-exec
+            data, anc, _, _ = self.conn.recvmsg(65536, socket.CMSG_SPACE(self.MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+            for level, kind, blob in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    self.fds += [int.from_bytes(blob[i:i + 4], sys.byteorder, signed=True)
+                                 for i in range(0, len(blob) - len(blob) % 4, 4)]
             if not data:
                 break
             self.buf += data

@@ -262,3 +262,18 @@ def test_the_hand_off_imports_no_controller_and_no_socket_or_json(agnsup, served
     heavy = {"agnsup.tool", "agnsup.broker", "agnsup.supervisor", "agnsup.store.state", "agnsup.store.journal",
              "socket", "json", "signal", "contextlib", "enum", "re", "threading", "struct"}
     assert not new & heavy, sorted(new & heavy)
+
+
+def test_at_a_terminal_run_keeps_its_in_process_path(agnsup, served, worktree):
+    master, slave = os.openpty()
+    try:
+        p = subprocess.Popen([BIN, "run", "--cell", "tty", "--workdir", worktree, "--", "true"], env=agnsup.env,
+                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+        os.close(slave)
+        slave = None
+        assert p.wait(60) == 0
+    finally:
+        if slave is not None:
+            os.close(slave)
+        os.close(master)
+    _in_process(agnsup, "tty", served.ready["controller"])

@@ -365,6 +365,9 @@ class Server:
                 with suppress(OSError):  # a caller already gone: its connection's end is the wait loop's news
                     conn.sendall(note_line)
             req.pop("entry", None)
+            live = sorted(k for k in ("stdin", "pty", "stream", "capture") if k in req)
+            if live:  # `agnsup run` asks none of these: its stdio is the caller's descriptors
+                raise UsageError(f"run_attached: {', '.join(live)}: not a `run`'s option")
             result, said = self.sup.run_attached(req.pop("argv", None), caller, notify=note, started=started,
                                                  entry="cli", capture=False, **req)
             return {"ok": True, **result, "said": said + network_lines(result)}

@@ -277,3 +277,21 @@ def test_at_a_terminal_run_keeps_its_in_process_path(agnsup, served, worktree):
             os.close(slave)
         os.close(master)
     _in_process(agnsup, "tty", served.ready["controller"])
+
+
+@pytest.mark.parametrize("differs", ["AGNSUP_* environment", "umask"])
+def test_a_caller_the_serve_differs_from_runs_in_process(agnsup, served, worktree, tmp_path, differs):
+    """What a controller's process gives its cell or reads itself (the policy directory, the umask) must not
+    change with the hand-off: the serve declines, and nothing ran there."""
+    env, pre = {}, None
+    if differs == "umask":
+        def pre():
+            os.umask(0o002)  # differs from the serve's 022
+    else:
+        env["AGNSUP_POLICY_DIR"] = str(tmp_path)
+    p = subprocess.Popen([BIN, "run", "--cell", "df", "--workdir", worktree, "--", "true"],
+                         env={**agnsup.env, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, preexec_fn=pre)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and err == b"", err
+    _in_process(agnsup, "df", served.ready["controller"])

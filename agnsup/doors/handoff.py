@@ -14,7 +14,8 @@ on the same descriptors, the same stderr lines, the same exit status.
 The hand-off is tried only when none of fds 0-2 is a terminal (at a terminal
 run keeps its in-process pty path), AGNSUP_HANDOFF is not "0", the socket's
 listener runs as our euid (SO_PEERCRED), and the serve runs this very install
-with our umask and resource limits (else it declines and run goes in-process).
+with our umask, resource limits and AGNSUP_* environment (else it declines and run goes
+in-process).
 No socket (ENOENT), a stale one (ECONNREFUSED), a serve that declines or does
 not know the op: the in-process path, as before; nothing ran.
 
@@ -56,14 +57,22 @@ def code_key() -> str:
     return f"{__version__}:{path}:{st.st_ino}:{st.st_mtime_ns}"
 
 
+# what names the caller's socket or this hand-off, not how a controller behaves
+NOT_CONTROLLER_ENV = ("AGNSUP_STATE_DIR", OPT_OUT)
+
+
 def process_traits() -> dict:
-    """What a cell inherits from its controller's process beyond the request: the umask and the resource limits.
-    A serve whose own differ declines (the cell would differ from an in-process run's)."""
+    """What a cell or its controller takes from the controller's process beyond the request: the umask, the
+    resource limits, and the environment agnsup itself reads (AGNSUP_POLICY_DIR, AGNSUP_CGROUP_BASE, ...;
+    XDG_RUNTIME_DIR: systemd's bus). A serve whose own differ declines (the cell would differ from an
+    in-process run's)."""
     mask = os.umask(0o022)
     os.umask(mask)
     with open("/proc/self/limits", "rb") as f:
         limits = f.read().decode()
-    return {"umask": mask, "limits": limits}
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith("AGNSUP_") and k not in NOT_CONTROLLER_ENV) or k == "XDG_RUNTIME_DIR"}
+    return {"umask": mask, "limits": limits, "agnsup_env": env}
 
 
 def socket_path(state_dir: str | None) -> str:

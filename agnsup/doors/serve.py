@@ -23,7 +23,7 @@ connection. Every request has "op":
     list_ports {run_id, agent_id}         -> {"ok": true, ports: [...]}
     close_port {run_id, agent_id, port}   -> {"ok": true, closed: [...]}
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
-    run_attached {argv, options, host_env, workdir, code, umask, limits} + the caller's fds 0, 1, 2
+    run_attached {argv, options, host_env, workdir, code, umask, limits, agnsup_env} + the caller's fds 0-2
                  (SCM_RIGHTS, on the request's first byte)
                                           -> {"started": cell_id}, then {"ok": true, ...result, "said": [lines]};
                                              the connection ends with it
@@ -37,8 +37,9 @@ delivers the signals it gets), and the connection is watched: its end before
 the result (the caller was killed) kills the cell as a dead controller's
 (receipt reason controller_died), unless on_controller_death = keep (it runs
 on; a `caller_gone` event says so). A request from another install (`code`),
-with another umask or other resource limits than this serve's, or with a
-terminal among its descriptors is answered {"ok": false, "declined": why}:
+with another umask, other resource limits or another AGNSUP_* environment than
+this serve's, or with a terminal among its descriptors is answered
+{"ok": false, "declined": why}:
 nothing ran, and the client runs the cell in-process.
 
 Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
@@ -388,6 +389,8 @@ class Server:
             return f"this serve runs another agnsup install ({code})"
         if req.pop("umask", None) != traits["umask"] or req.pop("limits", None) != traits["limits"]:
             return "the caller's umask or resource limits are not this serve's"
+        if req.pop("agnsup_env", None) != traits["agnsup_env"]:
+            return "the caller's AGNSUP_* environment is not this serve's"
         if len(fds) != 3:
             return f"{len(fds)} descriptors came with the request, not the caller's 0, 1 and 2"
         if any(os.isatty(fd) for fd in fds):

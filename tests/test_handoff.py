@@ -295,3 +295,30 @@ def test_a_caller_the_serve_differs_from_runs_in_process(agnsup, served, worktre
     _, err = p.communicate(timeout=60)
     assert p.returncode == 0 and err == b"", err
     _in_process(agnsup, "df", served.ready["controller"])
+
+
+def test_a_capped_cells_output_and_its_stopped_line_are_the_in_process_runs(state, worktree, tmp_path):
+    """The cap's pump writes the caller's pipe from the serve, and the line a limit's stop ends with comes back."""
+    from conftest import Agnsup, write_role
+    pol = tmp_path / "policies"
+    pol.mkdir()
+    write_role(pol, "capped", limits__output_max='"1K"')
+    agnsup = Agnsup(state, env={"AGNSUP_POLICY_DIR": str(pol)})
+    s = STARTERS["serve"](agnsup, tmp_path)
+    try:
+        got = {}
+        for how, env in (("handed", {}), ("alone", {"AGNSUP_HANDOFF": "0"})):
+            ours, theirs = socket.socketpair()  # not a file or pipe of the caller's: pumped, and capped
+            with ours, theirs:
+                got[how] = _run(agnsup, "--role", "capped", "--cell", how, "--workdir", worktree, "--", "sh", "-c",
+                                "head -c 100000 /dev/zero; sleep 30", env=env, stdout=theirs)
+                theirs.close()
+                out = b"".join(iter(lambda: ours.recv(65536), b""))
+            assert out == b"\0" * 1024, len(out)
+        assert _receipt(agnsup, "handed")["controller"] == s.ready["controller"]
+        assert _receipt(agnsup, "alone")["controller"] != s.ready["controller"]
+        assert got["handed"][0] == got["alone"][0] == 137
+        assert got["handed"][2] == got["alone"][2].replace("cell alone", "cell handed")
+        assert "stopped: output_limit (limits.output_max = 1024 bytes)" in got["handed"][2]
+    finally:
+        s.close()

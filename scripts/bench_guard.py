@@ -84,13 +84,13 @@ class Rig:
         self._handed(ready["controller"])
 
     def _handed(self, controller: str) -> None:
-        """The serve-up line is a hand-off: the last cell of the serve's state root is the serve's."""
+        """The serve-up line is a hand-off: its warm-up cell (entry cli, the serve's state root) was the serve's."""
         cp = subprocess.run([self.agnsup, "receipts", "--json"], env=self.envs["serve"], capture_output=True,
                             text=True)
-        last = (json.loads(cp.stdout or "[]") or [{}])[-1]
-        if last.get("controller") != controller:
-            raise RuntimeError(f"`agnsup run` beside a serve was not handed to it (controller {last.get('controller')},"
-                               f" the serve's {controller})")
+        ran = [r["controller"] for r in json.loads(cp.stdout or "[]") if (r.get("chain") or [{}])[0].get("entry") == "cli"]
+        if ran != [controller]:
+            raise RuntimeError(f"`agnsup run` beside a serve was not handed to it (controllers {ran}, the serve's "
+                               f"{controller})")
 
     def _spawn(self, argv: list[str], env: dict) -> None:
         pid = os.posix_spawn(argv[0], argv, env, file_actions=self.devnull)

@@ -33,6 +33,7 @@ OPT_OUT = "AGNSUP_HANDOFF"  # "0": never hand off (docs/cli.md)
 DECLINED = "declined"       # the key of a serve's answer that sends the call back in-process
 SIGNALS = (2, 15, 1)        # SIGINT, SIGTERM, SIGHUP: what an in-process run forwards (tool._supervise)
 CONTROLLER_FAILED = 125     # cli.md: agnsup itself failed
+CONNECT_TIMEOUT = 1.0       # seconds
 
 
 def wanted() -> bool:
@@ -91,7 +92,9 @@ def _connect(path: str):
         if len(path.encode()) >= 100:  # serve._address: sun_path holds 107 bytes
             fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             addr = f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+        s.settimeout(CONNECT_TIMEOUT)  # a wedged serve whose backlog is full: in-process, not a hang
         s.connect(addr)
+        s.settimeout(None)
         cred = s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)  # struct ucred {pid, uid, gid}
         if int.from_bytes(cred[4:8], sys.byteorder) != os.geteuid():
             s.close()

@@ -78,6 +78,7 @@ class Cell(Record):
     input: object = None         # io.pump.Input: the supervisor's end of the cell's fd 0
     terminal: object = None      # io.pump.Input on the pty's master (pty cells)
     controlling_tty: bool = False  # agnsup run at a terminal: the cell's pty is its controlling terminal
+    caller_stdio: tuple | None = None  # the caller's fds 0-2 when not this controller's own (serve's run_attached)
     egress: object = None        # egress.proxy.Proxy: allowlist/internal roles
     network: dict | None = None  # the receipt's network section, once the proxy stopped
     waiting: bool = False        # queued behind a held worktree lock (state waiting): Controller.resume starts it
@@ -195,16 +196,19 @@ class Controller:
 
     # -- start ------------------------------------------------------------
     def start(self, prepared: Prepared, capture: bool = False, notify=None, stdin: bool = False,
-              pty: dict | None = None, stream: bool = False, queue: bool = False, poll=None) -> Cell:
+              pty: dict | None = None, stream: bool = False, queue: bool = False, poll=None,
+              caller_stdio: tuple | None = None) -> Cell:
         """Lock the worktree, journal the intent, start the cell. `queue`: when the lock
         is held, journal the cell as `waiting` and return it at once (cell.waiting);
         `resume` then waits for the lock and starts it. `poll()`: called while it waits
-        for the lock, may raise to give up (a signal to `agnsup run`)."""
+        for the lock, may raise to give up (a signal to `agnsup run`). `caller_stdio`: the
+        caller's fds 0-2 when they are not this process's (io/wiring.py)."""
         plan = prepared.plan
         spec = plan.spec
         cell = Cell(spec=spec, plan=plan, controller_id=self.id, boot_id=proc.boot_id(), decision=prepared.decision,
                     trail=prepared.trail, trace=prepared.trace, capture=capture or stream or pty is not None,
-                    stdin=stdin, pty=pty, stream=stream or pty is not None, secrets=prepared.secrets)
+                    stdin=stdin, pty=pty, stream=stream or pty is not None, secrets=prepared.secrets,
+                    caller_stdio=caller_stdio)
         cell.lock_path = self.state.worktree_lock(locks.worktree_key(spec.worktree, spec.run_id, spec.cell_id))
         if queue:
             cell.lock_fd, cell.lock_holder = locks.take(cell.lock_path, plan.worktree_mode == "rw", self._owner(spec),

@@ -29,8 +29,9 @@ SIGNALS = {"INT": 2, "TERM": 15, "KILL": 9}  # what Supervisor.signal sends (sig
 
 
 class _Running:
-    def __init__(self, cell, request):
-        self.cell, self.request = cell, request
+    def __init__(self, cell, request, caller=None):
+        self.cell, self.request, self.caller = cell, request, caller
+        self.said: list[str] = []  # a caller's cell (run_attached): the lines `agnsup run` prints after it
         self.waiter = None
         self.started = threading.Event()  # its process exists (a queued cell: once it got its lock), or it never will
         self.done = threading.Event()
@@ -165,17 +166,49 @@ class Supervisor:
         Live I/O: `stdin=True` (write_stdin), `pty={"cols", "rows"}` (resize; output
         is the stream "tty"), `stream=True` (read_output); stream and pty capture.
         On a queued cell they wait until it started (signal: a queued cell is cancelled)."""
+        _, cell = self._start(argv, notify, None, options)
+        return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
+                "pid": cell.identity.get("pid"), "cgroup": cell.place.dir, "controller": self.ctl.id,
+                "state": "waiting" if cell.waiting else "running"}
+
+    def run_attached(self, argv: list[str], caller, notify=None, started=None, **options) -> tuple[dict, list[str]]:
+        """A cell that belongs to a caller in another process (serve's run_attached: a handed-over `agnsup run`,
+        doors/handoff.py), waited for here: (its result, the lines `agnsup run` prints after it).
+
+        `caller` (serve.Caller): `stdio`, the caller's fds 0-2 the cell gets as `agnsup run` would give it
+        its own (io/wiring.py); `poll()`, called while the cell waits for its worktree lock (raises to give
+        up, as a signal to `agnsup run` does: it is not queued); `fd` and `on_wake(waiter, cell)`, the
+        caller's connection, watched by the cell's wait loop (its signals; its end, the dead-man switch).
+        `started(cell_id)`: once its command runs."""
+        r, cell = self._start(argv, notify, caller, options)
+        if started is not None:
+            started(cell.spec.cell_id)
+        r.done.wait()
+        if r.error is not None:
+            raise r.error
+        return r.result, r.said
+
+    def _start(self, argv: list[str], notify, caller, options: dict) -> tuple["_Running", object]:
+        """(the cell's _Running, its broker.Cell: r.cell is let go of once it ended, which may be before this
+        returns)."""
         from .request import CellRequest
         from .tool import prepare
         if self.closed:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
         request = CellRequest.make(argv, **options)
-        cell = self.ctl.start(prepare(self.state, self.ctl.journal, request), capture=request.capture, notify=notify,
-                              stdin=request.stdin, pty=request.pty, stream=request.stream, queue=True)
-        r = _Running(cell, request)
+        prepared = prepare(self.state, self.ctl.journal, request)
+        if caller is None:
+            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                  pty=request.pty, stream=request.stream, queue=True)
+        else:
+            caller.cell_id = prepared.plan.spec.cell_id
+            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                  pty=request.pty, stream=request.stream, poll=caller.poll,
+                                  caller_stdio=caller.stdio)
+        r = _Running(cell, request, caller)
         if not cell.waiting:
-            r.attach(self.ctl.waiter(cell, hold=True))
+            r.attach(self.ctl.waiter(cell, caller.fd if caller is not None else None, hold=True))
         key = (cell.spec.run_id, cell.spec.cell_id)
         t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         with self._guard:
@@ -190,25 +223,26 @@ class Supervisor:
             except BaseException as e:  # noqa: BLE001 - the caller's news channel (an MCP request cancelled
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):  # meanwhile raises here); the cell is queued
                     raise
-        return {"cell_id": cell.spec.cell_id, "run_id": cell.spec.run_id, "agent_id": cell.spec.agent_id,
-                "pid": cell.identity.get("pid"), "cgroup": cell.place.dir, "controller": self.ctl.id,
-                "state": "waiting" if cell.waiting else "running"}
+        return r, cell
 
     def _supervise(self, r: _Running) -> None:
-        from .tool import ended
+        from .tool import ended, said_lines
         key = (r.cell.spec.run_id, r.cell.spec.cell_id)
         later: list = []  # what finish left for after the result (Controller.finish)
         try:
             if r.cell.waiting:
                 self.ctl.resume(r.cell)
                 r.attach(self.ctl.waiter(r.cell, hold=True))
-            r.waiter.wait()
+            caller = r.caller
+            r.waiter.wait(None if caller is None else lambda: caller.on_wake(r.waiter, r.cell))
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
                 os.close(r.group_fd)
                 r.group_fd = None
             receipt = self.ctl.finish(r.cell, r.waiter, later)
             r.result = ended(receipt, r.cell.plan.cell_dir, r.request)
+            if caller is not None:
+                r.said = said_lines(receipt)
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
         finally:

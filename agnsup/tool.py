@@ -248,11 +248,16 @@ def quarantined_line(receipt: dict) -> str | None:
             f"to {where}: {', '.join(m['path'] for m in moved)} (filesystem.writable_protected lifts this)")
 
 
+def said_lines(receipt: dict) -> list[str]:
+    """What `agnsup run` prints on stderr when its cell ended, before the network's lines: why a limit stopped it,
+    what it planted that was moved out of the worktree."""
+    return [line for line in (stopped_line(receipt), quarantined_line(receipt)) if line]
+
+
 def _say_why_stopped(receipt: dict) -> None:
-    for line in (stopped_line(receipt), quarantined_line(receipt)):
-        if line:
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
+    for line in said_lines(receipt):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def ended(receipt: dict, cell_dir: str, request: CellRequest | None = None, capture: bool | None = None) -> dict:

@@ -8,6 +8,8 @@ Ratios (each command timed once per round, the order reversed every other round,
 floor see the same moments of a shared machine):
     run/python        `agnsup run -- true` (a process per call: interpreter, imports, policy, journal,
                       cgroups, namespaces, dead-man switch) over the same venv's `python -c pass`
+    handoff/python    the same `agnsup run -- true` beside a running `agnsup serve` of its state root: handed to it
+                      (doors/handoff.py; the interpreter, the client's few imports, serve's cell) over the same floor
     serve/bwrap       one `true` cell through a running `agnsup serve` (its socket's `run` op: request to
                       receipt) over `bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all true`
     supervisor/bwrap  one `true` cell through an in-process Supervisor (the Python API) over the same bwrap
@@ -35,6 +37,7 @@ import bench_ratios  # noqa: E402 - scripts/ is not a package
 BWRAP = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-all", "true"]
 # name -> (numerator, floor): commands of Rig
 RATIOS = {"run/python": ("agnsup run -- true", "python -c pass"),
+          "handoff/python": ("agnsup run -- true, serve up", "python -c pass"),
           "serve/bwrap": ("serve cell of true", "bwrap"),
           "supervisor/bwrap": ("Supervisor cell of true", "bwrap")}
 
@@ -57,6 +60,8 @@ class Rig:
             self.envs[door] = {**os.environ, "AGNSUP_STATE_DIR": state}
         self.cmds = {
             "agnsup run -- true": lambda: self._spawn([agnsup, "run", "--", "true"], self.envs["cli"]),
+            # the serve's state root: handed over (no terminal on fds 0-2), one named run as the serve cell's
+            "agnsup run -- true, serve up": lambda: self._spawn([agnsup, "run", "--", "true"], self.envs["serve"]),
             "python -c pass": lambda: self._spawn([python, "-c", "pass"], self.envs["cli"]),
             "bwrap": lambda: self._spawn([shutil.which("bwrap") or "/usr/bin/bwrap", *BWRAP[1:]], self.envs["cli"]),
             "serve cell of true": self._serve_cell,
@@ -76,6 +81,16 @@ class Rig:
         self.sup = Supervisor(self.envs["api"]["AGNSUP_STATE_DIR"])
         for run in self.cmds.values():  # warm-up: the policy caches, the journals, the page cache
             run()
+        self._handed(ready["controller"])
+
+    def _handed(self, controller: str) -> None:
+        """The serve-up line is a hand-off: its warm-up cell (entry cli, the serve's state root) was the serve's."""
+        cp = subprocess.run([self.agnsup, "receipts", "--json"], env=self.envs["serve"], capture_output=True,
+                            text=True)
+        ran = [r["controller"] for r in json.loads(cp.stdout or "[]") if (r.get("chain") or [{}])[0].get("entry") == "cli"]
+        if ran != [controller]:
+            raise RuntimeError(f"`agnsup run` beside a serve was not handed to it (controllers {ran}, the serve's "
+                               f"{controller})")
 
     def _spawn(self, argv: list[str], env: dict) -> None:
         pid = os.posix_spawn(argv[0], argv, env, file_actions=self.devnull)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import suppress
 
 def _run_options() -> tuple[dict, dict]:
     """{flag: (keyword, kind)} and {keyword: default} of `run`, from request.CellRequest."""
@@ -173,6 +172,9 @@ def main() -> None:
         cli_main()
         return
     state_dir, opts, command = parsed
+    from . import handoff
+    if handoff.wanted():  # a live serve of ours runs the cell (docs/cli.md "run"); returns when there is none
+        handoff.run(state_dir, opts, command)
     from ..errors import AgnsupError, exit_code
     from ..tool import network_lines, run_process
     try:
@@ -190,6 +192,8 @@ def main() -> None:
     # released). os._exit skips the interpreter's teardown and the journal's
     # close, whose WAL checkpoint costs two fsyncs (broker.Controller.close).
     for stream in (sys.stdout, sys.stderr):
-        with suppress(OSError, ValueError):
+        try:
             stream.flush()
+        except (OSError, ValueError):
+            pass
     os._exit(result["exit_code"])

@@ -23,6 +23,24 @@ connection. Every request has "op":
     list_ports {run_id, agent_id}         -> {"ok": true, ports: [...]}
     close_port {run_id, agent_id, port}   -> {"ok": true, closed: [...]}
     shutdown                              -> {"ok": true}; cancels this controller's cells, exits
+    run_attached {argv, options, host_env, workdir, code, umask, limits, agnsup_env} + the caller's fds 0-2
+                 (SCM_RIGHTS, on the request's first byte)
+                                          -> {"started": cell_id}, then {"ok": true, ...result, "said": [lines]};
+                                             the connection ends with it
+
+run_attached is `agnsup run` handing its call over (doors/handoff.py): the cell
+gets the caller's descriptors as its stdio, decided on as the in-process run's
+(io/wiring.py), with entry "cli"; "said" are the stderr lines the in-process
+run prints after its cell. While the cell runs, the client may send
+{"signal": N} lines (SIGINT, SIGTERM, SIGHUP: delivered as an in-process run
+delivers the signals it gets), and the connection is watched: its end before
+the result (the caller was killed) kills the cell as a dead controller's
+(receipt reason controller_died), unless on_controller_death = keep (it runs
+on; a `caller_gone` event says so). A request from another install (`code`),
+with another umask, other resource limits or another AGNSUP_* environment than
+this serve's, or with a terminal among its descriptors is answered
+{"ok": false, "declined": why}:
+nothing ran, and the client runs the cell in-process.
 
 Live I/O (docs/streaming.md): spawn with "stdin", "pty" {cols, rows} or
 "stream"; bytes travel as base64 in "data_b64".
@@ -52,6 +70,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 from contextlib import suppress
@@ -250,6 +269,8 @@ class Server:
         if socket_path:  # before anything starts: a refused place leaves nothing behind
             socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
         self.sup = Supervisor(state_dir, kind="serve", backend=backend)
+        from . import handoff  # what a handed-over run must share with this process (run_attached)
+        self.handoff = (handoff.code_key(), handoff.process_traits())
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
         try:
             self.listener = listen_unix(self.path, "serve controller")
@@ -292,7 +313,8 @@ class Server:
             self.sup.close()
 
     def _handle(self, conn: socket.socket) -> None:
-        f = conn.makefile("rwb")
+        f = conn.makefile("wb")
+        fds: list[int] = []
         try:
             refused = peer_refusal(conn, self.sup.ctl.journal, "serve")
             if refused is not None:
@@ -301,21 +323,79 @@ class Server:
                                          "exit_code": 126}).encode() + b"\n")
                 conn = None
                 return
+            lines = _Lines(conn)
             while True:
-                line = f.readline(MAX_REQUEST)
+                line, fds = lines.readline(MAX_REQUEST)
                 if not line:
                     return
                 def note(text: str) -> None:
                     f.write(json.dumps({"note": text}).encode() + b"\n")
                     f.flush()
+                if line.startswith(b'{"op": "run_attached"'):  # handoff.request's first key
+                    f.write(json.dumps(self._run_attached(conn, line, fds, note)).encode() + b"\n")
+                    f.flush()
+                    return  # the caller's call, and its connection, end with its cell
+                _close_all(fds)
                 f.write(json.dumps(self._dispatch(line, note)).encode() + b"\n")
                 f.flush()
         except (OSError, ValueError):
             return
         finally:
-            f.close()
+            _close_all(fds)
+            with suppress(OSError):  # an answer its caller did not live to read
+                f.close()
             if conn is not None:
                 conn.close()
+
+    def _run_attached(self, conn: socket.socket, line: bytes, fds: list[int], note) -> dict:
+        """A handed-over `agnsup run` (doors/handoff.py): its cell, with its fds 0-2 as the caller's stdio, watched
+        through its connection. Closes `fds` (and empties the list) once the cell ended."""
+        from ..tool import network_lines
+        from . import handoff
+        try:
+            req = json.loads(line)
+            req.pop("op", None)
+            why = self._declines(req, fds)
+            if why is not None:
+                return {"ok": False, handoff.DECLINED: why}
+            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            caller = Caller(conn, tuple(fds), pid, self.sup)
+
+            def started(cell_id: str) -> None:
+                note_line = json.dumps({"started": cell_id}).encode() + b"\n"
+                with suppress(OSError):  # a caller already gone: its connection's end is the wait loop's news
+                    conn.sendall(note_line)
+            req.pop("entry", None)
+            live = sorted(k for k in ("stdin", "pty", "stream", "capture") if k in req)
+            if live:  # `agnsup run` asks none of these: its stdio is the caller's descriptors
+                raise UsageError(f"run_attached: {', '.join(live)}: not a `run`'s option")
+            result, said = self.sup.run_attached(req.pop("argv", None), caller, notify=note, started=started,
+                                                 entry="cli", capture=False, **req)
+            return {"ok": True, **result, "said": said + network_lines(result)}
+        except AgnsupError as e:
+            return {"ok": False, **as_value(e)}
+        except (ValueError, TypeError, KeyError) as e:
+            return {"ok": False, **as_value(UsageError(f"bad request: {e}"))}
+        except OSError as e:  # as entry.main says it of an in-process run
+            return {"ok": False, "error": f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}",
+                    "error_type": "OSError", "exit_code": 125}
+        finally:
+            _close_all(fds)
+
+    def _declines(self, req: dict, fds: list[int]) -> str | None:
+        """Why this serve does not take a handed-over run (its client then runs it in-process), or None."""
+        code, traits = self.handoff
+        if req.pop("code", None) != code:
+            return f"this serve runs another agnsup install ({code})"
+        if req.pop("umask", None) != traits["umask"] or req.pop("limits", None) != traits["limits"]:
+            return "the caller's umask or resource limits are not this serve's"
+        if req.pop("agnsup_env", None) != traits["agnsup_env"]:
+            return "the caller's AGNSUP_* environment is not this serve's"
+        if len(fds) != 3:
+            return f"{len(fds)} descriptors came with the request, not the caller's 0, 1 and 2"
+        if any(os.isatty(fd) for fd in fds):
+            return "a terminal: at a terminal `agnsup run` runs its cell in-process (its pty)"
+        return None
 
     def _dispatch(self, line: bytes, note) -> dict:
         """One request -> its response; `note(text)` sends a {"note"} line first (spawn, run: lock waits)."""
@@ -392,10 +472,111 @@ class Server:
     def op_close_port(self, req: dict, note) -> dict:
         return self.sup.close_port(req["run_id"], req["agent_id"], req["port"])
 
+    def op_run_attached(self, req: dict, note) -> dict:
+        raise UsageError("run_attached: the request's first key is its op, and the caller's fds 0-2 come with it "
+                         "(doors/handoff.py)")
+
     def op_shutdown(self, req: dict, note) -> dict:
         self.stop.set()
         os.kill(os.getpid(), signal.SIGTERM)  # wakes the accept loop
         return {}
+
+
+class _Lines:
+    """A connection's requests, one line at a time, with the descriptors that came with them (SCM_RIGHTS):
+    a buffered file would drop those."""
+    MAX_FDS = 8
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.buf, self.fds = conn, bytearray(), []
+
+    def readline(self, limit: int) -> tuple[bytes, list[int]]:
+        """(the next line, at most `limit` bytes; b"" at the end, the fds that came with it)."""
+        while b"\n" not in self.buf and len(self.buf) < limit:
+            # recvmsg itself: socket.recv_fds drops its flags (3.11), and these must be close-on-exec
+            data, anc, _, _ = self.conn.recvmsg(65536, socket.CMSG_SPACE(self.MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+            for level, kind, blob in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    self.fds += [int.from_bytes(blob[i:i + 4], sys.byteorder, signed=True)
+                                 for i in range(0, len(blob) - len(blob) % 4, 4)]
+            if not data:
+                break
+            self.buf += data
+        i = self.buf.find(b"\n")
+        end = min(i + 1 if i >= 0 else len(self.buf), limit)
+        line = bytes(self.buf[:end])
+        del self.buf[:end]
+        fds, self.fds = self.fds, []
+        return line, fds
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        with suppress(OSError):
+            os.close(fds.pop())
+
+
+class Caller:
+    """The `agnsup run` process a run_attached cell belongs to (Supervisor.run_attached): its fds 0-2, and its
+    connection, read while the cell waits for its lock (`poll`) and while it runs (`on_wake`): {"signal": N}
+    lines, and the connection's end."""
+
+    def __init__(self, conn: socket.socket, stdio: tuple, pid: int, sup):
+        self.conn, self.stdio, self.pid, self.sup = conn, stdio, pid, sup
+        self.fd = conn.fileno()
+        self.cell_id: str | None = None  # set before the cell starts (Supervisor._start)
+        self.buf = b""
+
+    def _read(self) -> tuple[bool, list[int]]:
+        """(the connection ended, the signals it sent since the last read)."""
+        try:
+            data = self.conn.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False, []
+        except OSError:  # ECONNRESET: the caller died with our answer unread
+            data = b""
+        self.buf += data
+        sigs = []
+        while b"\n" in self.buf:
+            line, _, self.buf = self.buf.partition(b"\n")
+            with suppress(ValueError, TypeError, KeyError, AttributeError):
+                n = int(json.loads(line)["signal"])
+                if n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    sigs.append(n)
+        return not data, sigs
+
+    def poll(self) -> None:
+        """While the cell waits for its worktree lock: a signal, or the caller's end, and it never starts (as
+        tool._supervise's `interrupted`)."""
+        from ..errors import CancelledBeforeStart
+        gone, sigs = self._read()
+        if sigs:
+            raise CancelledBeforeStart(
+                f"cell {self.cell_id} cancelled by signal {signal.Signals(sigs[0]).name} to the controller (pid "
+                f"{self.pid}) while it waited for the worktree lock; it never started")
+        if gone:
+            raise CancelledBeforeStart(f"cell {self.cell_id}: its caller, `agnsup run` (pid {self.pid}), went away "
+                                       "while it waited for the worktree lock; it never started")
+
+    def on_wake(self, waiter, cell) -> bool | None:
+        """The connection is readable while the cell runs: its signals delivered as tool._supervise delivers an
+        in-process run's; its end (the caller was killed: the dead-man switch) kills the cell as its controller's
+        death would, unless on_controller_death = keep. False: watch it no more."""
+        gone, sigs = self._read()
+        for n in sigs:
+            waiter.request_stop("cancelled", f"signal {signal.Signals(n).name} to the controller (pid {self.pid})",
+                                sig=n)
+        if not gone:
+            return None
+        spec = cell.spec
+        if spec.on_controller_death == "keep":
+            with suppress(AgnsupError):
+                self.sup.ctl.journal.add_event("caller_gone", spec.run_id, spec.cell_id, pid=self.pid,
+                                               on_controller_death="keep", by=f"serve {self.sup.ctl.id}")
+            return False
+        waiter.stop_now("controller_died", f"its controller, `agnsup run` (pid {self.pid}) handed to serve "
+                        f"{self.sup.ctl.id}, went away (on_controller_death = kill)")
+        return False
 
 
 def serve(state_dir: str | None, socket_path: str | None) -> int:

@@ -351,14 +351,14 @@ class Pump:
         return out
 
 
-def at_a_terminal() -> bool:
-    """Our stdin is a terminal we may take over: in its foreground group (a background job,
+def at_a_terminal(fd: int = 0) -> bool:
+    """Our stdin (`fd`) is a terminal we may take over: in its foreground group (a background job,
     `agnsup run ... &`, would be stopped by SIGTTOU/SIGTTIN: it keeps the terminal as it is),
     or a terminal that is not our controlling one (no job control applies)."""
-    if not os.isatty(0):
+    if not os.isatty(fd):
         return False
     try:
-        return os.tcgetpgrp(0) == os.getpgrp()
+        return os.tcgetpgrp(fd) == os.getpgrp()
     except OSError:
         return True
 

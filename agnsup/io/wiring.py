@@ -3,6 +3,11 @@
 `stdio(cell)` reads what the cell asks (capture, stream, stdin, pty; the plan's
 output cap and cell ids) and sets its `input`, `terminal` and `controlling_tty`
 (a broker.Cell); the pump itself is pump.py.
+
+"The caller's stdio" is the controller's own fds 0-2 (`agnsup run`), or
+`cell.caller_stdio`: the descriptors a `run` handed to serve with its call
+(doors/handoff.py), decided on exactly as the controller's own would be; the
+cell then gets copies of them where it would have inherited ours.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ def stdio(cell) -> tuple:
     A live cell (stream, pty) is always pumped into its log files, keeping a
     Tape; `stdin` makes fd 0 a pipe whose write end is `cell.input`."""
     cap = cell.plan.limits.get("output_max")
+    io = cell.caller_stdio or (0, 1, 2)  # the caller's fds 0-2
     child: list = [None, None, None]
     owned: list[int] = []  # closed here if anything fails
     try:
@@ -50,23 +56,23 @@ def stdio(cell) -> tuple:
         else:
             # At a terminal the cell gets a pty of its own as stdin and controlling
             # terminal (prompts: ssh, git, sudo, gpg), pumped to and from the user's.
-            cell.controlling_tty = not cell.stdin and at_a_terminal()
+            cell.controlling_tty = not cell.stdin and at_a_terminal(io[0])
             # A cell that is not host root (mapped, process.user) could not reopen a file or pipe
             # of the user's that only its owner may write by path (/dev/stdout is /proc/self/fd/1,
             # a permission check on the inode): it writes a pipe of its own, pumped there, never capped.
             ids = cell.plan.cell_ids()
-            closed = [] if ids is None else [n for n in (1, 2) if _users_own(n) and not _reopenable(n, ids)]
+            closed = [] if ids is None else [n for n in (1, 2) if _users_own(io[n]) and not _reopenable(io[n], ids)]
             if cap is None and not cell.controlling_tty and not closed:
-                return (tuple(child) if cell.stdin else None), None
-            dst = {1: 1, 2: 2}
+                return _inherit(cell, child, owned, io), None
+            dst = {1: io[1], 2: io[2]}
         # A file, /dev/null or a pipe the user gave is theirs: the cell gets that very
         # descriptor (no pump, nothing to cap; 2>&1 stays one descriptor, in order).
-        direct = [] if cell.capture else [n for n in (1, 2) if _users_own(n) and n not in closed]
+        direct = [] if cell.capture else [n for n in (1, 2) if _users_own(io[n]) and n not in closed]
         if len(direct) == 2 and not cell.controlling_tty:
-            return (tuple(child) if cell.stdin else None), None
-        pump = _pump(cell, cap, child, dst, owned, direct, [] if cell.capture else closed)
+            return _inherit(cell, child, owned, io), None
+        pump = _pump(cell, cap, child, dst, owned, direct, [] if cell.capture else closed, io)
         _cell_owns(cell.plan, *{fd for fd in child if fd is not None and fd not in (0, 1, 2)})
-        return tuple(child), pump
+        return _inherit(cell, child, owned, io, True), pump
     except BaseException:
         for end in (cell.input, cell.terminal):  # one Input when a pty cell takes `stdin`: closing is idempotent
             if end is not None:
@@ -77,6 +83,19 @@ def stdio(cell) -> tuple:
         for fd in owned:
             os.close(fd)
         raise
+
+
+def _inherit(cell, child: list, owned: list, io: tuple, made: bool = False) -> tuple | None:
+    """The child's fds 0-2 where the empty places are the caller's: inherited from the controller (None), or
+    copies of a handed-over caller's descriptors (closed with the rest after the spawn: broker._launch).
+    `made`: `child` holds descriptors made for the cell (a pump's), returned even when nothing is inherited."""
+    if cell.caller_stdio is None:
+        return tuple(child) if made or cell.stdin else None
+    for n in (0, 1, 2):
+        if child[n] is None:
+            child[n] = os.dup(io[n])
+            owned.append(child[n])
+    return tuple(child)
 
 
 def close(cell) -> None:
@@ -104,25 +123,28 @@ def output_info(cell) -> dict:
     return out
 
 
-def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: list, closed: list = ()) -> object:
+def _pump(cell, cap: int | None, child: list, dst: dict, owned: list, direct: list, closed: list = (),
+          io: tuple = (0, 1, 2)) -> object:
     """The pump between the cell's pipes (or pty) and `dst`; fills `child` with the cell's ends.
-    `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped)."""
+    `closed`: the user's own descriptors pumped only because the cell could not reopen them (uncapped).
+    `io`: the caller's fds 0-2."""
     tape = None
     if cell.stream:
         d = cell.plan.cell_dir
         tape = Tape({"stdout": os.path.join(d, "stdout"), "stderr": os.path.join(d, "stderr"),
                      "tty": os.path.join(d, "stdout")})
-    ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(n)]
+    ttys = [] if cell.capture else [n for n in (1, 2) if os.isatty(io[n])]
     pump = Pump(cap, "pty" if ttys or cell.pty or cell.controlling_tty else "pipe", tape)
     pump.direct = ["stdout" if n == 1 else "stderr" for n in direct]
     try:
-        return _fill_pump(cell, pump, ttys, child, dst, owned, direct, closed)
+        return _fill_pump(cell, pump, ttys, child, dst, owned, direct, closed, io)
     except BaseException:
         pump.close()
         raise
 
 
-def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list, closed=()) -> object:
+def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, direct: list, closed=(),
+               io: tuple = (0, 1, 2)) -> object:
     if cell.pty is not None:
         # the cell's whole terminal: what it writes lands in the stdout file, stderr stays empty
         master, slave = _cell_pty(None, cell.pty, raw_output=False)
@@ -137,25 +159,25 @@ def _fill_pump(cell, pump, ttys: list, child: list, dst: dict, owned: list, dire
         owned.remove(dst[2])
         return pump
     if cell.controlling_tty:
-        master, slave = _cell_pty(0, raw_output=False, suspend=False)
+        master, slave = _cell_pty(io[0], raw_output=False, suspend=False)
         child[0] = slave
         for n in ttys:
             child[n] = slave
         owned.append(slave)
-        pump.add("tty", master, ttys[0] if ttys else 0)  # fd 0 of a terminal is open read-write
-        pump.terminal = UserTerminal(0, os.dup(master))
+        pump.add("tty", master, io[ttys[0] if ttys else 0])  # fd 0 of a terminal is open read-write
+        pump.terminal = UserTerminal(io[0], os.dup(master))
         pump.add_keys(pump.terminal, os.dup(master))
     elif ttys:
-        master, slave = _cell_pty(ttys[0])
+        master, slave = _cell_pty(io[ttys[0]])
         for n in ttys:
             child[n] = slave
         owned.append(slave)
-        pump.add("tty", master, ttys[0])
-    if not cell.capture and not ttys and not direct and _same_file(1, 2):
+        pump.add("tty", master, io[ttys[0]])
+    if not cell.capture and not ttys and not direct and _same_file(io[1], io[2]):
         r, w = os.pipe()  # one destination (2>&1 to a socket...): one pipe, so the order holds
         child[1] = child[2] = w
         owned.append(w)
-        pump.add("stdout", r, 1, capped=1 not in closed)
+        pump.add("stdout", r, io[1], capped=1 not in closed)
     for n, name in ((1, "stdout"), (2, "stderr")):
         if child[n] is None and n not in direct:
             r, w = os.pipe()  # both close-on-exec; the child dup2s w onto n

@@ -104,10 +104,12 @@ class Waiter:
             self.tree.term(sig)
             crashpoints.hit("cancel_grace")
 
-    def stop_now(self, reason: str) -> None:
-        """Kill the whole tree at once, no grace: the cell broke a limit. First reason wins."""
+    def stop_now(self, reason: str, why: str | None = None) -> None:
+        """Kill the whole tree at once, no grace: the cell broke a limit (or its caller died: `why`, the
+        receipt's cancel_reason). First reason wins."""
         if self.reason is None:
             self.reason = reason
+            self.cancel_reason = why
         self._kill_tree()
 
     def grace_until(self) -> float | None:
@@ -132,7 +134,8 @@ class Waiter:
         return now >= self._oom_at + OOM_SETTLE or (self.tree.oom_kills() or 0) > 0
 
     def wait(self, poll_wake=None) -> "Waiter":
-        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable.
+        """Block until the leader exits; `poll_wake()` is called when wake_fd is readable (and returns False
+        when wake_fd is to be watched no more: a closed connection stays readable).
 
         The same loop pumps the cell's output (if the role caps it) and watches
         the v1 OOM eventfd."""
@@ -159,7 +162,9 @@ class Waiter:
             events = p.poll(wait_ms)
             for fd, mask in events:
                 if fd == self.wake_fd and poll_wake:
-                    poll_wake()
+                    if poll_wake() is False:
+                        p.unregister(fd)
+                        self.wake_fd = None
                 elif fd == self.oom_fd:
                     self._on_oom()
                 elif fd in pumped:

@@ -17,18 +17,11 @@ import time
 from contextlib import suppress
 
 from ..errors import NoPermission, StateError, UsageError
+from .root import default_root  # noqa: F401 - its home; callers import it from here
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
-def default_root() -> str:
-    env = os.environ.get("AGNSUP_STATE_DIR")
-    if env:
-        return env
-    if os.geteuid() == 0:
-        return "/var/lib/agnsup"
-    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(xdg, "agnsup")
 
 
 def registry_dir() -> str:

@@ -235,11 +235,11 @@ class Supervisor:
                         self._cells.pop(key, None)
             waiter = r.waiter
             r.done.set()
+            if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
+                self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
             _after_result(waiter, later)
             if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
                 self._spares.refill()
-            if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path
-                self.ctl.tmp_spare.refill(plan)
             with self._guard:
                 self._threads.discard(threading.current_thread())
 

@@ -553,16 +553,21 @@ class Linger:
             proof = self._proofs.get(pod.dir)
             if proof is None or not proof.of(pod):
                 return False
-            if select.select([proof.pidfd], [], [], 0)[0]:  # it exited
+            p = select.poll()  # (not select(): a descriptor past 1023)
+            p.register(proof.pidfd, select.POLLIN)
+            if p.poll(0):  # it exited
                 del self._proofs[pod.dir]
                 proof.close()
                 return False
-            net = os.dup(proof.net)
+            try:
+                net = os.dup(proof.net)
+            except OSError:
+                return False  # out of descriptors: asked of the keeper, which says the same
             try:
                 us = os.dup(proof.us) if proof.us is not None else None
-            except BaseException:
+            except OSError:
                 os.close(net)
-                raise
+                return False
         pod.drop_held()
         object.__setattr__(pod, "_held", (net, us))
         return True

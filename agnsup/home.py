@@ -88,7 +88,8 @@ def _shared(plan) -> None:
 
 def _caches(plan) -> None:
     for host_dir, _, _ in plan.caches:  # filesystem.cache: kept between cells, under the state root
-        os.makedirs(host_dir, mode=0o700, exist_ok=True)
+        if not os.path.isdir(host_dir):  # one stat when it is there (makedirs: a stat, a failed mkdir, a stat)
+            os.makedirs(host_dir, mode=0o700, exist_ok=True)
         if plan.uid is not None:  # a mapped cell sees them through its id map: on-disk root is its root
             os.chown(host_dir, plan.uid, plan.gid)
 

@@ -271,10 +271,14 @@ def join(state, backend, run_id: str, agent_id: str, own_userns: bool = False,
     held = linger.take(d) if linger is not None else None
     if held is not None:  # a shared lock of ours: no teardown since, so pod.json is this pod's
         pod = _load(d)
-        if pod is not None and pod.alive(keep=True):
+        if pod is not None and (linger.proven(pod) or pod.alive(keep=True)):
+            linger.remember(pod)
             return _as_cell(Membership(pod=pod, fd=held, reused=True))
         os.close(held)  # its keeper died meanwhile: join like anyone (a new one is made)
-    return _as_cell(_join(d, path, backend, run_id, agent_id, own_userns, netns_owner))
+    m = _join(d, path, backend, run_id, agent_id, own_userns, netns_owner)
+    if linger is not None:
+        linger.remember(m.pod)
+    return _as_cell(m)
 
 
 def _join(d: str, path: str, backend, run_id: str, agent_id: str, own_userns: bool,
@@ -394,6 +398,8 @@ def leave(state, backend, m: Membership | None, forks: bool = False, linger: "Li
         if not _close_ports(state, d) and forks:
             linger.retry_ports(d)
         return []
+    if linger is not None:
+        linger.forget(d)
     os.close(m.fd)
     done = _teardown_if_free(backend, d)
     if not done:  # members live, or another controller's linger holds it: only its ports may close now
@@ -470,6 +476,26 @@ def _teardown_quietly(backend, d: str, state=None) -> None:
         pass  # left to the janitor's sweep
 
 
+class _Proof(Record):
+    """What proved a pod alive to a controller (Linger.remember): the keeper's record and pidfd, the namespaces'
+    inodes and copies of their descriptors as the keeper handed them out."""
+    keeper: dict
+    netns: int
+    userns: int | None
+    pidfd: int
+    net: int
+    us: int | None
+
+    def of(self, pod: Pod) -> bool:
+        return self.keeper == pod.keeper and self.netns == pod.netns and self.userns == pod.userns
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.net, self.us):
+            if fd is not None:
+                with suppress(OSError):
+                    os.close(fd)
+
+
 class Linger:
     """A controller of many cells' holds on pods whose last member cell left: at most one per pod (the last
     member's shared lock on pod.lock, close-on-exec, kept), let go LINGER s after it was taken and the pod
@@ -481,6 +507,77 @@ class Linger:
         self.backend, self.state = backend, state
         # ("linger", pod dir) -> the hold's fd; ("ports", pod dir) -> None: its ports' next retry
         self._due = Deadlines(self._fire, "agnsup-pod-linger")
+        # pod dir -> _Proof: what the keeper handed out when this controller last proved the pod alive (remember)
+        self._proofs: dict[str, _Proof] = {}
+        self._guard = threading.Lock()
+
+    def remember(self, pod: Pod) -> None:
+        """Keep what proved `pod` alive (its keeper's pidfd, checked against its identity, and copies of the
+        namespace descriptors the keeper handed out for the proof, which the joining cell takes: Pod.ns_fds), so
+        that this controller's next cell of the pod is proven without asking the keeper again (proven). Best
+        effort: nothing kept when the keeper's identity cannot be checked, or no proof is held."""
+        held = pod.__dict__.get("_held")
+        if held is None:
+            return
+        with self._guard:
+            old = self._proofs.get(pod.dir)
+            if old is not None and old.of(pod):
+                return
+        k = pod.keeper
+        fd = pidfd.open(k["pid"])
+        if fd is None:
+            return
+        ok, _ = pidfd.matches(fd, k["pid"], k.get("pidfd_ino"), k.get("starttime"))
+        if not ok:
+            os.close(fd)
+            return
+        net, us = held
+        proof = _Proof(keeper=dict(k), netns=pod.netns, userns=pod.userns, pidfd=fd,
+                       net=os.dup(net), us=os.dup(us) if us is not None else None)
+        with self._guard:
+            old, self._proofs[pod.dir] = self._proofs.get(pod.dir), proof
+            if old is not None:
+                old.close()
+
+    def proven(self, pod: Pod) -> bool:
+        """`pod` (pod.json as read now) is the one this controller proved alive (remember) and its keeper has not
+        exited since (its pidfd, a reference to that very process, is not readable): the pod is alive, and the
+        namespaces the keeper handed out then are its own (a keeper never changes them). Then the joining cell gets
+        copies of those (Pod.ns_fds), as the keeper's own answer would be: one ask of the keeper per pod and
+        controller, not one per cell. False (the caller asks the keeper: Pod.alive) for anything else: another
+        keeper or netns in pod.json, another boot, a keeper that exited."""
+        if pod.keeper.get("boot_id") != proc.boot_id():
+            return False
+        import select
+        with self._guard:  # forget closes them under it: never a copy of a number reused meanwhile
+            proof = self._proofs.get(pod.dir)
+            if proof is None or not proof.of(pod):
+                return False
+            p = select.poll()  # (not select(): a descriptor past 1023)
+            p.register(proof.pidfd, select.POLLIN)
+            if p.poll(0):  # it exited
+                del self._proofs[pod.dir]
+                proof.close()
+                return False
+            try:
+                net = os.dup(proof.net)
+            except OSError:
+                return False  # out of descriptors: asked of the keeper, which says the same
+            try:
+                us = os.dup(proof.us) if proof.us is not None else None
+            except OSError:
+                os.close(net)
+                return False
+        pod.drop_held()
+        object.__setattr__(pod, "_held", (net, us))
+        return True
+
+    def forget(self, d: str) -> None:
+        """The pod in `d` is no longer this controller's to prove from memory (its hold let go, torn down)."""
+        with self._guard:
+            proof = self._proofs.pop(d, None)
+            if proof is not None:
+                proof.close()
 
     def keep(self, d: str, fd: int) -> bool:
         """Keep `fd` (a shared lock on the pod's pod.lock) as the hold on the pod in `d`; False (the caller
@@ -505,6 +602,10 @@ class Linger:
     def close(self) -> list[dict]:
         """Let go of every hold at once and tear each pod down that is free (the controller's close)."""
         items: list[dict] = []
+        with self._guard:
+            for proof in self._proofs.values():
+                proof.close()
+            self._proofs = {}
         for (kind, d), fd in self._due.close().items():
             if kind == "linger":
                 os.close(fd)
@@ -519,6 +620,7 @@ class Linger:
                 self.retry_ports(d)
             return
         self._due.pop(("ports", d))
+        self.forget(d)
         os.close(fd)
         _teardown_quietly(self.backend, d, self.state)
         if os.path.isdir(d):  # a fork's copy of the hold, for an instant: once more (leave's retry)

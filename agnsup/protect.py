@@ -400,8 +400,15 @@ def start(plan) -> dict:
     found = scan(wt)
     snap = {"worktree": wt, "baseline": as_plan(found), "digests": digests(wt, found, lifted) if lifted else {},
             "lifted": list(lifted)}
-    with open(os.path.join(plan.cell_dir, "protect-start.json"), "w") as f:
-        json.dump(snap, f)
+    # the same bytes json.dump wrote, through the C encoder (json.dump is the pure-Python one) and one write
+    fd = os.open(os.path.join(plan.cell_dir, "protect-start.json"),
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        data = json.dumps(snap).encode()
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
     return snap
 
 

@@ -142,6 +142,8 @@ class Supervisor:
         # after the controller's lock is held: the janitor sweeps only a dead controller's
         from .store import spares
         self._spares = spares.start(self.state.path, self.ctl.id, broker.spare_files())
+        from .process.leader import TmpSpare
+        self.ctl.tmp_spare = TmpSpare()  # the next cell's /tmp tmpfs, made after a cell's result (process/leader.py)
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
@@ -228,6 +230,7 @@ class Supervisor:
     def _supervise(self, r: _Running) -> None:
         from .tool import ended, said_lines
         key = (r.cell.spec.run_id, r.cell.spec.cell_id)
+        plan = r.cell.plan
         later: list = []  # what finish left for after the result (Controller.finish)
         try:
             if r.cell.waiting:
@@ -266,6 +269,8 @@ class Supervisor:
                         self._cells.pop(key, None)
             waiter = r.waiter
             r.done.set()
+            if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
+                self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
             _after_result(waiter, later)
             if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
                 self._spares.refill()
@@ -485,6 +490,8 @@ class Supervisor:
                 t.join(5)
         if self._spares is not None:  # before the controller ends: a crash in between leaves them to the janitor
             self._spares.close()
+        if self.ctl.tmp_spare is not None:
+            self.ctl.tmp_spare.close()
         self.ctl.close()
         self._forker.close()
 

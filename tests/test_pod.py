@@ -5,6 +5,7 @@ one a killed controller left behind goes with the janitor or `agnsup cleanup`. A
 keeps a namespace per cell."""
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -496,9 +497,10 @@ def test_a_sigkilled_supervisors_lingering_pod_is_removed_by_the_janitor(agnsup,
 def test_a_cell_joining_a_lingering_pod_asks_its_keeper_once_and_lands_in_the_pods_namespace(state, trees,
                                                                                              monkeypatch):
     """The namespaces the keeper hands out for the join's proof that the pod is alive are the ones the cell joins
-    (Pod.alive(keep=True), Pod.ns_fds): one ask a cell, and the cell's network namespace is the pod's recorded one.
-    A keeper replaced behind pod.json is no pod (its netns inode differs): the cell gets a new pod, never that
-    namespace."""
+    (Pod.alive(keep=True), Pod.ns_fds), and the controller keeps that proof (Linger.remember): its later cells of the
+    pod ask the keeper no more while it has not exited (Linger.proven), and land in the pod's recorded network
+    namespace. A keeper replaced behind pod.json is no pod (its netns inode differs): the cell gets a new pod, never
+    that namespace."""
     from agnsup.process import keeper
     srv, _ = trees
     monkeypatch.setattr(pods, "LINGER", 600.0)
@@ -511,7 +513,7 @@ def test_a_cell_joining_a_lingering_pod_asks_its_keeper_once_and_lands_in_the_po
         asked.clear()
         r = sup.run(["readlink", "/proc/self/ns/net"], run_id="once", agent_id="a", workdir=srv, capture=True)
         assert r["exit_code"] == 0 and r["stdout"].strip() == f"net:[{pod['netns']}]", r
-        assert len(asked) == 1, asked
+        assert asked == [], asked  # proven by the first cell's ask (Linger.proven)
         # pod.json names a netns the keeper does not hand out: not alive, so a new pod (another keeper)
         path = os.path.join(pods.pod_dir(state, "once", "a"), "pod.json")
         with open(path, "w") as f:
@@ -520,5 +522,30 @@ def test_a_cell_joining_a_lingering_pod_asks_its_keeper_once_and_lands_in_the_po
         # (not "another inode than before": the old keeper is torn down with its pod, and the kernel may give
         # the new namespace the number the old one freed, as it did once in CI's parallel run)
         new = _pod_json(state, "once", "a")
+        assert new["keeper"]["pid"] != pod["keeper"]["pid"], (new, pod)
+        assert r["exit_code"] == 0 and r["stdout"].strip() == f"net:[{new['netns']}]", r
+
+
+def test_a_keeper_that_died_between_two_cells_is_no_proof_the_next_cell_gets_a_new_pod(state, trees, monkeypatch):
+    """What a controller remembers of a pod's proof (Linger.remember) holds only while the keeper it proved has not
+    exited: a keeper SIGKILLed between two cells of its agent (the pod lingering, its hold still the controller's)
+    gives the next cell a new pod and keeper, never the dead one's namespace. Checked to fail with Linger.proven's
+    look at the keeper's pidfd taken out (the cell then joins the old keeper's namespace, which the remembered
+    descriptors kept)."""
+    srv, _ = trees
+    monkeypatch.setattr(pods, "LINGER", 600.0)
+    with Supervisor(state) as sup:
+        for _ in range(2):  # the second cell: proven from memory
+            r = sup.run(["true"], run_id="kk", agent_id="a", workdir=srv)
+            assert r["exit_code"] == 0, r
+        pod = _pod_json(state, "kk", "a")
+        fd = os.pidfd_open(pod["keeper"]["pid"])
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            select.select([fd], [], [], 10)
+        finally:
+            os.close(fd)
+        r = sup.run(["readlink", "/proc/self/ns/net"], run_id="kk", agent_id="a", workdir=srv, capture=True)
+        new = _pod_json(state, "kk", "a")
         assert new["keeper"]["pid"] != pod["keeper"]["pid"], (new, pod)
         assert r["exit_code"] == 0 and r["stdout"].strip() == f"net:[{new['netns']}]", r

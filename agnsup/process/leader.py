@@ -38,7 +38,7 @@ class Child(Record):
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
-          netns_fd: int | None = None) -> Child:
+          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -47,11 +47,12 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     (process/forkserver.py), not in this threaded process; None: forked here (a one-cell controller).
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
-    namespace a normal user's cell joins instead of making its own); spawn closes them."""
+    namespace a normal user's cell joins instead of making its own); spawn closes them. `tmp_spare`: the
+    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready."""
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place, netns_fd, pod_userns)
+        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare)
     except BaseException as e:
         for fd in (netns_fd, pod_userns):
             if fd is not None:
@@ -360,7 +361,8 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
         SetupError(f"cell setup failed at step {step!r}: {e.strerror or e}", step=step, errno=e.errno)
 
 
-def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None) -> Setup:
+def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None,
+             tmp_spare: "TmpSpare | None" = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
     # first: closed whatever fails below
     s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns,
@@ -376,7 +378,7 @@ def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int 
     if plan.mapped is not None:
         s.userns_fd = namespaces.cell_userns()
     if plan.tmp_tmpfs:
-        s.premade = {"tmp": make_tmp(plan)}
+        s.premade = {"tmp": make_tmp(plan, tmp_spare)}
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
@@ -404,29 +406,103 @@ def _close_setup(s: Setup, forked: bool = False) -> None:
         s.egress.after_fork() if forked else s.egress.close()
 
 
-def make_tmp(plan) -> int:
+def make_tmp(plan, spare: "TmpSpare | None" = None) -> int:
     """The cell's /tmp: a tmpfs of limits.tmp_max (off the state root's disk; a write past it fails
     with ENOSPC), owned by the cell's ids, filled with a copy of the staging tmpdir the broker made
     (HOME, @runtime links, cache mount points); a detached mount the child attaches at /tmp. Made here,
-    in the controller, so the controller can still measure it once the cell's namespace is gone."""
-    ids = plan.cell_ids()
-    opts = {"size": str(plan.limits["tmp_max"]), "mode": "1777"}
-    if ids is not None:
-        opts.update(uid=str(ids[0]), gid=str(ids[1]))
-    fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+    in the controller, so the controller can still measure it once the cell's namespace is gone.
+    `spare`: a controller of many cells' TmpSpare: its tmpfs made ahead with exactly these entries, if it has
+    one, instead of a new one (then only the staging tmpdir is merged into it, as below)."""
+    key = _tmp_key(plan)
+    fd = spare.take(key) if spare is not None else None
+    if fd is None:
+        fd = _new_tmp(key)
     try:
-        _fill_tmp(plan, fd, ids)
+        from ..linux import mounts
+        mounts.copy_tree(plan.tmpdir, fd, merge=True)  # what home.make staged on disk for a mount step too
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _fill_tmp(plan, fd: int, ids: tuple | None) -> None:
+def _tmp_key(plan) -> tuple:
+    """Everything a cell's new /tmp tmpfs is made from before the staging tmpdir is merged: its size, owner and
+    entries (tmp_entries: every path, mode, link target and file content; the modes carry the umask)."""
+    return (str(plan.limits["tmp_max"]), plan.cell_ids(), tuple(tmp_entries(plan)))
+
+
+def _new_tmp(key: tuple) -> int:
+    size, ids, entries = key
+    opts = {"size": size, "mode": "1777"}
+    if ids is not None:
+        opts.update(uid=str(ids[0]), gid=str(ids[1]))
+    fd = lsys.fsmount_new("tmpfs", opts, lsys.MOUNT_ATTR_NOSUID | lsys.MOUNT_ATTR_NODEV)
+    try:
+        _fill_tmp(entries, fd, ids)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class TmpSpare:
+    """A controller of many cells (the Supervisor) makes the next cell's /tmp tmpfs ahead, after a cell's result
+    and off the request's path: a new tmpfs (never one a cell had: each is taken once, by one cell) filled from
+    that cell's key (_tmp_key: size, owner, every entry and its content). A cell takes it only when its own key,
+    computed from its own plan at its start, is equal: a role, home config, tool file, umask or limit changed in
+    between gives another key, and the cell's tmpfs is made on its path as before. At most SLOTS keys are kept
+    (a controller serving several roles); `close` unmounts what is left (closing a detached mount's last
+    descriptor frees it; a killed controller's go with its descriptors)."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        import threading
+        self._guard = threading.Lock()
+        self._ready: dict[tuple, int] = {}  # key -> detached tmpfs, in the order made
+        self.closed = False
+
+    def take(self, key: tuple) -> int | None:
+        with self._guard:
+            return self._ready.pop(key, None)
+
+    def refill(self, plan) -> None:
+        """A tmpfs for the next cell with `plan`'s key, unless one is ready. Best effort: a failure makes none."""
+        if not getattr(plan, "tmp_tmpfs", False):
+            return
+        try:
+            key = _tmp_key(plan)
+            with self._guard:
+                if self.closed or key in self._ready:
+                    return
+            fd = _new_tmp(key)
+        except (OSError, ValueError):
+            return
+        drop = []
+        with self._guard:
+            if self.closed or key in self._ready:
+                drop.append(fd)
+            else:
+                self._ready[key] = fd
+                while len(self._ready) > self.SLOTS:
+                    drop.append(self._ready.pop(next(iter(self._ready))))
+        for old in drop:
+            os.close(old)
+
+    def close(self) -> None:
+        with self._guard:
+            self.closed = True
+            fds, self._ready = list(self._ready.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
+def _fill_tmp(entries, fd: int, ids: tuple | None) -> None:
     """The tmpfs's entries (tmp_entries: HOME, links, tool files, cache mount points), written straight into
-    it (home.make staged none of them on disk), then what else the broker put in the staging tmpdir (a
-    secret cell's CA files: broker._trust), merged."""
-    for e in tmp_entries(plan):
+    it (home.make staged none of them on disk); make_tmp then merges what else the broker put in the staging
+    tmpdir (a secret cell's CA files: broker._trust)."""
+    for e in entries:
         kind, rel = e[0], e[1]
         if kind == "dir":
             os.mkdir(rel, e[2], dir_fd=fd)
@@ -442,6 +518,4 @@ def _fill_tmp(plan, fd: int, ids: tuple | None) -> None:
                 os.close(out)
         if ids is not None and kind != "link":  # home.make leaves its links the controller's, as made
             os.chown(rel, *ids, dir_fd=fd, follow_symlinks=False)
-    from ..linux import mounts
-    mounts.copy_tree(plan.tmpdir, fd, merge=True)  # what home.make staged on disk for a mount step too
 

@@ -190,7 +190,8 @@ class FakeProcesses:
         self.on_release = None
         self._pid = 5000
 
-    def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False, netns_fd=None) -> FakeChild:
+    def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False, netns_fd=None,
+              tmp_spare=None) -> FakeChild:
         def fork():
             if "spawn" in self.fail:
                 raise self.fail["spawn"]

@@ -67,10 +67,10 @@ def process_traits() -> dict:
     resource limits, and the environment agnsup itself reads (AGNSUP_POLICY_DIR, AGNSUP_CGROUP_BASE, ...;
     XDG_RUNTIME_DIR: systemd's bus). A serve whose own differ declines (the cell would differ from an
     in-process run's)."""
+    import resource  # a C module: no /proc read (only linux/proc.py reads /proc), nothing imported with it
     mask = os.umask(0o022)
     os.umask(mask)
-    with open("/proc/self/limits", "rb") as f:
-        limits = f.read().decode()
+    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in sorted(dir(resource)) if n.startswith("RLIMIT_")}
     env = {k: v for k, v in os.environ.items()
            if (k.startswith("AGNSUP_") and k not in NOT_CONTROLLER_ENV) or k == "XDG_RUNTIME_DIR"}
     return {"umask": mask, "limits": limits, "agnsup_env": env}

@@ -70,7 +70,8 @@ def process_traits() -> dict:
     import resource  # a C module: no /proc read (only linux/proc.py reads /proc), nothing imported with it
     mask = os.umask(0o022)
     os.umask(mask)
-    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in sorted(dir(resource)) if n.startswith("RLIMIT_")}
+    limits = {n: list(resource.getrlimit(getattr(resource, n)))
+              for n in sorted(dir(resource)) if n.startswith("RLIMIT_")}
     env = {k: v for k, v in os.environ.items()
            if (k.startswith("AGNSUP_") and k not in NOT_CONTROLLER_ENV) or k == "XDG_RUNTIME_DIR"}
     return {"umask": mask, "limits": limits, "agnsup_env": env}

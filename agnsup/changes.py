@@ -157,8 +157,8 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
                     continue
                 if owner is not None:
                     os.chown(p, *owner)
-                if p != d:  # the run's layers each in a block group of their own (a spare "dir" is made so)
-                    fs.spread(p)
+                if p != top and p != d:  # the run's layers each in a block group of their own (linux/fs.spread;
+                    fs.spread(p)         # a spare "dir" is made so)
             break
         except FileNotFoundError:  # a neighbour cell of the run that changed nothing took the run's directory
             if attempt == 2:       # as empty (_drop_layer) between two mkdir: it is made again

@@ -157,6 +157,8 @@ def prepare(state_root: str, run_id: str, cell_id: str, owner: tuple[int, int] |
                     continue
                 if owner is not None:
                     os.chown(p, *owner)
+                if p != top and p != d:  # the run's layers each in a block group of their own (linux/fs.spread;
+                    fs.spread(p)         # a spare "dir" is made so)
             break
         except FileNotFoundError:  # a neighbour cell of the run that changed nothing took the run's directory
             if attempt == 2:       # as empty (_drop_layer) between two mkdir: it is made again
@@ -277,15 +279,7 @@ def _write_json(path: str, data, sync: bool = False) -> None:
 
 
 def _read_json(path: str):
-    # os.open/read/close: 3 system calls where open() makes 9 (the janitor reads a marker per cell)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return json.loads(b"".join(chunks))
+    return json.loads(fs.read_bytes(path))  # 3 system calls where open() makes 9 (the janitor reads one a cell)
 
 
 def _lstat(path: str, dir_fd: int | None = None):

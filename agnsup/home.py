@@ -4,8 +4,23 @@ from __future__ import annotations
 import os
 from contextlib import suppress
 
+from .linux import fs
 from .store import spares
 from .process.helpers import tmp_entries as entries
+
+
+def _cell_dir(tmpdir: str) -> None:
+    """cells/<run>/<cell>/tmp made here (no spare): the run's directory, when made now, spread (linux/fs.spread), so
+    that each cell's directory and the files its path makes in it lie in an ext4 block group of their own."""
+    run = os.path.dirname(os.path.dirname(tmpdir))
+    if os.path.basename(tmpdir) == "tmp":
+        try:
+            os.makedirs(run)
+        except FileExistsError:
+            pass
+        else:
+            fs.spread(run)
+    os.makedirs(tmpdir)
 
 
 def make(plan) -> bool:
@@ -23,7 +38,7 @@ def make(plan) -> bool:
     claimed = os.path.basename(plan.tmpdir) == "tmp" and spares.claim("cell", os.path.dirname(plan.tmpdir))
     if getattr(plan, "tmp_tmpfs", False):
         if not claimed:
-            os.makedirs(plan.tmpdir)
+            _cell_dir(plan.tmpdir)
         else:  # a spare's tmp/ is there (one failed mkdir, no new inode), never missing
             with suppress(FileExistsError):
                 os.mkdir(plan.tmpdir)

@@ -286,3 +286,25 @@ def test_spawn_follow_through_serve_says_the_hint_as_run_does(agnsup, worktree, 
         assert cp.returncode == 1 and _last(cp.err).startswith(HINT), cp.err
     finally:
         s.close()
+
+
+
+def test_a_supervisors_pod_cells_count_what_each_added(state, worktree):
+    """The same through a Supervisor (its leaders are born in its fork server): two cells of an agent whose pod a
+    sleeping cell holds each try once and count one, not the pod's running total."""
+    from agnsup.supervisor import Supervisor
+    with Supervisor(state) as sup:
+        holder = sup.spawn(["sleep", "120"], run_id="hintsup", agent_id="a", cell_id="holder", workdir=worktree)
+        try:
+            for cell in ("first", "second"):
+                r = sup.run(["python3", "-c", CONNECT4], run_id="hintsup", agent_id="a", cell_id=cell,
+                            workdir=worktree)
+                assert r["exit_code"] == 1 and r["network_hint"].startswith(HINT), r
+                with open(os.path.join(state, "cells", "hintsup", cell, "receipt.json")) as f:
+                    receipt = json.load(f)
+                assert receipt["isolation"]["network_pod"] == "hintsup/a"
+                net = receipt["kernel_record"]["network"]
+                assert net["ipv4_no_route"] == 1, (cell, net)  # the first's try (before the second started) is not its
+        finally:
+            sup.cancel(cell_id=holder["cell_id"], run_id="hintsup")
+            sup.wait("hintsup", holder["cell_id"], timeout=30)

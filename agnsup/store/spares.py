@@ -141,6 +141,8 @@ class Maker:
                     os.mkdir(d, 0o700)
         except OSError:
             return  # no spares: every claim says no
+        from ..linux import fs
+        fs.spread(self.dir)  # each spare (a cell's, a layer's) in a block group of its own: linux/fs.spread
         while True:
             with self._wake:
                 while not self._stop and all(len(self.ready[k]) >= WANT[k] for k in KINDS):
@@ -158,6 +160,8 @@ class Maker:
                         _make(path, mode, children)
                     except OSError:
                         return  # a full or read-only disk: the cells make their own, as before
+                    if kind == "dir":  # a run's change-layer directory: its layers spread, as changes.prepare's
+                        fs.spread(path)
                     self.ready[kind].append(path)
 
     def _quiet(self) -> None:

@@ -4,8 +4,10 @@ decides: WARN over 1.25x, FAIL over 2x twice). Run by `scripts/bench guard` and 
 
     bench_guard.py AGNSUP --repo REPO [--rounds 60] [--seconds 30] [--least 20] [--record] [--only NAME,...]
 
-Ratios (each command timed once per round, the order reversed every other round, so a numerator and its
-floor see the same moments of a shared machine):
+Ratios (each command timed once per round, the order rotated by one each round, so a numerator and its
+floor see the same moments of a shared machine; not reversed: the command at both ends of a reversal runs twice
+in a row, and a cell right after its controller's previous cell pays that cell's after-result work, ~3 ms
+measured with the same code on both sides):
     run/python        `agnsup run -- true` (a process per call: interpreter, imports, policy, journal,
                       cgroups, namespaces, dead-man switch) over the same venv's `python -c pass`
     handoff/python    the same `agnsup run -- true` beside a running `agnsup serve` of its state root: handed to it
@@ -109,15 +111,16 @@ class Rig:
             raise RuntimeError(f"Supervisor cell of true: {r}")
 
     def rounds(self, names: list[str], n: int, seconds: float, least: int) -> dict[str, list[float]]:
-        """Milliseconds per command, interleaved: each round runs each command once, every other round in
-        reverse order; n rounds, or fewer (never under `least`) once `seconds` have passed (a loaded
+        """Milliseconds per command, interleaved: each round runs each command once, in an order rotated by one
+        from the last round's (no command twice in a row across a round's edge); n rounds, or fewer (never under `least`) once `seconds` have passed (a loaded
         machine: CI's cost stays bounded, the medians of 20+ rounds still stable)."""
         times: dict[str, list[float]] = {c: [] for c in names}
         end = time.monotonic() + seconds
         for i in range(n):
             if i >= least and time.monotonic() > end:
                 break
-            for c in (names if i % 2 == 0 else names[::-1]):
+            k = i % len(names)
+            for c in names[k:] + names[:k]:
                 t = time.perf_counter()
                 self.cmds[c]()
                 times[c].append((time.perf_counter() - t) * 1000)

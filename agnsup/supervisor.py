@@ -182,6 +182,14 @@ class Supervisor:
         up, as a signal to `agnsup run` does: it is not queued); `fd` and `on_wake(waiter, cell)`, the
         caller's connection, watched by the cell's wait loop (its signals; its end, the dead-man switch).
         `started(cell_id)`: once its command runs."""
+        # what `agnsup run` does before its cell (cli.md: a controller runs the janitor first): a controller
+        # that died since this serve started is recovered now, not at the serve's next start (~0.02 ms when
+        # none did); under the journal's lock: the recovery's transactions share the connection
+        from . import janitor
+        from .store import repair
+        with self.ctl.journal.lock:
+            janitor.on_start(self.state, self.ctl.journal)
+            repair.maybe_prune(self.state, self.ctl.journal)
         r, cell = self._start(argv, notify, caller, options)
         if started is not None:
             started(cell.spec.cell_id)

@@ -138,6 +138,30 @@ def test_with_keep_the_cell_outlives_its_caller_under_serve(agnsup, served, work
         agnsup("cancel", "--cell", "kp", "--grace", "0", check=0)
 
 
+def test_a_handed_over_run_recovers_what_a_controller_that_died_since_the_serve_started_left(agnsup, served,
+                                                                                              worktree):
+    """cli.md: a controller runs the janitor before anything else. A handed-over run's controller is the serve,
+    which ran it at its start: a cold `run` killed after that left a cell the next handed-over run recovers."""
+    p = subprocess.Popen([BIN, "run", "--cell", "orphan", "--on-controller-death", "keep", "--workdir", worktree, "--",
+                          "sleep", "300"], env={**agnsup.env, "AGNSUP_HANDOFF": "0"}, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        row = _running(agnsup, "orphan")
+        p.kill()
+        p.wait(30)
+        assert not _gone(row["pid"])  # keep: its tree outlives the dead controller, until a janitor runs
+        assert _run(agnsup, "--cell", "next", "--workdir", worktree, "--", "true")[0] == 0
+        assert _receipt(agnsup, "next")["controller"] == served.ready["controller"]  # handed over
+        assert _gone(row["pid"])
+        rec = _receipt(agnsup, "orphan")
+        assert rec["state"] == "recovered", rec
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        agnsup("janitor", check=0)
+
+
 def _journal(state):
     from agnsup.store.state import StateRoot
     return StateRoot(state).journal()

@@ -354,6 +354,43 @@ def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     assert any("k2" in json.dumps(x) for x in rec), rec
 
 
+def test_a_normal_users_run_is_handed_to_its_serve_and_its_cell_dies_with_the_caller(user):
+    """doors/handoff.py as a normal user: `run` beside the user's own serve is a client; the cell writes the
+    caller's descriptors, and SIGKILL to the caller ends the cell (the serve watches the connection)."""
+    wt = user.own_dir("wt-handoff")
+    srv = user.popen("serve", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        ready = json.loads(srv.stdout.readline() or "{}")
+        assert ready.get("ready"), f"serve did not start (exit {srv.poll()})"
+        cp = user("run", "--cell", "ho1", "--workdir", wt, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert (cp.returncode, cp.out, cp.err) == (3, "out\n", "err\n"), cp
+        (rec,) = user.json("receipts", "--cell", "ho1", "--json")
+        assert rec["controller"] == ready["controller"], rec  # handed over, not an in-process controller
+        caller = user.popen("run", "--cell", "ho2", "--workdir", wt, "--", "sleep", "300",
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: any(c["cell_id"] == "ho2" and c["state"] == "running" for c in user.json("ps", "--json")),
+                     what="cell ho2 running")
+            caller.send_signal(signal.SIGKILL)  # our own child, by its Popen
+            caller.wait(60)
+        finally:
+            if caller.poll() is None:
+                caller.kill()
+                caller.wait()
+        wait_for(lambda: user.json("receipts", "--cell", "ho2", "--json"), what="ho2's receipt")
+        (rec,) = user.json("receipts", "--cell", "ho2", "--json")
+        assert rec["reason"] == "controller_died" and rec["controller"] == ready["controller"], rec
+    finally:
+        srv.send_signal(signal.SIGTERM)  # our own child
+        try:
+            srv.wait(60)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+        srv.stdout.close()
+    wait_for(lambda: user.left() == [], what="nothing left in the user's subtree")
+
+
 def test_without_a_delegated_subtree_cells_still_run_and_each_missing_limit_names_the_fix(user):
     env = {k: v for k, v in user.env.items() if k != "AGNSUP_CGROUP_BASE"}
     cp = user("run", "--", "sh", "-c", "id -u", env=env)

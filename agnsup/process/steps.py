@@ -133,13 +133,14 @@ def _network_namespace(s: Setup) -> None:
 def _netns_watch(s: Setup) -> None:
     """The cell's network namespace exists: send it to the controller (SCM_RIGHTS), which holds it from the
     command's exec on, however soon the command ends: the network hint reads its counters. In a namespace
-    other cells share, the message is its counters now (the cell's share is what it adds)."""
+    other cells share, the message is its counters now (the cell's share is what it adds), as the kernel's text:
+    the controller parses it (netns.raw_here)."""
     if s.netns_watch is None:
         return
     try:  # evidence for a hint, never a reason for the cell not to run: the controller says what it lacks
         fd = proc.ns("net")
         try:
-            lsys.send_fds(s.netns_watch, netns.encode(netns.counters_here()) if s.netns_shared else b"1", [fd])
+            lsys.send_fds(s.netns_watch, netns.raw_here() if s.netns_shared else b"1", [fd])
         finally:
             os.close(fd)
     except OSError:

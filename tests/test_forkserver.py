@@ -122,3 +122,27 @@ def test_a_keep_cell_that_outlives_its_killed_fork_server_still_gets_its_own_exi
         sup.write_stdin("keep", "c1", b"go\n", eof=True)  # now it ends, unreaped by its dead server
         res = sup.wait("keep", "c1", timeout=30)
         assert res is not None and (res["state"], res["exit_code"]) == ("exited", 7), res
+
+
+# the signals steps "signals" sets to their defaults, and the bits of /proc/PID/status's SigIgn they take
+_DEFAULTED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGPIPE, signal.SIGTERM, signal.SIGCHLD,
+              signal.SIGXFSZ)
+
+
+def test_the_command_starts_with_default_signals_and_an_empty_mask_whatever_the_controller_had(state, worktree):
+    """A controller run under nohup (SIGHUP ignored) that blocks SIGTERM, and a fork server whose interpreter
+    ignores SIGPIPE and SIGXFSZ (Python's start-up): all of it crosses exec into the server, and none of it may
+    reach a cell's command (steps "signals", docs/isolation.md). Checked to fail with that step doing nothing."""
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # the forker thread inherits it
+    try:
+        with Supervisor(state) as sup:
+            r = sup.run(["grep", "-E", "^Sig(Ign|Blk):", "/proc/self/status"], workdir=worktree, run_id="sigs")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGHUP, old_hup)
+    assert r["exit_code"] == 0, r
+    got = {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in r["stdout"].splitlines())}
+    assert got["SigBlk"] == 0, r["stdout"]
+    ignored = [s.name for s in _DEFAULTED if got["SigIgn"] & (1 << (s - 1))]
+    assert ignored == [], r["stdout"]

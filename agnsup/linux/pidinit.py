@@ -46,6 +46,8 @@ import os
 import signal
 from contextlib import suppress
 
+import _signal
+
 from . import proc
 
 INIT_NAME = b"agnsup-init"
@@ -57,8 +59,9 @@ WAITED = (*FORWARDED, signal.SIGCHLD)
 
 
 def block_signals() -> None:
-    """Before forking the command: nothing is lost between the fork and sigwaitinfo."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
+    """Before forking the command: nothing is lost between the fork and sigwaitinfo. (The C module's
+    pthread_sigmask: the signal module's wraps its answer in enum members, Python a cell's init runs cold.)"""
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, WAITED)
 
 
 @functools.lru_cache(maxsize=1)

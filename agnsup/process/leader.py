@@ -211,6 +211,9 @@ def watches_netns(plan) -> bool:
     return bool(plan.new_netns) and plan.network in ("deny", "loopback")
 
 
+NETNS_MESSAGE = 1 << 16  # bytes of the leader's netns message: /proc/net/snmp and snmp6 are ~1.3 and ~3.2 KB
+
+
 def _hold_netns(child: Child) -> None:
     """Once the command executed: the cell's network namespace, which the child sent before the barrier
     (SCM_RIGHTS: already queued, whatever the cell did since; the fd in flight kept the namespace, and now
@@ -219,13 +222,13 @@ def _hold_netns(child: Child) -> None:
     if child.netns_watch is None:
         return
     try:
-        said, fds = lsys.recv_fds(child.netns_watch, wait=False)
+        said, fds = lsys.recv_fds(child.netns_watch, NETNS_MESSAGE, wait=False)  # a pod's: ~4.5 KB of text
         for extra in fds[1:]:
             os.close(extra)
         fd = fds[0] if fds else None
         if fd is not None:
             child.netns_fd = fd
-            child.netns_base = None if said == b"1" else netns.decode(said)
+            child.netns_base = None if said == b"1" else netns.from_raw(said)
         else:
             child.netns_why = "the cell sent no network namespace"
     except OSError as e:

@@ -21,6 +21,8 @@ SNMP6 = "Ip6InReceives                   \t0\nIp6OutNoRoutes                  \t
 def test_the_no_route_counters_are_read_from_the_kernels_text():
     assert netns.parse_counters(SNMP, SNMP6) == {"ipv4_no_route": 5, "ipv6_no_route": 3}
     assert netns.parse_counters("", "") == {"ipv4_no_route": 0, "ipv6_no_route": 0}
+    # a pod's leader sends the two files as they are (netns.raw_here); the controller parses them
+    assert netns.from_raw(SNMP.encode() + b"\0" + SNMP6.encode()) == {"ipv4_no_route": 5, "ipv6_no_route": 3}
 
 
 def test_what_a_cell_tried_is_the_delta_over_its_life():

@@ -464,3 +464,25 @@ def test_an_end_that_never_reached_its_receipt_lets_the_reserved_descriptor_go(w
     w.k.procs[cell.child.pid].exit(0)
     ctl.finish(cell, Waited())  # the end writes it as before (receipts.write opens it)
     assert os.path.exists(os.path.join(cell.plan.cell_dir, "receipt.json"))
+
+
+def test_the_reserved_receipt_file_is_never_truncated_open_and_a_leftover_is_emptied(w, monkeypatch, tmp_path):
+    """ext4 flushes a file truncated to size 0 at its close (auto_da_alloc): the receipt's file is opened without
+    O_TRUNC, at reserve and at the end; one found with content (never a cell's own) is emptied by reserve."""
+    from agnsup import receipts
+    flags, real = [], os.open
+    monkeypatch.setattr(os, "open", lambda p, f, *a, **k: (flags.append((str(p), f)), real(p, f, *a, **k))[1])
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    w.k.procs[cell.child.pid].exit(0)
+    ctl.finish(cell, Waited())
+    monkeypatch.setattr(os, "open", real)
+    mine = [f for p, f in flags if "receipt.json" in p]
+    assert mine and not [f for f in mine if f & os.O_TRUNC]
+    path = str(tmp_path / "receipt.json")
+    with open(receipts.reserved_name(path), "w") as f:
+        f.write("left over")
+    fd = receipts.reserve(path)
+    receipts.write(path, {"a": 1}, text='{"a": 1}', fd=fd)
+    with open(path) as f:
+        assert f.read() == '{"a": 1}\n'

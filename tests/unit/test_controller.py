@@ -481,7 +481,7 @@ def test_the_reserved_receipt_file_is_never_truncated_open_and_a_leftover_is_emp
     assert mine and not [f for f in mine if f & os.O_TRUNC]
     path = str(tmp_path / "receipt.json")
     with open(receipts.reserved_name(path), "w") as f:
-        f.write("left over")
+        f.write("left over by another writer, longer than the receipt")
     fd = receipts.reserve(path)
     receipts.write(path, {"a": 1}, text='{"a": 1}', fd=fd)
     with open(path) as f:

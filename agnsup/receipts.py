@@ -157,23 +157,13 @@ def reserve(path: str) -> int | None:
     """Make the file `write` will fill and rename, ahead of time: a controller calls it while the cell runs, so
     that the receipt's new inode is not made at the cell's end, on its caller's path (a new inode on a busy ext4
     without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Returns it open (empty) for
-    `write(fd=)`, or None. Best effort: write makes it when it is not there.
-
-    Not opened with O_TRUNC (nor truncated by write, which fills it from its start): ext4 marks a file truncated
-    to size 0 and, at its close, allocates its blocks and starts its writeback (auto_da_alloc, made for files
-    replaced by truncation): ~20-30 us at the end's close here, ~1 us without. The file is new, or a spare made
-    empty (store/spares.py); one that is not is emptied here, while the cell runs."""
+    `write(fd=)`, or None: the end then opens nothing, and truncates nothing (linux.fs.open_empty: ext4 would
+    flush it at its close). Best effort: write makes it when it is not there."""
+    from .linux.fs import open_empty
     try:
-        fd = os.open(_tmp(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        return open_empty(_tmp(path), 0o666, os.O_NOFOLLOW)
     except OSError:
         return None
-    try:
-        if os.fstat(fd).st_size:
-            os.ftruncate(fd, 0)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def discard_reserved(path: str) -> None:

@@ -479,6 +479,7 @@ def test_the_reserved_receipt_file_is_never_truncated_open_and_a_leftover_is_emp
     monkeypatch.setattr(os, "open", real)
     mine = [f for p, f in flags if "receipt.json" in p]
     assert mine and not [f for f in mine if f & os.O_TRUNC]
+    assert not [p for p, f in flags if f & os.O_TRUNC and os.path.basename(p) == "protect-start.json"]
     path = str(tmp_path / "receipt.json")
     with open(receipts.reserved_name(path), "w") as f:
         f.write("left over by another writer, longer than the receipt")

@@ -123,6 +123,7 @@ def signing_problem() -> str | None:
 
 
 HEAD_SIZE = 512  # the head is rewritten in place, padded to this size (a signed one takes ~230 bytes)
+_WROTE: dict[str, tuple[bytes, int]] = {}  # head path -> (the bytes this process last wrote there, their seq)
 
 
 def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int:
@@ -134,17 +135,23 @@ def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int
     process's death. Not a rename: ext4 flushes a file replaced by rename (auto_da_alloc), ~0.5 ms a
     transaction here."""
     import fcntl  # on the run path already (locks.py)
-    fd = os.open(head_path(state_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    path = head_path(state_dir)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = os.pread(fd, 4096, 0)  # also its size, up to 4096: what is past HEAD_SIZE is cut below
         if not force:
-            try:
-                cur = _parse(raw)
-            except ValueError:
-                cur = None  # garbage: verify says so until a writer replaces it
-            if cur is not None and cur["seq"] >= seq:
-                return cur["seq"]
+            wrote = _WROTE.get(path)
+            if wrote is not None and raw == wrote[0]:
+                now = wrote[1]  # the very bytes this process wrote last: no need to parse them again
+            else:
+                try:
+                    cur = _parse(raw)
+                except ValueError:
+                    cur = None  # garbage: verify says so until a writer replaces it
+                now = cur["seq"] if cur is not None else None
+            if now is not None and now >= seq:
+                return now
         head = {"seq": seq, "hash": hash_, "t": time.time()}
         key, err = _signer()
         if key is not None:
@@ -157,6 +164,7 @@ def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int
         os.pwrite(fd, data, 0)
         if len(raw) > len(data):  # a longer file (garbage, or another version's head): cut to this one
             os.ftruncate(fd, len(data))
+        _WROTE[path] = (data, seq)
         return seq
     finally:
         os.close(fd)

@@ -126,3 +126,20 @@ def test_a_head_file_longer_than_a_head_is_cut_to_it_at_the_next_write(j):
     j.add_event("test.short")
     assert os.path.getsize(path) == chain.HEAD_SIZE and chain.read_head(path)["seq"] == 6
     verified(j)
+
+
+def test_the_head_this_process_wrote_is_not_parsed_again_and_another_writers_is(j, monkeypatch):
+    """chain.write_head compares the file with the bytes it wrote last: the same bytes, the same seq; any other
+    bytes (another writer's head) are parsed, and a head past this writer's seq is never moved back."""
+    path = chain.head_path(os.path.dirname(j.path))
+    begin(j)
+    parsed, real = [], chain._parse
+    monkeypatch.setattr(chain, "_parse", lambda raw: (parsed.append(raw), real(raw))[1])
+    j.mark_running("R", "c1")
+    j.conclude_cell(receipt(), None)
+    assert parsed == [] and chain.read_head.__module__ and json.loads(open(path, "rb").read())["seq"] == 5
+    other = json.dumps({"seq": 100, "hash": "f" * 64, "t": 1.0}).encode().ljust(chain.HEAD_SIZE - 1) + b"\n"
+    with open(path, "r+b") as f:
+        f.write(other)  # another writer's (a cancel's) head, ahead of this one
+    j.add_event("test.after")
+    assert len(parsed) == 1 and open(path, "rb").read() == other  # parsed, and not moved back to seq 6

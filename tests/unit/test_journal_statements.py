@@ -137,9 +137,14 @@ def test_the_head_this_process_wrote_is_not_parsed_again_and_another_writers_is(
     monkeypatch.setattr(chain, "_parse", lambda raw: (parsed.append(raw), real(raw))[1])
     j.mark_running("R", "c1")
     j.conclude_cell(receipt(), None)
-    assert parsed == [] and chain.read_head.__module__ and json.loads(open(path, "rb").read())["seq"] == 5
+    assert parsed == [] and json.loads(_bytes(path))["seq"] == 5
     other = json.dumps({"seq": 100, "hash": "f" * 64, "t": 1.0}).encode().ljust(chain.HEAD_SIZE - 1) + b"\n"
     with open(path, "r+b") as f:
         f.write(other)  # another writer's (a cancel's) head, ahead of this one
     j.add_event("test.after")
-    assert len(parsed) == 1 and open(path, "rb").read() == other  # parsed, and not moved back to seq 6
+    assert len(parsed) == 1 and _bytes(path) == other  # parsed, and not moved back to seq 6
+
+
+def _bytes(path):
+    with open(path, "rb") as f:
+        return f.read()

@@ -141,6 +141,7 @@ def write_head(state_dir: str, seq: int, hash_: str, force: bool = False) -> int
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = os.pread(fd, 4096, 0)  # also its size, up to 4096: what is past HEAD_SIZE is cut below
         if not force:
+            now: int | None
             wrote = _WROTE.get(path)
             if wrote is not None and raw == wrote[0]:
                 now = wrote[1]  # the very bytes this process wrote last: no need to parse them again

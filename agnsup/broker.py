@@ -96,6 +96,7 @@ class Cell(Record):
     authority: object = None     # egress.ca.Authority: the controller's CA, when the cell has secrets
     secret_summary: list | None = None  # the receipt's `secrets` section, once the proxy stopped
     scrubbed: dict | None = None  # {secret name: values masked in its capture files}, once it ended
+    receipt_fd: int | None = None  # its receipt's file, made and opened while it runs (receipts.reserve)
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -305,7 +306,7 @@ class Controller:
             crashpoints.hit("after_exec")
             cell.cancelled_starting = self.journal.mark_running(spec.run_id, spec.cell_id)
             # the receipt file's inode while the command runs, not at its end (receipts.reserve)
-            receipts.reserve(os.path.join(plan.cell_dir, "receipt.json"))
+            cell.receipt_fd = receipts.reserve(os.path.join(plan.cell_dir, "receipt.json"))
         except AgnsupError as e:
             self.fail(cell, e)
             raise
@@ -527,6 +528,14 @@ class Controller:
         changes.prune_after(self.state, self.journal, cell.changes, cell.plan.changes)
         return receipt
 
+    @staticmethod
+    def drop_reserve(cell: Cell) -> None:
+        """Close the receipt's reserved file when the cell's end never reached its receipt (an error in
+        `finish`): the empty file stays for the janitor (receipts.discard_reserved), the descriptor goes."""
+        fd, cell.receipt_fd = cell.receipt_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def _close_fds(self, cell: Cell) -> None:
         if cell.plan is not None and cell.plan.egress is not None and cell.network is None:  # the proxy's records
             from . import egress
@@ -554,8 +563,9 @@ class Controller:
         receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
         text = receipts.dumps(receipt)  # one encoding for the file and the journal's row
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
+        fd, cell.receipt_fd = cell.receipt_fd, None
         try:
-            receipts.write(path, receipt, text=text)
+            receipts.write(path, receipt, text=text, fd=fd)
         except OSError:
             path = None
         ends = self.id if self.one_cell and self._registered else None  # its one cell concluded: so is the controller

@@ -104,16 +104,15 @@ def _pending(state_root: str, run_id: str, record_id: str) -> str:
 def _mark_pending(state_root: str, run_id: str, record_id: str, meta: dict | None = None,
                   owner: tuple[int, int] | None = None) -> None:
     p = _pending(state_root, run_id, record_id)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
     if owner is None:  # a controller of many cells' spare file (store/spares.py): then the open finds it
         spares.claim("f600", p)
     try:
-        fd = os.open(p, flags, 0o600)
+        fd = fs.open_empty(p, 0o600)  # no flush at its close (its content matters after a controller's crash)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
         if owner is not None:
             os.chown(os.path.dirname(p), *owner)
-        fd = os.open(p, flags, 0o600)
+        fd = fs.open_empty(p, 0o600)
     try:
         if meta:  # not fsynced: it matters after a crash of the controller, not of the machine
             os.write(fd, json.dumps(meta, separators=(",", ":")).encode())

@@ -34,6 +34,8 @@ import os
 import stat as stat_mod
 from contextlib import suppress
 
+from .linux import fs
+
 # Worktree-relative paths sandbox-runtime refuses writes to (a worktree that is a home has
 # the shell's start-up files in it; .gitconfig is read as ~/.gitconfig there).
 TOP = (".gitconfig", ".gitmodules", ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile", ".ripgreprc",
@@ -401,8 +403,7 @@ def start(plan) -> dict:
     snap = {"worktree": wt, "baseline": as_plan(found), "digests": digests(wt, found, lifted) if lifted else {},
             "lifted": list(lifted)}
     # the same bytes json.dump wrote, through the C encoder (json.dump is the pure-Python one) and one write
-    fd = os.open(os.path.join(plan.cell_dir, "protect-start.json"),
-                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    fd = fs.open_empty(os.path.join(plan.cell_dir, "protect-start.json"), 0o666)  # no flush at its close
     try:
         data = json.dumps(snap).encode()
         while data:

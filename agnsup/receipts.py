@@ -153,15 +153,17 @@ def _tmp(path: str) -> str:
 reserved_name = _tmp  # what reserve makes (a controller's cell spare holds it: broker.spare_files)
 
 
-def reserve(path: str) -> None:
+def reserve(path: str) -> int | None:
     """Make the file `write` will fill and rename, ahead of time: a controller calls it while the cell runs, so
     that the receipt's new inode is not made at the cell's end, on its caller's path (a new inode on a busy ext4
-    without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Best effort: write makes it when
-    it is not there."""
+    without a journal waited ~0.4 ms here, an existing file's rewrite ~0.07). Returns it open (empty) for
+    `write(fd=)`, or None: the end then opens nothing, and truncates nothing (linux.fs.open_empty: ext4 would
+    flush it at its close). Best effort: write makes it when it is not there."""
+    from .linux.fs import open_empty
     try:
-        os.close(os.open(_tmp(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666))
+        return open_empty(_tmp(path), 0o666, os.O_NOFOLLOW)
     except OSError:
-        pass
+        return None
 
 
 def discard_reserved(path: str) -> None:
@@ -180,27 +182,40 @@ def discard_reserved(path: str) -> None:
                 pass
 
 
-def write(path: str, receipt: dict, compact: bool = False, text: str | None = None) -> None:
+def write(path: str, receipt: dict, compact: bool = False, text: str | None = None, fd: int | None = None) -> None:
     """Atomically. `compact`: one line, through the C encoder (indenting is pure
     Python: ~100 ms for a recovery receipt of 1,000 processes). `text`: the
-    receipt already encoded (dumps), written as it is."""
+    receipt already encoded (dumps), written as it is. `fd`: what reserve(path)
+    returned, written into and closed here, whatever happens."""
     tmp = _tmp(path)  # reserve() may have made it: then rewritten, not created
     if text is None:
         text = (json.dumps(receipt, sort_keys=True, separators=(",", ":")) if compact else
                 json.dumps(receipt, indent=2, sort_keys=True))
+    if fd is not None:  # reserve's, empty: written from its start
+        try:
+            _fill(fd, text)
+            os.replace(tmp, path)
+            return
+        except FileNotFoundError:
+            pass  # its file was removed meanwhile: made again below
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o666)
     except FileNotFoundError:  # its directory first (a cell's exists: its output files are in it)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(tmp, flags, 0o666)
+    _fill(fd, text)
+    os.replace(tmp, path)
+
+
+def _fill(fd: int, text: str) -> None:
+    """`text` and a newline into the open file `fd`, which is closed here."""
     try:
         data = (text + "\n").encode()
         while data:
             data = data[os.write(fd, data):]
     finally:
         os.close(fd)
-    os.replace(tmp, path)
 
 
 _RESOURCE = {"memory_max": "memory", "pids_max": "pids", "cpu_weight": "cpu", "cpu_max": "cpu"}

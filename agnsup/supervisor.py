@@ -260,6 +260,8 @@ class Supervisor:
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits
             r.error = e
         finally:
+            if r.cell is not None:  # an end that never reached the receipt: its reserved file's descriptor
+                self.ctl.drop_reserve(r.cell)
             with r.lock:
                 if r.group_fd is not None:
                     os.close(r.group_fd)

@@ -73,6 +73,7 @@ class Journal:
         self.path = path
         self._pending: list[tuple[str, tuple]] = []  # (table, row) this transaction inserted: chained before COMMIT
         self._anchor = 0  # the newest head seq this process saw on disk (chain.py: each record carries it)
+        self._sha = chain.sha256  # checkpoint_behind: OpenSSL's, for a controller of many cells
         self.lock = None  # a threading.RLock when one connection serves many threads (serve)
         self._checkpointer: _Checkpointer | None = None  # checkpoint_behind(): a controller of many cells
         self._quiet_checkpoint = False  # checkpoint_in_quiet_commits(): a one-cell controller
@@ -169,6 +170,10 @@ class Journal:
         if self._checkpointer is None:
             self.db.execute(f"PRAGMA wal_autocheckpoint = {WAL_PAGES * 4}")
             self._checkpointer = _Checkpointer(self.path)
+            # the chain's digests by OpenSSL (the same SHA-256, ~5x faster on a receipt's row): a controller of
+            # many cells pays hashlib's import (libcrypto, ~4 ms; a Supervisor has it already) once, not per cell
+            from hashlib import sha256
+            self._sha = sha256
 
     def checkpoint_in_quiet_commits(self) -> None:
         """A one-cell controller (`agnsup run`, whose process has no thread to spare: one in an fsync would hold
@@ -184,19 +189,28 @@ class Journal:
 
     def _chain(self) -> tuple[int, str]:
         """One chain row per row this transaction inserted (one SELECT, one INSERT); the new (seq, hash)."""
-        last = self.db.execute("SELECT seq, hash FROM chain ORDER BY seq DESC LIMIT 1").fetchone()
+        pending, self._pending = self._pending, []
+        rows = self._links(self.db.execute(_CHAIN_END).fetchone(), pending)
+        self._insert_chain(rows)
+        return rows[-1][0], rows[-1][4]
+
+    def _links(self, last, pending: list) -> list[tuple]:
         seq, prev = (last[0], last[1]) if last else (0, chain.ZERO)
         # never past the chain's end: a head seen before `journal repair` restarted the chain belongs to the old one
-        anchor = min(self._anchor, seq)
+        anchor, sha = min(self._anchor, seq), self._sha
         rows = []
-        for tbl, content in self._pending:
-            h = chain.link(prev, tbl, anchor, content)
+        for tbl, content in pending:
+            h = chain.link(prev, tbl, anchor, content, sha)
             seq += 1
             rows.append((seq, tbl, content[0], prev, h, anchor))
             prev = h
-        self._pending = []
-        self.db.executemany("INSERT INTO chain(seq, tbl, row, prev, hash, anchor) VALUES (?,?,?,?,?,?)", rows)
-        return seq, prev
+        return rows
+
+    def _insert_chain(self, rows: list[tuple]) -> None:
+        if len(rows) > _CHAIN_ROWS_AT_ONCE:  # a migration's first chaining: SQLite's bound on variables
+            self.db.executemany("INSERT INTO chain(seq, tbl, row, prev, hash, anchor) VALUES (?,?,?,?,?,?)", rows)
+        else:
+            self.db.execute(_CHAIN_INSERT[len(rows) - 1], [v for row in rows for v in row])
 
     def _write_head(self, seq: int, hash_: str, force: bool = False) -> None:
         """After COMMIT (crash point `chain.head` between the two: verify says "not yet anchored"). A head that
@@ -257,6 +271,20 @@ class Journal:
         cur = db.execute("INSERT INTO events(t, run_id, cell_id, kind, data) VALUES (?,?,?,?,?)", row)
         self._pending.append(("events", (cur.lastrowid, *row)))
 
+    def event_rows(self, db, items: list[tuple[str, str | None, str | None, dict]]) -> None:
+        """Several events, (kind, run_id, cell_id, data) each, in the order given, by one INSERT: its rows get
+        consecutive ids in that order (an INTEGER PRIMARY KEY's new rowid is one past the largest, row after
+        row), the last of them lastrowid."""
+        if len(items) == 1 or len(items) > _CHAIN_ROWS_AT_ONCE:
+            for kind, run_id, cell_id, data in items:
+                self.event(db, kind, run_id, cell_id, **data)
+            return
+        rows = [(time.time(), run_id, cell_id, kind, json.dumps(data) if data else None)
+                for kind, run_id, cell_id, data in items]
+        cur = db.execute(_EVENTS_INSERT[len(rows) - 1], [v for row in rows for v in row])
+        first = cur.lastrowid - len(rows) + 1
+        self._pending.extend(("events", (first + i, *row)) for i, row in enumerate(rows))
+
     def add_event(self, kind: str, run_id=None, cell_id=None, **data) -> None:
         """One event in a transaction of its own."""
         with self.tx() as db:
@@ -293,26 +321,29 @@ class Journal:
         with self.tx() as db:
             if controller is not None:
                 self.register_controller(controller, db)
-            run = db.execute("SELECT state FROM runs WHERE run_id=?", (run_id,)).fetchone()
+            # the run's state and whether the cell id was ever used, in one statement
+            run, used = db.execute("SELECT (SELECT state FROM runs WHERE run_id=:r), EXISTS (SELECT 1 FROM cells "
+                                   "WHERE run_id=:r AND cell_id=:c) OR EXISTS (SELECT 1 FROM pruned WHERE "
+                                   "run_id=:r AND cell_id=:c)", {"r": run_id, "c": cell_id}).fetchone()
+            if run == "cancelled":
+                raise RunNotActive(f"run {run_id!r} was cancelled; it accepts no new cells (use another --run-id)")
+            if used:
+                raise RunNotActive(f"cell {cell_id!r} already exists in run {run_id!r}; cell ids are never reused")
+            evs: list = []
             if run is None:
                 db.execute("INSERT INTO runs(run_id, state, created_at) VALUES (?, 'active', ?)",
                            (run_id, row["created_at"]))
-            elif run["state"] == "cancelled":
-                raise RunNotActive(f"run {run_id!r} was cancelled; it accepts no new cells (use another --run-id)")
-            elif run["state"] != "active":
-                self._move_run(db, run_id, run["state"], "active", ended_at=None)
-                self.event(db, "run.reopened", run_id, cell_id, was=run["state"])
-            if db.execute("SELECT 1 FROM cells WHERE run_id=? AND cell_id=? UNION ALL "
-                          "SELECT 1 FROM pruned WHERE run_id=? AND cell_id=?", (run_id, cell_id) * 2).fetchone():
-                raise RunNotActive(f"cell {cell_id!r} already exists in run {run_id!r}; cell ids are never reused")
+            elif run != "active":
+                self._move_run(db, run_id, run, "active", ended_at=None)
+                evs.append(("run.reopened", run_id, cell_id, {"was": run}))
             if admit is not None:
                 admit(self._quota_usage(db, run_id, row["agent_id"], row["created_at"]))
             cols = ", ".join(row)
             db.execute(f"INSERT INTO cells({cols}, state) VALUES ({', '.join(':' + k for k in row)}, :state)",
                        {**row, "state": state})
-            for st in trace:
-                self.event(db, "stage." + st["stage"], run_id, cell_id, **st)
-            self.event(db, "state." + state, run_id, cell_id)
+            evs += [("stage." + st["stage"], run_id, cell_id, st) for st in trace]
+            evs.append(("state." + state, run_id, cell_id, {}))
+            self.event_rows(db, evs)
 
     def _mark(self, run_id: str, cell_id: str, state: str) -> None:
         with self.tx() as db:
@@ -839,6 +870,14 @@ class Journal:
 
 
 WAL_PAGES = 256  # the auto-checkpoint's bound (Journal.__init__)
+# the chain's and the events' INSERTs of 1..N rows as one statement each (the same text every time: SQLite's
+# statement cache, 128 per connection, keeps each prepared); more rows go by executemany (6 variables a row)
+_CHAIN_ROWS_AT_ONCE = 16
+_CHAIN_END = "SELECT seq, hash FROM chain ORDER BY seq DESC LIMIT 1"
+_CHAIN_INSERT = ["INSERT INTO chain(seq, tbl, row, prev, hash, anchor) VALUES " + ",".join(["(?,?,?,?,?,?)"] * n)
+                 for n in range(1, _CHAIN_ROWS_AT_ONCE + 1)]
+_EVENTS_INSERT = ["INSERT INTO events(t, run_id, cell_id, kind, data) VALUES " + ",".join(["(?,?,?,?,?)"] * n)
+                  for n in range(1, _CHAIN_ROWS_AT_ONCE + 1)]
 CHECKPOINT_EVERY = 20  # commits of a controller of many cells between its background checkpoints (~4 cells)
 
 

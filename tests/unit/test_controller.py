@@ -412,3 +412,78 @@ def test_the_calls_timeout_bounds_a_queued_cells_lock_wait_and_the_error_names_t
                                           r"timeout bounds its lock wait\)"):
         ctl.resume(queued)
     assert ctl.journal.cell_state("R", "c2") == "failed"
+
+
+def _points_at(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        return None
+
+
+def test_the_end_writes_the_receipt_through_the_descriptor_reserved_while_the_cell_ran(w, monkeypatch):
+    """receipts.reserve returns its file open; the end fills it through that descriptor (no open, no truncate on
+    the end's path), closes it, and renames it into place: the same bytes as the journaled row."""
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    fd = cell.receipt_fd
+    assert fd is not None and _points_at(fd).endswith(f"receipt.json.{os.getpid()}.tmp")
+    opened, real = [], os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(str(p)), real(p, *a, **k))[1])
+    w.k.procs[cell.child.pid].exit(0)
+    ctl.finish(cell, Waited())
+    monkeypatch.setattr(os, "open", real)
+    assert not [p for p in opened if "receipt.json" in p]
+    assert cell.receipt_fd is None and "receipt.json" not in (_points_at(fd) or "")
+    with open(os.path.join(cell.plan.cell_dir, "receipt.json")) as f:
+        text = f.read()
+    (row,) = ctl.journal._all("SELECT data FROM receipts WHERE kind='cell' AND run_id='R' AND cell_id='c1'")
+    assert text == row["data"] + "\n"
+
+
+def test_a_reserved_receipt_file_removed_while_the_cell_ran_is_made_again_at_its_end(w):
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    fd = cell.receipt_fd
+    os.unlink(os.path.join(cell.plan.cell_dir, f"receipt.json.{os.getpid()}.tmp"))
+    w.k.procs[cell.child.pid].exit(0)
+    receipt = ctl.finish(cell, Waited())
+    with open(os.path.join(cell.plan.cell_dir, "receipt.json")) as f:
+        assert json.load(f) == receipt
+    assert "receipt.json" not in (_points_at(fd) or "")
+    assert not [n for n in os.listdir(cell.plan.cell_dir) if n.startswith("receipt.json.")]
+
+
+def test_an_end_that_never_reached_its_receipt_lets_the_reserved_descriptor_go(w):
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    fd = cell.receipt_fd
+    ctl.drop_reserve(cell)
+    assert cell.receipt_fd is None and "receipt.json" not in (_points_at(fd) or "")
+    ctl.drop_reserve(cell)  # twice: nothing left to close
+    w.k.procs[cell.child.pid].exit(0)
+    ctl.finish(cell, Waited())  # the end writes it as before (receipts.write opens it)
+    assert os.path.exists(os.path.join(cell.plan.cell_dir, "receipt.json"))
+
+
+def test_the_reserved_receipt_file_is_never_truncated_open_and_a_leftover_is_emptied(w, monkeypatch, tmp_path):
+    """ext4 flushes a file truncated to size 0 at its close (auto_da_alloc): the receipt's file is opened without
+    O_TRUNC, at reserve and at the end; one found with content (never a cell's own) is emptied by reserve."""
+    from agnsup import receipts
+    flags, real = [], os.open
+    monkeypatch.setattr(os, "open", lambda p, f, *a, **k: (flags.append((str(p), f)), real(p, f, *a, **k))[1])
+    ctl = w.controller()
+    cell = ctl.start(w.prepared(), capture=True)
+    w.k.procs[cell.child.pid].exit(0)
+    ctl.finish(cell, Waited())
+    monkeypatch.setattr(os, "open", real)
+    mine = [f for p, f in flags if "receipt.json" in p]
+    assert mine and not [f for f in mine if f & os.O_TRUNC]
+    assert not [p for p, f in flags if f & os.O_TRUNC and os.path.basename(p) == "protect-start.json"]
+    path = str(tmp_path / "receipt.json")
+    with open(receipts.reserved_name(path), "w") as f:
+        f.write("left over by another writer, longer than the receipt")
+    fd = receipts.reserve(path)
+    receipts.write(path, {"a": 1}, text='{"a": 1}', fd=fd)
+    with open(path) as f:
+        assert f.read() == '{"a": 1}\n'

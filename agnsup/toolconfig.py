@@ -45,11 +45,9 @@ def holds_credentials(value: str) -> bool:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
+    """The file's text, or None; one stat a cell while it keeps its identity (util/filememo.py)."""
+    from .util.filememo import read_text
+    return read_text(path)
 
 
 def _ini(text: str) -> list[tuple[str, str, str]]:

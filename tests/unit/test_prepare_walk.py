@@ -205,3 +205,17 @@ def test_the_offline_resolver_follows_an_edited_nsswitch_conf(tmp_path, settled,
     with open(conf, "r+") as f:  # in place, the same size
         f.write("passwd: nisxx\n")
     assert "passwd: nisxx\n" in nsswitch()
+
+
+def test_a_tool_config_value_naming_a_path_in_the_home_is_judged_again_at_every_cell(tmp_path, settled):
+    """What the cell sees of the home (filesystem.home_allow's real paths) is looked at per cell: an answer that
+    asked it is never reused."""
+    (tmp_path / ".config" / "pip").mkdir(parents=True)
+    (tmp_path / ".config" / "pip" / "pip.conf").write_text(f"[global]\nfind-links = {tmp_path}/wheels\n")
+
+    def pip(shown):
+        files, _ = toolconfig.home_files(["pip"], str(tmp_path), "/nonexistent-wt", None, shown)
+        return dict(files).get(os.path.join(".config", "pip", "pip.conf"))
+    assert pip(lambda p: False) is None  # names a hidden path: left out
+    assert pip(lambda p: True) == f"[global]\nfind-links = {tmp_path}/wheels\n"  # now shown: kept
+    assert pip(lambda p: False) is None

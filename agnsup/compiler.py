@@ -9,7 +9,7 @@ from contextlib import suppress
 
 from .errors import SetupError, UsageError
 from .linux.host import (all_homes, exists, in_private_dir, invoking_homes, invoking_homes_safe, isdir, isfile,
-                         lexists, outermost, passwd_homes, realpath, under)
+                         lexists, outermost, passwd_homes, realpath, stat_mode, under)
 from .plan import REDUCED_LOSS, ExecutionPlan
 from .spec import CellSpec
 from .store.state import named_run
@@ -88,7 +88,7 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
             seen.add(d)
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
                 with suppress(OSError):
-                    if not os.stat(d).st_mode & 0o001:
+                    if not stat_mode(d) & 0o001:  # the ancestors of a walked real path: from its walk
                         out.append(d)
             d = os.path.dirname(d)
     return outermost(out)

@@ -196,6 +196,17 @@ def _mode(path: str) -> int | None:
     return None if memo is None else memo["mode"].get(path)
 
 
+def stat_mode(path: str) -> int:
+    """os.stat(path).st_mode (OSError when it cannot be looked at), from one_look()'s walk for a real path it
+    walked."""
+    mode = _mode(path)
+    if mode is None:
+        return os.stat(path).st_mode
+    if not mode:
+        raise FileNotFoundError(path)
+    return mode
+
+
 def isdir(path: str) -> bool:
     """os.path.isdir, answered from one_look()'s walk for a real path it walked."""
     mode = _mode(path)

@@ -219,3 +219,31 @@ def test_a_tool_config_value_naming_a_path_in_the_home_is_judged_again_at_every_
     assert pip(lambda p: False) is None  # names a hidden path: left out
     assert pip(lambda p: True) == f"[global]\nfind-links = {tmp_path}/wheels\n"  # now shown: kept
     assert pip(lambda p: False) is None
+
+
+def test_a_directory_above_the_worktree_closed_between_two_cells_is_hidden_from_the_second(monkeypatch):
+    """A mapped cell's closed ancestors (compiler._closed_ancestors) are read from the cell's own walk: a chmod
+    between two cells is the second cell's."""
+    import shutil
+    import tempfile
+    base = tempfile.mkdtemp(prefix="agnsup-walk-", dir="/var/tmp")  # not under /tmp: every cell has its own
+    try:
+        os.chmod(base, 0o755)
+        d = os.path.join(base, "d")
+        os.makedirs(os.path.join(d, "wt", ".git"))
+        os.makedirs(os.path.join(base, "state"))
+        mapped = {**HOST, "mapped_uid": None, "_idmap": lambda path: None}
+
+        def hidden():
+            pol = policy.load("executor")
+            with host.one_look():
+                s = spec.build(CellRequest.make(["true"], workdir=os.path.join(d, "wt")), pol)
+                return compiler.compile_plan(s, pol, os.path.join(base, "state"), mapped).home_hidden
+        os.chmod(d, 0o755)
+        assert d not in hidden()
+        os.chmod(d, 0o750)
+        assert d in hidden()
+        os.chmod(d, 0o755)
+        assert d not in hidden()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -25,12 +25,18 @@ SYSTEM_TOPS = ("/opt", "/var", "/var/lib", "/var/tmp", "/var/log", "/var/cache",
                "/home", "/tmp", "/mnt", "/media", "/snap")
 
 
+_HOME_ROOTS: dict = {}  # "of": the passwd_homes list it was made from, "roots": what it gave
+
+
 def _homes_and_home_roots() -> list[str]:
     """Every home in /etc/passwd and each one's parent (/home, /var/lib, ...), as written (the
     invoking user's homes are added as real paths by worktree_refusal)."""
-    found = {q for h in passwd_homes() for q in (h, os.path.dirname(h))}
-    found.discard("/")
-    return sorted(found)
+    homes = passwd_homes()
+    if _HOME_ROOTS.get("of") is not homes:  # a new list whenever /etc/passwd changed (passwd_homes' cache)
+        found = {q for h in homes for q in (h, os.path.dirname(h))}
+        found.discard("/")
+        _HOME_ROOTS.update(of=homes, roots=sorted(found))
+    return _HOME_ROOTS["roots"]
 
 
 def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:

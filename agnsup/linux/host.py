@@ -119,11 +119,16 @@ def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
     changes (a long-lived controller sees a user added later). The file, not getpwall(3): NSS enumeration
     can walk a whole LDAP directory on every cell; a directory's users' homes are not listed here (their
     parent, /home as a rule, is refused as a worktree all the same)."""
-    try:
-        st = os.stat(passwd)
-        key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
-    except OSError:
-        return []
+    memo = getattr(_look, "memo", None)
+    key = memo.get(("passwd", passwd)) if memo is not None else None  # one stat a cell (one_look)
+    if key is None:
+        try:
+            st = os.stat(passwd)
+            key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            return []
+        if memo is not None:
+            memo[("passwd", passwd)] = key
     if _passwd_cache.get("key") != key:
         homes = []
         with suppress(OSError), open(passwd, errors="replace") as f:

@@ -408,6 +408,17 @@ def _seen_sockets(shown: list[str], hidden: list[str], allowed: list[str]) -> li
     return out
 
 
+_TMP_REL: dict = {}  # a path in the cell's /tmp -> relative to it (constants of spec.py: relpath once each)
+
+
+def _tmp_rel(path: str) -> str:
+    rel = _TMP_REL.get(path)
+    if rel is None:
+        from .spec import CELL_TMP
+        rel = _TMP_REL[path] = os.path.relpath(path, CELL_TMP)
+    return rel
+
+
 # Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).
 CACHE_PATHS = {"pip": (".cache/pip",), "npm": (".npm",), "cargo": (".cargo/registry", ".cargo/git")}
 
@@ -428,7 +439,7 @@ def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]
     for tool in fs.cache_tools:
         for rel in CACHE_PATHS[tool]:
             cell = os.path.join(CELL_HOME, rel)
-            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, os.path.relpath(cell, CELL_TMP)))
+            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, _tmp_rel(cell)))
     return out
 
 
@@ -515,7 +526,7 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     the cell sees them (their real paths); toolconfig writes the filtered files."""
     from . import toolconfig
     from .spec import CELL_HOME, CELL_TMP
-    cell_home = os.path.relpath(CELL_HOME, CELL_TMP)
+    cell_home = _tmp_rel(CELL_HOME)
     links, linked = [], set()
     for p in fs.home_allow:
         full = _expand(p, home)
@@ -549,7 +560,7 @@ def _runtime_links(spec: CellSpec, tmpdir: str | None = None) -> list[tuple]:
     where = RUNTIME_BIN if tmpdir is None else tmpdir + RUNTIME_BIN[len(CELL_TMP):]
     if where not in spec.env.get("PATH", "").split(":"):
         return []
-    rel = os.path.relpath(RUNTIME_BIN, CELL_TMP)
+    rel = _tmp_rel(RUNTIME_BIN)
     return [(os.path.join(rel, c), os.path.join(runtime_host_dir(), c)) for c in RUNTIME_COMMANDS]
 
 

@@ -431,7 +431,7 @@ def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]
     if fs.cache == "none":
         return []
     from .locks import worktree_key
-    from .spec import CELL_HOME, CELL_TMP
+    from .spec import CELL_HOME
     scope = f"worktree-{worktree_key(spec.worktree or spec.workdir)}" if fs.cache == "worktree" \
         else f"role-{spec.role}"
     base = os.path.join(state_root, "caches", scope)
@@ -525,7 +525,7 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     HOME. home_allow paths inside the user's home appear there too, as links to where
     the cell sees them (their real paths); toolconfig writes the filtered files."""
     from . import toolconfig
-    from .spec import CELL_HOME, CELL_TMP
+    from .spec import CELL_HOME
     cell_home = _tmp_rel(CELL_HOME)
     links, linked = [], set()
     for p in fs.home_allow:

@@ -139,7 +139,7 @@ def npm_file(home: str) -> tuple[str | None, list[str], list[str]]:
     return ("\n".join(lines) + "\n" if lines else None), taken, dropped
 
 
-_MADE: dict = {}  # (tools, home, worktree, include, the sources' texts) -> home_files' answer, when shown() was not asked
+_MADE: dict = {}  # (tools, home, worktree, include, the sources' texts) -> home_files' answer (shown() not asked)
 
 
 def _sources(home: str) -> tuple[str, ...]:

@@ -8,8 +8,8 @@ import os
 from contextlib import suppress
 
 from .errors import SetupError, UsageError
-from .linux.host import (all_homes, in_private_dir, invoking_homes, invoking_homes_safe, outermost, passwd_homes,
-                         realpath, under)
+from .linux.host import (all_homes, exists, in_private_dir, invoking_homes, invoking_homes_safe, isdir, isfile,
+                         lexists, outermost, passwd_homes, realpath, stat_mode, under)
 from .plan import REDUCED_LOSS, ExecutionPlan
 from .spec import CellSpec
 from .store.state import named_run
@@ -25,12 +25,18 @@ SYSTEM_TOPS = ("/opt", "/var", "/var/lib", "/var/tmp", "/var/log", "/var/cache",
                "/home", "/tmp", "/mnt", "/media", "/snap")
 
 
+_HOME_ROOTS: dict = {}  # "of": the passwd_homes list it was made from, "roots": what it gave
+
+
 def _homes_and_home_roots() -> list[str]:
     """Every home in /etc/passwd and each one's parent (/home, /var/lib, ...), as written (the
     invoking user's homes are added as real paths by worktree_refusal)."""
-    found = {q for h in passwd_homes() for q in (h, os.path.dirname(h))}
-    found.discard("/")
-    return sorted(found)
+    homes = passwd_homes()
+    if _HOME_ROOTS.get("of") is not homes:  # a new list whenever /etc/passwd changed (passwd_homes' cache)
+        found = {q for h in homes for q in (h, os.path.dirname(h))}
+        found.discard("/")
+        _HOME_ROOTS.update(of=homes, roots=sorted(found))
+    return _HOME_ROOTS["roots"]
 
 
 def worktree_refusal(wt: str, state_root: str, other_roots=(), env=None) -> str | None:
@@ -88,7 +94,7 @@ def _closed_ancestors(paths, hidden: list[str]) -> list[str]:
             seen.add(d)
             if not in_private_dir(d) and not any(under(d, h) for h in hidden):
                 with suppress(OSError):
-                    if not os.stat(d).st_mode & 0o001:
+                    if not stat_mode(d) & 0o001:  # the ancestors of a walked real path: from its walk
                         out.append(d)
             d = os.path.dirname(d)
     return outermost(out)
@@ -115,18 +121,18 @@ def _home_ops(fs, policy, home: str, wt: str, interpreter, mapped: bool = False)
     else:
         homes = outermost(mine + all_homes())
     wanted = runtime_paths(policy) + list(interpreter) + [realpath(_expand(p, home)) for p in fs.home_allow] \
-        + [os.path.realpath(p) for p in fs.get("unix_sockets", ())]
+        + [realpath(p) for p in fs.get("unix_sockets", ())]
     if mapped:
         shown = homes + (mine if fs.home == "ro" else [])
-        homes = outermost(homes + _closed_ancestors([wt] + [p for p in wanted if os.path.exists(p)], shown))
+        homes = outermost(homes + _closed_ancestors([wt] + [p for p in wanted if exists(p)], shown))
     if not homes:
         return ro_clones, ro_places, [], []
     expose = outermost(p for p in wanted
-                        if any(under(p, h) and p != h for h in homes) and os.path.exists(p)
+                        if any(under(p, h) and p != h for h in homes) and exists(p)
                         and not under(p, wt) and not under(p, "/tmp"))
     keys = [f"expose{i}" for i in range(len(expose))]
     clones = [("clone", p, k, True) for p, k in zip(expose, keys)]
-    targets = [(p, os.path.isdir(p)) for p in expose] + [(wt, True)]
+    targets = [(p, isdir(p)) for p in expose] + [(wt, True)]
     places = [("hide", h, "", True, tuple((p, d) for p, d in targets if under(p, h) and p != h))
               for h in homes]  # each home hidden, with the mount points made inside its tmpfs
     places += [("attach", p, k) for p, k in zip(expose, keys)]
@@ -158,7 +164,7 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # A runtime installed under /tmp (a CI checkout, a throwaway venv) would vanish
     # behind the cell's private /tmp: it comes back read-only inside it.
     tmp_rt = outermost(p for p in runtime_paths(policy) + list(spec.interpreter)
-                        if under(p, "/tmp") and p != "/tmp" and os.path.isdir(p) and not under(p, wt))
+                        if under(p, "/tmp") and p != "/tmp" and isdir(p) and not under(p, wt))
     tmp_keys = [f"tmprt{i}" for i in range(len(tmp_rt))]
     home_clones += [("clone", p, k, True) for p, k in zip(tmp_rt, tmp_keys)]
     home_places += [("attach", p, k) for p, k in zip(tmp_rt, tmp_keys)]
@@ -220,9 +226,9 @@ def compile_plan(spec: CellSpec, policy, state_root: str, host: dict, other_root
     # Another root under /tmp or /dev/shm is out of sight already (the cell's are its own) unless
     # something re-attached there shows it: no mount for it (a test session has thousands).
     shown_again = [wt, *tmp_rt]
-    masked = [p for p in deny if os.path.lexists(p)] + [state_real] + \
+    masked = [p for p in deny if lexists(p)] + [state_real] + \
         [p for p in other_roots if p != state_real and not under(state_real, p) and not under(wt, p)
-         and not (in_private_dir(p) and not any(under(p, s) for s in shown_again)) and os.path.lexists(p)]
+         and not (in_private_dir(p) and not any(under(p, s) for s in shown_again)) and lexists(p)]
     ops.extend(("mask", p) for p in masked)
     sockets = _seen_sockets(shown=[wt, *tmp_rt, *exposed], hidden=[*hidden, *run_dirs, *masked],
                             allowed=allowed_sockets)
@@ -334,6 +340,7 @@ def host_devices(fs, role: str) -> list[tuple[str, str]]:
 # Where host daemons keep their sockets: every cell gets its own, empty and read-only.
 RUN_DIRS = ("/run", "/var/run")
 RESOLV_CONF = "/etc/resolv.conf"
+NSSWITCH = "/etc/nsswitch.conf"
 
 
 
@@ -343,7 +350,7 @@ def _listed_sockets(fs, role: str) -> list[str]:
     import stat
     out = []
     for p in fs.get("unix_sockets", ()):
-        real = os.path.realpath(p)
+        real = realpath(p)
         try:
             mode = os.stat(real).st_mode
         except OSError as e:
@@ -365,13 +372,22 @@ def _private_run(policy, allowed_sockets: list[str]) -> tuple[list[str], list[st
     usual link to /run). Back come the role's listed sockets there and, for a role whose
     names resolve through the host's resolver (not deny/loopback: _offline_resolver binds
     its own file), /etc/resolv.conf's target when it lies there (systemd-resolved's stub)."""
-    run_dirs = [d for d in RUN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    run_dirs = [d for d in RUN_DIRS if _lstat_is_dir(d)]  # a directory, not a link (one lstat)
     shown = [p for p in allowed_sockets if any(under(p, d) for d in run_dirs)]
     if policy.network.mode not in ("deny", "loopback"):
-        resolv = os.path.realpath(RESOLV_CONF)
-        if any(under(resolv, d) and resolv != d for d in run_dirs) and os.path.isfile(resolv):
+        resolv = realpath(RESOLV_CONF)
+        if any(under(resolv, d) and resolv != d for d in run_dirs) and isfile(resolv):
             shown.append(resolv)
     return run_dirs, sorted(set(shown))
+
+
+def _lstat_is_dir(path: str) -> bool:
+    """os.path.isdir(path) and not os.path.islink(path), in one lstat."""
+    import stat
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _seen_sockets(shown: list[str], hidden: list[str], allowed: list[str]) -> list[str]:
@@ -379,14 +395,28 @@ def _seen_sockets(shown: list[str], hidden: list[str], allowed: list[str]) -> li
     directory it has its own of (/tmp, /dev/shm) unless shown again there, not under what
     is hidden or masked anyway unless shown again, not listed by the role."""
     from .linux import unixsock
+    from .linux.host import prefixes
     out = []
+    shown_at, shown_in = set(shown), prefixes(shown)  # under(p, s) for some s: p is one, or lies in one
+    hidden_at, hidden_in = set(hidden), prefixes(hidden)
     for p in sorted(unixsock.bound_paths()):
-        again = any(under(p, s) for s in shown)
-        if p in allowed or (in_private_dir(p) and not again) or (any(under(p, h) for h in hidden) and not again):
+        again = p in shown_at or p.startswith(shown_in)
+        if p in allowed or (not again and (in_private_dir(p) or p in hidden_at or p.startswith(hidden_in))):
             continue
         if unixsock.is_socket(p):
             out.append(p)
     return out
+
+
+_TMP_REL: dict = {}  # a path in the cell's /tmp -> relative to it (constants of spec.py: relpath once each)
+
+
+def _tmp_rel(path: str) -> str:
+    rel = _TMP_REL.get(path)
+    if rel is None:
+        from .spec import CELL_TMP
+        rel = _TMP_REL[path] = os.path.relpath(path, CELL_TMP)
+    return rel
 
 
 # Where each tool keeps its cache under the cell's HOME (their defaults: nothing to configure).
@@ -401,7 +431,7 @@ def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]
     if fs.cache == "none":
         return []
     from .locks import worktree_key
-    from .spec import CELL_HOME, CELL_TMP
+    from .spec import CELL_HOME
     scope = f"worktree-{worktree_key(spec.worktree or spec.workdir)}" if fs.cache == "worktree" \
         else f"role-{spec.role}"
     base = os.path.join(state_root, "caches", scope)
@@ -409,7 +439,7 @@ def cache_dirs(fs, spec: CellSpec, state_root: str) -> list[tuple[str, str, str]
     for tool in fs.cache_tools:
         for rel in CACHE_PATHS[tool]:
             cell = os.path.join(CELL_HOME, rel)
-            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, os.path.relpath(cell, CELL_TMP)))
+            out.append((os.path.join(base, rel.replace("/", "-").lstrip(".")), cell, _tmp_rel(cell)))
     return out
 
 
@@ -434,16 +464,36 @@ def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, l
     if policy.network.mode not in ("deny", "loopback"):
         return [], [], []
     why = f"# agnsup: role {role} has no network (network.mode = \"{policy.network.mode}\")\n"
+    from .util.filememo import read_text
+    host_text = read_text(NSSWITCH)  # one stat a cell while it keeps its identity
+    texts = _OFFLINE_TEXTS.get((why, host_text))
+    if texts is None:  # a pure function of the two: made once per role and nsswitch.conf's text
+        if len(_OFFLINE_TEXTS) >= 16:
+            _OFFLINE_TEXTS.clear()
+        texts = _OFFLINE_TEXTS[(why, host_text)] = _offline_texts(why, host_text)
+    clones, places, shared = [], [], []
+    for name, text, digest in texts:
+        target = realpath(os.path.join("/etc", name))
+        if not isfile(target) or under(target, "/tmp"):
+            continue
+        source = os.path.join(state_root, "offline", f"{digest}-{name}")
+        shared.append((source, text))
+        clones.append(("clone", source, f"offline-{name}", True))
+        places.append(("attach", target, f"offline-{name}"))
+    return clones, places, shared
+
+
+_OFFLINE_TEXTS: dict = {}  # (the role's line, nsswitch.conf's text) -> _offline_texts
+
+
+def _offline_texts(why: str, host_text: str | None) -> list[tuple[str, str, str]]:
+    """[(name under /etc, the cell's text, its digest's first 24 hex digits)] for _offline_resolver."""
     # A server no cell can reach (RFC 5737, documentation only): a query fails at once, and the kernel counts
     # it in the cell's namespace (Ip OutNoRoutes: the network hint's evidence, linux/netns.py).
     texts = {"resolv.conf": why + f"# {UNREACHABLE_NAMESERVER}: unreachable on purpose (a lookup fails at once)\n"
                                   f"nameserver {UNREACHABLE_NAMESERVER}\noptions timeout:1 attempts:1\n"}
-    try:
-        with open("/etc/nsswitch.conf", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = None
-    if lines is not None:
+    if host_text is not None:
+        lines = host_text.splitlines()
         for i, line in enumerate(lines):
             key, colon, rest = line.partition(":")
             if colon and key.strip() == "hosts":
@@ -453,16 +503,7 @@ def _offline_resolver(policy, role: str, state_root: str) -> tuple[list, list, l
                 lines[i] = "hosts: " + " ".join([*(kept or ["files"]), "dns", "files"])
         texts["nsswitch.conf"] = why + "\n".join(lines) + "\n"
     from .util.digest import sha256  # not hashlib: libcrypto, ~4 ms on every run of a role without network
-    clones, places, shared = [], [], []
-    for name, text in texts.items():
-        target = os.path.realpath(os.path.join("/etc", name))
-        if not os.path.isfile(target) or under(target, "/tmp"):
-            continue
-        source = os.path.join(state_root, "offline", f"{sha256(text.encode()).hexdigest()[:24]}-{name}")
-        shared.append((source, text))
-        clones.append(("clone", source, f"offline-{name}", True))
-        places.append(("attach", target, f"offline-{name}"))
-    return clones, places, shared
+    return [(name, text, sha256(text.encode()).hexdigest()[:24]) for name, text in texts.items()]
 
 
 def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:
@@ -473,8 +514,8 @@ def _secret_trust(spec: CellSpec, tmpdir: str) -> tuple[list, list]:
     if not getattr(spec, "secrets", None):
         return [], []
     from .secrets import CA_BUNDLE_REL, SYSTEM_BUNDLE
-    target = os.path.realpath(SYSTEM_BUNDLE)
-    if not os.path.isfile(target) or under(target, "/tmp"):
+    target = realpath(SYSTEM_BUNDLE)
+    if not isfile(target) or under(target, "/tmp"):
         return [], []
     return [("clone", os.path.join(tmpdir, CA_BUNDLE_REL), "secret-ca", True)], [("attach", target, "secret-ca")]
 
@@ -484,22 +525,22 @@ def _home_config(fs, spec: CellSpec, home: str, wt: str) -> tuple[list, list, di
     HOME. home_allow paths inside the user's home appear there too, as links to where
     the cell sees them (their real paths); toolconfig writes the filtered files."""
     from . import toolconfig
-    from .spec import CELL_HOME, CELL_TMP
-    cell_home = os.path.relpath(CELL_HOME, CELL_TMP)
+    from .spec import CELL_HOME
+    cell_home = _tmp_rel(CELL_HOME)
     links, linked = [], set()
     for p in fs.home_allow:
         full = _expand(p, home)
         if under(full, home) and full != home and os.path.exists(full):
             rel = os.path.relpath(full, home)
-            links.append((os.path.join(cell_home, rel), os.path.realpath(full)))
+            links.append((os.path.join(cell_home, rel), realpath(full)))
             linked.add(rel)
-    include = next((os.path.realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
+    include = next((realpath(os.path.join(home, r)) for r in (".gitconfig", os.path.join(".config", "git",
                                                                                                    "config"))
                     if r in linked), None)
     allowed = [realpath(_expand(p, home)) for p in fs.home_allow]
 
     def shown(path: str) -> bool:  # what of the home the cell sees: its worktree, home_allow, all of it (ro)
-        real = os.path.realpath(path)
+        real = realpath(path)
         return fs.home != "hidden" or under(real, wt) or any(under(real, a) for a in allowed)
     files, report = toolconfig.home_files(fs.home_config, home, wt, include, shown)
     files = [(os.path.join(cell_home, rel), text) for rel, text in files]
@@ -519,7 +560,7 @@ def _runtime_links(spec: CellSpec, tmpdir: str | None = None) -> list[tuple]:
     where = RUNTIME_BIN if tmpdir is None else tmpdir + RUNTIME_BIN[len(CELL_TMP):]
     if where not in spec.env.get("PATH", "").split(":"):
         return []
-    rel = os.path.relpath(RUNTIME_BIN, CELL_TMP)
+    rel = _tmp_rel(RUNTIME_BIN)
     return [(os.path.join(rel, c), os.path.join(runtime_host_dir(), c)) for c in RUNTIME_COMMANDS]
 
 

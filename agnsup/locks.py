@@ -33,10 +33,19 @@ from .util.digest import sha256
 from .errors import LockTimeout
 
 
+_KEYS: dict = {}  # a worktree's real path -> its digest's first 24 hex digits
+
+
 def worktree_key(worktree: str, run_id: str | None = None, cell_id: str | None = None) -> str:
     """The worktree's digest (its cache's and its agentless lock's name); with a cell, the
     name of that cell's own worktree lock file (state.worktree_lock adds ".lock")."""
-    key = sha256(os.path.realpath(worktree).encode()).hexdigest()[:24]
+    from .linux.host import realpath  # within a cell's prepare: its walk, not another
+    real = realpath(worktree)
+    key = _KEYS.get(real)
+    if key is None:  # a pure function of the real path
+        if len(_KEYS) >= 256:
+            _KEYS.clear()
+        key = _KEYS[real] = sha256(real.encode()).hexdigest()[:24]
     if cell_id is None:
         return key
     return key + "-" + sha256(f"{run_id}/{cell_id}".encode()).hexdigest()[:16]

@@ -60,17 +60,24 @@ STRICTNESS = {
 }
 
 
+_PACKAGED: list = []  # [the packaged roles' directory], once per process: the controller's own package
+
+
 def _packaged_dir() -> str:
     # importlib.resources.files() returns the package directory for an
     # installed wheel; importing it costs ~10 ms on every start, so the
     # package's own __path__ is used when it is a real directory (zip imports
-    # fall back to importlib.resources).
+    # fall back to importlib.resources). Where the running package lives does not change under it: asked once
+    # (issue 29, sixth round: three stats a cell's policy.load).
+    if _PACKAGED:
+        return _PACKAGED[0]
     from . import policies
     d = list(policies.__path__)[0]
-    if os.path.isdir(d):
-        return d
-    from importlib.resources import files
-    return str(files("agnsup.policies"))
+    if not os.path.isdir(d):
+        from importlib.resources import files
+        d = str(files("agnsup.policies"))
+    _PACKAGED.append(d)
+    return d
 
 
 def policy_dirs() -> list[str]:

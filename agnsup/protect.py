@@ -35,6 +35,7 @@ import stat as stat_mod
 from contextlib import suppress
 
 from .linux import fs
+from .linux.host import exists, realpath
 
 # Worktree-relative paths sandbox-runtime refuses writes to (a worktree that is a home has
 # the shell's start-up files in it; .gitconfig is read as ~/.gitconfig there).
@@ -211,8 +212,8 @@ def mount_ops(wt: str, found: dict, lifted) -> tuple[list[tuple], list[str]]:
             continue
         path = os.path.join(wt, rel)
         if entry.ident[2] == stat_mod.S_IFLNK:
-            real = os.path.realpath(path)
-            if not _under(real, wt) or real == wt or not os.path.exists(real):
+            real = realpath(path)
+            if not _under(real, wt) or real == wt or not exists(real):
                 continue  # outside the worktree: read-only (or hidden) like the rest of the host
             path = real
         ops.append(("protect", path, "", entry.kind != "gitdir"))

@@ -14,6 +14,7 @@ import os
 import sys
 
 from .errors import NotFound, NotExecutable, UsageError
+from .linux import host
 from .linux.host import invoking_homes
 from .linux.session import TOKEN_VAR  # the janitor reads the same name from /proc
 from .util.record import Factory, Record
@@ -68,8 +69,8 @@ def build(call, policy) -> CellSpec:
     run_id = check_id("run", call.run_id)
     agent_id = check_id("agent", call.agent_id)
     cell_id = check_id("cell", call.cell_id or new_cell_id())
-    workdir = os.path.realpath(call.workdir or os.getcwd())
-    if not os.path.isdir(workdir):
+    workdir = host.realpath(call.workdir or os.getcwd())
+    if not host.isdir(workdir):
         raise UsageError(f"workdir {workdir} is not a directory")
     worktree = project_root(workdir)
     venv = find_venv(worktree)  # its interpreter is re-exposed even when the role's PATH leaves it out

@@ -45,11 +45,9 @@ def holds_credentials(value: str) -> bool:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
+    """The file's text, or None; one stat a cell while it keeps its identity (util/filememo.py)."""
+    from .util.filememo import read_text
+    return read_text(path)
 
 
 def _ini(text: str) -> list[tuple[str, str, str]]:
@@ -141,8 +139,37 @@ def npm_file(home: str) -> tuple[str | None, list[str], list[str]]:
     return ("\n".join(lines) + "\n" if lines else None), taken, dropped
 
 
+_MADE: dict = {}  # (tools, home, worktree, include, the sources' texts) -> home_files' answer (shown() not asked)
+
+
+def _sources(home: str) -> tuple[str, ...]:
+    """Every file home_files may read."""
+    return (os.path.join(home, ".config", "git", "config"), os.path.join(home, ".gitconfig"),
+            os.path.join(home, ".pip", "pip.conf"), os.path.join(home, ".config", "pip", "pip.conf"),
+            os.path.join(home, ".npmrc"))
+
+
 def home_files(tools, home: str, worktree: str, git_include: str | None = None, shown=lambda path: False):
-    """([(path under the cell's HOME, text)], {tool: {"taken": [...], "dropped": [...]}})."""
+    """([(path under the cell's HOME, text)], {tool: {"taken": [...], "dropped": [...]}}).
+
+    The answer is a function of the arguments and the sources' texts (each one stat while unchanged, _read), and
+    of what `shown` answers, which looks at the host at every cell: an answer is remembered only when `shown`
+    was not asked (no value named a path in the home)."""
+    key = (tuple(tools), home, worktree, git_include, tuple(_read(p) for p in _sources(home)))
+    made = _MADE.get(key)
+    if made is None:
+        asked = []
+        made = _home_files(key[0], home, worktree, git_include, lambda path: asked.append(path) or shown(path))
+        if asked:
+            return made
+        if len(_MADE) >= 64:
+            _MADE.clear()
+        _MADE[key] = made
+    files, report = made
+    return list(files), {tool: {k: list(v) for k, v in r.items()} for tool, r in report.items()}
+
+
+def _home_files(tools, home: str, worktree: str, git_include: str | None, shown):
     files, report = [], {}
     makers = {"git": (".gitconfig", lambda: git_file(home, worktree, git_include)),
               "pip": (os.path.join(".config", "pip", "pip.conf"), lambda: pip_file(home, shown)),
@@ -157,11 +184,22 @@ def home_files(tools, home: str, worktree: str, git_include: str | None = None, 
     return files, report
 
 
+_ENV_KEYS: dict = {}  # the tools' tuple -> the ENV_KEYS that may pass for them (a pure function of the tuple)
+
+
+def _env_keys(tools: tuple) -> tuple[str, ...]:
+    keys = _ENV_KEYS.get(tools)
+    if keys is None:
+        keys = _ENV_KEYS[tools] = tuple(k for k in ENV_KEYS
+                                        if ENV_TOOL[k.split("_", 1)[0]] in tools and not looks_secret(k))
+    return keys
+
+
 def host_env(tools, host_env) -> tuple[dict, list[str]]:
     """(the ENV_KEYS of the listed tools to pass, the names left out for holding credentials)."""
     out, dropped = {}, []
-    for k in ENV_KEYS:
-        if k not in host_env or ENV_TOOL[k.split("_", 1)[0]] not in tools or looks_secret(k):
+    for k in _env_keys(tuple(tools)):
+        if k not in host_env:
             continue
         if holds_credentials(host_env[k]):
             dropped.append(k)

@@ -10,6 +10,8 @@ import functools
 import os
 import re
 
+from ..linux.host import realpath
+
 
 class LazyRe:
     """A regex compiled on first use: keeps `import agnsup.gate` cheap for `agnsup run`."""
@@ -80,7 +82,7 @@ def resolve(p: str) -> str:
     if p.startswith(_PROC_SELF) or p in ("/proc/self", "/proc/thread-self"):
         return p
     try:
-        return os.path.realpath(p)
+        return realpath(p)  # os.path.realpath; within a cell's prepare, its walk (linux/host.one_look)
     except (OSError, ValueError, RuntimeError):
         return p
 

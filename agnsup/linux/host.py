@@ -9,6 +9,7 @@ import os
 import pwd
 from _thread import _local  # threading.local itself: `threading` (and contextvars, ~0.25 ms) is not on run's path
 from contextlib import contextmanager, suppress
+from stat import S_ISDIR, S_ISLNK, S_ISREG
 
 from ..errors import SetupError
 
@@ -85,6 +86,12 @@ def under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+def prefixes(tops) -> tuple[str, ...]:
+    """What a path under one of `tops` (and not one of them) starts with: any(under(p, t) for t in tops) is
+    `p in set(tops) or p.startswith(prefixes(tops))`, one C call for a list asked of many paths."""
+    return tuple(t.rstrip("/") + "/" for t in tops)
+
+
 def in_private_dir(path: str) -> bool:
     """Under a directory every cell gets a fresh one of (its /tmp, its /dev/shm)."""
     return under(path, "/tmp") or under(path, "/dev/shm")
@@ -112,11 +119,16 @@ def passwd_homes(passwd: str = "/etc/passwd") -> list[str]:
     changes (a long-lived controller sees a user added later). The file, not getpwall(3): NSS enumeration
     can walk a whole LDAP directory on every cell; a directory's users' homes are not listed here (their
     parent, /home as a rule, is refused as a worktree all the same)."""
-    try:
-        st = os.stat(passwd)
-        key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
-    except OSError:
-        return []
+    memo = getattr(_look, "memo", None)
+    key = memo.get(("passwd", passwd)) if memo is not None else None  # one stat a cell (one_look)
+    if key is None:
+        try:
+            st = os.stat(passwd)
+            key = (passwd, st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            return []
+        if memo is not None:
+            memo[("passwd", passwd)] = key
     if _passwd_cache.get("key") != key:
         homes = []
         with suppress(OSError), open(passwd, errors="replace") as f:
@@ -162,7 +174,7 @@ def one_look():
     the second (the child mounts by path later anyway: the window is the one every cell already had between
     its plan and its mounts). Each thread preparing a cell has its own."""
     outer = getattr(_look, "memo", None)
-    _look.memo = {}
+    _look.memo = {"walk": {}, "mode": {}}
     try:
         yield
     finally:
@@ -170,15 +182,100 @@ def one_look():
 
 
 def realpath(path: str) -> str:
-    """os.path.realpath, remembered within one_look()."""
+    """os.path.realpath; within one_look() each component is looked at once in the cell (issue 29, sixth round):
+    /var, /var/tmp, the state root's and the worktree's parents are one lstat each, whoever asks."""
     memo = getattr(_look, "memo", None)
-    if memo is None:
+    if memo is None or not path.startswith("/"):
         return os.path.realpath(path)
     key = ("real", path)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = os.path.realpath(path)
+        found = memo[key] = os.path.normpath(_walk("/", path[1:], memo["walk"], {}, memo["mode"])[0])
     return found
+
+
+def _mode(path: str) -> int | None:
+    """Within one_look(), the st_mode the walk saw for `path` when it is a real path it walked (no symlink: lstat
+    and stat agree; 0: not there); None: not known, look."""
+    memo = getattr(_look, "memo", None)
+    return None if memo is None else memo["mode"].get(path)
+
+
+def stat_mode(path: str) -> int:
+    """os.stat(path).st_mode (OSError when it cannot be looked at), from one_look()'s walk for a real path it
+    walked."""
+    mode = _mode(path)
+    if mode is None:
+        return os.stat(path).st_mode
+    if not mode:
+        raise FileNotFoundError(path)
+    return mode
+
+
+def isdir(path: str) -> bool:
+    """os.path.isdir, answered from one_look()'s walk for a real path it walked."""
+    mode = _mode(path)
+    return os.path.isdir(path) if mode is None else S_ISDIR(mode)
+
+
+def isfile(path: str) -> bool:
+    """os.path.isfile, answered from one_look()'s walk for a real path it walked."""
+    mode = _mode(path)
+    return os.path.isfile(path) if mode is None else S_ISREG(mode)
+
+
+def exists(path: str) -> bool:
+    """os.path.exists (and lexists: a walked real path is no symlink), answered from one_look()'s walk for a
+    real path it walked."""
+    mode = _mode(path)
+    return os.path.exists(path) if mode is None else mode != 0
+
+
+def lexists(path: str) -> bool:
+    """os.path.lexists, answered from one_look()'s walk for a real path it walked (no symlink there)."""
+    mode = _mode(path)
+    return os.path.lexists(path) if mode is None else mode != 0
+
+
+def _walk(path: str, rest: str, known: dict, seen: dict, modes: dict) -> tuple[str, bool]:
+    """posixpath._joinrealpath (CPython 3.11, non-strict), for absolute paths, with `known`: {a resolved
+    directory + "/" + one name: what it resolves to}, filled as the walk goes (a name that is no symlink, or
+    does not exist: itself; a symlink: its target's real path once fully resolved), and `modes`: {such a name
+    that is no symlink: its lstat's st_mode, 0 when it could not be looked at}. A symlink loop gives what
+    realpath gives (the rest joined to the looping name) and none of its names is kept."""
+    if rest.startswith("/"):
+        rest, path = rest[1:], "/"
+    while rest:
+        name, _, rest = rest.partition("/")
+        if not name or name == ".":
+            continue
+        if name == "..":
+            path = os.path.dirname(path) if path != "/" else "/"
+            continue
+        newpath = path + name if path == "/" else path + "/" + name
+        hit = known.get(newpath)
+        if hit is not None:
+            path = hit
+            continue
+        try:
+            mode = os.lstat(newpath).st_mode
+        except OSError:
+            mode = 0  # not there (or not to be looked at): realpath goes on with the name as it is
+        if not S_ISLNK(mode):
+            known[newpath] = path = newpath
+            modes[newpath] = mode
+            continue
+        if newpath in seen:
+            path = seen[newpath]
+            if path is not None:
+                continue
+            return os.path.join(newpath, rest), False  # a loop
+        seen[newpath] = None
+        path, ok = _walk(path, os.readlink(newpath), known, seen, modes)
+        if not ok:
+            return os.path.join(path, rest), False
+        seen[newpath] = known[newpath] = path
+    return path, True
 
 
 def invoking_homes(env=None) -> list[str]:
@@ -214,8 +311,8 @@ def _invoking_homes(env) -> list[str]:
     for h in found:
         if not h.startswith("/"):
             continue
-        real = os.path.realpath(h)
-        if real == "/" or not os.path.isdir(real):
+        real = realpath(h)
+        if real == "/" or not isdir(real):
             continue
         held = [f"holds {d}" for d in SYSTEM_DIRS if under(d, real)] + [f"is inside {d}" for d in OS_TREES
                                                                           if under(real, d)]

@@ -161,11 +161,14 @@ def _hide(path: str, points: tuple, keep_owner: bool = True) -> None:
     # name it (host root); in a normal user's namespace only that user is mapped, and the tmpfs is theirs.
     owner = f",uid={st.st_uid},gid={st.st_gid}" if keep_owner and os.geteuid() == 0 else ""
     data = f"size=64k,nr_inodes=4096,mode=755{owner}"
-    if not points:
-        # nothing to make inside: mounted read-only at once (as a mask is), one call instead of two
-        lsys.mount("tmpfs", path, "tmpfs", flags | lsys.MS_RDONLY, data)
-        return
-    lsys.mount("tmpfs", path, "tmpfs", flags, data)
+    try:
+        if not points:
+            # nothing to make inside: mounted read-only at once (as a mask is), one call instead of two
+            lsys.mount("tmpfs", path, "tmpfs", flags | lsys.MS_RDONLY, data)
+            return
+        lsys.mount("tmpfs", path, "tmpfs", flags, data)
+    except FileNotFoundError:
+        return  # removed since the stat (a user deleted meanwhile: `userdel -r`): nothing left to read
     old = os.umask(0o022)  # points readable as on any host directory, whatever the controller's umask
     try:
         for p, is_dir in points:

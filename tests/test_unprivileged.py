@@ -316,6 +316,19 @@ def test_a_normal_users_supervisor_claims_spares_owned_and_moded_as_its_cells_ow
     assert user.left() == []
 
 
+def _sigkill_once_running(user, cell: str, p: subprocess.Popen) -> None:
+    """SIGKILL `p` (our own child: a controller, or a caller handed to a serve) once its cell runs."""
+    try:
+        wait_for(lambda: any(c["cell_id"] == cell and c["state"] == "running" for c in user.json("ps", "--json")),
+                 what=f"cell {cell} running")
+        p.send_signal(signal.SIGKILL)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     wt = user.own_dir("wt2")
 
@@ -337,16 +350,9 @@ def test_cancel_and_the_janitor_work_for_a_normal_user(user):
     assert k1["state"] == "cancelled"
 
     # SIGKILL the controller of a cell whose child outlives its leader: the janitor takes the rest
-    ctl = user.popen("run", "--cell", "k2", "--workdir", wt, "--", "sh", "-c", "sleep 300 & wait",
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: running("k2"), what="cell k2 running")
-        ctl.send_signal(signal.SIGKILL)  # our own child, by its Popen
-        ctl.wait(60)
-    finally:
-        if ctl.poll() is None:
-            ctl.kill()
-            ctl.wait()
+    _sigkill_once_running(user, "k2", user.popen("run", "--cell", "k2", "--workdir", wt, "--", "sh", "-c",
+                                                 "sleep 300 & wait", stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.DEVNULL))
     cp = user("janitor")
     assert cp.returncode == 0, cp.stderr
     wait_for(lambda: user.left() == [], what="nothing left in the user's subtree")
@@ -366,17 +372,8 @@ def test_a_normal_users_run_is_handed_to_its_serve_and_its_cell_dies_with_the_ca
         assert (cp.returncode, cp.out, cp.err) == (3, "out\n", "err\n"), cp
         (rec,) = user.json("receipts", "--cell", "ho1", "--json")
         assert rec["controller"] == ready["controller"], rec  # handed over, not an in-process controller
-        caller = user.popen("run", "--cell", "ho2", "--workdir", wt, "--", "sleep", "300",
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for(lambda: any(c["cell_id"] == "ho2" and c["state"] == "running" for c in user.json("ps", "--json")),
-                     what="cell ho2 running")
-            caller.send_signal(signal.SIGKILL)  # our own child, by its Popen
-            caller.wait(60)
-        finally:
-            if caller.poll() is None:
-                caller.kill()
-                caller.wait()
+        _sigkill_once_running(user, "ho2", user.popen("run", "--cell", "ho2", "--workdir", wt, "--", "sleep", "300",
+                                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_for(lambda: user.json("receipts", "--cell", "ho2", "--json"), what="ho2's receipt")
         (rec,) = user.json("receipts", "--cell", "ho2", "--json")
         assert rec["reason"] == "controller_died" and rec["controller"] == ready["controller"], rec

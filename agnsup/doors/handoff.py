@@ -77,9 +77,22 @@ def process_traits() -> dict:
     return {"umask": mask, "limits": limits, "agnsup_env": env}
 
 
+SOCKET_NAME = "agnsup.sock"  # a serve's default socket in its state root (serve.default_socket)
+
+
 def socket_path(state_dir: str | None) -> str:
     from ..store.root import default_root
-    return os.path.join(os.path.abspath(state_dir or default_root()), "agnsup.sock")
+    return os.path.join(os.path.abspath(state_dir or default_root()), SOCKET_NAME)
+
+
+def unix_address(path: str) -> tuple[str, int | None]:
+    """A connectable name for the Unix socket `path`, and the descriptor it holds open (close it after the connect)
+    or None: sun_path holds 107 bytes, pytest's tmp paths can be longer, so long paths go through an O_PATH fd of
+    their directory. Here, not in serve.py, so that a handed-over run imports no `socket`."""
+    if len(path.encode()) < 100:
+        return path, None
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
 
 
 def _connect(path: str):
@@ -89,10 +102,7 @@ def _connect(path: str):
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     fd = None
     try:
-        addr = path
-        if len(path.encode()) >= 100:  # serve._address: sun_path holds 107 bytes
-            fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            addr = f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+        addr, fd = unix_address(path)
         s.settimeout(CONNECT_TIMEOUT)  # a wedged serve whose backlog is full: in-process, not a hang
         s.connect(addr)
         s.settimeout(None)

@@ -76,25 +76,17 @@ import threading
 from contextlib import suppress
 
 from ..errors import AgnsupError, NoServer, UsageError, as_value, from_value
+from . import handoff  # os and sys only: the client half of run_attached, and the socket's name and address
 
 MAX_REQUEST = 8 << 20
 
 
 def default_socket(state_path: str) -> str:
-    return os.path.join(state_path, "agnsup.sock")
-
-
-def _address(path: str) -> tuple[str, int | None]:
-    """A connectable name for `path`: sun_path holds 107 bytes, pytest's tmp paths
-    can be longer, so long paths go through an O_PATH fd of their directory."""
-    if len(path.encode()) < 100:
-        return path, None
-    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
+    return os.path.join(state_path, handoff.SOCKET_NAME)
 
 
 def _connect(path: str, timeout: float | None = 5.0) -> socket.socket:
-    addr, fd = _address(path)
+    addr, fd = handoff.unix_address(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         s.settimeout(timeout)
@@ -205,7 +197,7 @@ def listen_unix(path: str, what: str) -> socket.socket:
             os.unlink(path)  # a dead server's socket
         else:
             raise UsageError(f"another {what} already listens at {path}")
-    addr, fd = _address(path)
+    addr, fd = handoff.unix_address(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     old = os.umask(0o177)  # the socket file is born 0600
     try:
@@ -269,7 +261,6 @@ class Server:
         if socket_path:  # before anything starts: a refused place leaves nothing behind
             socket_place(os.path.abspath(socket_path), StateRoot(state_dir).path, f"--socket {socket_path}")
         self.sup = Supervisor(state_dir, kind="serve", backend=backend)
-        from . import handoff  # what a handed-over run must share with this process (run_attached)
         self.handoff = (handoff.code_key(), handoff.process_traits())
         self.path = os.path.abspath(socket_path or default_socket(self.sup.state.path))
         try:
@@ -351,7 +342,6 @@ class Server:
         """A handed-over `agnsup run` (doors/handoff.py): its cell, with its fds 0-2 as the caller's stdio, watched
         through its connection. Closes `fds` (and empties the list) once the cell ended."""
         from ..tool import network_lines
-        from . import handoff
         try:
             req = json.loads(line)
             req.pop("op", None)

@@ -25,6 +25,7 @@ import os
 import time
 from contextlib import suppress
 
+from .util import filememo
 from .util.digest import sha256
 from .errors import PolicyError
 
@@ -207,15 +208,14 @@ def _frozen(v):
 # leave all five numbers as they were (the registry listing in store/state.py keeps the same rule).
 _MEMO: dict = {}
 _PRESET_LISTS: dict = {}  # presets directory -> (its identity, the *.toml names in it)
-MEMO_SETTLED = 1_000_000_000
+MEMO_SETTLED = filememo.SETTLED
 
 
 def _ident(path: str) -> tuple | None:
     try:
-        st = os.stat(path)
+        return filememo.identity(os.stat(path))
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _identity(path: str) -> tuple | None:
@@ -238,7 +238,7 @@ def _identity(path: str) -> tuple | None:
     now = time.time_ns()
     for i in idents:
         st = i[1] if i is not None and isinstance(i[0], str) else i
-        if st is not None and now - max(st[3], st[4]) <= MEMO_SETTLED:
+        if st is not None and not filememo.settled(st, now, MEMO_SETTLED):
             return None
     return (tuple(policy_dirs()), path, *idents)
 

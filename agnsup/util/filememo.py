@@ -16,6 +16,18 @@ SETTLED = 1_000_000_000
 _KEPT: dict = {}  # path -> (identity, text)
 
 
+def identity(st: os.stat_result) -> tuple:
+    """What a file's identity is here: (device, inode, size, mtime, ctime)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def settled(st: os.stat_result | tuple, now: int | None = None, wait: int | None = None) -> bool:
+    """Unchanged for over `wait` ns (SETTLED; a stat result or an identity): safe to keep against its identity."""
+    wait = SETTLED if wait is None else wait
+    mtime, ctime = (st.st_mtime_ns, st.st_ctime_ns) if isinstance(st, os.stat_result) else st[3:5]
+    return (time.time_ns() if now is None else now) - max(mtime, ctime) > wait
+
+
 def read_text(path: str) -> str | None:
     """open(path, errors="replace").read(), or None when it cannot be read, remembered as said above."""
     try:
@@ -24,7 +36,7 @@ def read_text(path: str) -> str | None:
         _KEPT.pop(path, None)
         return None
     kept = _KEPT.get(path)
-    if kept is not None and kept[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+    if kept is not None and kept[0] == identity(st):
         return kept[1]
     try:
         with open(path, errors="replace") as f:
@@ -33,8 +45,8 @@ def read_text(path: str) -> str | None:
     except OSError:
         _KEPT.pop(path, None)
         return None
-    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED:
-        _KEPT[path] = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), text)
+    if settled(st):
+        _KEPT[path] = (identity(st), text)
     else:
         _KEPT.pop(path, None)
     return text

@@ -11,16 +11,13 @@ import pytest
 
 from agnsup.store import chain
 from agnsup.store import journal as store
-from agnsup.store.journal import Journal
 
-from test_store import begin, receipt
+from test_store import begin, journal_of, receipt
 
 
 @pytest.fixture
 def j(tmp_path):
-    journal = Journal(str(tmp_path / "journal.db"))
-    journal.register_controller({"id": "ctl-1", "kind": "serve", "pid": 1, "pidfd_ino": None, "starttime": 1,
-                                 "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    journal = journal_of(tmp_path, "serve")
     yield journal
     journal.close()
 

@@ -9,11 +9,17 @@ from agnsup.errors import CancelledBeforeStart, RunNotActive, StateError
 from agnsup.store.journal import LIVE_CELL, OPEN_SQL, TERMINAL_CELL, Journal
 
 
+def journal_of(tmp_path, kind: str = "run") -> Journal:
+    """A fresh journal in tmp_path with controller ctl-1 of `kind` registered (the store tests' fixture `j`)."""
+    journal = Journal(str(tmp_path / "journal.db"))
+    journal.register_controller({"id": "ctl-1", "kind": kind, "pid": 1, "pidfd_ino": None, "starttime": 1,
+                                 "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    return journal
+
+
 @pytest.fixture
 def j(tmp_path):
-    journal = Journal(str(tmp_path / "journal.db"))
-    journal.register_controller({"id": "ctl-1", "kind": "run", "pid": 1, "pidfd_ino": None, "starttime": 1,
-                                 "boot_id": "b", "lock_path": str(tmp_path / "ctl.lock"), "started_at": time.time()})
+    journal = journal_of(tmp_path)
     yield journal
     journal.close()
 

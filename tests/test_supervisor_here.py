@@ -1,0 +1,87 @@
+"""A cell that `Supervisor.run` (and serve's `run`, `run_attached`) waits for is waited for and ended on the caller's
+own thread (supervisor._here, issue 29's seventh round): no cell thread, no hand-off of its result. What must hold:
+the cell is ended and recorded whatever interrupts its caller (a KeyboardInterrupt on the main thread in the wait
+hands the cell over to a thread of its own; one during its end waits until the end is recorded), and what follows
+the result still happens (on the Supervisor's `agnsup-after` thread).
+
+Checked to fail: with the hand-over taken out of `_here`, the interrupted wait's cell is never concluded (its row stays
+`running`); with `_signals_held` a null context, the end cut by the KeyboardInterrupt leaves its row `running`."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from agnsup.supervisor import Supervisor
+from scenario import wait_for
+
+
+def _cell_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("cell-")]
+
+
+def _held_mount_namespaces() -> set[str]:
+    own = os.readlink("/proc/self/ns/mnt")
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("mnt:[") and link != own:
+            held.add(link)
+    return held
+
+
+def test_run_waits_on_the_callers_thread_and_the_work_after_the_result_still_happens(state, worktree):
+    seen: list = []
+    with Supervisor(state) as sup:
+        watch = threading.Timer(0.3, lambda: seen.append(_cell_threads()))
+        watch.start()
+        res = sup.run(["sh", "-c", "sleep 0.6; exit 5"], workdir=worktree, cell_id="here")
+        watch.join()
+        assert (res["state"], res["exit_code"]) == ("exited", 5), res
+        assert seen == [[]]  # no cell thread while it ran
+        assert sup.receipt(res["run_id"], "here")["exit_code"] == 5
+        if os.geteuid() == 0:  # its mount namespace, held while it ran, let go after the result (agnsup-after)
+            wait_for(lambda: not _held_mount_namespaces(), 10, "the cell's mount namespace let go")
+
+
+def _interrupt_main_in(seconds: float) -> threading.Timer:
+    t = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    t.start()
+    return t
+
+
+def test_a_keyboard_interrupt_in_the_wait_hands_the_cell_to_a_thread_that_ends_and_records_it(state, worktree):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("the main thread's own case")
+    with Supervisor(state) as sup:
+        t = _interrupt_main_in(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            sup.run(["sh", "-c", "sleep 1; exit 4"], workdir=worktree, cell_id="cut", run_id="R")
+        t.join()
+        assert _cell_threads() == ["cell-cut"]  # taken over
+        res = sup.wait("R", "cut", 30)
+        assert (res["state"], res["exit_code"]) == ("exited", 4), res
+        assert sup.ctl.journal.cell("R", "cut")["state"] == "exited"
+
+
+def test_a_keyboard_interrupt_during_the_cells_end_comes_after_the_end_is_recorded(state, worktree):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("the main thread's own case")
+    with Supervisor(state) as sup:
+        finish = sup.ctl.finish
+
+        def interrupted_finish(*a, **k):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, in the middle of the end, unless held
+            return finish(*a, **k)
+        sup.ctl.finish = interrupted_finish
+        with pytest.raises(KeyboardInterrupt):
+            sup.run(["sh", "-c", "exit 6"], workdir=worktree, cell_id="end", run_id="R")
+        row = sup.ctl.journal.cell("R", "end")
+        assert (row["state"], row["exit_code"]) == ("exited", 6), dict(row)
+        assert sup.receipt("R", "end")["exit_code"] == 6
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back

@@ -85,3 +85,33 @@ def test_a_keyboard_interrupt_during_the_cells_end_comes_after_the_end_is_record
         assert (row["state"], row["exit_code"]) == ("exited", 6), dict(row)
         assert sup.receipt("R", "end")["exit_code"] == 6
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def _zombie_children(ppid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == ppid and fields[0] == "Z":
+                out.append(int(p))
+    return out
+
+
+def test_the_fork_server_reaps_every_init_whose_answer_the_end_no_longer_waits_for(state, worktree):
+    """leader.collect leaves a reported init to the server (its answer unread): the server still reaps each one,
+    and a killed cell (no report: its status is the init's, from the server) still ends `killed`."""
+    with Supervisor(state) as sup:
+        for i in range(4):
+            res = sup.run(["sh", "-c", f"exit {i}"], workdir=worktree, cell_id=f"z{i}")
+            assert res["exit_code"] == i, res
+        server = sup._forker.server.pid
+        wait_for(lambda: not _zombie_children(server), 10, "the fork server's children reaped")
+        h = sup.spawn(["sleep", "30"], workdir=worktree, cell_id="killed")
+        sup.signal(h["run_id"], "killed", "KILL")
+        res = sup.wait(h["run_id"], "killed", 30)
+        assert (res["state"], res["exit_code"]) == ("killed", 137), res
+        wait_for(lambda: not _zombie_children(server), 10, "the fork server's children reaped")

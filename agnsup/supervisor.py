@@ -23,7 +23,7 @@ import os
 import signal as _signal
 import sys
 import threading
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import suppress
 
 from .errors import UnknownId, UsageError
 from .util import crashpoints
@@ -256,18 +256,23 @@ class Supervisor:
         hand-offs between threads on a cell's path). What follows the result runs on the Supervisor's
         `agnsup-after` thread, in order. An exception that interrupts the wait (KeyboardInterrupt on the main
         thread) hands the cell over to a thread of its own, as `spawn`'s, and is raised; on the main thread the
-        signals with a Python handler are held while the cell ends (`_signals_held`), so that no handler's
-        exception can cut its end (receipt, conclusion, release) short: they run once it is recorded."""
+        signals with a Python handler are held while the cell ends (`_SignalsHeld`), so that no handler's
+        exception can cut its end (receipt, conclusion, release) short: they run once it is recorded (`_SignalsHeld`)."""
         if r.waiter is None:  # queued: its thread starts it
             r.done.wait()
         else:
+            self.ctl.draft(r.cell)  # (while the command runs)
             try:
                 r.waiter.wait(_poll_wake(r))
+                held = _SignalsHeld().hold() if threading.current_thread() is threading.main_thread() else None
             except BaseException:
-                self._hand_over(r)  # (Waiter.wait again: its timeout counts from the first wait)
+                self._hand_over(r)  # (Waiter.wait again, at once if the leader exited: the timeout as it was)
                 raise
-            with _signals_held() if threading.current_thread() is threading.main_thread() else nullcontext():
+            try:
                 self._supervise(r, waited=True)
+            finally:
+                if held is not None:
+                    held.release()
         if r.error is not None:
             raise r.error
         return r.result, r.said
@@ -285,6 +290,8 @@ class Supervisor:
                 r.attach(self.ctl.waiter(r.cell, hold=True))
             caller = r.caller
             if not waited:
+                if r.cell.draft is None:
+                    self.ctl.draft(r.cell)
                 r.waiter.wait(_poll_wake(r))
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
@@ -566,30 +573,44 @@ def _poll_wake(r: _Running):
     return None if caller is None else lambda: caller.on_wake(r.waiter, r.cell)
 
 
-@contextmanager
-def _signals_held():
-    """On the main thread: every signal with a Python handler is recorded instead of handled inside the block, and
-    handled after it, in the order they came (a KeyboardInterrupt raised then, not in the middle of a cell's end).
-    A handler set inside the block is kept."""
-    came: list = []
+class _SignalsHeld:
+    """On the main thread, between `hold` and `release`: every signal with a Python handler (SIGINT's
+    default_int_handler at least) is recorded instead of handled, and handled at `release`, in the order they came
+    (so a KeyboardInterrupt is raised there, not in the middle of a cell's end). A handler set meanwhile is kept.
+    ~5 us a cell (one sigaction each way for SIGINT)."""
 
-    def record(n, frame):
-        came.append((n, frame))
-    held = {}
-    for sig in _signal.valid_signals():
-        with suppress(OSError, ValueError):
-            h = _signal.getsignal(sig)
-            if callable(h):
-                held[sig] = h
-                _signal.signal(sig, record)
-    try:
-        yield
-    finally:
-        for sig, h in held.items():
-            if _signal.getsignal(sig) is record:
+    def __init__(self):
+        self.came: list = []
+        self.held: dict = {}
+
+    def _record(self, n, frame) -> None:
+        self.came.append((n, frame))
+
+    def hold(self) -> "_SignalsHeld":
+        getsignal = _signal.getsignal
+        try:
+            for sig in _all_signals():
+                h = getsignal(sig)
+                if callable(h):
+                    self.held[sig] = h
+                    _signal.signal(sig, self._record)
+        except BaseException:  # (a handler's exception between two of them: what was swapped is given back)
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        for sig, h in self.held.items():
+            if _signal.getsignal(sig) == self._record:
                 _signal.signal(sig, h)
+        came, self.came = self.came, []
         for n, frame in came:
-            held[n](n, frame)
+            self.held[n](n, frame)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_signals() -> tuple:
+    return tuple(_signal.valid_signals())
 
 
 def _after_result(waiter, later: list) -> None:

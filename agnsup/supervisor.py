@@ -257,7 +257,7 @@ class Supervisor:
         `agnsup-after` thread, in order. An exception that interrupts the wait (KeyboardInterrupt on the main
         thread) hands the cell over to a thread of its own, as `spawn`'s, and is raised; on the main thread the
         signals with a Python handler are held while the cell ends (`_SignalsHeld`), so that no handler's
-        exception can cut its end (receipt, conclusion, release) short: they run once it is recorded (`_SignalsHeld`)."""
+        exception can cut its end (receipt, conclusion, release) short: they run once it is recorded."""
         if r.waiter is None:  # queued: its thread starts it
             r.done.wait()
         else:

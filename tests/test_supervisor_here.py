@@ -14,24 +14,11 @@ import time
 import pytest
 
 from agnsup.supervisor import Supervisor
-from scenario import wait_for
+from scenario import held_mount_namespaces, wait_for
 
 
 def _cell_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("cell-")]
-
-
-def _held_mount_namespaces() -> set[str]:
-    own = os.readlink("/proc/self/ns/mnt")
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("mnt:[") and link != own:
-            held.add(link)
-    return held
 
 
 def test_run_waits_on_the_callers_thread_and_the_work_after_the_result_still_happens(state, worktree):
@@ -45,7 +32,7 @@ def test_run_waits_on_the_callers_thread_and_the_work_after_the_result_still_hap
         assert seen == [[]]  # no cell thread while it ran
         assert sup.receipt(res["run_id"], "here")["exit_code"] == 5
         if os.geteuid() == 0:  # its mount namespace, held while it ran, let go after the result (agnsup-after)
-            wait_for(lambda: not _held_mount_namespaces(), 10, "the cell's mount namespace let go")
+            wait_for(lambda: not held_mount_namespaces(), 10, "the cell's mount namespace let go")
 
 
 def _interrupt_main_in(seconds: float) -> threading.Timer:

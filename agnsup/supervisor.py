@@ -261,8 +261,8 @@ class Supervisor:
         if r.waiter is None:  # queued: its thread starts it
             r.done.wait()
         else:
-            self.ctl.draft(r.cell)  # (while the command runs)
             try:
+                self.ctl.draft(r.cell)  # (while the command runs)
                 r.waiter.wait(_poll_wake(r))
                 held = _SignalsHeld().hold() if threading.current_thread() is threading.main_thread() else None
             except BaseException:

@@ -156,6 +156,8 @@ class Supervisor:
         self._guard = threading.Lock()
         # what the cells waited for on their callers' threads (run, run_attached) leave for after their results
         self._after = _Worker("agnsup-after")
+        self._ending = 0  # such cells between their wait and that hand-over (close waits for them: _quiet)
+        self._quiet = threading.Condition()
         self.closed = False
 
     @property
@@ -268,9 +270,14 @@ class Supervisor:
             except BaseException:
                 self._hand_over(r)  # (Waiter.wait again, at once if the leader exited: the timeout as it was)
                 raise
+            with self._quiet:
+                self._ending += 1
             try:
                 self._supervise(r, waited=True)
             finally:
+                with self._quiet:
+                    self._ending -= 1
+                    self._quiet.notify_all()
                 if held is not None:
                     held.release()
         if r.error is not None:
@@ -552,7 +559,9 @@ class Supervisor:
         for t in ending:  # what their cells' ends left for after the result (_after_result): a few ms at most
             if t.is_alive():
                 t.join(5)
-        self._after.close()  # and what the cells ended on their callers' threads left for it
+        with self._quiet:  # the cells ended on their callers' threads: their work after the result queued first
+            self._quiet.wait_for(lambda: self._ending == 0, 5)
+        self._after.close()  # then done
         if self._spares is not None:  # before the controller ends: a crash in between leaves them to the janitor
             self._spares.close()
         if self.ctl.tmp_spare is not None:

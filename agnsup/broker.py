@@ -97,6 +97,7 @@ class Cell(Record):
     secret_summary: list | None = None  # the receipt's `secrets` section, once the proxy stopped
     scrubbed: dict | None = None  # {secret name: values masked in its capture files}, once it ended
     receipt_fd: int | None = None  # its receipt's file, made and opened while it runs (receipts.reserve)
+    draft: object = None         # receipts.Draft: what of its receipt is fixed once it runs, encoded meanwhile (draft)
 
     def target(self) -> reaper.Target:
         spec = self.spec
@@ -423,6 +424,15 @@ class Controller:
         self.journal.commit_identity(cell.spec.run_id, cell.spec.cell_id, {**ident, "started_at": cell.started_at}, st)
 
     # -- wait and finish --------------------------------------------------
+    @staticmethod
+    def draft(cell: Cell) -> None:
+        """While the command runs, on the thread that will wait for it: what of its receipt is fixed by now, encoded
+        (receipts.Draft), so that its end encodes only the rest. Best effort: without it the end encodes it all."""
+        try:
+            cell.draft = receipts.Draft(cell)
+        except Exception:  # noqa: BLE001 - an optimisation: the receipt is whole without it
+            cell.draft = None
+
     def waiter(self, cell: Cell, wake_fd: int | None = None, hold: bool = False) -> wait.Waiter:
         """`hold`: the waiter holds the cell's mount namespace (Waiter.hold_mounts), and the caller lets it go
         after the cell's result (a Supervisor: its teardown off the path from the command's exit to the result)."""
@@ -560,8 +570,9 @@ class Controller:
         if cell.secrets and cell.plan is not None:  # issue 32: no value kept in its capture files (egress/scrub.py)
             from .egress.scrub import scrub_cell
             cell.scrubbed = scrub_cell(cell.plan.cell_dir, cell.secrets)
-        receipt = receipts.cell_receipt(cell, outcome, usage, released, error)
-        text = receipts.dumps(receipt)  # one encoding for the file and the journal's row
+        drafted, cell.draft = cell.draft, None
+        receipt = receipts.cell_receipt(cell, outcome, usage, released, error, drafted)
+        text = receipts.dumps(receipt, drafted)  # one encoding for the file and the journal's row
         path = os.path.join(cell.plan.cell_dir, "receipt.json")
         fd, cell.receipt_fd = cell.receipt_fd, None
         try:

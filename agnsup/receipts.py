@@ -14,7 +14,8 @@ RECEIPT_VERSION = 1
 MAX_RETURNED_OUTPUT = 64 * 1024  # captured output a caller gets back (tool.ended); redaction counts cover it
 
 
-def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None) -> dict:
+def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None = None, drafted=None) -> dict:
+    """`drafted`: the cell's Draft, made while its command ran: those fields' values are the very objects it encoded."""
     from .io.wiring import output_info  # lazy: tool.py imports this module for a constant
     spec, plan = cell.spec, cell.plan
     r = {
@@ -42,6 +43,8 @@ def cell_receipt(cell, outcome, usage: dict, released: list, error: str | None =
         "usage": usage, "released": released,
         "output": output_info(cell),
     }
+    if drafted is not None:
+        r.update((k, v) for k, (v, _) in drafted.fields.items())
     r.update(argv_b64(spec.argv))
     if getattr(cell, "protected", None) is not None:  # protect.settle: what the cell planted, what it changed
         r["protected"] = cell.protected
@@ -139,11 +142,50 @@ def redacted_env(spec) -> dict[str, str]:
     return {k: ("<redacted>" if k == TOKEN_VAR or looks_secret(k) else v) for k, v in spec.env.items()}
 
 
-def dumps(receipt: dict) -> str:
+def dumps(receipt: dict, drafted: "Draft | None" = None) -> str:
     """A cell receipt as its controller writes it, once for both places: the file `receipt.json` (one line)
     and the journal's receipts row (Journal.conclude_cell), so `agnsup verify` finds them byte for byte the
-    same. Keys sorted, through the C encoder (indent=2 is the pure-Python one: ~0.3 ms a cell of `true`)."""
-    return json.dumps(receipt, sort_keys=True)
+    same. Keys sorted, through the C encoder (indent=2 is the pure-Python one: ~0.3 ms a cell of `true`).
+    `drafted`: the texts Draft encoded while the command ran, reused for the fields that still hold the values it
+    encoded; the text is json.dumps(receipt, sort_keys=True) byte for byte all the same
+    (tests/unit/test_receipt_draft.py)."""
+    if drafted is None:
+        return json.dumps(receipt, sort_keys=True)
+    enc = _encoder()
+    texts = {k: t for k, (v, t) in drafted.fields.items() if receipt.get(k) is v}
+    if "chain" in texts and "isolation" in receipt:
+        isolation = texts["isolation"] = enc(receipt["isolation"])  # the top-level field's, encoded anyway
+        if isolation != drafted.isolation or len(receipt["chain"]) != drafted.stages:  # the chain's backend stage
+            del texts["chain"]                                                       # holds that dict: changed
+    return "{" + ", ".join(f"{enc(k)}: {texts[k] if k in texts else enc(receipt[k])}" for k in sorted(receipt)) + "}"
+
+
+class Draft:
+    """What of a cell's receipt is fixed once its command runs, encoded then (on the thread that waits for it, while
+    it runs: off the path from its exit to its result): {field: (value, text)}, and the isolation's text as it was
+    (the chain's backend stage holds the cell's isolation dict, which the end may still change: a change layer the
+    kernel refused adds its `not_in_force`; dumps then encodes the chain again, as it does when a stage was added)."""
+
+    def __init__(self, cell):
+        spec = cell.spec
+        enc = _encoder()
+        values = {"governance": {"decision": cell.decision, "trail": cell.trail}, "chain": cell.trace,
+                  "env": redacted_env(spec), "env_keys": sorted(spec.env), "env_sources": spec.env_sources,
+                  "argv": spec.argv}
+        self.fields = {k: (v, enc(v)) for k, v in values.items()}
+        self.isolation = enc(cell.isolation)
+        self.stages = len(cell.trace)
+
+
+_ENCODER = None
+
+
+def _encoder():
+    """json.dumps(x, sort_keys=True)'s encoder, made once (json.dumps makes one per call when sort_keys is given)."""
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = json.JSONEncoder(sort_keys=True).encode
+    return _ENCODER
 
 
 def _tmp(path: str) -> str:

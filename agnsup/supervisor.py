@@ -10,14 +10,17 @@ The Python API an agent runtime embeds, and the core of `agnsup serve`:
         sup.publish_port("R", "A", 8000)   # the agent's pod port 8000 on 127.0.0.1:N (agnsup/ports.py)
 
 One Controller (one liveness lock, one journal connection) serves every cell;
-each cell has a thread that waits for it and writes its receipt. Cancel and
+each cell has a thread that waits for it and writes its receipt, or, for `run` and
+`run_attached`, whose caller waits anyway, the caller's own thread does (`_here`). Cancel and
 cleanup go through the journal and the cgroups (agnsup/cancel.py) exactly as
 from another process. If this process is SIGKILLed, the janitor of the next
 controller recovers its cells like any other controller's.
 """
 from __future__ import annotations
 
+import functools
 import os
+import signal as _signal
 import sys
 import threading
 from contextlib import suppress
@@ -151,6 +154,10 @@ class Supervisor:
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
         self._guard = threading.Lock()
+        # what the cells waited for on their callers' threads (run, run_attached) leave for after their results
+        self._after = _Worker("agnsup-after")
+        self._ending = 0  # such cells between their wait and that hand-over (close waits for them: _quiet)
+        self._quiet = threading.Condition()
         self.closed = False
 
     @property
@@ -193,17 +200,19 @@ class Supervisor:
         with self.ctl.journal.lock:
             janitor.on_start(self.state, self.ctl.journal)
             repair.maybe_prune(self.state, self.ctl.journal)
-        r, cell = self._start(argv, notify, caller, options)
+        r, cell = self._start(argv, notify, caller, options, here=True)
         if started is not None:
-            started(cell.spec.cell_id)
-        r.done.wait()
-        if r.error is not None:
-            raise r.error
-        return r.result, r.said
+            try:
+                started(cell.spec.cell_id)
+            except BaseException:
+                self._hand_over(r)
+                raise
+        return self._here(r)
 
-    def _start(self, argv: list[str], notify, caller, options: dict) -> tuple["_Running", object]:
+    def _start(self, argv: list[str], notify, caller, options: dict, here: bool = False) -> tuple["_Running", object]:
         """(the cell's _Running, its broker.Cell: r.cell is let go of once it ended, which may be before this
-        returns)."""
+        returns). `here`: the caller waits for the cell on its own thread (`_here`): no thread is made for a cell
+        that started (a queued one has its thread, which starts it)."""
         from .request import CellRequest
         from .tool import prepare
         if self.closed:
@@ -222,12 +231,10 @@ class Supervisor:
         r = _Running(cell, request, caller)
         if not cell.waiting:
             r.attach(self.ctl.waiter(cell, caller.fd if caller is not None else None, hold=True))
-        key = (cell.spec.run_id, cell.spec.cell_id)
-        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{key[1]}", daemon=True)
         with self._guard:
-            self._cells[key] = r
-            self._threads.add(t)
-        t.start()
+            self._cells[(cell.spec.run_id, cell.spec.cell_id)] = r
+        if not here or cell.waiting:
+            self._hand_over(r)
         if cell.waiting:  # said once the cell is supervised: a notify that raises cannot orphan its row
             line = (f"agnsup: cell {cell.spec.cell_id} is waiting for the worktree {cell.spec.worktree} lock "
                     f"(held by {cell.lock_holder or 'another cell'})")
@@ -238,7 +245,48 @@ class Supervisor:
                     raise
         return r, cell
 
-    def _supervise(self, r: _Running) -> None:
+    def _hand_over(self, r: _Running) -> None:
+        """The cell's own thread waits for it and ends it (`_supervise`)."""
+        t = threading.Thread(target=self._supervise, args=(r,), name=f"cell-{r.cell.spec.cell_id}", daemon=True)
+        with self._guard:
+            self._threads.add(t)
+        t.start()
+
+    def _here(self, r: _Running) -> tuple[dict, list[str]]:
+        """Wait for a started cell and end it on this thread, the caller's, which waits for its result anyway: no
+        cell thread to make while the command runs, and no wake-up of the caller when the result is ready (two
+        hand-offs between threads on a cell's path). What follows the result runs on the Supervisor's
+        `agnsup-after` thread, in order. An exception that interrupts the wait (KeyboardInterrupt on the main
+        thread) hands the cell over to a thread of its own, as `spawn`'s, and is raised; on the main thread the
+        signals with a Python handler are held while the cell ends (`_SignalsHeld`), so that no handler's
+        exception can cut its end (receipt, conclusion, release) short: they run once it is recorded."""
+        if r.waiter is None:  # queued: its thread starts it
+            r.done.wait()
+        else:
+            try:
+                self.ctl.draft(r.cell)  # (while the command runs)
+                r.waiter.wait(_poll_wake(r))
+                held = _SignalsHeld().hold() if threading.current_thread() is threading.main_thread() else None
+            except BaseException:
+                self._hand_over(r)  # (Waiter.wait again, at once if the leader exited: the timeout as it was)
+                raise
+            with self._quiet:
+                self._ending += 1
+            try:
+                self._supervise(r, waited=True)
+            finally:
+                with self._quiet:
+                    self._ending -= 1
+                    self._quiet.notify_all()
+                if held is not None:
+                    held.release()
+        if r.error is not None:
+            raise r.error
+        return r.result, r.said
+
+    def _supervise(self, r: _Running, waited: bool = False) -> None:
+        """Wait for the cell (unless `waited`: `_here` did), end it, hand its result over; then, on this thread (a
+        cell thread) or on `agnsup-after` (`waited`), what may follow the result."""
         from .tool import ended, said_lines
         key = (r.cell.spec.run_id, r.cell.spec.cell_id)
         plan = r.cell.plan
@@ -248,7 +296,10 @@ class Supervisor:
                 self.ctl.resume(r.cell)
                 r.attach(self.ctl.waiter(r.cell, hold=True))
             caller = r.caller
-            r.waiter.wait(None if caller is None else lambda: caller.on_wake(r.waiter, r.cell))
+            if not waited:
+                if r.cell.draft is None:
+                    self.ctl.draft(r.cell)
+                r.waiter.wait(_poll_wake(r))
             with r.lock:  # from here the broker reaps the tree: signal() has nothing left to do
                 r.leader_gone = True
                 os.close(r.group_fd)
@@ -282,18 +333,25 @@ class Supervisor:
                         self._cells.pop(key, None)
             waiter = r.waiter
             r.done.set()
-            if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
-                self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
-            _after_result(waiter, later)
-            if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
-                self._spares.refill()
-            with self._guard:
-                self._threads.discard(threading.current_thread())
+            if waited:
+                self._after.submit(functools.partial(self._after_cell, plan, waiter, later))
+            else:
+                self._after_cell(plan, waiter, later)
+                with self._guard:
+                    self._threads.discard(threading.current_thread())
+
+    def _after_cell(self, plan, waiter, later: list) -> None:
+        """What a cell's end leaves for after its result, on its thread or on `agnsup-after`."""
+        if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
+            self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
+        _after_result(waiter, later)
+        if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
+            self._spares.refill()
 
     def run(self, argv: list[str], **options) -> dict:
-        """spawn, then wait: the result dict of run_process."""
-        h = self.spawn(argv, **options)
-        return self.wait(h["run_id"], h["cell_id"])
+        """spawn, then wait: the result dict of run_process (waited for on this thread: `_here`)."""
+        notify = options.pop("notify", None)
+        return self._here(self._start(argv, notify, None, options, here=True)[0])[0]
 
     # -- wait, cancel, cleanup, list ---------------------------------------
     def wait(self, run_id: str, cell_id: str, timeout: float | None = None) -> dict | None:
@@ -501,6 +559,9 @@ class Supervisor:
         for t in ending:  # what their cells' ends left for after the result (_after_result): a few ms at most
             if t.is_alive():
                 t.join(5)
+        with self._quiet:  # the cells ended on their callers' threads: their work after the result queued first
+            self._quiet.wait_for(lambda: self._ending == 0, 5)
+        self._after.close()  # then done
         if self._spares is not None:  # before the controller ends: a crash in between leaves them to the janitor
             self._spares.close()
         if self.ctl.tmp_spare is not None:
@@ -513,6 +574,52 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _poll_wake(r: _Running):
+    """What the cell's wait loop calls when its caller's connection is readable (run_attached), or None."""
+    caller = r.caller
+    return None if caller is None else lambda: caller.on_wake(r.waiter, r.cell)
+
+
+class _SignalsHeld:
+    """On the main thread, between `hold` and `release`: every signal with a Python handler (SIGINT's
+    default_int_handler at least) is recorded instead of handled, and handled at `release`, in the order they came
+    (so a KeyboardInterrupt is raised there, not in the middle of a cell's end). A handler set meanwhile is kept.
+    ~5 us a cell (one sigaction each way for SIGINT)."""
+
+    def __init__(self):
+        self.came: list = []
+        self.held: dict = {}
+
+    def _record(self, n, frame) -> None:
+        self.came.append((n, frame))
+
+    def hold(self) -> "_SignalsHeld":
+        getsignal = _signal.getsignal
+        try:
+            for sig in _all_signals():
+                h = getsignal(sig)
+                if callable(h):
+                    self.held[sig] = h
+                    _signal.signal(sig, self._record)
+        except BaseException:  # (a handler's exception between two of them: what was swapped is given back)
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        for sig, h in self.held.items():
+            if _signal.getsignal(sig) == self._record:
+                _signal.signal(sig, h)
+        came, self.came = self.came, []
+        for n, frame in came:
+            self.held[n](n, frame)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_signals() -> tuple:
+    return tuple(_signal.valid_signals())
 
 
 def _after_result(waiter, later: list) -> None:

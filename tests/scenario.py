@@ -52,6 +52,21 @@ def growing(paths, window: float = 0.6) -> dict:
     return {p: lines(p) > before[p] for p in paths}
 
 
+def held_mount_namespaces() -> set[str]:
+    """The mount namespaces this process holds a descriptor of, other than its own (a Supervisor's waiter holds a
+    running cell's: Waiter.hold_mounts)."""
+    own = os.readlink("/proc/self/ns/mnt")
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("mnt:[") and link != own:
+            held.add(link)
+    return held
+
+
 def alive(pid: int, starttime: int) -> bool:
     st = proc.stat(pid)
     return st is not None and st.starttime == starttime and st.state not in ("Z", "X")

@@ -20,21 +20,7 @@ import pytest
 from agnsup.linux import proc
 from agnsup.supervisor import Supervisor
 from conftest import procs_with_env, skip_unless_capturable
-from scenario import alive, wait_for
-
-
-def _held_mount_namespaces() -> set[str]:
-    """The mount namespaces this process holds a descriptor of, other than its own."""
-    own = os.readlink("/proc/self/ns/mnt")
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("mnt:[") and link != own:
-            held.add(link)
-    return held
+from scenario import alive, held_mount_namespaces, wait_for
 
 
 def _cell_thread_ended(cell_id: str) -> bool:
@@ -46,14 +32,14 @@ def test_a_cells_mount_namespace_is_held_while_it_runs_and_let_go_after_its_resu
         pytest.skip("ENV_BLOCKED: root (a normal user may not open the init's /proc/PID/ns: it is not dumpable)")
     with Supervisor(state) as sup:
         h = sup.spawn(["sleep", "30"], workdir=worktree, cell_id="held")
-        assert len(_held_mount_namespaces()) == 1  # the running cell's own (its waiter's hold)
+        assert len(held_mount_namespaces()) == 1  # the running cell's own (its waiter's hold)
         sup.signal(h["run_id"], "held", "KILL")
         assert sup.wait(h["run_id"], "held", 30)["state"] == "killed"
         for i in range(3):  # and cells of `true`, which may end before the hold (then nothing is held)
             h = sup.spawn(["true"], workdir=worktree, cell_id=f"t{i}")
             assert sup.wait(h["run_id"], f"t{i}", 30)["exit_code"] == 0
         wait_for(lambda: all(_cell_thread_ended(c) for c in ("held", "t0", "t1", "t2")), 10, "the cells' threads")
-        assert _held_mount_namespaces() == set()
+        assert held_mount_namespaces() == set()
 
 
 def test_a_daemon_the_command_left_is_dead_before_the_result_though_the_leader_is_reaped_early(state, worktree):

@@ -415,8 +415,8 @@ class Server:
         return self.sup.spawn(req.pop("argv", None), entry="serve", notify=note, **req)
 
     def op_run(self, req: dict, note) -> dict:
-        h = self.op_spawn(req, note)
-        return self.sup.wait(h["run_id"], h["cell_id"])
+        req.pop("entry", None)  # as op_spawn; waited for on this request's thread (Supervisor.run)
+        return self.sup.run(req.pop("argv", None), entry="serve", notify=note, **req)
 
     def op_wait(self, req: dict, note) -> dict:
         res = self.sup.wait(req["run_id"], req["cell_id"], req.get("timeout"))

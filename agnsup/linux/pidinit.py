@@ -115,10 +115,9 @@ def supervise(command_pid: int, status_fd: int) -> int:
                 return code
 
 
-def command_status(fd: int, status: int | None, sig: int | None) -> tuple[int | None, int | None]:
-    """In the controller, after the init ended: the command's (status, signal).
-
-    Falls back to the init's own when it wrote nothing (it was killed)."""
+def command_status(fd: int) -> tuple[int | None, int | None] | None:
+    """In the controller, once the init has ended (or written its report): the command's (status, signal) as the
+    init reported it; None when it wrote nothing (it was killed). Closes `fd`."""
     try:
         data = os.read(fd, 64).decode(errors="replace").split()
     except OSError:
@@ -127,4 +126,4 @@ def command_status(fd: int, status: int | None, sig: int | None) -> tuple[int | 
         os.close(fd)
     if len(data) == 2 and data[1].isdigit():
         return (int(data[1]), None) if data[0] == "exit" else (None, int(data[1]))
-    return status, sig
+    return None

@@ -292,13 +292,32 @@ def ask_reap(child: Child) -> None:
 
 
 def collect(child: Child) -> tuple[int | None, int | None]:
-    """Reap the leader once its tree is dead: (exit status, killing signal) of the command."""
-    info = _wait(child)
+    """Reap the leader once its tree is dead: (exit status, killing signal) of the command.
+
+    A PID namespace's init reported the command's own status on its pipe before its exit: then its own waitid
+    status says nothing more, and a fork server's child is left for the server to reap (asked, its answer not
+    waited for: no round trip to another process on the cell's path). Without a report (the init was killed)
+    its status is the cell's, read from the server as before."""
+    report = None
+    if child.status_fd is not None:  # a PID-namespace init: the command's own status
+        fd, child.status_fd = child.status_fd, None
+        report = pidinit.command_status(fd)
+    if report is not None and child.reap_channel is not None:
+        from .forkserver import ask_reap as ask  # (a Supervisor's: loaded by its spawn)
+        channel, child.reap_channel = child.reap_channel, None
+        if not child.reap_asked:
+            ask(channel)
+        os.close(channel)  # the server reaps it all the same; its answer goes nowhere
+        info = None
+    else:
+        info = _wait(child)
     os.close(child.pidfd)
     if child.tmp_fd is not None:  # the bytes in use on the cell's /tmp tmpfs
         sv = os.fstatvfs(child.tmp_fd)
         child.tmp_used = (sv.f_blocks - sv.f_bfree) * sv.f_frsize
         _close_tmp(child)
+    if report is not None:
+        return report
     status = sig = None
     if info is None:  # its fork server died and the kernel killed it (PR_SET_PDEATHSIG): SIGKILL
         sig = signal.SIGKILL
@@ -306,8 +325,6 @@ def collect(child: Child) -> tuple[int | None, int | None]:
         status = info[1]
     else:
         sig = info[1]
-    if child.status_fd is not None:  # a PID-namespace init: the command's own status
-        status, sig = pidinit.command_status(child.status_fd, status, sig)
     return status, sig
 
 

@@ -70,6 +70,7 @@ class Waiter:
         self.stop_signal: int = signal.SIGTERM  # what the tree got first
         self.kill_method: str | None = None
         self.mounts: int | None = None  # the cell's mount namespace, while held (hold_mounts)
+        self.began: float | None = None  # the first wait's start (monotonic): the timeout counts from it
 
     def hold_mounts(self, pid: int) -> None:
         """Hold the mount namespace of the leader `pid` (unreaped: the number is still ours) until `let_go`.
@@ -139,7 +140,9 @@ class Waiter:
 
         The same loop pumps the cell's output (if the role caps it) and watches
         the v1 OOM eventfd."""
-        start = time.monotonic()
+        if self.began is None:  # waited for again (a caller interrupted, the cell's thread took over): same timeout
+            self.began = time.monotonic()
+        start = self.began
         p = select.poll()
         p.register(self.leader_fd, select.POLLIN)
         if self.wake_fd is not None:

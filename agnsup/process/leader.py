@@ -38,7 +38,8 @@ class Child(Record):
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
-          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None) -> Child:
+          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None,
+          mount_spare: "MountSpare | None" = None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -48,11 +49,12 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
     namespace a normal user's cell joins instead of making its own); spawn closes them. `tmp_spare`: the
-    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready."""
+    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready;
+    `mount_spare`: its MountSpare, the /dev, hides and masks made ahead that the cell's plan asks for."""
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare)
+        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare, mount_spare)
     except BaseException as e:
         for fd in (netns_fd, pod_userns):
             if fd is not None:
@@ -365,7 +367,7 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
 
 
 def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None,
-             tmp_spare: "TmpSpare | None" = None) -> Setup:
+             tmp_spare: "TmpSpare | None" = None, mount_spare: "MountSpare | None" = None) -> Setup:
     """What the child needs that the controller builds before fork (steps.Setup)."""
     # first: closed whatever fails below
     s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns,
@@ -382,6 +384,8 @@ def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int 
         s.userns_fd = namespaces.cell_userns()
     if plan.tmp_tmpfs:
         s.premade = {"tmp": make_tmp(plan, tmp_spare)}
+        if mount_spare is not None:
+            s.premade.update(mount_spare.take(plan))
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
@@ -400,7 +404,7 @@ def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
     for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.netns_watch, s.pod_userns,
-               *(() if forked else (s.premade or {}).values())):
+               *(fd for key, fd in (s.premade or {}).items() if not (forked and key == "tmp"))):
         if fd is not None:
             os.close(fd)
     if s.ruleset:
@@ -498,6 +502,76 @@ class TmpSpare:
             self.closed = True
             fds, self._ready = list(self._ready.values()), {}
         for fd in fds:
+            os.close(fd)
+
+
+class MountSpare:
+    """A controller of many cells (the Supervisor) makes what a cell's dev, hide, empty and mask steps mount ahead,
+    after a cell's result and off the request's path (linux.mounts.make_ahead: each a new detached mount, never one
+    a cell had: each is taken once, by one cell, and its /dev/shm and devpts are its own). A cell takes those whose
+    key (mounts.ahead_key: the step as its own plan says it) is ready; the leader attaches one only where its own
+    look at the host agrees (mounts.apply), else mounts as before. At most SLOTS are kept (keys of other plans are
+    dropped oldest first), at most PER_CELL go to one cell (a request's descriptors: forkserver.MAX_FDS); `close`
+    lets what is left go (a detached mount is freed with its last descriptor; a killed controller's go with it)."""
+
+    SLOTS = 96
+    PER_CELL = 32
+
+    def __init__(self):
+        import threading
+        self._guard = threading.Lock()
+        self._ready: dict[tuple, tuple[str, int]] = {}  # key -> (apply's name for it, detached mount), in order made
+        self.closed = False
+        self.broken = False  # the kernel cannot make one (before 6.15: nothing mounts inside a detached /dev)
+
+    @staticmethod
+    def _keys(plan) -> list[tuple]:
+        if not (getattr(plan, "tmp_tmpfs", False) and plan.mount_namespace and not plan.user_namespace):
+            return []  # a root controller's cells only (the leader mounts as root in the host's user namespace)
+        from ..linux import mounts
+        return [k for k in map(mounts.ahead_key, plan.mount_ops) if k is not None][:MountSpare.PER_CELL]
+
+    def take(self, plan) -> dict[str, int]:
+        """{apply's name: fd} of what is ready for `plan`'s steps, each taken out of the spare."""
+        out = {}
+        with self._guard:
+            for key in self._keys(plan):
+                got = self._ready.pop(key, None)
+                if got is not None:
+                    out[got[0]] = got[1]
+        return out
+
+    def refill(self, plan) -> None:
+        """What `plan`'s steps mount, made for the next cell, where not ready. Best effort: a failure makes none."""
+        from ..linux import mounts
+        for key in self._keys(plan):
+            with self._guard:
+                if self.closed or self.broken or key in self._ready:
+                    continue
+            try:
+                made = mounts.make_ahead(key)
+            except (OSError, ValueError):
+                if key[0] == "dev":
+                    self.broken = True
+                continue
+            if made is None:
+                continue
+            drop = []
+            with self._guard:
+                if self.closed or key in self._ready:
+                    drop.append(made[1])
+                else:
+                    self._ready[key] = made
+                    while len(self._ready) > self.SLOTS:
+                        drop.append(self._ready.pop(next(iter(self._ready)))[1])
+            for fd in drop:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._guard:
+            self.closed = True
+            made, self._ready = list(self._ready.values()), {}
+        for _, fd in made:
             os.close(fd)
 
 

@@ -1,0 +1,173 @@
+"""What a Supervisor's cells' dev, hide, empty and mask steps mount, made ahead (process.leader.MountSpare, issue 29's
+seventh round): each made-ahead mount is new and serves one cell, and the leader attaches one only where it would have
+mounted the same thing itself.
+
+Checked to fail: with `MountSpare.take` handing out a clone of a kept /dev (a template shared by the cells:
+open_tree(OPEN_TREE_CLONE | AT_RECURSIVE) of the ready tree instead of the tree itself), the first test's second cell
+sees the first cell's /dev/shm file and its pty; with the leader's hide taking a made-ahead tmpfs whatever the owner
+(its name without the owner), the hide test's tmpfs keeps the old owner; with `_take_ahead` counting every failed
+move_mount as done, the mask test's file is left unmasked."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scenario import wait_for
+from agnsup.supervisor import Supervisor
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="made ahead by a root controller only")
+
+# A cell that holds a pty open and leaves a file in its /dev/shm while the next cells start
+HOLD = ("import os, time, pty; m, s = pty.openpty(); open('/dev/shm/left-behind', 'w').write('secret'); "
+        "print(os.ttyname(s), flush=True); time.sleep(30)")
+LOOK = "stat -c %d /dev; ls -A /dev/shm; ls -A /dev/pts; cat /dev/shm/left-behind"
+
+
+def _dev_ready(sup) -> int:
+    """The device number of the /dev made ahead for the role's next cell."""
+    wait_for(lambda: any(k[0] == "dev" for k in sup.ctl.mount_spare._ready), what="a /dev made after the result")
+    (fd,) = [fd for k, (_, fd) in sup.ctl.mount_spare._ready.items() if k[0] == "dev"]
+    return os.fstat(fd).st_dev
+
+
+def test_a_cell_never_sees_another_cells_dev_shm_or_ptys(state, worktree):
+    with Supervisor(state) as sup:
+        assert sup.run(["true"], workdir=worktree, run_id="r")["exit_code"] == 0
+        _dev_ready(sup)
+        holder = sup.spawn([sys.executable, "-c", HOLD], workdir=worktree, run_id="r", stream=True)
+        try:
+            # the holder's pty exists and its file is written before the next cells start
+            _wait_output(sup, holder, "/dev/pts/")  # the holder's pty is open and its file written
+            assert sup.run(["true"], workdir=worktree, run_id="r")["exit_code"] == 0
+            dev = _dev_ready(sup)
+            seen = sup.run(["sh", "-c", LOOK], workdir=worktree, run_id="r", capture=True)
+            lines = seen["stdout"].split()
+            assert int(lines[0]) == dev, seen  # the /dev made ahead was taken
+            assert seen["exit_code"] != 0 and "secret" not in seen["stdout"], seen
+            assert lines[1:] == ["ptmx"], seen  # an empty /dev/shm, a devpts of its own: only its ptmx
+        finally:
+            sup.cancel(holder["cell_id"], holder["run_id"], grace=0)
+            sup.wait(holder["run_id"], holder["cell_id"], timeout=30)
+
+
+def _wait_output(sup, handle, text: str) -> None:
+    said, since = "", 0
+    while text not in said:
+        got = sup.read_output(handle["run_id"], handle["cell_id"], since=since, timeout=30)
+        assert got["chunks"] or not got["ended"], said
+        said += "".join(str(c["data"]) for c in got["chunks"])
+        since = got["next"]
+
+
+PLAY = r'''
+import os, stat, sys
+from agnsup.linux import mounts
+kind, target = sys.argv[1], sys.argv[2]
+if kind == "hide":  # made ahead for the owner the directory has now, then given to another owner
+    name, fd = mounts.make_ahead(mounts.ahead_key(("hide", target, "", True, ((target + "/kept", True),))))
+    os.chown(target, 4242, 4343)
+    mounts._hide(target, ((target + "/kept", True),), premade={name: fd})
+    st = os.stat(target)
+    print("OWNER", st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), os.path.isdir(target + "/kept"))
+elif kind == "mask":  # made ahead for a directory, which is a file by the cell's start
+    name, fd = mounts.make_ahead(mounts.ahead_key(("mask", target)))
+    os.rmdir(target)
+    with open(target, "w") as f:
+        f.write("secret")
+    mounts._mask(target, fd)
+    with open(target) as f:
+        print("READ", repr(f.read()))
+elif kind == "gone":  # made ahead, removed before the cell's start: nothing to mask, not a failure
+    name, fd = mounts.make_ahead(mounts.ahead_key(("mask", target)))
+    os.rmdir(target)
+    mounts._mask(target, fd)
+    print("NOTHING", os.path.exists(target))
+'''
+
+
+def _play(kind: str, target) -> str:
+    cp = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", PLAY, kind,
+                         str(target)], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    return cp.stdout.strip()
+
+
+def test_a_hide_made_for_another_owner_is_made_again_for_the_owner_now(tmp_path):
+    target = tmp_path / "home"
+    target.mkdir()
+    assert _play("hide", target) == "OWNER 4242 4343 493 True"  # 0755, its point inside
+
+
+def test_a_directorys_mask_made_ahead_still_masks_what_is_a_file_now(tmp_path):
+    target = tmp_path / "other-state-root"
+    target.mkdir()
+    assert _play("mask", target) == "READ ''"  # /dev/null over it
+
+
+def test_a_mask_made_ahead_for_a_path_gone_since_is_nothing_to_mask(tmp_path):
+    target = tmp_path / "other-state-root"
+    target.mkdir()
+    assert _play("gone", target) == "NOTHING False"
+
+
+def test_made_ahead_mounts_are_the_ones_the_leader_would_make(tmp_path):
+    """A hide with points, a mask and /dev made ahead, against the same made by the leader's steps: the same mount
+    options, entries, modes and owners (mountinfo but the ids, device numbers and order)."""
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", SAME,
+                          str(tmp_path)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    here, ahead, dev_here, dev_ahead = out.stdout.split("====\n")
+    assert here == ahead and "tmpfs" in here
+    assert dev_here == dev_ahead and "devpts" in dev_here and "/shm" in dev_here
+
+
+SAME = r"""
+import os, sys
+from agnsup.linux import mounts, sys as lsys
+base = sys.argv[1]
+os.umask(0o077)  # a controller's umask is not what the modes come from (the leader's steps set their own)
+
+def look(root):
+    rows = []
+    for line in open("/proc/self/mountinfo"):
+        f = line.split()
+        if f[4] == root or f[4].startswith(root + "/"):
+            rows.append(" ".join([f[3], f[4][len(root):], f[5], *f[f.index("-") + 1:]]))
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(d, n))
+            rows.append(f"{os.path.join(d, n)[len(root):]} {st.st_mode:o} {st.st_uid} {st.st_gid}")
+    return "\n".join(sorted(rows)) + "\n====\n"
+
+out = []
+for which in ("here", "ahead"):
+    root = os.path.join(base, which)
+    for d in ("home", "mask"):
+        os.makedirs(os.path.join(root, d))
+    os.chown(os.path.join(root, "home"), 4242, 4343)
+    home = os.path.join(root, "home")
+    points = ((os.path.join(home, "a", "b"), True), (os.path.join(home, "c", "f"), False))
+    keys = (mounts.ahead_key(("hide", home, "", True, points)), mounts.ahead_key(("mask", os.path.join(root, "mask"))))
+    if which == "here":
+        os.umask(0o022)  # the leader's
+        mounts._hide(home, points)
+        mounts._mask(keys[1][1])
+        os.umask(0o077)
+    else:
+        for key in keys:
+            name, fd = mounts.make_ahead(key)
+            lsys.move_mount_fd(fd, key[1], follow=True)
+            os.close(fd)
+    out.append(look(root).replace(root, "ROOT"))
+lsys.mount_setattr("/", attr_set=lsys.MOUNT_ATTR_RDONLY, propagation=lsys.MS_PRIVATE)  # the "root" step
+os.umask(0o022)
+mounts._dev(1 << 20, ())
+out.append(look("/dev"))
+lsys.umount("/dev")
+os.umask(0o077)
+name, fd = mounts.make_ahead(mounts.ahead_key(("dev", "/dev", str(1 << 20), True, ())))
+mounts._dev(1 << 20, (), premade=fd)
+out.append(look("/dev"))
+sys.stdout.write("".join(out)[:-len("====\n")])
+"""

@@ -51,6 +51,78 @@ def test_a_cell_never_sees_another_cells_dev_shm_or_ptys(state, worktree):
             sup.wait(holder["run_id"], holder["cell_id"], timeout=30)
 
 
+# What a hostile cell tries against the steps made ahead: each line names what it reached; nothing is the answer
+PROBE = r"""
+import os, stat, sys
+state = sys.argv[1]
+def tried(what, fn):
+    try:
+        got = fn()
+    except OSError:
+        return
+    if got:
+        print("REACHED", what, got)
+tried("shadow", lambda: open("/etc/" + "shadow").read())
+# a mapped cell's uid could not read the host's shadow or list a 0700 directory anyway: the masks and hides are there
+tried("shadow unmasked", lambda: not stat.S_ISCHR(os.stat("/etc/" + "shadow").st_mode) and "not /dev/null")
+tried("state root unmasked", lambda: stat.S_IMODE(os.stat(state).st_mode) and "not the mode 000 tmpfs")
+tried("a home unhidden", lambda: os.stat("/root").st_dev == os.stat("/").st_dev and "the host's /root")
+tried("state root", lambda: os.listdir(state))
+tried("a hidden home", lambda: [n for n in os.listdir("/root") if n != ".pyenv"])
+tried("/run", lambda: os.listdir("/run"))
+tried("a node", lambda: sorted(set(os.listdir("/dev")) - {"null", "zero", "full", "random", "urandom", "tty", "pts",
+                                                          "shm", "ptmx", "fd", "stdin", "stdout", "stderr"}))
+tried("the host's ptys", lambda: [n for n in os.listdir("/dev/pts") if n != "ptmx"])
+tried("a file in /dev", lambda: open("/dev/" + "made", "w"))
+tried("a file in a hide", lambda: open("/root/" + "made", "w"))
+tried("a file in a mask", lambda: open(state + "/made", "w"))
+tried("a node made", lambda: os.mknod("/dev/shm/" + "sda", 0o600 | 0o060000, os.makedev(8, 0)) or "made")
+tried("a writable null", lambda: os.chmod("/dev/" + "null", 0o600) or "chmod")
+print("DONE", os.stat("/dev").st_dev)
+"""
+
+
+def test_a_cell_of_made_ahead_mounts_is_as_closed_as_any(state, worktree):
+    with Supervisor(state) as sup:
+        assert sup.run(["true"], workdir=worktree, run_id="r")["exit_code"] == 0
+        dev = _dev_ready(sup)
+        assert any(k[0] == "mask" for k in sup.ctl.mount_spare._ready) and \
+            any(k[0] == "hide" for k in sup.ctl.mount_spare._ready)
+        for role in ("executor", "readonly"):
+            got = sup.run([sys.executable, "-c", PROBE, os.path.realpath(state)], workdir=worktree, run_id="r",
+                          role=role, capture=True)
+            assert got["exit_code"] == 0 and "REACHED" not in got["stdout"], got
+            if role == "executor":
+                assert got["stdout"].split()[-1] == str(dev), got  # it ran on the /dev made ahead
+            dev = _dev_ready(sup)
+
+
+def test_on_shared_mounts_nothing_a_made_ahead_mount_reaches_the_host(tmp_path):
+    """As tests/test_isolation_basics.py's test for `agnsup run`: the state root and the worktree on a shared tmpfs
+    (the state root masked in every cell, the caches cloned from it), several cells of one Supervisor: the host's
+    mount table gains nothing."""
+    top = tmp_path / "shared"
+    top.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(top)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(top)], check=True)
+        wt = top / "wt"
+        wt.mkdir()
+        before = _mounts(str(top))
+        with Supervisor(str(top / "state")) as sup:
+            for _ in range(3):
+                assert sup.run(["true"], workdir=str(wt), run_id="r")["exit_code"] == 0
+                _dev_ready(sup)
+                assert _mounts(str(top)) == before
+    finally:
+        subprocess.run(["umount", "-R", "-l", str(top)], check=False)
+
+
+def _mounts(under: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return sorted(" ".join(line.split()[3:5]) for line in f if under in line)
+
+
 def _wait_output(sup, handle, text: str) -> None:
     said, since = "", 0
     while text not in said:

@@ -453,26 +453,61 @@ def _new_tmp(key: tuple) -> int:
     return fd
 
 
-class TmpSpare:
-    """A controller of many cells (the Supervisor) makes the next cell's /tmp tmpfs ahead, after a cell's result
-    and off the request's path: a new tmpfs (never one a cell had: each is taken once, by one cell) filled from
-    that cell's key (_tmp_key: size, owner, every entry and its content). A cell takes it only when its own key,
-    computed from its own plan at its start, is equal: a role, home config, tool file, umask or limit changed in
-    between gives another key, and the cell's tmpfs is made on its path as before. At most SLOTS keys are kept
-    (a controller serving several roles); `close` unmounts what is left (closing a detached mount's last
-    descriptor frees it; a killed controller's go with its descriptors)."""
+class _Spare:
+    """Detached mounts a controller of many cells made ahead, by key, in the order made: at most SLOTS kept (the
+    oldest let go), each taken once; `close` lets what is left go (a detached mount is freed with its last
+    descriptor; a killed controller's go with it)."""
 
     SLOTS = 4
 
     def __init__(self):
         import threading
         self._guard = threading.Lock()
-        self._ready: dict[tuple, int] = {}  # key -> detached tmpfs, in the order made
+        self._ready: dict = {}  # key -> what was made (_fd: its descriptor), in the order made
         self.closed = False
 
-    def take(self, key: tuple) -> int | None:
+    @staticmethod
+    def _fd(made) -> int:
+        return made
+
+    def _pop(self, key):
         with self._guard:
             return self._ready.pop(key, None)
+
+    def _wanted(self, key) -> bool:
+        with self._guard:
+            return not self.closed and key not in self._ready
+
+    def _keep(self, key, made) -> None:
+        drop = []
+        with self._guard:
+            if self.closed or key in self._ready:
+                drop.append(made)
+            else:
+                self._ready[key] = made
+                while len(self._ready) > self.SLOTS:
+                    drop.append(self._ready.pop(next(iter(self._ready))))
+        for old in drop:
+            os.close(self._fd(old))
+
+    def close(self) -> None:
+        with self._guard:
+            self.closed = True
+            made, self._ready = list(self._ready.values()), {}
+        for old in made:
+            os.close(self._fd(old))
+
+
+class TmpSpare(_Spare):
+    """A controller of many cells (the Supervisor) makes the next cell's /tmp tmpfs ahead, after a cell's result
+    and off the request's path: a new tmpfs (never one a cell had: each is taken once, by one cell) filled from
+    that cell's key (_tmp_key: size, owner, every entry and its content). A cell takes it only when its own key,
+    computed from its own plan at its start, is equal: a role, home config, tool file, umask or limit changed in
+    between gives another key, and the cell's tmpfs is made on its path as before. At most SLOTS keys are kept
+    (a controller serving several roles)."""
+
+    def take(self, key: tuple) -> int | None:
+        return self._pop(key)
 
     def refill(self, plan) -> None:
         """A tmpfs for the next cell with `plan`'s key, unless one is ready. Best effort: a failure makes none."""
@@ -480,49 +515,29 @@ class TmpSpare:
             return
         try:
             key = _tmp_key(plan)
-            with self._guard:
-                if self.closed or key in self._ready:
-                    return
+            if not self._wanted(key):
+                return
             fd = _new_tmp(key)
         except (OSError, ValueError):
             return
-        drop = []
-        with self._guard:
-            if self.closed or key in self._ready:
-                drop.append(fd)
-            else:
-                self._ready[key] = fd
-                while len(self._ready) > self.SLOTS:
-                    drop.append(self._ready.pop(next(iter(self._ready))))
-        for old in drop:
-            os.close(old)
-
-    def close(self) -> None:
-        with self._guard:
-            self.closed = True
-            fds, self._ready = list(self._ready.values()), {}
-        for fd in fds:
-            os.close(fd)
+        self._keep(key, fd)
 
 
-class MountSpare:
+class MountSpare(_Spare):
     """A controller of many cells (the Supervisor) makes what a cell's dev, hide, empty and mask steps mount ahead,
     after a cell's result and off the request's path (linux.mounts.make_ahead: each a new detached mount, never one
     a cell had: each is taken once, by one cell, and its /dev/shm and devpts are its own). A cell takes those whose
     key (mounts.ahead_key: the step as its own plan says it) is ready; the leader attaches one only where its own
     look at the host agrees (mounts.apply), else mounts as before. At most SLOTS are kept (keys of other plans are
-    dropped oldest first), at most PER_CELL go to one cell (a request's descriptors: forkserver.MAX_FDS); `close`
-    lets what is left go (a detached mount is freed with its last descriptor; a killed controller's go with it)."""
+    dropped oldest first), at most PER_CELL go to one cell (a request's descriptors: forkserver.MAX_FDS)."""
 
     SLOTS = 96
     PER_CELL = 32
+    broken = False  # the kernel cannot make one (before 6.15: nothing mounts inside a detached /dev)
 
-    def __init__(self):
-        import threading
-        self._guard = threading.Lock()
-        self._ready: dict[tuple, tuple[str, int]] = {}  # key -> (apply's name for it, detached mount), in order made
-        self.closed = False
-        self.broken = False  # the kernel cannot make one (before 6.15: nothing mounts inside a detached /dev)
+    @staticmethod
+    def _fd(made) -> int:
+        return made[1]  # (apply's name for it, the detached mount)
 
     @staticmethod
     def _keys(plan) -> list[tuple]:
@@ -533,46 +548,21 @@ class MountSpare:
 
     def take(self, plan) -> dict[str, int]:
         """{apply's name: fd} of what is ready for `plan`'s steps, each taken out of the spare."""
-        out = {}
-        with self._guard:
-            for key in self._keys(plan):
-                got = self._ready.pop(key, None)
-                if got is not None:
-                    out[got[0]] = got[1]
-        return out
+        return {name: fd for name, fd in filter(None, map(self._pop, self._keys(plan)))}
 
     def refill(self, plan) -> None:
         """What `plan`'s steps mount, made for the next cell, where not ready. Best effort: a failure makes none."""
         from ..linux import mounts
         for key in self._keys(plan):
-            with self._guard:
-                if self.closed or self.broken or key in self._ready:
-                    continue
+            if self.broken or not self._wanted(key):
+                continue
             try:
                 made = mounts.make_ahead(key)
             except (OSError, ValueError):
-                if key[0] == "dev":
-                    self.broken = True
+                self.broken = self.broken or key[0] == "dev"
                 continue
-            if made is None:
-                continue
-            drop = []
-            with self._guard:
-                if self.closed or key in self._ready:
-                    drop.append(made[1])
-                else:
-                    self._ready[key] = made
-                    while len(self._ready) > self.SLOTS:
-                        drop.append(self._ready.pop(next(iter(self._ready)))[1])
-            for fd in drop:
-                os.close(fd)
-
-    def close(self) -> None:
-        with self._guard:
-            self.closed = True
-            made, self._ready = list(self._ready.values()), {}
-        for _, fd in made:
-            os.close(fd)
+            if made is not None:
+                self._keep(key, made)
 
 
 def _fill_tmp(entries, fd: int, ids: tuple | None) -> None:

@@ -533,7 +533,7 @@ class MountSpare(_Spare):
 
     SLOTS = 96
     PER_CELL = 32
-    broken = False  # the kernel cannot make one (before 6.15: nothing mounts inside a detached /dev)
+    no_dev = False  # the kernel cannot make a /dev ahead (before 6.15 nothing mounts inside a detached mount)
 
     @staticmethod
     def _fd(made) -> int:
@@ -554,12 +554,12 @@ class MountSpare(_Spare):
         """What `plan`'s steps mount, made for the next cell, where not ready. Best effort: a failure makes none."""
         from ..linux import mounts
         for key in self._keys(plan):
-            if self.broken or not self._wanted(key):
+            if (self.no_dev and key[0] == "dev") or not self._wanted(key):
                 continue
             try:
                 made = mounts.make_ahead(key)
             except (OSError, ValueError):
-                self.broken = self.broken or key[0] == "dev"
+                self.no_dev = self.no_dev or key[0] == "dev"  # the hides and masks need no 6.15
                 continue
             if made is not None:
                 self._keep(key, made)

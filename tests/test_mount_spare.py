@@ -145,7 +145,7 @@ def _wait_output(sup, handle, text: str) -> None:
     while text not in said:
         got = sup.read_output(handle["run_id"], handle["cell_id"], since=since, timeout=30)
         assert got["chunks"] or not got["ended"], said
-        said += "".join(str(c["data"]) for c in got["chunks"])
+        said += _text(got["chunks"])
         since = got["next"]
 
 
@@ -264,3 +264,26 @@ mounts._dev(1 << 20, (), premade=fd)
 out.append(look("/dev"))
 sys.stdout.write("".join(out)[:-len("====\n")])
 """
+
+
+@needs_dev_ahead
+def test_a_cell_at_a_terminal_gets_its_console_and_leaves_the_dev_made_ahead(state, worktree):
+    """A pty cell's /dev holds /dev/console (made by its leader): the /dev made ahead stays for the next cell."""
+    with Supervisor(state) as sup:
+        assert sup.run(["true"], workdir=worktree, run_id="r")["exit_code"] == 0
+        devs = _dev_ready(sup)
+        h = sup.spawn(["sh", "-c", "tty; ls /dev; stat -c %d /dev"], workdir=worktree, run_id="r",
+                      pty={"cols": 80, "rows": 24})
+        assert sup.wait(h["run_id"], h["cell_id"], timeout=60)["exit_code"] == 0
+        said = _output(sup, h)
+        assert "/dev/console" in said and "console" in said.split()[1:], said
+        assert int(said.split()[-1]) not in devs and _dev_ready(sup) & devs == devs, said  # not taken
+
+
+def _output(sup, handle) -> str:
+    got = sup.read_output(handle["run_id"], handle["cell_id"], since=0, timeout=30)
+    return _text(got["chunks"])
+
+
+def _text(chunks) -> str:
+    return "".join(c["data"].decode() if isinstance(c["data"], bytes) else c["data"] for c in chunks)

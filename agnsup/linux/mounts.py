@@ -239,7 +239,7 @@ def _dirs_ahead(fd: int, rel: str) -> None:
             os.mkdir(at, 0o755, dir_fd=fd)
         except FileExistsError:
             continue
-        os.chmod(at, 0o755, dir_fd=fd, follow_symlinks=False)
+        os.chmod(at, 0o755, dir_fd=fd)  # made just now: a directory
 
 
 def _mask_ahead(is_dir: bool) -> int:

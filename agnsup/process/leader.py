@@ -54,7 +54,8 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare, mount_spare)
+        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare, mount_spare,
+                     terminal=any(fd is not None and os.isatty(fd) for fd in stdio or ()))
     except BaseException as e:
         for fd in (netns_fd, pod_userns):
             if fd is not None:
@@ -367,8 +368,9 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
 
 
 def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None,
-             tmp_spare: "TmpSpare | None" = None, mount_spare: "MountSpare | None" = None) -> Setup:
-    """What the child needs that the controller builds before fork (steps.Setup)."""
+             tmp_spare: "TmpSpare | None" = None, mount_spare: "MountSpare | None" = None,
+             terminal: bool = False) -> Setup:
+    """What the child needs that the controller builds before fork (steps.Setup); `terminal`: its stdio holds one."""
     # first: closed whatever fails below
     s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns,
               netns_shared=netns_fd is not None)  # a pod's: the hint counts what this cell added
@@ -385,7 +387,7 @@ def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int 
     if plan.tmp_tmpfs:
         s.premade = {"tmp": make_tmp(plan, tmp_spare)}
         if mount_spare is not None:
-            s.premade.update(mount_spare.take(plan))
+            s.premade.update(mount_spare.take(plan, terminal))
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
@@ -546,9 +548,12 @@ class MountSpare(_Spare):
         from ..linux import mounts
         return [k for k in map(mounts.ahead_key, plan.mount_ops) if k is not None][:MountSpare.PER_CELL]
 
-    def take(self, plan) -> dict[str, int]:
-        """{apply's name: fd} of what is ready for `plan`'s steps, each taken out of the spare."""
-        return {name: fd for name, fd in filter(None, map(self._pop, self._keys(plan)))}
+    def take(self, plan, terminal: bool = False) -> dict[str, int]:
+        """{apply's name: fd} of what is ready for `plan`'s steps, each taken out of the spare; no /dev for a cell
+        whose stdio holds a terminal (its leader makes one with /dev/console: one left unused there would be
+        unmounted on its path, an RCU grace period)."""
+        keys = [k for k in self._keys(plan) if not (terminal and k[0] == "dev")]
+        return {name: fd for name, fd in filter(None, map(self._pop, keys))}
 
     def refill(self, plan) -> None:
         """What `plan`'s steps mount, made for the next cell, where not ready. Best effort: a failure makes none."""

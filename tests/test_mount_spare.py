@@ -6,7 +6,9 @@ Checked to fail: with `MountSpare.take` handing out a clone of a kept /dev (a te
 open_tree(OPEN_TREE_CLONE | AT_RECURSIVE) of the ready tree instead of the tree itself), the first test's second cell
 sees the first cell's /dev/shm file and its pty; with the leader's hide taking a made-ahead tmpfs whatever the owner
 (its name without the owner), the hide test's tmpfs keeps the old owner; with `_take_ahead` counting every failed
-move_mount as done, the mask test's file is left unmasked."""
+move_mount as done, the mask test's file is left unmasked; with the masks (or the hides) taken and not attached, the
+hostile cell reaches /etc/shadow's file and the state root (or /run); with `take` ignoring the terminal, the pty
+cell uses up the /dev made ahead."""
 import os
 import subprocess
 import sys

@@ -146,6 +146,7 @@ class Controller:
         self.backend.enter(helpers.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
         self.tmp_spare = None  # process.leader.TmpSpare: a Supervisor's cells' /tmp tmpfs, made ahead between cells
+        self.mount_spare = None  # process.leader.MountSpare: ... and their /dev, hides and masks
         self.pods = None  # pod.Linger: a controller of many cells keeps a pod a moment after its last cell left
         if not one_cell:
             from .pod import Linger
@@ -282,7 +283,8 @@ class Controller:
             try:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty,
-                                              netns_fd=self._join_pod(cell), tmp_spare=self.tmp_spare)
+                                              netns_fd=self._join_pod(cell), tmp_spare=self.tmp_spare,
+                                              mount_spare=self.mount_spare)
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)

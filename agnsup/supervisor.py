@@ -148,8 +148,9 @@ class Supervisor:
         # after the controller's lock is held: the janitor sweeps only a dead controller's
         from .store import spares
         self._spares = spares.start(self.state.path, self.ctl.id, broker.spare_files())
-        from .process.leader import TmpSpare
+        from .process.leader import MountSpare, TmpSpare
         self.ctl.tmp_spare = TmpSpare()  # the next cell's /tmp tmpfs, made after a cell's result (process/leader.py)
+        self.ctl.mount_spare = MountSpare()  # ... and its /dev, hides and masks
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
@@ -344,6 +345,8 @@ class Supervisor:
         """What a cell's end leaves for after its result, on its thread or on `agnsup-after`."""
         if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
             self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
+        if self.ctl.mount_spare is not None:
+            self.ctl.mount_spare.refill(plan)
         _after_result(waiter, later)
         if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
             self._spares.refill()
@@ -566,6 +569,8 @@ class Supervisor:
             self._spares.close()
         if self.ctl.tmp_spare is not None:
             self.ctl.tmp_spare.close()
+        if self.ctl.mount_spare is not None:
+            self.ctl.mount_spare.close()
         self.ctl.close()
         self._forker.close()
 

@@ -44,9 +44,11 @@ AT_RECURSIVE = 0x8000
 AT_EMPTY_PATH = 0x1000
 AT_FDCWD = -100
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOVE_MOUNT_T_SYMLINKS = 0x10  # the target's last component followed when a symlink, as mount(2) does
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
 MOUNT_ATTR_IDMAP = 0x00100000  # ids seen through the mount go through a user namespace's maps (5.12)
 
 # prctl(2) options, <linux/prctl.h>
@@ -115,10 +117,12 @@ def open_tree(path: str, flags: int, dfd: int = AT_FDCWD) -> int:
                   "open_tree", path)
 
 
-def move_mount_fd(fd: int, target: str) -> None:
-    """Attach the detached tree `fd` at `target`."""
-    _check(_syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(AT_FDCWD), target.encode(),
-                    ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), "move_mount", target)
+def move_mount_fd(fd: int, target: str, follow: bool = False, dfd: int = AT_FDCWD) -> None:
+    """Attach the detached tree `fd` at `target` (relative to `dfd`: possibly inside another detached tree, Linux
+    6.15+); `follow`: a symlink at `target` is followed, as mount(2) follows it (else the link itself is the point)."""
+    _check(_syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(dfd), target.encode(),
+                    ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | (MOVE_MOUNT_T_SYMLINKS if follow else 0))),
+           "move_mount", target)
 
 
 def mount_setattr(path: str, attr_set: int = 0, attr_clr: int = 0, propagation: int = 0,

@@ -38,7 +38,8 @@ class Child(Record):
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
-          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None) -> Child:
+          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None,
+          mount_spare: "MountSpare | None" = None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -48,11 +49,13 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
     namespace a normal user's cell joins instead of making its own); spawn closes them. `tmp_spare`: the
-    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready."""
+    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready;
+    `mount_spare`: its MountSpare, the /dev, hides and masks made ahead that the cell's plan asks for."""
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
-        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare)
+        s = _prepare(plan, backend, place, netns_fd, pod_userns, tmp_spare, mount_spare,
+                     terminal=any(fd is not None and os.isatty(fd) for fd in stdio or ()))
     except BaseException as e:
         for fd in (netns_fd, pod_userns):
             if fd is not None:
@@ -382,8 +385,9 @@ def _failed(step: str, e: OSError, plan) -> SetupError:
 
 
 def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int | None = None,
-             tmp_spare: "TmpSpare | None" = None) -> Setup:
-    """What the child needs that the controller builds before fork (steps.Setup)."""
+             tmp_spare: "TmpSpare | None" = None, mount_spare: "MountSpare | None" = None,
+             terminal: bool = False) -> Setup:
+    """What the child needs that the controller builds before fork (steps.Setup); `terminal`: its stdio holds one."""
     # first: closed whatever fails below
     s = Setup(plan=plan, backend=backend, place=place, netns_fd=netns_fd, pod_userns=pod_userns,
               netns_shared=netns_fd is not None)  # a pod's: the hint counts what this cell added
@@ -399,6 +403,8 @@ def _prepare(plan, backend, place, netns_fd: int | None = None, pod_userns: int 
         s.userns_fd = namespaces.cell_userns()
     if plan.tmp_tmpfs:
         s.premade = {"tmp": make_tmp(plan, tmp_spare)}
+        if mount_spare is not None:
+            s.premade.update(mount_spare.take(plan, terminal))
     if plan.egress is not None:
         from ..egress.handoff import Handoff  # imports socket: only for roles that use the proxy
         s.egress = Handoff(plan.egress["proxy_port"])
@@ -417,7 +423,7 @@ def _close_setup(s: Setup, forked: bool = False) -> None:
     """The controller's copies of what it made for the child: once it is forked (the /tmp tmpfs it keeps, to
     measure it when the cell ends; the egress handoff waits for the listener), or when there is none."""
     for fd in (s.barrier_r, s.err_w, s.status_w, s.netns_fd, s.netns_watch, s.pod_userns,
-               *(() if forked else (s.premade or {}).values())):
+               *(fd for key, fd in (s.premade or {}).items() if not (forked and key == "tmp"))):
         if fd is not None:
             os.close(fd)
     if s.ruleset:
@@ -466,26 +472,61 @@ def _new_tmp(key: tuple) -> int:
     return fd
 
 
-class TmpSpare:
-    """A controller of many cells (the Supervisor) makes the next cell's /tmp tmpfs ahead, after a cell's result
-    and off the request's path: a new tmpfs (never one a cell had: each is taken once, by one cell) filled from
-    that cell's key (_tmp_key: size, owner, every entry and its content). A cell takes it only when its own key,
-    computed from its own plan at its start, is equal: a role, home config, tool file, umask or limit changed in
-    between gives another key, and the cell's tmpfs is made on its path as before. At most SLOTS keys are kept
-    (a controller serving several roles); `close` unmounts what is left (closing a detached mount's last
-    descriptor frees it; a killed controller's go with its descriptors)."""
+class _Spare:
+    """Detached mounts a controller of many cells made ahead, by key, in the order made: at most SLOTS kept (the
+    oldest let go), each taken once; `close` lets what is left go (a detached mount is freed with its last
+    descriptor; a killed controller's go with it)."""
 
     SLOTS = 4
 
     def __init__(self):
         import threading
         self._guard = threading.Lock()
-        self._ready: dict[tuple, int] = {}  # key -> detached tmpfs, in the order made
+        self._ready: dict = {}  # key -> what was made (_fd: its descriptor), in the order made
         self.closed = False
 
-    def take(self, key: tuple) -> int | None:
+    @staticmethod
+    def _fd(made) -> int:
+        return made
+
+    def _pop(self, key):
         with self._guard:
             return self._ready.pop(key, None)
+
+    def _wanted(self, key) -> bool:
+        with self._guard:
+            return not self.closed and key not in self._ready
+
+    def _keep(self, key, made) -> None:
+        drop = []
+        with self._guard:
+            if self.closed or key in self._ready:
+                drop.append(made)
+            else:
+                self._ready[key] = made
+                while len(self._ready) > self.SLOTS:
+                    drop.append(self._ready.pop(next(iter(self._ready))))
+        for old in drop:
+            os.close(self._fd(old))
+
+    def close(self) -> None:
+        with self._guard:
+            self.closed = True
+            made, self._ready = list(self._ready.values()), {}
+        for old in made:
+            os.close(self._fd(old))
+
+
+class TmpSpare(_Spare):
+    """A controller of many cells (the Supervisor) makes the next cell's /tmp tmpfs ahead, after a cell's result
+    and off the request's path: a new tmpfs (never one a cell had: each is taken once, by one cell) filled from
+    that cell's key (_tmp_key: size, owner, every entry and its content). A cell takes it only when its own key,
+    computed from its own plan at its start, is equal: a role, home config, tool file, umask or limit changed in
+    between gives another key, and the cell's tmpfs is made on its path as before. At most SLOTS keys are kept
+    (a controller serving several roles)."""
+
+    def take(self, key: tuple) -> int | None:
+        return self._pop(key)
 
     def refill(self, plan) -> None:
         """A tmpfs for the next cell with `plan`'s key, unless one is ready. Best effort: a failure makes none."""
@@ -493,29 +534,57 @@ class TmpSpare:
             return
         try:
             key = _tmp_key(plan)
-            with self._guard:
-                if self.closed or key in self._ready:
-                    return
+            if not self._wanted(key):
+                return
             fd = _new_tmp(key)
         except (OSError, ValueError):
             return
-        drop = []
-        with self._guard:
-            if self.closed or key in self._ready:
-                drop.append(fd)
-            else:
-                self._ready[key] = fd
-                while len(self._ready) > self.SLOTS:
-                    drop.append(self._ready.pop(next(iter(self._ready))))
-        for old in drop:
-            os.close(old)
+        self._keep(key, fd)
 
-    def close(self) -> None:
-        with self._guard:
-            self.closed = True
-            fds, self._ready = list(self._ready.values()), {}
-        for fd in fds:
-            os.close(fd)
+
+class MountSpare(_Spare):
+    """A controller of many cells (the Supervisor) makes what a cell's dev, hide, empty and mask steps mount ahead,
+    after a cell's result and off the request's path (linux.mounts.make_ahead: each a new detached mount, never one
+    a cell had: each is taken once, by one cell, and its /dev/shm and devpts are its own). A cell takes those whose
+    key (mounts.ahead_key: the step as its own plan says it) is ready; the leader attaches one only where its own
+    look at the host agrees (mounts.apply), else mounts as before. At most SLOTS are kept (keys of other plans are
+    dropped oldest first), at most PER_CELL go to one cell (a request's descriptors: forkserver.MAX_FDS)."""
+
+    SLOTS = 96
+    PER_CELL = 32
+    no_dev = False  # the kernel cannot make a /dev ahead (before 6.15 nothing mounts inside a detached mount)
+
+    @staticmethod
+    def _fd(made) -> int:
+        return made[1]  # (apply's name for it, the detached mount)
+
+    @staticmethod
+    def _keys(plan) -> list[tuple]:
+        if not (getattr(plan, "tmp_tmpfs", False) and plan.mount_namespace and not plan.user_namespace):
+            return []  # a root controller's cells only (the leader mounts as root in the host's user namespace)
+        from ..linux import mounts
+        return [k for k in map(mounts.ahead_key, plan.mount_ops) if k is not None][:MountSpare.PER_CELL]
+
+    def take(self, plan, terminal: bool = False) -> dict[str, int]:
+        """{apply's name: fd} of what is ready for `plan`'s steps, each taken out of the spare; no /dev for a cell
+        whose stdio holds a terminal (its leader makes one with /dev/console: one left unused there would be
+        unmounted on its path, an RCU grace period)."""
+        keys = [k for k in self._keys(plan) if not (terminal and k[0] == "dev")]
+        return {name: fd for name, fd in filter(None, map(self._pop, keys))}
+
+    def refill(self, plan) -> None:
+        """What `plan`'s steps mount, made for the next cell, where not ready. Best effort: a failure makes none."""
+        from ..linux import mounts
+        for key in self._keys(plan):
+            if (self.no_dev and key[0] == "dev") or not self._wanted(key):
+                continue
+            try:
+                made = mounts.make_ahead(key)
+            except (OSError, ValueError):
+                self.no_dev = self.no_dev or key[0] == "dev"  # the hides and masks need no 6.15
+                continue
+            if made is not None:
+                self._keep(key, made)
 
 
 def _fill_tmp(entries, fd: int, ids: tuple | None) -> None:

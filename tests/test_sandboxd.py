@@ -213,10 +213,12 @@ def test_execute_with_limits_returns_each_stream_up_to_its_limit_byte_exact_and_
     assert (resp.exit_code, resp.termination_reason, resp.stdout, resp.stdout_truncated) == (1, exited, b"", False)
 
 
-def test_execute_with_limits_time_limit_kills_the_whole_cell_and_says_time_limit_exceeded(server, agnsup):
+@pytest.mark.parametrize("trap", ["", "trap '' TERM; "], ids=["term-ends-it", "term-ignored-the-kill-ends-it"])
+def test_execute_with_limits_time_limit_kills_the_whole_cell_and_says_time_limit_exceeded(server, agnsup, trap):
     """The time limit is agnsup's timeout of the cell: the command, its children and a setsid daemon all end
-    (the cell's cgroup is empty and gone), the answer comes with the output written before it."""
-    argv = ["sh", "-c", "echo begun; setsid sleep 301 & sleep 300 & sleep 302; echo never"]
+    (the cell's cgroup is empty and gone; a tree that ignores TERM too, by the kill after the role's grace),
+    the answer comes with the output written before it."""
+    argv = ["sh", "-c", trap + "echo begun; setsid sleep 301 & sleep 300 & sleep 302; echo never"]
     future = server.stub.ExecuteWithLimits.future(pb.ExecuteWithLimitsRequest(
         config=pb.ProcessConfig(command=argv), time_limit={"seconds": 2, "nanos": 500_000_000}), timeout=120)
     row = wait_for(lambda: [c for c in agnsup.json("ps", "--json") if c["state"] == "running"], 60, "the running cell")[0]

@@ -5,7 +5,7 @@ N is cell `proc-N` of the run the call came with (`--run-id`, default
 "sandboxd"; gRPC metadata `agnsup-run-id` may name another). N counts up for
 the state root's life: a restarted server goes on after the highest `proc-N`
 the journal has, so an id from before a restart never names a new process.
-Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
+Execute and ExecuteWithLimits take a number too (its cell is `proc-N`) but never hand it out; WriteStdin,
 SendSignal and ResizeTTY find the processes of this server's running Start calls.
 
 A client's deadline bounds the cell, less reply_reserve: a command that runs into it ends (exit 124)

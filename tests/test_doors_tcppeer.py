@@ -261,6 +261,12 @@ with grpc.insecure_channel(grpc_addr) as ch:
     except grpc.RpcError as e:
         out["execute"] = "%s %s" % (e.code().name, e.details())
     try:
+        r = stub.ExecuteWithLimits(pb.ExecuteWithLimitsRequest(config=pb.ProcessConfig(command=["touch", target]),
+                                                               time_limit={"seconds": 20}), timeout=30)
+        out["execute_with_limits"] = "SERVED exit %d" % r.exit_code
+    except grpc.RpcError as e:
+        out["execute_with_limits"] = "%s %s" % (e.code().name, e.details())
+    try:
         first = next(iter(stub.Start(pb.StartRequest(config=pb.ProcessConfig(command=["sleep", "30"])), timeout=30)))
         out["start"] = "SERVED %s" % first
     except grpc.RpcError as e:
@@ -335,14 +341,16 @@ def test_a_cell_cannot_call_sandboxd_on_loopback(state, worktree, tmp_path, role
         if role == "networked":  # the host's loopback: it reached the ports, the peer check refused it
             assert answers["execute"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
             assert answers["start"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
+            assert answers["execute_with_limits"].startswith("PERMISSION_DENIED sandboxd: refused"), answers
             for k in ("put", "get", "health", "process"):
                 assert answers[k].startswith("403 ") and "agnsup cell" in answers[k], answers
-            assert len(refused) >= 5, refused
+            assert len(refused) >= 6, refused
             for r in refused:
                 assert peer.is_cell_uid(r["peer"]["uid"]) and r["peer"]["inode"], r
                 assert any("cell uid range" in e for e in r["peer"]["evidence"]), r
         else:  # a network namespace of its own: the host's loopback is not there at all
             assert answers["execute"].startswith("UNAVAILABLE"), answers
+            assert answers["execute_with_limits"].startswith("UNAVAILABLE"), answers
             assert all(answers[k].startswith("unreachable") for k in ("put", "get", "health", "process")), answers
             assert refused == []
         # the server's own uid, root, is served (the gRPC client in a process of its own: grpc's threads in

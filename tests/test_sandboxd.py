@@ -96,7 +96,8 @@ def test_server_reflection_describes_the_service_as_grpcurl_would_ask(server):
     db = ProtoReflectionDescriptorDatabase(server.channel)
     assert "process.v1.ProcessService" in set(db.get_services())
     svc = descriptor_pool.DescriptorPool(db).FindServiceByName("process.v1.ProcessService")
-    assert [m.name for m in svc.methods] == ["Start", "Execute", "WriteStdin", "SendSignal", "ResizeTTY"]
+    assert [m.name for m in svc.methods] == ["Start", "Execute", "ExecuteWithLimits", "WriteStdin", "SendSignal",
+                                             "ResizeTTY"]
     assert svc.methods_by_name["Start"].output_type.fields_by_name["exit"].number == 4
 
 
@@ -181,6 +182,78 @@ def test_a_denied_command_is_permission_denied_with_the_rule_and_journaled(serve
     assert agnsup.json("ps", "--all", "--json") == []  # nothing started
 
 
+def _limited(server, argv, **kw):
+    """ExecuteWithLimits through the client package's generated stub: (the response, its trailing metadata)."""
+    resp, call = server.stub.ExecuteWithLimits.with_call(
+        pb.ExecuteWithLimitsRequest(config=pb.ProcessConfig(command=argv), **kw), timeout=120)
+    return resp, dict(call.trailing_metadata())
+
+
+def test_execute_with_limits_returns_each_stream_up_to_its_limit_byte_exact_and_says_when_it_cut(server):
+    from agnsup.doors.sandboxd.process import LIMIT_CAP
+    exited = pb.ExecuteTerminationReason.Value("EXECUTE_TERMINATION_REASON_EXITED")
+    # bytes that are not UTF-8 come back as written: 300 on stdout, 200 on stderr, exit 3
+    out, err = bytes(range(256)) + b"\xff\xfe" * 22, b"\x80\x00E" * 66 + b"\xc3\xa9"
+    prog = (f"import sys; sys.stdout.buffer.write({out!r}); sys.stdout.flush(); "
+            f"sys.stderr.buffer.write({err!r}); sys.exit(3)")
+    assert (len(out), len(err)) == (300, 200)
+    for kw, want in (({}, (out, False, err, False)),  # unset: the server's cap, far above
+                     ({"stdout_limit_bytes": 300, "stderr_limit_bytes": 200}, (out, False, err, False)),  # exactly
+                     ({"stdout_limit_bytes": 299, "stderr_limit_bytes": 1}, (out[:299], True, err[:1], True)),
+                     ({"stdout_limit_bytes": 0}, (b"", True, err, False))):
+        resp, md = _limited(server, ["python3", "-c", prog], **kw)
+        assert (resp.stdout, resp.stdout_truncated, resp.stderr, resp.stderr_truncated) == want, kw
+        assert (resp.exit_code, resp.termination_reason) == (3, exited)
+        assert 0 < resp.elapsed_duration.ToNanoseconds() < 60 * 10**9
+        assert md["agnsup-state"] == "exited" and os.path.exists(md["agnsup-receipt"])
+    # a limit above the server's cap is clamped to it, and the flag says the rest was cut
+    resp, _ = _limited(server, ["sh", "-c", f"head -c {LIMIT_CAP + 10} /dev/zero"], stdout_limit_bytes=2**64 - 1)
+    assert (len(resp.stdout), resp.stdout_truncated, resp.exit_code) == (LIMIT_CAP, True, 0)
+    resp, _ = _limited(server, ["false"], time_limit={"seconds": 60})
+    assert (resp.exit_code, resp.termination_reason, resp.stdout, resp.stdout_truncated) == (1, exited, b"", False)
+
+
+@pytest.mark.parametrize("trap", ["", "trap '' TERM; "], ids=["term-ends-it", "term-ignored-the-kill-ends-it"])
+def test_execute_with_limits_time_limit_kills_the_whole_cell_and_says_time_limit_exceeded(server, agnsup, trap):
+    """The time limit is agnsup's timeout of the cell: the command, its children and a setsid daemon all end
+    (the cell's cgroup is empty and gone; a tree that ignores TERM too, by the kill after the role's grace),
+    the answer comes with the output written before it."""
+    argv = ["sh", "-c", trap + "echo begun; setsid sleep 301 & sleep 300 & sleep 302; echo never"]
+    future = server.stub.ExecuteWithLimits.future(pb.ExecuteWithLimitsRequest(
+        config=pb.ProcessConfig(command=argv), time_limit={"seconds": 2, "nanos": 500_000_000}), timeout=120)
+    row = wait_for(lambda: [c for c in agnsup.json("ps", "--json") if c["state"] == "running"], 60, "the running cell")[0]
+    if "v2" in (row["cgroup"] or {}):
+        procs = wait_for(lambda: _members(row) if len(_members(row)) >= 4 else None, 30, "the tree's 4 processes")
+    resp = future.result()
+    assert resp.termination_reason == pb.ExecuteTerminationReason.Value("EXECUTE_TERMINATION_REASON_TIME_LIMIT_EXCEEDED")
+    assert (resp.exit_code, resp.stdout, resp.stdout_truncated) == (124, b"begun\n", False)
+    assert 2.5 <= resp.elapsed_duration.ToNanoseconds() / 1e9 < 60
+    (ended,) = [c for c in agnsup.json("ps", "--all", "--json") if c["cell_id"] == row["cell_id"]]
+    assert ended["state"] == "timeout", ended
+    if "v2" not in (row["cgroup"] or {}):
+        pytest.skip("ENV_BLOCKED: cgroup (no cgroup2 tree to read the cell's members from)")
+    assert not any(alive(*p) for p in procs), "a process of the cell outlived its time limit"
+    assert not os.path.exists(row["cgroup"]["v2"])
+
+
+def test_execute_with_limits_refuses_bad_input_as_invalid_argument_and_starts_nothing(server, agnsup):
+    true = pb.ProcessConfig(command=["true"])
+    for request, words in (
+            (pb.ExecuteWithLimitsRequest(), "config is required"),
+            (pb.ExecuteWithLimitsRequest(config=pb.ProcessConfig()), "config.command is required"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={"seconds": -1}), "must be positive"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={}), "must be positive"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={"seconds": 1, "nanos": -5}), "not a valid"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={"nanos": 2_000_000_000}), "not a valid"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={"seconds": 10**12}), "not a valid"),
+            (pb.ExecuteWithLimitsRequest(config=true, time_limit={"seconds": 400 * 365 * 86400}), "at most")):
+        with pytest.raises(grpc.RpcError) as e:
+            server.stub.ExecuteWithLimits(request, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+        assert words in e.value.details() and dict(e.value.trailing_metadata())["agnsup-exit-code"] == "125"
+    assert agnsup.json("ps", "--all", "--json") == []  # nothing started
+
+
 def test_a_file_written_is_read_back_listed_and_deleted_and_each_call_journaled(server, state, worktree):
     conn, _, files = server.client()
     try:
@@ -214,14 +287,24 @@ def test_a_path_outside_the_worktree_is_refused_however_it_is_spelled(server, st
     outside = tmp_path / "outside.txt"
     outside.write_text("secret")
     os.symlink(str(tmp_path), os.path.join(worktree, "link"))
+    spellings = ("../outside.txt", "link/outside.txt", "sub/../../outside.txt")
+    # The server's own refusal, below any client's check: the raw REST call, the path percent-encoded whole
+    for path in spellings:
+        r = requests.get(server.rest + "/v1/files/" + path.replace("/", "%2F"))
+        assert (r.status_code, r.json()["code"], r.json()["rule"]) == (403, "PERMISSION_DENIED", "sandboxd.path_escape")
+    r = requests.put(server.rest + "/v1/files/sub%2F..%2F..%2Fnew.txt", data=b"x")
+    assert r.status_code == 403 and not (tmp_path / "new.txt").exists()
+    # Through the client package: refused, whichever side refuses (k8s-agent-sandbox >= 1.0.11 refuses a
+    # ".." segment itself, before sending; a symlink out is the server's to refuse)
     conn, _, files = server.client()
     try:
         from k8s_agent_sandbox.exceptions import SandboxRequestError
-        for path in ("../outside.txt", "link/outside.txt", "sub/../../outside.txt"):
-            with pytest.raises(SandboxRequestError) as e:
+        for path in spellings:
+            with pytest.raises((SandboxRequestError, ValueError)) as e:
                 files.read(path, allow_unsafe_paths=True)
-            assert e.value.status_code == 403, path
-            assert e.value.response.json()["code"] == "PERMISSION_DENIED"
+            if isinstance(e.value, SandboxRequestError):
+                assert e.value.status_code == 403, path
+                assert e.value.response.json()["code"] == "PERMISSION_DENIED"
         with pytest.raises(SandboxRequestError) as e:
             files.write("link/new.txt", b"x", allow_unsafe_paths=True)
         assert e.value.status_code == 403 and not (tmp_path / "new.txt").exists()
@@ -247,7 +330,8 @@ def test_a_path_outside_the_worktree_is_refused_however_it_is_spelled(server, st
         refused = [o for o in j.file_ops("sandboxd") if o["status"] == 403]
     finally:
         j.close()
-    assert len(refused) == 4 and all(o["rule"] == "sandboxd.path_escape" for o in refused)
+    assert len(refused) >= 6 and all(o["rule"] == "sandboxd.path_escape" for o in refused)
+    assert {*spellings, "sub/../../new.txt", "link/new.txt"} <= {o["path"] for o in refused}
 
 
 def test_a_readonly_role_reads_files_but_the_gate_refuses_writes_and_metadata_hides_credentials(agnsup, tmp_path, worktree):

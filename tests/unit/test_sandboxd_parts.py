@@ -62,3 +62,17 @@ def test_the_kernel_keeps_every_open_beneath_the_worktree_whatever_resolve_saw(t
         assert name == "c.txt" and (wt / "a" / "b").is_dir()
     finally:
         files.close()
+
+
+def test_execute_with_limits_output_is_the_captures_bytes_cut_at_each_limit_and_redaction_never_overruns_it(tmp_path):
+    from agnsup.doors.sandboxd.process import bounded_output
+    (tmp_path / "stdout").write_bytes(b"\xff\x00ok token=abc123 tail")
+    (tmp_path / "stderr").write_bytes(b"e")
+    out = bounded_output(str(tmp_path), {"stdout": 5, "stderr": 1}, lambda text: text)
+    assert out == {"stdout": b"\xff\x00ok ", "stdout_truncated": True, "stderr": b"e", "stderr_truncated": False}
+    # a redaction that lengthens the text is cut again: never more than the limit comes back
+    out = bounded_output(str(tmp_path), {"stdout": 16, "stderr": 0},
+                         lambda text: text.replace("abc1", "[REDACTED:secret]"))
+    assert out["stdout"] == b"\xff\x00ok token=[REDA" and out["stdout_truncated"] and out["stderr_truncated"]
+    assert bounded_output(str(tmp_path / "absent"), {"stdout": 3, "stderr": 3}, str) == {
+        "stdout": b"", "stdout_truncated": False, "stderr": b"", "stderr_truncated": False}

@@ -5,7 +5,7 @@ N is cell `proc-N` of the run the call came with (`--run-id`, default
 "sandboxd"; gRPC metadata `agnsup-run-id` may name another). N counts up for
 the state root's life: a restarted server goes on after the highest `proc-N`
 the journal has, so an id from before a restart never names a new process.
-Execute takes a number too (its cell is `proc-N`) but never hands it out; WriteStdin,
+Execute and ExecuteWithLimits take a number too (its cell is `proc-N`) but never hand it out; WriteStdin,
 SendSignal and ResizeTTY find the processes of this server's running Start calls.
 
 A client's deadline bounds the cell, less reply_reserve: a command that runs into it ends (exit 124)
@@ -26,6 +26,7 @@ import json
 import os
 import re
 import threading
+import time
 from contextlib import suppress
 
 from ...errors import (AgnsupError, CancelledBeforeStart, Denied, LockTimeout, NotExecutable, NotFound, PolicyError,
@@ -38,6 +39,7 @@ MAX_PROCESS_ID = 2**31 - 1  # int32 on the wire
 NO_DEADLINE = 10 * 365 * 86400.0
 REPLY_RESERVE = 1.0  # at most this long before the client's deadline the cell ends, for its answer to get back
 STREAM_POLL = 5.0  # seconds a Start stream waits for output before it checks the client is still there
+LIMIT_CAP = 1 << 20  # bytes of each stream ExecuteWithLimits returns at most (gRPC's default message max is 4 MiB)
 
 
 def status_of(e: AgnsupError):
@@ -97,6 +99,8 @@ class ProcessService:
             return call
         methods = {
             "Execute": unary(checked(self.Execute), pb.ExecuteRequest, pb.ExecuteResponse),
+            "ExecuteWithLimits": unary(checked(self.ExecuteWithLimits), pb.ExecuteWithLimitsRequest,
+                                       pb.ExecuteWithLimitsResponse),
             "WriteStdin": unary(checked(self.WriteStdin), pb.WriteStdinRequest, pb.WriteStdinResponse),
             "SendSignal": unary(checked(self.SendSignal), pb.SendSignalRequest, pb.SendSignalResponse),
             "ResizeTTY": unary(checked(self.ResizeTTY), pb.ResizeTTYRequest, pb.ResizeTTYResponse),
@@ -162,10 +166,12 @@ class ProcessService:
             return n
 
     def start(self, argv: list[str], *, env: dict, cwd: str, run_id: str, agent_id: str,
-              deadline: float | None = None, **extra) -> Process:
+              deadline: float | None = None, time_limit: float | None = None, **extra) -> Process:
         """A cell for the command (checked by CellRequest like every front door's); AgnsupError on a refusal.
         `deadline`: the seconds the caller waits for the answer. The cell gets them less reply_reserve, so a
-        command that runs into it ends (124) while its output and exit can still reach the caller."""
+        command that runs into it ends (124) while its output and exit can still reach the caller.
+        `time_limit`: seconds the cell may run at most (the sooner of the two bounds it; agnsup's timeout
+        ends it: TERM to the cell, the role's grace, the kill of its whole cgroup)."""
         if not argv:
             raise UsageError("config.command is required (the argv: program and arguments; no shell)")
         n = self._number()
@@ -176,6 +182,8 @@ class ProcessService:
         if deadline is not None:
             bound = max(deadline - reply_reserve(deadline), 0.001)
             options.update(timeout=bound, lock_timeout=bound)
+        if time_limit is not None:
+            options["timeout"] = min(time_limit, options.get("timeout", time_limit))
         h = self.sup.spawn(argv, **options, **extra)
         p = Process(n, h["run_id"], h["cell_id"])
         p.queued = h["state"] == "waiting"  # behind the worktree lock: its own timeout starts when it does
@@ -183,6 +191,8 @@ class ProcessService:
 
     def _spawn(self, config, context, **extra) -> Process:
         """A cell for `config`, or the call aborted; the client going away takes the cell with it."""
+        if config is None:
+            self._invalid(context, "config is required (config.command: the argv, program and arguments)")
         run_id, agent_id = self._ids(context)
         remaining = context.time_remaining()  # the client's deadline, if it set one, bounds the cell
         if remaining is not None and remaining > NO_DEADLINE:
@@ -233,6 +243,33 @@ class ProcessService:
         res = self._ended(p, context, output=True)
         return self.pb.ExecuteResponse(exit_code=_exit_code(res),
                                        stdout=res.get("stdout", "").encode(), stderr=res.get("stderr", "").encode())
+
+    def ExecuteWithLimits(self, request, context):
+        """Execute with bounds the client sets: stdout/stderr at most *_limit_bytes each (unset: LIMIT_CAP;
+        more is clamped to it), the truncated flags saying the command wrote more; time_limit ends the cell
+        through agnsup's timeout (TERM to the cell, the role's grace, the kill of its whole cgroup):
+        TIME_LIMIT_EXCEEDED. elapsed_duration: the command's run time (its receipt's duration)."""
+        pb = self.pb
+        try:
+            time_limit = time_limit_of(request.time_limit) if request.HasField("time_limit") else None
+        except UsageError as e:
+            self._abort(context, e)
+        limits = {name: min(getattr(request, f"{name}_limit_bytes"), LIMIT_CAP)
+                  if request.HasField(f"{name}_limit_bytes") else LIMIT_CAP for name in ("stdout", "stderr")}
+        begun = time.monotonic()
+        p = self._spawn(request.config if request.HasField("config") else None, context, time_limit=time_limit)
+        res = self._ended(p, context)
+        elapsed = time.monotonic() - begun
+        from ...redact import for_receipt
+        receipt = self.sup.receipt(p.run_id, p.cell_id) or {}
+        if isinstance(receipt.get("duration"), (int, float)):
+            elapsed = receipt["duration"]
+        out = bounded_output(self.sup.state.cell_dir(p.run_id, p.cell_id), limits, for_receipt(receipt))
+        reason = pb.ExecuteTerminationReason["EXECUTE_TERMINATION_REASON_TIME_LIMIT_EXCEEDED"
+                                             if res["state"] == "timeout" else "EXECUTE_TERMINATION_REASON_EXITED"]
+        resp = pb.ExecuteWithLimitsResponse(exit_code=_exit_code(res), termination_reason=reason, **out)
+        resp.elapsed_duration.FromNanoseconds(int(elapsed * 1e9))
+        return resp
 
     def _so_far(self, p: Process, context):
         """The answer for a cell still being stopped at its deadline: exit 124 and what its captured files
@@ -433,6 +470,42 @@ def reply_reserve(deadline: float) -> float:
     that ignores it gets the role's grace, and Execute answers with the output so far meanwhile), the
     receipt and the reply. A quarter of a short deadline, REPLY_RESERVE of a long one."""
     return min(REPLY_RESERVE, deadline / 4)
+
+
+def time_limit_of(d) -> float:
+    """ExecuteWithLimits' time_limit (a google.protobuf.Duration) -> seconds; UsageError (INVALID_ARGUMENT)
+    unless it is a valid Duration, positive and at most NO_DEADLINE (ten years)."""
+    if not (-315576000000 <= d.seconds <= 315576000000 and -999999999 <= d.nanos <= 999999999) \
+            or (d.seconds > 0 > d.nanos) or (d.seconds < 0 < d.nanos):
+        raise UsageError(f"time_limit: not a valid google.protobuf.Duration (seconds={d.seconds}, nanos={d.nanos}: "
+                         "|seconds| <= 315576000000, |nanos| <= 999999999, both of one sign)")
+    t = d.seconds + d.nanos / 1e9
+    if t <= 0:
+        raise UsageError(f"time_limit: must be positive, not {t:g} s (leave it unset for no limit)")
+    if t > NO_DEADLINE:
+        raise UsageError(f"time_limit: at most {NO_DEADLINE:g} s (ten years), not {t:g} s (leave it unset for no "
+                         "limit)")
+    return t
+
+
+def bounded_output(cell_dir: str, limits: dict[str, int], redact) -> dict:
+    """{stdout, stderr: bytes, at most limits[name] each; stdout_truncated, stderr_truncated} from the cell's
+    capture files. Bytes exact when the role redacts nothing; else the cut text is redacted (as tool.captured
+    does) and cut again to the limit."""
+    out = {}
+    for name, limit in limits.items():
+        try:
+            with open(os.path.join(cell_dir, name), "rb") as f:
+                data = f.read(limit + 1)
+        except FileNotFoundError:
+            data = b""
+        cut = data[:limit]
+        text = cut.decode(errors="surrogateescape")
+        redacted = redact(text)
+        if redacted != text:
+            cut = redacted.encode(errors="surrogateescape")[:limit]
+        out[name], out[f"{name}_truncated"] = cut, len(data) > limit
+    return out
 
 
 def _exit_code(res: dict) -> int:

@@ -17,25 +17,28 @@ import types
 PROTO_NAME = "process/v1/process.proto"  # the name the standard's file has in every pool
 SERVICE = "process.v1.ProcessService"
 MESSAGES = ("PTY", "ProcessConfig", "StartRequest", "InitEvent", "ExitEvent", "StartResponse", "ExecuteRequest",
-            "ExecuteResponse", "WriteStdinRequest", "WriteStdinResponse", "SendSignalRequest", "SendSignalResponse",
-            "ResizeTTYRequest", "ResizeTTYResponse")
+            "ExecuteResponse", "ExecuteWithLimitsRequest", "ExecuteWithLimitsResponse", "WriteStdinRequest",
+            "WriteStdinResponse", "SendSignalRequest", "SendSignalResponse", "ResizeTTYRequest", "ResizeTTYResponse")
 
 
 @functools.cache
 def messages() -> types.SimpleNamespace:
-    """pb.ExecuteRequest, pb.StartResponse, ... and pb.Signal (name -> number)."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, empty_pb2, message_factory
+    """pb.ExecuteRequest, pb.StartResponse, ..., pb.Signal and pb.ExecuteTerminationReason (name -> number)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, empty_pb2, message_factory
 
     from ._descriptor import FILE
     pool = descriptor_pool.DescriptorPool()
-    dep = descriptor_pb2.FileDescriptorProto()
-    empty_pb2.DESCRIPTOR.CopyToProto(dep)
-    pool.Add(dep)
+    for wellknown in (duration_pb2, empty_pb2):
+        dep = descriptor_pb2.FileDescriptorProto()
+        wellknown.DESCRIPTOR.CopyToProto(dep)
+        pool.Add(dep)
     pool.Add(descriptor_pb2.FileDescriptorProto.FromString(FILE))
     ns = types.SimpleNamespace(**{m: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"process.v1.{m}"))
                                   for m in MESSAGES})
     sig = pool.FindEnumTypeByName("process.v1.Signal")
     ns.Signal = {v.name: v.number for v in sig.values}
+    ns.ExecuteTerminationReason = {v.name: v.number
+                                   for v in pool.FindEnumTypeByName("process.v1.ExecuteTerminationReason").values}
     ns.Empty = message_factory.GetMessageClass(pool.FindMessageTypeByName("google.protobuf.Empty"))
     ns.pool = pool
     return ns

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from agnsup.supervisor import Supervisor
+from conftest import procs_with_env
 from scenario import held_mount_namespaces, wait_for
 
 
@@ -35,8 +36,15 @@ def test_run_waits_on_the_callers_thread_and_the_work_after_the_result_still_hap
             wait_for(lambda: not held_mount_namespaces(), 10, "the cell's mount namespace let go")
 
 
-def _interrupt_main_in(seconds: float) -> threading.Timer:
-    t = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+def _interrupt_main_once_running(cell: str) -> threading.Thread:
+    """SIGINT to the main thread once the cell's command runs (its environment names the cell: exec'd), and a
+    moment more for the caller to be in its wait: not after a fixed delay, which a slow host (the v2 guest's
+    emulated CPUs) spends before the cell even started."""
+    def interrupt():
+        wait_for(lambda: procs_with_env("AGNSUP_CELL_ID", cell), 120, "the cell's command running")
+        time.sleep(0.5)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    t = threading.Thread(target=interrupt, daemon=True)
     t.start()
     return t
 
@@ -45,9 +53,9 @@ def test_a_keyboard_interrupt_in_the_wait_hands_the_cell_to_a_thread_that_ends_a
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("the main thread's own case")
     with Supervisor(state) as sup:
-        t = _interrupt_main_in(0.3)
+        t = _interrupt_main_once_running("cut")
         with pytest.raises(KeyboardInterrupt):
-            sup.run(["sh", "-c", "sleep 1; exit 4"], workdir=worktree, cell_id="cut", run_id="R")
+            sup.run(["sh", "-c", "sleep 3; exit 4"], workdir=worktree, cell_id="cut", run_id="R")
         t.join()
         assert _cell_threads() == ["cell-cut"]  # taken over
         res = sup.wait("R", "cut", 30)

@@ -147,6 +147,14 @@ class Supervisor:
         self._spares = spares.start(self.state.path, self.ctl.id, broker.spare_files())
         from .process.leader import TmpSpare
         self.ctl.tmp_spare = TmpSpare()  # the next cell's /tmp tmpfs, made after a cell's result (process/leader.py)
+        # the next cell of an agent made ahead, its cgroup and its leader included (process/cellspare.py)
+        from .process.cellspare import CellSpares
+        from .spec import new_cell_id
+        if hasattr(self.ctl.backend, "clone_dir"):  # a cgroup backend (a test's fake has no directory to be born in)
+            self.ctl.cell_spares = CellSpares(self.ctl.backend, self._forker.server, new_cell_id,
+                                              lambda run_id, cell_id: os.path.lexists(self.state.cell_dir(run_id,
+                                                                                                          cell_id)),
+                                              self._forker.worker.submit)
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
@@ -209,16 +217,30 @@ class Supervisor:
         if self.closed:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
-        request = CellRequest.make(argv, **options)
-        prepared = prepare(self.state, self.ctl.journal, request)
-        if caller is None:
-            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
-                                  pty=request.pty, stream=request.stream, queue=True)
-        else:
-            caller.cell_id = prepared.plan.spec.cell_id
-            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
-                                  pty=request.pty, stream=request.stream, poll=caller.poll,
-                                  caller_stdio=caller.stdio)
+        spare_id = None
+        if options.get("cell_id") is None and self.ctl.cell_spares is not None:
+            # a request that names no cell id gets a spare's, the id its cgroup was made by (process/cellspare.py):
+            # its gate decides as for any id; the broker takes the spare after the intent, or discards it
+            spare_id = options["cell_id"] = self.ctl.cell_spares.offer(options.get("run_id") or "default",
+                                                                       options.get("agent_id") or "default")
+        try:
+            request = CellRequest.make(argv, **options)
+            prepared = prepare(self.state, self.ctl.journal, request)
+            if caller is not None:
+                caller.cell_id = prepared.plan.spec.cell_id
+            if caller is None:
+                cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                      pty=request.pty, stream=request.stream, queue=True)
+            else:
+                cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                      pty=request.pty, stream=request.stream, poll=caller.poll,
+                                      caller_stdio=caller.stdio)
+        except BaseException:
+            if spare_id is not None:  # not taken by its cell (refused, denied, failed): discarded, off the path
+                self.ctl.cell_spares.give_back(options.get("run_id") or "default", spare_id)
+            raise
+        if spare_id is not None and cell.waiting:  # queued: made when it gets its lock, as without a spare
+            self.ctl.cell_spares.give_back(cell.spec.run_id, spare_id, now=True)
         r = _Running(cell, request, caller)
         if not cell.waiting:
             r.attach(self.ctl.waiter(cell, caller.fd if caller is not None else None, hold=True))
@@ -284,6 +306,8 @@ class Supervisor:
             r.done.set()
             if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
                 self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
+            if self.ctl.cell_spares is not None:  # then the agent's next cell, its cgroup and leader (cellspare.py)
+                self.ctl.cell_spares.refill(plan)
             _after_result(waiter, later)
             if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
                 self._spares.refill()
@@ -505,6 +529,8 @@ class Supervisor:
             self._spares.close()
         if self.ctl.tmp_spare is not None:
             self.ctl.tmp_spare.close()
+        if self.ctl.cell_spares is not None:  # before the fork server stops: their leaders are its children
+            self.ctl.cell_spares.close()
         self.ctl.close()
         self._forker.close()
 

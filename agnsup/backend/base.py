@@ -148,8 +148,9 @@ class Backend:
     def let_go(self) -> None:
         """The end of hold(): what it kept removed (the controller's close)."""
 
-    def sweep_ancestors(self) -> list[str]:
-        """The empty directories a killed controller's hold left, removed (the janitor)."""
+    def sweep_ancestors(self, journaled=None) -> list[str]:
+        """The empty directories a killed controller's hold left, removed (the janitor); with `journaled(run_id,
+        cell_id)`, the empty cell directories of cells no journal row names too (a dead controller's spares)."""
         return []
 
     def purge(self) -> list[str]:

@@ -422,16 +422,25 @@ class CgroupBackend(Backend):
             while top and (up == top or up.startswith(top + "/")) and cgroup.remove_if_empty(up):
                 up = os.path.dirname(up)
 
-    def sweep_ancestors(self) -> list[str]:
+    def sweep_ancestors(self, journaled=None) -> list[str]:
         """The empty run and agent directories below this state root's own base, and the base, in every hierarchy,
         removed (the janitor): what a controller of many cells killed while it held them (hold) leaves, which no
-        journaled cell names. Only directories by the names scope_node gives (`run-R`, `run-R/agent-A`): a cell's
-        or a pod's place is never touched (one being made is empty for an instant), nor anything with a
-        sub-cgroup or a process (rmdir(2) refuses them: EBUSY). A live controller's empty ones may go too: its next
-        cell makes them again (create)."""
+        journaled cell names. Only directories by the names scope_node gives (`run-R`, `run-R/agent-A`): a pod's
+        place is never touched, nor anything with a sub-cgroup or a process (rmdir(2) refuses them: EBUSY). A live
+        controller's empty ones may go too: its next cell makes them again (create).
+        `journaled(run_id, cell_id)`: with it, the empty cell directories (`run-R/agent-A/cell-C`) of cells it says
+        no journal row names go too: a dead controller's spare cell (process/cellspare.py), whose leader died with
+        it. Asked after the listing: a cell's directory is made after its intent row is committed, so one listed
+        is named by then (a live controller's spare holds its leader: rmdir refuses it; one caught empty, between
+        its mkdir and its leader's clone, is not made: the clone fails)."""
         removed = []
         for top in self.base.paths.values():
             for run in _named(top, "run-"):
+                if journaled is not None:
+                    cells = [(c, a) for a in _named(run, "agent-") for c in _named(a, "cell-")]
+                    run_id = os.path.basename(run)[len("run-"):]
+                    removed += [c for c, _ in cells if not journaled(run_id, os.path.basename(c)[len("cell-"):])
+                                and cgroup.remove_if_empty(c)]
                 removed += [d for d in _named(run, "agent-") if cgroup.remove_if_empty(d)]
                 if cgroup.remove_if_empty(run):
                     removed.append(run)

@@ -38,7 +38,7 @@ class Child(Record):
 
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
-          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None) -> Child:
+          netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None, spare=None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -48,7 +48,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     `ctty`: fd 0 is a pty that becomes the cell's controlling terminal (TIOCSCTTY). `netns_fd`: the network
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
     namespace a normal user's cell joins instead of making its own); spawn closes them. `tmp_spare`: the
-    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready."""
+    controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready.
+    `spare`: a cellspare.Spare the broker took for this cell: its parked leader, born in `place`, gets the Setup
+    instead of a new leader being cloned."""
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
@@ -82,7 +84,18 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     try:
         if plan.pid_namespace:
             status_r, s.status_w = os.pipe()
-        if forker is not None:  # a Supervisor's: born in its fork server (process/forkserver.py)
+        if spare is not None:  # parked in its cell's directories, its early steps done (process/cellspare.py)
+            from .forkserver import bind
+            lead = spare.lead
+            pid, fd, born, channel = spare.bound()
+            s.born = born
+            try:
+                bind(lead, s)
+            except OSError:
+                os.close(channel)  # the server reaps it
+                os.close(fd)
+                raise
+        elif forker is not None:  # a Supervisor's: born in its fork server (process/forkserver.py)
             pid, fd, born, channel = forker.spawn(s, cgroup2)
         else:
             pid, fd, born = fork()

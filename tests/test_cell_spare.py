@@ -4,7 +4,9 @@ that names no cell id takes it, anything else discards it, and a dead controller
 directory, which the janitor removes.
 
 Checked to fail: without the parent-death signal in steps.park (its `_pdeathsig` call removed) the parked leader
-outlives its SIGKILLed fork server and its SIGKILLed controller (the two dead-man tests time out); without the fd
+outlives its SIGKILLed fork server (the test times out; a SIGKILLed controller's spare dies all the same, of the EOF
+on its socketpair, whose other end died with the controller: two ties, the test of the killed controller passes
+with either one); without the fd
 closing in steps.park the parked leader holds the fork server's descriptors of another running cell (its reap
 channel, its leader's pidfd: the carry test); with the janitor's sweep not given `journaled` (janitor._sweep_held)
 the dead controller's spare directory stays; with it removing cell directories without rmdir's refusal of a

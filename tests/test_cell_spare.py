@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from agnsup import janitor
 from agnsup.supervisor import Supervisor
 from scenario import wait_for
@@ -85,6 +87,24 @@ def test_a_spare_that_does_not_fit_is_discarded_and_its_leader_never_runs_anythi
         finally:
             os.close(fd)
         wait_for(lambda: not os.path.exists(v2) or sup.receipt("r", sp.cell_id), what="the cell concluded")
+
+
+def test_the_gate_decides_before_a_spare_is_bound_and_a_denied_request_discards_it(state, worktree):
+    from agnsup.errors import AgnsupError
+    with Supervisor(state) as sup:
+        sup.run(["true"], workdir=worktree, run_id="r")
+        sp = _spare(sup)
+        leader, v2 = os.pidfd_open(sp.pid), sp.place.node.paths["v2"]
+        try:
+            with pytest.raises(AgnsupError) as e:  # hardline: a database drop (sqlite3 need not exist: never run)
+                sup.run(["sqlite3", "db", "drop table t"], workdir=worktree, run_id="r")
+            assert e.value.details.get("decision") or "denied" in str(e.value).lower(), e.value
+            assert _exited(-leader), "the spare of a denied request was kept"
+        finally:
+            os.close(leader)
+        wait_for(lambda: not os.path.exists(v2), what="its directories removed")
+        res = sup.run(["true"], workdir=worktree, run_id="r")
+        assert res["exit_code"] == 0 and res["cell_id"] != sp.cell_id, res
 
 
 def test_a_spare_whose_leader_died_is_not_taken(state, worktree):

@@ -53,6 +53,7 @@ class Spare:
         self.chan: int | None = None   # its reap channel (the fork server's child, as any leader)
         self.lead: int | None = None   # our end of its socketpair: its Setup, or EOF
         self.born = False
+        self._ending = threading.Lock()  # discard, from a cell's thread, the forker's or the Supervisor's close
 
     def fits(self, plan, place) -> bool:
         """The cell of `plan`, whose place the broker planned at its intent, may take this spare: the same key and
@@ -72,6 +73,10 @@ class Spare:
     def discard(self, keep_place: bool = False) -> None:
         """Its leader told to exit (EOF on its socketpair) and reaped by its server; its directories removed (unless
         `keep_place`: a cell took them, and its end removes them). Idempotent, best effort."""
+        with self._ending:
+            self._discard(keep_place)
+
+    def _discard(self, keep_place: bool) -> None:
         from . import forkserver
         if self.lead is not None:
             os.close(self.lead)
@@ -123,7 +128,7 @@ class CellSpares:
         with self._guard:
             sp = self._given.pop((run_id, cell_id), None)
         if sp is not None:
-            sp.discard() if now else self.later(sp.discard)
+            sp.discard() if now or self.closed else self.later(sp.discard)
 
     def take(self, plan, place) -> Spare | None:
         """The spare given to this cell (plan.spec's run and cell id), if it fits the cell's plan and place; None:

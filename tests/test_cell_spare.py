@@ -17,7 +17,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 

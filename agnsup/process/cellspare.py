@@ -30,6 +30,7 @@ import threading
 from contextlib import suppress
 
 from ..util.record import replace
+from .helpers import shelve
 
 
 def key_of(plan, paths: dict) -> tuple | None:
@@ -172,14 +173,8 @@ class CellSpares:
         except (OSError, ValueError):
             sp.discard()
             return
-        drop = []
         with self._guard:
-            if self.closed or slot in self._ready:
-                drop.append(sp)
-            else:
-                self._ready[slot] = sp
-                while len(self._ready) > self.SLOTS:
-                    drop.append(self._ready.pop(next(iter(self._ready))))
+            drop = shelve(self._ready, slot, sp, self.SLOTS, self.closed)
         for old in drop:
             old.discard()
 

@@ -13,7 +13,7 @@ from ..linux import host, landlock, netns, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..util.record import Record
 from . import clone, namespaces
-from .helpers import read_all, tmp_entries
+from .helpers import read_all, shelve, tmp_entries
 from .steps import Setup, child as run_steps
 
 
@@ -495,14 +495,8 @@ class TmpSpare:
             fd = _new_tmp(key)
         except (OSError, ValueError):
             return
-        drop = []
         with self._guard:
-            if self.closed or key in self._ready:
-                drop.append(fd)
-            else:
-                self._ready[key] = fd
-                while len(self._ready) > self.SLOTS:
-                    drop.append(self._ready.pop(next(iter(self._ready))))
+            drop = shelve(self._ready, key, fd, self.SLOTS, self.closed)
         for old in drop:
             os.close(old)
 

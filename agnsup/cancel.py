@@ -226,6 +226,9 @@ def cleanup(state, run_id: str) -> dict:
         from . import pod  # the run's network pods no live cell holds (a killed controller's)
         items += pod.sweep(state, backend, run_id)
         if not running and backend.trees:
+            # a live Supervisor's spare cell of the run (process/cellspare.py) first: its leader holds its directory
+            items += [{"kind": "cgroup", "path": d} for d in
+                      backend.drop_unjournaled(run_id, lambda run, cell: j.cell(run, cell) is not None)]
             items += [{"kind": "cgroup", "path": d} for d in backend.prune(backend.scope(run_id))]
         if not running:  # the run's change records (issue 26): their space freed, no longer undoable
             from . import changes

@@ -11,6 +11,7 @@ closing in steps.park the parked leader holds the fork server's descriptors of a
 channel, its leader's pidfd: the carry test); with the janitor's sweep not given `journaled` (janitor._sweep_held)
 the dead controller's spare directory stays; with it removing cell directories without rmdir's refusal of a
 populated one (a recursive kill-and-remove), the live controller's spare is gone and the next cell is not its."""
+import glob
 import json
 import os
 import select
@@ -142,6 +143,22 @@ def test_a_parked_leader_holds_nothing_of_another_cell(state, worktree):
             sup.wait("r", "running", timeout=30)
         res = sup.run(["sh", "-c", "ls /proc/self/fd"], workdir=worktree, run_id="r", capture=True)
         assert res["cell_id"] == sp.cell_id and res["stdout"].split() == ["0", "1", "2", "3"], res
+
+
+def test_a_cleanup_of_the_run_kills_a_live_supervisors_spare_and_leaves_none_of_the_runs_directories(state, worktree):
+    from agnsup import cancel
+    from agnsup.store.state import StateRoot
+    with Supervisor(state) as sup:
+        sup.run(["true"], workdir=worktree, run_id="r")
+        sp = _spare(sup)
+        paths = list(sp.place.node.paths.values())
+        out = cancel.cleanup(StateRoot(state), "r")
+        assert {it["path"] for it in out["items"] if it["kind"] == "cgroup"} >= set(paths)
+        assert _exited(sp.pid)
+        # no cell's directory is left (the Supervisor's pod lingers a moment in run-r: agnsup/pod.py)
+        assert not any(os.path.exists(d) for d in paths), paths
+        runs = {os.path.dirname(os.path.dirname(p)) for p in paths}
+        assert not [c for run in runs for c in glob.glob(os.path.join(run, "agent-*", "cell-*"))]
 
 
 def test_a_spare_leader_dies_with_its_fork_server(state, worktree):

@@ -153,6 +153,10 @@ class Backend:
         cell_id)`, the empty cell directories of cells no journal row names too (a dead controller's spares)."""
         return []
 
+    def drop_unjournaled(self, run_id: str, journaled) -> list[str]:
+        """A run's cell directories no journal row names (a live Supervisor's spare), killed and removed (cleanup)."""
+        return []
+
     def purge(self) -> list[str]:
         """Kill whatever is left under this state root's own cgroup root and remove it
         (a private root of the self-test or of a test, at its end). Returns what was there."""

@@ -448,6 +448,27 @@ class CgroupBackend(Backend):
                 removed.append(top)
         return removed
 
+    def drop_unjournaled(self, run_id: str, journaled) -> list[str]:
+        """The cell directories of run `run_id` that no journal row names (`journaled(run_id, cell_id)`, asked after
+        the listing, as sweep_ancestors does): a live Supervisor's spare cell of the run (process/cellspare.py), its
+        parked leader killed (it never ran anything; its Supervisor discards it, dead) and its directories removed:
+        a cleanup of the run leaves none of its directories. Returns the directories removed."""
+        found: dict[tuple[str, str], None] = {}
+        for top in self.base.paths.values():
+            for agent in _named(os.path.join(top, f"run-{run_id}"), "agent-"):
+                for cell in _named(agent, "cell-"):
+                    found[(os.path.basename(agent)[len("agent-"):], os.path.basename(cell)[len("cell-"):])] = None
+        removed: list[str] = []
+        for agent_id, cell_id in found:
+            if journaled(run_id, cell_id):
+                continue
+            node = cgroup.scope_node(self.base, run_id, agent_id, cell_id)
+            place = Place(node=cgroup.Node({h: p for h, p in node.paths.items() if os.path.isdir(p)}))
+            with suppress(OSError):
+                self.kill_place(place)
+                removed += self.remove(place)
+        return removed
+
     def roots(self) -> dict:
         return self.base.as_dict()
 

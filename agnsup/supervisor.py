@@ -306,8 +306,8 @@ class Supervisor:
             r.done.set()
             if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
                 self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
-            if self.ctl.cell_spares is not None:  # then the agent's next cell, its cgroup and leader (cellspare.py)
-                self.ctl.cell_spares.refill(plan)
+            if self.ctl.cell_spares is not None and _wants_spare(self.ctl.journal, plan, r.result):
+                self.ctl.cell_spares.refill(plan)  # then the agent's next cell, its cgroup and leader (cellspare.py)
             _after_result(waiter, later)
             if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
                 self._spares.refill()
@@ -539,6 +539,17 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wants_spare(journal, plan, result: dict | None) -> bool:
+    """A spare cell for the agent of a cell that ended (process/cellspare.py), unless it ended cancelled or its run
+    was: a cancelled run takes no more cells, and a cancel is usually followed by the run's cleanup, which a spare
+    made meanwhile would race."""
+    if result is None or result.get("state") == "cancelled":
+        return False
+    with journal.lock:
+        run = journal.run(plan.spec.run_id)
+    return run is not None and run["state"] != "cancelled"
 
 
 def _after_result(waiter, later: list) -> None:

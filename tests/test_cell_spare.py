@@ -107,6 +107,26 @@ def test_the_gate_decides_before_a_spare_is_bound_and_a_denied_request_discards_
         assert res["exit_code"] == 0 and res["cell_id"] != sp.cell_id, res
 
 
+def test_a_taken_spares_command_never_runs_before_its_identity_is_journaled(state, worktree, monkeypatch):
+    from agnsup.errors import StateError
+    with Supervisor(state) as sup:
+        sup.run(["true"], workdir=worktree, run_id="r")
+        sp = _spare(sup)
+        mark, leader = os.path.join(worktree, "ran"), os.pidfd_open(sp.pid)
+
+        def refused(cell):  # the identity's transaction fails (a full disk): the barrier must never open
+            assert cell.child.pid == sp.pid and not _exited(-leader, 0.2) and not os.path.exists(mark)
+            raise StateError("the identity could not be journaled")
+        monkeypatch.setattr(sup.ctl, "_identity", refused)
+        try:
+            with pytest.raises(StateError):
+                sup.run(["touch", mark], workdir=worktree, run_id="r")
+            assert _exited(-leader) and not os.path.exists(mark)
+        finally:
+            os.close(leader)
+        assert sup.ctl.journal.cell("r", sp.cell_id)["state"] == "failed"
+
+
 def test_a_spare_whose_leader_died_is_not_taken(state, worktree):
     with Supervisor(state) as sup:
         sup.run(["true"], workdir=worktree, run_id="r")

@@ -101,6 +101,8 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
         cells, targets = _targets(backend, rows)
         scope_place = backend.scope(scope.run_id, scope.agent_id) \
             if backend.trees and scope.kind in ("agent", "run") else None
+        if scope_place is not None:  # a live Supervisor's spare cell of the scope (process/cellspare.py): killed too
+            backend.drop_unjournaled(scope.run_id, lambda run, cell: j.cell(run, cell) is not None, scope.agent_id)
         if grace > 0:
             done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place,
                                list_left=False)

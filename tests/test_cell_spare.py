@@ -181,6 +181,22 @@ def test_a_cleanup_of_the_run_kills_a_live_supervisors_spare_and_leaves_none_of_
         assert not [c for run in runs for c in glob.glob(os.path.join(run, "agent-*", "cell-*"))]
 
 
+def test_a_cancel_of_the_agent_kills_its_spare_and_still_kills_the_scope_at_once(state, worktree):
+    from agnsup import cancel
+    from agnsup.store.state import StateRoot
+    with Supervisor(state) as sup:
+        sup.run(["true"], workdir=worktree, run_id="r")
+        sp = _spare(sup)
+        paths = list(sp.place.node.paths.values())
+        h = sup.spawn(["sleep", "300"], workdir=worktree, run_id="r", cell_id="long")
+        assert h["cell_id"] != sp.cell_id
+        out = cancel.cancel(StateRoot(state), cancel.Scope("agent", "r", "default", None), 0.0, by="test")
+        assert _exited(sp.pid) and not any(os.path.exists(p) for p in paths)
+        (c,) = out["cells"]
+        assert c["cell_id"] == "long" and " on " in c["kill"], c  # one kill of the agent's directory (reaper._covers)
+        assert sup.wait("r", "long", timeout=30)["state"] == "cancelled"
+
+
 def test_a_spare_leader_dies_with_its_fork_server(state, worktree):
     with Supervisor(state) as sup:
         sup.run(["true"], workdir=worktree, run_id="r")

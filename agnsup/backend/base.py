@@ -153,8 +153,9 @@ class Backend:
         cell_id)`, the empty cell directories of cells no journal row names too (a dead controller's spares)."""
         return []
 
-    def drop_unjournaled(self, run_id: str, journaled) -> list[str]:
-        """A run's cell directories no journal row names (a live Supervisor's spare), killed and removed (cleanup)."""
+    def drop_unjournaled(self, run_id: str, journaled, agent_id: str | None = None) -> list[str]:
+        """A run's (an agent's) cell directories no journal row names (a live Supervisor's spare), killed and removed
+        (cancel, cleanup)."""
         return []
 
     def purge(self) -> list[str]:

@@ -448,14 +448,19 @@ class CgroupBackend(Backend):
                 removed.append(top)
         return removed
 
-    def drop_unjournaled(self, run_id: str, journaled) -> list[str]:
-        """The cell directories of run `run_id` that no journal row names (`journaled(run_id, cell_id)`, asked after
-        the listing, as sweep_ancestors does): a live Supervisor's spare cell of the run (process/cellspare.py), its
-        parked leader killed (it never ran anything; its Supervisor discards it, dead) and its directories removed:
-        a cleanup of the run leaves none of its directories. Returns the directories removed."""
+    def drop_unjournaled(self, run_id: str, journaled, agent_id: str | None = None) -> list[str]:
+        """The cell directories of run `run_id` (of its agent `agent_id` only, if given) that no journal row names
+        (`journaled(run_id, cell_id)`, asked after the listing, as sweep_ancestors does): a live Supervisor's spare
+        cell (process/cellspare.py), its parked leader killed (it never ran anything; its Supervisor discards it,
+        dead) and its directories removed: a cancel of the run or agent then kills its scope in one write as
+        before (reaper: _covers), and a cleanup of the run leaves none of its directories. Returns the directories
+        removed."""
         found: dict[tuple[str, str], None] = {}
+        agents = f"agent-{agent_id}" if agent_id is not None else "agent-"
         for top in self.base.paths.values():
-            for agent in _named(os.path.join(top, f"run-{run_id}"), "agent-"):
+            for agent in _named(os.path.join(top, f"run-{run_id}"), agents):
+                if agent_id is not None and os.path.basename(agent) != agents:
+                    continue
                 for cell in _named(agent, "cell-"):
                     found[(os.path.basename(agent)[len("agent-"):], os.path.basename(cell)[len("cell-"):])] = None
         removed: list[str] = []

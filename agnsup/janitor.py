@@ -196,9 +196,14 @@ def _sweep_held(backend, journal) -> list[dict]:
     """The empty run and agent directories (and the base) of this state root's cgroup tree removed: what a
     controller of many cells killed while it kept them between its cells leaves (backend/cgroups.py: hold); and
     the empty cell directories no journal row names: a dead controller's spare cells (process/cellspare.py)."""
+    known: dict[tuple[str, str], bool] = {}  # one question per cell, whatever its number of hierarchies
+
+    def journaled(run_id: str, cell_id: str) -> bool:
+        if (run_id, cell_id) not in known:
+            known[(run_id, cell_id)] = journal.cell(run_id, cell_id) is not None
+        return known[(run_id, cell_id)]
     try:
-        return [{"kind": "cgroup", "path": d} for d in
-                backend.sweep_ancestors(lambda run_id, cell_id: journal.cell(run_id, cell_id) is not None)]
+        return [{"kind": "cgroup", "path": d} for d in backend.sweep_ancestors(journaled)]
     except OSError as e:
         return [{"kind": "cgroup", "error": f"sweeping empty cgroup directories: {e.strerror or e}"}]
 

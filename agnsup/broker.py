@@ -145,6 +145,7 @@ class Controller:
         self.backend = backend if backend is not None else backends.choose(state.path)
         self.backend.enter(helpers.run_helper)  # under systemd: into agnsup's own unit, before any cell
         self.forker = forker
+        self.cell_spares = None  # process.cellspare.CellSpares: a Supervisor's cells made ahead, cgroup and leader
         self.tmp_spare = None  # process.leader.TmpSpare: a Supervisor's cells' /tmp tmpfs, made ahead between cells
         self.mount_spare = None  # process.leader.MountSpare: ... and their /dev, hides and masks
         self.pods = None  # pod.Linger: a controller of many cells keeps a pod a moment after its last cell left
@@ -271,8 +272,10 @@ class Controller:
 
     def _launch(self, cell: Cell) -> Cell:
         plan, spec = cell.plan, cell.spec
+        # a spare given to this cell's request (Supervisor._start), taken when it fits: after the gate and the intent
+        spare = self.cell_spares.take(plan, cell.place) if self.cell_spares is not None else None
         try:
-            self._make_place(cell)
+            self._make_place(cell, spare)
             crashpoints.hit("after_cgroup")
             stdio, cell.pump = wiring.stdio(cell)
             if plan.worktree_mode == "rw":
@@ -284,7 +287,8 @@ class Controller:
                 cell.child = leader.spawn(plan, self.backend, cell.place, stdio, self.forker,
                                               ctty=cell.pty is not None or cell.controlling_tty,
                                               netns_fd=self._join_pod(cell), tmp_spare=self.tmp_spare,
-                                              mount_spare=self.mount_spare)
+                                              mount_spare=self.mount_spare, spare=spare)
+                spare = None  # the cell's leader now
             finally:
                 for fd in {fd for fd in stdio or () if fd is not None}:  # a pty slave may serve twice
                     os.close(fd)
@@ -311,13 +315,22 @@ class Controller:
             # the receipt file's inode while the command runs, not at its end (receipts.reserve)
             cell.receipt_fd = receipts.reserve(os.path.join(plan.cell_dir, "receipt.json"))
         except AgnsupError as e:
+            self._drop_spare(spare)
             self.fail(cell, e)
             raise
         except OSError as e:
+            self._drop_spare(spare)
             err = StateError(f"cell setup failed: {e}")
             self.fail(cell, err)
             raise err from None
         return cell
+
+    @staticmethod
+    def _drop_spare(spare) -> None:
+        """A taken spare whose cell failed before its leader got the Setup: the leader exits without exec; its
+        directories are the cell's place now, which the cell's failure removes (fail)."""
+        if spare is not None:
+            spare.discard(keep_place=True)
 
     def _intent(self, cell: Cell, admit, state: str = "starting") -> None:
         spec, plan = cell.spec, cell.plan
@@ -341,9 +354,11 @@ class Controller:
             "dies_with_controller": plan.dies_with_controller}, cell.trace, admit, controller, state)
         self._registered = True
 
-    def _make_place(self, cell: Cell) -> None:
+    def _make_place(self, cell: Cell, spare=None) -> None:
         spec, plan, backend = cell.spec, cell.plan, self.backend
-        if cell.place.node is not None:
+        if spare is not None:  # made ahead with the same limits (its key), the intent's paths: its inode is journaled
+            cell.place = spare.place
+        elif cell.place.node is not None:
             cell.place = backend.create(cell.place, plan.limits)
         if home.make(plan):  # a spare (store/spares.py, spare_files): what this cell does not open goes
             rw = plan.worktree_mode == "rw"

@@ -101,6 +101,8 @@ def cancel(state, scope: Scope, grace: float | None = None, by: str | None = Non
         cells, targets = _targets(backend, rows)
         scope_place = backend.scope(scope.run_id, scope.agent_id) \
             if backend.trees and scope.kind in ("agent", "run") else None
+        if scope_place is not None:  # a live Supervisor's spare cell of the scope (process/cellspare.py): killed too
+            backend.drop_unjournaled(scope.run_id, lambda run, cell: j.cell(run, cell) is not None, scope.agent_id)
         if grace > 0:
             done = reaper.stop(backend, [t for _, t in targets], term=True, grace=grace, scope=scope_place,
                                list_left=False)
@@ -226,6 +228,9 @@ def cleanup(state, run_id: str) -> dict:
         from . import pod  # the run's network pods no live cell holds (a killed controller's)
         items += pod.sweep(state, backend, run_id)
         if not running and backend.trees:
+            # a live Supervisor's spare cell of the run (process/cellspare.py) first: its leader holds its directory
+            items += [{"kind": "cgroup", "path": d} for d in
+                      backend.drop_unjournaled(run_id, lambda run, cell: j.cell(run, cell) is not None)]
             items += [{"kind": "cgroup", "path": d} for d in backend.prune(backend.scope(run_id))]
         if not running:  # the run's change records (issue 26): their space freed, no longer undoable
             from . import changes

@@ -120,7 +120,7 @@ def run_janitor(state_root, journal=None, backend=None) -> dict:
         pods = _sweep_pods(state, jan.backend)
         if pods:
             report["pods"] = pods
-        held = _sweep_held(jan.backend)  # after the pods: the run directories they were in
+        held = _sweep_held(jan.backend, j)  # after the pods: the run directories they were in
         if held:
             report["cgroups"] = held
         return report
@@ -192,11 +192,18 @@ def _sweep_pods(state, backend) -> list[dict]:
         return [{"kind": "pod", "error": f"sweeping pods: {e.strerror or e}"}]
 
 
-def _sweep_held(backend) -> list[dict]:
+def _sweep_held(backend, journal) -> list[dict]:
     """The empty run and agent directories (and the base) of this state root's cgroup tree removed: what a
-    controller of many cells killed while it kept them between its cells leaves (backend/cgroups.py: hold)."""
+    controller of many cells killed while it kept them between its cells leaves (backend/cgroups.py: hold); and
+    the empty cell directories no journal row names: a dead controller's spare cells (process/cellspare.py)."""
+    known: dict[tuple[str, str], bool] = {}  # one question per cell, whatever its number of hierarchies
+
+    def journaled(run_id: str, cell_id: str) -> bool:
+        if (run_id, cell_id) not in known:
+            known[(run_id, cell_id)] = journal.cell(run_id, cell_id) is not None
+        return known[(run_id, cell_id)]
     try:
-        return [{"kind": "cgroup", "path": d} for d in backend.sweep_ancestors()]
+        return [{"kind": "cgroup", "path": d} for d in backend.sweep_ancestors(journaled)]
     except OSError as e:
         return [{"kind": "cgroup", "error": f"sweeping empty cgroup directories: {e.strerror or e}"}]
 

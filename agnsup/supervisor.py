@@ -151,6 +151,14 @@ class Supervisor:
         from .process.leader import MountSpare, TmpSpare
         self.ctl.tmp_spare = TmpSpare()  # the next cell's /tmp tmpfs, made after a cell's result (process/leader.py)
         self.ctl.mount_spare = MountSpare()  # ... and its /dev, hides and masks
+        # the next cell of an agent made ahead, its cgroup and its leader included (process/cellspare.py)
+        from .process.cellspare import CellSpares
+        from .spec import new_cell_id
+        if hasattr(self.ctl.backend, "clone_dir"):  # a cgroup backend (a test's fake has no directory to be born in)
+            self.ctl.cell_spares = CellSpares(self.ctl.backend, self._forker.server, new_cell_id,
+                                              lambda run_id, cell_id: os.path.lexists(self.state.cell_dir(run_id,
+                                                                                                          cell_id)),
+                                              self._forker.worker.submit)
         repair.maybe_prune(self.state, self.ctl.journal)  # the journal's default retention bound
         self._cells: dict[tuple[str, str], _Running] = {}
         self._threads: set[threading.Thread] = set()  # the cells' threads, until their work after the result ends
@@ -219,16 +227,30 @@ class Supervisor:
         if self.closed:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
-        request = CellRequest.make(argv, **options)
-        prepared = prepare(self.state, self.ctl.journal, request)
-        if caller is None:
-            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
-                                  pty=request.pty, stream=request.stream, queue=True)
-        else:
-            caller.cell_id = prepared.plan.spec.cell_id
-            cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
-                                  pty=request.pty, stream=request.stream, poll=caller.poll,
-                                  caller_stdio=caller.stdio)
+        spare_id = None
+        if options.get("cell_id") is None and self.ctl.cell_spares is not None:
+            # a request that names no cell id gets a spare's, the id its cgroup was made by (process/cellspare.py):
+            # its gate decides as for any id; the broker takes the spare after the intent, or discards it
+            spare_id = options["cell_id"] = self.ctl.cell_spares.offer(options.get("run_id") or "default",
+                                                                       options.get("agent_id") or "default")
+        try:
+            request = CellRequest.make(argv, **options)
+            prepared = prepare(self.state, self.ctl.journal, request)
+            if caller is not None:
+                caller.cell_id = prepared.plan.spec.cell_id
+            if caller is None:
+                cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                      pty=request.pty, stream=request.stream, queue=True)
+            else:
+                cell = self.ctl.start(prepared, capture=request.capture, notify=notify, stdin=request.stdin,
+                                      pty=request.pty, stream=request.stream, poll=caller.poll,
+                                      caller_stdio=caller.stdio)
+        except BaseException:
+            if spare_id is not None:  # not taken by its cell (refused, denied, failed): discarded, off the path
+                self.ctl.cell_spares.give_back(options.get("run_id") or "default", spare_id)
+            raise
+        if spare_id is not None and cell.waiting:  # queued: made when it gets its lock, as without a spare
+            self.ctl.cell_spares.give_back(cell.spec.run_id, spare_id, now=True)
         r = _Running(cell, request, caller)
         if not cell.waiting:
             r.attach(self.ctl.waiter(cell, caller.fd if caller is not None else None, hold=True))
@@ -335,16 +357,18 @@ class Supervisor:
             waiter = r.waiter
             r.done.set()
             if waited:
-                self._after.submit(functools.partial(self._after_cell, plan, waiter, later))
+                self._after.submit(functools.partial(self._after_cell, plan, r.result, waiter, later))
             else:
-                self._after_cell(plan, waiter, later)
+                self._after_cell(plan, r.result, waiter, later)
                 with self._guard:
                     self._threads.discard(threading.current_thread())
 
-    def _after_cell(self, plan, waiter, later: list) -> None:
+    def _after_cell(self, plan, result: dict | None, waiter, later: list) -> None:
         """What a cell's end leaves for after its result, on its thread or on `agnsup-after`."""
         if self.ctl.tmp_spare is not None:  # a /tmp for the role's next cell, off the request's path: first,
             self.ctl.tmp_spare.refill(plan)  # so that a caller's next request, at once, finds it ready
+        if self.ctl.cell_spares is not None and _wants_spare(self.ctl.journal, plan, result):
+            self.ctl.cell_spares.refill(plan)  # then the agent's next cell, its cgroup and leader (cellspare.py)
         if self.ctl.mount_spare is not None:
             self.ctl.mount_spare.refill(plan)
         _after_result(waiter, later)
@@ -571,6 +595,8 @@ class Supervisor:
             self.ctl.tmp_spare.close()
         if self.ctl.mount_spare is not None:
             self.ctl.mount_spare.close()
+        if self.ctl.cell_spares is not None:  # before the fork server stops: their leaders are its children
+            self.ctl.cell_spares.close()
         self.ctl.close()
         self._forker.close()
 
@@ -625,6 +651,17 @@ class _SignalsHeld:
 @functools.lru_cache(maxsize=1)
 def _all_signals() -> tuple:
     return tuple(_signal.valid_signals())
+
+
+def _wants_spare(journal, plan, result: dict | None) -> bool:
+    """A spare cell for the agent of a cell that ended (process/cellspare.py), unless it ended cancelled or its run
+    was: a cancelled run takes no more cells, and a cancel is usually followed by the run's cleanup, which a spare
+    made meanwhile would race."""
+    if result is None or result.get("state") == "cancelled":
+        return False
+    with journal.lock:
+        run = journal.run(plan.spec.run_id)
+    return run is not None and run["state"] != "cancelled"
 
 
 def _after_result(waiter, later: list) -> None:

@@ -148,8 +148,14 @@ class Backend:
     def let_go(self) -> None:
         """The end of hold(): what it kept removed (the controller's close)."""
 
-    def sweep_ancestors(self) -> list[str]:
-        """The empty directories a killed controller's hold left, removed (the janitor)."""
+    def sweep_ancestors(self, journaled=None) -> list[str]:
+        """The empty directories a killed controller's hold left, removed (the janitor); with `journaled(run_id,
+        cell_id)`, the empty cell directories of cells no journal row names too (a dead controller's spares)."""
+        return []
+
+    def drop_unjournaled(self, run_id: str, journaled, agent_id: str | None = None) -> list[str]:
+        """A run's (an agent's) cell directories no journal row names (a live Supervisor's spare), killed and removed
+        (cancel, cleanup)."""
         return []
 
     def purge(self) -> list[str]:

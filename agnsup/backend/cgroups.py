@@ -422,21 +422,56 @@ class CgroupBackend(Backend):
             while top and (up == top or up.startswith(top + "/")) and cgroup.remove_if_empty(up):
                 up = os.path.dirname(up)
 
-    def sweep_ancestors(self) -> list[str]:
+    def sweep_ancestors(self, journaled=None) -> list[str]:
         """The empty run and agent directories below this state root's own base, and the base, in every hierarchy,
         removed (the janitor): what a controller of many cells killed while it held them (hold) leaves, which no
-        journaled cell names. Only directories by the names scope_node gives (`run-R`, `run-R/agent-A`): a cell's
-        or a pod's place is never touched (one being made is empty for an instant), nor anything with a
-        sub-cgroup or a process (rmdir(2) refuses them: EBUSY). A live controller's empty ones may go too: its next
-        cell makes them again (create)."""
+        journaled cell names. Only directories by the names scope_node gives (`run-R`, `run-R/agent-A`): a pod's
+        place is never touched, nor anything with a sub-cgroup or a process (rmdir(2) refuses them: EBUSY). A live
+        controller's empty ones may go too: its next cell makes them again (create).
+        `journaled(run_id, cell_id)`: with it, the empty cell directories (`run-R/agent-A/cell-C`) of cells it says
+        no journal row names go too: a dead controller's spare cell (process/cellspare.py), whose leader died with
+        it. Asked after the listing: a cell's directory is made after its intent row is committed, so one listed
+        is named by then (a live controller's spare holds its leader: rmdir refuses it; one caught empty, between
+        its mkdir and its leader's clone, is not made: the clone fails)."""
         removed = []
         for top in self.base.paths.values():
             for run in _named(top, "run-"):
+                if journaled is not None:
+                    cells = [(c, a) for a in _named(run, "agent-") for c in _named(a, "cell-")]
+                    run_id = os.path.basename(run)[len("run-"):]
+                    removed += [c for c, _ in cells if not journaled(run_id, os.path.basename(c)[len("cell-"):])
+                                and cgroup.remove_if_empty(c)]
                 removed += [d for d in _named(run, "agent-") if cgroup.remove_if_empty(d)]
                 if cgroup.remove_if_empty(run):
                     removed.append(run)
             if cgroup.remove_if_empty(top):
                 removed.append(top)
+        return removed
+
+    def drop_unjournaled(self, run_id: str, journaled, agent_id: str | None = None) -> list[str]:
+        """The cell directories of run `run_id` (of its agent `agent_id` only, if given) that no journal row names
+        (`journaled(run_id, cell_id)`, asked after the listing, as sweep_ancestors does): a live Supervisor's spare
+        cell (process/cellspare.py), its parked leader killed (it never ran anything; its Supervisor discards it,
+        dead) and its directories removed: a cancel of the run or agent then kills its scope in one write as
+        before (reaper: _covers), and a cleanup of the run leaves none of its directories. Returns the directories
+        removed."""
+        found: dict[tuple[str, str], None] = {}
+        agents = f"agent-{agent_id}" if agent_id is not None else "agent-"
+        for top in self.base.paths.values():
+            for agent in _named(os.path.join(top, f"run-{run_id}"), agents):
+                if agent_id is not None and os.path.basename(agent) != agents:
+                    continue
+                for cell in _named(agent, "cell-"):
+                    found[(os.path.basename(agent)[len("agent-"):], os.path.basename(cell)[len("cell-"):])] = None
+        removed: list[str] = []
+        for agent_id, cell_id in found:
+            if journaled(run_id, cell_id):
+                continue
+            node = cgroup.scope_node(self.base, run_id, agent_id, cell_id)
+            place = Place(node=cgroup.Node({h: p for h, p in node.paths.items() if os.path.isdir(p)}))
+            with suppress(OSError):
+                self.kill_place(place)
+                removed += self.remove(place)
         return removed
 
     def roots(self) -> dict:

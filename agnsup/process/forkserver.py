@@ -194,6 +194,65 @@ class Client:
         return int(rest[0]), got[0], rest[1] == "1", ours
 
 
+    def park(self, early: dict, path: str) -> tuple[int, int, bool, int, int]:
+        """A spare leader (process/cellspare.py): cloned now into the cgroup2 directory `path`, it runs the steps
+        that need no plan (steps.park) and waits for its Setup on a socketpair of its own. `early`: what those
+        steps and the clone need ({"pid_namespace", "place", "backend", "filter": the seccomp groups, built here
+        before the clone}). (pid, pidfd, born, the cell's reap channel, our end of the leader's socketpair: `bind`
+        sends the Setup there; closed unsent, the leader exits without exec). Raises as spawn does."""
+        import pickle
+        lead, lead_theirs = lsys.seqpacket_pair()
+        ours, theirs = lsys.seqpacket_pair()
+        try:
+            data = pickle.dumps(("park", early, path), protocol=pickle.HIGHEST_PROTOCOL)
+            with self.lock:
+                if self.sock is None:
+                    raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
+                try:
+                    lsys.send_fds(self.sock, data, [lead_theirs, theirs])
+                    said, got = lsys.recv_fds(self.sock, 256, 1)
+                except (BrokenPipeError, ConnectionResetError):
+                    said, got = b"", []
+            if not said:
+                raise ServerGone(errno.ECHILD, "the fork server died")
+            word, *rest = said.decode().split(" ", 2)
+            if word != "ok":
+                for fd in got:
+                    os.close(fd)
+                raise OSError(int(rest[0]), rest[1] if len(rest) > 1 else os.strerror(int(rest[0])))
+        except BaseException:
+            os.close(ours)
+            os.close(lead)
+            raise
+        finally:
+            os.close(theirs)
+            os.close(lead_theirs)
+        return int(rest[0]), got[0], rest[1] == "1", ours, lead
+
+
+def bind(lead: int, s) -> None:
+    """The Setup `s` (steps.Setup) to a parked leader (Client.park), on its socketpair, which is closed: the leader
+    runs the rest of steps.STEPS with it. Its seccomp filter was built before its clone, from the same groups (the
+    spare's key: process/cellspare.py). Raises OSError when the leader is gone."""
+    import pickle
+    blob, fds = pack(s)
+    blob["filter"] = None
+    try:
+        data = pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > INLINE:
+            fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
+            os.write(fds[-1], data)
+            data = b"M"
+        try:
+            lsys.send_fds(lead, data, fds)
+        except OSError as e:  # it exited since the broker took it (a cancel of its agent killed it)
+            raise ServerGone(e.errno or errno.ECHILD, f"the cell's spare leader is gone: {e.strerror or e}") from None
+    finally:
+        if data == b"M":
+            os.close(fds[-1])
+        os.close(lead)
+
+
 def ask_reap(channel: int) -> bool:
     """Ask the server to reap the leader (it answers once the leader exited); `reap` then reads the answer. False:
     the server is gone (reap says so too)."""
@@ -360,7 +419,11 @@ def _spawn(data, fds, me):
                 data = os.pread(big, size, 0)
             finally:
                 os.close(big)
-        blob, path, chan_at = pickle.loads(data)
+        request = pickle.loads(data)
+        if request[0] == "park":  # a spare leader (Client.park): its socketpair, then its reap channel
+            chan = fds[1]
+            return _park(request[1], request[2], fds[0], me) + (chan,)
+        blob, path, chan_at = request
         chan = fds[chan_at]
         s = unpack(blob, fds)
         umask = blob["umask"]
@@ -391,6 +454,41 @@ def _spawn(data, fds, me):
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def _park(early: dict, path: str, lead: int, me: int) -> tuple[bytes, list[int]]:
+    """A spare leader cloned into `path`: (the answer, [its pidfd]) here; in the leader, steps.park, then its Setup
+    (or EOF: it exits without exec), then the rest of steps.STEPS. Never returns in the leader."""
+    import pickle
+    from . import clone, steps
+    from ..linux import pidinit, seccomp
+    init_name = pidinit.own_name_plan() if early["pid_namespace"] else ()  # where *our* argv lies, as _spawn's
+    flt = seccomp.build(early["filter"]) if early["filter"] is not None else None
+    pid, pidfd, born = clone.new(path, early["pid_namespace"], False)
+    if pid == 0:
+        code = 125
+        try:
+            s = steps.Setup(parent_fd=me, place=early["place"], backend=early["backend"], born=born)
+            steps.park(s, lead)
+            data, got = lsys.recv_fds(lead, INLINE + 4096, MAX_FDS)
+            if not data:
+                code = 0
+                raise EOFError  # discarded: never a command
+            if data == b"M":
+                big = got.pop()
+                data = os.pread(big, os.fstat(big).st_size, 0)
+                os.close(big)
+            d = pickle.loads(data)
+            os.umask(d["umask"])
+            s = unpack(d, got)
+            s.parent_fd, s.born, s.init_name, s.filter = me, born, init_name, flt
+        except BaseException:  # noqa: BLE001 - a spare that cannot become its cell never runs anything
+            os._exit(code)
+        steps.child(s, done=steps.PARKED)  # never returns
+    if pidfd is None:
+        pidfd = os.pidfd_open(pid)
+    os.set_inheritable(pidfd, False)
+    return f"ok {pid} {int(born)}".encode(), [pidfd]
 
 
 def unpack(d: dict, fds: list[int]):

@@ -98,3 +98,16 @@ def _umask() -> int:
         return int((proc.status() or {}).get("Umask", "0022"), 8)
     except ValueError:
         return 0o022
+
+
+def shelve(ready: dict, key, item, slots: int, closed: bool) -> list:
+    """A made-ahead thing (a /tmp tmpfs: leader.TmpSpare; a spare cell: cellspare.CellSpares) put in `ready` under
+    `key`, the caller holding its lock: what must be let go of instead, returned (it, when closed or one is there
+    already; else the oldest ones past `slots`)."""
+    if closed or key in ready:
+        return [item]
+    ready[key] = item
+    drop = []
+    while len(ready) > slots:
+        drop.append(ready.pop(next(iter(ready))))
+    return drop

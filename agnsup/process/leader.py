@@ -13,7 +13,7 @@ from ..linux import host, landlock, netns, pidfd, pidinit, proc, seccomp
 from ..linux import sys as lsys
 from ..util.record import Record
 from . import clone, namespaces
-from .helpers import read_all, tmp_entries
+from .helpers import read_all, shelve, tmp_entries
 from .steps import Setup, child as run_steps
 
 
@@ -39,7 +39,7 @@ class Child(Record):
 
 def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: bool = False,
           netns_fd: int | None = None, tmp_spare: "TmpSpare | None" = None,
-          mount_spare: "MountSpare | None" = None) -> Child:
+          mount_spare: "MountSpare | None" = None, spare=None) -> Child:
     """Fork the cell leader into `place` and hold it at the barrier.
 
     Returns with the child's identity; the caller journals it and then lets the
@@ -50,7 +50,9 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     namespace the cell joins instead of making its own (its pod's, agnsup/pod.py), or (that, the user
     namespace a normal user's cell joins instead of making its own); spawn closes them. `tmp_spare`: the
     controller's TmpSpare (a Supervisor's), the cell's /tmp taken from it when one with its entries is ready;
-    `mount_spare`: its MountSpare, the /dev, hides and masks made ahead that the cell's plan asks for."""
+    `mount_spare`: its MountSpare, the /dev, hides and masks made ahead that the cell's plan asks for.
+    `spare`: a cellspare.Spare the broker took for this cell: its parked leader, born in `place`, gets the Setup
+    instead of a new leader being cloned."""
     namespaces.reap_exited()
     netns_fd, pod_userns = netns_fd if isinstance(netns_fd, tuple) else (netns_fd, None)
     try:
@@ -85,7 +87,18 @@ def spawn(plan, backend, place, stdio: tuple | None = None, forker=None, ctty: b
     try:
         if plan.pid_namespace:
             status_r, s.status_w = os.pipe()
-        if forker is not None:  # a Supervisor's: born in its fork server (process/forkserver.py)
+        if spare is not None:  # parked in its cell's directories, its early steps done (process/cellspare.py)
+            from .forkserver import bind
+            lead = spare.lead
+            pid, fd, born, channel = spare.bound()
+            s.born = born
+            try:
+                bind(lead, s)
+            except OSError:
+                os.close(channel)  # the server reaps it
+                os.close(fd)
+                raise
+        elif forker is not None:  # a Supervisor's: born in its fork server (process/forkserver.py)
             pid, fd, born, channel = forker.spawn(s, cgroup2)
         else:
             pid, fd, born = fork()
@@ -498,14 +511,8 @@ class _Spare:
             return not self.closed and key not in self._ready
 
     def _keep(self, key, made) -> None:
-        drop = []
         with self._guard:
-            if self.closed or key in self._ready:
-                drop.append(made)
-            else:
-                self._ready[key] = made
-                while len(self._ready) > self.SLOTS:
-                    drop.append(self._ready.pop(next(iter(self._ready))))
+            drop = shelve(self._ready, key, made, self.SLOTS, self.closed)
         for old in drop:
             os.close(self._fd(old))
 

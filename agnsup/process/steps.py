@@ -64,12 +64,13 @@ class Setup(Record):
     in_userns: bool = False      # born in a user namespace of its own
 
 
-def child(s: Setup) -> None:
-    """Runs in the forked child: STEPS in order; never returns."""
+def child(s: Setup, done: frozenset = frozenset()) -> None:
+    """Runs in the forked child: STEPS in order (but those in `done`: a spare's, run by `park`); never returns."""
     step = "start"
     try:
         for step, run, _ in STEPS:
-            run(s)
+            if step not in done:
+                run(s)
     except BaseException as e:  # noqa: BLE001 - anything here must become a report, never a return
         if isinstance(e, _NoCommand):
             step, e = "init", e.args[0]
@@ -85,6 +86,29 @@ def _pdeathsig(s: Setup) -> None:
     lsys.prctl(lsys.PR_SET_PDEATHSIG, signal.SIGKILL)
     if s.parent_fd is not None and select.select([s.parent_fd], [], [], 0)[0]:  # readable: the server exited
         raise OSError(errno.ESRCH, "the fork server died")
+
+
+# the steps a spare leader (process/cellspare.py) runs before any plan exists, in `park`: none reads the plan (a spare
+# is made only for plans that die with the controller: its key)
+PARKED = frozenset({"pdeathsig", "setsid", "cgroup", "signals"})
+
+
+def park(s: Setup, lead: int) -> None:
+    """A spare leader's first steps (PARKED), with only its place, its backend and the fork server's pidfd: the
+    parent-death signal against the server, every fd but `lead` (its Setup comes there) and the server's pidfd
+    closed (nothing of the server's, which holds other cells' channels and leaders' pidfds, stays with it while
+    it waits), a session of its own, the rest of its cgroups (v1 `tasks`), the default signals."""
+    _pdeathsig(s)
+    low = 3
+    for fd in sorted((lead, s.parent_fd)):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, _MAXFD)
+    os.setsid()
+    if s.place.node is not None:
+        s.backend.attach(s.place, 0, born=s.born, alone=True)
+    _signals(s)
 
 
 def _stdio(s: Setup) -> None:

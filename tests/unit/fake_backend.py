@@ -191,7 +191,7 @@ class FakeProcesses:
         self._pid = 5000
 
     def spawn(self, plan, backend, place, stdio=None, forker=None, ctty=False, netns_fd=None,
-              tmp_spare=None, mount_spare=None) -> FakeChild:
+              tmp_spare=None, mount_spare=None, spare=None) -> FakeChild:
         def fork():
             if "spawn" in self.fail:
                 raise self.fail["spawn"]

@@ -49,9 +49,21 @@ def _interrupt_main_once_running(cell: str) -> threading.Thread:
     return t
 
 
-def test_a_keyboard_interrupt_in_the_wait_hands_the_cell_to_a_thread_that_ends_and_records_it(state, worktree):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in the main thread for the test, as in a plain interpreter: a pytest-xdist
+    worker ignores SIGINT (its controller stops it), where no KeyboardInterrupt would ever come."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("the main thread's own case")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_keyboard_interrupt_in_the_wait_hands_the_cell_to_a_thread_that_ends_and_records_it(state, worktree,
+                                                                                          sigint_raises):
     with Supervisor(state) as sup:
         t = _interrupt_main_once_running("cut")
         with pytest.raises(KeyboardInterrupt):
@@ -63,9 +75,7 @@ def test_a_keyboard_interrupt_in_the_wait_hands_the_cell_to_a_thread_that_ends_a
         assert sup.ctl.journal.cell("R", "cut")["state"] == "exited"
 
 
-def test_a_keyboard_interrupt_during_the_cells_end_comes_after_the_end_is_recorded(state, worktree):
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("the main thread's own case")
+def test_a_keyboard_interrupt_during_the_cells_end_comes_after_the_end_is_recorded(state, worktree, sigint_raises):
     with Supervisor(state) as sup:
         finish = sup.ctl.finish
 

@@ -228,11 +228,14 @@ class Supervisor:
             raise UnknownId("this supervisor is closed")
         options.setdefault("entry", "api")
         spare_id = None
-        if options.get("cell_id") is None and self.ctl.cell_spares is not None:
-            # a request that names no cell id gets a spare's, the id its cgroup was made by (process/cellspare.py):
-            # its gate decides as for any id; the broker takes the spare after the intent, or discards it
-            spare_id = options["cell_id"] = self.ctl.cell_spares.offer(options.get("run_id") or "default",
-                                                                       options.get("agent_id") or "default")
+        if self.ctl.cell_spares is not None:
+            # a request that names no cell id gets a spare's, the id its cgroup was made by (process/cellspare.py),
+            # and one that names the id a spare was made under (name_next_cells) gets that spare: its gate decides
+            # as for any id; the broker takes the spare after the intent, or discards it
+            spare_id = self.ctl.cell_spares.offer(options.get("run_id") or "default",
+                                                  options.get("agent_id") or "default", options.get("cell_id"))
+            if spare_id is not None:
+                options["cell_id"] = spare_id
         try:
             request = CellRequest.make(argv, **options)
             prepared = prepare(self.state, self.ctl.journal, request)
@@ -374,6 +377,13 @@ class Supervisor:
         _after_result(waiter, later)
         if self._spares is not None:  # what its place claimed, made again after its result (store/spares.py)
             self._spares.refill()
+
+    def name_next_cells(self, run_id: str, agent_id: str, next_id) -> None:
+        """For a door that names its cells (sandboxd: p-1, p-2, ...): `next_id()` is the id the next cell of
+        run_id/agent_id will ask for, so that the agent's spare cell is made under it (process/cellspare.py: a
+        cell's cgroup is named by its id). Without it a request naming its cell id never takes a spare."""
+        if self.ctl.cell_spares is not None:
+            self.ctl.cell_spares.name(run_id, agent_id, next_id)
 
     def run(self, argv: list[str], **options) -> dict:
         """spawn, then wait: the result dict of run_process (waited for on this thread: `_here`)."""

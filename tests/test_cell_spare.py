@@ -249,3 +249,32 @@ def test_the_janitor_never_removes_a_live_controllers_spare(state, worktree):
         assert not _exited(sp.pid, 0)
         res = sup.run(["true"], workdir=worktree, run_id="r")
         assert res["exit_code"] == 0 and res["cell_id"] == sp.cell_id, res
+
+
+def test_a_door_that_names_its_cells_gets_its_agents_spare_under_the_id_it_asks_for_next(state, worktree):
+    """sandboxd names its cells p-1, p-2, ...: Supervisor.name_next_cells makes the agent's spare under the id its
+    next request will name, and that request takes it; a spare whose number another request took first (the door
+    asks for a later one) is discarded, and the next is made under the id the door says now. Checked to fail with
+    offer() ignoring a named id (the named request is made without the spare)."""
+    door = {"next": 2}  # as sandboxd's counter: its number is taken when a request starts
+    with Supervisor(state) as sup:
+        sup.name_next_cells("r", "default", lambda: f"n-{door['next']}")
+        assert sup.run(["true"], workdir=worktree, run_id="r", cell_id="n-1")["exit_code"] == 0
+        sp = _spare(sup)
+        assert sp.cell_id == "n-2"
+        pid, v2 = sp.pid, sp.place.node.paths["v2"]
+        door["next"] = 3
+        h = sup.spawn(["true"], workdir=worktree, run_id="r", cell_id="n-2")
+        assert (h["cell_id"], h["pid"], h["cgroup"]) == ("n-2", pid, v2)  # the spare's leader and directory
+        assert sup.wait("r", "n-2", timeout=30)["exit_code"] == 0
+        wait_for(lambda: getattr(sup.ctl.cell_spares._ready.get(("r", "default")), "cell_id", None) == "n-3",
+                 what="the next spare made under n-3")
+        stale = sup.ctl.cell_spares._ready[("r", "default")]
+        stale_fd = os.pidfd_open(stale.pid)
+        door["next"] = 5  # another request took n-3: this one names n-4
+        res = sup.run(["true"], workdir=worktree, run_id="r", cell_id="n-4")
+        assert res["exit_code"] == 0
+        assert _exited(-stale_fd)  # discarded: its leader exits without exec
+        os.close(stale_fd)
+        wait_for(lambda: getattr(sup.ctl.cell_spares._ready.get(("r", "default")), "cell_id", None) == "n-5",
+                 what="a spare made under the id the door asks for now")

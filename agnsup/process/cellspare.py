@@ -98,6 +98,9 @@ class Spare:
                 os.close(place.oom_fd)
 
 
+MAKING_WAIT = 2.0  # seconds a request naming the id of a spare being made waits for it (its mkdir, its clone: ~ms)
+
+
 class CellSpares:
     """A Supervisor's spares, one per (run, agent) for at most SLOTS of them. `server`: its fork server
     (forkserver.Client); `new_id()`: a fresh cell id; `taken(run_id, cell_id)`: that cell id is in use (its state
@@ -110,17 +113,47 @@ class CellSpares:
         self._guard = threading.Lock()
         self._ready: dict[tuple[str, str], Spare] = {}
         self._given: dict[tuple[str, str], Spare] = {}  # (run, cell id) -> a spare given to a request, not yet taken
+        self._namers: dict[tuple[str, str], object] = {}  # (run, agent) -> the id its next cell will name (name)
+        self._making: dict[tuple[str, str], str] = {}  # (run, agent) -> the id of its spare being made now
+        self._made = threading.Condition(self._guard)
         self.closed = False
 
-    def offer(self, run_id: str, agent_id: str) -> str | None:
-        """The cell id for a request of run_id/agent_id that names none, when a spare is ready for them: the spare
-        is then the request's (take, or give_back when its cell never reaches the broker)."""
+    NAMERS = 64  # (run, agent) pairs whose doors name their cells, kept (the oldest let go)
+
+    def name(self, run_id: str, agent_id: str, next_id) -> None:
+        """A door that names its cells (sandboxd's p-N) says which id the next cell of run_id/agent_id will name:
+        `next_id()`, asked when that agent's spare is made, is the id it is made under (else spec.new_cell_id)."""
         with self._guard:
-            sp = self._ready.pop((run_id, agent_id), None)
+            self._namers.pop((run_id, agent_id), None)
+            self._namers[(run_id, agent_id)] = next_id
+            while len(self._namers) > self.NAMERS:
+                self._namers.pop(next(iter(self._namers)))
+
+    def offer(self, run_id: str, agent_id: str, cell_id: str | None = None) -> str | None:
+        """The cell id for a request of run_id/agent_id, when a spare is ready for them and the request names no
+        cell id or the very id the spare was made under: the spare is then the request's (take, or give_back when
+        its cell never reaches the broker). A request naming another id leaves the spare ready, unless its door names
+        the agent's cells (name): then the spare's id is one it will not ask for (another request took that number
+        first), and the spare is discarded, off the path, so that the next is made under the right one."""
+        with self._guard:
+            slot = (run_id, agent_id)
+            if cell_id is not None and self._making.get(slot) == cell_id:
+                # its spare is being made under this very id (its directories may exist already): taken once made
+                self._made.wait_for(lambda: slot not in self._making, MAKING_WAIT)
+            sp = self._ready.get(slot)
             if sp is None:
                 return None
-            self._given[(run_id, sp.cell_id)] = sp
-            return sp.cell_id
+            if cell_id is not None and cell_id != sp.cell_id:
+                if slot not in self._namers:
+                    return None
+                del self._ready[slot]
+                stale, sp = sp, None
+            else:
+                del self._ready[slot]
+                self._given[(run_id, sp.cell_id)] = sp
+                return sp.cell_id
+        self.later(stale.discard)
+        return None
 
     def give_back(self, run_id: str, cell_id: str, now: bool = False) -> None:
         """A request given a spare's id whose cell did not take it at once: discarded (its id was used: never again).
@@ -151,9 +184,20 @@ class CellSpares:
         spec = plan.spec
         slot = (spec.run_id, spec.agent_id)
         with self._guard:
-            if self.closed or slot in self._ready or not self.server.alive():
+            if self.closed or slot in self._ready or slot in self._making or not self.server.alive():
                 return
-        cell_id = self.new_id()
+            namer = self._namers.get(slot)
+            cell_id = (namer() if namer is not None else None) or self.new_id()
+            self._making[slot] = cell_id  # a request naming this id meanwhile waits for it (offer)
+        try:
+            self._refill(plan, slot, cell_id)
+        finally:
+            with self._guard:
+                del self._making[slot]
+                self._made.notify_all()
+
+    def _refill(self, plan, slot: tuple[str, str], cell_id: str) -> None:
+        spec = plan.spec
         if self.taken(spec.run_id, cell_id):
             return
         place = self.backend.place(spec.run_id, spec.agent_id, cell_id, plan.limits)

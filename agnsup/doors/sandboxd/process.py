@@ -176,6 +176,8 @@ class ProcessService:
             raise UsageError("config.command is required (the argv: program and arguments; no shell)")
         n = self._number()
         cell_id = f"{CELL_PREFIX}{n}"
+        # the agent's next cell is made ahead under the id its request will name (Supervisor.name_next_cells)
+        self.sup.name_next_cells(run_id, agent_id, lambda: f"{CELL_PREFIX}{self._next}")
         workdir = self._cwd(cwd, argv, run_id, cell_id)
         options = dict(role=self.role, run_id=run_id, agent_id=agent_id, cell_id=cell_id,
                        workdir=workdir, env=dict(env), entry="sandboxd", notify=lambda _line: None)

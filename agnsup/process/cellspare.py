@@ -141,18 +141,13 @@ class CellSpares:
                 # its spare is being made under this very id (its directories may exist already): taken once made
                 self._made.wait_for(lambda: slot not in self._making, MAKING_WAIT)
             sp = self._ready.get(slot)
-            if sp is None:
+            if sp is None or (cell_id not in (None, sp.cell_id) and slot not in self._namers):
                 return None
-            if cell_id is not None and cell_id != sp.cell_id:
-                if slot not in self._namers:
-                    return None
-                del self._ready[slot]
-                stale, sp = sp, None
-            else:
-                del self._ready[slot]
+            del self._ready[slot]
+            if cell_id in (None, sp.cell_id):
                 self._given[(run_id, sp.cell_id)] = sp
                 return sp.cell_id
-        self.later(stale.discard)
+        self.later(sp.discard)  # stale: its door names another id now
         return None
 
     def give_back(self, run_id: str, cell_id: str, now: bool = False) -> None:

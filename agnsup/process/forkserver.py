@@ -154,27 +154,13 @@ class Client:
         """(pid, pidfd, born in `path`, the cell's reap channel) of a new leader running steps.STEPS with
         `s` (steps.Setup). Raises the clone's OSError as the in-process clone would, ServerGone if the
         server did not answer."""
-        import pickle
         blob, fds = pack(s)
         ours, theirs = lsys.seqpacket_pair()
         fds.append(theirs)
         data = b""
         try:
-            data = pickle.dumps((blob, path, len(fds) - 1), protocol=pickle.HIGHEST_PROTOCOL)
-            if len(data) > INLINE:
-                fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
-                data, whole = b"M", data
-                os.write(fds[-1], whole)  # a memfd takes it whole
-            with self.lock:
-                if self.sock is None:
-                    raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
-                try:
-                    lsys.send_fds(self.sock, data, fds)
-                    said, got = lsys.recv_fds(self.sock, 256, 1)
-                except OSError as e:
-                    said, got = b"", []
-                    if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
-                        raise
+            data = _outgoing((blob, path, len(fds) - 1), fds)
+            pid, pidfd, born = self._ask(data, fds)
         except BaseException:
             os.close(ours)
             raise
@@ -182,16 +168,7 @@ class Client:
             os.close(theirs)
             if data == b"M":
                 os.close(fds[-1])
-        if not said:
-            os.close(ours)
-            raise ServerGone(errno.ECHILD, "the fork server died")
-        word, *rest = said.decode().split(" ", 2)
-        if word != "ok":
-            os.close(ours)
-            for fd in got:
-                os.close(fd)
-            raise OSError(int(rest[0]), rest[1] if len(rest) > 1 else os.strerror(int(rest[0])))
-        return int(rest[0]), got[0], rest[1] == "1", ours
+        return pid, pidfd, born, ours
 
 
     def park(self, early: dict, path: str) -> tuple[int, int, bool, int, int]:
@@ -200,26 +177,13 @@ class Client:
         steps and the clone need ({"pid_namespace", "place", "backend", "filter": the seccomp groups, built here
         before the clone}). (pid, pidfd, born, the cell's reap channel, our end of the leader's socketpair: `bind`
         sends the Setup there; closed unsent, the leader exits without exec). Raises as spawn does."""
-        import pickle
         lead, lead_theirs = lsys.seqpacket_pair()
         ours, theirs = lsys.seqpacket_pair()
+        fds = [lead_theirs, theirs]
+        data = b""
         try:
-            data = pickle.dumps(("park", early, path), protocol=pickle.HIGHEST_PROTOCOL)
-            with self.lock:
-                if self.sock is None:
-                    raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
-                try:
-                    lsys.send_fds(self.sock, data, [lead_theirs, theirs])
-                    said, got = lsys.recv_fds(self.sock, 256, 1)
-                except (BrokenPipeError, ConnectionResetError):
-                    said, got = b"", []
-            if not said:
-                raise ServerGone(errno.ECHILD, "the fork server died")
-            word, *rest = said.decode().split(" ", 2)
-            if word != "ok":
-                for fd in got:
-                    os.close(fd)
-                raise OSError(int(rest[0]), rest[1] if len(rest) > 1 else os.strerror(int(rest[0])))
+            data = _outgoing(("park", early, path), fds)
+            pid, pidfd, born = self._ask(data, fds)
         except BaseException:
             os.close(ours)
             os.close(lead)
@@ -227,22 +191,40 @@ class Client:
         finally:
             os.close(theirs)
             os.close(lead_theirs)
-        return int(rest[0]), got[0], rest[1] == "1", ours, lead
+            if data == b"M":
+                os.close(fds[-1])
+        return pid, pidfd, born, ours, lead
+
+    def _ask(self, data: bytes, fds: list[int]) -> tuple[int, int, bool]:
+        """One request (spawn's, park's) and the server's answer: (the leader's pid, its pidfd, born in its cgroup2
+        directory). ServerGone when the server did not answer; the clone's OSError when it failed."""
+        with self.lock:
+            if self.sock is None:
+                raise ServerGone(errno.ECHILD, self.why or "the fork server is not running")
+            try:
+                lsys.send_fds(self.sock, data, fds)
+                said, got = lsys.recv_fds(self.sock, 256, 1)
+            except (BrokenPipeError, ConnectionResetError):
+                said, got = b"", []
+        if not said:
+            raise ServerGone(errno.ECHILD, "the fork server died")
+        word, *rest = said.decode().split(" ", 2)
+        if word != "ok":
+            for fd in got:
+                os.close(fd)
+            raise OSError(int(rest[0]), rest[1] if len(rest) > 1 else os.strerror(int(rest[0])))
+        return int(rest[0]), got[0], rest[1] == "1"
 
 
 def bind(lead: int, s) -> None:
     """The Setup `s` (steps.Setup) to a parked leader (Client.park), on its socketpair, which is closed: the leader
     runs the rest of steps.STEPS with it. Its seccomp filter was built before its clone, from the same groups (the
     spare's key: process/cellspare.py). Raises OSError when the leader is gone."""
-    import pickle
     blob, fds = pack(s)
     blob["filter"] = None
+    data = b""
     try:
-        data = pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > INLINE:
-            fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
-            os.write(fds[-1], data)
-            data = b"M"
+        data = _outgoing(blob, fds)
         try:
             lsys.send_fds(lead, data, fds)
         except OSError as e:  # it exited since the broker took it (a cancel of its agent killed it)
@@ -251,6 +233,30 @@ def bind(lead: int, s) -> None:
         if data == b"M":
             os.close(fds[-1])
         os.close(lead)
+
+
+def _outgoing(obj, fds: list[int]) -> bytes:
+    """`obj` pickled for one message: itself, or over INLINE bytes b"M" with a memfd holding it appended to `fds`
+    (the sender closes it once sent); _incoming reads either."""
+    import pickle
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) <= INLINE:
+        return data
+    fds.append(os.memfd_create("agnsup-spawn", os.MFD_CLOEXEC))
+    os.write(fds[-1], data)  # a memfd takes it whole
+    return b"M"
+
+
+def _incoming(data: bytes, fds: list[int]):
+    """_outgoing's inverse, on the receiving side: the object (a memfd sent last is taken from `fds` and closed)."""
+    import pickle
+    if data == b"M":
+        big = fds.pop()
+        try:
+            data = os.pread(big, os.fstat(big).st_size, 0)
+        finally:
+            os.close(big)
+    return pickle.loads(data)
 
 
 def ask_reap(channel: int) -> bool:
@@ -407,19 +413,11 @@ def _answer(chan: int, info) -> None:
 
 def _spawn(data, fds, me):
     """One request: (the answer, the fds it carries, the cell's channel). The leader never returns from here."""
-    import pickle
     from . import clone, steps
     from ..linux import pidinit
     chan = s = None
     try:
-        if data == b"M":  # the request is in the memfd sent last
-            big = fds.pop()
-            try:
-                size = os.fstat(big).st_size
-                data = os.pread(big, size, 0)
-            finally:
-                os.close(big)
-        request = pickle.loads(data)
+        request = _incoming(data, fds)
         if request[0] == "park":  # a spare leader (Client.park): its socketpair, then its reap channel
             chan = fds[1]
             return _park(request[1], request[2], fds[0], me) + (chan,)
@@ -459,7 +457,6 @@ def _spawn(data, fds, me):
 def _park(early: dict, path: str, lead: int, me: int) -> tuple[bytes, list[int]]:
     """A spare leader cloned into `path`: (the answer, [its pidfd]) here; in the leader, steps.park, then its Setup
     (or EOF: it exits without exec), then the rest of steps.STEPS. Never returns in the leader."""
-    import pickle
     from . import clone, steps
     from ..linux import pidinit, seccomp
     init_name = pidinit.own_name_plan() if early["pid_namespace"] else ()  # where *our* argv lies, as _spawn's
@@ -474,11 +471,7 @@ def _park(early: dict, path: str, lead: int, me: int) -> tuple[bytes, list[int]]
             if not data:
                 code = 0
                 raise EOFError  # discarded: never a command
-            if data == b"M":
-                big = got.pop()
-                data = os.pread(big, os.fstat(big).st_size, 0)
-                os.close(big)
-            d = pickle.loads(data)
+            d = _incoming(data, got)
             os.umask(d["umask"])
             s = unpack(d, got)
             s.parent_fd, s.born, s.init_name, s.filter = me, born, init_name, flt

@@ -437,10 +437,9 @@ class CgroupBackend(Backend):
         for top in self.base.paths.values():
             for run in _named(top, "run-"):
                 if journaled is not None:
-                    cells = [(c, a) for a in _named(run, "agent-") for c in _named(a, "cell-")]
                     run_id = os.path.basename(run)[len("run-"):]
-                    removed += [c for c, _ in cells if not journaled(run_id, os.path.basename(c)[len("cell-"):])
-                                and cgroup.remove_if_empty(c)]
+                    removed += [d for _, cell_id, d in _cell_dirs(run)
+                                if not journaled(run_id, cell_id) and cgroup.remove_if_empty(d)]
                 removed += [d for d in _named(run, "agent-") if cgroup.remove_if_empty(d)]
                 if cgroup.remove_if_empty(run):
                     removed.append(run)
@@ -455,14 +454,8 @@ class CgroupBackend(Backend):
         dead) and its directories removed: a cancel of the run or agent then kills its scope in one write as
         before (reaper: _covers), and a cleanup of the run leaves none of its directories. Returns the directories
         removed."""
-        found: dict[tuple[str, str], None] = {}
-        agents = f"agent-{agent_id}" if agent_id is not None else "agent-"
-        for top in self.base.paths.values():
-            for agent in _named(os.path.join(top, f"run-{run_id}"), agents):
-                if agent_id is not None and os.path.basename(agent) != agents:
-                    continue
-                for cell in _named(agent, "cell-"):
-                    found[(os.path.basename(agent)[len("agent-"):], os.path.basename(cell)[len("cell-"):])] = None
+        found = {(a, c): None for top in self.base.paths.values()
+                 for a, c, _ in _cell_dirs(os.path.join(top, f"run-{run_id}"), agent_id)}
         removed: list[str] = []
         for agent_id, cell_id in found:
             if journaled(run_id, cell_id):
@@ -576,6 +569,16 @@ def _named(directory: str, prefix: str) -> list[str]:
         return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
     except OSError:
         return []
+
+
+def _cell_dirs(run_dir: str, agent_id: str | None = None):
+    """(agent id, cell id, directory) of each cell directory under a run's (`run-R/agent-A/cell-C`; of agent_id's
+    only, if given)."""
+    for agent in _named(run_dir, "agent-"):
+        a = os.path.basename(agent)[len("agent-"):]
+        if agent_id is None or a == agent_id:
+            for cell in _named(agent, "cell-"):
+                yield a, os.path.basename(cell)[len("cell-"):], cell
 
 
 def for_layout(layout, state_root: str) -> CgroupBackend:
